@@ -1,0 +1,42 @@
+# DSec: `make demo` runs the main job, `make test` runs the whole suite. Both set up what they need.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip
+
+.PHONY: setup system venv demo test bench up clean
+
+setup: system venv
+
+# Debian packages: erofs-utils (mkfs.erofs), busybox-static (the busybox image), catatonit (sandbox init),
+# btrfs-progs (writable layers with a size cap), util-linux, iproute2. `apt-get update` runs once first.
+system:
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: installing Debian packages (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 >/dev/null; \
+	fi
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/dsec demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m bench.cycle
+
+up: setup
+	$(VENV)/bin/dsec up
+
+clean:
+	rm -rf .dsec .pytest_cache

@@ -1,0 +1,279 @@
+"""The one door to NATS: connection, publishing, inboxes, KV, object store, provisioning, error mapping."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Awaitable, Callable
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js import api
+
+from bus import streams
+from bus.errors import BusError, BusUnavailable
+from bus.messages import Wire, encode
+from bus.pull import Handler, PullWorker
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def mapped_errors(what: str):
+    """Translate nats errors raised inside the block into BusError / BusUnavailable, once."""
+    try:
+        yield
+    except (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError) as exc:
+        raise BusUnavailable(f"{what}: NATS unavailable ({exc.__class__.__name__})") from exc
+    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
+        raise BusError(f"{what}: NATS did not answer in time") from exc
+    except nats.errors.Error as exc:
+        raise BusError(f"{what}: {exc}") from exc
+
+
+class Bus:
+    """A connection to NATS with JetStream, as DSec uses it."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._kv: dict[str, object] = {}
+        self._obj: dict[str, object] = {}
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "dsec", *, timeout: float = 3.0,
+                      reconnect: bool = True) -> "Bus":
+        """Connect (fails with BusUnavailable within `timeout` when nobody answers)."""
+        async def _quiet(exc: Exception) -> None:
+            log.debug("nats: %s", exc)
+
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(url, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
+                             allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_quiet,
+                             pending_size=64 << 20),
+                timeout=timeout + 1)
+        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+            raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
+        return cls(nc)
+
+    async def close(self) -> None:
+        """Flush and close; never raises."""
+        try:
+            await asyncio.wait_for(self.nc.drain(), timeout=2)
+        except Exception:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is up now."""
+        return self.nc.is_connected
+
+    def inbox(self) -> str:
+        """A fresh unique core subject for replies."""
+        return self.nc.new_inbox()
+
+    # ---- publishing ---------------------------------------------------------------------------
+
+    async def publish(self, subject: str, msg: Wire | bytes, *, msg_id: str | None = None,
+                      timeout: float = 5.0) -> int:
+        """Publish into JetStream and wait for the ack; msg_id dedupes retries. Returns the stream seq."""
+        data = msg if isinstance(msg, bytes) else encode(msg)
+        headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        with mapped_errors(f"publish to {subject}"):
+            ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
+        return ack.seq
+
+    async def send(self, subject: str, msg: Wire | bytes) -> None:
+        """Core publish (no ack): replies, and output chunks followed by an acked record."""
+        data = msg if isinstance(msg, bytes) else encode(msg)
+        with mapped_errors(f"send to {subject}"):
+            await self.nc.publish(subject, data)
+
+    async def subscribe(self, subject: str, cb: Callable[[bytes, str], Awaitable[None]]):
+        """Core subscription; cb(data, subject). Returns an object with async unsubscribe()."""
+        async def _cb(m) -> None:
+            await cb(m.data, m.subject)
+
+        with mapped_errors(f"subscribe {subject}"):
+            return await self.nc.subscribe(subject, cb=_cb, pending_msgs_limit=1_000_000,
+                                           pending_bytes_limit=256 << 20)
+
+    async def flush(self, timeout: float = 2.0) -> None:
+        """Round trip to the server: everything sent before is processed."""
+        with mapped_errors("flush"):
+            await self.nc.flush(timeout=timeout)
+
+    # ---- streams ------------------------------------------------------------------------------
+
+    async def read_subject(self, stream: str, subject: str, *, timeout: float = 5.0) -> AsyncIterator[bytes]:
+        """Every message stored on `subject` (wildcards allowed), oldest first, until caught up."""
+        with mapped_errors(f"read {subject}"):
+            sub = await self.js.subscribe(subject, stream=stream, ordered_consumer=True)
+        try:
+            while True:
+                try:
+                    m = await sub.next_msg(timeout=timeout)
+                except nats.errors.TimeoutError:
+                    return
+                yield m.data
+                if m.metadata.num_pending == 0:
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def last_on_subject(self, stream: str, subject: str) -> bytes | None:
+        """The last message stored on a subject, or None."""
+        try:
+            with mapped_errors(f"last of {subject}"):
+                m = await self.js.get_last_msg(stream, subject)
+        except BusError as exc:
+            if isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+                return None
+            raise
+        return m.data
+
+    async def consumer_pending(self, stream: str, durable: str) -> int:
+        """Messages not yet delivered to a consumer."""
+        with mapped_errors(f"consumer info {durable}"):
+            info = await self.js.consumer_info(stream, durable)
+        return info.num_pending
+
+    async def pull_worker(self, stream_and_config: tuple[str, api.ConsumerConfig], handler: Handler,
+                          credit: Callable[[], int]) -> PullWorker:
+        """Ensure the durable consumer exists and start a credit-based worker on it."""
+        stream, config = stream_and_config
+        with mapped_errors(f"consumer {config.durable_name}"):
+            await self.js.add_consumer(stream, config)
+        worker = PullWorker(self.nc, stream, config.durable_name, handler, credit)
+        await worker.start()
+        return worker
+
+    # ---- KV and object store ------------------------------------------------------------------
+
+    async def kv(self, bucket: str):
+        """A KV bucket handle (cached)."""
+        if bucket not in self._kv:
+            with mapped_errors(f"kv {bucket}"):
+                self._kv[bucket] = await self.js.key_value(bucket)
+        return self._kv[bucket]
+
+    async def kv_get(self, bucket: str, key: str) -> bytes | None:
+        """Value of key, or None when absent or deleted."""
+        kv = await self.kv(bucket)
+        try:
+            with mapped_errors(f"kv get {bucket}/{key}"):
+                entry = await kv.get(key)
+        except BusError as exc:
+            if isinstance(exc.__cause__, (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError,
+                                          nats.js.errors.NotFoundError)):
+                return None
+            raise
+        return entry.value
+
+    async def kv_put(self, bucket: str, key: str, value: Wire | bytes) -> int:
+        """Put a value; returns its revision."""
+        kv = await self.kv(bucket)
+        data = value if isinstance(value, bytes) else encode(value)
+        with mapped_errors(f"kv put {bucket}/{key}"):
+            return await kv.put(key, data)
+
+    async def kv_delete(self, bucket: str, key: str) -> None:
+        """Delete a key (absent is fine)."""
+        kv = await self.kv(bucket)
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError), mapped_errors(f"kv delete {bucket}/{key}"):
+            await kv.delete(key)
+
+    async def kv_items(self, bucket: str) -> list[tuple[str, bytes]]:
+        """Every live (key, value) of a bucket, read through one ordered pass over its stream."""
+        out: dict[str, bytes] = {}
+        prefix = f"$KV.{bucket}."
+        async for subject, data, op in self._kv_stream(bucket):
+            key = subject[len(prefix):]
+            if op in ("DEL", "PURGE"):
+                out.pop(key, None)
+            else:
+                out[key] = data
+        return list(out.items())
+
+    async def _kv_stream(self, bucket: str):
+        with mapped_errors(f"kv list {bucket}"):
+            info = await self.js.stream_info(f"KV_{bucket}")
+            if info.state.messages == 0:
+                return
+            sub = await self.js.subscribe(f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,
+                                          deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+        try:
+            while True:
+                try:
+                    m = await sub.next_msg(timeout=3)
+                except nats.errors.TimeoutError:
+                    return
+                yield m.subject, m.data, (m.headers or {}).get("KV-Operation", "PUT")
+                if m.metadata.num_pending == 0:
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def obj_put(self, bucket: str, name: str, data: bytes) -> None:
+        """Store an object."""
+        with mapped_errors(f"object put {bucket}/{name}"):
+            store = await self.js.object_store(bucket)
+            await store.put(name, data)
+
+    async def obj_get(self, bucket: str, name: str) -> bytes:
+        """Fetch an object (digest verified by the client); BusError if missing or corrupt."""
+        with mapped_errors(f"object get {bucket}/{name}"):
+            store = await self.js.object_store(bucket)
+            result = await store.get(name)
+        return result.data
+
+    # ---- provisioning -------------------------------------------------------------------------
+
+    async def provision(self, retention: streams.Retention | None = None, replicas: int = 1) -> None:
+        """Create or update every stream, KV bucket and object store; safe to run any number of times."""
+        ret = retention or streams.Retention()
+        for cfg in streams.stream_configs(ret, replicas):
+            with mapped_errors(f"stream {cfg.name}"):
+                try:
+                    await self.js.add_stream(cfg)
+                except nats.js.errors.BadRequestError:
+                    await self.js.update_stream(cfg)
+        for kcfg in streams.kv_configs(ret, replicas):
+            with mapped_errors(f"kv {kcfg.bucket}"):
+                try:
+                    await self.js.create_key_value(kcfg)
+                except nats.js.errors.BadRequestError:
+                    await self.js.key_value(kcfg.bucket)   # exists with other settings: keep it
+        for ocfg in streams.object_configs(replicas):
+            with mapped_errors(f"object store {ocfg.bucket}"):
+                try:
+                    await self.js.create_object_store(ocfg.bucket, config=ocfg)
+                except nats.js.errors.BadRequestError:
+                    await self.js.object_store(ocfg.bucket)
+
+
+async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None], None]) -> "asyncio.Task":
+    """Call on_change(key, value or None on delete) for every current and future entry of a bucket."""
+    kv = await bus.kv(bucket)
+
+    async def _run() -> None:
+        while True:
+            try:
+                watcher = await kv.watchall()
+                async for entry in watcher:
+                    if entry is None:
+                        continue   # end of the initial values
+                    deleted = entry.operation in ("DEL", "PURGE")
+                    on_change(entry.key, None if deleted else entry.value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:   # reconnects, server restarts: watch again
+                log.debug("kv watch %s: %s", bucket, exc)
+                await asyncio.sleep(0.5)
+
+    return asyncio.create_task(_run())

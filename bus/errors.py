@@ -1,0 +1,126 @@
+"""The one error tree of DSec. Errors cross the bus as data (code, message) and are rebuilt here by code."""
+from __future__ import annotations
+
+
+class DsecError(Exception):
+    """Root of every DSec error."""
+
+    code = "internal"
+
+    def __init__(self, message: str = "", **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def __str__(self) -> str:
+        return self.message or self.__class__.__name__
+
+
+class BusError(DsecError):
+    """The bus failed: connection, timeout or server error."""
+
+    code = "bus"
+
+
+class BusUnavailable(BusError, ConnectionError):
+    """No NATS server answers at the given URL."""
+
+    code = "bus_unavailable"
+
+
+class InvalidRequest(DsecError, ValueError):
+    """A request is malformed or asks for something impossible; the message names the field."""
+
+    code = "invalid_request"
+
+
+class ImageNotFound(DsecError, LookupError):
+    """The image (layer name or version) is not in the store."""
+
+    code = "image_not_found"
+
+
+class PlacementError(DsecError):
+    """The request could not be placed."""
+
+    code = "placement"
+
+
+class CapacityUnavailable(PlacementError):
+    """Nothing could place the request before its deadline."""
+
+    code = "capacity_unavailable"
+
+
+class RequestExpired(PlacementError, TimeoutError):
+    """The request's deadline passed before it was served; it was not started."""
+
+    code = "expired"
+
+
+class SandboxError(DsecError):
+    """A sandbox operation failed."""
+
+    code = "sandbox"
+
+
+class SandboxNotFound(SandboxError, LookupError):
+    """The sandbox does not exist: destroyed, expired, lost or never existed (see .reason)."""
+
+    code = "sandbox_not_found"
+
+    @property
+    def reason(self) -> str:
+        """Why it is gone: destroyed, expired, node_lost, never_existed, ..."""
+        return str(self.details.get("reason", "unknown"))
+
+
+class ExecTimeout(SandboxError, TimeoutError):
+    """The command did not finish in time; its whole process tree was killed."""
+
+    code = "exec_timeout"
+
+    @property
+    def stdout(self) -> bytes:
+        """Output captured before the kill."""
+        return self.details.get("stdout", b"")  # type: ignore[return-value]
+
+    @property
+    def stderr(self) -> bytes:
+        """Error output captured before the kill."""
+        return self.details.get("stderr", b"")  # type: ignore[return-value]
+
+
+class ExecFailed(SandboxError):
+    """The command could not be started (e.g. not found inside the sandbox)."""
+
+    code = "exec_failed"
+
+
+class FileOpError(SandboxError, OSError):
+    """A file operation inside a sandbox failed (no such file, too large, ...)."""
+
+    code = "file_error"
+
+
+class EnvironmentFailure(SandboxError):
+    """The node could not build the sandbox's environment (layer fetch, mount, launch)."""
+
+    code = "environment"
+
+
+_BY_CODE: dict[str, type[DsecError]] = {}
+
+
+def _index(cls: type[DsecError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _index(sub)
+
+
+_index(DsecError)
+
+
+def from_code(code: str, message: str, **details: object) -> DsecError:
+    """Rebuild the local error class for a code received from the bus."""
+    return _BY_CODE.get(code, DsecError)(message, **details)

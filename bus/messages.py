@@ -1,0 +1,271 @@
+"""Wire messages: frozen msgspec structs, JSON, tagged by `kind`, version field `v` on every one."""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+WIRE_VERSION = 1
+
+
+class Wire(msgspec.Struct, frozen=True, tag_field="kind", forbid_unknown_fields=False):
+    """Base of every message on the bus."""
+
+    v: int = WIRE_VERSION
+
+
+class Resources(msgspec.Struct, frozen=True):
+    """Normalised resources: cores and bytes."""
+
+    cpu: float = 1.0
+    memory: int = 256 << 20
+    pids: int = 256
+    disk: int = 256 << 20
+
+
+class LayerRef(msgspec.Struct, frozen=True):
+    """One resolved read-only layer: name, version and content digest."""
+
+    name: str
+    version: int
+    digest: str
+    size: int = 0
+
+
+# ---- create lane -------------------------------------------------------------------------------
+
+class CreateRequest(Wire, tag="create"):
+    """libdsec -> placement -> edge: start a sandbox. request_id is the Nats-Msg-Id."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    tenant: str = "default"
+    image: str = "busybox"
+    backend: str = "container"
+    resources: Resources = Resources()
+    ttl: float = 600.0
+    env: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    deadline: float = 0.0            # absolute unix time; passed -> ends as expired
+    reply_to: str = ""               # core subject of the requester's inbox
+    sent_at: float = 0.0             # unix time the client sent it (for latency figures)
+    node: str = ""                   # set by placement
+    layers: list[LayerRef] = []      # set by placement: resolved image layers, lowest first
+
+
+class SandboxReady(Wire, tag="ready"):
+    """edge -> requester: the sandbox runs."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    node: str = ""
+
+
+class Queued(Wire, tag="queued"):
+    """placement -> requester: nothing has room yet; the request waits in JetStream."""
+
+    request_id: str = ""
+    reason: str = ""
+
+
+class ErrorReply(Wire, tag="error"):
+    """Any service -> requester: the request failed; code maps to a DsecError class."""
+
+    request_id: str = ""
+    code: str = "internal"
+    message: str = ""
+    reason: str = ""
+
+
+CreateReply = Union[SandboxReady, Queued, ErrorReply]
+
+
+# ---- sandbox op lane (dsec.node.<node>.exec.<sandbox>) ----------------------------------------
+
+class ExecRequest(Wire, tag="exec"):
+    """libdsec -> edge: run a command; output goes to dsec.out.<sandbox>.<exec_id>."""
+
+    exec_id: str = ""
+    sandbox_id: str = ""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    cwd: str = "/"
+    stdin: bytes = b""
+    timeout: float = 30.0
+    deadline: float = 0.0
+    max_output: int = 16 << 20
+
+
+class DestroyRequest(Wire, tag="destroy"):
+    """libdsec -> edge: destroy a sandbox."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
+class WriteFile(Wire, tag="write_file"):
+    """libdsec -> edge: write a file inside the sandbox."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    path: str = ""
+    data: bytes = b""
+    mode: int = 0o644
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
+class ReadFile(Wire, tag="read_file"):
+    """libdsec -> edge: read a file inside the sandbox."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    path: str = ""
+    limit: int = 16 << 20
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
+class OkReply(Wire, tag="ok"):
+    """edge -> requester: the op succeeded (data for read_file)."""
+
+    request_id: str = ""
+    data: bytes = b""
+
+
+SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile]
+OpReply = Union[OkReply, ErrorReply]
+
+
+# ---- output (dsec.out.<sandbox>.<exec>) --------------------------------------------------------
+
+class OutputChunk(Wire, tag="out"):
+    """edge -> anyone: a chunk of one stream of one exec; seq orders all records of the exec."""
+
+    exec_id: str = ""
+    seq: int = 0
+    stream: Literal["stdout", "stderr"] = "stdout"
+    data: bytes = b""
+
+
+class ExitRecord(Wire, tag="exit"):
+    """edge -> anyone: the final record of an exec."""
+
+    exec_id: str = ""
+    seq: int = 0
+    exit_code: int = 0
+    duration: float = 0.0
+    cpu_time: float = 0.0
+    peak_memory: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+    error_code: str = ""      # set when the exec could not run at all (e.g. sandbox_not_found)
+    error: str = ""
+    reason: str = ""          # for sandbox_not_found: destroyed, expired, node_lost, never_existed
+
+
+OutputRecord = Union[OutputChunk, ExitRecord]
+
+
+# ---- state: KV values and events ---------------------------------------------------------------
+
+class NodeInfo(Wire, tag="node"):
+    """edge -> KV dsec-nodes: capacity and usage, refreshed by heartbeat."""
+
+    node: str = ""
+    pool: str = "local"
+    slots: int = 0
+    cpu: float = 0.0                 # schedulable cores (overcommitted)
+    memory: int = 0                  # schedulable bytes
+    disk: int = 0
+    used_slots: int = 0
+    used_cpu: float = 0.0
+    used_memory: int = 0
+    used_disk: int = 0
+    max_cpu: float = 0.0             # largest single request it accepts
+    max_memory: int = 0
+    max_disk: int = 0
+    max_pids: int = 0
+    draining: bool = False
+    heartbeat: float = 0.0           # unix time
+    backends: list[str] = msgspec.field(default_factory=lambda: ["container"])
+
+
+class SandboxRecord(Wire, tag="sandbox"):
+    """edge -> KV dsec-sandboxes: a sandbox's current state."""
+
+    sandbox_id: str = ""
+    tenant: str = "default"
+    node: str = ""
+    state: Literal["ready", "destroyed", "expired", "failed", "node_lost"] = "ready"
+    image: str = ""
+    labels: dict[str, str] = {}
+    resources: Resources = Resources()
+    created_at: float = 0.0
+    expires_at: float = 0.0
+    updated_at: float = 0.0
+    reason: str = ""
+
+
+class Event(Wire, tag="event"):
+    """Lifecycle event on dsec.evt.<tenant>.<sandbox>."""
+
+    type: str = ""                   # created, destroyed, expired, failed, rejected, node_lost
+    sandbox_id: str = ""
+    tenant: str = "default"
+    node: str = ""
+    request_id: str = ""
+    at: float = 0.0
+    detail: str = ""
+
+
+class ImageRecord(Wire, tag="image"):
+    """KV dsec-images: one version of a named layer, stored in object store dsec-layers."""
+
+    name: str = ""
+    version: int = 0
+    layer_kind: Literal["base", "workspace", "toolkit"] = "base"
+    digest: str = ""
+    size: int = 0
+    created_at: float = 0.0
+
+
+def encode(msg: Wire) -> bytes:
+    """Encode any wire message to JSON."""
+    return _ENCODER.encode(msg)
+
+
+_ENCODER = msgspec.json.Encoder()
+
+# One typed decoder per family, built once.
+create_decoder = msgspec.json.Decoder(CreateRequest)
+create_reply_decoder = msgspec.json.Decoder(CreateReply)
+op_decoder = msgspec.json.Decoder(SandboxOp)
+op_reply_decoder = msgspec.json.Decoder(OpReply)
+output_decoder = msgspec.json.Decoder(OutputRecord)
+node_decoder = msgspec.json.Decoder(NodeInfo)
+sandbox_decoder = msgspec.json.Decoder(SandboxRecord)
+event_decoder = msgspec.json.Decoder(Event)
+image_decoder = msgspec.json.Decoder(ImageRecord)
+
+
+class _Envelope(msgspec.Struct):
+    """Lenient view of a malformed request: just enough to answer it."""
+
+    request_id: str = ""
+    exec_id: str = ""
+    sandbox_id: str = ""
+    reply_to: str = ""
+
+
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+
+
+def salvage(data: bytes) -> _Envelope:
+    """Best-effort read of who to answer for a message that failed to decode."""
+    try:
+        return _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _Envelope()

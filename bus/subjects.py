@@ -1,0 +1,46 @@
+"""Subject names: the one place that spells them."""
+from __future__ import annotations
+
+import re
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def token(value: str, what: str) -> str:
+    """Return value if it is a safe single subject token, else raise ValueError naming `what`."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{what} must be 1-128 characters of [A-Za-z0-9_-], got {value!r}")
+    return value
+
+
+def create_request(tenant: str) -> str:
+    """Where libdsec sends a CreateRequest."""
+    return f"dsec.req.create.{tenant}"
+
+
+CREATE_REQUESTS = "dsec.req.create.>"
+
+
+def node_create(node: str) -> str:
+    """Where placement sends a placed CreateRequest for one node."""
+    return f"dsec.node.{node}.create"
+
+
+def node_ops(node: str, sandbox: str = "*") -> str:
+    """Where libdsec sends ops (exec, destroy, files) for a sandbox on a node."""
+    return f"dsec.node.{node}.exec.{sandbox}"
+
+
+def node_ops_all(node: str) -> str:
+    """Filter of one node's op lane."""
+    return f"dsec.node.{node}.exec.>"
+
+
+def output(sandbox: str, exec_id: str = "*") -> str:
+    """Where an exec's output records go."""
+    return f"dsec.out.{sandbox}.{exec_id}"
+
+
+def event(tenant: str, sandbox: str) -> str:
+    """Lifecycle events of one sandbox."""
+    return f"dsec.evt.{tenant}.{sandbox}"

@@ -1,0 +1,78 @@
+"""The output relay: a command's stdout/stderr become ordered chunks on dsec.out.<sandbox>.<exec>.
+
+Chunks are flushed when FLUSH_BYTES are buffered or FLUSH_AFTER seconds after the first buffered
+byte, never one message per line. Consecutive bytes of one stream are merged; stdout and stderr
+stay apart and every record carries the exec's sequence number, so a reader restores the order.
+Past the per-exec cap, output is dropped and the exit record says truncated.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from bus import subjects
+from bus.conn import Bus
+from bus.messages import ExitRecord, OutputChunk, encode
+
+FLUSH_BYTES = 64 << 10
+FLUSH_AFTER = 0.003
+
+
+class OutputRelay:
+    """Collects one exec's output and publishes it in order; finish() publishes the exit record."""
+
+    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, max_output: int) -> None:
+        self.bus = bus
+        self.subject = subjects.output(sandbox_id, exec_id)
+        self.exec_id = exec_id
+        self.max_output = max(0, max_output)
+        self.seq = 0
+        self.total = 0
+        self.truncated = False
+        self._pending: list[tuple[str, bytearray]] = []
+        self._pending_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._lock = asyncio.Lock()
+
+    async def sink(self, stream: str, data: bytes) -> None:
+        """Accept a chunk read from the command (the backend awaits this: backpressure)."""
+        room = self.max_output - self.total
+        if room <= 0:
+            self.truncated = self.truncated or bool(data)
+            return
+        if len(data) > room:
+            data, self.truncated = data[:room], True
+        self.total += len(data)
+        if self._pending and self._pending[-1][0] == stream:
+            self._pending[-1][1].extend(data)
+        else:
+            self._pending.append((stream, bytearray(data)))
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= FLUSH_BYTES:
+            await self.flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._timed_flush)
+
+    def _timed_flush(self) -> None:
+        self._timer = None
+        asyncio.ensure_future(self.flush())
+
+    async def flush(self) -> None:
+        """Publish what is buffered, in order, in chunks of at most FLUSH_BYTES."""
+        async with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            pending, self._pending, self._pending_bytes = self._pending, [], 0
+            for stream, buf in pending:
+                for off in range(0, len(buf), FLUSH_BYTES):
+                    self.seq += 1
+                    await self.bus.send(self.subject, encode(OutputChunk(
+                        exec_id=self.exec_id, seq=self.seq, stream=stream, data=bytes(buf[off:off + FLUSH_BYTES]))))
+
+    async def finish(self, **fields) -> ExitRecord:
+        """Flush, then publish the exit record with an ack: every chunk before it is stored too."""
+        await self.flush()
+        self.seq += 1
+        rec = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
+        await self.bus.publish(self.subject, encode(rec), msg_id=f"{self.exec_id}-exit")
+        return rec

@@ -1,0 +1,141 @@
+"""Sandbox commands: run, create, exec, ls, rm."""
+from __future__ import annotations
+
+import datetime
+import sys
+
+import click
+
+import libdsec
+from cli.main import fail, main, nats_option, run_async
+
+
+def resource_options(fn):
+    """--image, --cpu, --memory, --pids, --disk, --ttl, --env, --label."""
+    for opt in reversed([
+        click.option("--image", default="busybox", show_default=True, help="Image name[@version]."),
+        click.option("--cpu", default=1.0, show_default=True, help="Cores."),
+        click.option("--memory", default="256Mi", show_default=True, help="Memory (swap capped equal)."),
+        click.option("--pids", default=256, show_default=True, help="Max processes."),
+        click.option("--disk", default="256Mi", show_default=True, help="Writable layer size."),
+        click.option("--ttl", default=600.0, show_default=True, help="Seconds before it is destroyed."),
+        click.option("--env", "-e", multiple=True, metavar="K=V", help="Environment of every exec."),
+        click.option("--label", "-l", multiple=True, metavar="K=V", help="Labels."),
+        click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the sandbox."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
+    """K=V options to a dict; one clear error for a malformed one."""
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            fail(f"--{what} takes K=V, got {item!r}")
+        out[k] = v
+    return out
+
+
+async def _create(client: libdsec.AsyncClient, image, cpu, memory, pids, disk, ttl, env, label, timeout):
+    return await client.create(image=image, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
+                               ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout)
+
+
+async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
+    cmd = argv[0] if len(argv) == 1 and " " in argv[0] else argv
+    async for ev in sb.stream(cmd, timeout=timeout):
+        if isinstance(ev, libdsec.Output):
+            out = sys.stdout.buffer if ev.stream == "stdout" else sys.stderr.buffer
+            out.write(ev.data)
+            out.flush()
+        else:
+            if ev.timed_out:
+                click.echo(f"dsec: command timed out after {timeout}s", err=True)
+                return 124
+            return ev.exit_code
+    return 1
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@nats_option
+@resource_options
+@click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@run_async
+async def run(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout, exec_timeout, argv) -> None:
+    """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code.
+
+    Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
+    """
+    async with libdsec.AsyncClient(nats_url) as client:
+        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout)
+        try:
+            code = await _stream_to_terminal(sb, list(argv), exec_timeout)
+        finally:
+            try:
+                await sb.destroy()
+            except libdsec.DsecError:
+                pass
+    sys.exit(code)
+
+
+@main.command()
+@nats_option
+@resource_options
+@run_async
+async def create(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout) -> None:
+    """Create a sandbox and print its id."""
+    async with libdsec.AsyncClient(nats_url) as client:
+        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout)
+        click.echo(sb.id)
+
+
+@main.command(name="exec", context_settings={"ignore_unknown_options": True})
+@nats_option
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds the command may run.")
+@click.argument("sandbox_id")
+@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@run_async
+async def exec_(nats_url, timeout, sandbox_id, argv) -> None:
+    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code."""
+    async with libdsec.AsyncClient(nats_url) as client:
+        sb = await client.get(sandbox_id)
+        code = await _stream_to_terminal(sb, list(argv), timeout)
+    sys.exit(code)
+
+
+@main.command(name="ls")
+@nats_option
+@click.option("--all", "all_states", is_flag=True, help="Include destroyed, expired and failed sandboxes.")
+@run_async
+async def ls(nats_url, all_states) -> None:
+    """List sandboxes."""
+    async with libdsec.AsyncClient(nats_url) as client:
+        recs = await client.list(all_states)
+    click.echo(f"{'ID':<20} {'STATE':<10} {'NODE':<12} {'IMAGE':<14} {'CREATED':<20} EXPIRES")
+    for r in recs:
+        created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
+        expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") if r.expires_at else "-"
+        click.echo(f"{r.sandbox_id:<20} {r.state:<10} {r.node:<12} {r.image:<14} {created:<20} {expires}")
+
+
+@main.command()
+@nats_option
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@run_async
+async def rm(nats_url, sandbox_ids) -> None:
+    """Destroy sandboxes."""
+    failed = 0
+    async with libdsec.AsyncClient(nats_url) as client:
+        for sid in sandbox_ids:
+            try:
+                sb = await client.get(sid)
+                await sb.destroy()
+                click.echo(sid)
+            except libdsec.SandboxNotFound as exc:
+                click.echo(f"dsec: error: {exc}", err=True)
+                failed += 1
+    if failed:
+        sys.exit(1)

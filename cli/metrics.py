@@ -1,0 +1,54 @@
+"""The Prometheus endpoint of `dsec up`: figures read live from the running components."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import CollectorRegistry
+
+if TYPE_CHECKING:
+    from cli.stack import Stack
+
+
+class StackCollector:
+    """Collects from the stack at scrape time (no global state, one registry per stack)."""
+
+    def __init__(self, stack: "Stack") -> None:
+        self.stack = stack
+
+    def collect(self) -> Iterator:
+        """Yield the current metric families."""
+        edge, placement = self.stack.edge, self.stack.placement
+        if edge is not None:
+            cap = edge.capacity
+            g = GaugeMetricFamily("dsec_edge_sandboxes", "Sandboxes running on this node", labels=["node"])
+            g.add_metric([edge.node], len(edge.sandboxes))
+            yield g
+            for name, value, total in (("cpu", cap.used_cpu(), cap.cpu), ("memory_bytes", cap.used_memory(), cap.memory),
+                                       ("slots", len(cap.used), cap.config.slots)):
+                used = GaugeMetricFamily(f"dsec_edge_used_{name}", f"Booked {name}", labels=["node"])
+                used.add_metric([edge.node], value)
+                yield used
+                cap_g = GaugeMetricFamily(f"dsec_edge_capacity_{name}", f"Capacity {name}", labels=["node"])
+                cap_g.add_metric([edge.node], total)
+                yield cap_g
+            for name, value in (("created", edge.created), ("create_failures", edge.failed),
+                                ("layer_cache_hits", edge.layers.hits), ("layer_cache_misses", edge.layers.misses),
+                                ("layer_bytes_fetched", edge.layers.bytes_fetched)):
+                c = CounterMetricFamily(f"dsec_edge_{name}", f"Edge {name.replace('_', ' ')}", labels=["node"])
+                c.add_metric([edge.node], value)
+                yield c
+        if placement is not None:
+            for name, value in (("placed", placement.placed), ("rejected", placement.rejected)):
+                c = CounterMetricFamily(f"dsec_placement_{name}", f"Create requests {name}")
+                c.add_metric([], value)
+                yield c
+
+
+def serve(stack: "Stack", host: str, port: int):
+    """Start the endpoint; returns the server (call shutdown() to stop)."""
+    registry = CollectorRegistry()
+    registry.register(StackCollector(stack))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server

@@ -1,0 +1,115 @@
+"""Everything `dsec up` runs, in one object: embedded NATS, provisioning, busybox, placement, edge, metrics."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+from pathlib import Path
+
+from bus.conn import Bus
+from bus.errors import DsecError, ImageNotFound
+from bus.server import NatsServer, check_port_free
+from edge.capacity import EdgeConfig
+from edge.erofs import busybox_rootfs, pack_dir
+from placement.images import ImageRegistry
+
+log = logging.getLogger(__name__)
+
+STOP_BUDGET = 8.0   # seconds: everything is gone within 10 s of a stop signal
+
+
+async def ensure_busybox(bus: Bus, work_dir: Path) -> bool:
+    """Import `busybox` (from the host's busybox-static) if the store lacks it; True when it was imported."""
+    registry = ImageRegistry(bus)
+    try:
+        await registry.resolve("busybox", cache_for=0)
+        return False
+    except ImageNotFound:
+        pass
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        root, layer = Path(tmp) / "root", Path(tmp) / "busybox.erofs"
+        await asyncio.to_thread(busybox_rootfs, root)
+        digest = await asyncio.to_thread(pack_dir, root, layer)
+        await registry.publish("busybox", layer, digest)
+    return True
+
+
+class Stack:
+    """One node's worth of DSec in one process."""
+
+    def __init__(self, state_dir: Path, *, nats_url: str | None = None, host: str = "127.0.0.1", port: int = 4222,
+                 metrics_port: int | None = 9464, edge_config: EdgeConfig | None = None,
+                 run_edge: bool = True, run_placement: bool = True) -> None:
+        self.state_dir = Path(state_dir).resolve()
+        self.external_url = nats_url
+        self.host, self.port, self.metrics_port = host, port, metrics_port
+        self.edge_config = edge_config or EdgeConfig()
+        self.run_edge, self.run_placement = run_edge, run_placement
+        self.server: NatsServer | None = None
+        self.bus: Bus | None = None
+        self.edge = None
+        self.placement = None
+        self._metrics = None
+
+    @property
+    def url(self) -> str:
+        """The NATS URL clients use."""
+        return self.external_url or f"nats://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Start every part; on failure, stop what started and re-raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.metrics_port:
+            check_port_free(self.host, self.metrics_port, "metrics")
+        if self.external_url is None:
+            self.server = NatsServer(self.state_dir / "nats", self.host, self.port)
+            self.server.start()   # from this thread: the server's parent-death signal is tied to it
+        self.bus = await Bus.connect(self.url, name="dsec-up")
+        await self.bus.provision()
+        await ensure_busybox(self.bus, self.state_dir / "tmp")
+        if self.run_placement:
+            from placement.engine import PlacementEngine
+            self.placement = PlacementEngine(self.bus)
+            await self.placement.start()
+        if self.run_edge:
+            from edge.agent import Edge
+            from edge.backends.container import ContainerBackend
+            backend = ContainerBackend(self.state_dir / "edge", self.edge_config.node_id)
+            self.edge = Edge(self.bus, backend, self.edge_config, self.state_dir / "edge")
+            await self.edge.start()
+        if self.metrics_port:
+            from cli.metrics import serve
+            self._metrics = serve(self, self.host, self.metrics_port)
+
+    async def stop(self) -> None:
+        """Destroy every sandbox, stop every part; the NATS server stops last. Never raises."""
+        if self._metrics is not None:
+            with contextlib.suppress(Exception):
+                self._metrics.shutdown()
+                self._metrics.server_close()
+            self._metrics = None
+        if self.edge is not None:
+            try:
+                await asyncio.wait_for(self.edge.stop(), STOP_BUDGET)
+            except (asyncio.TimeoutError, DsecError, OSError) as exc:
+                log.error("edge stop incomplete: %s", exc)
+            self.edge = None
+        if self.placement is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.placement.stop(), 1.0)
+            self.placement = None
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+            self.server = None

@@ -1,0 +1,97 @@
+"""`dsec up`, `dsec edge`, `dsec placement`: run services in the foreground until SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+import click
+
+from cli.main import DEFAULT_URL, main, run_async
+from edge.capacity import EdgeConfig
+
+
+def state_dir_option(fn):
+    """--state-dir, default $DSEC_STATE_DIR or .dsec in the working directory."""
+    return click.option("--state-dir", type=click.Path(path_type=Path), show_default=True,
+                        default=lambda: os.environ.get("DSEC_STATE_DIR", ".dsec"),
+                        help="Where node state lives (NATS store, layer cache, writable layers).")(fn)
+
+
+def edge_options(fn):
+    """Options that size an edge."""
+    for opt in reversed([
+        click.option("--node-id", default="local", show_default=True, help="This node's id (subject token)."),
+        click.option("--slots", default=128, show_default=True, help="Max sandboxes on this node."),
+        click.option("--cpu-overcommit", default=16.0, show_default=True, help="Schedulable cores per core."),
+        click.option("--memory-fraction", default=0.8, show_default=True, help="Share of RAM sandboxes may book."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+async def _serve_until_signal(stack, ready_line: str) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stack.start()   # cleans up after itself when it fails
+    try:
+        click.echo(ready_line)
+        await stop.wait()
+    finally:
+        click.echo("dsec: stopping (destroying sandboxes)", err=True)
+        await stack.stop()
+        click.echo("dsec: stopped", err=True)
+
+
+@main.command()
+@state_dir_option
+@click.option("--nats", "nats_url", default=None, metavar="URL",
+              help="Use this NATS server instead of starting the embedded one.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the embedded NATS and metrics bind.")
+@click.option("--port", default=4222, show_default=True, help="Port of the embedded NATS server.")
+@click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
+@edge_options
+@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
+@run_async
+async def up(state_dir: Path, nats_url: str | None, host: str, port: int, metrics_port: int, node_id: str,
+             slots: int, cpu_overcommit: float, memory_fraction: float, verbose: bool) -> None:
+    """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
+    and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
+    destroys every sandbox and stops everything within 10 s."""
+    from cli.stack import Stack
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = EdgeConfig(node_id=node_id, slots=slots, cpu_overcommit=cpu_overcommit, memory_fraction=memory_fraction)
+    stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
+                  edge_config=cfg)
+    await _serve_until_signal(stack, f"dsec: ready {stack.url}")
+
+
+@main.command()
+@state_dir_option
+@click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL", help="NATS server.")
+@click.option("--pool", default="local", show_default=True, help="Pool this node serves.")
+@edge_options
+@run_async
+async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, cpu_overcommit: float,
+               memory_fraction: float) -> None:
+    """Run one edge (node agent) against an existing NATS server."""
+    from cli.stack import Stack
+    cfg = EdgeConfig(node_id=node_id, pool=pool, slots=slots, cpu_overcommit=cpu_overcommit,
+                     memory_fraction=memory_fraction)
+    stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False)
+    await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")
+
+
+@main.command()
+@click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL", help="NATS server.")
+@state_dir_option
+@run_async
+async def placement(nats_url: str, state_dir: Path) -> None:
+    """Run one placement engine against an existing NATS server (any number may run at once)."""
+    from cli.stack import Stack
+    stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, run_edge=False)
+    await _serve_until_signal(stack, f"dsec: placement ready on {nats_url}")

@@ -1,0 +1,232 @@
+"""The edge: a node agent. Pulls its own create lane (only as many as it has room for) and op lane."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.errors import BusError, DsecError, EnvironmentFailure, InvalidRequest, RequestExpired
+from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, create_decoder,
+                          encode, salvage, sandbox_decoder)
+from bus.pull import Delivery, Verdict
+from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
+from edge.capacity import Capacity, EdgeConfig
+from edge.layercache import LayerCache
+from edge.ops import OpLane
+
+log = logging.getLogger(__name__)
+
+BUS_CLEANUP_TIMEOUT = 1.0   # cleanup never waits on the bus longer than this
+
+
+@dataclass
+class Running:
+    """A sandbox this edge runs."""
+
+    record: SandboxRecord
+    expires_at: float
+
+
+class Edge:
+    """One node agent over one backend."""
+
+    def __init__(self, bus: Bus, backend: Backend, config: EdgeConfig, state_dir: Path) -> None:
+        self.bus = bus
+        self.backend = backend
+        self.config = config
+        self.node = subjects.token(config.node_id, "node id")
+        self.capacity = Capacity(config)
+        self.layers = LayerCache(bus, Path(state_dir) / "layer-cache")
+        self.sandboxes: dict[str, Running] = {}
+        self.ops = OpLane(self)
+        self.draining = False
+        self._creating = 0
+        self._create_worker = None
+        self._tasks: list[asyncio.Task] = []
+        self.created = 0
+        self.failed = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reconcile leftovers, report lost sandboxes, heartbeat, then take work."""
+        await self.backend.start()
+        await self._report_lost()
+        await self._heartbeat_once()
+        self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._ttl_loop())]
+        await self.ops.start()
+        self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
+                                                         self._on_create, credit=self._create_credit)
+
+    async def stop(self) -> None:
+        """Stop taking work, destroy every sandbox, release the node. Never waits long on the bus."""
+        if self._create_worker:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._create_worker.stop(drain=False), BUS_CLEANUP_TIMEOUT)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ops.stop(), BUS_CLEANUP_TIMEOUT)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        ids = list(self.sandboxes)
+        await self.backend.stop()
+        await self._best_effort(self._forget_all(ids))
+
+    async def _best_effort(self, coro) -> None:
+        try:
+            await asyncio.wait_for(coro, BUS_CLEANUP_TIMEOUT)
+        except (asyncio.TimeoutError, DsecError) as exc:
+            log.info("bus update skipped during cleanup: %s", exc)
+
+    async def _forget_all(self, ids: list[str]) -> None:
+        await asyncio.gather(*(self._mark_gone(i, "destroyed", "edge stopped") for i in ids))
+        await self.bus.kv_delete(streams.NODES_KV, self.node)
+
+    async def _report_lost(self) -> None:
+        """Sandboxes KV says run here, but the reconcile just removed: node_lost, never silently leaked."""
+        for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
+            try:
+                rec = sandbox_decoder.decode(raw)
+            except msgspec.DecodeError:
+                continue
+            if rec.node == self.node and rec.state == "ready":
+                self.sandboxes[key] = Running(rec, 0)
+                await self._mark_gone(key, "node_lost", "edge restarted; sandbox destroyed by reconcile")
+
+    # ---- accounting and heartbeat ---------------------------------------------------------------
+
+    def _create_credit(self) -> int:
+        if self.draining:
+            return 0
+        return max(0, self.capacity.free_slots() - self._creating)
+
+    async def _heartbeat_once(self) -> None:
+        await self.bus.kv_put(streams.NODES_KV, self.node, self.capacity.node_info(self.draining))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat)
+            try:
+                await self._heartbeat_once()
+            except DsecError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for sid in [s for s, r in self.sandboxes.items() if r.expires_at and r.expires_at < now]:
+                with contextlib.suppress(DsecError, BackendError):
+                    await self.destroy(sid, state="expired", reason="ttl reached")
+
+    # ---- create lane --------------------------------------------------------------------------
+
+    async def _reply(self, reply_to: str, msg) -> None:
+        if reply_to:
+            with contextlib.suppress(DsecError):
+                await self.bus.send(reply_to, msg)
+
+    async def _on_create(self, d: Delivery) -> Verdict:
+        try:
+            req = create_decoder.decode(d.data)
+            subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            env = salvage(d.data)
+            await self._reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
+                                                       message=f"bad create request: {exc}"))
+            return Verdict.TERM
+        if req.sandbox_id in self.sandboxes:   # redelivered after we served it: answer again
+            await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+                                                         node=self.node))
+            return Verdict.ACK
+        if not self.capacity.fits(req.resources):
+            d.nak_delay = 0.2
+            return Verdict.NAK
+        self._creating += 1
+        try:
+            await self._create(req, redelivered=d.num_delivered > 1)
+        finally:
+            self._creating -= 1
+        return Verdict.ACK
+
+    async def _create(self, req: CreateRequest, redelivered: bool) -> None:
+        try:
+            if redelivered and await self.bus.kv_get(streams.SANDBOXES_KV, req.sandbox_id) is not None:
+                return   # an earlier delivery already reached an outcome, which was recorded and replied
+            if time.time() > req.deadline:
+                raise RequestExpired("create request expired before a node started it")
+            self.capacity.reserve(req.sandbox_id, req.resources)
+            paths = await self.layers.ensure(req.layers)
+            r = req.resources
+            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env),
+                               limits=Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk))
+            try:
+                await self.backend.create(spec)
+            except BackendError as exc:
+                raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc
+            if time.time() > req.deadline:   # the client gave up meanwhile: never leave an orphan
+                await self.backend.destroy(req.sandbox_id)
+                raise RequestExpired("create request expired while the sandbox started; it was destroyed")
+        except DsecError as err:
+            self.capacity.release(req.sandbox_id)
+            self.failed += 1
+            await self._record_failure(req, err)
+            return
+        now = time.time()
+        rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
+                            image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
+                            expires_at=now + req.ttl, updated_at=now)
+        self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl)
+        self.created += 1
+        await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec),
+                             self._event(rec, "created", req.request_id))
+        await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+                                                     node=self.node))
+
+    async def _record_failure(self, req: CreateRequest, err: DsecError) -> None:
+        state = "expired" if isinstance(err, RequestExpired) else "failed"
+        now = time.time()
+        rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state=state,
+                            image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
+                            updated_at=now, reason=str(err))
+        with contextlib.suppress(DsecError):
+            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec),
+                                 self._event(rec, state, req.request_id, str(err)))
+        await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+
+    async def _event(self, rec: SandboxRecord, type_: str, request_id: str = "", detail: str = "") -> None:
+        ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
+                   request_id=request_id, at=time.time(), detail=detail)
+        await self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev))
+
+    # ---- destroy (used by the op lane, the TTL loop and stop) ----------------------------------
+
+    async def destroy(self, sandbox_id: str, state: str = "destroyed", reason: str = "") -> None:
+        """Destroy a sandbox this edge runs and record why."""
+        if sandbox_id not in self.sandboxes:
+            raise KeyError(sandbox_id)
+        try:
+            await self.backend.destroy(sandbox_id)
+        finally:
+            await self._mark_gone(sandbox_id, state, reason)
+
+    async def _mark_gone(self, sandbox_id: str, state: str, reason: str) -> None:
+        running = self.sandboxes.pop(sandbox_id, None)
+        self.capacity.release(sandbox_id)
+        if self._create_worker:
+            self._create_worker.poke()
+        if running is None:
+            return
+        rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time())
+        try:
+            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, sandbox_id, rec),
+                                 self._event(rec, state, detail=reason))
+        except BusError as exc:
+            log.warning("state of %s not recorded: %s", sandbox_id, exc)

@@ -1,0 +1,87 @@
+"""The backend contract: lifecycle (start/stop/reconcile) apart from work (create/exec/files/destroy)."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Literal
+
+StreamName = Literal["stdout", "stderr"]
+# Called with each chunk read from a command's stdout or stderr, in the order read.
+# Awaited before the next read of that stream, so a slow consumer slows the reader (no unbounded buffering).
+OutputSink = Callable[[StreamName, bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox, already parsed to plain numbers."""
+
+    cpu: float = 1.0            # cores; becomes a CFS quota
+    memory: int = 256 << 20     # bytes; memory+swap is capped at the same value
+    pids: int = 256             # max tasks in the sandbox's pids cgroup
+    disk: int = 256 << 20       # bytes the writable layer may hold
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What the edge asks a backend to start."""
+
+    id: str                     # sandbox id; also its hostname
+    layers: list[str]           # local paths of EROFS layer files, lowest first
+    limits: Limits = field(default_factory=Limits)
+    env: dict[str, str] = field(default_factory=dict)   # default env of every exec
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """How one command ended."""
+
+    exit_code: int              # 128+n when killed by signal n; -1 when it never started
+    duration: float             # seconds, wall clock
+    cpu_time: float             # seconds of CPU used by the command's cgroup
+    peak_memory: int            # bytes, max usage of the command's cgroup
+    timed_out: bool = False     # killed because the timeout passed (tree verified gone)
+
+
+class BackendError(Exception):
+    """A backend could not do what was asked; the message is one clear line."""
+
+
+class SandboxGone(BackendError):
+    """The sandbox does not exist (never created, or destroyed)."""
+
+
+class Backend(abc.ABC):
+    """One kind of sandbox. Lifecycle: start/stop/reconcile. Work: create/exec/files/destroy."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Prepare the node (reconcile leftovers first), ready to create sandboxes."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Destroy every sandbox and release every node resource (mounts, cgroups, processes)."""
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> None:
+        """Start a sandbox; raises BackendError with a clear message on failure (nothing leaked)."""
+
+    @abc.abstractmethod
+    async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
+                   stdin: bytes | None, timeout: float, sink: OutputSink) -> ExecResult:
+        """Run argv inside the sandbox; stream output to sink; return when it exited and its pipes closed."""
+
+    @abc.abstractmethod
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Write a file inside the sandbox's root (symlinks resolved inside the root)."""
+
+    @abc.abstractmethod
+    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
+        """Read a file inside the sandbox's root (symlinks resolved inside the root)."""
+
+    @abc.abstractmethod
+    async def destroy(self, sandbox_id: str) -> None:
+        """Kill every process, unmount, remove cgroups and the writable layer. Idempotent."""
+
+    @abc.abstractmethod
+    def sandboxes(self) -> list[str]:
+        """Ids of the sandboxes this backend runs now."""

@@ -1,0 +1,266 @@
+"""cgroup v1 tree of one node: <own>/dsec-<node>/<sandbox>/x<n> in every controller we use.
+
+Groups are created below the cgroup this process runs in (read from /proc/self/cgroup), never at a
+hierarchy root: on this machine memory is delegated at /process_api/<id>, the others at /.
+The freezer is what makes killing a process tree reliable: a frozen group cannot fork, so one pass
+of SIGKILL over its pids catches every process, reparented orphans included.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+from edge.backends.base import Limits
+
+ROOT = Path("/sys/fs/cgroup")
+CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices")
+# Device nodes a sandbox may open (mknod of anything is allowed, opening it is not):
+# null zero full random urandom tty ptmx console, and the devpts ptys.
+DEVICE_RULES = ("c *:* m", "b *:* m", "c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm",
+                "c 1:9 rwm", "c 5:0 rwm", "c 5:1 rwm", "c 5:2 rwm", "c 136:* rwm")
+
+
+# Where v1 records that a limit fired: (controller, file, key or None for a plain number, our name).
+# v1 counts pids "max" and oom kills in the group of the forking / killed task (the exec group),
+# not in the group that holds the limit, so exec groups' counts are collected before removal.
+EVENTS = (("pids", "pids.events", "max", "pids_max"),
+          ("memory", "memory.oom_control", "oom_kill", "oom_kill"),
+          ("memory", "memory.failcnt", None, "memory_failcnt"),
+          ("memory", "memory.memsw.failcnt", None, "memsw_failcnt"))
+
+
+class CgroupError(Exception):
+    """A cgroup could not be created, limited or removed."""
+
+
+def own_paths() -> dict[str, Path]:
+    """Directory of the cgroup this process is in, per controller we use."""
+    found: dict[str, Path] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, rel = line.rstrip("\n").split(":", 2)
+            for name in names.split(","):
+                if name in CONTROLLERS:
+                    found[name] = ROOT / name / rel.lstrip("/")
+    missing = [c for c in CONTROLLERS if c not in found or not (ROOT / c).is_dir()]
+    if missing:
+        raise CgroupError(f"cgroup v1 controllers not mounted: {', '.join(missing)}")
+    return found
+
+
+def write(path: Path, value: str) -> None:
+    """Write one cgroup control file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def read(path: Path) -> str:
+    """Read one cgroup control file ('' if the group is gone)."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def procs(group: Path) -> list[int]:
+    """Pids directly in one group."""
+    return [int(p) for p in read(group / "cgroup.procs").split()]
+
+
+def procs_under(group: Path) -> list[int]:
+    """Pids in a group and all its descendants."""
+    pids: list[int] = []
+    for dirpath, _, _ in os.walk(group):
+        pids.extend(procs(Path(dirpath)))
+    return pids
+
+
+def rmdir_tree(group: Path) -> list[str]:
+    """Remove a group and its descendants, deepest first; return those that stay (busy)."""
+    busy: list[str] = []
+    try:
+        os.rmdir(group)             # the common case: a leaf group
+        return busy
+    except FileNotFoundError:
+        return busy
+    except OSError:
+        pass                        # has child groups (or processes): go deepest first
+    for dirpath, _, _ in sorted(os.walk(group), key=lambda w: -len(w[0])):
+        try:
+            os.rmdir(dirpath)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            busy.append(f"{dirpath}: {exc.strerror}")
+    return busy
+
+
+async def kill_tree(freezer: Path, timeout: float = 10.0, init: int | None = None) -> bool:
+    """SIGKILL every process under a freezer group and wait until none is left; False if some survive.
+
+    init: the pid-namespace init of the group, if any. Killed first, it makes the kernel kill its
+    whole namespace and refuse new pids there, so no freeze is needed (freezing a group whose exec
+    child group was just removed waits an RCU grace period, ~15 ms, for the dying child).
+    """
+    deadline = time.monotonic() + timeout
+    signalled: set[int] = set()
+    next_sweep = 0.0
+    if init is not None:
+        for pid in [init, *procs_under(freezer)]:
+            _kill(pid)
+            signalled.add(pid)
+        next_sweep = time.monotonic() + 0.05
+    while pids := procs_under(freezer):
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        # Freeze and kill again only for pids not signalled yet (a fork that slipped in), or
+        # every 50 ms in case a pid was reused; otherwise the killed tasks are just dying.
+        if not signalled.issuperset(pids) or now > next_sweep:
+            await _set_frozen(freezer, True, deadline)
+            for pid in procs_under(freezer):
+                _kill(pid)
+                signalled.add(pid)
+            await _set_frozen(freezer, False, deadline)
+            next_sweep = now + 0.05
+        await asyncio.sleep(0.001)
+    return True
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+async def _set_frozen(group: Path, frozen: bool, deadline: float) -> None:
+    """Freeze or thaw a group; when freezing wait (bounded) until FROZEN so no fork slips through."""
+    state = "FROZEN" if frozen else "THAWED"
+    try:
+        write(group / "freezer.state", state)
+    except FileNotFoundError:
+        return
+    # A task in uninterruptible sleep can keep the group FREEZING; kill anyway after a second
+    # (its SIGKILL lands when it wakes) and let the caller's loop sweep again.
+    deadline = min(deadline, time.monotonic() + 1.0)
+    while frozen and read(group / "freezer.state").strip() == "FREEZING":
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.0005)
+
+
+class NodeCgroups:
+    """The dsec-<node> groups of one node and the sandbox and exec groups below them."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.base = {c: p / f"dsec-{node_id}" for c, p in own_paths().items()}
+
+    def setup(self) -> None:
+        """Create the node groups (existing ones are kept)."""
+        for path in self.base.values():
+            path.mkdir(exist_ok=True)
+
+    def sandbox(self, sandbox_id: str) -> dict[str, Path]:
+        """Group directories of one sandbox, per controller."""
+        return {c: p / sandbox_id for c, p in self.base.items()}
+
+    def exec_group(self, sandbox_id: str, n: int) -> dict[str, Path]:
+        """Group directories of one exec of a sandbox, per controller."""
+        return {c: p / sandbox_id / f"x{n}" for c, p in self.base.items()}
+
+    def create_sandbox(self, sandbox_id: str, limits: Limits) -> dict[str, Path]:
+        """Create a sandbox's groups with its limits; on failure nothing is left."""
+        groups = self.sandbox(sandbox_id)
+        try:
+            for path in groups.values():
+                path.mkdir()
+            period = int(read(groups["cpu"] / "cpu.cfs_period_us") or 100000)
+            write(groups["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu * period))))
+            # memory first: memsw may never be below memory, so with swap = memory it is set second.
+            write(groups["memory"] / "memory.limit_in_bytes", str(limits.memory))
+            write(groups["memory"] / "memory.memsw.limit_in_bytes", str(limits.memory))
+            write(groups["pids"] / "pids.max", str(limits.pids))
+            write(groups["devices"] / "devices.deny", "a")
+            for rule in DEVICE_RULES:
+                write(groups["devices"] / "devices.allow", rule)
+        except OSError as exc:
+            self.remove(groups)
+            raise CgroupError(f"cgroup setup for {sandbox_id} failed: {exc}") from exc
+        return groups
+
+    def create_exec(self, sandbox_id: str, n: int) -> dict[str, Path]:
+        """Create the child groups of one exec (limits are inherited from the sandbox)."""
+        groups = self.exec_group(sandbox_id, n)
+        try:
+            for path in groups.values():
+                path.mkdir()
+        except OSError as exc:
+            self.remove(groups)
+            raise CgroupError(f"exec cgroup for {sandbox_id} failed: {exc}") from exc
+        return groups
+
+    @staticmethod
+    def remove(groups: dict[str, Path]) -> list[str]:
+        """Remove groups (and descendants); return what stays because processes are still in it."""
+        busy: list[str] = []
+        for path in groups.values():
+            busy.extend(rmdir_tree(path))
+        return busy
+
+    @staticmethod
+    def exec_stats(groups: dict[str, Path]) -> tuple[float, int]:
+        """CPU seconds and peak memory bytes used by one exec group."""
+        usage = read(groups["cpuacct"] / "cpuacct.usage").strip()
+        peak = read(groups["memory"] / "memory.max_usage_in_bytes").strip()
+        return (int(usage) / 1e9 if usage else 0.0), (int(peak) if peak else 0)
+
+    @staticmethod
+    def limit_events(groups: dict[str, Path]) -> dict[str, int]:
+        """How often each limit fired in these groups (this level only, as v1 counts)."""
+        counts: dict[str, int] = {}
+        for controller, name, key, ours in EVENTS:
+            text = read(groups[controller] / name)
+            for line in text.splitlines():
+                words = line.split()
+                if key is None and len(words) == 1:
+                    counts[ours] = int(words[0])
+                elif len(words) == 2 and words[0] == key:
+                    counts[ours] = int(words[1])
+        return counts
+
+    async def reconcile(self) -> list[str]:
+        """Kill every process left in the node groups, remove them; return what could not be."""
+        if not await kill_tree(self.base["freezer"]):
+            return [f"processes survive in {self.base['freezer']}"]
+        for path in self.base.values():
+            for pid in procs_under(path):   # only if a process escaped the freezer group
+                _kill(pid)
+        return await self.remove_all()
+
+    async def remove_all(self, timeout: float = 5.0) -> list[str]:
+        """Remove the node groups, retrying while dead tasks are still being released."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = self.remove(self.base)
+            if not busy or time.monotonic() > deadline:
+                return busy
+            await asyncio.sleep(0.01)
+
+    def describe(self) -> list[str]:
+        """Node groups and processes still present (for leftovers checks)."""
+        out: list[str] = []
+        for path in self.base.values():
+            if path.exists():
+                out.append(f"cgroup {path}")
+                out.extend(f"process {pid} in {path}" for pid in procs_under(path))
+        return out
+

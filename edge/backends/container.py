@@ -1,0 +1,553 @@
+"""Container sandboxes: pid/mnt/net/uts/ipc namespaces, cgroup v1 limits, overlayfs over EROFS layers.
+
+Lifecycle: start() reconciles what a crashed run of this node left (processes, cgroups, mounts,
+writable layers), then formats the writable-layer pool and starts the zygote (see zygote.py), which
+forks every sandbox init (catatonit -P) and every command. Work: create/exec/files/destroy.
+A sandbox costs the host its catatonit (~50 KiB), its namespaces and mounts; no Python process.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import os
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge.backends import cgroups, kernel
+from edge.backends.base import (Backend, BackendError, ExecResult, OutputSink, SandboxGone,
+                                SandboxSpec)
+from edge.backends.cgroups import CgroupError, NodeCgroups
+from edge.backends.layermounts import LayerError, LayerMounts
+from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
+from edge.backends.zygote import Exec, Launch, Launcher, LauncherError
+
+__all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
+
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+CHUNK = 64 << 10
+LAUNCH_TIMEOUT = 30.0
+KILL_GRACE = 5.0            # after a kill, how long the pipes may take to close
+REAP_TIMEOUT = 10.0
+
+
+class ExecFailed(BackendError):
+    """The command never started (not found, bad cwd...); .result carries exit_code -1."""
+
+    def __init__(self, message: str, result: ExecResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class _Sandbox:
+    """What the backend keeps about one running sandbox."""
+
+    spec: SandboxSpec
+    init_pid: int
+    init_exit: asyncio.Future
+    layers: list[Path]
+    execs: itertools.count = field(default_factory=lambda: itertools.count(1))
+    events: Counter = field(default_factory=Counter)    # limit events of removed exec groups
+    dying: asyncio.Future | None = None
+
+
+class ContainerBackend(Backend):
+    """Sandboxes made directly of namespaces, cgroups and mounts (crun refuses hybrid cgroups here)."""
+
+    def __init__(self, state_dir: Path, node_id: str, *, upper_pool_size: int = 64 << 30,
+                 init_binary: str = "/usr/bin/catatonit") -> None:
+        if not ID_RE.match(node_id):
+            raise BackendError(f"invalid node id: {node_id!r}")
+        self.state_dir = Path(state_dir).resolve()
+        if any(c in str(self.state_dir) for c in ",:= "):
+            raise BackendError(f"state dir must not contain , : = or space (overlay options): {self.state_dir}")
+        self.node_id = node_id
+        self._cgroups = NodeCgroups(node_id)
+        self._uppers = UpperPool(self.state_dir, upper_pool_size)
+        self._layers = LayerMounts(self.state_dir / "layers")
+        self._empty = self.state_dir / "empty"     # the lowerdir of a sandbox without layers
+        self._launcher = Launcher(init_binary, label=f"{self.state_dir}:{node_id}")
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._starting: set[str] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Reconcile a crashed run's leftovers, then prepare cgroups, the upper pool and the zygote."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        await self._reconcile()
+        try:
+            self._cgroups.setup()
+            await asyncio.to_thread(self._uppers.setup)
+            self._layers.root.mkdir(exist_ok=True)
+            self._empty.mkdir(exist_ok=True)
+            await self._launcher.start()
+        except (OSError, UpperError, LauncherError) as exc:
+            await self._reconcile()
+            raise BackendError(f"container backend failed to start: {exc}") from exc
+
+    async def _reconcile(self) -> None:
+        """Kill and remove everything this node id left under its cgroups and state dir."""
+        problems = await self._cgroups.reconcile()
+        self._layers.unmount_all()
+        await asyncio.to_thread(self._uppers.teardown)
+        for point in reversed(mount_points()):
+            if point.startswith(f"{self.state_dir}/"):
+                kernel.umount2(point, kernel.MNT_DETACH)
+        if problems:
+            raise BackendError(f"cannot clean up node {self.node_id}: {'; '.join(problems)}")
+
+    async def stop(self) -> None:
+        """Destroy every sandbox, stop the zygote, unmount everything, remove the node cgroups."""
+        results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
+                                       return_exceptions=True)
+        await self._launcher.close()
+        await self._reconcile()
+        errors = [str(r) for r in results if isinstance(r, Exception) and not isinstance(r, SandboxGone)]
+        if errors:
+            raise BackendError(f"stop: {'; '.join(errors)}")
+
+    def sandboxes(self) -> list[str]:
+        """Ids of the running sandboxes."""
+        return [i for i, sb in self._sandboxes.items() if sb.dying is None]
+
+    @property
+    def launcher_pid(self) -> int | None:
+        """Pid of the zygote (for tests and diagnostics)."""
+        return self._launcher.proc.pid if self._launcher.proc else None
+
+    # ------------------------------------------------------------ create / destroy
+
+    async def create(self, spec: SandboxSpec) -> None:
+        """Start a sandbox; returns once its init runs. Nothing is left behind on failure."""
+        if not self._launcher.alive:
+            raise BackendError(f"container backend unavailable: {self._launcher.death}")
+        if not ID_RE.match(spec.id):
+            raise BackendError(f"invalid sandbox id: {spec.id!r}")
+        if spec.id in self._sandboxes or spec.id in self._starting:
+            raise BackendError(f"sandbox already exists: {spec.id}")
+        self._starting.add(spec.id)
+        try:
+            self._sandboxes[spec.id] = await self._launch(spec)
+        finally:
+            self._starting.discard(spec.id)
+
+    async def _launch(self, spec: SandboxSpec) -> _Sandbox:
+        layers: list[Path] = []
+        groups: dict[str, Path] | None = None
+        sub: Path | None = None
+        init: tuple[int, asyncio.Future] | None = None
+        try:
+            layers = self._layers.acquire(spec.layers)
+            sub = self._uppers.create(spec.id, spec.limits.disk)
+            groups = self._cgroups.create_sandbox(spec.id, spec.limits)
+            lowers = [str(p) for p in reversed(layers)] or [str(self._empty)]
+            ready_r, ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
+                             upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"))
+                try:
+                    init = await self._launcher.request(msg, [ready_w])
+                finally:
+                    os.close(ready_w)
+                error = await asyncio.wait_for(_read_to_eof(ready_r), LAUNCH_TIMEOUT)
+            finally:
+                os.close(ready_r)
+            if error:
+                raise BackendError(f"sandbox {spec.id} failed to start: {error.decode(errors='replace')}")
+            return _Sandbox(spec, init[0], init[1], layers)
+        except BaseException as exc:
+            await self._teardown(spec.id, init, groups, sub is not None, layers)
+            if isinstance(exc, (LayerError, UpperError, CgroupError, LauncherError, OSError)):
+                raise BackendError(f"sandbox {spec.id}: {exc}") from exc
+            if isinstance(exc, asyncio.TimeoutError):
+                raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc
+            raise
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Kill every process, remove cgroups and the writable layer, release layers. Idempotent."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None:
+            raise SandboxGone(f"no such sandbox: {sandbox_id}")
+        if sb.dying is None:
+            sb.dying = asyncio.ensure_future(self._destroy(sb))
+        await asyncio.shield(sb.dying)
+
+    async def _destroy(self, sb: _Sandbox) -> None:
+        try:
+            groups = self._cgroups.sandbox(sb.spec.id)
+            residue = await self._teardown(sb.spec.id, (sb.init_pid, sb.init_exit), groups, True, sb.layers)
+        finally:
+            self._sandboxes.pop(sb.spec.id, None)
+        if residue:
+            raise BackendError(f"destroy {sb.spec.id} left: {'; '.join(residue)}")
+
+    async def _teardown(self, sandbox_id: str, init: tuple[int, asyncio.Future] | None,
+                        groups: dict[str, Path] | None,
+                        upper: bool, layers: list[Path]) -> list[str]:
+        """Undo a (partial) launch in reverse order; return what could not be removed."""
+        residue: list[str] = []
+        # Kill init by pid only while it is unreaped: after that its pid may belong to anyone.
+        live_init = init[0] if init and not init[1].done() else None
+        if groups and not await cgroups.kill_tree(groups["freezer"], init=live_init):
+            residue.append(f"processes survive in {groups['freezer']}")
+        if init is not None:
+            await self._reap(*init)
+        if groups:
+            residue.extend(await self._remove_groups(groups))
+        if upper:
+            try:
+                await asyncio.to_thread(self._uppers.remove, sandbox_id)
+            except UpperError as exc:
+                residue.append(str(exc))
+        self._layers.release(layers)
+        return residue
+
+    @staticmethod
+    async def _reap(pid: int, exited: asyncio.Future) -> None:
+        """Wait until the zygote reaped pid (or, with the zygote gone, until pid vanished)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), REAP_TIMEOUT)
+        except (LauncherError, asyncio.TimeoutError):
+            deadline = time.monotonic() + REAP_TIMEOUT
+            while not _pid_gone(pid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+
+    @staticmethod
+    async def _remove_groups(groups: dict[str, Path], timeout: float = 5.0) -> list[str]:
+        """rmdir groups, retrying while killed tasks are still being released."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = NodeCgroups.remove(groups)
+            if not busy or time.monotonic() > deadline:
+                return busy
+            await asyncio.sleep(0.002)
+
+    def _live(self, sandbox_id: str) -> _Sandbox:
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or sb.dying is not None:
+            raise SandboxGone(f"no such sandbox: {sandbox_id}")
+        if not self._launcher.alive:
+            raise BackendError(f"container backend unavailable: {self._launcher.death}")
+        if sb.init_exit.done():
+            raise BackendError(f"sandbox {sandbox_id} is not running (its init exited); destroy it")
+        return sb
+
+    # ------------------------------------------------------------ exec
+
+    async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
+                   stdin: bytes | None, timeout: float, sink: OutputSink) -> ExecResult:
+        """Run argv inside the sandbox (timeout <= 0: none); see ExecFailed for commands that never start."""
+        sb = self._live(sandbox_id)
+        if not argv:
+            raise BackendError("empty command")
+        n = next(sb.execs)
+        try:
+            groups = self._cgroups.create_exec(sandbox_id, n)
+        except CgroupError as exc:
+            raise BackendError(str(exc)) from exc
+        pipes = _Pipes()
+        started = time.monotonic()
+        try:
+            msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in groups.values()], argv=list(argv),
+                       env={**DEFAULT_ENV, **sb.spec.env, **env}, cwd=cwd or "/")
+            try:
+                try:
+                    _, exited = await self._launcher.request(msg, pipes.child_ends())
+                finally:
+                    pipes.close_child_ends()    # else our copies of the write ends would hide EOF
+                status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink)
+            except LauncherError as exc:
+                raise BackendError(str(exc)) from exc
+            failure = _exec_failure(pipes.read_error(), argv, cwd)
+        finally:
+            pipes.close()
+            cpu, peak = NodeCgroups.exec_stats(groups)
+            events = NodeCgroups.limit_events(groups)
+            if not NodeCgroups.remove(groups):  # stays if background processes remain; destroy removes it
+                sb.events.update(events)
+        result = ExecResult(exit_code=_exit_code(status), duration=time.monotonic() - started,
+                            cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
+        if failure and not timed_out:
+            raise ExecFailed(failure, ExecResult(-1, result.duration, cpu, peak))
+        return result
+
+    async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "_Pipes",
+                         stdin: bytes | None, timeout: float, sink: OutputSink) -> tuple[int, bool]:
+        """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree."""
+        feeder = asyncio.ensure_future(_feed(pipes.take("stdin_w"), stdin or b""))
+        pumps = [asyncio.ensure_future(_pump(pipes.stdout_r, "stdout", sink)),
+                 asyncio.ensure_future(_pump(pipes.stderr_r, "stderr", sink))]
+        # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
+        everything = asyncio.gather(asyncio.shield(exited), *pumps)
+        timed_out = False
+        try:
+            try:
+                await asyncio.wait_for(asyncio.shield(everything), timeout if timeout > 0 else None)
+            except asyncio.TimeoutError:
+                timed_out = True
+                await self._kill_exec(groups)
+                try:
+                    await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE)
+                except asyncio.TimeoutError:
+                    raise BackendError("command killed but its output pipes stayed open") from None
+            return exited.result(), timed_out
+        except BaseException:
+            await asyncio.shield(self._kill_exec(groups))
+            raise
+        finally:
+            everything.cancel()
+            if everything.done() and not everything.cancelled():
+                everything.exception()      # retrieved: errors were raised above already
+            for task in (feeder, *pumps):
+                task.cancel()
+            # Wait until they unregistered their fds: the caller closes them next, and a closed
+            # fd number may at once be reused by another exec's pipe.
+            await asyncio.gather(feeder, *pumps, return_exceptions=True)
+
+    async def _kill_exec(self, groups: dict[str, Path]) -> None:
+        if not await cgroups.kill_tree(groups["freezer"]):
+            raise BackendError(f"cannot kill the processes of {groups['freezer']}")
+
+    # ------------------------------------------------------------ files
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create or truncate a file in the sandbox root filesystem (symlinks resolved inside it)."""
+        sb = self._live(sandbox_id)
+        await asyncio.to_thread(_write_in_root, sandbox_id, sb.init_pid, path, data, mode)
+
+    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
+        """Read a file of the sandbox root filesystem, at most limit bytes (else BackendError)."""
+        sb = self._live(sandbox_id)
+        return await asyncio.to_thread(_read_in_root, sandbox_id, sb.init_pid, path, limit)
+
+    # ------------------------------------------------------------ checks
+
+    def cgroup_dir(self, sandbox_id: str, controller: str) -> Path:
+        """The sandbox's group directory in one controller (tests read limit events there)."""
+        return self._cgroups.sandbox(sandbox_id)[controller]
+
+    def limit_events(self, sandbox_id: str) -> dict[str, int]:
+        """How often each limit fired in a sandbox so far: pids_max, oom_kill, memory/memsw failcnt."""
+        sb = self._live(sandbox_id)
+        total = Counter(sb.events)
+        top = self._cgroups.sandbox(sandbox_id)
+        total.update(NodeCgroups.limit_events(top))
+        for child in top["pids"].glob("x*"):
+            total.update(NodeCgroups.limit_events({c: p / child.name for c, p in top.items()}))
+        return dict(total)
+
+    def init_pid(self, sandbox_id: str) -> int:
+        """Host pid of the sandbox's init."""
+        return self._live(sandbox_id).init_pid
+
+    def residue(self, sandbox_id: str) -> list[str]:
+        """What still exists of a sandbox (cgroups, processes, writable layer, unused layer mounts)."""
+        out: list[str] = []
+        for path in self._cgroups.sandbox(sandbox_id).values():
+            if path.exists():
+                out.append(f"cgroup {path}")
+                out.extend(f"process {pid} in {path}" for pid in cgroups.procs_under(path))
+        if (self._uppers.root / sandbox_id).exists():
+            out.append(f"writable layer {self._uppers.root / sandbox_id}")
+        used = {str(p) for p in self._layers.in_use()}
+        out.extend(f"unused layer mount {p}" for p in mount_points()
+                   if Path(p).parent == self._layers.root and p not in used)
+        return out
+
+
+def leftovers(state_dir: Path, node_id: str) -> list[str]:
+    """Everything a node left behind: mounts under state_dir, dsec-<node> cgroups and their processes,
+    loop devices on its pool image, its zygote."""
+    state_dir = Path(state_dir).resolve()
+    out = [f"mount {p}" for p in mount_points() if p == str(state_dir) or p.startswith(f"{state_dir}/")]
+    out.extend(NodeCgroups(node_id).describe())
+    out.extend(f"loop device {d}" for d in loop_devices(state_dir / "uppers.btrfs"))
+    label = f"{state_dir}:{node_id}".encode()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"edge.backends.zygote" in cmdline and label in cmdline.split(b"\0"):
+            out.append(f"zygote process {proc.name}")
+    return out
+
+
+# ---------------------------------------------------------------- exec plumbing
+
+
+class _Pipes:
+    """The four pipes of one exec: stdin, stdout, stderr, and the execve error pipe."""
+
+    def __init__(self) -> None:
+        self.stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC)
+        self.stdout_r, self.stdout_w = os.pipe2(os.O_CLOEXEC)
+        self.stderr_r, self.stderr_w = os.pipe2(os.O_CLOEXEC)
+        self.error_r, self.error_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (self.stdin_w, self.stdout_r, self.stderr_r, self.error_r):
+            os.set_blocking(fd, False)
+
+    def child_ends(self) -> list[int]:
+        return [self.stdin_r, self.stdout_w, self.stderr_w, self.error_w]
+
+    def close_child_ends(self) -> None:
+        for name in ("stdin_r", "stdout_w", "stderr_w", "error_w"):
+            self.take(name)
+
+    def take(self, name: str) -> int:
+        """Hand over ownership of one fd (or close it when it is a child end)."""
+        fd = getattr(self, name)
+        setattr(self, name, -1)
+        if name in ("stdin_r", "stdout_w", "stderr_w", "error_w") and fd >= 0:
+            os.close(fd)
+        return fd
+
+    def read_error(self) -> bytes:
+        """What the child wrote to the error pipe (empty once execve succeeded)."""
+        try:
+            return os.read(self.error_r, 4096)
+        except BlockingIOError:
+            return b""
+
+    def close(self) -> None:
+        for name in ("stdin_r", "stdin_w", "stdout_r", "stdout_w", "stderr_r", "stderr_w",
+                     "error_r", "error_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+async def _wait_fd(fd: int, write: bool = False) -> None:
+    """Return when fd is readable (or writable); the fd is unregistered before returning or raising."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        remove(fd)
+
+
+async def _pump(fd: int, name: str, sink: OutputSink) -> None:
+    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF."""
+    while True:
+        try:
+            chunk = os.read(fd, CHUNK)
+        except BlockingIOError:
+            await _wait_fd(fd)
+            continue
+        if not chunk:
+            return
+        await sink(name, chunk)
+
+
+async def _feed(fd: int, data: bytes) -> None:
+    """Write data to the command's stdin, then close it (EOF)."""
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view[:CHUNK]):]
+            except BlockingIOError:
+                await _wait_fd(fd, write=True)
+    except BrokenPipeError:
+        pass        # the command stopped reading; not an error of the exec
+    finally:
+        os.close(fd)
+
+
+async def _read_to_eof(fd: int) -> bytes:
+    """Read a non-blocking pipe until EOF."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            await _wait_fd(fd)
+            continue
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _pid_gone(pid: int) -> bool:
+    """True if pid has exited (a zombie left to another reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def _exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
+    """Turn the child's error report (stage, errno, text) into one clear line."""
+    if not report:
+        return None
+    stage, code, text = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
+    code = int(code or 0)
+    if stage == "exec" and code in (errno.ENOENT, errno.ENOTDIR):
+        return f"command not found: {argv[0]}"
+    if stage == "exec" and code == errno.EACCES:
+        return f"permission denied: {argv[0]}"
+    if stage == "cwd":
+        return f"no such directory: {cwd}" if code == errno.ENOENT else f"cannot enter {cwd}: {text}"
+    return f"exec {argv[0]} failed ({stage}): {text}"
+
+
+# ---------------------------------------------------------------- files
+
+
+def _root_fd(sandbox_id: str, init_pid: int) -> int:
+    try:
+        return os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SandboxGone(f"sandbox {sandbox_id} is not running") from exc
+
+
+def _write_in_root(sandbox_id: str, init_pid: int, path: str, data: bytes, mode: int) -> None:
+    root = _root_fd(sandbox_id, init_pid)
+    try:
+        kernel.write_in_root(root, path, data, mode & 0o7777)
+    except OSError as exc:
+        raise _file_error(exc, path, creating=True) from exc
+    finally:
+        os.close(root)
+
+
+def _read_in_root(sandbox_id: str, init_pid: int, path: str, limit: int) -> bytes:
+    root = _root_fd(sandbox_id, init_pid)
+    try:
+        return kernel.read_in_root(root, path, limit)
+    except OSError as exc:
+        raise _file_error(exc, path, creating=False) from exc
+    finally:
+        os.close(root)
+
+
+def _file_error(exc: OSError, path: str, creating: bool) -> BackendError:
+    """One clear line for a failed sandbox file operation."""
+    if exc.errno == errno.ENOENT:
+        return BackendError(f"no such directory: {os.path.dirname(path) or '/'}" if creating
+                            else f"no such file: {path}")
+    if exc.errno == errno.EFBIG:
+        return BackendError(f"file too large: {path} exceeds the limit of {exc.strerror} bytes")
+    messages = {errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
+                errno.ELOOP: "too many levels of symbolic links", errno.EACCES: "permission denied",
+                errno.EXDEV: "outside the sandbox root filesystem (/proc, /sys and /dev are not accessible)",
+                errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded",
+                errno.ENOSPC: "no space left on the writable layer", errno.ENXIO: "not a regular file",
+                errno.EBADFD: "not a regular file"}
+    return BackendError(f"{messages.get(exc.errno, exc.strerror)}: {path}")

@@ -1,0 +1,79 @@
+"""A node's capacity and what its sandboxes use: the edge's own accounting (heartbeat source)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import psutil
+
+from bus.messages import NodeInfo, Resources
+
+
+class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """How an edge sizes itself. Fields left at 0 are derived from the machine with psutil."""
+
+    node_id: str = "local"
+    pool: str = "local"
+    slots: int = 128                  # max sandboxes at once
+    cpu_overcommit: float = 16.0      # schedulable cores = physical cores x this
+    memory_fraction: float = 0.8      # schedulable memory = RAM x this (no overcommit)
+    disk: int = 64 << 30              # writable-layer pool size (sparse btrfs image)
+    max_execs: int = 256              # concurrent execs across the node (>= 64)
+    heartbeat: float = 2.0            # seconds between inventory updates
+    cpus: float = 0.0                 # 0: psutil.cpu_count()
+    memory: int = 0                   # 0: psutil total RAM
+
+
+@dataclass
+class Capacity:
+    """Totals and current usage; reserve() and release() keep usage exact."""
+
+    config: EdgeConfig
+    cores: float = 0.0
+    cpu: float = 0.0
+    memory: int = 0
+    used: dict[str, Resources] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.cores = c.cpus or float(psutil.cpu_count() or 1)
+        self.cpu = self.cores * c.cpu_overcommit
+        self.memory = int((c.memory or psutil.virtual_memory().total) * c.memory_fraction)
+
+    def used_cpu(self) -> float:
+        """Cores booked."""
+        return sum(r.cpu for r in self.used.values())
+
+    def used_memory(self) -> int:
+        """Bytes booked."""
+        return sum(r.memory for r in self.used.values())
+
+    def used_disk(self) -> int:
+        """Writable-layer bytes booked."""
+        return sum(r.disk for r in self.used.values())
+
+    def free_slots(self) -> int:
+        """Sandboxes that may still start."""
+        return max(0, self.config.slots - len(self.used))
+
+    def fits(self, r: Resources) -> bool:
+        """Whether r fits now on every dimension."""
+        return (self.free_slots() > 0 and self.used_cpu() + r.cpu <= self.cpu
+                and self.used_memory() + r.memory <= self.memory and self.used_disk() + r.disk <= self.config.disk)
+
+    def reserve(self, sandbox_id: str, r: Resources) -> None:
+        """Book r for a sandbox."""
+        self.used[sandbox_id] = r
+
+    def release(self, sandbox_id: str) -> None:
+        """Free a sandbox's booking."""
+        self.used.pop(sandbox_id, None)
+
+    def node_info(self, draining: bool = False) -> NodeInfo:
+        """The heartbeat record."""
+        c = self.config
+        return NodeInfo(node=c.node_id, pool=c.pool, slots=c.slots, cpu=self.cpu, memory=self.memory, disk=c.disk,
+                        used_slots=len(self.used), used_cpu=self.used_cpu(), used_memory=self.used_memory(),
+                        used_disk=self.used_disk(), max_cpu=self.cores, max_memory=self.memory,
+                        max_disk=c.disk, max_pids=1 << 22, draining=draining, heartbeat=time.time())

@@ -1,0 +1,67 @@
+"""Making EROFS layer files: pack a directory, and lay out a busybox root from Debian's busybox-static."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+BUSYBOX_CANDIDATES = ("/bin/busybox", "/usr/bin/busybox")
+ROOT_DIRS = ("bin", "dev", "etc", "proc", "sys", "tmp", "root", "home", "usr/bin", "var/tmp")
+
+
+class LayerBuildError(Exception):
+    """A layer could not be built; the message is one clear line."""
+
+
+def pack_dir(src: Path, dst: Path) -> str:
+    """Pack directory src into the EROFS file dst (uid/gid kept, fixed mtime); return its sha256 digest."""
+    if not src.is_dir():
+        raise LayerBuildError(f"not a directory: {src}")
+    if shutil.which("mkfs.erofs") is None:
+        raise LayerBuildError("mkfs.erofs not found: install erofs-utils (make setup does)")
+    tmp = dst.with_suffix(".tmp")
+    proc = subprocess.run(["mkfs.erofs", "--quiet", "-T0", str(tmp), str(src)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise LayerBuildError(f"mkfs.erofs failed: {proc.stderr.strip().splitlines()[-1:]}")
+    digest = file_digest(tmp)
+    os.replace(tmp, dst)
+    return digest
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file as 'sha256:<hex>'."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def find_busybox() -> str:
+    """Path of a static busybox on this host."""
+    for cand in BUSYBOX_CANDIDATES:
+        if os.path.exists(cand):
+            return cand
+    raise LayerBuildError("busybox not found: install busybox-static (make setup does)")
+
+
+def busybox_rootfs(root: Path) -> None:
+    """Lay out a minimal root in `root`: busybox with one symlink per applet, /tmp 1777, /etc files."""
+    busybox = find_busybox()
+    for d in ROOT_DIRS:
+        (root / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(root / "tmp", 0o1777)
+    os.chmod(root / "var/tmp", 0o1777)
+    shutil.copy2(busybox, root / "bin/busybox")
+    applets = subprocess.run([busybox, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for name in applets:
+        link = root / "bin" / name
+        if name != "busybox" and not link.exists():
+            link.symlink_to("busybox")
+    (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+    (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
+    (root / "etc/hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")

@@ -1,0 +1,229 @@
+"""AsyncClient: create sandboxes and attach to them, over the bus."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.errors import (CapacityUnavailable, DsecError, InvalidRequest, SandboxError, SandboxNotFound, from_code)
+from bus.messages import (CreateRequest, ErrorReply, Queued, SandboxReady, create_reply_decoder, encode,
+                          op_reply_decoder, sandbox_decoder)
+from libdsec.ids import new_id
+from libdsec.resources import Resources
+from libdsec.sandbox import AsyncSandbox
+
+DEFAULT_CREATE_TIMEOUT = 60.0
+DEFAULT_TTL = 600.0
+
+
+async def _next(q: asyncio.Queue[bytes], timeout: float) -> bytes | None:
+    """The next reply, or None when `timeout` seconds pass first."""
+    if timeout <= 0:
+        return None
+    try:
+        return await asyncio.wait_for(q.get(), timeout=timeout)
+    except asyncio.TimeoutError:
+        return None
+
+
+class _Replies:
+    """One wildcard inbox subscription; replies are routed to waiters by request id."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.prefix = bus.inbox()
+        self._waiters: dict[str, asyncio.Queue[bytes]] = {}
+        self._sub = None
+
+    async def open(self) -> None:
+        async def _cb(data: bytes, subject: str) -> None:
+            q = self._waiters.get(subject.rsplit(".", 1)[-1])
+            if q is not None:
+                q.put_nowait(data)
+        self._sub = await self.bus.subscribe(f"{self.prefix}.*", _cb)
+
+    def register(self, request_id: str) -> tuple[str, asyncio.Queue[bytes]]:
+        q: asyncio.Queue[bytes] = asyncio.Queue()
+        self._waiters[request_id] = q
+        return f"{self.prefix}.{request_id}", q
+
+    def forget(self, request_id: str) -> None:
+        self._waiters.pop(request_id, None)
+
+
+class AsyncClient:
+    """The asynchronous SDK entry point; use as `async with AsyncClient(url) as client`."""
+
+    def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str = "default",
+                 connect_timeout: float = 5.0) -> None:
+        self.url = url
+        self.tenant = subjects.token(tenant, "tenant")
+        self.connect_timeout = connect_timeout
+        self.bus: Bus | None = None
+        self._replies: _Replies | None = None
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Connect to the bus (BusUnavailable if nobody answers)."""
+        self.bus = await Bus.connect(self.url, name="libdsec", timeout=self.connect_timeout)
+        self._replies = _Replies(self.bus)
+        await self._replies.open()
+
+    async def close(self) -> None:
+        """Close the connection (sandboxes live on until destroyed or their TTL)."""
+        if self.bus is not None:
+            await self.bus.close()
+            self.bus = None
+
+    def _need_bus(self) -> Bus:
+        if self.bus is None:
+            raise SandboxError("client is not connected (use `async with AsyncClient(...)`)")
+        return self.bus
+
+    # ---- create -------------------------------------------------------------------------------
+
+    def _request(self, image: str, backend: str, resources: Resources | None, ttl: float,
+                 env: dict[str, str] | None, labels: dict[str, str] | None, timeout: float) -> CreateRequest:
+        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
+            raise InvalidRequest(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if not isinstance(image, str) or not image:
+            raise InvalidRequest(f"image must be a non-empty string, got {image!r}")
+        for what, d in (("env", env), ("labels", labels)):
+            if d is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()):
+                raise InvalidRequest(f"{what} must map str to str")
+        rid = new_id("r")
+        now = time.time()
+        return CreateRequest(request_id=rid, sandbox_id=new_id("sb"), tenant=self.tenant, image=image,
+                             backend=backend, resources=(resources or Resources()).to_wire(), ttl=float(ttl),
+                             env=dict(env or {}), labels=dict(labels or {}), deadline=now + timeout, sent_at=now)
+
+    async def create(self, image: str = "busybox", *, backend: str = "container", resources: Resources | None = None,
+                     ttl: float = DEFAULT_TTL, env: dict[str, str] | None = None,
+                     labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT) -> AsyncSandbox:
+        """Create one sandbox and wait until it runs (CapacityUnavailable after `timeout`)."""
+        req = self._request(image, backend, resources, ttl, env, labels, timeout)
+        return await self._create(req, timeout)
+
+    async def _create(self, req: CreateRequest, timeout: float) -> AsyncSandbox:
+        bus, replies = self._need_bus(), self._replies
+        assert replies is not None
+        reply_to, q = replies.register(req.request_id)
+        req = msgspec.structs.replace(req, reply_to=reply_to)
+        queued = ""
+        try:
+            await bus.publish(subjects.create_request(self.tenant), encode(req), msg_id=req.request_id)
+            while (data := await _next(q, req.deadline - time.time())) is not None:
+                try:
+                    reply = create_reply_decoder.decode(data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue   # junk on our inbox is skipped
+                match reply:
+                    case SandboxReady():
+                        return AsyncSandbox(self, reply.sandbox_id, reply.node)
+                    case Queued():
+                        queued = reply.reason
+                    case ErrorReply():
+                        raise from_code(reply.code, reply.message, reason=reply.reason)
+            await self._abandon(req.sandbox_id)
+            why = f" (queued: {queued})" if queued else ""
+            raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; "
+                                      "the request expires and will not start later")
+        finally:
+            replies.forget(req.request_id)
+
+    async def _abandon(self, sandbox_id: str) -> None:
+        """A create we gave up on may have raced to ready: destroy it so nothing is orphaned."""
+        try:
+            rec = await asyncio.wait_for(self._record(sandbox_id), timeout=2)
+            if rec is not None and rec.state == "ready":
+                await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=5)
+        except (DsecError, asyncio.TimeoutError):
+            pass   # the edge's own deadline check is the main guard
+
+    async def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[AsyncSandbox]:
+        """Create n sandboxes in one round; all are returned, or none survive and the first error is raised."""
+        if not isinstance(n, int) or n < 1:
+            raise InvalidRequest(f"n must be a positive integer, got {n!r}")
+        results = await asyncio.gather(*(self.create(image, **kwargs) for _ in range(n)), return_exceptions=True)
+        ok = [r for r in results if isinstance(r, AsyncSandbox)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(sb.destroy() for sb in ok), return_exceptions=True)
+            raise errors[0]
+        return ok
+
+    # ---- attach and list ----------------------------------------------------------------------
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        """Attach to a sandbox by id; SandboxNotFound (with the reason) when it does not run."""
+        rec = await self._record(sandbox_id)
+        if rec is None:
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found (never_existed)", reason="never_existed")
+        if rec.state != "ready":
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({rec.state}: {rec.reason})", reason=rec.state)
+        return AsyncSandbox(self, rec.sandbox_id, rec.node)
+
+    async def _record(self, sandbox_id: str):
+        try:
+            subjects.token(sandbox_id, "sandbox_id")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        raw = await self._need_bus().kv_get(streams.SANDBOXES_KV, sandbox_id)
+        if raw is None:
+            return None
+        try:
+            return sandbox_decoder.decode(raw)
+        except msgspec.DecodeError:
+            return None
+
+    async def list(self, all_states: bool = False) -> list:
+        """Sandbox records of this tenant (running only unless all_states)."""
+        out = []
+        for _, raw in await self._need_bus().kv_items(streams.SANDBOXES_KV):
+            try:
+                rec = sandbox_decoder.decode(raw)
+            except msgspec.DecodeError:
+                continue
+            if rec.tenant == self.tenant and (all_states or rec.state == "ready"):
+                out.append(rec)
+        return sorted(out, key=lambda r: r.created_at)
+
+    # ---- ops (used by AsyncSandbox) -------------------------------------------------------------
+
+    async def _op(self, node: str, sandbox_id: str, make, timeout: float) -> bytes:
+        bus, replies = self._need_bus(), self._replies
+        assert replies is not None
+        rid = new_id("o")
+        reply_to, q = replies.register(rid)
+        try:
+            op = make(rid, reply_to, time.time() + timeout)
+            await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid)
+            while True:
+                data = await _next(q, timeout)
+                if data is None:
+                    raise SandboxError(f"node {node} did not answer within {timeout:.0f}s")
+                try:
+                    reply = op_reply_decoder.decode(data)
+                    break
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+        finally:
+            replies.forget(rid)
+        if isinstance(reply, ErrorReply):
+            raise from_code(reply.code, reply.message, reason=reply.reason)
+        return reply.data
+
+
+__all__ = ["AsyncClient", "DsecError"]

@@ -1,0 +1,112 @@
+"""Reading one exec's output subject: ordered by seq, gaps refilled from the stream, split into lines."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+import msgspec
+
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.errors import BusError, SandboxError, from_code
+from bus.messages import ExitRecord, OutputChunk, output_decoder
+from libdsec.results import Exit, Output
+
+EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
+
+
+class ExecStream:
+    """Subscribes before the exec is sent, so no record is missed; yields records in seq order."""
+
+    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str) -> None:
+        self.bus = bus
+        self.subject = subjects.output(sandbox_id, exec_id)
+        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._sub = None
+        self._held: dict[int, OutputChunk | ExitRecord] = {}
+        self._next = 1
+
+    async def open(self) -> None:
+        """Subscribe to the output subject."""
+        async def _cb(data: bytes, _subject: str) -> None:
+            self._queue.put_nowait(data)
+        self._sub = await self.bus.subscribe(self.subject, _cb)
+
+    async def close(self) -> None:
+        """Unsubscribe."""
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None
+
+    async def records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
+        """Records in order until the exit record; SandboxError if none comes within `wait` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                data = await asyncio.wait_for(self._queue.get(), timeout=max(0.05, left) if left > 0 else 0.05)
+            except asyncio.TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
+                continue
+            try:
+                rec = output_decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue   # junk on the subject is skipped
+            if rec.seq < self._next:
+                continue
+            self._held[rec.seq] = rec
+            if isinstance(rec, ExitRecord) and rec.seq > self._next:
+                await self._refill(rec.seq)   # core delivery dropped something: the stream has it
+            while self._next in self._held:
+                out = self._held.pop(self._next)
+                self._next += 1
+                yield out
+                if isinstance(out, ExitRecord):
+                    return
+
+    async def _refill(self, upto: int) -> None:
+        try:
+            async for data in self.bus.read_subject(streams.OUT_STREAM, self.subject):
+                try:
+                    rec = output_decoder.decode(data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if self._next <= rec.seq <= upto:
+                    self._held.setdefault(rec.seq, rec)
+        except BusError:
+            pass
+        for seq in range(self._next, upto):
+            self._held.setdefault(seq, OutputChunk(seq=seq, data=b""))   # lost past retention: keep going
+
+
+def exit_of(rec: ExitRecord) -> Exit:
+    """The SDK's Exit for an exit record; raises the typed error when the exec never ran."""
+    if rec.error_code:
+        raise from_code(rec.error_code, rec.error, reason=rec.reason or rec.error_code)
+    return Exit(exit_code=rec.exit_code, duration=rec.duration, cpu_time=rec.cpu_time, peak_memory=rec.peak_memory,
+                timed_out=rec.timed_out, truncated=rec.truncated)
+
+
+class LineSplitter:
+    """Turns chunks of one stream into lines (the final partial line is flushed at the end)."""
+
+    def __init__(self) -> None:
+        self._partial: dict[str, bytes] = {"stdout": b"", "stderr": b""}
+
+    def feed(self, stream: str, data: bytes) -> list[Output]:
+        """Complete lines found so far in this stream."""
+        buf = self._partial[stream] + data
+        lines = buf.split(b"\n")
+        self._partial[stream] = lines.pop()
+        return [Output(stream, line + b"\n") for line in lines]  # type: ignore[arg-type]
+
+    def flush(self) -> list[Output]:
+        """The partial last lines, if any."""
+        out = [Output(s, b) for s, b in self._partial.items() if b]  # type: ignore[arg-type]
+        self._partial = {"stdout": b"", "stderr": b""}
+        return out

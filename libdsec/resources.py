@@ -1,0 +1,46 @@
+"""Resources as users write them ("256Mi", 1.5 cores), parsed into the wire form with errors naming the field."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from bus.errors import InvalidRequest
+from bus.messages import Resources as WireResources
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|[kmgt]i?|B|b)?\s*$")
+_UNITS = {"": 1, "b": 1, "k": 1000, "ki": 1 << 10, "m": 1000 ** 2, "mi": 1 << 20, "g": 1000 ** 3, "gi": 1 << 30,
+          "t": 1000 ** 4, "ti": 1 << 40}
+
+
+def parse_size(value: int | str, field: str) -> int:
+    """'256Mi', '1G', '512k' or a byte count -> bytes; InvalidRequest naming `field` otherwise."""
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{field} must be a size like '256Mi' or a byte count, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    else:
+        raise InvalidRequest(f"{field} must be a size like '256Mi' or a byte count, got {value!r}")
+    if n <= 0:
+        raise InvalidRequest(f"{field} must be positive, got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one sandbox may use: cores, memory (swap capped equal), processes, writable-layer size."""
+
+    cpu: float = 1.0
+    memory: int | str = "256Mi"
+    pids: int = 256
+    disk: int | str = "256Mi"
+
+    def to_wire(self) -> WireResources:
+        """Validate and normalise to cores and bytes."""
+        if isinstance(self.cpu, bool) or not isinstance(self.cpu, (int, float)) or not self.cpu > 0:
+            raise InvalidRequest(f"resources.cpu must be a positive number of cores, got {self.cpu!r}")
+        if isinstance(self.pids, bool) or not isinstance(self.pids, int) or self.pids < 1:
+            raise InvalidRequest(f"resources.pids must be a positive integer, got {self.pids!r}")
+        return WireResources(cpu=float(self.cpu), memory=parse_size(self.memory, "resources.memory"),
+                             pids=self.pids, disk=parse_size(self.disk, "resources.disk"))

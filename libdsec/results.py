@@ -1,0 +1,44 @@
+"""What execs give back: Output events, the Exit record, and the collected ExecResult."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Output:
+    """One line (or the last partial line) of one stream, as it arrived."""
+
+    stream: Literal["stdout", "stderr"]
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The end of an exec."""
+
+    exit_code: int
+    duration: float
+    cpu_time: float = 0.0
+    peak_memory: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """A finished exec: its exit and everything it printed (bytes)."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration: float
+    cpu_time: float = 0.0
+    peak_memory: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Exit code 0."""
+        return self.exit_code == 0

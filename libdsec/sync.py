@@ -1,0 +1,128 @@
+"""The synchronous twin of the SDK: the same API, run on a private event loop in a background thread."""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any, Iterator
+
+from libdsec.client import AsyncClient
+from libdsec.results import ExecResult, Exit, Output
+from libdsec.sandbox import AsyncSandbox
+
+_DONE = object()
+
+
+class _Loop:
+    """An event loop in a daemon thread; run() blocks the caller until the coroutine ends."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="libdsec", daemon=True)
+        self.thread.start()
+
+    def run(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class Sandbox:
+    """Synchronous handle on one sandbox (see AsyncSandbox for each method)."""
+
+    def __init__(self, client: "Client", inner: AsyncSandbox) -> None:
+        self._client = client
+        self._inner = inner
+        self.id = inner.id
+        self.node = inner.node
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, node={self.node!r})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._client._loop.run(self._inner.__aexit__(*exc))
+
+    def exec(self, cmd, **kwargs: Any) -> ExecResult:
+        """Run a command to the end."""
+        return self._client._loop.run(self._inner.exec(cmd, **kwargs))
+
+    def stream(self, cmd, **kwargs: Any) -> Iterator[Output | Exit]:
+        """Yield Output per line as produced, then Exit."""
+        q: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for ev in self._inner.stream(cmd, **kwargs):
+                    q.put(ev)
+            except BaseException as exc:
+                q.put(exc)
+            finally:
+                q.put(_DONE)
+
+        asyncio.run_coroutine_threadsafe(pump(), self._client._loop.loop)
+        while (item := q.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def write_file(self, path: str, data: bytes | str, **kwargs: Any) -> None:
+        """Write a file inside the sandbox."""
+        self._client._loop.run(self._inner.write_file(path, data, **kwargs))
+
+    def read_file(self, path: str, **kwargs: Any) -> bytes:
+        """Read a file inside the sandbox."""
+        return self._client._loop.run(self._inner.read_file(path, **kwargs))
+
+    def destroy(self, **kwargs: Any) -> None:
+        """Destroy it."""
+        self._client._loop.run(self._inner.destroy(**kwargs))
+
+
+class Client:
+    """Synchronous SDK entry point; use as `with Client(url) as client`."""
+
+    def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str = "default",
+                 connect_timeout: float = 5.0) -> None:
+        self._loop = _Loop()
+        self._async = AsyncClient(url, tenant=tenant, connect_timeout=connect_timeout)
+        try:
+            self._loop.run(self._async.connect())
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection and the private loop."""
+        try:
+            self._loop.run(self._async.close())
+        finally:
+            self._loop.stop()
+
+    def create(self, image: str = "busybox", **kwargs: Any) -> Sandbox:
+        """Create one sandbox and wait until it runs."""
+        return Sandbox(self, self._loop.run(self._async.create(image, **kwargs)))
+
+    def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[Sandbox]:
+        """Create n sandboxes in one round (all or none)."""
+        return [Sandbox(self, s) for s in self._loop.run(self._async.create_many(n, image, **kwargs))]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """Attach to a sandbox by id."""
+        return Sandbox(self, self._loop.run(self._async.get(sandbox_id)))
+
+    def list(self, all_states: bool = False) -> list:
+        """Sandbox records of this tenant."""
+        return self._loop.run(self._async.list(all_states))

@@ -1,0 +1,51 @@
+"""Admission: a request is checked field by field before anything is placed; errors name the field."""
+from __future__ import annotations
+
+import time
+
+from bus import subjects
+from bus.errors import InvalidRequest
+from bus.messages import CreateRequest, Resources
+
+MIN_MEMORY = 8 << 20
+MIN_DISK = 1 << 20
+MAX_TTL = 7 * 24 * 3600.0
+BACKENDS = ("container",)
+
+
+def check_resources(r: Resources) -> None:
+    """Plain range checks (node maximums are checked by scoring)."""
+    if not r.cpu > 0 or r.cpu > 1024:
+        raise InvalidRequest(f"resources.cpu must be > 0 and <= 1024 cores, got {r.cpu}")
+    if r.memory < MIN_MEMORY:
+        raise InvalidRequest(f"resources.memory must be at least {MIN_MEMORY >> 20}Mi, got {r.memory} bytes")
+    if r.pids < 1 or r.pids > 1 << 22:
+        raise InvalidRequest(f"resources.pids must be between 1 and {1 << 22}, got {r.pids}")
+    if r.disk < MIN_DISK:
+        raise InvalidRequest(f"resources.disk must be at least 1Mi, got {r.disk} bytes")
+
+
+def check_create(req: CreateRequest, now: float | None = None) -> None:
+    """Every field of a create request that placement relies on."""
+    for value, what in ((req.request_id, "request_id"), (req.sandbox_id, "sandbox_id"), (req.tenant, "tenant")):
+        try:
+            subjects.token(value, what)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+    if req.backend not in BACKENDS:
+        raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {req.backend!r}")
+    if not req.deadline > 0:
+        raise InvalidRequest("deadline must be an absolute unix time")
+    if not 0 < req.ttl <= MAX_TTL:
+        raise InvalidRequest(f"ttl must be > 0 and <= {int(MAX_TTL)} seconds, got {req.ttl}")
+    if not req.reply_to:
+        raise InvalidRequest("reply_to is required")
+    for k in req.env:
+        if not k or "=" in k or "\0" in k:
+            raise InvalidRequest(f"env: invalid variable name {k!r}")
+    check_resources(req.resources)
+
+
+def expired(deadline: float, now: float | None = None) -> bool:
+    """Whether an absolute deadline has passed."""
+    return (now or time.time()) > deadline

@@ -1,0 +1,84 @@
+"""Shared fixtures: a real nats-server per session, a real stack (placement + edge + container backend),
+and a leak check after every test."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from bus.server import NatsServer, free_port
+
+NODE = "t1"
+
+
+@pytest.fixture(scope="session")
+def session_dir():
+    """A temp dir for the whole session (removed at the end)."""
+    d = Path(tempfile.mkdtemp(prefix="dsec-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def nats_server(session_dir):
+    """A real nats-server with JetStream on a free port."""
+    srv = NatsServer(session_dir / "nats", port=free_port()).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+async def stack(nats_server, session_dir):
+    """Placement + one edge (container backend) on the session server; torn down and leak-checked at the end."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    st = Stack(session_dir / "state", nats_url=nats_server.url, metrics_port=None,
+               edge_config=EdgeConfig(node_id=NODE, slots=64))
+    await st.start()
+    yield st
+    await st.stop()
+    from edge.backends.container import leftovers
+    assert leftovers(session_dir / "state" / "edge", NODE) == []
+
+
+@pytest.fixture
+async def client(stack):
+    """A connected AsyncClient."""
+    import libdsec
+    async with libdsec.AsyncClient(stack.url) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+async def no_leaks(request):
+    """After every test that used the stack: no sandbox left, and no per-sandbox residue on the host."""
+    yield
+    if "stack" not in request.fixturenames:
+        return
+    st = request.getfixturevalue("stack")
+    if st.edge is None:
+        return
+    for _ in range(50):   # destroys triggered at the end of a test may still be settling
+        if not st.edge.sandboxes and not st.edge.backend.sandboxes():
+            break
+        await asyncio.sleep(0.1)
+    left = list(st.edge.sandboxes)
+    for sid in left:      # clean up so one leaky test does not fail the rest
+        await st.edge.destroy(sid)
+    assert left == [], f"test left sandboxes running: {left}"
+    assert sandbox_cgroups(NODE) == [], "per-sandbox cgroups left behind"
+
+
+def sandbox_cgroups(node: str) -> list[str]:
+    """Per-sandbox cgroup dirs under any dsec-<node> group, in every v1 hierarchy."""
+    from edge.backends.cgroups import own_paths
+    out = []
+    for base in own_paths().values():
+        group = base / f"dsec-{node}"
+        if group.is_dir():
+            out += [str(p) for p in group.iterdir() if p.is_dir()]
+    return out
+

@@ -1,0 +1,155 @@
+"""Bad input: junk on every subject, impossible requests, vanished sandboxes. Each ends in one clear outcome."""
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+import libdsec
+from bus import streams
+
+pytestmark = pytest.mark.timeout(90)
+
+JUNK = [b"", b"not json", b"\xff\xfe\x00binary", b"[1,2,3]", b'{"kind":"nope"}', b"x" * 900_000,
+        b'{"kind":"create","request_id":5,"resources":"big"}',
+        b'{"kind":"exec","exec_id":7,"argv":"ls"}', b'{"kind":"node","slots":"many"}',
+        b'{"kind":"sandbox","state":42}', b'{"kind":"image","version":"one"}']
+
+
+def junk_subjects(node: str) -> list[str]:
+    return [
+        "dsec.req.create.default", "dsec.req.create.other", f"dsec.node.{node}.create",
+        f"dsec.node.{node}.exec.sbjunk", "dsec.pool.cloud.create", "dsec.out.sbjunk.xjunk", "dsec.evt.default.sbjunk",
+        f"$KV.{streams.NODES_KV}.junk", f"$KV.{streams.NODES_KV}.{node}x", f"$KV.{streams.SANDBOXES_KV}.sbjunk",
+        f"$KV.{streams.IMAGES_KV}.junk", f"$KV.{streams.IMAGES_KV}.junk.1", f"$O.{streams.LAYERS_OBJ}.C.junk",
+        f"$O.{streams.LAYERS_OBJ}.M.anVuaw==",
+    ]
+
+
+async def test_junk_everywhere_never_blocks_startup_listing_or_serving(stack, client):
+    nc = await nats.connect(stack.url)
+    js = nc.jetstream()
+    try:
+        for subject in junk_subjects(stack.edge.node):
+            for payload in JUNK:
+                try:
+                    await js.publish(subject, payload, timeout=5)
+                except nats.errors.Error:
+                    await nc.publish(subject, payload)   # a subject no stream captures, or a refused size
+        await nc.flush()
+    finally:
+        await nc.close()
+    # serving still works, through the very lanes that got junk
+    async with await client.create() as sb:
+        assert (await sb.exec("echo still")).stdout == b"still\n"
+    # listing skips undecodable entries
+    assert isinstance(await client.list(all_states=True), list)
+    from placement.images import ImageRegistry
+    assert any(r.name == "busybox" for r in await ImageRegistry(stack.bus).list())
+    # startup: provisioning and the busybox check run again over the junk
+    await stack.bus.provision()
+    from cli.stack import ensure_busybox
+    assert await ensure_busybox(stack.bus, stack.state_dir / "tmp") is False
+    # work-queue requests were terminated, not redelivered forever
+    for _ in range(50):
+        pending = [await stack.bus.consumer_pending(*c) for c in (
+            (streams.REQ_STREAM, streams.PLACEMENT_CONSUMER),
+            (streams.NODE_STREAM, f"edge-{stack.edge.node}-create"),
+            (streams.NODE_STREAM, f"edge-{stack.edge.node}-ops"))]
+        acks = await _ack_pending(stack)
+        if pending == [0, 0, 0] and acks == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert pending == [0, 0, 0] and acks == 0
+
+
+async def _ack_pending(stack) -> int:
+    total = 0
+    for stream, durable in ((streams.REQ_STREAM, streams.PLACEMENT_CONSUMER),
+                            (streams.NODE_STREAM, f"edge-{stack.edge.node}-create"),
+                            (streams.NODE_STREAM, f"edge-{stack.edge.node}-ops")):
+        info = await stack.bus.js.consumer_info(stream, durable)
+        total += info.num_ack_pending
+    return total
+
+
+async def test_wrong_typed_create_gets_a_reply_naming_the_field(stack):
+    nc = await nats.connect(stack.url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.jetstream().publish("dsec.req.create.default", (
+            b'{"kind":"create","request_id":"rbad1","reply_to":"%s","resources":{"pids":"many"}}' % inbox.encode()))
+        msg = await sub.next_msg(timeout=10)
+        assert b'"code":"invalid_request"' in msg.data and b"resources.pids" in msg.data
+    finally:
+        await nc.close()
+
+
+async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
+    async with await client.create() as sb:
+        from libdsec.execstream import ExecStream, exit_of
+        es = ExecStream(stack.bus, sb.id, "xbadexec1")
+        await es.open()
+        nc = await nats.connect(stack.url)
+        try:
+            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{sb.id}", (
+                b'{"kind":"exec","exec_id":"xbadexec1","sandbox_id":"%s","argv":"ls","timeout":"soon"}'
+                % sb.id.encode()))
+        finally:
+            await nc.close()
+        recs = [r async for r in es.records(10)]
+        await es.close()
+        with pytest.raises(libdsec.InvalidRequest, match="argv"):
+            exit_of(recs[-1])
+
+
+@pytest.mark.parametrize("kwargs,error,field", [
+    ({"image": "no-such-image"}, libdsec.ImageNotFound, "no-such-image"),
+    ({"image": "Bad Name!"}, libdsec.InvalidRequest, "image"),
+    ({"resources": libdsec.Resources(memory="lots")}, libdsec.InvalidRequest, "resources.memory"),
+    ({"resources": libdsec.Resources(cpu=-1)}, libdsec.InvalidRequest, "resources.cpu"),
+    ({"resources": libdsec.Resources(pids=0)}, libdsec.InvalidRequest, "resources.pids"),
+    ({"ttl": 0}, libdsec.InvalidRequest, "ttl"),
+    ({"resources": libdsec.Resources(cpu=4096)}, libdsec.InvalidRequest, "resources.cpu"),
+    ({"resources": libdsec.Resources(memory="100Ti")}, libdsec.CapacityUnavailable, "no node can ever fit"),
+])
+async def test_impossible_creates_fail_clearly(client, stack, kwargs, error, field):
+    with pytest.raises(error, match=field.replace("(", r"\(")):
+        await client.create(**kwargs, timeout=10)
+
+
+async def test_exec_with_missing_binary_and_bad_args(client):
+    async with await client.create() as sb:
+        with pytest.raises(libdsec.ExecFailed, match="no-such-binary"):
+            await sb.exec(["no-such-binary"])
+        with pytest.raises(libdsec.InvalidRequest):
+            await sb.exec([])
+        with pytest.raises(libdsec.InvalidRequest):
+            await sb.exec("echo", timeout=0)
+        with pytest.raises(libdsec.FileOpError, match="no such"):
+            await sb.read_file("/nope/nothing")
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
+async def test_unknown_sandbox_everywhere(client, stack):
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await client.get("sbneverexisted")
+    assert ei.value.reason == "never_existed"
+    ghost = libdsec.AsyncSandbox(client, "sbghost", stack.edge.node)
+    with pytest.raises(libdsec.SandboxNotFound):
+        await ghost.exec("echo")
+    with pytest.raises(libdsec.SandboxNotFound):
+        await ghost.destroy()
+    with pytest.raises(libdsec.InvalidRequest):
+        await client.get("../etc")
+
+
+async def test_bus_unavailable_is_typed_and_quick():
+    from bus.server import free_port
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(libdsec.BusUnavailable):
+        async with libdsec.AsyncClient(f"nats://127.0.0.1:{free_port()}", connect_timeout=1):
+            pass
+    assert asyncio.get_running_loop().time() - t0 < 5

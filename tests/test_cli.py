@@ -1,0 +1,131 @@
+"""The `dsec` command line, run as a user would: `dsec up` in the foreground, then the client commands."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bus.server import free_port
+
+pytestmark = pytest.mark.timeout(120)
+DSEC = str(Path(sys.executable).parent / "dsec")
+NODE = "cli1"
+
+
+def dsec(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def one_clear_line(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode != 0
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dsec: error: "), p.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """`dsec up` in its own process group, as a terminal runs it."""
+    state = tmp_path_factory.mktemp("up")
+    port, mport = free_port(), free_port()
+    proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", str(mport),
+                             "--node-id", NODE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    line = proc.stdout.readline().strip()
+    assert line == f"dsec: ready nats://127.0.0.1:{port}", (line, proc.stderr.read() if proc.poll() else "")
+    yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
+    if proc.poll() is None:   # a test failed before the Ctrl-C test: stop it cleanly anyway
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_help_everywhere():
+    for args in ([], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"],
+                 ["image", "ls"], ["edge"], ["placement"], ["demo"]):
+        p = dsec(*args, "--help")
+        assert p.returncode == 0 and "Usage:" in p.stdout and len(p.stdout) > 100, args
+
+
+def test_run_streams_and_exits_with_the_code(up):
+    p = dsec("run", "--nats", up["url"], "--image", "busybox", "--", "sh", "-c", "echo hi; echo err >&2; exit 3")
+    assert (p.returncode, p.stdout, p.stderr) == (3, "hi\n", "err\n")
+
+
+def test_run_output_arrives_as_produced(up):
+    proc = subprocess.Popen([DSEC, "run", "--nats", up["url"], "--", "sh", "-c", "echo a; sleep 1.5; echo b"],
+                            stdout=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    t_first = time.monotonic()
+    second = proc.stdout.readline()
+    gap = time.monotonic() - t_first
+    assert proc.wait(30) == 0 and (first, second) == ("a\n", "b\n") and gap > 1.0
+
+
+def test_create_exec_ls_rm(up):
+    p = dsec("create", "--nats", up["url"], "--label", "job=cli")
+    assert p.returncode == 0, p.stderr
+    sid = p.stdout.strip()
+    p = dsec("exec", "--nats", up["url"], sid, "--", "sh", "-c", "echo in-$(hostname)")
+    assert (p.returncode, p.stdout) == (0, f"in-{sid}\n")
+    p = dsec("ls", "--nats", up["url"])
+    assert p.returncode == 0 and sid in p.stdout
+    assert dsec("rm", "--nats", up["url"], sid).returncode == 0
+    line = one_clear_line(dsec("rm", "--nats", up["url"], sid))
+    assert sid in line and "destroyed" in line
+    assert sid not in dsec("ls", "--nats", up["url"]).stdout
+
+
+def test_image_build_and_ls(up, tmp_path):
+    root = tmp_path / "root"
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "hello.txt").write_text("from a layer\n")
+    p = dsec("image", "build", "--nats", up["url"], "mylayer", "--from-dir", str(root))
+    assert p.returncode == 0 and p.stdout.startswith("mylayer@1 sha256:"), p.stderr
+    p = dsec("image", "ls", "--nats", up["url"])
+    assert "mylayer" in p.stdout and "busybox" in p.stdout
+    one_clear_line(dsec("image", "build", "--nats", up["url"], "x", "--from-dir", str(tmp_path / "missing")))
+
+
+def test_errors_are_one_line(up):
+    assert "resources.memory" in one_clear_line(dsec("create", "--nats", up["url"], "--memory", "lots"))
+    assert "not found" in one_clear_line(dsec("exec", "--nats", up["url"], "sbnope", "--", "true"))
+    assert "image" in one_clear_line(dsec("run", "--nats", up["url"], "--image", "nope", "--", "true"))
+    assert "NATS" in one_clear_line(dsec("ls", "--nats", f"nats://127.0.0.1:{free_port()}"))
+
+
+def test_port_in_use_is_one_line(up, tmp_path):
+    line = one_clear_line(dsec("up", "--state-dir", str(tmp_path), "--port", str(up["port"]), "--metrics-port",
+                               str(free_port())))
+    assert str(up["port"]) in line and "in use" in line
+
+
+def test_metrics_endpoint(up):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{up['mport']}/metrics", timeout=5).read().decode()
+    assert "dsec_edge_sandboxes" in body and "dsec_placement_placed" in body
+
+
+def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
+    """Runs last in this module: SIGINT to the whole process group, with sandboxes running."""
+    for _ in range(3):
+        assert dsec("create", "--nats", up["url"]).returncode == 0
+    proc = up["proc"]
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(15)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 0, proc.stderr.read()
+    from edge.backends.container import leftovers
+    assert leftovers(up["state"] / "edge", NODE) == []
+    servers = subprocess.run(["pgrep", "-f", f"nats-server.*-p {up['port']}"], capture_output=True, text=True)
+    assert servers.stdout.strip() == "", "embedded nats-server still running"

@@ -1,0 +1,138 @@
+"""The whole path through a real nats-server, placement, edge and container backend."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import libdsec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_create_exec_stream_files_destroy(client):
+    sb = await client.create(image="busybox", resources=libdsec.Resources(cpu=1.0, memory="128Mi", pids=64,
+                                                                          disk="64Mi"),
+                             ttl=600, env={"A": "1"}, labels={"job": "j1"})
+    assert sb.id and sb.node
+    r = await sb.exec(["sh", "-c", "echo hi; echo $A$B >&2; exit 3"], env={"B": "2"}, timeout=10)
+    assert (r.exit_code, r.stdout, r.stderr) == (3, b"hi\n", b"12\n")
+    assert r.duration > 0
+    events = [ev async for ev in sb.stream(["sh", "-c", "for i in 1 2 3; do echo $i; sleep 0.1; done"])]
+    assert [e.data for e in events[:-1]] == [b"1\n", b"2\n", b"3\n"]
+    assert all(e.stream == "stdout" for e in events[:-1])
+    assert isinstance(events[-1], libdsec.Exit) and events[-1].exit_code == 0
+    await sb.write_file("/tmp/a.py", b"print(1)")
+    assert await sb.read_file("/tmp/a.py") == b"print(1)"
+    r = await sb.exec("pwd; cat", cwd="/tmp", stdin=b"from stdin")
+    assert r.stdout == b"/tmp\nfrom stdin"
+    same = await client.get(sb.id)
+    assert (await same.exec("cat /tmp/a.py")).stdout == b"print(1)"
+    await sb.destroy()
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await sb.destroy()
+    assert ei.value.reason == "destroyed"
+    with pytest.raises(libdsec.SandboxNotFound):
+        await sb.exec("echo hi")
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await client.get(sb.id)
+    assert ei.value.reason == "destroyed"
+
+
+async def test_output_streams_as_produced(client):
+    async with await client.create() as sb:
+        seen = []
+        t0 = asyncio.get_running_loop().time()
+        async for ev in sb.stream("echo first; sleep 1; echo second"):
+            seen.append((asyncio.get_running_loop().time() - t0, ev))
+        first_at = seen[0][0]
+        second_at = seen[1][0]
+        assert seen[0][1].data == b"first\n" and second_at - first_at > 0.5, "lines must arrive as produced"
+
+
+async def test_context_manager_and_create_many(client):
+    async with await client.create() as sb:
+        sid = sb.id
+    with pytest.raises(libdsec.SandboxNotFound):
+        await client.get(sid)
+    many = await client.create_many(8, image="busybox")
+    assert len({s.id for s in many}) == 8
+    results = await asyncio.gather(*(s.exec(f"echo {i}") for i, s in enumerate(many)))
+    assert [r.stdout for r in results] == [f"{i}\n".encode() for i in range(8)]
+    await asyncio.gather(*(s.destroy() for s in many))
+
+
+async def test_create_many_fails_as_a_whole(client, stack):
+    before = len(stack.edge.sandboxes)
+    with pytest.raises(libdsec.InvalidRequest):
+        await client.create_many(3, image="busybox", resources=libdsec.Resources(memory="1Mi"))
+    assert len(stack.edge.sandboxes) == before
+
+
+async def test_concurrent_execs_in_one_and_many_sandboxes(client):
+    sbs = await client.create_many(4)
+    try:
+        rs = await asyncio.gather(*(sbs[i % 4].exec(f"sleep 0.5; echo {i}") for i in range(64)))
+        assert sorted(int(r.stdout) for r in rs) == list(range(64))
+    finally:
+        await asyncio.gather(*(s.destroy() for s in sbs))
+
+
+async def test_background_process_survives_between_execs(client):
+    async with await client.create() as sb:
+        await sb.exec("sh -c 'while true; do date > /tmp/tick; sleep 0.1; done' >/dev/null 2>&1 &")
+        first = await sb.read_file("/tmp/tick")
+        await asyncio.sleep(1.2)
+        assert await sb.read_file("/tmp/tick") != first
+
+
+async def test_signal_exit_code(client):
+    async with await client.create() as sb:
+        r = await sb.exec("kill -9 $$")
+        assert r.exit_code == 137
+
+
+async def test_sync_client(stack):
+    await asyncio.to_thread(_use_sync_client, stack.url)   # the stack serves on this loop meanwhile
+
+
+def _use_sync_client(url: str) -> None:
+    with libdsec.Client(url) as client:
+        with client.create(image="busybox") as sb:
+            assert sb.exec("echo hi").stdout == b"hi\n"
+            out = [ev for ev in sb.stream(["sh", "-c", "echo a; echo b >&2"])]
+            assert {(e.stream, e.data) for e in out[:-1]} == {("stdout", b"a\n"), ("stderr", b"b\n")}
+            sb.write_file("/tmp/x", "y")
+            assert sb.read_file("/tmp/x") == b"y"
+
+
+async def test_ttl_destroys(client, stack):
+    sb = await client.create(ttl=1)
+    await asyncio.sleep(2.5)
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await sb.exec("echo hi")
+    assert ei.value.reason == "expired"
+
+
+async def test_events_and_kv_record(client, stack):
+    from bus import streams, subjects
+    from bus.messages import event_decoder, sandbox_decoder
+    async with await client.create(labels={"job": "jx"}) as sb:
+        rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, sb.id))
+        assert rec.state == "ready" and rec.labels == {"job": "jx"} and rec.node == sb.node
+    evs = [event_decoder.decode(d) async for d in stack.bus.read_subject(streams.EVT_STREAM,
+                                                                         subjects.event("default", sb.id))]
+    assert [e.type for e in evs] == ["created", "destroyed"]
+
+
+async def test_output_readable_later_from_stream(client, stack):
+    from bus import streams, subjects
+    from bus.messages import ExitRecord, OutputChunk, output_decoder
+    async with await client.create() as sb:
+        await sb.exec("echo later")
+        node = sb.node
+    recs = []
+    async for data in stack.bus.read_subject(streams.OUT_STREAM, subjects.output(sb.id, "*")):
+        recs.append(output_decoder.decode(data))
+    assert any(isinstance(r, OutputChunk) and r.data == b"later\n" for r in recs)
+    assert isinstance(recs[-1], ExitRecord) and recs[-1].exit_code == 0 and node

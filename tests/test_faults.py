@@ -1,0 +1,110 @@
+"""Faults: a full node (backpressure in JetStream), expired requests, an edge killed and restarted."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+import libdsec
+from bus import streams
+from bus.server import NatsServer, free_port
+
+pytestmark = pytest.mark.timeout(180)
+DSEC = str(Path(sys.executable).parent / "dsec")
+
+
+@pytest.fixture
+async def small_stack(tmp_path):
+    """Its own NATS server and a stack whose edge has room for 2 sandboxes."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="bp", slots=2))
+    await st.start()
+    yield st
+    await st.stop()
+    srv.stop()
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "state" / "edge", "bp") == []
+
+
+async def test_full_node_keeps_surplus_in_jetstream_and_serves_as_room_frees(small_stack):
+    st = small_stack
+    async with libdsec.AsyncClient(st.url) as client:
+        held = await client.create_many(2)
+        rss0 = psutil.Process().memory_info().rss
+        doomed = [asyncio.create_task(client.create(timeout=4)) for _ in range(60)]
+        waiting = asyncio.create_task(client.create(timeout=60))
+        pending = 0
+        for _ in range(40):
+            await asyncio.sleep(0.1)
+            pending = await st.bus.consumer_pending(streams.NODE_STREAM, "edge-bp-create")
+            if pending >= 50:
+                break
+        assert pending >= 50, f"surplus creates must wait in JetStream, pending={pending}"
+        assert len(st.edge.sandboxes) == 2
+        results = await asyncio.gather(*doomed, return_exceptions=True)
+        assert all(isinstance(r, libdsec.CapacityUnavailable) for r in results), results[:3]
+        assert psutil.Process().memory_info().rss - rss0 < 30 << 20, "edge memory must stay flat"
+        await held[0].destroy()
+        served = await waiting           # served as soon as room frees; the expired ones never start
+        assert len(st.edge.sandboxes) == 2
+        await asyncio.sleep(1)
+        assert sorted(st.edge.sandboxes) == sorted([held[1].id, served.id])
+        await asyncio.gather(held[1].destroy(), served.destroy())
+
+
+async def _wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 30) -> str:
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), timeout)
+    assert line.startswith(prefix), line
+    return line
+
+
+def _edge(url: str, state: Path) -> subprocess.Popen:
+    return subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "rs", "--state-dir", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path):
+    from cli.stack import Stack
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    await st.start()
+    edge = _edge(srv.url, tmp_path / "edge")
+    try:
+        await _wait_line(edge, "dsec: edge rs ready")
+        async with libdsec.AsyncClient(srv.url) as client:
+            old = await client.create_many(2)
+            await old[0].exec("sleep 1000 >/dev/null 2>&1 &")
+            edge.send_signal(signal.SIGKILL)
+            edge.wait()
+            queued = asyncio.create_task(client.create(timeout=60))
+            await asyncio.sleep(1)
+            edge = _edge(srv.url, tmp_path / "edge")
+            await _wait_line(edge, "dsec: edge rs ready")
+            new = await queued
+            assert (await new.exec("echo back")).stdout == b"back\n"
+            for sb in old:
+                with pytest.raises(libdsec.SandboxNotFound) as ei:
+                    await client.get(sb.id)
+                assert ei.value.reason == "node_lost"
+                with pytest.raises(libdsec.SandboxNotFound):
+                    await sb.exec("echo")
+            await new.destroy()
+        edge.send_signal(signal.SIGTERM)
+        assert edge.wait(15) == 0
+    finally:
+        if edge.poll() is None:
+            edge.kill()
+            edge.wait()
+        await st.stop()
+        srv.stop()
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "edge" / "edge", "rs") == []
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]

@@ -1,0 +1,110 @@
+"""Bombs and isolation through the SDK: each limit fires (asserted from the kernel's own counters), the
+sandbox still answers afterwards, and the host is untouched."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+import libdsec
+from edge.backends.cgroups import NodeCgroups, procs_under
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def groups(stack, sb) -> dict[str, Path]:
+    return NodeCgroups(stack.edge.node).sandbox(sb.id)
+
+
+def counter(path: Path, key: str) -> int:
+    for line in path.read_text().splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+async def test_fork_bomb_hits_the_pids_limit(client, stack):
+    async with await client.create(resources=libdsec.Resources(pids=64)) as sb:
+        with pytest.raises(libdsec.ExecTimeout):
+            await sb.exec("bomb(){ bomb | bomb & }; bomb; sleep 30", timeout=4)
+        assert counter(groups(stack, sb)["pids"] / "pids.events", "max") > 0, "pids limit never fired"
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_memory_bomb_is_oom_killed_inside(client, stack):
+    async with await client.create(resources=libdsec.Resources(memory="64Mi")) as sb:
+        r = await sb.exec("tail /dev/zero", timeout=60)
+        assert r.exit_code == 137
+        mem = groups(stack, sb)["memory"]
+        assert counter(mem / "memory.oom_control", "oom_kill") > 0 or int((mem / "memory.failcnt").read_text()) > 0
+        assert r.peak_memory <= 64 << 20 + (1 << 20)
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_disk_fill_gives_enospc_at_the_cap(client, stack):
+    async with await client.create(resources=libdsec.Resources(disk="20Mi")) as sb:
+        r = await sb.exec("dd if=/dev/zero of=/tmp/big bs=1M count=100", timeout=60)
+        assert r.exit_code != 0
+        assert b"Disk quota exceeded" in r.stderr or b"No space left" in r.stderr, r.stderr
+        size = int((await sb.exec("wc -c < /tmp/big")).stdout)
+        assert 10 << 20 <= size <= 21 << 20, size
+        assert (await sb.exec("rm /tmp/big; echo ok")).stdout == b"ok\n"
+
+
+async def test_output_flood_is_truncated(client, stack):
+    async with await client.create() as sb:
+        r = await sb.exec("yes | head -c 50000000", max_output=1 << 20, timeout=60)
+        assert r.truncated and len(r.stdout) == 1 << 20 and r.exit_code == 0
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_hanging_command_times_out_and_its_tree_is_gone(client, stack):
+    async with await client.create() as sb:
+        with pytest.raises(libdsec.ExecTimeout) as ei:
+            await sb.exec("echo started; sleep 100000 & sleep 100000", timeout=2)
+        assert isinstance(ei.value, TimeoutError) and ei.value.stdout == b"started\n"
+        sleeps = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "100000"]]
+        assert sleeps == [], "the timed-out command's process tree survived"
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_isolation_is_real(client, stack):
+    async with await client.create() as sb:
+        r = await sb.exec("hostname; cat /proc/net/dev | tail -n +3 | cut -d: -f1; echo $$; cat /proc/1/cmdline")
+        host, *rest = r.stdout.decode().split("\n")
+        assert host == sb.id
+        assert [x.strip() for x in rest[:-2]] == ["lo"], r.stdout
+        assert int(rest[-2]) > 1 and "catatonit" in rest[-1]
+        status = (await sb.exec("cat /proc/self/status")).stdout.decode()
+        assert "NoNewPrivs:\t1" in status
+        cap_eff = int(next(line for line in status.splitlines() if line.startswith("CapEff")).split()[1], 16)
+        assert not cap_eff & (1 << 21), "CAP_SYS_ADMIN must be dropped"
+        assert (await sb.exec("mount -t tmpfs x /mnt")).exit_code != 0
+        pids = procs_under(groups(stack, sb)["pids"])
+        assert pids
+        for ns in ("mnt", "pid", "net", "uts", "ipc"):
+            assert os.readlink(f"/proc/{pids[0]}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
+
+
+async def test_write_file_through_planted_symlinks_stays_inside(client, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("host data")
+    async with await client.create() as sb:
+        await sb.exec(f"ln -s {victim} /tmp/evil; ln -s ../../../../../../../{tmp_path} /tmp/up")
+        try:
+            await sb.write_file("/tmp/evil", b"pwned")
+        except libdsec.FileOpError:
+            pass
+        try:
+            await sb.write_file("/tmp/up/victim", b"pwned")
+        except libdsec.FileOpError:
+            pass
+        assert victim.read_text() == "host data"
+        try:
+            data = await sb.read_file("/tmp/evil")
+        except libdsec.FileOpError:
+            data = b""
+        assert data != b"host data"

@@ -1,0 +1,160 @@
+"""Unit tests: parsing, validation, scoring, framing, errors, public names. No bus, no kernel."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+import libdsec
+from bus import errors
+from bus.messages import (CreateRequest, ExitRecord, NodeInfo, OutputChunk, Resources, create_decoder, encode,
+                          output_decoder, salvage)
+from chronus import relay as relay_mod
+from libdsec.execstream import LineSplitter
+from libdsec.resources import parse_size
+from placement import admission, scoring
+
+
+def test_public_names_are_pinned():
+    assert sorted(libdsec.__all__) == sorted([
+        "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
+        "EnvironmentFailure", "ExecFailed", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
+        "InvalidRequest", "Output", "PlacementError", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+        "SandboxNotFound"])
+    for name in libdsec.__all__:
+        assert getattr(libdsec, name) is not None
+
+
+def test_error_tree_and_codes_round_trip():
+    assert issubclass(libdsec.ExecTimeout, TimeoutError) and issubclass(libdsec.ExecTimeout, libdsec.SandboxError)
+    assert issubclass(libdsec.InvalidRequest, ValueError)
+    for cls in (libdsec.ImageNotFound, libdsec.InvalidRequest, libdsec.SandboxNotFound, libdsec.ExecTimeout,
+                libdsec.CapacityUnavailable, libdsec.BusUnavailable):
+        assert issubclass(cls, libdsec.DsecError)
+        e = errors.from_code(cls.code, "m", reason="r")
+        assert type(e) is cls and str(e) == "m"
+    assert errors.from_code("sandbox_not_found", "x", reason="node_lost").reason == "node_lost"
+    assert type(errors.from_code("no-such-code", "x")) is libdsec.DsecError
+
+
+@pytest.mark.parametrize("value,expected", [("256Mi", 256 << 20), ("1Gi", 1 << 30), ("1G", 10 ** 9),
+                                            ("512k", 512000), (4096, 4096), ("1.5Gi", 3 << 29)])
+def test_parse_size(value, expected):
+    assert parse_size(value, "resources.memory") == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "", "-1Mi", 0, -5, True, None, "12 parsecs"])
+def test_parse_size_rejects_naming_the_field(value):
+    with pytest.raises(libdsec.InvalidRequest, match="resources.memory"):
+        parse_size(value, "resources.memory")
+
+
+@pytest.mark.parametrize("kwargs,field", [({"cpu": -1}, "resources.cpu"), ({"cpu": 0}, "resources.cpu"),
+                                          ({"pids": 0}, "resources.pids"), ({"memory": "lots"}, "resources.memory"),
+                                          ({"disk": "x"}, "resources.disk")])
+def test_resources_validation(kwargs, field):
+    with pytest.raises(libdsec.InvalidRequest, match=field):
+        libdsec.Resources(**kwargs).to_wire()
+
+
+def _req(**kw) -> CreateRequest:
+    base = dict(request_id="r1", sandbox_id="sb1", tenant="t", deadline=time.time() + 10, reply_to="_INBOX.x")
+    base.update(kw)
+    return CreateRequest(**base)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"ttl": 0}, "ttl"), ({"resources": Resources(cpu=-1)}, "resources.cpu"),
+    ({"resources": Resources(pids=0)}, "resources.pids"), ({"resources": Resources(memory=1)}, "resources.memory"),
+    ({"sandbox_id": "a.b"}, "sandbox_id"), ({"tenant": ""}, "tenant"), ({"deadline": 0}, "deadline"),
+    ({"backend": "vm"}, "backend"), ({"env": {"A=B": "x"}}, "env"),
+])
+def test_admission_names_the_field(kw, field):
+    with pytest.raises(libdsec.InvalidRequest, match=field):
+        admission.check_create(_req(**kw))
+
+
+def test_decode_errors_name_the_field_and_salvage_the_reply():
+    bad = b'{"kind":"create","request_id":"r9","reply_to":"_INBOX.a.r9","resources":{"pids":"many"}}'
+    with pytest.raises(msgspec.ValidationError, match=r"resources\.pids"):
+        create_decoder.decode(bad)
+    env = salvage(bad)
+    assert (env.request_id, env.reply_to) == ("r9", "_INBOX.a.r9")
+    assert salvage(b"\xff\x00junk").reply_to == ""
+
+
+def _node(name, used_slots=0, slots=10, pool="local", draining=False, age=0.0):
+    return scoring.NodeView(NodeInfo(node=name, pool=pool, slots=slots, cpu=32, memory=8 << 30, disk=64 << 30,
+                                     used_slots=used_slots, max_cpu=2, max_memory=8 << 30, max_disk=64 << 30,
+                                     max_pids=1 << 20, draining=draining, heartbeat=time.time() - age))
+
+
+def test_scoring_prefers_headroom_and_skips_stale_draining_and_too_small():
+    nodes = {"a": _node("a", used_slots=8), "b": _node("b", used_slots=2), "c": _node("c", draining=True),
+             "d": _node("d", age=60)}
+    assert scoring.pick(nodes, Resources()) == ("b", True)
+    assert scoring.pick(nodes, Resources(cpu=64)) == (None, False)      # never fits any live node
+    assert scoring.pick({"d": _node("d", age=60)}, Resources()) == (None, True)   # no live node: wait
+
+
+def test_scoring_counts_its_own_placements_between_heartbeats():
+    nodes = {"a": _node("a", used_slots=0), "b": _node("b", used_slots=1)}
+    picks = [scoring.pick(nodes, Resources())[0] for _ in range(4)]
+    assert abs((0 + picks.count("a")) - (1 + picks.count("b"))) <= 1, picks
+
+
+def test_line_splitter_keeps_streams_apart_and_flushes_partial():
+    s = LineSplitter()
+    assert [o.data for o in s.feed("stdout", b"a\nb")] == [b"a\n"]
+    assert s.feed("stderr", b"x") == []
+    assert [o.data for o in s.feed("stdout", b"c\n")] == [b"bc\n"]
+    assert {(o.stream, o.data) for o in s.flush()} == {("stderr", b"x")}
+
+
+class _FakeBus:
+    """Records what the relay sends; enough for framing tests."""
+
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, subject, data):
+        self.sent.append(output_decoder.decode(data))
+
+    async def publish(self, subject, data, msg_id=None):
+        self.sent.append(output_decoder.decode(data))
+        return len(self.sent)
+
+
+async def test_relay_batches_orders_and_caps():
+    bus = _FakeBus()
+    r = relay_mod.OutputRelay(bus, "sb", "x1", max_output=100_000)
+    for i in range(1000):
+        await r.sink("stdout", b"line %d\n" % i)
+    await r.sink("stderr", b"err\n")
+    await r.sink("stdout", b"y" * 200_000)
+    rec = await r.finish(exit_code=0)
+    chunks = [m for m in bus.sent if isinstance(m, OutputChunk)]
+    assert len(chunks) < 10, "output must travel in chunks, not one message per line"
+    assert [m.seq for m in bus.sent] == list(range(1, len(bus.sent) + 1))
+    assert isinstance(bus.sent[-1], ExitRecord) and rec.truncated
+    assert sum(len(c.data) for c in chunks) == 100_000
+    stdout = b"".join(c.data for c in chunks if c.stream == "stdout")
+    assert stdout.startswith(b"line 0\nline 1\n")
+    assert b"".join(c.data for c in chunks if c.stream == "stderr") == b"err\n"
+
+
+async def test_relay_flushes_after_a_few_ms():
+    bus = _FakeBus()
+    r = relay_mod.OutputRelay(bus, "sb", "x2", max_output=1000)
+    await r.sink("stdout", b"hello\n")
+    import asyncio
+    await asyncio.sleep(0.05)
+    assert [m.data for m in bus.sent] == [b"hello\n"]
+    await r.finish(exit_code=0)
+
+
+def test_encode_is_json_any_client_can_read():
+    import json
+    d = json.loads(encode(OutputChunk(exec_id="x", seq=1, data=b"\x00\xff")))
+    assert d["kind"] == "out" and d["v"] == 1
