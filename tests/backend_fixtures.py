@@ -82,6 +82,7 @@ class Run:
 
     @property
     def out(self) -> str:
+        """stdout as text."""
         return self.stdout.decode()
 
 

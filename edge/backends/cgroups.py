@@ -187,7 +187,8 @@ class NodeCgroups:
             write(groups["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu * period))))
             # memory first: memsw may never be below memory, so with swap = memory it is set second.
             write(groups["memory"] / "memory.limit_in_bytes", str(limits.memory))
-            write(groups["memory"] / "memory.memsw.limit_in_bytes", str(limits.memory))
+            if (groups["memory"] / "memory.memsw.limit_in_bytes").exists():   # absent without swapaccount
+                write(groups["memory"] / "memory.memsw.limit_in_bytes", str(limits.memory))
             write(groups["pids"] / "pids.max", str(limits.pids))
             write(groups["devices"] / "devices.deny", "a")
             for rule in DEVICE_RULES:

@@ -394,9 +394,11 @@ class _Pipes:
             os.set_blocking(fd, False)
 
     def child_ends(self) -> list[int]:
+        """The ends the command gets: stdin read, stdout write, stderr write, error write."""
         return [self.stdin_r, self.stdout_w, self.stderr_w, self.error_w]
 
     def close_child_ends(self) -> None:
+        """Drop our copies of the child ends once the zygote has them."""
         for name in ("stdin_r", "stdout_w", "stderr_w", "error_w"):
             self.take(name)
 
@@ -416,6 +418,7 @@ class _Pipes:
             return b""
 
     def close(self) -> None:
+        """Close every fd still open."""
         for name in ("stdin_r", "stdin_w", "stdout_r", "stdout_w", "stderr_r", "stderr_w",
                      "error_r", "error_w"):
             fd = getattr(self, name)
@@ -504,13 +507,15 @@ def _exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
         return f"permission denied: {argv[0]}"
     if stage == "cwd":
         return f"no such directory: {cwd}" if code == errno.ENOENT else f"cannot enter {cwd}: {text}"
-    return f"exec {argv[0]} failed ({stage}): {text}"
+    reason = os.strerror(code) if code else text
+    return f"cannot execute {argv[0]}: {reason}" if stage == "exec" else f"exec {argv[0]} failed ({stage}): {reason}"
 
 
 # ---------------------------------------------------------------- files
 
 
 def _root_fd(sandbox_id: str, init_pid: int) -> int:
+    """An O_PATH fd of the sandbox's root as its init sees it."""
     try:
         return os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:

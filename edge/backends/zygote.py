@@ -165,6 +165,8 @@ class Zygote:
         return True
 
     def _launch(self, req: Launch, fds: list[int]) -> int:
+        if len(fds) != 1:
+            raise ValueError("launch needs exactly one fd (the ready pipe)")
         kernel.unshare(kernel.CLONE_NEWPID)
         try:
             pid = os.fork()
