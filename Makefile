@@ -2,20 +2,21 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip
+SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc
 
 .PHONY: setup system venv demo test bench up clean
 
 setup: system venv
 
 # Debian packages: erofs-utils (mkfs.erofs), busybox-static (the busybox image), catatonit (sandbox init),
-# btrfs-progs (writable layers with a size cap), util-linux, iproute2. `apt-get update` runs once first.
+# btrfs-progs (writable layers with a size cap), util-linux, iproute2, gcc + libc6-dev (the static
+# dsec-enter helper). `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 >/dev/null; \
+	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev >/dev/null; \
 	fi
 
 venv: $(VENV)/.installed
@@ -25,6 +26,8 @@ $(VENV)/.installed: pyproject.toml
 	@$(PY) -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
+	@$(PY) -c "from edge.backends import native; native.ensure_built() or print('setup: no C compiler: execs use the slower fork path')"
+
 
 demo: setup
 	$(VENV)/bin/dsec demo

@@ -18,7 +18,7 @@ from edge.backends.base import ExecResult, Limits, SandboxGone, SandboxSpec
 from edge.backends.container import ContainerBackend, leftovers
 from edge.erofs import busybox_rootfs, pack_dir
 
-__all__ = ["busybox_layer", "container_backend", "sandboxes", "Sandboxes", "Run", "requires_container",
+__all__ = ["busybox_layer", "container_backend", "container_prerequisites", "sandboxes", "Sandboxes", "Run", "requires_container",
            "fixed_state_dir"]
 
 
@@ -33,14 +33,22 @@ def _missing() -> str | None:
     return None
 
 
-requires_container = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
+# Never a skip: a machine without these cannot pass the suite, and must say so (make setup installs them).
+requires_container = pytest.mark.usefixtures("container_prerequisites")
+
+
+@pytest.fixture(scope="session")
+def container_prerequisites() -> None:
+    """Fail (never skip) when root or a system tool the container backend needs is missing."""
+    if _missing():
+        pytest.fail(f"container backend prerequisites: {_missing()} (run `make setup` as root)")
 
 
 @pytest.fixture(scope="session")
 def busybox_layer(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Path of a busybox EROFS layer file, built once per session."""
     if _missing():
-        pytest.skip(_missing())
+        pytest.fail(f"container backend prerequisites: {_missing()} (run `make setup` as root)")
     work = tmp_path_factory.mktemp("busybox")
     busybox_rootfs(work / "root")
     pack_dir(work / "root", work / "busybox.erofs")

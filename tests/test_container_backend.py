@@ -21,7 +21,7 @@ from edge.backends.base import BackendError, Limits, SandboxGone, SandboxSpec  #
 from edge.backends.container import ContainerBackend, ExecFailed, leftovers  # noqa: E402
 from edge.erofs import pack_dir  # noqa: E402
 from tests.backend_fixtures import (Sandboxes, busybox_layer, container_backend,  # noqa: E402,F401
-                                    fixed_state_dir, requires_container, sandboxes)
+                                    container_prerequisites, fixed_state_dir, requires_container, sandboxes)
 
 pytestmark = [requires_container, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -457,3 +457,30 @@ if __name__ == "__main__":
         busybox_rootfs(Path(tmp) / "root")
         pack_dir(Path(tmp) / "root", Path(tmp) / "busybox.erofs")
         asyncio.run(_timing(str(Path(tmp) / "busybox.erofs"), Path(tmp) / "state"))
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_fork_fallback_without_the_helper(busybox_layer: str, tmp_path_factory: pytest.TempPathFactory,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the compiled dsec-enter (no C compiler), the zygote forks itself: same behaviour."""
+    monkeypatch.setenv("DSEC_ENTER_HELPER", "0")
+    state, node = fixed_state_dir(tmp_path_factory, "nohelper"), "tnohelper"
+    backend = ContainerBackend(state, node, upper_pool_size=1 << 30)
+    await backend.start()
+    out: dict[str, bytes] = {"stdout": b"", "stderr": b""}
+
+    async def sink(stream: str, chunk: bytes) -> None:
+        out[stream] += chunk
+    try:
+        await backend.create(SandboxSpec("nohelper", [busybox_layer]))
+        res = await backend.exec("nohelper", ["sh", "-c", "echo $$; grep NoNewPrivs /proc/self/status; exit 4"],
+                                 env={}, cwd="/tmp", stdin=None, timeout=10, sink=sink)
+        pid, nnp = out["stdout"].decode().splitlines()
+        assert res.exit_code == 4 and int(pid) > 1 and nnp.split() == ["NoNewPrivs:", "1"]
+        with pytest.raises(ExecFailed, match="command not found"):
+            await backend.exec("nohelper", ["nope"], env={}, cwd="/", stdin=None, timeout=10, sink=sink)
+        with pytest.raises(ExecFailed, match="no such directory"):
+            await backend.exec("nohelper", ["true"], env={}, cwd="/nope", stdin=None, timeout=10, sink=sink)
+    finally:
+        await backend.stop()
+    assert leftovers(state, node) == []

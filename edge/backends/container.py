@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import cgroups, kernel
+from edge.backends import cgroups, kernel, native
 from edge.backends.base import (Backend, BackendError, ExecResult, OutputSink, SandboxGone,
                                 SandboxSpec)
 from edge.backends.cgroups import CgroupError, NodeCgroups
@@ -83,6 +83,7 @@ class ContainerBackend(Backend):
         await self._reconcile()
         try:
             self._cgroups.setup()
+            await asyncio.to_thread(native.ensure_built)   # before the zygote starts: it looks once
             await asyncio.to_thread(self._uppers.setup)
             self._layers.root.mkdir(exist_ok=True)
             self._empty.mkdir(exist_ok=True)

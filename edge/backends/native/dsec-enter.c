@@ -1,0 +1,79 @@
+/* dsec-enter: put the calling process into a running sandbox, then exec the command.
+ *
+ * Spawned by the zygote with posix_spawn (vfork: no copy of the zygote's memory) after it pointed
+ * its pid_for_children at the sandbox's pid namespace, so this process already lives in it.
+ * Python's fork of the zygote cost ~1.3 ms here; spawning this static helper costs ~0.4 ms.
+ *
+ *   dsec-enter CAPMASK CWD CGROUP_TASKS_FILE... -- ARGV...
+ *   fds: 0-2 stdio, 100 error pipe (write end), 101-104 ns fds (ipc uts net mnt), 105 sandbox root.
+ * The environment is the command's, exactly. On failure it writes "stage\0errno\0message" to fd 100
+ * (the zygote's error-pipe protocol) and exits 127; success closes fd 100 by exec (CLOEXEC).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ERR_FD 100
+#define NS_FD0 101
+#define NS_COUNT 4
+#define ROOT_FD 105
+
+static void fail(const char *stage, const char *what) {
+    char buf[512];
+    int e = errno;
+    int n = snprintf(buf, sizeof buf, "%s%c%d%c%s: %s", stage, 0, e, 0, what, strerror(e));
+    if (n > 0) (void)!write(ERR_FD, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf);
+    _exit(127);
+}
+
+static void join(const char *tasks) {
+    int fd = open(tasks, O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, "0", 1) != 1) fail("setup", tasks);
+    close(fd);
+}
+
+static void lockdown(unsigned long long keep) {
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("setup", "no_new_privs");
+    for (int cap = 0; cap <= 63; cap++) {
+        if (keep & (1ULL << cap)) continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) && errno != EINVAL) fail("setup", "capbset");
+    }
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2];
+    for (int i = 0; i < 2; i++) {
+        unsigned int m = (unsigned int)(keep >> (32 * i));
+        data[i].effective = data[i].permitted = data[i].inheritable = m;
+    }
+    if (syscall(SYS_capset, &hdr, data)) fail("setup", "capset");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 5) { errno = EINVAL; fail("setup", "usage: dsec-enter CAPMASK CWD TASKS... -- ARGV..."); }
+    unsigned long long keep = strtoull(argv[1], NULL, 0);
+    const char *cwd = argv[2];
+    int i = 3;
+    for (; i < argc && strcmp(argv[i], "--") != 0; i++) join(argv[i]);
+    if (i + 1 >= argc) { errno = EINVAL; fail("setup", "no command"); }
+    for (int k = 0; k < NS_COUNT; k++)
+        if (setns(NS_FD0 + k, 0)) fail("setup", "setns");
+    if (fchdir(ROOT_FD) || chroot(".")) fail("setup", "chroot");
+    if (chdir(cwd)) fail("cwd", cwd);
+    lockdown(keep);
+    fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
+    for (int fd = NS_FD0; fd <= ROOT_FD; fd++) close(fd);
+    syscall(SYS_close_range, 3, ERR_FD - 1, 0);
+    syscall(SYS_close_range, ROOT_FD + 1, ~0U, 0);
+    char **cmd = argv + i + 1;
+    execvp(cmd[0], cmd);
+    fail("exec", cmd[0]);
+    return 127;
+}
