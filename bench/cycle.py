@@ -1,6 +1,7 @@
 """Benchmark: create -> exec `true` -> destroy through the whole path, against a raw `unshare` baseline.
 
-Run: python -m bench.cycle [--cycles N]   (starts its own embedded stack on a free port)
+Run: python -m bench.cycle [--cycles N]   (starts its own `dsec up` on free ports, as a separate process,
+     or uses --nats URL of one already running)
 Prints p50/p99 of create (request sent -> ready), exec round trip, destroy, cycles/s sequential and with
 8 and 32 in flight, and each figure's ratio to the raw baseline measured in the same run.
 """
@@ -8,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -66,35 +71,55 @@ def line(name: str, values: list[float], raw_p50: float) -> str:
     return f"  {name:<8} p50 {p50:7.2f} ms  p99 {p99:7.2f} ms  ({p50 / raw_p50:4.1f}x raw p50)"
 
 
-async def main(cycles: int, raw_n: int) -> None:
-    """Start a stack, warm up, measure, print."""
-    from cli.stack import Stack
-    from edge.capacity import EdgeConfig
+@contextlib.contextmanager
+def dsec_up():
+    """`dsec up` (the embedded default) in its own process group on free ports; yields its URL."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "up", "--state-dir", tmp, "--port",
+                                 str(port), "--metrics-port", str(free_port()), "--node-id", "bench"],
+                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            line = proc.stdout.readline().strip()
+            if not line.startswith("dsec: ready "):
+                raise SystemExit(f"dsec up did not start: {line!r}")
+            yield line.split()[-1]
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(30)
+
+
+async def measure(url: str, cycles: int, raw_p50: float) -> None:
+    """Warm up, then each level."""
+    async with libdsec.AsyncClient(url) as client:
+        await run_level(client, 10, 1)   # warm-up: layer fetch, mounts, caches
+        for in_flight in (1, 8, 32):
+            n = cycles if in_flight == 1 else max(cycles, 4 * in_flight)
+            figures, rate = await run_level(client, n, in_flight)
+            label = "sequential" if in_flight == 1 else f"{in_flight} in flight"
+            print(f"dsec cycle, {label} ({n} cycles): {rate:.1f} cycles/s "
+                  f"({rate / (1000 / raw_p50):.2f}x raw launches/s)")
+            for name in ("create", "exec", "destroy"):
+                print(line(name, figures[name], raw_p50))
+
+
+def main(cycles: int, raw_n: int, url: str | None) -> None:
+    """Raw baseline, then the dsec figures."""
     raw = raw_baseline(raw_n)
     raw_p50 = statistics.median(raw)
     print(f"raw baseline: {' '.join(RAW)}")
     print(f"  raw      p50 {raw_p50:7.2f} ms  p99 {percentile(raw, 99):7.2f} ms  ({1000 / statistics.mean(raw):.0f}/s)")
-    with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
-        stack = Stack(Path(tmp), port=free_port(), metrics_port=None, edge_config=EdgeConfig(node_id="bench"))
-        await stack.start()
-        try:
-            async with libdsec.AsyncClient(stack.url) as client:
-                await run_level(client, 10, 1)   # warm-up: layer fetch, mounts, caches
-                for in_flight in (1, 8, 32):
-                    n = cycles if in_flight == 1 else max(cycles, 4 * in_flight)
-                    figures, rate = await run_level(client, n, in_flight)
-                    label = "sequential" if in_flight == 1 else f"{in_flight} in flight"
-                    print(f"dsec cycle, {label} ({n} cycles): {rate:.1f} cycles/s "
-                          f"({rate / (1000 / raw_p50):.2f}x raw launches/s)")
-                    for name in ("create", "exec", "destroy"):
-                        print(line(name, figures[name], raw_p50))
-        finally:
-            await stack.stop()
+    if url:
+        asyncio.run(measure(url, cycles, raw_p50))
+        return
+    with dsec_up() as started:
+        asyncio.run(measure(started, cycles, raw_p50))
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=100, help="cycles per level (default 100)")
     ap.add_argument("--raw", type=int, default=100, help="raw baseline launches (default 100)")
+    ap.add_argument("--nats", default=None, help="measure an already running `dsec up` at this URL")
     args = ap.parse_args()
-    asyncio.run(main(args.cycles, args.raw))
+    main(args.cycles, args.raw, args.nats)

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import cgroups, kernel, native
+from edge.backends import cgroups, enter, kernel, native, zygote
 from edge.backends.base import (Backend, BackendError, ExecResult, OutputSink, SandboxGone,
                                 SandboxSpec)
 from edge.backends.cgroups import CgroupError, NodeCgroups
@@ -74,6 +74,7 @@ class ContainerBackend(Backend):
         self._launcher = Launcher(init_binary, label=f"{self.state_dir}:{node_id}")
         self._sandboxes: dict[str, _Sandbox] = {}
         self._starting: set[str] = set()
+        self._spawner: enter.Spawner | None = None   # direct exec spawns (dsec-enter built)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -83,7 +84,9 @@ class ContainerBackend(Backend):
         await self._reconcile()
         try:
             self._cgroups.setup()
-            await asyncio.to_thread(native.ensure_built)   # before the zygote starts: it looks once
+            helper = await asyncio.to_thread(native.ensure_built)
+            if helper and native.available():
+                self._spawner = enter.Spawner(helper, zygote.KEEP_MASK)
             await asyncio.to_thread(self._uppers.setup)
             self._layers.root.mkdir(exist_ok=True)
             self._empty.mkdir(exist_ok=True)
@@ -108,6 +111,9 @@ class ContainerBackend(Backend):
         results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
                                        return_exceptions=True)
         await self._launcher.close()
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
         await self._reconcile()
         errors = [str(r) for r in results if isinstance(r, Exception) and not isinstance(r, SandboxGone)]
         if errors:
@@ -259,7 +265,7 @@ class ContainerBackend(Backend):
                        env={**DEFAULT_ENV, **sb.spec.env, **env}, cwd=cwd or "/")
             try:
                 try:
-                    _, exited = await self._launcher.request(msg, pipes.child_ends())
+                    exited = await self._start_exec(sb, msg, pipes)
                 finally:
                     pipes.close_child_ends()    # else our copies of the write ends would hide EOF
                 status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink)
@@ -277,6 +283,19 @@ class ContainerBackend(Backend):
         if failure and not timed_out:
             raise ExecFailed(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
+
+    async def _start_exec(self, sb: _Sandbox, msg: Exec, pipes: "_Pipes") -> asyncio.Future:
+        """Spawn the command directly with dsec-enter when built, else through the zygote's fork."""
+        if self._spawner is None:
+            _, exited = await self._launcher.request(msg, pipes.child_ends())
+            return exited
+        ends = pipes.child_ends()
+        try:
+            pid = self._spawner.spawn(sb.init_pid, [f"{g}/tasks" for g in msg.cgroups], msg.argv, msg.env,
+                                      msg.cwd, ends[:3], ends[3])
+        except OSError as exc:
+            raise BackendError(f"cannot start {msg.argv[0]}: {exc.strerror}") from exc
+        return enter.watch_exit(pid)
 
     async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "_Pipes",
                          stdin: bytes | None, timeout: float, sink: OutputSink) -> tuple[int, bool]:
@@ -508,7 +527,7 @@ def _exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
         return f"permission denied: {argv[0]}"
     if stage == "cwd":
         return f"no such directory: {cwd}" if code == errno.ENOENT else f"cannot enter {cwd}: {text}"
-    reason = os.strerror(code) if code else text
+    reason = text or os.strerror(code)
     return f"cannot execute {argv[0]}: {reason}" if stage == "exec" else f"exec {argv[0]} failed ({stage}): {reason}"
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
-from edge.backends import kernel, native
+from edge.backends import kernel
 
 if TYPE_CHECKING:
     import asyncio
@@ -37,9 +37,6 @@ if TYPE_CHECKING:
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())
 KEEP_MASK = sum(1 << c for c in KEEP_CAPS)
-HELPER_ERR_FD = 100         # dsec-enter's fd layout: 100 error pipe, 101-104 ipc/uts/net/mnt, 105 root
-HELPER_SIGDEF = (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE,
-                 signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2)
 MASKED_PROC = ("kcore", "keys", "latency_stats", "timer_list", "sched_debug", "sysrq-trigger")
 READONLY_PROC = ("sys", "irq", "bus", "fs")
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
@@ -118,7 +115,6 @@ class Zygote:
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.inits: set[int] = set()
         self.lockdown = kernel.Lockdown(KEEP_CAPS)
-        self.helper = native.available()   # dsec-enter: spawn execs without forking this process
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Request)
 
@@ -192,8 +188,6 @@ class Zygote:
             opened.append(os.open(f"/proc/{req.init}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
             kernel.setns(opened[0], kernel.CLONE_NEWPID)
             try:
-                if self.helper:
-                    return self._spawn_helper(req, fds, opened[1:])
                 pid = os.fork()
                 if pid == 0:
                     _exec_child(req, fds, opened[1:5], opened[5], self.lockdown)
@@ -203,16 +197,6 @@ class Zygote:
         finally:
             for fd in opened:
                 os.close(fd)
-
-    def _spawn_helper(self, req: Exec, fds: list[int], nsfds: list[int]) -> int:
-        """posix_spawn (vfork) dsec-enter into the sandbox's pid namespace: no copy of this process."""
-        tasks = [f"{group}/tasks" for group in req.cgroups]
-        targets = [*range(3), HELPER_ERR_FD, *range(HELPER_ERR_FD + 1, HELPER_ERR_FD + 1 + len(nsfds))]
-        actions = [(os.POSIX_SPAWN_DUP2, src, dst) for src, dst in zip([*fds, *nsfds], targets)]
-        argv = [self.helper, hex(KEEP_MASK), req.cwd, *tasks, "--", *req.argv]
-        return os.posix_spawn(self.helper, argv, req.env, file_actions=actions, setsigmask=(),
-                              setsigdef=HELPER_SIGDEF)
-
 
 def _drain(fd: int) -> None:
     try:
@@ -392,8 +376,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": repo,
-               "DSEC_ENTER_HELPER": os.environ.get("DSEC_ENTER_HELPER", "1")}
+        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PYTHONPATH": repo}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edge.backends.zygote", str(theirs.fileno()), self.init_binary,
              self.label],

@@ -4,10 +4,11 @@
  * its pid_for_children at the sandbox's pid namespace, so this process already lives in it.
  * Python's fork of the zygote cost ~1.3 ms here; spawning this static helper costs ~0.4 ms.
  *
- *   dsec-enter CAPMASK CWD CGROUP_TASKS_FILE... -- ARGV...
- *   fds: 0-2 stdio, 100 error pipe (write end), 101-104 ns fds (ipc uts net mnt), 105 sandbox root.
- * The environment is the command's, exactly. On failure it writes "stage\0errno\0message" to fd 100
- * (the zygote's error-pipe protocol) and exits 127; success closes fd 100 by exec (CLOEXEC).
+ *   dsec-enter BASE CAPMASK CWD CGROUP_TASKS_FILE... -- ARGV...
+ *   fds: 0-2 stdio, BASE+3 error pipe (write end), BASE+4..BASE+7 ns fds (ipc uts net mnt),
+ *   BASE+8 sandbox root. BASE is above every fd of the spawner, so its dup2s never clobber a source.
+ * The environment is the command's, exactly. On failure it writes "stage\0errno\0message" to the
+ * error pipe and exits 127; success closes the error pipe by exec (CLOEXEC).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -21,10 +22,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define ERR_FD 100
-#define NS_FD0 101
 #define NS_COUNT 4
-#define ROOT_FD 105
+static int ERR_FD = 2;
 
 static void fail(const char *stage, const char *what) {
     char buf[512];
@@ -57,10 +56,13 @@ static void lockdown(unsigned long long keep) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 5) { errno = EINVAL; fail("setup", "usage: dsec-enter CAPMASK CWD TASKS... -- ARGV..."); }
-    unsigned long long keep = strtoull(argv[1], NULL, 0);
-    const char *cwd = argv[2];
-    int i = 3;
+    if (argc < 6) { errno = EINVAL; fail("setup", "usage: dsec-enter BASE CAPMASK CWD TASKS... -- ARGV..."); }
+    int base = atoi(argv[1]);
+    ERR_FD = base + 3;
+    const int NS_FD0 = base + 4, ROOT_FD = base + 8;
+    unsigned long long keep = strtoull(argv[2], NULL, 0);
+    const char *cwd = argv[3];
+    int i = 4;
     for (; i < argc && strcmp(argv[i], "--") != 0; i++) join(argv[i]);
     if (i + 1 >= argc) { errno = EINVAL; fail("setup", "no command"); }
     for (int k = 0; k < NS_COUNT; k++)
@@ -69,9 +71,8 @@ int main(int argc, char **argv) {
     if (chdir(cwd)) fail("cwd", cwd);
     lockdown(keep);
     fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
-    for (int fd = NS_FD0; fd <= ROOT_FD; fd++) close(fd);
     syscall(SYS_close_range, 3, ERR_FD - 1, 0);
-    syscall(SYS_close_range, ROOT_FD + 1, ~0U, 0);
+    syscall(SYS_close_range, ERR_FD + 1, ~0U, 0);
     char **cmd = argv + i + 1;
     execvp(cmd[0], cmd);
     fail("exec", cmd[0]);
