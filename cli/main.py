@@ -33,7 +33,11 @@ def run_async(fn):
         except KeyboardInterrupt:
             fail("interrupted", 130)
         except OSError as exc:
-            fail(f"{exc.strerror or exc} ({getattr(exc, 'filename', '') or ''})".strip())
+            fail(f"{exc.strerror or exc} {getattr(exc, 'filename', '') or ''}".strip())
+        except Exception as exc:   # a bug: still one line (DSEC_DEBUG=1 shows the traceback)
+            if os.environ.get("DSEC_DEBUG"):
+                raise
+            fail(f"internal error: {exc.__class__.__name__}: {exc} (please report it; DSEC_DEBUG=1 shows details)")
     return wrapper
 
 

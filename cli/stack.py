@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 
 from bus.conn import Bus
-from bus.errors import DsecError, ImageNotFound
+from bus.errors import DsecError, EnvironmentFailure, ImageNotFound
 from bus.server import NatsServer, check_port_free
 from edge.capacity import EdgeConfig
-from edge.erofs import busybox_rootfs, pack_dir
+from edge.erofs import LayerBuildError, busybox_rootfs, pack_dir
 from placement.images import ImageRegistry
 
 log = logging.getLogger(__name__)
@@ -30,8 +30,11 @@ async def ensure_busybox(bus: Bus, work_dir: Path) -> bool:
     work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         root, layer = Path(tmp) / "root", Path(tmp) / "busybox.erofs"
-        await asyncio.to_thread(busybox_rootfs, root)
-        digest = await asyncio.to_thread(pack_dir, root, layer)
+        try:
+            await asyncio.to_thread(busybox_rootfs, root)
+            digest = await asyncio.to_thread(pack_dir, root, layer)
+        except LayerBuildError as exc:
+            raise EnvironmentFailure(f"cannot import busybox: {exc}") from exc
         await registry.publish("busybox", layer, digest)
     return True
 
@@ -52,6 +55,7 @@ class Stack:
         self.edge = None
         self.placement = None
         self._metrics = None
+        self._locks: list = []
 
     @property
     def url(self) -> str:
@@ -67,7 +71,11 @@ class Stack:
             raise
 
     async def _start(self) -> None:
+        from cli.locks import node_lock, state_lock
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._locks.append(state_lock(self.state_dir).acquire())
+        if self.run_edge:
+            self._locks.append(node_lock(self.edge_config.node_id).acquire())
         if self.metrics_port:
             check_port_free(self.host, self.metrics_port, "metrics")
         if self.external_url is None:
@@ -113,3 +121,6 @@ class Stack:
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
             self.server = None
+        for lock in self._locks:
+            lock.release()
+        self._locks.clear()

@@ -57,7 +57,10 @@ class Edge:
 
     async def start(self) -> None:
         """Reconcile leftovers, report lost sandboxes, heartbeat, then take work."""
-        await self.backend.start()
+        try:
+            await self.backend.start()
+        except BackendError as exc:
+            raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
         await self._report_lost()
         await self._heartbeat_once()
         self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._ttl_loop())]

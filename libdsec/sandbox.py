@@ -58,6 +58,8 @@ class AsyncSandbox:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         if isinstance(stdin, str):
             stdin = stdin.encode()
+        if stdin and len(stdin) > MAX_FILE_OP:
+            raise InvalidRequest(f"stdin: at most {MAX_FILE_OP} bytes per exec, got {len(stdin)}")
         bus = self.client._need_bus()
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, argv=argv_of(cmd), env=dict(env or {}),
                           cwd=cwd, stdin=stdin or b"", timeout=float(timeout),

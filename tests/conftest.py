@@ -70,6 +70,28 @@ async def no_leaks(request):
         await st.edge.destroy(sid)
     assert left == [], f"test left sandboxes running: {left}"
     assert sandbox_cgroups(NODE) == [], "per-sandbox cgroups left behind"
+    assert host_residue(st.state_dir) == [], "host residue left behind"
+
+
+def host_residue(state_dir: Path) -> list[str]:
+    """Sandbox mounts (overlay, EROFS layers) under the state dir, dsec netns and veths on the host.
+
+    The node-level writable-layer pool (btrfs) stays mounted while the edge runs; layers are unmounted
+    as soon as no sandbox uses them, and overlays live only in sandbox mount namespaces.
+    """
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype = fields[fields.index("-") + 1]
+            if fstype in ("overlay", "erofs") and (str(state_dir) in fields[4] or "dsec" in fields[4]):
+                out.append(f"{fstype} mount {fields[4]}")
+    netns = Path("/run/netns")
+    if netns.is_dir():
+        out += [f"netns {p.name}" for p in netns.iterdir() if "dsec" in p.name]
+    out += [f"veth {p.name}" for p in Path("/sys/class/net").iterdir()
+            if "dsec" in p.name or p.name.startswith("veth")]
+    return out
 
 
 def sandbox_cgroups(node: str) -> list[str]:

@@ -110,6 +110,13 @@ def test_port_in_use_is_one_line(up, tmp_path):
     assert str(up["port"]) in line and "in use" in line
 
 
+def test_second_edge_with_the_same_node_id_is_refused(up, tmp_path):
+    line = one_clear_line(dsec("edge", "--nats", up["url"], "--node-id", NODE, "--state-dir", str(tmp_path)))
+    assert NODE in line and "in use" in line
+    assert dsec("exec", "--nats", up["url"], dsec("create", "--nats", up["url"]).stdout.strip(), "--",
+                "true").returncode == 0, "the running edge must be untouched"
+
+
 def test_metrics_endpoint(up):
     body = urllib.request.urlopen(f"http://127.0.0.1:{up['mport']}/metrics", timeout=5).read().decode()
     assert "dsec_edge_sandboxes" in body and "dsec_placement_placed" in body
