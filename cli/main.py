@@ -5,7 +5,6 @@ import asyncio
 import functools
 import os
 import sys
-from pathlib import Path
 
 import click
 

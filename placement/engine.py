@@ -10,7 +10,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import CapacityUnavailable, DsecError, RequestExpired
-from bus.messages import (CreateRequest, ErrorReply, Event, NodeInfo, Queued, create_decoder, encode,
+from bus.messages import (CreateRequest, ErrorReply, Event, Queued, create_decoder, encode,
                           node_decoder, salvage)
 from bus.pull import Delivery, Verdict
 from placement import admission, scoring

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import cgroups, enter, kernel, native, zygote
+from edge.backends import cgroups, enter, execio, kernel, native, zygote
 from edge.backends.base import (Backend, BackendError, ExecResult, OutputSink, SandboxGone,
                                 SandboxSpec)
 from edge.backends.cgroups import CgroupError, NodeCgroups
@@ -29,7 +29,6 @@ __all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
-CHUNK = 64 << 10
 LAUNCH_TIMEOUT = 30.0
 KILL_GRACE = 5.0            # after a kill, how long the pipes may take to close
 REAP_TIMEOUT = 10.0
@@ -162,7 +161,7 @@ class ContainerBackend(Backend):
                     init = await self._launcher.request(msg, [ready_w])
                 finally:
                     os.close(ready_w)
-                error = await asyncio.wait_for(_read_to_eof(ready_r), LAUNCH_TIMEOUT)
+                error = await asyncio.wait_for(execio.read_to_eof(ready_r), LAUNCH_TIMEOUT)
             finally:
                 os.close(ready_r)
             if error:
@@ -222,7 +221,7 @@ class ContainerBackend(Backend):
             await asyncio.wait_for(asyncio.shield(exited), REAP_TIMEOUT)
         except (LauncherError, asyncio.TimeoutError):
             deadline = time.monotonic() + REAP_TIMEOUT
-            while not _pid_gone(pid) and time.monotonic() < deadline:
+            while not execio.pid_gone(pid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.005)
 
     @staticmethod
@@ -258,7 +257,7 @@ class ContainerBackend(Backend):
             groups = self._cgroups.create_exec(sandbox_id, n)
         except CgroupError as exc:
             raise BackendError(str(exc)) from exc
-        pipes = _Pipes()
+        pipes = execio.Pipes()
         started = time.monotonic()
         try:
             msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in groups.values()], argv=list(argv),
@@ -271,20 +270,20 @@ class ContainerBackend(Backend):
                 status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink)
             except LauncherError as exc:
                 raise BackendError(str(exc)) from exc
-            failure = _exec_failure(pipes.read_error(), argv, cwd)
+            failure = execio.exec_failure(pipes.read_error(), argv, cwd)
         finally:
             pipes.close()
             cpu, peak = NodeCgroups.exec_stats(groups)
             events = NodeCgroups.limit_events(groups)
             if not NodeCgroups.remove(groups):  # stays if background processes remain; destroy removes it
                 sb.events.update(events)
-        result = ExecResult(exit_code=_exit_code(status), duration=time.monotonic() - started,
+        result = ExecResult(exit_code=execio.exit_code(status), duration=time.monotonic() - started,
                             cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
         if failure and not timed_out:
             raise ExecFailed(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
 
-    async def _start_exec(self, sb: _Sandbox, msg: Exec, pipes: "_Pipes") -> asyncio.Future:
+    async def _start_exec(self, sb: _Sandbox, msg: Exec, pipes: "execio.Pipes") -> asyncio.Future:
         """Spawn the command directly with dsec-enter when built, else through the zygote's fork."""
         if self._spawner is None:
             _, exited = await self._launcher.request(msg, pipes.child_ends())
@@ -297,12 +296,12 @@ class ContainerBackend(Backend):
             raise BackendError(f"cannot start {msg.argv[0]}: {exc.strerror}") from exc
         return enter.watch_exit(pid)
 
-    async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "_Pipes",
+    async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "execio.Pipes",
                          stdin: bytes | None, timeout: float, sink: OutputSink) -> tuple[int, bool]:
         """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree."""
-        feeder = asyncio.ensure_future(_feed(pipes.take("stdin_w"), stdin or b""))
-        pumps = [asyncio.ensure_future(_pump(pipes.stdout_r, "stdout", sink)),
-                 asyncio.ensure_future(_pump(pipes.stderr_r, "stderr", sink))]
+        feeder = asyncio.ensure_future(execio.feed(pipes.take("stdin_w"), stdin or b""))
+        pumps = [asyncio.ensure_future(execio.pump(pipes.stdout_r, "stdout", sink)),
+                 asyncio.ensure_future(execio.pump(pipes.stderr_r, "stderr", sink))]
         # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
         everything = asyncio.gather(asyncio.shield(exited), *pumps)
         timed_out = False
@@ -397,138 +396,6 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
         if b"edge.backends.zygote" in cmdline and label in cmdline.split(b"\0"):
             out.append(f"zygote process {proc.name}")
     return out
-
-
-# ---------------------------------------------------------------- exec plumbing
-
-
-class _Pipes:
-    """The four pipes of one exec: stdin, stdout, stderr, and the execve error pipe."""
-
-    def __init__(self) -> None:
-        self.stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC)
-        self.stdout_r, self.stdout_w = os.pipe2(os.O_CLOEXEC)
-        self.stderr_r, self.stderr_w = os.pipe2(os.O_CLOEXEC)
-        self.error_r, self.error_w = os.pipe2(os.O_CLOEXEC)
-        for fd in (self.stdin_w, self.stdout_r, self.stderr_r, self.error_r):
-            os.set_blocking(fd, False)
-
-    def child_ends(self) -> list[int]:
-        """The ends the command gets: stdin read, stdout write, stderr write, error write."""
-        return [self.stdin_r, self.stdout_w, self.stderr_w, self.error_w]
-
-    def close_child_ends(self) -> None:
-        """Drop our copies of the child ends once the zygote has them."""
-        for name in ("stdin_r", "stdout_w", "stderr_w", "error_w"):
-            self.take(name)
-
-    def take(self, name: str) -> int:
-        """Hand over ownership of one fd (or close it when it is a child end)."""
-        fd = getattr(self, name)
-        setattr(self, name, -1)
-        if name in ("stdin_r", "stdout_w", "stderr_w", "error_w") and fd >= 0:
-            os.close(fd)
-        return fd
-
-    def read_error(self) -> bytes:
-        """What the child wrote to the error pipe (empty once execve succeeded)."""
-        try:
-            return os.read(self.error_r, 4096)
-        except BlockingIOError:
-            return b""
-
-    def close(self) -> None:
-        """Close every fd still open."""
-        for name in ("stdin_r", "stdin_w", "stdout_r", "stdout_w", "stderr_r", "stderr_w",
-                     "error_r", "error_w"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
-
-
-async def _wait_fd(fd: int, write: bool = False) -> None:
-    """Return when fd is readable (or writable); the fd is unregistered before returning or raising."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        remove(fd)
-
-
-async def _pump(fd: int, name: str, sink: OutputSink) -> None:
-    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF."""
-    while True:
-        try:
-            chunk = os.read(fd, CHUNK)
-        except BlockingIOError:
-            await _wait_fd(fd)
-            continue
-        if not chunk:
-            return
-        await sink(name, chunk)
-
-
-async def _feed(fd: int, data: bytes) -> None:
-    """Write data to the command's stdin, then close it (EOF)."""
-    view = memoryview(data)
-    try:
-        while view:
-            try:
-                view = view[os.write(fd, view[:CHUNK]):]
-            except BlockingIOError:
-                await _wait_fd(fd, write=True)
-    except BrokenPipeError:
-        pass        # the command stopped reading; not an error of the exec
-    finally:
-        os.close(fd)
-
-
-async def _read_to_eof(fd: int) -> bytes:
-    """Read a non-blocking pipe until EOF."""
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(fd, 4096)
-        except BlockingIOError:
-            await _wait_fd(fd)
-            continue
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-
-
-def _pid_gone(pid: int) -> bool:
-    """True if pid has exited (a zombie left to another reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
-def _exit_code(status: int) -> int:
-    code = os.waitstatus_to_exitcode(status)
-    return 128 - code if code < 0 else code
-
-
-def _exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
-    """Turn the child's error report (stage, errno, text) into one clear line."""
-    if not report:
-        return None
-    stage, code, text = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
-    code = int(code or 0)
-    if stage == "exec" and code in (errno.ENOENT, errno.ENOTDIR):
-        return f"command not found: {argv[0]}"
-    if stage == "exec" and code == errno.EACCES:
-        return f"permission denied: {argv[0]}"
-    if stage == "cwd":
-        return f"no such directory: {cwd}" if code == errno.ENOENT else f"cannot enter {cwd}: {text}"
-    reason = text or os.strerror(code)
-    return f"cannot execute {argv[0]}: {reason}" if stage == "exec" else f"exec {argv[0]} failed ({stage}): {reason}"
 
 
 # ---------------------------------------------------------------- files

@@ -1,0 +1,141 @@
+"""Exec plumbing of the container backend: the four pipes of a command, pumping output to the sink
+without reading ahead of it, feeding stdin, and turning wait statuses and error reports into results."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+
+from edge.backends.base import OutputSink
+
+CHUNK = 64 << 10   # bytes read from a pipe at once
+
+class Pipes:
+    """The four pipes of one exec: stdin, stdout, stderr, and the execve error pipe."""
+
+    def __init__(self) -> None:
+        self.stdin_r, self.stdin_w = os.pipe2(os.O_CLOEXEC)
+        self.stdout_r, self.stdout_w = os.pipe2(os.O_CLOEXEC)
+        self.stderr_r, self.stderr_w = os.pipe2(os.O_CLOEXEC)
+        self.error_r, self.error_w = os.pipe2(os.O_CLOEXEC)
+        for fd in (self.stdin_w, self.stdout_r, self.stderr_r, self.error_r):
+            os.set_blocking(fd, False)
+
+    def child_ends(self) -> list[int]:
+        """The ends the command gets: stdin read, stdout write, stderr write, error write."""
+        return [self.stdin_r, self.stdout_w, self.stderr_w, self.error_w]
+
+    def close_child_ends(self) -> None:
+        """Drop our copies of the child ends once the zygote has them."""
+        for name in ("stdin_r", "stdout_w", "stderr_w", "error_w"):
+            self.take(name)
+
+    def take(self, name: str) -> int:
+        """Hand over ownership of one fd (or close it when it is a child end)."""
+        fd = getattr(self, name)
+        setattr(self, name, -1)
+        if name in ("stdin_r", "stdout_w", "stderr_w", "error_w") and fd >= 0:
+            os.close(fd)
+        return fd
+
+    def read_error(self) -> bytes:
+        """What the child wrote to the error pipe (empty once execve succeeded)."""
+        try:
+            return os.read(self.error_r, 4096)
+        except BlockingIOError:
+            return b""
+
+    def close(self) -> None:
+        """Close every fd still open."""
+        for name in ("stdin_r", "stdin_w", "stdout_r", "stdout_w", "stderr_r", "stderr_w",
+                     "error_r", "error_w"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
+
+async def wait_fd(fd: int, write: bool = False) -> None:
+    """Return when fd is readable (or writable); the fd is unregistered before returning or raising."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
+    add(fd, lambda: fut.done() or fut.set_result(None))
+    try:
+        await fut
+    finally:
+        remove(fd)
+
+
+async def pump(fd: int, name: str, sink: OutputSink) -> None:
+    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF."""
+    while True:
+        try:
+            chunk = os.read(fd, CHUNK)
+        except BlockingIOError:
+            await wait_fd(fd)
+            continue
+        if not chunk:
+            return
+        await sink(name, chunk)
+
+
+async def feed(fd: int, data: bytes) -> None:
+    """Write data to the command's stdin, then close it (EOF)."""
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view[:CHUNK]):]
+            except BlockingIOError:
+                await wait_fd(fd, write=True)
+    except BrokenPipeError:
+        pass        # the command stopped reading; not an error of the exec
+    finally:
+        os.close(fd)
+
+
+async def read_to_eof(fd: int) -> bytes:
+    """Read a non-blocking pipe until EOF."""
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            await wait_fd(fd)
+            continue
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def pid_gone(pid: int) -> bool:
+    """True if pid has exited (a zombie left to another reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def exit_code(status: int) -> int:
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
+    """Turn the child's error report (stage, errno, text) into one clear line."""
+    if not report:
+        return None
+    stage, code, text = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
+    code = int(code or 0)
+    if stage == "exec" and code in (errno.ENOENT, errno.ENOTDIR):
+        return f"command not found: {argv[0]}"
+    if stage == "exec" and code == errno.EACCES:
+        return f"permission denied: {argv[0]}"
+    if stage == "cwd":
+        return f"no such directory: {cwd}" if code == errno.ENOENT else f"cannot enter {cwd}: {text}"
+    reason = text or os.strerror(code)
+    return f"cannot execute {argv[0]}: {reason}" if stage == "exec" else f"exec {argv[0]} failed ({stage}): {reason}"
+
+
