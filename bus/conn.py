@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from typing import AsyncIterator, Awaitable, Callable
 
 import nats
@@ -61,7 +62,7 @@ class Bus:
     async def close(self) -> None:
         """Flush and close; never raises."""
         try:
-            await asyncio.wait_for(self.nc.drain(), timeout=2)
+            await asyncio.wait_for(self.nc.drain(), timeout=1)
         except Exception:
             with contextlib.suppress(Exception):
                 await self.nc.close()
@@ -78,13 +79,24 @@ class Bus:
     # ---- publishing ---------------------------------------------------------------------------
 
     async def publish(self, subject: str, msg: Wire | bytes, *, msg_id: str | None = None,
-                      timeout: float = 5.0) -> int:
-        """Publish into JetStream and wait for the ack; msg_id dedupes retries. Returns the stream seq."""
+                      timeout: float = 5.0, retries: int = 0) -> int:
+        """Publish into JetStream and wait for the ack. Returns the stream seq.
+
+        With a msg_id (JetStream dedupes on it) a transport failure is retried `retries` times with
+        capped, jittered backoff; without one a retry could duplicate, so none is made.
+        """
         data = msg if isinstance(msg, bytes) else encode(msg)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        with mapped_errors(f"publish to {subject}"):
-            ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
-        return ack.seq
+        for attempt in range(retries + 1 if msg_id else 1):
+            try:
+                with mapped_errors(f"publish to {subject}"):
+                    ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
+                return ack.seq
+            except BusError:
+                if attempt >= retries:
+                    raise
+                await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+        raise AssertionError("unreachable")
 
     async def send(self, subject: str, msg: Wire | bytes) -> None:
         """Core publish (no ack): replies, and output chunks followed by an acked record."""
@@ -184,7 +196,7 @@ class Bus:
     async def kv_delete(self, bucket: str, key: str) -> None:
         """Delete a key (absent is fine)."""
         kv = await self.kv(bucket)
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError), mapped_errors(f"kv delete {bucket}/{key}"):
+        with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
     async def kv_items(self, bucket: str) -> list[tuple[str, bytes]]:

@@ -207,6 +207,7 @@ class SandboxRecord(Wire, tag="sandbox"):
     expires_at: float = 0.0
     updated_at: float = 0.0
     reason: str = ""
+    request_id: str = ""             # the create request that made it (redeliveries are recognised by it)
 
 
 class Event(Wire, tag="event"):

@@ -52,6 +52,15 @@ class Delivery:
 
 Handler = Callable[[Delivery], Awaitable[Verdict]]
 
+LEASE_EVERY = 10.0   # seconds between in-progress acks (every ack wait here is 30 s)
+
+
+async def keep_lease(d: Delivery, every: float = LEASE_EVERY) -> None:
+    """Run beside long work on a message: extends its ack wait until cancelled."""
+    while True:
+        await asyncio.sleep(every)
+        await d.in_progress()
+
 
 class PullWorker:
     """Runs handler for each message of one durable pull consumer, holding at most credit() at once."""

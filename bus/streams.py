@@ -21,7 +21,10 @@ IMAGES_KV = "dsec-images"
 LAYERS_OBJ = "dsec-layers"
 
 PLACEMENT_CONSUMER = "placement"
-MAX_DELIVER = 8           # a request that fails this often is poison: terminated, never looped forever
+# Unlimited redelivery: every request carries a deadline after which it ends as `expired`, and
+# undecodable ones are terminated at once, so nothing loops forever. A cap would silently drop
+# requests that merely wait for room.
+MAX_DELIVER = -1
 NODE_HEARTBEAT_TTL = 10.0  # seconds a node entry lives without a heartbeat
 
 
@@ -30,6 +33,7 @@ class Retention:
     """Tunable ages (seconds) of the limit streams."""
 
     output_max_age: float = 6 * HOUR
+    output_max_bytes: int = 16 << 30   # oldest output is dropped first beyond this
     events_max_age: float = 7 * DAY
     sandboxes_max_age: float = 2 * DAY
 
@@ -44,7 +48,8 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
         api.StreamConfig(name=NODE_STREAM, subjects=["dsec.node.>", "dsec.pool.>"],
                          retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, **common),
         api.StreamConfig(name=OUT_STREAM, subjects=["dsec.out.>"], retention=api.RetentionPolicy.LIMITS,
-                         max_age=ret.output_max_age, **common),
+                         max_age=ret.output_max_age, max_bytes=ret.output_max_bytes,
+                         discard=api.DiscardPolicy.OLD, **common),
         api.StreamConfig(name=EVT_STREAM, subjects=["dsec.evt.>"], retention=api.RetentionPolicy.LIMITS,
                          max_age=ret.events_max_age, **common),
     ]

@@ -13,6 +13,20 @@ def token(value: str, what: str) -> str:
     return value
 
 
+_REPLY = re.compile(r"^_INBOX\.[A-Za-z0-9_.-]{1,200}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def is_reply_subject(subject: str) -> bool:
+    """Replies go only to inboxes: a request can never make a service publish on a system subject."""
+    return bool(_REPLY.match(subject))
+
+
+def is_digest(value: str) -> bool:
+    """A layer digest as the store names it: sha256:<64 hex>."""
+    return bool(_DIGEST.match(value))
+
+
 def create_request(tenant: str) -> str:
     """Where libdsec sends a CreateRequest."""
     return f"dsec.req.create.{tenant}"

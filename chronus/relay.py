@@ -31,10 +31,13 @@ class OutputRelay:
         self._pending: list[tuple[str, bytearray]] = []
         self._pending_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._timed: asyncio.Future | None = None
         self._lock = asyncio.Lock()
+        self._exit: ExitRecord | None = None
 
     async def sink(self, stream: str, data: bytes) -> None:
         """Accept a chunk read from the command (the backend awaits this: backpressure)."""
+        await self._settle_timed()
         room = self.max_output - self.total
         if room <= 0:
             self.truncated = self.truncated or bool(data)
@@ -54,7 +57,13 @@ class OutputRelay:
 
     def _timed_flush(self) -> None:
         self._timer = None
-        asyncio.ensure_future(self.flush())
+        self._timed = asyncio.ensure_future(self.flush())   # awaited by the next sink() or finish()
+
+    async def _settle_timed(self) -> None:
+        """Surface the result of a timer-driven flush (a lost chunk must not pass silently)."""
+        if self._timed is not None and self._timed.done():
+            timed, self._timed = self._timed, None
+            timed.result()
 
     async def flush(self) -> None:
         """Publish what is buffered, in order, in chunks of at most FLUSH_BYTES."""
@@ -70,9 +79,16 @@ class OutputRelay:
                         exec_id=self.exec_id, seq=self.seq, stream=stream, data=bytes(buf[off:off + FLUSH_BYTES]))))
 
     async def finish(self, **fields) -> ExitRecord:
-        """Flush, then publish the exit record with an ack: every chunk before it is stored too."""
+        """Flush, then publish the exit record with an ack: every chunk before it is stored too.
+
+        Safe to call again after a transport failure: the same record (same seq) is published again.
+        """
+        if self._timed is not None:
+            timed, self._timed = self._timed, None
+            await timed
         await self.flush()
-        self.seq += 1
-        rec = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
-        await self.bus.publish(self.subject, encode(rec), msg_id=f"{self.exec_id}-exit")
-        return rec
+        if self._exit is None:
+            self.seq += 1
+            self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
+        await self.bus.publish(self.subject, encode(self._exit), msg_id=f"{self.exec_id}-exit")
+        return self._exit

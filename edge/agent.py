@@ -15,7 +15,7 @@ from bus.conn import Bus
 from bus.errors import BusError, DsecError, EnvironmentFailure, InvalidRequest, RequestExpired
 from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, create_decoder,
                           encode, salvage, sandbox_decoder)
-from bus.pull import Delivery, Verdict
+from bus.pull import Delivery, Verdict, keep_lease
 from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
 from edge.layercache import LayerCache
@@ -47,7 +47,7 @@ class Edge:
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
         self.draining = False
-        self._creating = 0
+        self._creating: set[str] = set()
         self._create_worker = None
         self._tasks: list[asyncio.Task] = []
         self.created = 0
@@ -79,7 +79,10 @@ class Edge:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         ids = list(self.sandboxes)
-        await self.backend.stop()
+        try:
+            await self.backend.stop()
+        except BackendError as exc:
+            log.error("backend stop incomplete: %s", exc)
         await self._best_effort(self._forget_all(ids))
 
     async def _best_effort(self, coro) -> None:
@@ -106,9 +109,10 @@ class Edge:
     # ---- accounting and heartbeat ---------------------------------------------------------------
 
     def _create_credit(self) -> int:
+        """Create messages this edge may hold: free slots, plus those in flight that already booked one."""
         if self.draining:
             return 0
-        return max(0, self.capacity.free_slots() - self._creating)
+        return self.capacity.free_slots() + sum(1 for i in self._creating if i in self.capacity.used)
 
     async def _heartbeat_once(self) -> None:
         await self.bus.kv_put(streams.NODES_KV, self.node, self.capacity.node_info(self.draining))
@@ -126,13 +130,17 @@ class Edge:
             await asyncio.sleep(0.5)
             now = time.time()
             for sid in [s for s, r in self.sandboxes.items() if r.expires_at and r.expires_at < now]:
-                with contextlib.suppress(DsecError, BackendError):
+                try:
                     await self.destroy(sid, state="expired", reason="ttl reached")
+                except KeyError:
+                    pass    # destroyed by a request meanwhile
+                except Exception:   # never let one failure end TTL enforcement for the node
+                    log.exception("ttl destroy of %s failed", sid)
 
     # ---- create lane --------------------------------------------------------------------------
 
     async def _reply(self, reply_to: str, msg) -> None:
-        if reply_to:
+        if subjects.is_reply_subject(reply_to):
             with contextlib.suppress(DsecError):
                 await self.bus.send(reply_to, msg)
 
@@ -145,38 +153,35 @@ class Edge:
             await self._reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
                                                        message=f"bad create request: {exc}"))
             return Verdict.TERM
-        if req.sandbox_id in self.sandboxes:   # redelivered after we served it: answer again
+        if req.sandbox_id in self._creating:
+            return Verdict.ACK   # a redelivery while the first delivery still works: that one answers
+        running = self.sandboxes.get(req.sandbox_id)
+        if running is not None:   # served before (ack lost): answer again; another request: refuse
+            same = running.record.request_id == req.request_id
             await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
-                                                         node=self.node))
+                                                         node=self.node) if same else ErrorReply(
+                request_id=req.request_id, code=InvalidRequest.code, message="sandbox_id is already in use"))
             return Verdict.ACK
         if not self.capacity.fits(req.resources):
-            d.nak_delay = 0.2
+            d.nak_delay = 0.2    # room may free before its deadline; until then it waits in JetStream
             return Verdict.NAK
-        self._creating += 1
+        self._creating.add(req.sandbox_id)
+        lease = asyncio.create_task(keep_lease(d))
         try:
-            await self._create(req, redelivered=d.num_delivered > 1)
+            await self._create(req)
         finally:
-            self._creating -= 1
+            lease.cancel()
+            self._creating.discard(req.sandbox_id)
         return Verdict.ACK
 
-    async def _create(self, req: CreateRequest, redelivered: bool) -> None:
+    async def _create(self, req: CreateRequest) -> None:
         try:
-            if redelivered and await self.bus.kv_get(streams.SANDBOXES_KV, req.sandbox_id) is not None:
-                return   # an earlier delivery already reached an outcome, which was recorded and replied
+            if await self._known(req):
+                return
             if time.time() > req.deadline:
                 raise RequestExpired("create request expired before a node started it")
             self.capacity.reserve(req.sandbox_id, req.resources)
-            paths = await self.layers.ensure(req.layers)
-            r = req.resources
-            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env),
-                               limits=Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk))
-            try:
-                await self.backend.create(spec)
-            except BackendError as exc:
-                raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc
-            if time.time() > req.deadline:   # the client gave up meanwhile: never leave an orphan
-                await self.backend.destroy(req.sandbox_id)
-                raise RequestExpired("create request expired while the sandbox started; it was destroyed")
+            await self._start_sandbox(req)
         except DsecError as err:
             self.capacity.release(req.sandbox_id)
             self.failed += 1
@@ -185,7 +190,7 @@ class Edge:
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
                             image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
-                            expires_at=now + req.ttl, updated_at=now)
+                            expires_at=now + req.ttl, updated_at=now, request_id=req.request_id)
         self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl)
         self.created += 1
         await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec),
@@ -193,12 +198,45 @@ class Edge:
         await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                      node=self.node))
 
+    async def _known(self, req: CreateRequest) -> bool:
+        """True when this id already has a recorded outcome (then it was answered; a reuse is refused)."""
+        raw = await self.bus.kv_get(streams.SANDBOXES_KV, req.sandbox_id)
+        if raw is None:
+            return False
+        try:
+            prior = sandbox_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False     # junk under this key: it names no sandbox
+        if prior.request_id != req.request_id:
+            await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=InvalidRequest.code,
+                                                       message="sandbox_id is already in use"))
+        return True
+
+    async def _start_sandbox(self, req: CreateRequest) -> None:
+        """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
+        try:
+            paths = await self.layers.ensure(req.layers)
+            r = req.resources
+            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env),
+                               limits=Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk))
+            await self.backend.create(spec)
+        except DsecError:
+            raise
+        except Exception as exc:   # BackendError, OSError writing the layer cache, ...
+            raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc
+        if time.time() > req.deadline:   # the client gave up meanwhile: never leave an orphan
+            try:
+                await self.backend.destroy(req.sandbox_id)
+            except BackendError as exc:
+                log.error("destroying expired sandbox %s failed: %s", req.sandbox_id, exc)
+            raise RequestExpired("create request expired while the sandbox started; it was destroyed")
+
     async def _record_failure(self, req: CreateRequest, err: DsecError) -> None:
         state = "expired" if isinstance(err, RequestExpired) else "failed"
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state=state,
                             image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
-                            updated_at=now, reason=str(err))
+                            updated_at=now, reason=str(err), request_id=req.request_id)
         with contextlib.suppress(DsecError):
             await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec),
                                  self._event(rec, state, req.request_id, str(err)))

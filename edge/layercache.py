@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from bus import streams
+from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure
 from bus.messages import LayerRef
@@ -33,6 +33,8 @@ class LayerCache:
         return [str(await self._one(layer)) for layer in layers]
 
     async def _one(self, layer: LayerRef) -> Path:
+        if not subjects.is_digest(layer.digest):
+            raise EnvironmentFailure(f"layer {layer.name}@{layer.version} has an invalid digest")
         path = self.path(layer)
         if path.exists():
             self.hits += 1

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from bus import streams, subjects
-from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxNotFound
+from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, ExitRecord, OkReply, ReadFile, WriteFile,
                           op_decoder, output_decoder, salvage, sandbox_decoder)
-from bus.pull import Delivery, Verdict
+from bus.pull import Delivery, Verdict, keep_lease
 from chronus.relay import OutputRelay
 from edge.backends.base import BackendError, SandboxGone
 
@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LEASE_EVERY = 10.0          # seconds between in-progress acks of a long exec
 REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
+MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 
 
 class OpLane:
@@ -70,7 +70,7 @@ class OpLane:
     # ---- replies ------------------------------------------------------------------------------
 
     async def _reply(self, reply_to: str, msg) -> None:
-        if reply_to:
+        if subjects.is_reply_subject(reply_to):
             with contextlib.suppress(DsecError):
                 await self.bus.send(reply_to, msg)
 
@@ -109,6 +109,8 @@ class OpLane:
             await self.edge.destroy(op.sandbox_id, "destroyed", "destroyed by request")
         except (KeyError, SandboxGone):
             raise await self._gone(op.sandbox_id) from None
+        except BackendError as exc:   # recorded as destroyed; what the kernel kept is reconciled at restart
+            raise SandboxError(f"destroy of {op.sandbox_id} incomplete: {exc}") from exc
 
     async def _write(self, op: WriteFile) -> None:
         await self._require(op.sandbox_id)
@@ -121,6 +123,8 @@ class OpLane:
 
     async def _read(self, op: ReadFile) -> bytes:
         await self._require(op.sandbox_id)
+        if op.limit > MAX_READ:
+            raise InvalidRequest(f"limit: read_file returns at most {MAX_READ} bytes per call, got {op.limit}")
         try:
             return await self.edge.backend.read_file(op.sandbox_id, op.path, op.limit)
         except SandboxGone:
@@ -139,11 +143,11 @@ class OpLane:
         return True
 
     async def _exec_error(self, sandbox_id: str, exec_id: str, err: DsecError) -> None:
-        with contextlib.suppress(DsecError, ValueError):
+        with contextlib.suppress(ValueError):   # no valid subject to answer on
             relay = OutputRelay(self.bus, subjects.token(sandbox_id, "sandbox_id"),
                                 subjects.token(exec_id, "exec_id"), 0)
-            await relay.finish(exit_code=-1, error_code=err.code, error=str(err),
-                                 reason=str(err.details.get("reason", "")))
+            await self._final(relay, dict(exit_code=-1, error_code=err.code, error=str(err),
+                                          reason=str(err.details.get("reason", ""))))
 
     async def _exec(self, op: ExecRequest, d: Delivery) -> None:
         try:
@@ -157,22 +161,46 @@ class OpLane:
             await self._require(op.sandbox_id)
         except DsecError as err:
             return await self._exec_error(op.sandbox_id, op.exec_id, err)
-        relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, op.max_output)
-        lease = asyncio.create_task(self._keep_lease(d))
+        relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
+        lease = asyncio.create_task(keep_lease(d))
+        try:
+            fields = await self._run(op, relay)
+        except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
+            with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                await asyncio.wait_for(relay.finish(exit_code=-1, error_code=SandboxNotFound.code, reason="destroyed",
+                                                    error="sandbox destroyed: the edge stopped"), 0.5)
+            raise
+        finally:
+            lease.cancel()
+        await self._final(relay, fields)
+
+    async def _run(self, op: ExecRequest, relay: OutputRelay) -> dict:
+        """Run the command; the fields of its exit record (an error record when it could not run)."""
         t0 = time.monotonic()
         try:
             res = await self.edge.backend.exec(op.sandbox_id, op.argv, env=dict(op.env), cwd=op.cwd,
                                                stdin=op.stdin or None, timeout=op.timeout, sink=relay.sink)
         except SandboxGone:
-            return await self._exec_error(op.sandbox_id, op.exec_id, await self._gone(op.sandbox_id))
+            err = await self._gone(op.sandbox_id)
+            return dict(exit_code=-1, error_code=err.code, error=str(err), reason=err.reason)
         except BackendError as exc:
-            await relay.finish(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code,
-                               error=str(exc))
-            return
-        finally:
-            lease.cancel()
-        await relay.finish(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
-                           peak_memory=res.peak_memory, timed_out=res.timed_out)
+            return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code, error=str(exc))
+        except DsecError as exc:     # the output relay lost the bus: the command was killed
+            return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=exc.code,
+                        error=f"output relay failed: {exc}")
+        return dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
+                    peak_memory=res.peak_memory, timed_out=res.timed_out)
+
+    @staticmethod
+    async def _final(relay: OutputRelay, fields: dict) -> None:
+        """Publish the exit record, the exec's one terminal outcome: transport failures are retried."""
+        for attempt in range(6):
+            try:
+                await relay.finish(**fields)
+                return
+            except DsecError as exc:
+                log.warning("exit record of %s not published (try %d): %s", relay.exec_id, attempt + 1, exc)
+                await asyncio.sleep(0.1 * 2 ** attempt)
 
     @staticmethod
     def _check_exec(op: ExecRequest) -> None:
@@ -193,9 +221,3 @@ class OpLane:
             last = await self.bus.last_on_subject(streams.OUT_STREAM, subjects.output(op.sandbox_id, op.exec_id))
             return last is not None and isinstance(output_decoder.decode(last), ExitRecord)
         return False
-
-    @staticmethod
-    async def _keep_lease(d: Delivery) -> None:
-        while True:
-            await asyncio.sleep(LEASE_EVERY)
-            await d.in_progress()

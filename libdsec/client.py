@@ -14,7 +14,7 @@ from bus.messages import (CreateRequest, ErrorReply, Queued, SandboxReady, creat
                           op_reply_decoder, sandbox_decoder)
 from libdsec.ids import new_id
 from libdsec.resources import Resources
-from libdsec.sandbox import AsyncSandbox
+from libdsec.sandbox import PUBLISH_RETRIES, AsyncSandbox
 
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
@@ -61,7 +61,10 @@ class AsyncClient:
     def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str = "default",
                  connect_timeout: float = 5.0) -> None:
         self.url = url
-        self.tenant = subjects.token(tenant, "tenant")
+        try:
+            self.tenant = subjects.token(tenant, "tenant")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         self.connect_timeout = connect_timeout
         self.bus: Bus | None = None
         self._replies: _Replies | None = None
@@ -123,7 +126,8 @@ class AsyncClient:
         req = msgspec.structs.replace(req, reply_to=reply_to)
         queued = ""
         try:
-            await bus.publish(subjects.create_request(self.tenant), encode(req), msg_id=req.request_id)
+            await bus.publish(subjects.create_request(self.tenant), encode(req), msg_id=req.request_id,
+                              timeout=2.0, retries=PUBLISH_RETRIES)
             while (data := await _next(q, req.deadline - time.time())) is not None:
                 try:
                     reply = create_reply_decoder.decode(data)
@@ -209,7 +213,8 @@ class AsyncClient:
         reply_to, q = replies.register(rid)
         try:
             op = make(rid, reply_to, time.time() + timeout)
-            await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid)
+            await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid, timeout=2.0,
+                              retries=PUBLISH_RETRIES)
             while True:
                 data = await _next(q, timeout)
                 if data is None:

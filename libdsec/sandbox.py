@@ -18,6 +18,7 @@ Command = str | Sequence[str]
 DEFAULT_EXEC_TIMEOUT = 30.0
 DEFAULT_OP_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT = 16 << 20
+PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec id dedupes them)
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
 
 
@@ -67,7 +68,8 @@ class AsyncSandbox:
         stream = ExecStream(bus, self.id, req.exec_id)
         await stream.open()
         try:
-            await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id)
+            await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id,
+                              timeout=2.0, retries=PUBLISH_RETRIES)
         except BaseException:
             await stream.close()
             raise

@@ -55,12 +55,14 @@ class PlacementEngine:
             return
         try:
             info = node_decoder.decode(value)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return    # junk in the inventory is skipped, never fatal
+        if info.node != key:
+            return    # an entry must describe the node it is filed under, or creates go nowhere
         self.nodes[key] = scoring.NodeView(info)
 
     async def _reply(self, reply_to: str, msg) -> None:
-        if reply_to:
+        if subjects.is_reply_subject(reply_to):
             try:
                 await self.bus.send(reply_to, msg)
             except DsecError as exc:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from bus import streams
+from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
 from bus.messages import ImageRecord, LayerRef, image_decoder
@@ -52,7 +52,7 @@ class ImageRegistry:
         rec = await self._record(name if version is None else f"{name}.{version}")
         if rec is None and version is None:
             rec = await self._latest_version(name)   # the latest pointer is missing or junk: scan versions
-        if rec is None or not rec.digest:
+        if rec is None or not subjects.is_digest(rec.digest):
             raise ImageNotFound(f"image {ref!r} not found (see `dsec image ls`)")
         layer = LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)
         self._cache[ref] = (time.monotonic(), layer)

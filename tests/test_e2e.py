@@ -136,3 +136,19 @@ async def test_output_readable_later_from_stream(client, stack):
         recs.append(output_decoder.decode(data))
     assert any(isinstance(r, OutputChunk) and r.data == b"later\n" for r in recs)
     assert isinstance(recs[-1], ExitRecord) and recs[-1].exit_code == 0 and node
+
+
+async def test_redelivered_exec_never_runs_twice(client, stack):
+    """The same exec id published twice (a retry past the dedupe window, or a redelivery) runs once."""
+    from bus import streams, subjects
+    from bus.messages import ExecRequest, ExitRecord, encode, output_decoder
+    async with await client.create() as sb:
+        req = ExecRequest(exec_id="xonce1", sandbox_id=sb.id, argv=["sh", "-c", "echo run >> /tmp/count"],
+                          timeout=10)
+        for msg_id in ("first", "second"):   # distinct Nats-Msg-Ids: JetStream's dedupe does not catch it
+            await stack.bus.publish(subjects.node_ops(sb.node, sb.id), encode(req), msg_id=msg_id)
+        await asyncio.sleep(1.0)
+        assert (await sb.read_file("/tmp/count")) == b"run\n"
+        recs = [output_decoder.decode(d) async for d in stack.bus.read_subject(
+            streams.OUT_STREAM, subjects.output(sb.id, "xonce1"))]
+        assert sum(isinstance(r, ExitRecord) for r in recs) == 1

@@ -99,3 +99,15 @@ async def test_write_file_through_planted_symlinks_stays_inside(client, tmp_path
         except libdsec.FileOpError:
             data = b""
         assert data != b"host data"
+
+
+async def test_no_way_to_the_edge_process_group_or_terminal(client, stack):
+    """A command has its own session: kill(0) hits only its own group, /dev/tty is no terminal."""
+    async with await client.create() as sb:
+        r = await sb.exec("kill -9 0; echo unreachable")
+        assert r.exit_code == 137 and r.stdout == b""
+        r = await sb.exec("echo x > /dev/tty")
+        assert r.exit_code != 0 and b"No such device" in r.stderr, r.stderr
+        r = await sb.exec("mknod /tmp/console c 5 1 && cat /tmp/console")
+        assert r.exit_code != 0
+        assert stack.edge.sandboxes and (await sb.exec("echo alive")).stdout == b"alive\n"

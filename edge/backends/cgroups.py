@@ -18,9 +18,9 @@ from edge.backends.base import Limits
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices")
 # Device nodes a sandbox may open (mknod of anything is allowed, opening it is not):
-# null zero full random urandom tty ptmx console, and the devpts ptys.
+# null zero full random urandom tty ptmx, and the devpts ptys. Not 5:1 (the host console).
 DEVICE_RULES = ("c *:* m", "b *:* m", "c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm",
-                "c 1:9 rwm", "c 5:0 rwm", "c 5:1 rwm", "c 5:2 rwm", "c 136:* rwm")
+                "c 1:9 rwm", "c 5:0 rwm", "c 5:2 rwm", "c 136:* rwm")
 
 
 # Where v1 records that a limit fired: (controller, file, key or None for a plain number, our name).

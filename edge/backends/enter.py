@@ -51,8 +51,10 @@ class Spawner:
             args = [self.helper, str(base), hex(self.keep_mask), cwd, *tasks, "--", *argv]
             kernel.setns(pidns, kernel.CLONE_NEWPID)
             try:
+                # setsid: its own session with no controlling tty, so kill(0) inside the sandbox or
+                # /dev/tty can never reach the edge's process group or the operator's terminal.
                 return os.posix_spawn(self.helper, args, env, file_actions=actions, setsigmask=(),
-                                      setsigdef=SIGDEF)
+                                      setsigdef=SIGDEF, setsid=True)
             finally:
                 kernel.setns(self.own_pidns, kernel.CLONE_NEWPID)
         finally:

@@ -225,6 +225,7 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
     """PID 1 of a new sandbox: build its root, lock it down, become catatonit. Never returns."""
     try:
         gc.disable()
+        os.setsid()        # own session, no controlling tty: kill(0) and /dev/tty never reach the edge's
         os.set_inheritable(ready, False)        # EOF on the ready pipe = catatonit is running
         _join(req.cgroups)
         kernel.unshare(kernel.CLONE_NEWNS | kernel.CLONE_NEWNET | kernel.CLONE_NEWUTS | kernel.CLONE_NEWIPC)
@@ -300,6 +301,7 @@ def _exec_child(req: Exec, fds: list[int], nsfds: list[int], root_fd: int,
     stage = "setup"
     try:
         gc.disable()
+        os.setsid()        # own session, no controlling tty: kill(0) and /dev/tty never reach the edge's
         _join(req.cgroups)
         for fd in nsfds:
             kernel.setns(fd, 0)
