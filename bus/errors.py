@@ -90,6 +90,11 @@ class ExecTimeout(SandboxError, TimeoutError):
         """Error output captured before the kill."""
         return self.details.get("stderr", b"")  # type: ignore[return-value]
 
+    @property
+    def truncated(self) -> bool:
+        """Whether output beyond the per-exec cap was dropped."""
+        return bool(self.details.get("truncated", False))
+
 
 class ExecFailed(SandboxError):
     """The command could not be started (e.g. not found inside the sandbox)."""

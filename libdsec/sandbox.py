@@ -109,7 +109,7 @@ class AsyncSandbox:
             await stream.close()
         if ex.timed_out:
             raise ExecTimeout(f"command timed out after {timeout}s; its process tree was killed",
-                              stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]))
+                              stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]), truncated=ex.truncated)
         return ExecResult(exit_code=ex.exit_code, stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]),
                           duration=ex.duration, cpu_time=ex.cpu_time, peak_memory=ex.peak_memory,
                           timed_out=False, truncated=ex.truncated)

@@ -71,6 +71,8 @@ async def no_leaks(request):
     assert left == [], f"test left sandboxes running: {left}"
     assert sandbox_cgroups(NODE) == [], "per-sandbox cgroups left behind"
     assert host_residue(st.state_dir) == [], "host residue left behind"
+    uppers = st.state_dir / "edge" / "uppers"
+    assert not uppers.is_dir() or list(uppers.iterdir()) == [], "writable layers (subvolumes) left behind"
 
 
 def host_residue(state_dir: Path) -> list[str]:

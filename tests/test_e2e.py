@@ -147,7 +147,12 @@ async def test_redelivered_exec_never_runs_twice(client, stack):
                           timeout=10)
         for msg_id in ("first", "second"):   # distinct Nats-Msg-Ids: JetStream's dedupe does not catch it
             await stack.bus.publish(subjects.node_ops(sb.node, sb.id), encode(req), msg_id=msg_id)
-        await asyncio.sleep(1.0)
+        for _ in range(100):   # both deliveries handled: the work-queue lane is empty
+            if await stack.bus.consumer_pending(streams.NODE_STREAM, f"edge-{sb.node}-ops") == 0 and \
+                    stack.edge.ops._seen.get("xonce1", 0) is None:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
         assert (await sb.read_file("/tmp/count")) == b"run\n"
         recs = [output_decoder.decode(d) async for d in stack.bus.read_subject(
             streams.OUT_STREAM, subjects.output(sb.id, "xonce1"))]

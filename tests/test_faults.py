@@ -108,3 +108,36 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
     from edge.backends.container import leftovers
     assert leftovers(tmp_path / "edge" / "edge", "rs") == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
+
+
+async def test_creates_wait_for_a_node_and_for_cpu(tmp_path):
+    """No live node yet, then a node whose CPU is booked: requests wait (in JetStream) and are served."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    placement = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    await placement.start()
+    edge = None
+    try:
+        async with libdsec.AsyncClient(srv.url) as client:
+            early = asyncio.create_task(client.create(timeout=60))
+            await asyncio.sleep(3)        # well past any redelivery cap: nothing may be dropped
+            assert not early.done()
+            edge = Stack(tmp_path / "edge", nats_url=srv.url, metrics_port=None, run_placement=False,
+                         edge_config=EdgeConfig(node_id="cpu1", slots=8, cpus=1, cpu_overcommit=1.5))
+            await edge.start()
+            first = await early           # served once the node exists
+            second = asyncio.create_task(client.create(timeout=60))   # 1 + 1 cores > 1.5: waits for CPU
+            await asyncio.sleep(3)
+            assert not second.done() and len(edge.edge.sandboxes) == 1
+            await first.destroy()
+            second_sb = await second
+            assert (await second_sb.exec("echo served")).stdout == b"served\n"
+            await second_sb.destroy()
+    finally:
+        if edge is not None:
+            await edge.stop()
+        await placement.stop()
+        srv.stop()
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "edge" / "edge", "cpu1") == []

@@ -50,6 +50,7 @@ class _Sandbox:
     init_pid: int
     init_exit: asyncio.Future
     layers: list[Path]
+    pidfd: int = -1             # pins the init: /proc/<pid> opens are checked against it (pid reuse)
     execs: itertools.count = field(default_factory=lambda: itertools.count(1))
     events: Counter = field(default_factory=Counter)    # limit events of removed exec groups
     dying: asyncio.Future | None = None
@@ -166,7 +167,7 @@ class ContainerBackend(Backend):
                 os.close(ready_r)
             if error:
                 raise BackendError(f"sandbox {spec.id} failed to start: {error.decode(errors='replace')}")
-            return _Sandbox(spec, init[0], init[1], layers)
+            return _Sandbox(spec, init[0], init[1], layers, pidfd=os.pidfd_open(init[0]))
         except BaseException as exc:
             await self._teardown(spec.id, init, groups, sub is not None, layers)
             if isinstance(exc, (LayerError, UpperError, CgroupError, LauncherError, OSError)):
@@ -190,6 +191,9 @@ class ContainerBackend(Backend):
             residue = await self._teardown(sb.spec.id, (sb.init_pid, sb.init_exit), groups, True, sb.layers)
         finally:
             self._sandboxes.pop(sb.spec.id, None)
+            if sb.pidfd >= 0:
+                os.close(sb.pidfd)
+                sb.pidfd = -1
         if residue:
             raise BackendError(f"destroy {sb.spec.id} left: {'; '.join(residue)}")
 
@@ -290,8 +294,10 @@ class ContainerBackend(Backend):
             return exited
         ends = pipes.child_ends()
         try:
-            pid = self._spawner.spawn(sb.init_pid, [f"{g}/tasks" for g in msg.cgroups], msg.argv, msg.env,
-                                      msg.cwd, ends[:3], ends[3])
+            pid = self._spawner.spawn(sb.init_pid, sb.pidfd, [f"{g}/tasks" for g in msg.cgroups], msg.argv,
+                                      msg.env, msg.cwd, ends[:3], ends[3])
+        except ProcessLookupError as exc:
+            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
         except OSError as exc:
             raise BackendError(f"cannot start {msg.argv[0]}: {exc.strerror}") from exc
         return enter.watch_exit(pid)
@@ -338,12 +344,12 @@ class ContainerBackend(Backend):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Create or truncate a file in the sandbox root filesystem (symlinks resolved inside it)."""
         sb = self._live(sandbox_id)
-        await asyncio.to_thread(_write_in_root, sandbox_id, sb.init_pid, path, data, mode)
+        await asyncio.to_thread(_write_in_root, sandbox_id, sb.init_pid, sb.pidfd, path, data, mode)
 
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file of the sandbox root filesystem, at most limit bytes (else BackendError)."""
         sb = self._live(sandbox_id)
-        return await asyncio.to_thread(_read_in_root, sandbox_id, sb.init_pid, path, limit)
+        return await asyncio.to_thread(_read_in_root, sandbox_id, sb.init_pid, sb.pidfd, path, limit)
 
     # ------------------------------------------------------------ checks
 
@@ -401,16 +407,20 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
 # ---------------------------------------------------------------- files
 
 
-def _root_fd(sandbox_id: str, init_pid: int) -> int:
-    """An O_PATH fd of the sandbox's root as its init sees it."""
+def _root_fd(sandbox_id: str, init_pid: int, pidfd: int) -> int:
+    """An O_PATH fd of the sandbox's root as its init sees it (checked against the init's pidfd)."""
     try:
-        return os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise SandboxGone(f"sandbox {sandbox_id} is not running") from exc
+    if not enter.alive(pidfd):   # the pid may have been reused: the fd could be anyone's root
+        os.close(fd)
+        raise SandboxGone(f"sandbox {sandbox_id} is not running")
+    return fd
 
 
-def _write_in_root(sandbox_id: str, init_pid: int, path: str, data: bytes, mode: int) -> None:
-    root = _root_fd(sandbox_id, init_pid)
+def _write_in_root(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int) -> None:
+    root = _root_fd(sandbox_id, init_pid, pidfd)
     try:
         kernel.write_in_root(root, path, data, mode & 0o7777)
     except OSError as exc:
@@ -419,8 +429,8 @@ def _write_in_root(sandbox_id: str, init_pid: int, path: str, data: bytes, mode:
         os.close(root)
 
 
-def _read_in_root(sandbox_id: str, init_pid: int, path: str, limit: int) -> bytes:
-    root = _root_fd(sandbox_id, init_pid)
+def _read_in_root(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int) -> bytes:
+    root = _root_fd(sandbox_id, init_pid, pidfd)
     try:
         return kernel.read_in_root(root, path, limit)
     except OSError as exc:

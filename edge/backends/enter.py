@@ -10,6 +10,7 @@ pids it spawned (waitpid of a specific pid), never waitpid(-1).
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 
@@ -32,9 +33,9 @@ class Spawner:
         """Release the namespace fd."""
         os.close(self.own_pidns)
 
-    def spawn(self, init_pid: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
+    def spawn(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
               stdio: list[int], err_w: int) -> int:
-        """Start argv in the sandbox whose init is init_pid; returns the host pid (a child of ours)."""
+        """Start argv in the sandbox whose init is init_pid (pinned by pidfd); returns the host pid."""
         opened: list[int] = []
         try:
             pidns = os.open(f"/proc/{init_pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -42,6 +43,8 @@ class Spawner:
             for ns in NAMESPACES:
                 opened.append(os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
             opened.append(os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            if not alive(pidfd):   # the pid was reused after the init died: these are not its namespaces
+                raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
             # dsec-enter's layout above BASE: stdio copies, error pipe, ipc/uts/net/mnt, root. BASE is
             # above every source fd, so no dup2 clobbers a source; then the stdio copies go to 0-2.
             srcs = [*stdio, err_w, *opened[1:]]
@@ -60,6 +63,15 @@ class Spawner:
         finally:
             for fd in opened:
                 os.close(fd)
+
+
+def alive(pidfd: int) -> bool:
+    """Whether the process behind a pidfd still runs (a pidfd never refers to a reused pid)."""
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def watch_exit(pid: int) -> asyncio.Future:
