@@ -55,11 +55,23 @@ Handler = Callable[[Delivery], Awaitable[Verdict]]
 LEASE_EVERY = 10.0   # seconds between in-progress acks (every ack wait here is 30 s)
 
 
-async def keep_lease(d: Delivery, every: float = LEASE_EVERY) -> None:
-    """Run beside long work on a message: extends its ack wait until cancelled."""
-    while True:
-        await asyncio.sleep(every)
-        await d.in_progress()
+class Lease:
+    """Extends a message's ack wait every `every` seconds until cancel(): a timer, not a task, since
+    almost every piece of work ends long before the first tick."""
+
+    def __init__(self, d: Delivery, every: float = LEASE_EVERY) -> None:
+        self._d, self._every = d, every
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(every, self._tick)
+        self._pending: asyncio.Future | None = None
+
+    def _tick(self) -> None:
+        self._pending = asyncio.ensure_future(self._d.in_progress())
+        self._handle = self._loop.call_later(self._every, self._tick)
+
+    def cancel(self) -> None:
+        """Stop extending."""
+        self._handle.cancel()
 
 
 class PullWorker:

@@ -15,7 +15,7 @@ from bus.conn import Bus
 from bus.errors import BusError, DsecError, EnvironmentFailure, InvalidRequest, RequestExpired
 from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, create_decoder,
                           encode, salvage, sandbox_decoder)
-from bus.pull import Delivery, Verdict, keep_lease
+from bus.pull import Delivery, Lease, Verdict
 from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
 from edge.layercache import LayerCache
@@ -166,7 +166,7 @@ class Edge:
             d.nak_delay = 0.2    # room may free before its deadline; until then it waits in JetStream
             return Verdict.NAK
         self._creating.add(req.sandbox_id)
-        lease = asyncio.create_task(keep_lease(d))
+        lease = Lease(d)
         try:
             await self._create(req)
         finally:

@@ -14,7 +14,7 @@ from bus import streams, subjects
 from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, ExitRecord, OkReply, ReadFile, WriteFile,
                           op_decoder, output_decoder, salvage, sandbox_decoder)
-from bus.pull import Delivery, Verdict, keep_lease
+from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
 from edge.backends.base import BackendError, SandboxGone
 
@@ -162,7 +162,7 @@ class OpLane:
         except DsecError as err:
             return await self._exec_error(op.sandbox_id, op.exec_id, err)
         relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
-        lease = asyncio.create_task(keep_lease(d))
+        lease = Lease(d)
         try:
             fields = await self._run(op, relay)
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed

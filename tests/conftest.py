@@ -78,16 +78,20 @@ async def no_leaks(request):
 def host_residue(state_dir: Path) -> list[str]:
     """Sandbox mounts (overlay, EROFS layers) under the state dir, dsec netns and veths on the host.
 
-    The node-level writable-layer pool (btrfs) stays mounted while the edge runs; layers are unmounted
-    as soon as no sandbox uses them, and overlays live only in sandbox mount namespaces.
+    The node-level writable-layer pool (btrfs) and idle layer mounts (a bounded cache under
+    <state>/edge/layers) stay while the edge runs; overlays live only in sandbox mount namespaces.
     """
     out = []
+    layer_cache = str(state_dir / "edge" / "layers") + "/"
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
             fstype = fields[fields.index("-") + 1]
-            if fstype in ("overlay", "erofs") and (str(state_dir) in fields[4] or "dsec" in fields[4]):
-                out.append(f"{fstype} mount {fields[4]}")
+            point = fields[4]
+            if fstype == "erofs" and point.startswith(layer_cache):
+                continue
+            if fstype in ("overlay", "erofs") and (str(state_dir) in point or "dsec" in point):
+                out.append(f"{fstype} mount {point}")
     netns = Path("/run/netns")
     if netns.is_dir():
         out += [f"netns {p.name}" for p in netns.iterdir() if "dsec" in p.name]

@@ -157,11 +157,13 @@ async def test_layers_stack_top_last_and_mounts_are_shared(sandboxes: Sandboxes,
     run = await sandboxes.run("stack0", ["cat", "/etc/passwd", "/etc/motd"])
     assert run.out == "from-top-layer\nhello from top\n"
     assert (await sandboxes.run("stack1", ["ls", "/bin/busybox"])).result.exit_code == 0
-    assert len([p for p in _mounts() if p.startswith(f"{layers_dir}/")]) == 2     # one per layer, shared
+    ours = {str(backend._layers.mountpoint(layer)) for layer in specs[0].layers}
+    assert len([p for p in _mounts() if p in ours]) == 2     # one mount per layer, shared by both
     await backend.destroy("stack0")
-    assert len([p for p in _mounts() if p.startswith(f"{layers_dir}/")]) == 2
+    assert len([p for p in _mounts() if p in ours]) == 2
     await backend.destroy("stack1")
-    assert [p for p in _mounts() if p.startswith(f"{layers_dir}/")] == []
+    assert ours <= {str(p) for p in backend._layers.idle()}    # unused now: kept mounted, idle, for reuse
+    assert len([p for p in _mounts() if p in ours]) == 2
 
 
 async def test_sandbox_without_layers(sandboxes: Sandboxes) -> None:
@@ -484,3 +486,28 @@ async def test_fork_fallback_without_the_helper(busybox_layer: str, tmp_path_fac
     finally:
         await backend.stop()
     assert leftovers(state, node) == []
+
+
+async def test_idle_layer_mounts_are_bounded(tmp_path: Path, busybox_layer: str) -> None:
+    """Idle layers stay mounted for reuse, at most IDLE_KEEP of them, least recently used out first."""
+    from edge.backends import layermounts
+    root = tmp_path / "layers"
+    root.mkdir()
+    mounts = layermounts.LayerMounts(root)
+    copies = []
+    for i in range(layermounts.IDLE_KEEP + 2):
+        copy = tmp_path / f"l{i}.erofs"
+        copy.write_bytes(Path(busybox_layer).read_bytes())
+        copies.append(str(copy))
+    try:
+        for layer in copies:
+            mounts.release(mounts.acquire([layer]))
+        idle = mounts.idle()
+        assert len(idle) == layermounts.IDLE_KEEP and mounts.mountpoint(copies[0]) not in idle
+        assert len([p for p in _mounts() if p.startswith(f"{root}/")]) == layermounts.IDLE_KEEP
+        again = mounts.acquire([copies[-1]])          # an idle mount is reused, not mounted twice
+        assert len([p for p in _mounts() if p.startswith(f"{root}/")]) == layermounts.IDLE_KEEP
+        mounts.release(again)
+    finally:
+        mounts.unmount_all()
+    assert [p for p in _mounts() if p.startswith(f"{root}/")] == []

@@ -17,6 +17,10 @@ from edge.backends.base import Limits
 
 ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices")
+# An exec gets its own child group only where it needs one: freezer (kill its tree), cpuacct and
+# memory (its cpu time and peak), pids and memory (its limit events). In cpu and devices it joins
+# the sandbox's group: fewer mkdir/rmdir/attach per exec.
+EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
 # Device nodes a sandbox may open (mknod of anything is allowed, opening it is not):
 # null zero full random urandom tty ptmx, and the devpts ptys. Not 5:1 (the host console).
 DEVICE_RULES = ("c *:* m", "b *:* m", "c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm",
@@ -174,8 +178,13 @@ class NodeCgroups:
         return {c: p / sandbox_id for c, p in self.base.items()}
 
     def exec_group(self, sandbox_id: str, n: int) -> dict[str, Path]:
-        """Group directories of one exec of a sandbox, per controller."""
-        return {c: p / sandbox_id / f"x{n}" for c, p in self.base.items()}
+        """Group directories of one exec of a sandbox, per exec controller."""
+        return {c: p / sandbox_id / f"x{n}" for c, p in self.base.items() if c in EXEC_CONTROLLERS}
+
+    def exec_join(self, sandbox_id: str, n: int) -> list[Path]:
+        """Every group an exec's process joins: its own where it has one, else the sandbox's."""
+        own = self.exec_group(sandbox_id, n)
+        return [own.get(c, p / sandbox_id) for c, p in self.base.items()]
 
     def create_sandbox(self, sandbox_id: str, limits: Limits) -> dict[str, Path]:
         """Create a sandbox's groups with its limits; on failure nothing is left."""

@@ -264,7 +264,8 @@ class ContainerBackend(Backend):
         pipes = execio.Pipes()
         started = time.monotonic()
         try:
-            msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in groups.values()], argv=list(argv),
+            msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in self._cgroups.exec_join(sandbox_id, n)],
+                       argv=list(argv),
                        env={**DEFAULT_ENV, **sb.spec.env, **env}, cwd=cwd or "/")
             try:
                 try:
@@ -364,7 +365,8 @@ class ContainerBackend(Backend):
         top = self._cgroups.sandbox(sandbox_id)
         total.update(NodeCgroups.limit_events(top))
         for child in top["pids"].glob("x*"):
-            total.update(NodeCgroups.limit_events({c: p / child.name for c, p in top.items()}))
+            total.update(NodeCgroups.limit_events({c: p / child.name for c, p in top.items()
+                                                   if c in cgroups.EXEC_CONTROLLERS}))
         return dict(total)
 
     def init_pid(self, sandbox_id: str) -> int:
@@ -372,7 +374,7 @@ class ContainerBackend(Backend):
         return self._live(sandbox_id).init_pid
 
     def residue(self, sandbox_id: str) -> list[str]:
-        """What still exists of a sandbox (cgroups, processes, writable layer, unused layer mounts)."""
+        """What still exists of a sandbox (cgroups, processes, writable layer, untracked layer mounts)."""
         out: list[str] = []
         for path in self._cgroups.sandbox(sandbox_id).values():
             if path.exists():
@@ -380,8 +382,8 @@ class ContainerBackend(Backend):
                 out.extend(f"process {pid} in {path}" for pid in cgroups.procs_under(path))
         if (self._uppers.root / sandbox_id).exists():
             out.append(f"writable layer {self._uppers.root / sandbox_id}")
-        used = {str(p) for p in self._layers.in_use()}
-        out.extend(f"unused layer mount {p}" for p in mount_points()
+        used = {str(p) for p in [*self._layers.in_use(), *self._layers.idle()]}
+        out.extend(f"untracked layer mount {p}" for p in mount_points()
                    if Path(p).parent == self._layers.root and p not in used)
         return out
 
