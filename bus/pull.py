@@ -52,17 +52,17 @@ class Delivery:
 
 Handler = Callable[[Delivery], Awaitable[Verdict]]
 
-LEASE_EVERY = 10.0   # seconds between in-progress acks (every ack wait here is 30 s)
+LEASE_EVERY = 10.0   # seconds between in-progress acks (a third of streams.ACK_WAIT)
 
 
 class Lease:
     """Extends a message's ack wait every `every` seconds until cancel(): a timer, not a task, since
     almost every piece of work ends long before the first tick."""
 
-    def __init__(self, d: Delivery, every: float = LEASE_EVERY) -> None:
-        self._d, self._every = d, every
+    def __init__(self, d: Delivery, every: float | None = None) -> None:
+        self._d, self._every = d, every or LEASE_EVERY
         self._loop = asyncio.get_running_loop()
-        self._handle = self._loop.call_later(every, self._tick)
+        self._handle = self._loop.call_later(self._every, self._tick)
         self._pending: asyncio.Future | None = None
 
     def _tick(self) -> None:

@@ -26,6 +26,7 @@ PLACEMENT_CONSUMER = "placement"
 # requests that merely wait for room.
 MAX_DELIVER = -1
 NODE_HEARTBEAT_TTL = 10.0  # seconds a node entry lives without a heartbeat
+ACK_WAIT = 30.0            # seconds a consumer waits for an ack; long work extends it (pull.Lease)
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,14 @@ def _pull(durable: str, filter_subject: str, ack_wait: float) -> api.ConsumerCon
 
 def placement_consumer() -> tuple[str, api.ConsumerConfig]:
     """The one durable pull consumer all placement engines share."""
-    return REQ_STREAM, _pull(PLACEMENT_CONSUMER, subjects.CREATE_REQUESTS, ack_wait=30.0)
+    return REQ_STREAM, _pull(PLACEMENT_CONSUMER, subjects.CREATE_REQUESTS, ack_wait=ACK_WAIT)
 
 
 def edge_create_consumer(node: str) -> tuple[str, api.ConsumerConfig]:
     """An edge's create lane: only its own subject."""
-    return NODE_STREAM, _pull(f"edge-{node}-create", subjects.node_create(node), ack_wait=30.0)
+    return NODE_STREAM, _pull(f"edge-{node}-create", subjects.node_create(node), ack_wait=ACK_WAIT)
 
 
 def edge_ops_consumer(node: str) -> tuple[str, api.ConsumerConfig]:
     """An edge's op lane (exec, destroy, files): apart from creates, so a full node still serves execs."""
-    return NODE_STREAM, _pull(f"edge-{node}-ops", subjects.node_ops_all(node), ack_wait=30.0)
+    return NODE_STREAM, _pull(f"edge-{node}-ops", subjects.node_ops_all(node), ack_wait=ACK_WAIT)

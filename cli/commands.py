@@ -139,3 +139,14 @@ async def rm(nats_url, sandbox_ids) -> None:
                 failed += 1
     if failed:
         sys.exit(1)
+
+
+@main.command()
+@click.option("--cycles", default=100, show_default=True, help="Cycles per level (sequential, 8 and 32 in flight).")
+@click.option("--raw", default=100, show_default=True, help="Raw `unshare` baseline launches.")
+@click.option("--nats", "nats_url", default=None, metavar="URL",
+              help="Measure a running `dsec up` (default: start one on free ports).")
+def bench(cycles: int, raw: int, nats_url: str | None) -> None:
+    """Benchmark create -> exec `true` -> destroy against a raw `unshare` launch (same as python -m bench.cycle)."""
+    from bench.cycle import main as run_bench
+    run_bench(cycles, raw, nats_url)

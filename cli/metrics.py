@@ -35,7 +35,8 @@ class StackCollector:
                 yield cap_g
             for name, value in (("created", edge.created), ("create_failures", edge.failed),
                                 ("layer_cache_hits", edge.layers.hits), ("layer_cache_misses", edge.layers.misses),
-                                ("layer_bytes_fetched", edge.layers.bytes_fetched)):
+                                ("layer_bytes_fetched", edge.layers.bytes_fetched),
+                                ("exec_duplicates", edge.ops.duplicates)):
                 c = CounterMetricFamily(f"dsec_edge_{name}", f"Edge {name.replace('_', ' ')}", labels=["node"])
                 c.add_metric([edge.node], value)
                 yield c

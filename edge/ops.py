@@ -35,6 +35,7 @@ class OpLane:
         self.bus = edge.bus
         self._worker = None
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.duplicates = 0   # execs delivered again and not run (ack lost, lease lost, client retry)
 
     async def start(self) -> None:
         """Start pulling ops."""
@@ -155,6 +156,7 @@ class OpLane:
         except ValueError as exc:
             return await self._exec_error(op.sandbox_id, op.exec_id, InvalidRequest(str(exc)))
         if not self._first_time(op.exec_id) or await self._already_ran(op, d):
+            self.duplicates += 1
             return   # a redelivered exec never runs twice
         try:
             self._check_exec(op)

@@ -141,3 +141,26 @@ async def test_creates_wait_for_a_node_and_for_cpu(tmp_path):
         srv.stop()
     from edge.backends.container import leftovers
     assert leftovers(tmp_path / "edge" / "edge", "cpu1") == []
+
+
+async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
+    """An exec that outlives the ack wait extends its lease: never redelivered, one outcome."""
+    from bus import pull, streams as st_mod
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    monkeypatch.setattr(st_mod, "ACK_WAIT", 1.5)
+    monkeypatch.setattr(pull, "LEASE_EVERY", 0.4)
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="lease"))
+    await st.start()
+    try:
+        async with libdsec.AsyncClient(srv.url) as client:
+            async with await client.create() as sb:
+                r = await sb.exec("sleep 4; echo done", timeout=20)
+                assert r.stdout == b"done\n"
+                info = await st.bus.js.consumer_info(streams.NODE_STREAM, "edge-lease-ops")
+                assert info.config.ack_wait == 1.5
+                assert st.edge.ops.duplicates == 0, "the exec's message was redelivered: its lease lapsed"
+    finally:
+        await st.stop()
+        srv.stop()
