@@ -87,16 +87,17 @@ class Bus:
         """
         data = msg if isinstance(msg, bytes) else encode(msg)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        for attempt in range(retries + 1 if msg_id else 1):
+        attempts = retries + 1 if msg_id else 1
+        for attempt in range(attempts):
             try:
                 with mapped_errors(f"publish to {subject}"):
                     ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
                 return ack.seq
             except BusError:
-                if attempt >= retries:
+                if attempt == attempts - 1:
                     raise
                 await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-        raise AssertionError("unreachable")
+        raise BusError(f"publish to {subject} failed")   # not reached: the last attempt raises
 
     async def send(self, subject: str, msg: Wire | bytes) -> None:
         """Core publish (no ack): replies, and output chunks followed by an acked record."""

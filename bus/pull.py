@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 log = logging.getLogger(__name__)
 
 PULL_EXPIRES = 5.0  # seconds a pull request lingers on the server
+POISON_AFTER = 5    # deliveries after which a message whose handler keeps raising is terminated
 
 
 class Verdict(enum.Enum):
@@ -168,8 +169,9 @@ class PullWorker:
             verdict = Verdict.NAK
             raise
         except Exception:
-            log.exception("handler failed on %s", msg.subject)
-            verdict = Verdict.NAK
+            # A bug, not a transport hiccup: retry a few times, then stop the message going round.
+            log.exception("handler failed on %s (delivery %d)", msg.subject, delivered)
+            verdict = Verdict.TERM if delivered >= POISON_AFTER else Verdict.NAK
         finally:
             await self._settle(msg, verdict, d.nak_delay)
             self.in_flight -= 1

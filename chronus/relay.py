@@ -57,7 +57,13 @@ class OutputRelay:
 
     def _timed_flush(self) -> None:
         self._timer = None
-        self._timed = asyncio.ensure_future(self.flush())   # awaited by the next sink() or finish()
+        self._timed = asyncio.ensure_future(self._flush_after(self._timed))   # awaited by sink()/finish()
+
+    async def _flush_after(self, previous: asyncio.Future | None) -> None:
+        """Flush once an earlier timed flush is done; its failure surfaces here (a chain, never lost)."""
+        if previous is not None:
+            await previous
+        await self.flush()
 
     async def _settle_timed(self) -> None:
         """Surface the result of a timer-driven flush (a lost chunk must not pass silently)."""

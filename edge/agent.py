@@ -155,6 +155,9 @@ class Edge:
             return Verdict.TERM
         if req.sandbox_id in self._creating:
             return Verdict.ACK   # a redelivery while the first delivery still works: that one answers
+        if time.time() > req.deadline and req.sandbox_id not in self.sandboxes:
+            await self._create(req)   # records and answers `expired`; never starts it
+            return Verdict.ACK
         running = self.sandboxes.get(req.sandbox_id)
         if running is not None:   # served before (ack lost): answer again; another request: refuse
             same = running.record.request_id == req.request_id

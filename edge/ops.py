@@ -36,6 +36,7 @@ class OpLane:
         self._worker = None
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicates = 0   # execs delivered again and not run (ack lost, lease lost, client retry)
+        self._unpublished: dict[str, tuple[OutputRelay, dict]] = {}   # exit records the bus refused so far
 
     async def start(self) -> None:
         """Start pulling ops."""
@@ -59,7 +60,7 @@ class OpLane:
             return Verdict.TERM
         match op:
             case ExecRequest():
-                await self._exec(op, d)
+                return await self._exec(op, d)
             case DestroyRequest():
                 await self._answer(op, self._destroy(op))
             case WriteFile():
@@ -148,25 +149,31 @@ class OpLane:
             relay = OutputRelay(self.bus, subjects.token(sandbox_id, "sandbox_id"),
                                 subjects.token(exec_id, "exec_id"), 0)
             await self._final(relay, dict(exit_code=-1, error_code=err.code, error=str(err),
-                                          reason=str(err.details.get("reason", ""))))
+                                          reason=str(err.details.get("reason", ""))))   # best effort
 
-    async def _exec(self, op: ExecRequest, d: Delivery) -> None:
+    async def _exec(self, op: ExecRequest, d: Delivery) -> Verdict:
         try:
             subjects.token(op.exec_id, "exec_id"), subjects.token(op.sandbox_id, "sandbox_id")
         except ValueError as exc:
-            return await self._exec_error(op.sandbox_id, op.exec_id, InvalidRequest(str(exc)))
+            await self._exec_error(op.sandbox_id, op.exec_id, InvalidRequest(str(exc)))
+            return Verdict.ACK
+        if op.exec_id in self._unpublished:   # it ran; only its exit record is still owed
+            relay, fields = self._unpublished[op.exec_id]
+            return await self._final(relay, fields)
         if not self._first_time(op.exec_id) or await self._already_ran(op, d):
             self.duplicates += 1
-            return   # a redelivered exec never runs twice
+            return Verdict.ACK   # a redelivered exec never runs twice
         try:
             self._check_exec(op)
             await self._require(op.sandbox_id)
         except DsecError as err:
-            return await self._exec_error(op.sandbox_id, op.exec_id, err)
+            await self._exec_error(op.sandbox_id, op.exec_id, err)
+            return Verdict.ACK
         relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
         lease = Lease(d)
         try:
             fields = await self._run(op, relay)
+            return await self._final(relay, fields)
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
             with contextlib.suppress(DsecError, asyncio.TimeoutError):
                 await asyncio.wait_for(relay.finish(exit_code=-1, error_code=SandboxNotFound.code, reason="destroyed",
@@ -174,7 +181,6 @@ class OpLane:
             raise
         finally:
             lease.cancel()
-        await self._final(relay, fields)
 
     async def _run(self, op: ExecRequest, relay: OutputRelay) -> dict:
         """Run the command; the fields of its exit record (an error record when it could not run)."""
@@ -190,19 +196,26 @@ class OpLane:
         except DsecError as exc:     # the output relay lost the bus: the command was killed
             return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=exc.code,
                         error=f"output relay failed: {exc}")
+        except Exception as exc:     # e.g. out of fds: still exactly one outcome, an error record
+            log.exception("exec %s failed", op.exec_id)
+            return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code,
+                        error=f"exec failed on the node: {exc.__class__.__name__}: {exc}")
         return dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
                     peak_memory=res.peak_memory, timed_out=res.timed_out)
 
-    @staticmethod
-    async def _final(relay: OutputRelay, fields: dict) -> None:
-        """Publish the exit record, the exec's one terminal outcome: transport failures are retried."""
-        for attempt in range(6):
+    async def _final(self, relay: OutputRelay, fields: dict) -> Verdict:
+        """Publish the exit record, the exec's one terminal outcome. Transport failures are retried
+        here, then by redelivery (NAK): the record waits in memory, the command never reruns."""
+        for attempt in range(3):
             try:
                 await relay.finish(**fields)
-                return
+                self._unpublished.pop(relay.exec_id, None)
+                return Verdict.ACK
             except DsecError as exc:
                 log.warning("exit record of %s not published (try %d): %s", relay.exec_id, attempt + 1, exc)
                 await asyncio.sleep(0.1 * 2 ** attempt)
+        self._unpublished[relay.exec_id] = (relay, fields)
+        return Verdict.NAK
 
     @staticmethod
     def _check_exec(op: ExecRequest) -> None:

@@ -10,6 +10,7 @@ from bus.messages import CreateRequest, Resources
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20
 MAX_TTL = 7 * 24 * 3600.0
+MAX_WAIT = 1800.0   # a create may wait this long for room; well inside the request streams' max age
 BACKENDS = ("container",)
 
 
@@ -36,6 +37,8 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
         raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {req.backend!r}")
     if not req.deadline > 0:
         raise InvalidRequest("deadline must be an absolute unix time")
+    if req.deadline > (now or time.time()) + MAX_WAIT:
+        raise InvalidRequest(f"deadline: a create may wait at most {int(MAX_WAIT)} s (timeout too large)")
     if not 0 < req.ttl <= MAX_TTL:
         raise InvalidRequest(f"ttl must be > 0 and <= {int(MAX_TTL)} seconds, got {req.ttl}")
     if not subjects.is_reply_subject(req.reply_to):

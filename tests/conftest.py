@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bus.server import NatsServer, free_port
+from edge.backends.layermounts import IDLE_KEEP
 
 NODE = "t1"
 
@@ -71,8 +72,17 @@ async def no_leaks(request):
     assert left == [], f"test left sandboxes running: {left}"
     assert sandbox_cgroups(NODE) == [], "per-sandbox cgroups left behind"
     assert host_residue(st.state_dir) == [], "host residue left behind"
+    layers = st.edge.backend._layers
+    assert layers.in_use() == {}, "layer references leaked"
+    mounted = {p for p in _mountpoints() if p.startswith(f"{layers.root}/")}
+    assert mounted == {str(p) for p in layers.idle()} and len(mounted) <= IDLE_KEEP, "untracked layer mounts"
     uppers = st.state_dir / "edge" / "uppers"
     assert not uppers.is_dir() or list(uppers.iterdir()) == [], "writable layers (subvolumes) left behind"
+
+
+def _mountpoints() -> list[str]:
+    with open("/proc/self/mountinfo") as f:
+        return [line.split()[4] for line in f]
 
 
 def host_residue(state_dir: Path) -> list[str]:

@@ -69,6 +69,7 @@ def _req(**kw) -> CreateRequest:
     ({"resources": Resources(pids=0)}, "resources.pids"), ({"resources": Resources(memory=1)}, "resources.memory"),
     ({"sandbox_id": "a.b"}, "sandbox_id"), ({"tenant": ""}, "tenant"), ({"deadline": 0}, "deadline"),
     ({"backend": "vm"}, "backend"), ({"env": {"A=B": "x"}}, "env"),
+    ({"deadline": time.time() + 7200}, "deadline"), ({"reply_to": "$JS.API.STREAM.DELETE.X"}, "reply_to"),
 ])
 def test_admission_names_the_field(kw, field):
     with pytest.raises(libdsec.InvalidRequest, match=field):

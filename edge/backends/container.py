@@ -12,6 +12,7 @@ import errno
 import itertools
 import os
 import re
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -110,11 +111,14 @@ class ContainerBackend(Backend):
         """Destroy every sandbox, stop the zygote, unmount everything, remove the node cgroups."""
         results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
                                        return_exceptions=True)
-        await self._launcher.close()
-        if self._spawner is not None:
-            self._spawner.close()
-            self._spawner = None
-        await self._reconcile()
+        self._layers.unmount_all()   # first: nothing below may keep the idle layer mounts alive
+        try:
+            await self._launcher.close()
+        finally:
+            if self._spawner is not None:
+                self._spawner.close()
+                self._spawner = None
+            await self._reconcile()   # even when cancelled or the zygote misbehaved
         errors = [str(r) for r in results if isinstance(r, Exception) and not isinstance(r, SandboxGone)]
         if errors:
             raise BackendError(f"stop: {'; '.join(errors)}")
@@ -202,20 +206,22 @@ class ContainerBackend(Backend):
                         upper: bool, layers: list[Path]) -> list[str]:
         """Undo a (partial) launch in reverse order; return what could not be removed."""
         residue: list[str] = []
-        # Kill init by pid only while it is unreaped: after that its pid may belong to anyone.
-        live_init = init[0] if init and not init[1].done() else None
-        if groups and not await cgroups.kill_tree(groups["freezer"], init=live_init):
-            residue.append(f"processes survive in {groups['freezer']}")
-        if init is not None:
-            await self._reap(*init)
-        if groups:
-            residue.extend(await self._remove_groups(groups))
-        if upper:
-            try:
-                await asyncio.to_thread(self._uppers.remove, sandbox_id)
-            except UpperError as exc:
-                residue.append(str(exc))
-        self._layers.release(layers)
+        try:
+            # Kill init by pid only while it is unreaped: after that its pid may belong to anyone.
+            live_init = init[0] if init and not init[1].done() else None
+            if groups and not await cgroups.kill_tree(groups["freezer"], init=live_init):
+                residue.append(f"processes survive in {groups['freezer']}")
+            if init is not None:
+                await self._reap(*init)
+            if groups:
+                residue.extend(await self._remove_groups(groups))
+            if upper:
+                try:
+                    await asyncio.to_thread(self._uppers.remove, sandbox_id)
+                except UpperError as exc:
+                    residue.append(str(exc))
+        finally:
+            self._layers.release(layers)   # whatever failed above, the layer references go
         return residue
 
     @staticmethod
@@ -297,11 +303,16 @@ class ContainerBackend(Backend):
         try:
             pid = self._spawner.spawn(sb.init_pid, sb.pidfd, [f"{g}/tasks" for g in msg.cgroups], msg.argv,
                                       msg.env, msg.cwd, ends[:3], ends[3])
-        except ProcessLookupError as exc:
+        except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
             raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
         except OSError as exc:
             raise BackendError(f"cannot start {msg.argv[0]}: {exc.strerror}") from exc
-        return enter.watch_exit(pid)
+        try:
+            return enter.watch_exit(pid)
+        except OSError as exc:   # cannot watch it (out of fds): do not leave it running unwatched
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise BackendError(f"cannot watch {msg.argv[0]}: {exc.strerror}") from exc
 
     async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "execio.Pipes",
                          stdin: bytes | None, timeout: float, sink: OutputSink) -> tuple[int, bool]:
@@ -345,12 +356,14 @@ class ContainerBackend(Backend):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Create or truncate a file in the sandbox root filesystem (symlinks resolved inside it)."""
         sb = self._live(sandbox_id)
-        await asyncio.to_thread(_write_in_root, sandbox_id, sb.init_pid, sb.pidfd, path, data, mode)
+        pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
+        await asyncio.to_thread(_write_in_root, sandbox_id, sb.init_pid, pidfd, path, data, mode)
 
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file of the sandbox root filesystem, at most limit bytes (else BackendError)."""
         sb = self._live(sandbox_id)
-        return await asyncio.to_thread(_read_in_root, sandbox_id, sb.init_pid, sb.pidfd, path, limit)
+        pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
+        return await asyncio.to_thread(_read_in_root, sandbox_id, sb.init_pid, pidfd, path, limit)
 
     # ------------------------------------------------------------ checks
 
@@ -410,15 +423,17 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
 
 
 def _root_fd(sandbox_id: str, init_pid: int, pidfd: int) -> int:
-    """An O_PATH fd of the sandbox's root as its init sees it (checked against the init's pidfd)."""
+    """An O_PATH fd of the sandbox's root as its init sees it (checked against, then closing, pidfd)."""
     try:
         fd = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not enter.alive(pidfd):   # the pid may have been reused: the fd could be anyone's root
+            os.close(fd)
+            raise ProcessLookupError(init_pid)
+        return fd
     except OSError as exc:
         raise SandboxGone(f"sandbox {sandbox_id} is not running") from exc
-    if not enter.alive(pidfd):   # the pid may have been reused: the fd could be anyone's root
-        os.close(fd)
-        raise SandboxGone(f"sandbox {sandbox_id} is not running")
-    return fd
+    finally:
+        os.close(pidfd)
 
 
 def _write_in_root(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int) -> None:

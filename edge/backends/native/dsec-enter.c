@@ -1,12 +1,12 @@
 /* dsec-enter: put the calling process into a running sandbox, then exec the command.
  *
- * Spawned by the zygote with posix_spawn (vfork: no copy of the zygote's memory) after it pointed
- * its pid_for_children at the sandbox's pid namespace, so this process already lives in it.
- * Python's fork of the zygote cost ~1.3 ms here; spawning this static helper costs ~0.4 ms.
+ * Spawned by the edge with posix_spawn (vfork: no copy of the edge's memory, safe with threads)
+ * after the spawning thread pointed its pid_for_children at the sandbox's pid namespace, so this
+ * process already lives in it. A Python fork cost ~1.3 ms here; spawning this static helper ~0.4 ms.
  *
  *   dsec-enter BASE CAPMASK CWD CGROUP_TASKS_FILE... -- ARGV...
  *   fds: 0-2 stdio, BASE+3 error pipe (write end), BASE+4..BASE+7 ns fds (ipc uts net mnt),
- *   BASE+8 sandbox root. BASE is above every fd of the spawner, so its dup2s never clobber a source.
+ *   BASE+8 sandbox root. BASE is above every fd the spawner passes, so its dup2s never clobber a source.
  * The environment is the command's, exactly. On failure it writes "stage\0errno\0message" to the
  * error pipe and exits 127; success closes the error pipe by exec (CLOEXEC).
  */
@@ -71,8 +71,11 @@ int main(int argc, char **argv) {
     if (chdir(cwd)) fail("cwd", cwd);
     lockdown(keep);
     fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
-    syscall(SYS_close_range, 3, ERR_FD - 1, 0);
-    syscall(SYS_close_range, ERR_FD + 1, ~0U, 0);
+    if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 1, ~0U, 0)) {
+        long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */
+        for (long fd = 3; fd < (max > 0 ? max : 65536); fd++)
+            if (fd != ERR_FD) close((int)fd);
+    }
     char **cmd = argv + i + 1;
     execvp(cmd[0], cmd);
     fail("exec", cmd[0]);
