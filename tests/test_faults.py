@@ -85,11 +85,15 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             queued = asyncio.create_task(client.create(timeout=60))
+            lost_exec = asyncio.create_task(old[1].exec("echo never", timeout=30))   # waits in JetStream
             await asyncio.sleep(1)
             edge = _edge(srv.url, tmp_path / "edge")
             await _wait_line(edge, "dsec: edge rs ready")
             new = await queued
             assert (await new.exec("echo back")).stdout == b"back\n"
+            with pytest.raises(libdsec.SandboxNotFound) as ei:   # answered by the restarted edge, no hang
+                await asyncio.wait_for(lost_exec, 10)
+            assert ei.value.reason == "node_lost"
             for sb in old:
                 with pytest.raises(libdsec.SandboxNotFound) as ei:
                     await client.get(sb.id)
