@@ -24,7 +24,8 @@ from edge.backends.base import (Backend, BackendError, ExecResult, OutputSink, S
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.layermounts import LayerError, LayerMounts
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
-from edge.backends.zygote import Exec, Launch, Launcher, LauncherError
+from edge.backends.launcher import Launcher
+from edge.backends.zygote import Exec, Launch, LauncherError
 
 __all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
 
