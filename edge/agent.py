@@ -12,13 +12,15 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, DsecError, EnvironmentFailure, InvalidRequest, RequestExpired
+from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest,
+                        RequestExpired)
 from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, create_decoder,
                           encode, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
 from edge.layercache import LayerCache
+from placement import admission
 from edge.ops import OpLane
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,13 @@ class Edge:
             return Verdict.TERM
         if req.sandbox_id in self._creating:
             return Verdict.ACK   # a redelivery while the first delivery still works: that one answers
+        try:   # this lane is open to any publisher, not only placement: check again, never wait forever
+            admission.check_create(req)
+            if not self.capacity.could_ever_fit(req.resources):
+                raise CapacityUnavailable(f"node {self.node} can never fit these resources")
+        except DsecError as err:
+            await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+            return Verdict.ACK
         if time.time() > req.deadline and req.sandbox_id not in self.sandboxes:
             await self._create(req)   # records and answers `expired`; never starts it
             return Verdict.ACK

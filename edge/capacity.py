@@ -58,6 +58,11 @@ class Capacity:
         """Sandboxes that may still start."""
         return max(0, self.config.slots - len(self.used))
 
+    def could_ever_fit(self, r: Resources) -> bool:
+        """Whether r fits this node when it is empty."""
+        return (self.config.slots > 0 and r.cpu <= min(self.cores, self.cpu) and r.memory <= self.memory
+                and r.disk <= self.config.disk)
+
     def fits(self, r: Resources) -> bool:
         """Whether r fits now on every dimension."""
         return (self.free_slots() > 0 and self.used_cpu() + r.cpu <= self.cpu

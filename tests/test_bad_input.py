@@ -153,3 +153,27 @@ async def test_bus_unavailable_is_typed_and_quick():
         async with libdsec.AsyncClient(f"nats://127.0.0.1:{free_port()}", connect_timeout=1):
             pass
     assert asyncio.get_running_loop().time() - t0 < 5
+
+
+async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
+    """The node lane is open to any publisher: a request that skipped placement is still validated."""
+    import time as _time
+    from bus.messages import CreateRequest, Resources, create_reply_decoder, encode
+    nc = await nats.connect(stack.url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox + ".*")
+        cases = {"rfar": dict(deadline=_time.time() + 86400), "rhuge": dict(resources=Resources(memory=1 << 50)),
+                 "rttl": dict(ttl=0)}
+        for rid, kw in cases.items():
+            req = CreateRequest(request_id=rid, sandbox_id=f"sb{rid}", reply_to=f"{inbox}.{rid}",
+                                **{"deadline": _time.time() + 30, **kw})
+            await nc.jetstream().publish(f"dsec.node.{stack.edge.node}.create", encode(req))
+        codes = {}
+        for _ in cases:
+            msg = await sub.next_msg(timeout=10)
+            reply = create_reply_decoder.decode(msg.data)
+            codes[reply.request_id] = reply.code
+        assert codes == {"rfar": "invalid_request", "rhuge": "capacity_unavailable", "rttl": "invalid_request"}
+    finally:
+        await nc.close()
