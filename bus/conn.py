@@ -155,6 +155,15 @@ class Bus:
             info = await self.js.consumer_info(stream, durable)
         return info.num_pending
 
+    async def delete_consumer(self, stream: str, durable: str) -> None:
+        """Delete a durable consumer (absent is fine): its unacked messages go to the next one at once."""
+        try:
+            with mapped_errors(f"delete consumer {durable}"):
+                await self.js.delete_consumer(stream, durable)
+        except BusError as exc:
+            if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+                raise
+
     async def pull_worker(self, stream_and_config: tuple[str, api.ConsumerConfig], handler: Handler,
                           credit: Callable[[], int]) -> PullWorker:
         """Ensure the durable consumer exists and start a credit-based worker on it."""

@@ -13,7 +13,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest,
-                        RequestExpired)
+                        RequestExpired, SandboxNotFound)
 from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, create_decoder,
                           encode, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
@@ -64,6 +64,10 @@ class Edge:
         except BackendError as exc:
             raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
         await self._report_lost()
+        # Messages a crashed run of this node had pulled but not acked would wait out the ack wait
+        # (30 s) before redelivery; no one else serves this node (its lock), so start the lanes afresh.
+        for stream, config in (streams.edge_create_consumer(self.node), streams.edge_ops_consumer(self.node)):
+            await self.bus.delete_consumer(stream, config.durable_name)
         await self._heartbeat_once()
         self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._ttl_loop())]
         await self.ops.start()
@@ -222,6 +226,13 @@ class Edge:
         if prior.request_id != req.request_id:
             await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=InvalidRequest.code,
                                                        message="sandbox_id is already in use"))
+        elif prior.state == "ready" and req.sandbox_id in self.sandboxes:
+            await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+                                                         node=self.node))
+        else:   # its outcome was recorded, but the reply may have died with a crashed run: say it again
+            await self._reply(req.reply_to, ErrorReply(
+                request_id=req.request_id, code=SandboxNotFound.code, reason=prior.state,
+                message=f"sandbox {req.sandbox_id} {prior.state}: {prior.reason}"))
         return True
 
     async def _start_sandbox(self, req: CreateRequest) -> None:

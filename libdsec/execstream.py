@@ -58,6 +58,9 @@ class ExecStream:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue   # junk on the subject is skipped
             if rec.seq < self._next:
+                if isinstance(rec, ExitRecord):   # numbered afresh by a restarted edge: still the end
+                    yield rec
+                    return
                 continue
             self._held[rec.seq] = rec
             if isinstance(rec, ExitRecord) and rec.seq > self._next:
