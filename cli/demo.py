@@ -35,13 +35,14 @@ async def one_episode(client: libdsec.AsyncClient, i: int, stats: dict, tick) ->
     try:
         async with await client.create(image="busybox", labels={"job": "demo", "episode": str(i)}) as sb:
             stats["create_ms"].append((time.perf_counter() - t0) * 1000)
-            tick()
             await sb.write_file("/tmp/words.txt", " ".join(f"w{j}" for j in range(i + 1)).encode())
             await sb.write_file("/tmp/run.sh", SCRIPT)
             lines = []
             async for ev in sb.stream(["sh", "/tmp/run.sh"], timeout=30):
                 if isinstance(ev, libdsec.Output):
                     lines.append(ev.data)
+                    if i == 0:   # one episode's stream, line by line as it arrived, for the summary
+                        stats["sample"].append(f"{ev.stream}: {ev.data.decode(errors='replace').rstrip()}")
                 elif ev.exit_code != 0:
                     raise RuntimeError(f"script exited {ev.exit_code}")
             stats["lines"] += len(lines)
@@ -49,20 +50,20 @@ async def one_episode(client: libdsec.AsyncClient, i: int, stats: dict, tick) ->
             if r.stdout.strip() != f"result-{i}".encode() or f"words={i + 1}".encode() + b"\n" not in lines:
                 raise RuntimeError(f"episode {i}: unexpected output {r.stdout!r} {lines!r}")
             stats["commands"] += 4   # write, write, script, exec
-            tick()
     except (libdsec.DsecError, RuntimeError) as exc:
         stats["failures"].append(f"episode {i}: {exc}")
-        tick(2)
+    finally:
+        tick()   # one step per finished episode
 
 
 async def rollout(url: str, n: int) -> dict:
     """Run n episodes in parallel, with a progress bar on stderr."""
-    stats: dict = {"create_ms": [], "commands": 0, "lines": 0, "failures": []}
-    with click.progressbar(length=2 * n, label=f"demo rollout: {n} sandboxes", file=click.get_text_stream("stderr"),
-                           show_pos=True) as bar:
+    stats: dict = {"create_ms": [], "commands": 0, "lines": 0, "failures": [], "sample": []}
+    with click.progressbar(length=n, label=f"demo rollout: {n} sandboxes in parallel",
+                           file=click.get_text_stream("stderr"), show_pos=True) as bar:
         async with libdsec.AsyncClient(url) as client:
             t0 = time.perf_counter()
-            await asyncio.gather(*(one_episode(client, i, stats, lambda k=1: bar.update(k)) for i in range(n)))
+            await asyncio.gather(*(one_episode(client, i, stats, lambda: bar.update(1)) for i in range(n)))
             stats["total_s"] = time.perf_counter() - t0
     return stats
 
@@ -79,6 +80,7 @@ def summary(n: int, stats: dict) -> str:
         f"  create p99     {percentile(c, 99):.1f} ms",
         f"  total time     {stats['total_s']:.2f} s",
     ]
+    lines += ["  streamed by episode 0:"] + [f"    {line}" for line in stats["sample"]]
     lines += [f"  ! {f}" for f in stats["failures"][:10]]
     return "\n".join(lines)
 
