@@ -136,3 +136,13 @@ def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     assert leftovers(up["state"] / "edge", NODE) == []
     servers = subprocess.run(["pgrep", "-f", f"nats-server.*-p {up['port']}"], capture_output=True, text=True)
     assert servers.stdout.strip() == "", "embedded nats-server still running"
+
+
+def test_demo_main_job_small(tmp_path):
+    """The main job, smaller: starts everything, runs episodes in parallel, prints its summary, cleans up."""
+    p = dsec("demo", "--state-dir", str(tmp_path), "-n", "4", "--port", str(free_port()), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "sandboxes      4 (4 created)" in p.stdout and "failures       0" in p.stdout
+    assert "stdout: words=1" in p.stdout and "stderr: warn" in p.stdout
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "demo" / "edge", "local") == []
