@@ -13,10 +13,13 @@ setup: system venv
 # dsec-enter helper). `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	ldd "$$(command -v busybox)" >/dev/null 2>&1 && missing="$$missing busybox-static"; \
+	$(PYTHON) -c "import venv, ensurepip" 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev >/dev/null; \
+	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
+	    python3-venv procps >/dev/null; \
 	fi
 
 venv: $(VENV)/.installed

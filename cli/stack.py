@@ -72,12 +72,14 @@ class Stack:
 
     async def _start(self) -> None:
         from cli.locks import node_lock, state_lock
+        if self.metrics_port:   # ports first: a taken port is the likelier, clearer error
+            check_port_free(self.host, self.metrics_port, "metrics")
+        if self.external_url is None:
+            check_port_free(self.host, self.port, "NATS")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._locks.append(state_lock(self.state_dir).acquire())
         if self.run_edge:
             self._locks.append(node_lock(self.edge_config.node_id).acquire())
-        if self.metrics_port:
-            check_port_free(self.host, self.metrics_port, "metrics")
         if self.external_url is None:
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it

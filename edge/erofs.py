@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
@@ -42,11 +43,26 @@ def file_digest(path: Path) -> str:
 
 
 def find_busybox() -> str:
-    """Path of a static busybox on this host."""
+    """Path of a static busybox on this host (a dynamic one would find no libc inside the image)."""
     for cand in BUSYBOX_CANDIDATES:
         if os.path.exists(cand):
+            if not is_static_elf(cand):
+                raise LayerBuildError(f"{cand} is dynamically linked: install busybox-static (make setup does)")
             return cand
     raise LayerBuildError("busybox not found: install busybox-static (make setup does)")
+
+
+def is_static_elf(path: str) -> bool:
+    """Whether an ELF64 executable has no program interpreter (PT_INTERP), i.e. is statically linked."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if head[:4] != b"\x7fELF" or head[4] != 2:
+            return False
+        phoff, = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    return all(struct.unpack_from("<I", table, i * phentsize)[0] != 3 for i in range(phnum))
 
 
 def busybox_rootfs(root: Path) -> None:

@@ -17,6 +17,7 @@ import pytest_asyncio
 from edge.backends.base import ExecResult, Limits, SandboxGone, SandboxSpec
 from edge.backends.container import ContainerBackend, leftovers
 from edge.erofs import busybox_rootfs, pack_dir
+from tests import leaks
 
 __all__ = ["busybox_layer", "container_backend", "container_prerequisites", "sandboxes", "Sandboxes", "Run", "requires_container",
            "fixed_state_dir"]
@@ -59,13 +60,14 @@ def busybox_layer(tmp_path_factory: pytest.TempPathFactory) -> str:
 async def container_backend(tmp_path_factory: pytest.TempPathFactory):
     """A started ContainerBackend shared by a module; stopped after it, asserting nothing leaked."""
     if _missing():
-        pytest.skip(_missing())
+        pytest.fail(f"container backend prerequisites: {_missing()} (run `make setup` as root)")
     # Fixed names: a run that crashed before stop() is reconciled by the next run's start().
     state, node = fixed_state_dir(tmp_path_factory, "node"), "tmodule"
     backend = ContainerBackend(state, node, upper_pool_size=8 << 30)
-    await backend.start()
-    yield backend
-    await backend.stop()
+    with leaks.live(node, state):
+        await backend.start()
+        yield backend
+        await backend.stop()
     assert leftovers(state, node) == []
 
 

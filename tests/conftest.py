@@ -11,6 +11,7 @@ import pytest
 
 from bus.server import NatsServer, free_port
 from edge.backends.layermounts import IDLE_KEEP
+from tests import leaks
 
 NODE = "t1"
 
@@ -38,9 +39,10 @@ async def stack(nats_server, session_dir):
     from edge.capacity import EdgeConfig
     st = Stack(session_dir / "state", nats_url=nats_server.url, metrics_port=None,
                edge_config=EdgeConfig(node_id=NODE, slots=64))
-    await st.start()
-    yield st
-    await st.stop()
+    with leaks.live(NODE, session_dir / "state" / "edge"):
+        await st.start()
+        yield st
+        await st.stop()
     from edge.backends.container import leftovers
     assert leftovers(session_dir / "state" / "edge", NODE) == []
 
@@ -55,8 +57,10 @@ async def client(stack):
 
 @pytest.fixture(autouse=True)
 async def no_leaks(request):
-    """After every test that used the stack: no sandbox left, and no per-sandbox residue on the host."""
+    """After every test: nothing of DSec on the host that no live fixture owns; and when the test used
+    the session stack, no sandbox left and no per-sandbox residue of it."""
     yield
+    assert leaks.host_leaks() == [], "left on the host"
     if "stack" not in request.fixturenames:
         return
     st = request.getfixturevalue("stack")
@@ -106,7 +110,7 @@ def host_residue(state_dir: Path) -> list[str]:
     if netns.is_dir():
         out += [f"netns {p.name}" for p in netns.iterdir() if "dsec" in p.name]
     out += [f"veth {p.name}" for p in Path("/sys/class/net").iterdir()
-            if "dsec" in p.name or p.name.startswith("veth")]
+            if "dsec" in p.name]
     return out
 
 

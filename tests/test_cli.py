@@ -9,9 +9,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bus.server import free_port
+from tests import leaks
 
 pytestmark = pytest.mark.timeout(120)
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -40,7 +42,8 @@ def up(tmp_path_factory):
                             start_new_session=True)
     line = proc.stdout.readline().strip()
     assert line == f"dsec: ready nats://127.0.0.1:{port}", (line, proc.stderr.read() if proc.poll() else "")
-    yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
+    with leaks.live(NODE, state / "edge"):
+        yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
     if proc.poll() is None:   # a test failed before the Ctrl-C test: stop it cleanly anyway
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -106,7 +109,7 @@ def test_errors_are_one_line(up):
 
 def test_port_in_use_is_one_line(up, tmp_path):
     line = one_clear_line(dsec("up", "--state-dir", str(tmp_path), "--port", str(up["port"]), "--metrics-port",
-                               str(free_port())))
+                               str(free_port()), "--node-id", "cliport"))
     assert str(up["port"]) in line and "in use" in line
 
 
@@ -134,8 +137,9 @@ def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     assert proc.returncode == 0, proc.stderr.read()
     from edge.backends.container import leftovers
     assert leftovers(up["state"] / "edge", NODE) == []
-    servers = subprocess.run(["pgrep", "-f", f"nats-server.*-p {up['port']}"], capture_output=True, text=True)
-    assert servers.stdout.strip() == "", "embedded nats-server still running"
+    servers = [p for p in psutil.process_iter(["cmdline"])
+               if p.info["cmdline"] and "nats-server" in p.info["cmdline"][0] and str(up["port"]) in p.info["cmdline"]]
+    assert servers == [], "embedded nats-server still running"
 
 
 def test_demo_main_job_small(tmp_path):

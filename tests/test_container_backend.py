@@ -189,10 +189,11 @@ async def test_sink_error_kills_the_command(sandboxes: Sandboxes) -> None:
 async def test_cancelled_exec_kills_the_command(sandboxes: Sandboxes) -> None:
     sid = await sandboxes.create()
     task = asyncio.ensure_future(sandboxes.run(sid, ["sleep", "100025"]))
-    for _ in range(100):
+    for _ in range(300):
         await asyncio.sleep(0.01)
         if _host_procs(["sleep", "100025"]):
             break
+    assert _host_procs(["sleep", "100025"]), "the command never started"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

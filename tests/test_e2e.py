@@ -80,7 +80,8 @@ async def test_concurrent_execs_in_one_and_many_sandboxes(client):
 
 async def test_background_process_survives_between_execs(client):
     async with await client.create() as sb:
-        await sb.exec("sh -c 'while true; do date > /tmp/tick; sleep 0.1; done' >/dev/null 2>&1 &")
+        await sb.exec("sh -c 'while true; do date +%s%N > /tmp/tick; sleep 0.1; done' >/dev/null 2>&1 &"
+                      " while [ ! -s /tmp/tick ]; do sleep 0.01; done")
         first = await sb.read_file("/tmp/tick")
         await asyncio.sleep(1.2)
         assert await sb.read_file("/tmp/tick") != first
@@ -153,6 +154,10 @@ async def test_redelivered_exec_never_runs_twice(client, stack):
                 break
             await asyncio.sleep(0.02)
         assert stack.edge.ops.duplicates == before + 1
+        for _ in range(200):   # and the first delivery finished: its exit record is stored
+            if await stack.bus.last_on_subject(streams.OUT_STREAM, subjects.output(sb.id, "xonce1")):
+                break
+            await asyncio.sleep(0.02)
         assert (await sb.read_file("/tmp/count")) == b"run\n"
         recs = [output_decoder.decode(d) async for d in stack.bus.read_subject(
             streams.OUT_STREAM, subjects.output(sb.id, "xonce1"))]

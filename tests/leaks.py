@@ -1,0 +1,61 @@
+"""Host-wide leak accounting for the test suite.
+
+Fixtures that keep a node alive across tests (the session stack, a module's backend, a module's
+`dsec up`) register it in LIVE with its state dir; after every test, anything of DSec on the host
+that belongs to no live node is a leak: dsec-<node> cgroups, sandbox inits (catatonit), zygotes,
+and erofs/overlay/btrfs mounts under a temp dir.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import psutil
+
+from edge.backends.cgroups import own_paths
+
+LIVE: dict[str, Path] = {}   # node id -> state dir of the backend (mounts under it are its own)
+
+MOUNT_TYPES = ("erofs", "overlay", "btrfs")
+
+
+@contextlib.contextmanager
+def live(node: str, state_dir: Path):
+    """Register a node as alive for the duration of a fixture."""
+    LIVE[node] = Path(state_dir).resolve()
+    try:
+        yield
+    finally:
+        LIVE.pop(node, None)
+
+
+def _node_of_cgroup(pid: int) -> str | None:
+    try:
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            for part in line.split(":", 2)[2].split("/"):
+                if part.startswith("dsec-"):
+                    return part[5:]
+    except OSError:
+        return None
+    return None
+
+
+def host_leaks() -> list[str]:
+    """What DSec left on the host that no live node owns."""
+    out: list[str] = []
+    for base in own_paths().values():
+        out += [f"cgroup {g}" for g in base.glob("dsec-*") if g.name[5:] not in LIVE]
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd[:1] == ["catatonit"] and _node_of_cgroup(proc.info["pid"]) not in LIVE:
+            out.append(f"sandbox init pid {proc.info['pid']}")
+        if "edge.backends.zygote" in cmd and cmd[-1].rsplit(":", 1)[-1] not in LIVE:
+            out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
+    owned = [str(p) + "/" for p in LIVE.values()]
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype, point = fields[fields.index("-") + 1], fields[4]
+            if fstype in MOUNT_TYPES and point.startswith("/tmp/") and not any(point.startswith(o) for o in owned):
+                out.append(f"{fstype} mount {point}")
+    return out
