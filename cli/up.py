@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -32,7 +33,11 @@ def edge_options(fn):
     return fn
 
 
+STOP_WATCHDOG = 9.5   # seconds: a stop that has not finished by then is reported, and the process exits
+
+
 async def _serve_until_signal(stack, ready_line: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1` shows where it is stuck
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -43,7 +48,13 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
         await stop.wait()
     finally:
         click.echo("dsec: stopping (destroying sandboxes)", err=True)
-        await stack.stop()
+        try:
+            await asyncio.wait_for(stack.stop(), STOP_WATCHDOG)
+        except asyncio.TimeoutError:
+            faulthandler.dump_traceback(all_threads=True)
+            click.echo(f"dsec: error: stop did not finish within {STOP_WATCHDOG:.0f}s; the next start of this "
+                       "node reconciles what is left", err=True)
+            os._exit(1)
         click.echo("dsec: stopped", err=True)
 
 

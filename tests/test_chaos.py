@@ -14,4 +14,4 @@ def test_edge_killed_mid_burst_verdict():
     verdict = p.stdout.strip().splitlines()[-1]
     assert p.returncode == 0 and verdict.startswith("verdict: submitted=24") and verdict.endswith("PASS"), \
         (verdict, p.stderr[-2000:])
-    assert "lost=0 duplicated=0 leaked=0" in verdict
+    assert "lost=0 duplicated=0 leaked=0 served_after_restart=4/4" in verdict

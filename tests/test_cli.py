@@ -20,8 +20,20 @@ DSEC = str(Path(sys.executable).parent / "dsec")
 NODE = "cli1"
 
 
-def dsec(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=timeout, **kw)
+def dsec(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the CLI; one that outlives the timeout gets Ctrl-C first (so it cleans up), then a kill."""
+    proc = subprocess.Popen([DSEC, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def one_clear_line(p: subprocess.CompletedProcess) -> str:
@@ -37,11 +49,13 @@ def up(tmp_path_factory):
     """`dsec up` in its own process group, as a terminal runs it."""
     state = tmp_path_factory.mktemp("up")
     port, mport = free_port(), free_port()
+    log = open(state / "up.log", "w")   # a file, not a pipe: an unread pipe that fills would block `dsec up`
     proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", str(mport),
-                             "--node-id", NODE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             "--node-id", NODE], stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
+    log.close()
     line = proc.stdout.readline().strip()
-    assert line == f"dsec: ready nats://127.0.0.1:{port}", (line, proc.stderr.read() if proc.poll() else "")
+    assert line == f"dsec: ready nats://127.0.0.1:{port}", (line, (state / "up.log").read_text())
     with leaks.live(NODE, state / "edge"):
         yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
     if proc.poll() is None:   # a test failed before the Ctrl-C test: stop it cleanly anyway
@@ -49,8 +63,11 @@ def up(tmp_path_factory):
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)   # where is it stuck? (faulthandler, into up.log)
+            time.sleep(0.5)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            pytest.fail(f"dsec up did not stop: {(state / 'up.log').read_text()[-4000:]}")
 
 
 def test_help_everywhere():
@@ -125,6 +142,47 @@ def test_metrics_endpoint(up):
     assert "dsec_edge_sandboxes" in body and "dsec_placement_placed" in body
 
 
+def test_demo_main_job_small(tmp_path):
+    """The main job, smaller: starts everything, runs episodes in parallel, prints its summary, cleans up."""
+    p = dsec("demo", "--state-dir", str(tmp_path), "-n", "4", "--port", str(free_port()), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "sandboxes      4 (4 created)" in p.stdout and "failures       0" in p.stdout
+    assert "stdout: words=1" in p.stdout and "stderr: warn" in p.stdout
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "demo" / "edge", "local") == []
+
+
+def test_up_on_an_existing_server_stops_on_sigterm(tmp_path):
+    """`dsec up --nats URL` uses that server; SIGTERM to the process alone stops it cleanly."""
+    from bus.server import NatsServer
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    try:
+        proc = subprocess.Popen([DSEC, "up", "--nats", srv.url, "--state-dir", str(tmp_path / "st"),
+                                 "--metrics-port", str(free_port()), "--node-id", "cliterm"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            assert proc.stdout.readline().strip() == f"dsec: ready {srv.url}"
+            p = dsec("run", "--nats", srv.url, "--", "echo", "via-existing-server")
+            assert (p.returncode, p.stdout) == (0, "via-existing-server\n")
+            assert dsec("create", "--nats", srv.url).returncode == 0    # left running: stop must destroy it
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        from edge.backends.container import leftovers
+        assert leftovers(tmp_path / "st" / "edge", "cliterm") == []
+    finally:
+        srv.stop()
+
+
+def test_metrics_port_in_use_is_one_line(up, tmp_path):
+    line = one_clear_line(dsec("up", "--state-dir", str(tmp_path), "--port", str(free_port()), "--metrics-port",
+                               str(up["mport"]), "--node-id", "climetrics"))
+    assert str(up["mport"]) in line and "metrics" in line and "in use" in line
+
+
 def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     """Runs last in this module: SIGINT to the whole process group, with sandboxes running."""
     for _ in range(3):
@@ -134,19 +192,9 @@ def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(15)
     assert time.monotonic() - t0 < 10
-    assert proc.returncode == 0, proc.stderr.read()
+    assert proc.returncode == 0, (up["state"] / "up.log").read_text()[-3000:]
     from edge.backends.container import leftovers
     assert leftovers(up["state"] / "edge", NODE) == []
     servers = [p for p in psutil.process_iter(["cmdline"])
                if p.info["cmdline"] and "nats-server" in p.info["cmdline"][0] and str(up["port"]) in p.info["cmdline"]]
     assert servers == [], "embedded nats-server still running"
-
-
-def test_demo_main_job_small(tmp_path):
-    """The main job, smaller: starts everything, runs episodes in parallel, prints its summary, cleans up."""
-    p = dsec("demo", "--state-dir", str(tmp_path), "-n", "4", "--port", str(free_port()), timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert "sandboxes      4 (4 created)" in p.stdout and "failures       0" in p.stdout
-    assert "stdout: words=1" in p.stdout and "stderr: warn" in p.stdout
-    from edge.backends.container import leftovers
-    assert leftovers(tmp_path / "demo" / "edge", "local") == []

@@ -149,7 +149,6 @@ async def test_layers_stack_top_last_and_mounts_are_shared(sandboxes: Sandboxes,
     (top / "etc" / "motd").write_text("hello from top\n")
     pack_dir(top, tmp_path / "top.erofs")
     backend = sandboxes.backend
-    layers_dir = backend.state_dir / "layers"
     specs = [SandboxSpec(f"stack{i}", [sandboxes.layer, str(tmp_path / "top.erofs")]) for i in range(2)]
     sandboxes.ids.extend(spec.id for spec in specs)
     for spec in specs:

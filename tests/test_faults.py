@@ -168,3 +168,15 @@ async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
     finally:
         await st.stop()
         srv.stop()
+
+
+async def test_create_many_rolls_back_the_ones_that_succeeded(small_stack):
+    """One round of 4 on a node with room for 2: it fails as a whole and the 2 that started are destroyed."""
+    async with libdsec.AsyncClient(small_stack.url) as client:
+        with pytest.raises(libdsec.CapacityUnavailable):
+            await client.create_many(4, resources=libdsec.Resources(cpu=0.5), timeout=3)
+        await asyncio.sleep(0.5)
+        assert small_stack.edge.sandboxes == {}
+        records = await client.list(all_states=True)
+        started = [r for r in records if r.state != "expired" and r.state != "failed"]
+        assert len(started) == 2 and all(r.state == "destroyed" for r in started), records
