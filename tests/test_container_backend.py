@@ -511,3 +511,23 @@ async def test_idle_layer_mounts_are_bounded(tmp_path: Path, busybox_layer: str)
     finally:
         mounts.unmount_all()
     assert [p for p in _mounts() if p.startswith(f"{root}/")] == []
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_stop_cut_short_still_leaves_the_node_clean(busybox_layer: str,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A stop whose budget runs out mid-destroy (a caller's wait_for) still removes everything."""
+    state, node = fixed_state_dir(tmp_path_factory, "cutshort"), "tcutshort"
+    backend = ContainerBackend(state, node, upper_pool_size=1 << 30)
+    await backend.start()
+    await backend.create(SandboxSpec("slowdestroy", [busybox_layer]))
+    await backend.create(SandboxSpec("other", [busybox_layer]))
+    real_destroy = backend._destroy
+
+    async def slow_destroy(sb) -> None:
+        await asyncio.sleep(30)
+        await real_destroy(sb)
+    backend._destroy = slow_destroy
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(backend.stop(), 0.5)
+    assert leftovers(state, node) == []

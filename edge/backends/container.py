@@ -110,16 +110,19 @@ class ContainerBackend(Backend):
 
     async def stop(self) -> None:
         """Destroy every sandbox, stop the zygote, unmount everything, remove the node cgroups."""
-        results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
-                                       return_exceptions=True)
-        self._layers.unmount_all()   # first: nothing below may keep the idle layer mounts alive
+        results: list = []
         try:
-            await self._launcher.close()
-        finally:
-            if self._spawner is not None:
-                self._spawner.close()
-                self._spawner = None
-            await self._reconcile()   # even when cancelled or the zygote misbehaved
+            results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
+                                           return_exceptions=True)
+        finally:   # cancelled (a stop budget ran out) or not: the node is left clean
+            self._layers.unmount_all()
+            try:
+                await self._launcher.close()
+            finally:
+                if self._spawner is not None:
+                    self._spawner.close()
+                    self._spawner = None
+                await self._reconcile()   # kills whatever the destroys did not, removes everything
         errors = [str(r) for r in results if isinstance(r, Exception) and not isinstance(r, SandboxGone)]
         if errors:
             raise BackendError(f"stop: {'; '.join(errors)}")
