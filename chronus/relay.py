@@ -37,7 +37,7 @@ class OutputRelay:
 
     async def sink(self, stream: str, data: bytes) -> None:
         """Accept a chunk read from the command (the backend awaits this: backpressure)."""
-        await self._settle_timed()
+        self._settle_timed()
         room = self.max_output - self.total
         if room <= 0:
             self.truncated = self.truncated or bool(data)
@@ -65,7 +65,7 @@ class OutputRelay:
             await previous
         await self.flush()
 
-    async def _settle_timed(self) -> None:
+    def _settle_timed(self) -> None:
         """Surface the result of a timer-driven flush (a lost chunk must not pass silently)."""
         if self._timed is not None and self._timed.done():
             timed, self._timed = self._timed, None

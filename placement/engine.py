@@ -33,7 +33,6 @@ class PlacementEngine:
         self._watch: asyncio.Task | None = None
         self.placed = 0
         self.rejected = 0
-        self.latencies: list[float] = []
 
     async def start(self) -> None:
         """Watch the node inventory, then start pulling requests."""

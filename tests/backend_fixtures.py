@@ -19,7 +19,7 @@ from edge.backends.container import ContainerBackend, leftovers
 from edge.erofs import busybox_rootfs, pack_dir
 from tests import leaks
 
-__all__ = ["busybox_layer", "container_backend", "container_prerequisites", "sandboxes", "Sandboxes", "Run", "requires_container",
+__all__ = ["busybox_layer", "container_backend", "container_prerequisites", "started_backend", "sandboxes", "Sandboxes", "Run", "requires_container",
            "fixed_state_dir"]
 
 
@@ -72,6 +72,15 @@ async def container_backend(tmp_path_factory: pytest.TempPathFactory):
 
 
 _counter = itertools.count()
+
+
+async def started_backend(tmp_path_factory: pytest.TempPathFactory,
+                          name: str) -> tuple[ContainerBackend, Path, str]:
+    """A started backend of its own (fixed state dir, node id "t<name>"), for a test that stops it itself."""
+    state, node = fixed_state_dir(tmp_path_factory, name), f"t{name}"
+    backend = ContainerBackend(state, node, upper_pool_size=1 << 30)
+    await backend.start()
+    return backend, state, node
 
 
 def fixed_state_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:

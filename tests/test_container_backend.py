@@ -21,7 +21,8 @@ from edge.backends.base import BackendError, Limits, SandboxGone, SandboxSpec  #
 from edge.backends.container import ContainerBackend, ExecFailed, leftovers  # noqa: E402
 from edge.erofs import pack_dir  # noqa: E402
 from tests.backend_fixtures import (Sandboxes, busybox_layer, container_backend,  # noqa: E402,F401
-                                    container_prerequisites, fixed_state_dir, requires_container, sandboxes)
+                                    container_prerequisites, fixed_state_dir, requires_container, sandboxes,
+                                    started_backend)
 
 pytestmark = [requires_container, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(60)]
 
@@ -398,9 +399,7 @@ async def _crash_and_reconcile(layer: str, state: Path, node: str) -> None:
 @pytest.mark.asyncio(loop_scope="function")
 async def test_stop_after_zygote_death_cleans_everything(busybox_layer: str,
                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
-    state, node = fixed_state_dir(tmp_path_factory, "zdeath"), "tzdeath"
-    backend = ContainerBackend(state, node, upper_pool_size=1 << 30)
-    await backend.start()
+    backend, state, node = await started_backend(tmp_path_factory, "zdeath")
     try:
         await backend.create(SandboxSpec("orphan", [busybox_layer]))
         await backend.exec("orphan", ["sh", "-c", "sleep 100027 > /dev/null 2>&1 < /dev/null &"], env={}, cwd="/",
@@ -466,9 +465,7 @@ async def test_fork_fallback_without_the_helper(busybox_layer: str, tmp_path_fac
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the compiled dsec-enter (no C compiler), the zygote forks itself: same behaviour."""
     monkeypatch.setenv("DSEC_ENTER_HELPER", "0")
-    state, node = fixed_state_dir(tmp_path_factory, "nohelper"), "tnohelper"
-    backend = ContainerBackend(state, node, upper_pool_size=1 << 30)
-    await backend.start()
+    backend, state, node = await started_backend(tmp_path_factory, "nohelper")
     out: dict[str, bytes] = {"stdout": b"", "stderr": b""}
 
     async def sink(stream: str, chunk: bytes) -> None:
@@ -517,9 +514,7 @@ async def test_idle_layer_mounts_are_bounded(tmp_path: Path, busybox_layer: str)
 async def test_stop_cut_short_still_leaves_the_node_clean(busybox_layer: str,
                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
     """A stop whose budget runs out mid-destroy (a caller's wait_for) still removes everything."""
-    state, node = fixed_state_dir(tmp_path_factory, "cutshort"), "tcutshort"
-    backend = ContainerBackend(state, node, upper_pool_size=1 << 30)
-    await backend.start()
+    backend, state, node = await started_backend(tmp_path_factory, "cutshort")
     await backend.create(SandboxSpec("slowdestroy", [busybox_layer]))
     await backend.create(SandboxSpec("other", [busybox_layer]))
     real_destroy = backend._destroy
