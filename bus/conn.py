@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 import nats
@@ -33,6 +34,16 @@ def mapped_errors(what: str):
         raise BusError(f"{what}: {exc}") from exc
 
 
+@dataclass
+class CasResult:
+    """Outcome of kv_update: the value and revision now stored, conflicts met, whether we wrote."""
+
+    value: bytes | None
+    revision: int
+    conflicts: int
+    written: bool
+
+
 class Bus:
     """A connection to NATS with JetStream, as DSec uses it."""
 
@@ -49,9 +60,10 @@ class Bus:
         async def _quiet(exc: Exception) -> None:
             log.debug("nats: %s", exc)
 
+        servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
         try:
             nc = await asyncio.wait_for(
-                nats.connect(url, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
+                nats.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
                              allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_quiet,
                              pending_size=64 << 20),
                 timeout=timeout + 1)
@@ -85,14 +97,22 @@ class Bus:
         With a msg_id (JetStream dedupes on it) a transport failure is retried `retries` times with
         capped, jittered backoff; without one a retry could duplicate, so none is made.
         """
+        return (await self._publish(subject, msg, msg_id, timeout, retries)).seq
+
+    async def publish_once(self, subject: str, msg: Wire | bytes, *, msg_id: str, timeout: float = 5.0,
+                           retries: int = 3) -> bool:
+        """Publish under a msg id; False when the stream already had that id (within its duplicate window,
+        on any of its subjects): someone published this message before, and it was not stored again."""
+        return not (await self._publish(subject, msg, msg_id, timeout, retries)).duplicate
+
+    async def _publish(self, subject: str, msg: Wire | bytes, msg_id: str | None, timeout: float, retries: int):
         data = msg if isinstance(msg, bytes) else encode(msg)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
         attempts = retries + 1 if msg_id else 1
         for attempt in range(attempts):
             try:
                 with mapped_errors(f"publish to {subject}"):
-                    ack = await self.js.publish(subject, data, timeout=timeout, headers=headers)
-                return ack.seq
+                    return await self.js.publish(subject, data, timeout=timeout, headers=headers)
             except BusError:
                 if attempt == attempts - 1:
                     raise
@@ -164,6 +184,34 @@ class Bus:
             if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
                 raise
 
+    async def take(self, stream: str, durable: str, handle: Callable[[bytes], Awaitable[bool]], *,
+                   limit: int = 10_000, wait: float = 0.3) -> int:
+        """Pull what waits on an existing durable consumer (a lost node's lanes) and hand each message to
+        handle(data): acked when it returns True, else left for redelivery. Returns how many were taken."""
+        try:
+            with mapped_errors(f"bind {durable}"):
+                sub = await self.js.pull_subscribe_bind(durable, stream)
+        except BusError as exc:
+            if isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+                return 0
+            raise
+        taken = 0
+        try:
+            while taken < limit:
+                try:
+                    msgs = await sub.fetch(min(100, limit - taken), timeout=wait)
+                except nats.errors.TimeoutError:
+                    return taken
+                for m in msgs:
+                    ok = await handle(m.data)
+                    with contextlib.suppress(Exception):
+                        await (m.ack() if ok else m.nak())
+                    taken += ok
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        return taken
+
     async def pull_worker(self, stream_and_config: tuple[str, api.ConsumerConfig], handler: Handler,
                           credit: Callable[[], int]) -> PullWorker:
         """Ensure the durable consumer exists and start a credit-based worker on it."""
@@ -195,6 +243,49 @@ class Bus:
                 return None
             raise
         return entry.value
+
+    async def kv_entry(self, bucket: str, key: str) -> tuple[bytes | None, int]:
+        """(value or None, the revision a compare-and-set must name: 0 when the key has no message)."""
+        kv = await self.kv(bucket)
+        try:
+            with mapped_errors(f"kv get {bucket}/{key}"):
+                entry = await kv.get(key)
+        except BusError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, nats.js.errors.KeyDeletedError):
+                return None, cause.entry.revision if cause.entry else 0
+            if isinstance(cause, (nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError)):
+                return None, 0
+            raise
+        return entry.value, entry.revision
+
+    async def kv_cas(self, bucket: str, key: str, value: bytes, revision: int) -> int | None:
+        """Write value only if the key is still at `revision` (0: has no message). New revision, or None
+        when someone wrote first."""
+        kv = await self.kv(bucket)
+        try:
+            with mapped_errors(f"kv update {bucket}/{key}"):
+                return await kv.update(key, value, last=revision)
+        except BusError as exc:
+            if isinstance(exc.__cause__, nats.js.errors.KeyWrongLastSequenceError):
+                return None
+            raise
+
+    async def kv_update(self, bucket: str, key: str, mutate: Callable[[bytes | None], bytes | None], *,
+                        known: tuple[bytes | None, int] | None = None, attempts: int = 64) -> CasResult:
+        """Read-modify-write with compare-and-set, retried on conflict. mutate(current) returns the new
+        value, or None to write nothing; it is called again on the fresh value after every conflict, so
+        it must be pure. `known` (value, revision) from a watch saves the first read."""
+        current, revision = known if known is not None else await self.kv_entry(bucket, key)
+        for conflicts in range(attempts):
+            new = mutate(current)
+            if new is None:
+                return CasResult(current, revision, conflicts, written=False)
+            rev = await self.kv_cas(bucket, key, new, revision)
+            if rev is not None:
+                return CasResult(new, rev, conflicts, written=True)
+            current, revision = await self.kv_entry(bucket, key)
+        raise BusError(f"kv update {bucket}/{key}: still conflicting after {attempts} attempts")
 
     async def kv_put(self, bucket: str, key: str, value: Wire | bytes) -> int:
         """Put a value; returns its revision."""
@@ -279,8 +370,8 @@ class Bus:
                     await self.js.object_store(ocfg.bucket)
 
 
-async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None], None]) -> "asyncio.Task":
-    """Call on_change(key, value or None on delete) for every current and future entry of a bucket."""
+async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None, int], None]) -> "asyncio.Task":
+    """Call on_change(key, value or None on delete, revision) for every current and future entry of a bucket."""
     kv = await bus.kv(bucket)
 
     async def _run() -> None:
@@ -291,7 +382,7 @@ async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None
                     if entry is None:
                         continue   # end of the initial values
                     deleted = entry.operation in ("DEL", "PURGE")
-                    on_change(entry.key, None if deleted else entry.value)
+                    on_change(entry.key, None if deleted else entry.value, entry.revision)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:   # reconnects, server restarts: watch again

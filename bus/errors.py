@@ -52,6 +52,12 @@ class CapacityUnavailable(PlacementError):
     code = "capacity_unavailable"
 
 
+class QuotaExceeded(PlacementError):
+    """The tenant's quota (concurrent sandboxes, total cpu or memory) would be exceeded; never queued."""
+
+    code = "quota_exceeded"
+
+
 class RequestExpired(PlacementError, TimeoutError):
     """The request's deadline passed before it was served; it was not started."""
 

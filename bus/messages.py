@@ -49,8 +49,16 @@ class CreateRequest(Wire, tag="create"):
     deadline: float = 0.0            # absolute unix time; passed -> ends as expired
     reply_to: str = ""               # core subject of the requester's inbox
     sent_at: float = 0.0             # unix time the client sent it (for latency figures)
+    priority: Literal["latency", "batch"] = "latency"   # latency requests jump ahead of queued batch ones
+    burst: bool | None = None        # may run on the cloud pool past the threshold; None: only batch may
+    attempt: int = 0                 # bumped when a lost node's queued creates are placed again
     node: str = ""                   # set by placement
+    pool: str = ""                   # set by placement when routed to a pool instead of a node
     layers: list[LayerRef] = []      # set by placement: resolved image layers, lowest first
+
+    def may_burst(self) -> bool:
+        """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
+        return self.priority == "batch" if self.burst is None else self.burst
 
 
 class SandboxReady(Wire, tag="ready"):
@@ -171,8 +179,18 @@ OutputRecord = Union[OutputChunk, ExitRecord]
 
 # ---- state: KV values and events ---------------------------------------------------------------
 
+class Booking(msgspec.Struct, frozen=True):
+    """A placement's reservation on a node, until the edge takes the create (or its deadline passes)."""
+
+    resources: Resources = Resources()
+    deadline: float = 0.0
+    tenant: str = ""
+
+
 class NodeInfo(Wire, tag="node"):
-    """edge -> KV dsec-nodes: capacity and usage, refreshed by heartbeat."""
+    """KV dsec-nodes: a node's capacity, usage and reservations. The one record both sides update with
+    compare-and-set on its revision: the edge writes capacity, usage and heartbeat and removes the
+    bookings it took; placement adds bookings; `dsec node drain` sets draining; the reaper sets lost."""
 
     node: str = ""
     pool: str = "local"
@@ -191,6 +209,49 @@ class NodeInfo(Wire, tag="node"):
     draining: bool = False
     heartbeat: float = 0.0           # unix time
     backends: list[str] = msgspec.field(default_factory=lambda: ["container"])
+    bookings: dict[str, Booking] = {}   # request id -> reservation not yet taken by the edge
+    lost: bool = False               # heartbeat stopped; its sandboxes were reported node_lost
+    started_at: float = 0.0          # when this run of the edge started
+
+
+class Quota(Wire, tag="quota"):
+    """KV dsec-quotas: one tenant's limits; 0 means unlimited."""
+
+    tenant: str = ""
+    max_sandboxes: int = 0
+    max_cpu: float = 0.0
+    max_memory: int = 0
+
+
+class Hold(msgspec.Struct, frozen=True):
+    """One sandbox counted against its tenant's quota."""
+
+    request_id: str = ""
+    resources: Resources = Resources()
+    deadline: float = 0.0
+
+
+class TenantUsage(Wire, tag="usage"):
+    """KV dsec-tenants: what a tenant with a quota holds (sandbox id -> hold), updated by compare-and-set."""
+
+    tenant: str = ""
+    holds: dict[str, Hold] = {}
+
+
+class EngineStats(Wire, tag="engine"):
+    """KV dsec-engines: one placement engine's figures, refreshed every second (for `dsec top`)."""
+
+    engine: str = ""
+    placed: int = 0
+    bursted: int = 0
+    rejected: int = 0
+    queued: int = 0                  # requests this engine holds waiting for room now
+    conflicts: int = 0               # compare-and-set retries on node records
+    latency_p50: float = 0.0         # seconds from client send to routed, over the last window
+    latency_p99: float = 0.0
+    utilization: float = 0.0         # local pool, booked share of the tightest dimension
+    threshold: float = 0.8
+    at: float = 0.0
 
 
 class SandboxRecord(Wire, tag="sandbox"):
@@ -213,7 +274,7 @@ class SandboxRecord(Wire, tag="sandbox"):
 class Event(Wire, tag="event"):
     """Lifecycle event on dsec.evt.<tenant>.<sandbox>."""
 
-    type: str = ""                   # created, destroyed, expired, failed, rejected, node_lost
+    type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost
     sandbox_id: str = ""
     tenant: str = "default"
     node: str = ""
@@ -250,6 +311,9 @@ node_decoder = msgspec.json.Decoder(NodeInfo)
 sandbox_decoder = msgspec.json.Decoder(SandboxRecord)
 event_decoder = msgspec.json.Decoder(Event)
 image_decoder = msgspec.json.Decoder(ImageRecord)
+quota_decoder = msgspec.json.Decoder(Quota)
+usage_decoder = msgspec.json.Decoder(TenantUsage)
+engine_decoder = msgspec.json.Decoder(EngineStats)
 
 
 class _Envelope(msgspec.Struct):

@@ -18,6 +18,9 @@ EVT_STREAM = "DSEC_EVT"
 NODES_KV = "dsec-nodes"
 SANDBOXES_KV = "dsec-sandboxes"
 IMAGES_KV = "dsec-images"
+QUOTAS_KV = "dsec-quotas"
+TENANTS_KV = "dsec-tenants"
+ENGINES_KV = "dsec-engines"
 LAYERS_OBJ = "dsec-layers"
 
 PLACEMENT_CONSUMER = "placement"
@@ -25,8 +28,15 @@ PLACEMENT_CONSUMER = "placement"
 # undecodable ones are terminated at once, so nothing loops forever. A cap would silently drop
 # requests that merely wait for room.
 MAX_DELIVER = -1
-NODE_HEARTBEAT_TTL = 10.0  # seconds a node entry lives without a heartbeat
+NODE_LOST_AFTER = 10.0     # seconds without a heartbeat before a node is out of placement and declared lost
+NODE_ENTRY_TTL = 3600.0    # a dead node's record (kept as `lost` for `dsec top`) is dropped after this
+ENGINE_STATS_TTL = 5.0     # an engine's figures vanish this long after it stops
 ACK_WAIT = 30.0            # seconds a consumer waits for an ack; long work extends it (pull.Lease)
+# Placement handles a request in milliseconds, or holds it (leased) while it waits for room, so a dead
+# engine's requests go to a surviving engine after this, not after ACK_WAIT.
+PLACEMENT_ACK_WAIT = 5.0
+PLACEMENT_LEASE_EVERY = 1.5
+POOL_ACK_WAIT = 10.0       # a pool's shared create lane: a dead edge's pulls go to its peers after this
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,7 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
     common = dict(storage=api.StorageType.FILE, num_replicas=replicas, max_msg_size=1 << 20,
                   duplicate_window=120.0)
     return [
-        api.StreamConfig(name=REQ_STREAM, subjects=["dsec.req.>"], retention=api.RetentionPolicy.WORK_QUEUE,
+        api.StreamConfig(name=REQ_STREAM, subjects=[subjects.create_requests(p) for p in subjects.PRIORITIES], retention=api.RetentionPolicy.WORK_QUEUE,
                          max_age=HOUR, **common),
         api.StreamConfig(name=NODE_STREAM, subjects=["dsec.node.>", "dsec.pool.>"],
                          retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, **common),
@@ -59,9 +69,12 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
 def kv_configs(ret: Retention, replicas: int = 1) -> list[api.KeyValueConfig]:
     """The KV buckets: node inventory (TTL = heartbeat), sandbox states, image versions."""
     return [
-        api.KeyValueConfig(bucket=NODES_KV, history=1, ttl=NODE_HEARTBEAT_TTL, replicas=replicas),
+        api.KeyValueConfig(bucket=NODES_KV, history=1, ttl=NODE_ENTRY_TTL, replicas=replicas),
         api.KeyValueConfig(bucket=SANDBOXES_KV, history=1, ttl=ret.sandboxes_max_age, replicas=replicas),
         api.KeyValueConfig(bucket=IMAGES_KV, history=64, replicas=replicas),
+        api.KeyValueConfig(bucket=QUOTAS_KV, history=1, replicas=replicas),
+        api.KeyValueConfig(bucket=TENANTS_KV, history=1, replicas=replicas),
+        api.KeyValueConfig(bucket=ENGINES_KV, history=1, ttl=ENGINE_STATS_TTL, replicas=replicas),
     ]
 
 
@@ -77,9 +90,15 @@ def _pull(durable: str, filter_subject: str, ack_wait: float) -> api.ConsumerCon
                               deliver_policy=api.DeliverPolicy.ALL)
 
 
-def placement_consumer() -> tuple[str, api.ConsumerConfig]:
-    """The one durable pull consumer all placement engines share."""
-    return REQ_STREAM, _pull(PLACEMENT_CONSUMER, subjects.CREATE_REQUESTS, ack_wait=ACK_WAIT)
+def placement_consumer(priority: str) -> tuple[str, api.ConsumerConfig]:
+    """The durable pull consumer all placement engines share, one per priority."""
+    return REQ_STREAM, _pull(f"{PLACEMENT_CONSUMER}-{priority}", subjects.create_requests(priority),
+                             ack_wait=PLACEMENT_ACK_WAIT)
+
+
+def pool_create_consumer(pool: str) -> tuple[str, api.ConsumerConfig]:
+    """A pool's shared create lane: every edge of the pool pulls it (competing consumers)."""
+    return NODE_STREAM, _pull(f"pool-{pool}-create", subjects.pool_create(pool), ack_wait=POOL_ACK_WAIT)
 
 
 def edge_create_consumer(node: str) -> tuple[str, api.ConsumerConfig]:

@@ -27,12 +27,23 @@ def is_digest(value: str) -> bool:
     return bool(_DIGEST.match(value))
 
 
-def create_request(tenant: str) -> str:
-    """Where libdsec sends a CreateRequest."""
-    return f"dsec.req.create.{tenant}"
+PRIORITIES = ("latency", "batch")
 
 
-CREATE_REQUESTS = "dsec.req.create.>"
+def create_request(tenant: str, priority: str = "latency") -> str:
+    """Where libdsec sends a CreateRequest: one subject per priority, so latency requests never queue
+    behind batch ones."""
+    return f"dsec.req.create.{priority}.{tenant}"
+
+
+def create_requests(priority: str) -> str:
+    """Filter of one priority's create requests (one placement consumer each)."""
+    return f"dsec.req.create.{priority}.*"
+
+
+def pool_create(pool: str) -> str:
+    """Where placement routes a create for any edge of a pool (cloud bursting); the pool's edges compete."""
+    return f"dsec.pool.{pool}.create"
 
 
 def node_create(node: str) -> str:

@@ -20,8 +20,9 @@ from bus.pull import Delivery, Lease, Verdict
 from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
 from edge.layercache import LayerCache
-from placement import admission
+from edge.noderecord import NodeRecord
 from edge.ops import OpLane
+from placement import admission
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ class Edge:
         self.layers = LayerCache(bus, Path(state_dir) / "layer-cache")
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
-        self.draining = False
+        self.record = NodeRecord(bus, self.capacity, self._set_draining)
         self._creating: set[str] = set()
         self._create_worker = None
+        self._pool_worker = None
         self._tasks: list[asyncio.Task] = []
         self.created = 0
         self.failed = 0
@@ -68,17 +70,37 @@ class Edge:
         # (30 s) before redelivery; no one else serves this node (its lock), so start the lanes afresh.
         for stream, config in (streams.edge_create_consumer(self.node), streams.edge_ops_consumer(self.node)):
             await self.bus.delete_consumer(stream, config.durable_name)
-        await self._heartbeat_once()
-        self._tasks = [asyncio.create_task(self._heartbeat_loop()), asyncio.create_task(self._ttl_loop())]
+        await self.record.write()
+        self.record.start(self.config.heartbeat)
+        self._tasks = [asyncio.create_task(self._ttl_loop())]
         await self.ops.start()
         self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
                                                          self._on_create, credit=self._create_credit)
+        # The pool's shared lane (cloud bursting): every edge of the pool competes for it.
+        self._pool_worker = await self.bus.pull_worker(streams.pool_create_consumer(self.config.pool),
+                                                       self._on_create, credit=self._create_credit)
+
+    @property
+    def draining(self) -> bool:
+        """Drained by an operator: takes no new sandbox; the running ones finish."""
+        return self.record.draining
+
+    def _set_draining(self, draining: bool) -> None:
+        log.warning("node %s %s", self.node, "draining" if draining else "accepting work again")
+        self._poke()
+
+    def _poke(self) -> None:
+        for w in (self._create_worker, self._pool_worker):
+            if w is not None:
+                w.poke()
 
     async def stop(self) -> None:
         """Stop taking work, destroy every sandbox, release the node. Never waits long on the bus."""
-        if self._create_worker:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._create_worker.stop(drain=False), BUS_CLEANUP_TIMEOUT)
+        for w in (self._create_worker, self._pool_worker):
+            if w:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(w.stop(drain=False), BUS_CLEANUP_TIMEOUT)
+        await self.record.stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.ops.stop(), BUS_CLEANUP_TIMEOUT)
         for t in self._tasks:
@@ -120,17 +142,6 @@ class Edge:
             return 0
         return self.capacity.free_slots() + sum(1 for i in self._creating if i in self.capacity.used)
 
-    async def _heartbeat_once(self) -> None:
-        await self.bus.kv_put(streams.NODES_KV, self.node, self.capacity.node_info(self.draining))
-
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.heartbeat)
-            try:
-                await self._heartbeat_once()
-            except DsecError as exc:
-                log.warning("heartbeat failed: %s", exc)
-
     async def _ttl_loop(self) -> None:
         while True:
             await asyncio.sleep(0.5)
@@ -151,6 +162,19 @@ class Edge:
                 await self.bus.send(reply_to, msg)
 
     async def _on_create(self, d: Delivery) -> Verdict:
+        verdict, request_id = await self._take_create(d)
+        if verdict is not Verdict.NAK and request_id:
+            self.record.took(request_id)   # answered one way or another: its booking is no longer needed
+        return verdict
+
+    async def _take_create(self, d: Delivery) -> tuple[Verdict, str]:
+        verdict = await self._create_lane(d)
+        try:
+            return verdict, create_decoder.decode(d.data).request_id
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return verdict, ""
+
+    async def _create_lane(self, d: Delivery) -> Verdict:
         try:
             req = create_decoder.decode(d.data)
             subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
@@ -197,9 +221,11 @@ class Edge:
             if time.time() > req.deadline:
                 raise RequestExpired("create request expired before a node started it")
             self.capacity.reserve(req.sandbox_id, req.resources)
+            self.record.took(req.request_id)
             await self._start_sandbox(req)
         except DsecError as err:
             self.capacity.release(req.sandbox_id)
+            self.record.changed()
             self.failed += 1
             await self._record_failure(req, err)
             return
@@ -284,8 +310,8 @@ class Edge:
     async def _mark_gone(self, sandbox_id: str, state: str, reason: str) -> None:
         running = self.sandboxes.pop(sandbox_id, None)
         self.capacity.release(sandbox_id)
-        if self._create_worker:
-            self._create_worker.poke()
+        self.record.changed()
+        self._poke()
         if running is None:
             return
         rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time())

@@ -2,7 +2,7 @@
 from libdsec.client import AsyncClient
 from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, PlacementError,
-                            RequestExpired, SandboxError, SandboxNotFound)
+                            QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound)
 from libdsec.resources import Resources
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
@@ -11,6 +11,6 @@ from libdsec.sync import Client, Sandbox
 __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-    "InvalidRequest", "Output", "PlacementError", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+    "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
     "SandboxNotFound",
 ]

@@ -96,13 +96,18 @@ class AsyncClient:
     # ---- create -------------------------------------------------------------------------------
 
     def _request(self, image: str, backend: str, resources: Resources | None, ttl: float,
-                 env: dict[str, str] | None, labels: dict[str, str] | None, timeout: float) -> CreateRequest:
+                 env: dict[str, str] | None, labels: dict[str, str] | None, timeout: float,
+                 priority: str = "latency", burst: bool | None = None) -> CreateRequest:
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
             raise InvalidRequest(f"ttl must be a positive number of seconds, got {ttl!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(image, str) or not image:
             raise InvalidRequest(f"image must be a non-empty string, got {image!r}")
+        if priority not in subjects.PRIORITIES:
+            raise InvalidRequest(f"priority must be one of {', '.join(subjects.PRIORITIES)}, got {priority!r}")
+        if burst is not None and not isinstance(burst, bool):
+            raise InvalidRequest(f"burst must be True, False or None, got {burst!r}")
         for what, d in (("env", env), ("labels", labels)):
             if d is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()):
                 raise InvalidRequest(f"{what} must map str to str")
@@ -110,23 +115,33 @@ class AsyncClient:
         now = time.time()
         return CreateRequest(request_id=rid, sandbox_id=new_id("sb"), tenant=self.tenant, image=image,
                              backend=backend, resources=(resources or Resources()).to_wire(), ttl=float(ttl),
-                             env=dict(env or {}), labels=dict(labels or {}), deadline=now + timeout, sent_at=now)
+                             env=dict(env or {}), labels=dict(labels or {}), deadline=now + timeout, sent_at=now,
+                             priority=priority, burst=burst)  # type: ignore[arg-type]
 
     async def create(self, image: str = "busybox", *, backend: str = "container", resources: Resources | None = None,
                      ttl: float = DEFAULT_TTL, env: dict[str, str] | None = None,
-                     labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT) -> AsyncSandbox:
-        """Create one sandbox and wait until it runs (CapacityUnavailable after `timeout`)."""
-        req = self._request(image, backend, resources, ttl, env, labels, timeout)
-        return await self._create(req, timeout)
+                     labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT,
+                     priority: str = "latency", burst: bool | None = None,
+                     on_queued=None) -> AsyncSandbox:
+        """Create one sandbox and wait until it runs.
 
-    async def _create(self, req: CreateRequest, timeout: float) -> AsyncSandbox:
+        priority: "latency" (default) requests are placed ahead of queued "batch" ones. burst: may run on
+        the cloud pool when the local pool passes its threshold (default: batch yes, latency no).
+        When nothing has room the request waits; on_queued(reason) is called once if it does.
+        Raises CapacityUnavailable after `timeout` (the request is then cancelled: it never starts later),
+        QuotaExceeded at once when the tenant's quota would be passed.
+        """
+        req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst)
+        return await self._create(req, timeout, on_queued)
+
+    async def _create(self, req: CreateRequest, timeout: float, on_queued=None) -> AsyncSandbox:
         bus, replies = self._need_bus(), self._replies
         assert replies is not None
         reply_to, q = replies.register(req.request_id)
         req = msgspec.structs.replace(req, reply_to=reply_to)
         queued = ""
         try:
-            await bus.publish(subjects.create_request(self.tenant), encode(req), msg_id=req.request_id,
+            await bus.publish(subjects.create_request(self.tenant, req.priority), encode(req), msg_id=req.request_id,
                               timeout=2.0, retries=PUBLISH_RETRIES)
             while (data := await _next(q, req.deadline - time.time())) is not None:
                 try:
@@ -137,7 +152,9 @@ class AsyncClient:
                     case SandboxReady():
                         return AsyncSandbox(self, reply.sandbox_id, reply.node)
                     case Queued():
-                        queued = reply.reason
+                        if not queued and on_queued is not None:
+                            on_queued(reply.reason)
+                        queued = reply.reason or "queued"
                     case ErrorReply():
                         raise from_code(reply.code, reply.message, reason=reply.reason)
             await self._abandon(req.sandbox_id)

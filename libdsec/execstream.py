@@ -9,8 +9,8 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, SandboxError, from_code
-from bus.messages import ExitRecord, OutputChunk, output_decoder
+from bus.errors import BusError, SandboxError, SandboxNotFound, from_code
+from bus.messages import ExitRecord, OutputChunk, event_decoder, output_decoder
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
@@ -19,11 +19,14 @@ EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting
 class ExecStream:
     """Subscribes before the exec is sent, so no record is missed; yields records in seq order."""
 
-    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str) -> None:
+    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, tenant: str = "") -> None:
         self.bus = bus
         self.subject = subjects.output(sandbox_id, exec_id)
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.events = subjects.event(tenant, sandbox_id) if tenant else ""
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._lost = ""
         self._sub = None
+        self._evt_sub = None
         self._held: dict[int, OutputChunk | ExitRecord] = {}
         self._next = 1
 
@@ -32,15 +35,26 @@ class ExecStream:
         async def _cb(data: bytes, _subject: str) -> None:
             self._queue.put_nowait(data)
         self._sub = await self.bus.subscribe(self.subject, _cb)
+        if self.events:   # the node dying is announced here: stop waiting for an exit it will never send
+            async def _evt(data: bytes, _subject: str) -> None:
+                try:
+                    ev = event_decoder.decode(data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    return
+                if ev.type == "node_lost":
+                    self._lost = ev.detail or "node lost"
+                    self._queue.put_nowait(None)
+            self._evt_sub = await self.bus.subscribe(self.events, _evt)
 
     async def close(self) -> None:
         """Unsubscribe."""
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
-            self._sub = None
+        for sub in (self._sub, self._evt_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+        self._sub = self._evt_sub = None
 
     async def records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
         """Records in order until the exit record; SandboxError if none comes within `wait` seconds."""
@@ -53,6 +67,8 @@ class ExecStream:
                 if time.monotonic() >= deadline:
                     raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
                 continue
+            if data is None:
+                raise SandboxNotFound(f"sandbox lost with its node: {self._lost}", reason="node_lost")
             try:
                 rec = output_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError):

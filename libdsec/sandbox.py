@@ -65,7 +65,7 @@ class AsyncSandbox:
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, argv=argv_of(cmd), env=dict(env or {}),
                           cwd=cwd, stdin=stdin or b"", timeout=float(timeout),
                           deadline=time.time() + timeout + EXIT_GRACE, max_output=max_output)
-        stream = ExecStream(bus, self.id, req.exec_id)
+        stream = ExecStream(bus, self.id, req.exec_id, self.client.tenant)
         await stream.open()
         try:
             await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id,

@@ -1,8 +1,18 @@
-"""The placement engine: pulls create requests from the shared durable consumer and routes each to a node."""
+"""The placement engine: any number of them pull create requests from the shared durable consumers
+(one per priority), book room on a node by compare-and-set, and route each request to its node's lane
+(or, past the burst threshold, to the burst pool's shared lane).
+
+A request that fits nowhere is held (leased, unacked) while it waits for room, up to `max_waiting`
+per priority per engine; beyond that it waits in JetStream, unpulled. Latency requests have their own
+consumer, so they never queue behind batch ones, and they take freed room first.
+"""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import os
+import socket
 import time
 
 import msgspec
@@ -10,55 +20,128 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import CapacityUnavailable, DsecError, RequestExpired
-from bus.messages import (CreateRequest, ErrorReply, Event, Queued, create_decoder, encode,
-                          node_decoder, salvage)
-from bus.pull import Delivery, Verdict
+from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Event, Queued, SandboxRecord,
+                          create_decoder, encode, salvage)
+from bus.pull import Delivery, Lease, Verdict
 from placement import admission, scoring
 from placement.images import ImageRegistry
+from placement.ledger import NodeLedger
+from placement.quota import Quotas
+from placement.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
-WAIT_RETRY = 0.25   # seconds between tries while no live node exists yet
+WAIT_POLL = 1.0          # a waiting request looks again at least this often
+BOOK_TRIES = 3           # nodes tried per attempt before waiting for room
+BATCH_YIELD = 0.005      # freed room goes to waiting latency requests first
+
+
+def node_msg_id(req: CreateRequest) -> str:
+    """The msg id of a placed create: JetStream drops a second placement of the same request."""
+    return req.request_id if req.attempt == 0 else f"{req.request_id}.{req.attempt}"
+
+
+def _engine_name() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{host}-{os.getpid()}-{os.urandom(2).hex()}"
 
 
 class PlacementEngine:
-    """One engine; any number may run against the same consumer."""
+    """One engine; any number may run against the same consumers."""
 
-    def __init__(self, bus: Bus, *, max_in_flight: int = 64) -> None:
+    def __init__(self, bus: Bus, *, max_waiting: int = 32, burst_threshold: float = 0.8,
+                 burst_pool: str = "cloud", pool: str = "local", name: str | None = None) -> None:
         self.bus = bus
+        self.name = name or _engine_name()
         self.images = ImageRegistry(bus)
-        self.nodes: dict[str, scoring.NodeView] = {}
-        self.max_in_flight = max_in_flight
-        self._worker = None
-        self._watch: asyncio.Task | None = None
-        self.placed = 0
-        self.rejected = 0
+        self.ledger = NodeLedger(bus)
+        self.ledger.on_room = self._room_changed
+        self.quotas = Quotas(bus)
+        self.reaper = Reaper(bus, self.ledger)
+        self.max_waiting = max_waiting
+        self.burst_threshold = burst_threshold
+        self.burst_pool, self.pool = burst_pool, pool
+        self._room = asyncio.Event()
+        self._workers: list = []
+        self._tasks: list[asyncio.Task] = []
+        self.waiting = {p: 0 for p in subjects.PRIORITIES}
+        self.placed = self.bursted = self.rejected = 0
+        self.burst_min_utilization = 1.0   # lowest local utilization seen at a burst decision
+        self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Watch the node inventory, then start pulling requests."""
-        self._watch = await kv_watch(self.bus, streams.NODES_KV, self._on_node)
-        self._worker = await self.bus.pull_worker(streams.placement_consumer(), self._handle,
-                                                  credit=lambda: self.max_in_flight)
+        """Watch nodes and quotas, then pull both priorities."""
+        self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change),
+                       await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
+                       asyncio.create_task(self.reaper.run()), asyncio.create_task(self._stats_loop())]
+        for prio in subjects.PRIORITIES:
+            self._workers.append(await self.bus.pull_worker(
+                streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting))
 
     async def stop(self) -> None:
-        """Stop pulling; requests in flight finish."""
-        if self._worker:
-            await self._worker.stop()
-        if self._watch:
-            self._watch.cancel()
-            await asyncio.gather(self._watch, return_exceptions=True)
-
-    def _on_node(self, key: str, value: bytes | None) -> None:
-        if value is None:
-            self.nodes.pop(key, None)
-            return
+        """Stop pulling; requests in flight are dropped unacked (another engine gets them)."""
+        await asyncio.gather(*(w.stop(drain=False) for w in self._workers), return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            info = node_decoder.decode(value)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return    # junk in the inventory is skipped, never fatal
-        if info.node != key:
-            return    # an entry must describe the node it is filed under, or creates go nowhere
-        self.nodes[key] = scoring.NodeView(info)
+            await asyncio.wait_for(self.bus.kv_delete(streams.ENGINES_KV, self.name), 0.5)
+        except (asyncio.TimeoutError, DsecError):
+            pass
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def utilization(self) -> float:
+        """Booked share of the local pool's tightest dimension."""
+        return scoring.utilization(self.ledger.nodes(), self.pool)
+
+    def stats(self) -> EngineStats:
+        """This engine's figures now."""
+        lat = sorted(self._latencies)
+        pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))]) if lat else (lambda q: 0.0)
+        return EngineStats(engine=self.name, placed=self.placed, bursted=self.bursted, rejected=self.rejected,
+                           queued=sum(self.waiting.values()), conflicts=self.ledger.conflicts,
+                           latency_p50=pick(0.5), latency_p99=pick(0.99), utilization=self.utilization(),
+                           threshold=self.burst_threshold, at=time.time())
+
+    async def _stats_loop(self) -> None:
+        while True:
+            try:
+                await self.bus.kv_put(streams.ENGINES_KV, self.name, self.stats())
+            except DsecError as exc:
+                log.debug("stats not published: %s", exc)
+            await asyncio.sleep(1.0)
+
+    # ---- waiting for room ----------------------------------------------------------------------
+
+    def _room_changed(self) -> None:
+        self._room.set()
+        self._room = asyncio.Event()
+
+    async def _wait_room(self, req: CreateRequest) -> None:
+        room = self._room
+        self.waiting[req.priority] += 1
+        try:
+            await asyncio.wait_for(room.wait(), max(0.0, min(WAIT_POLL, req.deadline - time.time())))
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self.waiting[req.priority] -= 1
+        if req.priority == "batch" and self.waiting["latency"]:
+            await asyncio.sleep(BATCH_YIELD)
+
+    # ---- handling ------------------------------------------------------------------------------
+
+    def _handler(self, priority: str):
+        async def handle(d: Delivery) -> Verdict:
+            lease = Lease(d, every=streams.PLACEMENT_LEASE_EVERY)
+            try:
+                return await self._handle(d, priority)
+            finally:
+                lease.cancel()
+        return handle
 
     async def _reply(self, reply_to: str, msg) -> None:
         if subjects.is_reply_subject(reply_to):
@@ -67,19 +150,32 @@ class PlacementEngine:
             except DsecError as exc:
                 log.warning("reply to %s lost: %s", reply_to, exc)
 
-    async def _reject(self, req: CreateRequest, err: DsecError) -> Verdict:
-        self.rejected += 1
-        await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+    async def _event(self, req: CreateRequest, type_: str, detail: str) -> None:
         try:
             subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
             await self.bus.send(subjects.event(req.tenant, req.sandbox_id),
-                                Event(type="rejected", sandbox_id=req.sandbox_id, tenant=req.tenant,
-                                      request_id=req.request_id, at=time.time(), detail=str(err)))
+                                Event(type=type_, sandbox_id=req.sandbox_id, tenant=req.tenant,
+                                      request_id=req.request_id, at=time.time(), detail=detail))
         except (DsecError, ValueError):
             pass   # no valid subject to file the event under, or the bus hiccuped: the reply was sent
+
+    async def _reject(self, req: CreateRequest, err: DsecError, admitted: bool = False) -> Verdict:
+        self.rejected += 1
+        if admitted:   # it may hold quota and a client may look it up: record how it ended
+            now = time.time()
+            state = "expired" if isinstance(err, RequestExpired) else "failed"
+            rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image,
+                                labels=dict(req.labels), resources=req.resources, created_at=now,
+                                updated_at=now, reason=str(err), request_id=req.request_id)
+            try:
+                await self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec)
+            except DsecError as exc:
+                log.warning("record of %s not written: %s", req.sandbox_id, exc)
+        await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+        await self._event(req, "rejected", str(err))
         return Verdict.ACK
 
-    async def _handle(self, d: Delivery) -> Verdict:
+    async def _handle(self, d: Delivery, priority: str) -> Verdict:
         try:
             req = create_decoder.decode(d.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -87,22 +183,86 @@ class PlacementEngine:
             await self._reply(env.reply_to, ErrorReply(request_id=env.request_id, code="invalid_request",
                                                        message=f"bad create request: {exc}"))
             return Verdict.TERM
+        req = msgspec.structs.replace(req, priority=priority)   # the subject it came on decides
         try:
             admission.check_create(req)
             if admission.expired(req.deadline):
                 raise RequestExpired("create request expired before it was placed")
             layers = await self.images.resolve(req.image)
-            node, can_fit = scoring.pick(self.nodes, req.resources)
-            if node is None and not can_fit:
-                raise CapacityUnavailable(f"no node can ever fit resources {msgspec.structs.asdict(req.resources)}")
+            self._never_fits(req)
+            await self.quotas.admit(req)
         except DsecError as err:
             return await self._reject(req, err)
-        if node is None:
-            if d.num_delivered == 1:
-                await self._reply(req.reply_to, Queued(request_id=req.request_id, reason="no live node"))
-            d.nak_delay = WAIT_RETRY
-            return Verdict.NAK
-        placed = msgspec.structs.replace(req, node=node, layers=layers)
-        await self.bus.publish(subjects.node_create(node), encode(placed), msg_id=req.request_id)
+        placed = msgspec.structs.replace(req, layers=layers)
+        queued = False
+        while True:
+            try:
+                if admission.expired(req.deadline):
+                    raise RequestExpired("no node had room before the create's deadline")
+                if await self._try_place(placed):
+                    return Verdict.ACK
+                self._never_fits(req)
+            except DsecError as err:
+                return await self._reject(req, err, admitted=True)
+            if not queued:
+                queued = True
+                why = "no live node" if not self._live(self.pool) else "every node is full"
+                await self._reply(req.reply_to, Queued(request_id=req.request_id, reason=why))
+                await self._event(req, "queued", why)
+            await self._wait_room(req)
+
+    def _live(self, pool: str) -> list:
+        now = time.time()
+        return [i for i in self.ledger.nodes() if scoring.placeable(i, pool, now)]
+
+    def _never_fits(self, req: CreateRequest) -> None:
+        """CapacityUnavailable when live nodes exist but none could ever hold the request."""
+        live = self._live(self.pool) + (self._live(self.burst_pool) if req.may_burst() else [])
+        if live and not any(scoring.can_ever_fit(i, req.resources) for i in live):
+            raise CapacityUnavailable(f"no node can ever fit resources {msgspec.structs.asdict(req.resources)}")
+
+    def _burst_ready(self, req: CreateRequest) -> bool:
+        if not req.may_burst():
+            return False
+        if not any(scoring.can_ever_fit(i, req.resources) for i in self._live(self.burst_pool)):
+            return False
+        util = self.utilization()
+        if util < self.burst_threshold:
+            return False
+        self.burst_min_utilization = min(self.burst_min_utilization, util)
+        return True
+
+    async def _try_place(self, req: CreateRequest) -> bool:
+        """Route the request once: True when it is on a lane (or was before), False when nothing has room."""
+        prior = self.ledger.find_booking(req.request_id)
+        if prior is not None:   # a redelivery of a request booked before: same node, same msg id
+            await self.bus.publish_once(subjects.node_create(prior), encode(msgspec.structs.replace(req, node=prior)),
+                                        msg_id=node_msg_id(req))
+            return self._routed(req)
+        if self._burst_ready(req):
+            await self.bus.publish_once(subjects.pool_create(self.burst_pool),
+                                        encode(msgspec.structs.replace(req, pool=self.burst_pool)),
+                                        msg_id=node_msg_id(req))
+            self.bursted += 1
+            return self._routed(req)
+        tried: set[str] = set()
+        for _ in range(BOOK_TRIES):
+            node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool,
+                                         exclude=frozenset(tried))
+            if node is None:
+                return False
+            booking = Booking(resources=req.resources, deadline=req.deadline, tenant=req.tenant)
+            if await self.ledger.book(node, req.request_id, booking):
+                # Not stored when an earlier delivery placed it already (then this booking goes unused
+                # until its deadline: erring on the side of room, never of overbooking).
+                await self.bus.publish_once(subjects.node_create(node), encode(msgspec.structs.replace(req, node=node)),
+                                            msg_id=node_msg_id(req))
+                return self._routed(req)
+            tried.add(node)
+        return False
+
+    def _routed(self, req: CreateRequest) -> bool:
         self.placed += 1
-        return Verdict.ACK
+        if req.sent_at:
+            self._latencies.append(max(0.0, time.time() - req.sent_at))
+        return True

@@ -1,47 +1,111 @@
-"""Node choice: a node must fit the request on every dimension; prefer the one with the most headroom."""
+"""Node choice: a node must fit the request on every dimension; among those that fit, the one the
+request leaves least fragmented wins. At scale only k random candidates are looked at.
+
+Each node's record carries its capacity (already multiplied by the edge's per-dimension overcommit:
+CPU > 1 by default, memory none), its usage as the edge counts it, and the bookings placement made
+that the edge has not taken yet. Free = capacity - usage - bookings, on every dimension.
+
+Fragmentation: after placing r, a node keeps a normalised leftover per dimension. The score is the sum
+of the leftovers plus half their spread (max - min): small leftovers pack nodes tightly (best fit, so big
+requests still find an empty enough node), a small spread avoids nodes whose CPU is gone while memory
+is left (or the reverse), which nothing could use. Lowest score wins.
+
+Power of k choices: scanning every node costs O(nodes) per request and sends every engine to the same
+best node (compare-and-set conflicts). With more than SCAN_ALL nodes, k random fitting candidates are
+drawn and the best of them is taken; with k = 2..4 the expected packing is close to a full scan while
+engines spread over different nodes (Mitzenmacher's "power of two choices").
+"""
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from bus import streams
 from bus.messages import NodeInfo, Resources
 
+SCAN_ALL = 16     # up to this many live nodes, look at all of them
+K = 4             # beyond, sample this many fitting candidates
+SPREAD_WEIGHT = 0.5   # how much an unbalanced leftover counts against a tight one
+
 
 @dataclass
-class NodeView:
-    """Placement's view of one node: its last heartbeat plus what this engine placed since."""
+class Free:
+    """What a node has left on every dimension."""
 
-    info: NodeInfo
-    placed_since: list[Resources] = field(default_factory=list)
-
-    def fresh(self, now: float) -> bool:
-        """Heartbeat recent enough to trust."""
-        return now - self.info.heartbeat < streams.NODE_HEARTBEAT_TTL
-
-    def can_ever_fit(self, r: Resources) -> bool:
-        """Whether the node could hold the request when empty (its per-request maximums)."""
-        i = self.info
-        return r.cpu <= i.max_cpu and r.memory <= i.max_memory and r.disk <= i.max_disk and r.pids <= i.max_pids
-
-    def headroom(self) -> float:
-        """Free share on the tightest dimension, counting this engine's placements since the heartbeat."""
-        i = self.info
-        slots = i.used_slots + len(self.placed_since)
-        mem = i.used_memory + sum(p.memory for p in self.placed_since)
-        cpu = i.used_cpu + sum(p.cpu for p in self.placed_since)
-        shares = [1 - slots / max(i.slots, 1), 1 - mem / max(i.memory, 1), 1 - cpu / max(i.cpu, 1e-9)]
-        return min(shares)
+    slots: int
+    cpu: float
+    memory: int
+    disk: int
 
 
-def pick(nodes: dict[str, NodeView], r: Resources, pool: str = "local") -> tuple[str | None, bool]:
-    """(node with the most headroom that can fit r, whether any node could ever fit r)."""
-    now = time.time()
-    candidates = [n for n in nodes.values()
-                  if n.info.pool == pool and n.fresh(now) and not n.info.draining and n.can_ever_fit(r)]
-    if not candidates:
-        any_alive = any(n.fresh(now) for n in nodes.values())
-        return None, not any_alive   # no live node at all: wait; live nodes but too big: never
-    best = max(candidates, key=lambda n: n.headroom())
-    best.placed_since.append(r)
-    return best.info.node, True
+def free_of(i: NodeInfo) -> Free:
+    """Capacity minus the edge's usage minus outstanding bookings."""
+    b = i.bookings.values()
+    return Free(slots=i.slots - i.used_slots - len(i.bookings),
+                cpu=i.cpu - i.used_cpu - sum(x.resources.cpu for x in b),
+                memory=i.memory - i.used_memory - sum(x.resources.memory for x in b),
+                disk=i.disk - i.used_disk - sum(x.resources.disk for x in b))
+
+
+def alive(i: NodeInfo, now: float) -> bool:
+    """Heartbeat recent enough to place on (and not declared lost)."""
+    return not i.lost and now - i.heartbeat < streams.NODE_LOST_AFTER
+
+
+def can_ever_fit(i: NodeInfo, r: Resources) -> bool:
+    """Whether the node could hold r when empty (its per-request maximums)."""
+    return (i.slots > 0 and r.cpu <= i.max_cpu and r.cpu <= i.cpu and r.memory <= i.max_memory
+            and r.disk <= i.max_disk and r.pids <= i.max_pids)
+
+
+def fits(i: NodeInfo, r: Resources, f: Free | None = None) -> bool:
+    """Whether r fits now on every dimension."""
+    f = f or free_of(i)
+    return f.slots >= 1 and r.cpu <= f.cpu + 1e-9 and r.memory <= f.memory and r.disk <= f.disk
+
+
+def fragmentation(i: NodeInfo, r: Resources, f: Free | None = None) -> float:
+    """Score of placing r on i (lower is better): normalised leftovers plus their spread."""
+    f = f or free_of(i)
+    left = [(f.slots - 1) / max(i.slots, 1), (f.cpu - r.cpu) / max(i.cpu, 1e-9),
+            (f.memory - r.memory) / max(i.memory, 1), (f.disk - r.disk) / max(i.disk, 1)]
+    return sum(left) + SPREAD_WEIGHT * (max(left) - min(left))
+
+
+def placeable(i: NodeInfo, pool: str, now: float) -> bool:
+    """A node placement may book: of the pool, alive, not draining."""
+    return i.pool == pool and not i.draining and alive(i, now)
+
+
+def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude: frozenset[str] = frozenset(),
+           k: int = K, rng: random.Random | None = None, now: float | None = None) -> tuple[str | None, bool]:
+    """(best node for r, whether any live node of the pool could ever fit r)."""
+    now = time.time() if now is None else now
+    live = [i for i in nodes if placeable(i, pool, now) and i.node not in exclude]
+    ever = any(can_ever_fit(i, r) for i in live)
+    if len(live) > SCAN_ALL:
+        rng = rng or random
+        sample = []
+        for i in rng.sample(live, len(live)):   # random order; stop after k fitting candidates
+            if can_ever_fit(i, r) and fits(i, r):
+                sample.append(i)
+                if len(sample) == k:
+                    break
+        live = sample
+    scored = [(fragmentation(i, r), i.node) for i in live if can_ever_fit(i, r) and fits(i, r)]
+    if not scored:
+        return None, ever
+    return min(scored)[1], True
+
+
+def utilization(nodes: list[NodeInfo], pool: str = "local", now: float | None = None) -> float:
+    """Booked share of the pool's tightest dimension (slots, cpu, memory), over its live nodes."""
+    now = time.time() if now is None else now
+    live = [i for i in nodes if placeable(i, pool, now)]
+    if not live:
+        return 0.0
+    cap = [sum(i.slots for i in live), sum(i.cpu for i in live), sum(i.memory for i in live)]
+    free = [free_of(i) for i in live]
+    left = [sum(f.slots for f in free), sum(f.cpu for f in free), sum(f.memory for f in free)]
+    return max(1 - lf / c if c > 0 else 1.0 for lf, c in zip(left, cap))

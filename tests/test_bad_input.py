@@ -19,8 +19,8 @@ JUNK = [b"", b"not json", b"\xff\xfe\x00binary", b"[1,2,3]", b'{"kind":"nope"}',
 
 def junk_subjects(node: str) -> list[str]:
     return [
-        "dsec.req.create.default", "dsec.req.create.other", f"dsec.node.{node}.create",
-        f"dsec.node.{node}.exec.sbjunk", "dsec.pool.cloud.create", "dsec.out.sbjunk.xjunk", "dsec.evt.default.sbjunk",
+        "dsec.req.create.default", "dsec.req.create.latency.default", "dsec.req.create.batch.other",
+        f"dsec.node.{node}.create", f"dsec.node.{node}.exec.sbjunk", "dsec.pool.cloud.create", "dsec.pool.local.create", "dsec.out.sbjunk.xjunk", "dsec.evt.default.sbjunk",
         f"$KV.{streams.NODES_KV}.junk", f"$KV.{streams.NODES_KV}.{node}x", f"$KV.{streams.SANDBOXES_KV}.sbjunk",
         f"$KV.{streams.IMAGES_KV}.junk", f"$KV.{streams.IMAGES_KV}.junk.1", f"$O.{streams.LAYERS_OBJ}.C.junk",
         f"$O.{streams.LAYERS_OBJ}.M.anVuaw==",
@@ -62,22 +62,25 @@ async def test_junk_everywhere_never_blocks_startup_listing_or_serving(stack, cl
     assert await ensure_busybox(stack.bus, stack.state_dir / "tmp") is False
     # work-queue requests were terminated, not redelivered forever
     for _ in range(50):
-        pending = [await stack.bus.consumer_pending(*c) for c in (
-            (streams.REQ_STREAM, streams.PLACEMENT_CONSUMER),
-            (streams.NODE_STREAM, f"edge-{stack.edge.node}-create"),
-            (streams.NODE_STREAM, f"edge-{stack.edge.node}-ops"))]
+        pending = [await stack.bus.consumer_pending(*c) for c in _work_queues(stack)]
         acks = await _ack_pending(stack)
-        if pending == [0, 0, 0] and acks == 0:
+        if not any(pending) and acks == 0:
             break
         await asyncio.sleep(0.1)
-    assert pending == [0, 0, 0] and acks == 0
+    assert not any(pending) and acks == 0
+
+
+def _work_queues(stack) -> list[tuple[str, str]]:
+    return [(streams.REQ_STREAM, f"{streams.PLACEMENT_CONSUMER}-latency"),
+            (streams.REQ_STREAM, f"{streams.PLACEMENT_CONSUMER}-batch"),
+            (streams.NODE_STREAM, f"edge-{stack.edge.node}-create"),
+            (streams.NODE_STREAM, f"edge-{stack.edge.node}-ops"),
+            (streams.NODE_STREAM, "pool-local-create")]
 
 
 async def _ack_pending(stack) -> int:
     total = 0
-    for stream, durable in ((streams.REQ_STREAM, streams.PLACEMENT_CONSUMER),
-                            (streams.NODE_STREAM, f"edge-{stack.edge.node}-create"),
-                            (streams.NODE_STREAM, f"edge-{stack.edge.node}-ops")):
+    for stream, durable in _work_queues(stack):
         info = await stack.bus.js.consumer_info(stream, durable)
         total += info.num_ack_pending
     return total
@@ -88,7 +91,7 @@ async def test_wrong_typed_create_gets_a_reply_naming_the_field(stack):
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
-        await nc.jetstream().publish("dsec.req.create.default", (
+        await nc.jetstream().publish("dsec.req.create.latency.default", (
             b'{"kind":"create","request_id":"rbad1","reply_to":"%s","resources":{"pids":"many"}}' % inbox.encode()))
         msg = await sub.next_msg(timeout=10)
         assert b'"code":"invalid_request"' in msg.data and b"resources.pids" in msg.data

@@ -44,10 +44,14 @@ async def test_full_node_keeps_surplus_in_jetstream_and_serves_as_room_frees(sma
         pending = 0
         for _ in range(40):
             await asyncio.sleep(0.1)
-            pending = await st.bus.consumer_pending(streams.NODE_STREAM, "edge-bp-create")
-            if pending >= 50:
+            pending = await st.bus.consumer_pending(streams.REQ_STREAM, "placement-latency")
+            if pending >= 61 - st.placement.max_waiting:
                 break
-        assert pending >= 50, f"surplus creates must wait in JetStream, pending={pending}"
+        # the engine holds at most max_waiting (leased, unacked); the rest wait unpulled in JetStream,
+        # and nothing is routed to a node that has no room
+        assert pending >= 61 - st.placement.max_waiting, f"surplus creates must wait in JetStream, pending={pending}"
+        assert st.placement.waiting["latency"] <= st.placement.max_waiting
+        assert await st.bus.consumer_pending(streams.NODE_STREAM, "edge-bp-create") == 0
         assert len(st.edge.sandboxes) == 2
         results = await asyncio.gather(*doomed, return_exceptions=True)
         assert all(isinstance(r, libdsec.CapacityUnavailable) for r in results), results[:3]

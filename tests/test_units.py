@@ -8,7 +8,7 @@ import pytest
 
 import libdsec
 from bus import errors
-from bus.messages import (CreateRequest, ExitRecord, NodeInfo, OutputChunk, Resources, create_decoder, encode,
+from bus.messages import (Booking, CreateRequest, ExitRecord, NodeInfo, OutputChunk, Resources, create_decoder, encode,
                           output_decoder, salvage)
 from chronus import relay as relay_mod
 from libdsec.execstream import LineSplitter
@@ -20,7 +20,7 @@ def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
         "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-        "InvalidRequest", "Output", "PlacementError", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+        "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
         "SandboxNotFound"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None
@@ -86,23 +86,46 @@ def test_decode_errors_name_the_field_and_salvage_the_reply():
 
 
 def _node(name, used_slots=0, slots=10, pool="local", draining=False, age=0.0):
-    return scoring.NodeView(NodeInfo(node=name, pool=pool, slots=slots, cpu=32, memory=8 << 30, disk=64 << 30,
-                                     used_slots=used_slots, max_cpu=2, max_memory=8 << 30, max_disk=64 << 30,
-                                     max_pids=1 << 20, draining=draining, heartbeat=time.time() - age))
+    return NodeInfo(node=name, pool=pool, slots=slots, cpu=32, memory=8 << 30, disk=64 << 30,
+                    used_slots=used_slots, max_cpu=2, max_memory=8 << 30, max_disk=64 << 30,
+                    max_pids=1 << 20, draining=draining, heartbeat=time.time() - age)
 
 
-def test_scoring_prefers_headroom_and_skips_stale_draining_and_too_small():
-    nodes = {"a": _node("a", used_slots=8), "b": _node("b", used_slots=2), "c": _node("c", draining=True),
-             "d": _node("d", age=60)}
-    assert scoring.pick(nodes, Resources()) == ("b", True)
-    assert scoring.pick(nodes, Resources(cpu=64)) == (None, False)      # never fits any live node
-    assert scoring.pick({"d": _node("d", age=60)}, Resources()) == (None, True)   # no live node: wait
+def test_scoring_fits_every_dimension_and_skips_stale_draining_lost():
+    nodes = [_node("a", used_slots=8), _node("b", used_slots=2), _node("c", draining=True),
+             _node("d", age=60), msgspec.structs.replace(_node("e"), lost=True)]
+    assert scoring.choose(nodes, Resources()) == ("a", True)           # best fit: the fuller node
+    assert scoring.choose(nodes, Resources(cpu=64)) == (None, False)   # never fits any live node
+    assert scoring.choose([_node("d", age=60)], Resources()) == (None, False)   # no live node
+    full_mem = msgspec.structs.replace(_node("m"), used_memory=_node("m").memory - (100 << 20))
+    assert scoring.choose([full_mem], Resources(memory=256 << 20)) == (None, True)   # memory is full now
+    booked = msgspec.structs.replace(_node("k", used_slots=9), bookings={"r1": Booking(Resources(), time.time() + 60)})
+    assert scoring.free_of(booked).slots == 0 and scoring.choose([booked], Resources()) == (None, True)
 
 
-def test_scoring_counts_its_own_placements_between_heartbeats():
-    nodes = {"a": _node("a", used_slots=0), "b": _node("b", used_slots=1)}
-    picks = [scoring.pick(nodes, Resources())[0] for _ in range(4)]
-    assert abs((0 + picks.count("a")) - (1 + picks.count("b"))) <= 1, picks
+def test_scoring_least_fragmentation_prefers_balanced_leftovers():
+    cpu_heavy = msgspec.structs.replace(_node("cpu"), used_cpu=31.0)          # cpu almost gone, memory free
+    balanced = msgspec.structs.replace(_node("bal"), used_cpu=16.0, used_memory=_node("bal").memory // 2)
+    # a memory-heavy request: on "cpu" it would strand memory; "bal" leaves both halves usable
+    r = Resources(cpu=0.5, memory=1 << 30)
+    assert scoring.choose([cpu_heavy, balanced], r)[0] == "bal"
+
+
+def test_scoring_power_of_k_samples_at_scale():
+    import random
+    nodes = [_node(f"n{i}", used_slots=i % 10) for i in range(200)]
+    rng = random.Random(7)
+    picks = {scoring.choose(nodes, Resources(), rng=rng, k=2)[0] for _ in range(200)}
+    assert len(picks) > 20, "with k=2 engines spread over many nodes instead of all choosing the one best"
+    full = [_node(f"f{i}", used_slots=10) for i in range(199)] + [_node("free")]
+    assert scoring.choose(full, Resources(), rng=rng)[0] == "free"    # sampling only counts fitting nodes
+    assert scoring.choose(nodes[:5], Resources())[0] == "n4"           # small clusters: full scan, best fit
+
+
+def test_utilization_is_the_tightest_dimension_over_live_nodes():
+    nodes = [_node("a", used_slots=5), _node("b", used_slots=10), _node("c", age=60)]
+    assert scoring.utilization(nodes) == pytest.approx(0.75)
+    assert scoring.utilization([]) == 0.0
 
 
 def test_line_splitter_keeps_streams_apart_and_flushes_partial():

@@ -1,0 +1,112 @@
+"""The edge's side of its node record (KV dsec-nodes): heartbeat, capacity, usage, taken bookings.
+
+Every write is a compare-and-set on the record's revision, rebuilt on the fresh record after a
+conflict: the edge owns capacity, usage and heartbeat; placement owns the bookings it adds; an
+operator owns `draining`. A booking is removed in the same write that counts its sandbox in the usage,
+so placement's view (usage + bookings) never dips below the truth. Bookings whose request deadline
+passed long ago are dropped (their placement died or their request expired).
+
+Writes are coalesced: at most one in flight; changes meanwhile go into the next one, which follows
+after MIN_GAP. With no change, a heartbeat every `config.heartbeat` seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import msgspec
+
+from bus import streams
+from bus.conn import Bus
+from bus.errors import DsecError
+from bus.messages import NodeInfo, encode, node_decoder
+from edge.capacity import Capacity
+
+log = logging.getLogger(__name__)
+
+MIN_GAP = 0.01          # seconds between two writes under load
+STALE_BOOKING = 10.0    # seconds past its deadline a booking nobody took is dropped
+
+
+class NodeRecord:
+    """Writes this node's record; tells the edge when an operator drains or undrains it."""
+
+    def __init__(self, bus: Bus, capacity: Capacity, on_draining: Callable[[bool], None]) -> None:
+        self.bus = bus
+        self.capacity = capacity
+        self.node = capacity.config.node_id
+        self.on_draining = on_draining
+        self.draining = False
+        self.started_at = time.time()
+        self._taken: set[str] = set()
+        self._dirty = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.writes = 0
+
+    def took(self, request_id: str) -> None:
+        """A create was taken (its sandbox is now in the usage): drop its booking with the next write."""
+        self._taken.add(request_id)
+        self._dirty.set()
+
+    def changed(self) -> None:
+        """Usage changed: write soon."""
+        self._dirty.set()
+
+    async def write(self) -> None:
+        """One write now (compare-and-set, retried on conflict)."""
+        taken = set(self._taken)
+        result = await self.bus.kv_update(streams.NODES_KV, self.node, lambda raw: self._build(raw, taken))
+        self._taken -= taken
+        self.writes += 1
+        info = node_decoder.decode(result.value) if result.value else None
+        if info is not None and info.draining != self.draining:
+            self.draining = info.draining
+            self.on_draining(self.draining)
+
+    def _build(self, raw: bytes | None, taken: set[str]) -> bytes:
+        prior = None
+        if raw is not None:
+            try:
+                prior = node_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                prior = None   # junk under our key: overwrite it
+        now = time.time()
+        info = self.capacity.node_info(draining=prior.draining if prior and prior.node == self.node else False)
+        bookings = {}
+        if prior is not None and prior.node == self.node:
+            bookings = {rid: b for rid, b in prior.bookings.items()
+                        if rid not in taken and now < b.deadline + STALE_BOOKING}
+        return encode(msgspec.structs.replace(info, bookings=bookings, lost=False, started_at=self.started_at,
+                                              heartbeat=now))
+
+    def start(self, heartbeat: float) -> None:
+        """Start the writer loop (after a first write())."""
+        self._task = asyncio.create_task(self._loop(heartbeat))
+
+    async def stop(self) -> None:
+        """Stop writing (the caller deletes the record)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self, heartbeat: float) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._dirty.wait(), heartbeat)
+            except asyncio.TimeoutError:
+                pass
+            self._dirty.clear()
+            try:
+                await self.write()
+            except DsecError as exc:
+                log.warning("node record not written: %s", exc)
+                self._dirty.set()
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(MIN_GAP)
+
+
+def empty(info: NodeInfo) -> bool:
+    """No sandbox runs and none is booked."""
+    return info.used_slots == 0 and not info.bookings

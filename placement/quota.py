@@ -1,0 +1,126 @@
+"""Per-tenant quotas, configured in one place (KV dsec-quotas, `dsec quota set`), checked at admission.
+
+A tenant with a quota has a usage record in KV dsec-tenants: the sandboxes it holds (sandbox id ->
+resources, request deadline). Admission adds a hold by compare-and-set, so two engines admitting at
+once can never together pass the limit; over the limit the request fails at once with QuotaExceeded,
+it is never queued. Holds are released lazily, by the admission that needs the room: a hold whose
+sandbox has a final state in KV dsec-sandboxes, or whose request deadline passed without a record,
+counts no more. Nothing has to remember to release, so crashes leak no quota. A waiting request holds
+its share (it is admitted), so a tenant cannot queue more than its quota either.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from bus import streams
+from bus.conn import Bus
+from bus.errors import QuotaExceeded
+from bus.messages import (CreateRequest, Hold, Quota, TenantUsage, encode, quota_decoder, sandbox_decoder,
+                          usage_decoder)
+
+GRACE = 30.0   # seconds after its request's deadline a hold with no sandbox record still counts
+
+
+class Quotas:
+    """The quota table (watched) and the admission check."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.table: dict[str, Quota] = {}
+
+    def on_change(self, key: str, raw: bytes | None, _revision: int) -> None:
+        """KV watch callback of dsec-quotas."""
+        quota = None
+        if raw is not None:
+            try:
+                quota = quota_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                quota = None
+        if quota is None or quota.tenant != key:
+            self.table.pop(key, None)
+        else:
+            self.table[key] = quota
+
+    async def admit(self, req: CreateRequest) -> None:
+        """Hold the request's share of its tenant's quota, or raise QuotaExceeded. Idempotent."""
+        quota = self.table.get(req.tenant)
+        if quota is None or not (quota.max_sandboxes or quota.max_cpu or quota.max_memory):
+            return
+        hold = Hold(request_id=req.request_id, resources=req.resources, deadline=req.deadline)
+        refused: list[str] = []
+
+        def mutate(raw: bytes | None, live: set[str] | None = None) -> bytes | None:
+            refused.clear()
+            usage = _decode(raw, req.tenant)
+            holds = usage.holds if live is None else {k: v for k, v in usage.holds.items() if k in live}
+            if req.sandbox_id in holds:
+                return None if live is None else encode(msgspec.structs.replace(usage, holds=holds))
+            why = over(quota, holds.values(), req.resources)
+            if why:
+                refused.append(why)
+                return None if live is None or len(holds) == len(usage.holds) else encode(
+                    msgspec.structs.replace(usage, holds=holds))
+            return encode(msgspec.structs.replace(usage, holds={**holds, req.sandbox_id: hold}))
+
+        result = await self.bus.kv_update(streams.TENANTS_KV, req.tenant, mutate)
+        if not refused:
+            return
+        live = await self._live(_decode(result.value, req.tenant))   # release what has ended, then retry
+        await self.bus.kv_update(streams.TENANTS_KV, req.tenant, lambda raw: mutate(raw, live))
+        if refused:
+            raise QuotaExceeded(f"tenant {req.tenant}: {refused[0]}")
+
+    async def _live(self, usage: TenantUsage) -> set[str]:
+        """The held sandbox ids that still count: running, or not yet recorded and within their deadline."""
+        ids = list(usage.holds)
+        raws = await asyncio.gather(*(self.bus.kv_get(streams.SANDBOXES_KV, i) for i in ids))
+        now = time.time()
+        live = set()
+        for sid, raw in zip(ids, raws):
+            if raw is None:
+                if now < usage.holds[sid].deadline + GRACE:
+                    live.add(sid)
+                continue
+            try:
+                rec = sandbox_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rec.state == "ready" and rec.request_id == usage.holds[sid].request_id:
+                live.add(sid)
+        return live
+
+
+def over(quota: Quota, holds, r) -> str:
+    """Why one more sandbox of resources r would pass the quota ('' when it fits)."""
+    holds = list(holds)
+    if quota.max_sandboxes and len(holds) + 1 > quota.max_sandboxes:
+        return f"at most {quota.max_sandboxes} concurrent sandboxes"
+    if quota.max_cpu and sum(h.resources.cpu for h in holds) + r.cpu > quota.max_cpu + 1e-9:
+        return f"at most {quota.max_cpu:g} cpu in total"
+    if quota.max_memory and sum(h.resources.memory for h in holds) + r.memory > quota.max_memory:
+        return f"at most {quota.max_memory >> 20} MiB of memory in total"
+    return ""
+
+
+def _decode(raw: bytes | None, tenant: str) -> TenantUsage:
+    if raw is not None:
+        try:
+            usage = usage_decoder.decode(raw)
+            if usage.tenant == tenant:
+                return usage
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+    return TenantUsage(tenant=tenant)
+
+
+async def set_quota(bus: Bus, quota: Quota) -> None:
+    """Configure a tenant's quota (all zero: no limit)."""
+    await bus.kv_put(streams.QUOTAS_KV, quota.tenant, quota)
+
+
+async def usage(bus: Bus, tenant: str) -> TenantUsage:
+    """A tenant's recorded holds (some may have ended and not been released yet)."""
+    return _decode(await bus.kv_get(streams.TENANTS_KV, tenant), tenant)

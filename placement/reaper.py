@@ -1,0 +1,119 @@
+"""Lost nodes: a node whose heartbeat stopped is taken out of placement and its work is accounted for.
+
+Every engine looks; the one whose compare-and-set flips the node's record to `lost` (only while the
+heartbeat is still stale and the flag unset) does the work, exactly once:
+- every sandbox KV says runs there becomes `node_lost`, with an event (clients attached to it get
+  SandboxNotFound(reason="node_lost"));
+- creates waiting on the node's lane are placed again (attempt + 1) on a live node;
+- ops waiting on its op lane are answered with sandbox_not_found / node_lost, so no caller hangs.
+A node that comes back (same id) reconciles at start and clears the flag with its first heartbeat.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.errors import BusError, SandboxNotFound
+from bus.messages import (ErrorReply, Event, ExecRequest, ExitRecord, create_decoder, encode,
+                          op_decoder, sandbox_decoder)
+from placement.ledger import NodeLedger, set_flag
+
+log = logging.getLogger(__name__)
+
+SWEEP_EVERY = 1.0
+
+
+class Reaper:
+    """Runs inside every placement engine."""
+
+    def __init__(self, bus: Bus, ledger: NodeLedger) -> None:
+        self.bus = bus
+        self.ledger = ledger
+        self.lost_nodes = 0
+        self.lost_sandboxes = 0
+        self.replaced = 0
+
+    async def run(self) -> None:
+        """Sweep forever."""
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            now = time.time()
+            for info in self.ledger.nodes():
+                if not info.lost and now - info.heartbeat > streams.NODE_LOST_AFTER:
+                    try:
+                        await self.claim(info.node)
+                    except BusError as exc:
+                        log.warning("lost node %s not handled yet: %s", info.node, exc)
+
+    async def claim(self, node: str) -> bool:
+        """Declare node lost if its heartbeat is still stale and nobody did; then account for its work."""
+        won = await set_flag(self.bus, node, lost=True, only_if_stale=streams.NODE_LOST_AFTER)
+        if won is None:
+            return False
+        self.lost_nodes += 1
+        log.warning("node %s lost (no heartbeat for %.0fs)", node, time.time() - won.heartbeat)
+        await self._mark_sandboxes(node)
+        await self._replace_creates(node)
+        await self._answer_ops(node)
+        return True
+
+    async def _mark_sandboxes(self, node: str) -> None:
+        now = time.time()
+        for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
+            try:
+                rec = sandbox_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rec.node != node or rec.state != "ready" or rec.sandbox_id != key:
+                continue
+            gone = msgspec.structs.replace(rec, state="node_lost", reason=f"node {node} stopped heartbeating",
+                                           updated_at=now)
+            await self.bus.kv_put(streams.SANDBOXES_KV, key, gone)
+            await self.bus.publish(subjects.event(rec.tenant, key), Event(
+                type="node_lost", sandbox_id=key, tenant=rec.tenant, node=node, at=now, detail=gone.reason))
+            self.lost_sandboxes += 1
+
+    async def _replace_creates(self, node: str) -> None:
+        async def again(data: bytes) -> bool:
+            try:
+                req = create_decoder.decode(data)
+                subjects.token(req.tenant, "tenant")
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                return True   # junk: drop it
+            req = msgspec.structs.replace(req, node="", attempt=req.attempt + 1)
+            await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(req),
+                                   msg_id=f"{req.request_id}.{req.attempt}", retries=3)
+            self.replaced += 1
+            return True
+
+        _, config = streams.edge_create_consumer(node)
+        await self.bus.take(streams.NODE_STREAM, config.durable_name, again)
+
+    async def _answer_ops(self, node: str) -> None:
+        why = f"node {node} was lost"
+
+        async def answer(data: bytes) -> bool:
+            try:
+                op = op_decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return True
+            try:
+                if isinstance(op, ExecRequest):
+                    subjects.token(op.sandbox_id, "sandbox_id"), subjects.token(op.exec_id, "exec_id")
+                    await self.bus.publish(subjects.output(op.sandbox_id, op.exec_id), ExitRecord(
+                        exec_id=op.exec_id, seq=1, exit_code=-1, error_code=SandboxNotFound.code, error=why,
+                        reason="node_lost"))
+                elif subjects.is_reply_subject(op.reply_to):
+                    await self.bus.send(op.reply_to, ErrorReply(request_id=op.request_id, code=SandboxNotFound.code,
+                                                                message=why, reason="node_lost"))
+            except ValueError:
+                pass
+            return True
+
+        _, config = streams.edge_ops_consumer(node)
+        await self.bus.take(streams.NODE_STREAM, config.durable_name, answer)
