@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -47,9 +48,10 @@ class CasResult:
 class Bus:
     """A connection to NATS with JetStream, as DSec uses it."""
 
-    def __init__(self, nc) -> None:
+    def __init__(self, nc, listeners: list | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
+        self._reconnect_listeners = listeners if listeners is not None else []
         self._kv: dict[str, object] = {}
         self._obj: dict[str, object] = {}
 
@@ -60,16 +62,30 @@ class Bus:
         async def _quiet(exc: Exception) -> None:
             log.debug("nats: %s", exc)
 
+        listeners: list[Callable[[], None]] = []
+
+        async def _reconnected() -> None:   # pull requests and push consumers died with the old server
+            log.info("nats: reconnected")
+            for fn in list(listeners):
+                fn()
+
         servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
         try:
             nc = await asyncio.wait_for(
                 nats.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
                              allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_quiet,
+                             reconnected_cb=_reconnected,
                              pending_size=64 << 20),
                 timeout=timeout + 1)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
-        return cls(nc)
+        return cls(nc, listeners)
+
+    def on_reconnect(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call fn() after every reconnect (to another server of a cluster, or the same one restarted).
+        Returns a function that removes it."""
+        self._reconnect_listeners.append(fn)
+        return lambda: self._reconnect_listeners.remove(fn) if fn in self._reconnect_listeners else None
 
     async def close(self) -> None:
         """Flush and close; never raises."""
@@ -91,33 +107,36 @@ class Bus:
     # ---- publishing ---------------------------------------------------------------------------
 
     async def publish(self, subject: str, msg: Wire | bytes, *, msg_id: str | None = None,
-                      timeout: float = 5.0, retries: int = 0) -> int:
+                      timeout: float = 5.0, retries: int = 0, retry_for: float = 0.0) -> int:
         """Publish into JetStream and wait for the ack. Returns the stream seq.
 
-        With a msg_id (JetStream dedupes on it) a transport failure is retried `retries` times with
+        With a msg_id (JetStream dedupes on it) a transport failure is retried `retries` times, or for
+        up to `retry_for` seconds (a stream leader moving to another server takes a few seconds), with
         capped, jittered backoff; without one a retry could duplicate, so none is made.
         """
-        return (await self._publish(subject, msg, msg_id, timeout, retries)).seq
+        return (await self._publish(subject, msg, msg_id, timeout, retries, retry_for)).seq
 
     async def publish_once(self, subject: str, msg: Wire | bytes, *, msg_id: str, timeout: float = 5.0,
-                           retries: int = 3) -> bool:
+                           retries: int = 3, retry_for: float = 10.0) -> bool:
         """Publish under a msg id; False when the stream already had that id (within its duplicate window,
         on any of its subjects): someone published this message before, and it was not stored again."""
-        return not (await self._publish(subject, msg, msg_id, timeout, retries)).duplicate
+        return not (await self._publish(subject, msg, msg_id, timeout, retries, retry_for)).duplicate
 
-    async def _publish(self, subject: str, msg: Wire | bytes, msg_id: str | None, timeout: float, retries: int):
+    async def _publish(self, subject: str, msg: Wire | bytes, msg_id: str | None, timeout: float, retries: int,
+                       retry_for: float = 0.0):
         data = msg if isinstance(msg, bytes) else encode(msg)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-        attempts = retries + 1 if msg_id else 1
-        for attempt in range(attempts):
+        give_up = time.monotonic() + retry_for
+        attempt = 0
+        while True:
             try:
                 with mapped_errors(f"publish to {subject}"):
                     return await self.js.publish(subject, data, timeout=timeout, headers=headers)
             except BusError:
-                if attempt == attempts - 1:
+                if not msg_id or (attempt >= retries and time.monotonic() >= give_up):
                     raise
-                await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-        raise BusError(f"publish to {subject} failed")   # not reached: the last attempt raises
+            await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+            attempt += 1
 
     async def send(self, subject: str, msg: Wire | bytes) -> None:
         """Core publish (no ack): replies, and output chunks followed by an acked record."""
@@ -184,6 +203,11 @@ class Bus:
             if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
                 raise
 
+    async def ensure_consumer(self, stream: str, config: api.ConsumerConfig) -> None:
+        """Create a durable consumer (or keep it as it is)."""
+        with mapped_errors(f"consumer {config.durable_name}"):
+            await self.js.add_consumer(stream, config)
+
     async def take(self, stream: str, durable: str, handle: Callable[[bytes], Awaitable[bool]], *,
                    limit: int = 10_000, wait: float = 0.3) -> int:
         """Pull what waits on an existing durable consumer (a lost node's lanes) and hand each message to
@@ -220,6 +244,7 @@ class Bus:
             await self.js.add_consumer(stream, config)
         worker = PullWorker(self.nc, stream, config.durable_name, handler, credit)
         await worker.start()
+        worker.on_stop = self.on_reconnect(worker.reconnected)
         return worker
 
     # ---- KV and object store ------------------------------------------------------------------
@@ -287,12 +312,20 @@ class Bus:
             current, revision = await self.kv_entry(bucket, key)
         raise BusError(f"kv update {bucket}/{key}: still conflicting after {attempts} attempts")
 
-    async def kv_put(self, bucket: str, key: str, value: Wire | bytes) -> int:
-        """Put a value; returns its revision."""
+    async def kv_put(self, bucket: str, key: str, value: Wire | bytes, *, retry_for: float = 0.0) -> int:
+        """Put a value; returns its revision. A put is idempotent, so it may be retried for `retry_for` s."""
         kv = await self.kv(bucket)
         data = value if isinstance(value, bytes) else encode(value)
-        with mapped_errors(f"kv put {bucket}/{key}"):
-            return await kv.put(key, data)
+        give_up, attempt = time.monotonic() + retry_for, 0
+        while True:
+            try:
+                with mapped_errors(f"kv put {bucket}/{key}"):
+                    return await kv.put(key, data)
+            except BusError:
+                if time.monotonic() >= give_up:
+                    raise
+            await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
+            attempt += 1
 
     async def kv_delete(self, bucket: str, key: str) -> None:
         """Delete a key (absent is fine)."""
@@ -355,6 +388,10 @@ class Bus:
                 try:
                     await self.js.add_stream(cfg)
                 except nats.js.errors.BadRequestError:
+                    # exists: bring limits up to date, but never scale a replicated stream down (an edge
+                    # joining a cluster provisions too)
+                    have = await self.js.stream_info(cfg.name)
+                    cfg.num_replicas = max(cfg.num_replicas or 1, have.config.num_replicas or 1)
                     await self.js.update_stream(cfg)
         for kcfg in streams.kv_configs(ret, replicas):
             with mapped_errors(f"kv {kcfg.bucket}"):
@@ -370,23 +407,52 @@ class Bus:
                     await self.js.object_store(ocfg.bucket)
 
 
-async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None, int], None]) -> "asyncio.Task":
-    """Call on_change(key, value or None on delete, revision) for every current and future entry of a bucket."""
+async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None, int], None], *,
+                   resync_every: float = 15.0) -> "asyncio.Task":
+    """Call on_change(key, value or None on delete, revision) for every current and future entry of a bucket.
+
+    The watch is an ephemeral consumer on one server; if that server dies the watch can go silent. So
+    it is started afresh after a reconnect, and whenever nothing arrived for `resync_every` seconds
+    (the current values are delivered again: callbacks must be idempotent per revision)."""
     kv = await bus.kv(bucket)
+    restart = asyncio.Event()
+    remove = bus.on_reconnect(restart.set)
+
+    async def _one() -> None:
+        watcher = await kv.watchall()
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=resync_every)
+                except nats.errors.TimeoutError:
+                    return
+                if entry is None:
+                    continue   # end of the initial values
+                if not hasattr(entry, "key"):
+                    return     # the watcher was stopped
+                deleted = entry.operation in ("DEL", "PURGE")
+                on_change(entry.key, None if deleted else entry.value, entry.revision)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
 
     async def _run() -> None:
-        while True:
-            try:
-                watcher = await kv.watchall()
-                async for entry in watcher:
-                    if entry is None:
-                        continue   # end of the initial values
-                    deleted = entry.operation in ("DEL", "PURGE")
-                    on_change(entry.key, None if deleted else entry.value, entry.revision)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:   # reconnects, server restarts: watch again
-                log.debug("kv watch %s: %s", bucket, exc)
-                await asyncio.sleep(0.5)
+        try:
+            while True:
+                restart.clear()
+                watch = asyncio.create_task(_one())
+                signal = asyncio.create_task(restart.wait())
+                try:
+                    await asyncio.wait({watch, signal}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for t in (watch, signal):
+                        t.cancel()
+                    results = await asyncio.gather(watch, signal, return_exceptions=True)
+                exc = results[0]
+                if isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError):
+                    log.debug("kv watch %s: %s", bucket, exc)   # reconnects, server restarts: watch again
+                    await asyncio.sleep(0.5)
+        finally:
+            remove()
 
     return asyncio.create_task(_run())

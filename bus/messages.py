@@ -251,6 +251,7 @@ class EngineStats(Wire, tag="engine"):
     latency_p99: float = 0.0
     utilization: float = 0.0         # local pool, booked share of the tightest dimension
     threshold: float = 0.8
+    burst_min_utilization: float = 1.0   # lowest local utilization at which it routed a create to the burst pool
     at: float = 0.0
 
 
@@ -260,7 +261,8 @@ class SandboxRecord(Wire, tag="sandbox"):
     sandbox_id: str = ""
     tenant: str = "default"
     node: str = ""
-    state: Literal["ready", "destroyed", "expired", "failed", "node_lost"] = "ready"
+    # starting: claimed by the edge named in `node` (compare-and-set), so one request starts one sandbox
+    state: Literal["starting", "ready", "destroyed", "expired", "failed", "node_lost"] = "ready"
     image: str = ""
     labels: dict[str, str] = {}
     resources: Resources = Resources()

@@ -90,6 +90,7 @@ class PullWorker:
         self._sub = None
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
+        self.on_stop = lambda: None
 
     async def start(self) -> None:
         """Subscribe to the delivery inbox and start pulling."""
@@ -100,8 +101,14 @@ class PullWorker:
         """Credit may have grown: pull more."""
         self._wake.set()
 
+    def reconnected(self) -> None:
+        """The connection moved to another server: pull requests held by the old one are gone."""
+        self._requests.clear()
+        self._wake.set()
+
     async def stop(self, drain: bool = True) -> None:
         """Stop pulling; wait for handlers in flight (drain) or cancel them."""
+        self.on_stop()
         if self._loop_task:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)

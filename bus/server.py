@@ -59,10 +59,13 @@ class NatsServer:
     """One nats-server process with JetStream, in its own session so Ctrl-C reaches it last."""
 
     def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,
-                 conf: Path | None = REPO_CONF, log_file: Path | None = None) -> None:
+                 conf: Path | None = REPO_CONF, log_file: Path | None = None, full_conf: bool = False) -> None:
+        """full_conf: the conf already sets listen address, port, JetStream and store_dir (a rendered
+        nats-cluster.conf); run `nats-server -c conf` alone (host, port and store_dir must match it)."""
         self.store_dir = Path(store_dir)
         self.host, self.port = host, port
         self.conf = conf
+        self.full_conf = full_conf
         self.log_file = log_file or self.store_dir.parent / "nats-server.log"
         self.proc: subprocess.Popen | None = None
 
@@ -76,7 +79,9 @@ class NatsServer:
         check_port_free(self.host, self.port, "NATS")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [server_binary(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.store_dir)]
-        if self.conf is not None and self.conf.exists():
+        if self.full_conf:
+            args = [server_binary(), "-c", str(self.conf)]
+        elif self.conf is not None and self.conf.exists():
             args[1:1] = ["-c", str(self.conf)]
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,

@@ -41,10 +41,21 @@ class StackCollector:
                 c.add_metric([edge.node], value)
                 yield c
         if placement is not None:
-            for name, value in (("placed", placement.placed), ("rejected", placement.rejected)):
-                c = CounterMetricFamily(f"dsec_placement_{name}", f"Create requests {name}")
+            for name, value in (("placed", placement.placed), ("rejected", placement.rejected),
+                                ("bursted", placement.bursted), ("cas_conflicts", placement.ledger.conflicts),
+                                ("lost_nodes", placement.reaper.lost_nodes)):
+                c = CounterMetricFamily(f"dsec_placement_{name}", f"Placement {name.replace('_', ' ')}")
                 c.add_metric([], value)
                 yield c
+            stats = placement.stats()
+            for name, value, what in (("utilization", stats.utilization, "Booked share of the local pool"),
+                                      ("burst_threshold", stats.threshold, "Utilization past which creates burst"),
+                                      ("waiting", stats.queued, "Creates this engine holds waiting for room"),
+                                      ("latency_p50_seconds", stats.latency_p50, "Send-to-routed latency p50"),
+                                      ("latency_p99_seconds", stats.latency_p99, "Send-to-routed latency p99")):
+                g = GaugeMetricFamily(f"dsec_placement_{name}", what)
+                g.add_metric([], value)
+                yield g
 
 
 def serve(stack: "Stack", host: str, port: int):

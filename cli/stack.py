@@ -44,12 +44,16 @@ class Stack:
 
     def __init__(self, state_dir: Path, *, nats_url: str | None = None, host: str = "127.0.0.1", port: int = 4222,
                  metrics_port: int | None = 9464, edge_config: EdgeConfig | None = None,
-                 run_edge: bool = True, run_placement: bool = True) -> None:
+                 run_edge: bool = True, run_placement: bool = True, placement_options: dict | None = None,
+                 servers: int = 1) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.external_url = nats_url
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.edge_config = edge_config or EdgeConfig()
         self.run_edge, self.run_placement = run_edge, run_placement
+        self.placement_options = placement_options or {}
+        self.servers = servers       # > 1: an embedded JetStream cluster of that many servers (R3 streams)
+        self.cluster = None
         self.server: NatsServer | None = None
         self.bus: Bus | None = None
         self.edge = None
@@ -59,8 +63,12 @@ class Stack:
 
     @property
     def url(self) -> str:
-        """The NATS URL clients use."""
-        return self.external_url or f"nats://{self.host}:{self.port}"
+        """The NATS URL clients use (comma-separated for a cluster)."""
+        if self.external_url:
+            return self.external_url
+        if self.servers > 1:
+            return ",".join(f"nats://{self.host}:{self.port + i}" for i in range(self.servers))
+        return f"nats://{self.host}:{self.port}"
 
     async def start(self) -> None:
         """Start every part; on failure, stop what started and re-raise."""
@@ -75,20 +83,26 @@ class Stack:
         if self.metrics_port:   # ports first: a taken port is the likelier, clearer error
             check_port_free(self.host, self.metrics_port, "metrics")
         if self.external_url is None:
-            check_port_free(self.host, self.port, "NATS")
+            for i in range(self.servers):
+                check_port_free(self.host, self.port + i, "NATS")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._locks.append(state_lock(self.state_dir).acquire())
         if self.run_edge:
             self._locks.append(node_lock(self.edge_config.node_id).acquire())
-        if self.external_url is None:
+        if self.external_url is None and self.servers > 1:
+            from bus.cluster import NatsCluster
+            self.cluster = NatsCluster(self.state_dir / "nats-cluster", self.host, size=self.servers,
+                                       ports=[self.port + i for i in range(self.servers)])
+            self.cluster.start()   # from this thread (parent-death signal); blocks about a second
+        elif self.external_url is None:
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
         self.bus = await Bus.connect(self.url, name="dsec-up")
-        await self.bus.provision()
+        await self.bus.provision(replicas=min(3, self.servers))
         await ensure_busybox(self.bus, self.state_dir / "tmp")
         if self.run_placement:
             from placement.engine import PlacementEngine
-            self.placement = PlacementEngine(self.bus)
+            self.placement = PlacementEngine(self.bus, **self.placement_options)
             await self.placement.start()
         if self.run_edge:
             from edge.agent import Edge
@@ -123,6 +137,9 @@ class Stack:
         if self.server is not None:
             await asyncio.to_thread(self.server.stop, 1.5)
             self.server = None
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.stop, 1.5)
+            self.cluster = None
         for lock in self._locks:
             lock.release()
         self._locks.clear()

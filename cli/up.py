@@ -26,8 +26,57 @@ def edge_options(fn):
     for opt in reversed([
         click.option("--node-id", default="local", show_default=True, help="This node's id (subject token)."),
         click.option("--slots", default=128, show_default=True, help="Max sandboxes on this node."),
+        click.option("--capacity", default="", metavar="K=V,...",
+                     help="What this node offers, overriding what is measured: slots=N, cpu=CORES, "
+                          "memory=SIZE, disk=SIZE (e.g. slots=25,cpu=2,memory=4Gi). The overcommit "
+                          "and memory fraction below still apply to cpu and memory."),
         click.option("--cpu-overcommit", default=16.0, show_default=True, help="Schedulable cores per core."),
         click.option("--memory-fraction", default=0.8, show_default=True, help="Share of RAM sandboxes may book."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
+                memory_fraction: float) -> EdgeConfig:
+    """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
+    from cli.main import fail
+    from libdsec.resources import parse_size
+    from bus.errors import InvalidRequest
+    fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
+                    "memory_fraction": memory_fraction}
+    for item in filter(None, capacity.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            if key == "slots":
+                fields["slots"] = int(value)
+            elif key == "cpu":
+                fields["cpus"] = float(value)
+            elif key in ("memory", "disk"):
+                fields[key] = parse_size(value, f"--capacity {key}")
+            else:
+                fail(f"--capacity: unknown dimension {key!r} (slots, cpu, memory, disk)")
+        except (ValueError, InvalidRequest) as exc:
+            fail(f"--capacity: bad value for {key}: {exc}")
+    if fields["slots"] < 1 or fields.get("cpus", 1) <= 0 or cpu_overcommit <= 0 or not 0 < memory_fraction <= 1:
+        fail("--capacity/--slots/--cpu-overcommit/--memory-fraction must be positive (memory fraction at most 1)")
+    try:
+        from bus import subjects
+        subjects.token(node_id, "--node-id"), subjects.token(pool, "--pool")
+    except ValueError as exc:
+        fail(str(exc))
+    return EdgeConfig(**fields)
+
+
+def placement_options(fn):
+    """Options of a placement engine."""
+    for opt in reversed([
+        click.option("--burst-threshold", default=0.8, show_default=True,
+                     help="Local utilization past which burstable creates go to the burst pool."),
+        click.option("--burst-pool", default="cloud", show_default=True, help="Pool that takes the overflow."),
+        click.option("--max-waiting", default=32, show_default=True,
+                     help="Creates per priority this engine holds while they wait for room (the rest wait "
+                          "in JetStream)."),
     ]):
         fn = opt(fn)
     return fn
@@ -63,36 +112,47 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
 @click.option("--nats", "nats_url", default=None, metavar="URL",
               help="Use this NATS server instead of starting the embedded one.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the embedded NATS and metrics bind.")
-@click.option("--port", default=4222, show_default=True, help="Port of the embedded NATS server.")
+@click.option("--port", default=4222, show_default=True,
+              help="Port of the embedded NATS server (with --servers N: the first of N consecutive ports).")
+@click.option("--servers", default=1, show_default=True, type=click.IntRange(1, 7),
+              help="Embedded NATS servers: 3 runs a local JetStream cluster with R3 streams (route ports are "
+                   "chosen free); edges and placement elsewhere connect with the comma-separated URL list printed.")
 @click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
 @edge_options
+@placement_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def up(state_dir: Path, nats_url: str | None, host: str, port: int, metrics_port: int, node_id: str,
-             slots: int, cpu_overcommit: float, memory_fraction: float, verbose: bool) -> None:
+async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int, node_id: str,
+             slots: int, capacity: str, cpu_overcommit: float, memory_fraction: float, burst_threshold: float,
+             burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
     destroys every sandbox and stops everything within 10 s."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = EdgeConfig(node_id=node_id, slots=slots, cpu_overcommit=cpu_overcommit, memory_fraction=memory_fraction)
+    cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
-                  edge_config=cfg)
+                  edge_config=cfg, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
+                                                          max_waiting=max_waiting), servers=servers)
     await _serve_until_signal(stack, f"dsec: ready {stack.url}")
 
 
 @main.command()
 @state_dir_option
 @click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL", help="NATS server.")
-@click.option("--pool", default="local", show_default=True, help="Pool this node serves.")
+@click.option("--pool", default="local", show_default=True,
+              help="Pool this node serves: `local` nodes are booked by placement one by one; the edges of any "
+                   "other pool (e.g. `cloud`) share its lane dsec.pool.<pool>.create and take what they have room for.")
 @edge_options
+@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, cpu_overcommit: float,
-               memory_fraction: float) -> None:
-    """Run one edge (node agent) against an existing NATS server."""
+async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, capacity: str,
+               cpu_overcommit: float, memory_fraction: float, verbose: bool) -> None:
+    """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
+    It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
-    cfg = EdgeConfig(node_id=node_id, pool=pool, slots=slots, cpu_overcommit=cpu_overcommit,
-                     memory_fraction=memory_fraction)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction)
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")
 
@@ -100,9 +160,20 @@ async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: i
 @main.command()
 @click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL", help="NATS server.")
 @state_dir_option
+@placement_options
+@click.option("--metrics-port", default=0, show_default=True, help="Prometheus endpoint port (0: off).")
+@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def placement(nats_url: str, state_dir: Path) -> None:
-    """Run one placement engine against an existing NATS server (any number may run at once)."""
+async def placement(nats_url: str, state_dir: Path, burst_threshold: float, burst_pool: str, max_waiting: int,
+                    metrics_port: int, verbose: bool) -> None:
+    """Run one placement engine against an existing NATS server (any number may run at once, on any machine:
+    they share the create consumers and book nodes by compare-and-set, so each request is placed once)."""
     from cli.stack import Stack
-    stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, run_edge=False)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not 0 < burst_threshold <= 1 or max_waiting < 1:
+        from cli.main import fail
+        fail("--burst-threshold must be in (0, 1] and --max-waiting at least 1")
+    stack = Stack(state_dir, nats_url=nats_url, metrics_port=metrics_port or None, run_edge=False,
+                  placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
+                                         max_waiting=max_waiting))
     await _serve_until_signal(stack, f"dsec: placement ready on {nats_url}")

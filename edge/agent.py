@@ -27,6 +27,7 @@ from placement import admission
 log = logging.getLogger(__name__)
 
 BUS_CLEANUP_TIMEOUT = 1.0   # cleanup never waits on the bus longer than this
+RECORD_RETRY = 8.0          # seconds a state record or event is retried (a leader election takes seconds)
 
 
 @dataclass
@@ -209,15 +210,19 @@ class Edge:
         lease = Lease(d)
         try:
             await self._create(req)
+        except BusError as exc:   # the bus hiccuped before anything started: try again shortly
+            log.warning("create %s retried: %s", req.request_id, exc)
+            d.nak_delay = 0.5
+            return Verdict.NAK
         finally:
             lease.cancel()
             self._creating.discard(req.sandbox_id)
         return Verdict.ACK
 
     async def _create(self, req: CreateRequest) -> None:
+        if not await self._claim(req):   # a BusError here leaves the request for redelivery
+            return
         try:
-            if await self._known(req):
-                return
             if time.time() > req.deadline:
                 raise RequestExpired("create request expired before a node started it")
             self.capacity.reserve(req.sandbox_id, req.resources)
@@ -235,31 +240,56 @@ class Edge:
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id)
         self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl)
         self.created += 1
-        await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec),
-                             self._event(rec, "created", req.request_id))
+        try:   # kept trying through a stream leader moving to another server
+            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec, retry_for=RECORD_RETRY),
+                                 self._event(rec, "created", req.request_id))
+        except BusError as exc:
+            log.error("state of %s not recorded: %s", req.sandbox_id, exc)
         await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                      node=self.node))
 
-    async def _known(self, req: CreateRequest) -> bool:
-        """True when this id already has a recorded outcome (then it was answered; a reuse is refused)."""
-        raw = await self.bus.kv_get(streams.SANDBOXES_KV, req.sandbox_id)
-        if raw is None:
+    async def _claim(self, req: CreateRequest) -> bool:
+        """Claim the sandbox id for this request by compare-and-set on its KV record (state `starting`).
+
+        The record is the one place that decides: a request redelivered, placed twice (JetStream's
+        duplicate window does not survive a stream leader change for messages already consumed), or
+        sent again by a client starts at most one sandbox, on the node that claimed it. Anyone else
+        answers from the record. False when the request is answered (or being served) elsewhere."""
+        now = time.time()
+        mine = encode(SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="starting",
+                                    image=req.image, labels=dict(req.labels), resources=req.resources,
+                                    created_at=now, updated_at=now, request_id=req.request_id))
+        revision = 0
+        for _ in range(4):
+            if await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, mine, revision) is not None:
+                return True
+            raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, req.sandbox_id)
+            prior = None
+            if raw is not None:
+                try:
+                    prior = sandbox_decoder.decode(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    prior = None   # junk under this key names no sandbox: claim over it
+            if prior is None or (prior.node == self.node and prior.state == "starting"
+                                 and prior.request_id == req.request_id):
+                continue   # free, or a claim of a crashed run of this node: take it over
+            await self._answer_from(req, prior)
             return False
-        try:
-            prior = sandbox_decoder.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return False     # junk under this key: it names no sandbox
+        raise EnvironmentFailure(f"could not claim sandbox {req.sandbox_id}: its record keeps changing")
+
+    async def _answer_from(self, req: CreateRequest, prior: SandboxRecord) -> None:
+        """Answer a create whose sandbox id already has a record (then it was, or is being, served)."""
         if prior.request_id != req.request_id:
             await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=InvalidRequest.code,
                                                        message="sandbox_id is already in use"))
-        elif prior.state == "ready" and req.sandbox_id in self.sandboxes:
+        elif prior.state == "ready":   # served, maybe by another node: point the client there
             await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
-                                                         node=self.node))
-        else:   # its outcome was recorded, but the reply may have died with a crashed run: say it again
+                                                         node=prior.node))
+        elif prior.state != "starting":   # its outcome was recorded; the reply may have died with a crash
             await self._reply(req.reply_to, ErrorReply(
                 request_id=req.request_id, code=SandboxNotFound.code, reason=prior.state,
                 message=f"sandbox {req.sandbox_id} {prior.state}: {prior.reason}"))
-        return True
+        # starting elsewhere: that node answers
 
     async def _start_sandbox(self, req: CreateRequest) -> None:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
@@ -287,14 +317,15 @@ class Edge:
                             image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
                             updated_at=now, reason=str(err), request_id=req.request_id)
         with contextlib.suppress(DsecError):
-            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec),
+            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec, retry_for=RECORD_RETRY),
                                  self._event(rec, state, req.request_id, str(err)))
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
 
     async def _event(self, rec: SandboxRecord, type_: str, request_id: str = "", detail: str = "") -> None:
         ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
                    request_id=request_id, at=time.time(), detail=detail)
-        await self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev))
+        await self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev),
+                               msg_id=f"{rec.sandbox_id}.{type_}", retry_for=RECORD_RETRY)
 
     # ---- destroy (used by the op lane, the TTL loop and stop) ----------------------------------
 
@@ -316,7 +347,7 @@ class Edge:
             return
         rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time())
         try:
-            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, sandbox_id, rec),
+            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, sandbox_id, rec, retry_for=RECORD_RETRY),
                                  self._event(rec, state, detail=reason))
         except BusError as exc:
             log.warning("state of %s not recorded: %s", sandbox_id, exc)

@@ -56,9 +56,17 @@ class NodeRecord:
 
     async def write(self) -> None:
         """One write now (compare-and-set, retried on conflict)."""
-        taken = set(self._taken)
-        result = await self.bus.kv_update(streams.NODES_KV, self.node, lambda raw: self._build(raw, taken))
-        self._taken -= taken
+        # `taken` is read when the record is built (after any await of a retry), together with the usage:
+        # a create counted in the usage always has its booking removed in the same write.
+        used: set[str] = set()
+
+        def build(raw: bytes | None) -> bytes:
+            used.clear()
+            used.update(self._taken)
+            return self._build(raw, used)
+
+        result = await self.bus.kv_update(streams.NODES_KV, self.node, build)
+        self._taken -= used
         self.writes += 1
         info = node_decoder.decode(result.value) if result.value else None
         if info is not None and info.draining != self.draining:

@@ -14,10 +14,11 @@ from bus.messages import (CreateRequest, ErrorReply, Queued, SandboxReady, creat
                           op_reply_decoder, sandbox_decoder)
 from libdsec.ids import new_id
 from libdsec.resources import Resources
-from libdsec.sandbox import PUBLISH_RETRIES, AsyncSandbox
+from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, AsyncSandbox
 
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
+RECHECK_EVERY = 3.0   # seconds without a reply after which the sandbox's record is read instead
 
 
 async def _next(q: asyncio.Queue[bytes], timeout: float) -> bytes | None:
@@ -142,8 +143,20 @@ class AsyncClient:
         queued = ""
         try:
             await bus.publish(subjects.create_request(self.tenant, req.priority), encode(req), msg_id=req.request_id,
-                              timeout=2.0, retries=PUBLISH_RETRIES)
-            while (data := await _next(q, req.deadline - time.time())) is not None:
+                              timeout=2.0, retries=PUBLISH_RETRIES,
+                              retry_for=max(0.0, min(PUBLISH_RETRY_FOR, req.deadline - time.time())))
+            while True:
+                left = req.deadline - time.time()
+                data = await _next(q, min(left, RECHECK_EVERY))
+                if data is None:
+                    if left <= RECHECK_EVERY:
+                        break
+                    # A reply is a core message: one sent while our connection moved to another server
+                    # is gone. The sandbox's record says whether it was served meanwhile.
+                    rec = await self._record_quiet(req.sandbox_id)
+                    if rec is not None and rec.request_id == req.request_id and rec.state == "ready":
+                        return AsyncSandbox(self, rec.sandbox_id, rec.node)
+                    continue
                 try:
                     reply = create_reply_decoder.decode(data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -163,6 +176,13 @@ class AsyncClient:
                                       "the request expires and will not start later")
         finally:
             replies.forget(req.request_id)
+
+    async def _record_quiet(self, sandbox_id: str):
+        """The sandbox's record, or None (also when the bus does not answer now)."""
+        try:
+            return await asyncio.wait_for(self._record(sandbox_id), timeout=2)
+        except (DsecError, asyncio.TimeoutError):
+            return None
 
     async def _abandon(self, sandbox_id: str) -> None:
         """A create we gave up on may have raced to ready: destroy it so nothing is orphaned."""
@@ -223,7 +243,9 @@ class AsyncClient:
 
     # ---- ops (used by AsyncSandbox) -------------------------------------------------------------
 
-    async def _op(self, node: str, sandbox_id: str, make, timeout: float) -> bytes:
+    async def _op(self, node: str, sandbox_id: str, make, timeout: float, recheck=None) -> bytes:
+        """Send one op and wait for its reply; recheck(), when given, is asked every RECHECK_EVERY s of
+        silence for an answer from recorded state (a reply lost while the connection moved)."""
         bus, replies = self._need_bus(), self._replies
         assert replies is not None
         rid = new_id("o")
@@ -231,10 +253,17 @@ class AsyncClient:
         try:
             op = make(rid, reply_to, time.time() + timeout)
             await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid, timeout=2.0,
-                              retries=PUBLISH_RETRIES)
+                              retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
+            give_up = time.monotonic() + timeout
             while True:
-                data = await _next(q, timeout)
+                left = give_up - time.monotonic()
+                data = await _next(q, min(left, RECHECK_EVERY) if recheck else left)
                 if data is None:
+                    if recheck is not None and left > RECHECK_EVERY:
+                        answer = await recheck()
+                        if answer is not None:
+                            return answer
+                        continue
                     raise SandboxError(f"node {node} did not answer within {timeout:.0f}s")
                 try:
                     reply = op_reply_decoder.decode(data)

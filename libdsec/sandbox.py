@@ -18,7 +18,8 @@ Command = str | Sequence[str]
 DEFAULT_EXEC_TIMEOUT = 30.0
 DEFAULT_OP_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT = 16 << 20
-PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec id dedupes them)
+PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec id dedupes them)...
+PUBLISH_RETRY_FOR = 10.0   # ...kept up this long: a stream leader moving to another server takes seconds
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
 
 
@@ -69,7 +70,7 @@ class AsyncSandbox:
         await stream.open()
         try:
             await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id,
-                              timeout=2.0, retries=PUBLISH_RETRIES)
+                              timeout=2.0, retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
         except BaseException:
             await stream.close()
             raise
@@ -131,5 +132,11 @@ class AsyncSandbox:
 
     async def destroy(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Destroy it; SandboxNotFound if it is already gone."""
+        async def recheck() -> bytes | None:   # destroyed meanwhile (a lost reply): done
+            rec = await self.client._record_quiet(self.id)
+            if rec is not None and rec.state == "destroyed":
+                return b""
+            return None
+
         await self.client._op(self.node, self.id, lambda rid, to, dl: DestroyRequest(
-            request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout)
+            request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout, recheck)

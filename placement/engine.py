@@ -73,7 +73,8 @@ class PlacementEngine:
 
     async def start(self) -> None:
         """Watch nodes and quotas, then pull both priorities."""
-        self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change),
+        # every edge heartbeats every few seconds: a node watch silent for longer has lost its server
+        self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0),
                        await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
                        asyncio.create_task(self.reaper.run()), asyncio.create_task(self._stats_loop())]
         for prio in subjects.PRIORITIES:
@@ -104,7 +105,8 @@ class PlacementEngine:
         return EngineStats(engine=self.name, placed=self.placed, bursted=self.bursted, rejected=self.rejected,
                            queued=sum(self.waiting.values()), conflicts=self.ledger.conflicts,
                            latency_p50=pick(0.5), latency_p99=pick(0.99), utilization=self.utilization(),
-                           threshold=self.burst_threshold, at=time.time())
+                           threshold=self.burst_threshold, burst_min_utilization=self.burst_min_utilization,
+                           at=time.time())
 
     async def _stats_loop(self) -> None:
         while True:
@@ -206,7 +208,7 @@ class PlacementEngine:
                 return await self._reject(req, err, admitted=True)
             if not queued:
                 queued = True
-                why = "no live node" if not self._live(self.pool) else "every node is full"
+                why = "no live node" if not self._live(self.pool) else "no node has room"
                 await self._reply(req.reply_to, Queued(request_id=req.request_id, reason=why))
                 await self._event(req, "queued", why)
             await self._wait_room(req)

@@ -88,7 +88,7 @@ class Quotas:
                 rec = sandbox_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            if rec.state == "ready" and rec.request_id == usage.holds[sid].request_id:
+            if rec.state in ("starting", "ready") and rec.request_id == usage.holds[sid].request_id:
                 live.add(sid)
         return live
 

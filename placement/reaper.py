@@ -69,7 +69,12 @@ class Reaper:
                 rec = sandbox_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            if rec.node != node or rec.state != "ready" or rec.sandbox_id != key:
+            if rec.node != node or rec.sandbox_id != key:
+                continue
+            if rec.state == "starting":   # never started: free the id, its create is placed again below
+                await self.bus.kv_delete(streams.SANDBOXES_KV, key)
+                continue
+            if rec.state != "ready":
                 continue
             gone = msgspec.structs.replace(rec, state="node_lost", reason=f"node {node} stopped heartbeating",
                                            updated_at=now)
@@ -91,8 +96,7 @@ class Reaper:
             self.replaced += 1
             return True
 
-        _, config = streams.edge_create_consumer(node)
-        await self.bus.take(streams.NODE_STREAM, config.durable_name, again)
+        await self._take(streams.edge_create_consumer(node), again)
 
     async def _answer_ops(self, node: str) -> None:
         why = f"node {node} was lost"
@@ -115,5 +119,12 @@ class Reaper:
                 pass
             return True
 
-        _, config = streams.edge_ops_consumer(node)
-        await self.bus.take(streams.NODE_STREAM, config.durable_name, answer)
+        await self._take(streams.edge_ops_consumer(node), answer)
+
+    async def _take(self, stream_and_config, handle) -> None:
+        """Everything waiting on a dead node's lane, including what it had pulled and not acked: the
+        consumer is made afresh (its unacked messages are then deliverable at once)."""
+        stream, config = stream_and_config
+        await self.bus.delete_consumer(stream, config.durable_name)
+        await self.bus.ensure_consumer(stream, config)
+        await self.bus.take(stream, config.durable_name, handle)

@@ -1,0 +1,151 @@
+"""A local 3-server JetStream cluster (bus.cluster.NatsCluster): R3 provisioning, publishes surviving the
+loss of the client's server (which is also the stream leader), rejoin after restart, clean stop."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import psutil
+import pytest
+
+from bus import streams
+from bus.cluster import NatsCluster, render
+from bus.conn import Bus
+from bus.errors import BusError, BusUnavailable
+
+# A create request subject (dsec.req.create.<priority>.<id>), from the stream's own filter.
+SUBJECT = next(c for c in streams.stream_configs(streams.Retention())
+               if c.name == streams.REQ_STREAM).subjects[0].replace("*", "x").replace(">", "x")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = NatsCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield c
+    c.stop()
+    assert _alive(c) == []
+
+
+def _alive(c: NatsCluster) -> list[int]:
+    """Pids of the cluster's servers still running, plus any process started with one of its configs."""
+    out = [p for p in c.pids if p is not None and psutil.pid_exists(p)
+           and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(str(c.root) in a for a in proc.info["cmdline"] or []):
+            out.append(proc.info["pid"])
+    return out
+
+
+async def _leader(bus: Bus, stream: str) -> str | None:
+    try:
+        return (await bus.nc.jetstream(timeout=1).stream_info(stream)).cluster.leader
+    except Exception:
+        return None
+
+
+async def _replicas_current(bus: Bus, stream: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            info = (await bus.nc.jetstream(timeout=1).stream_info(stream)).cluster
+        except Exception:   # no answer for a moment
+            info = None
+        if info and len(info.replicas) == 2 and all(p.current and not p.offline for p in info.replicas):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def test_provision_r3(cluster):
+    bus = await Bus.connect(cluster.url)
+    try:
+        await bus.provision(replicas=3)
+        for name in (streams.REQ_STREAM, f"KV_{streams.NODES_KV}", f"OBJ_{streams.LAYERS_OBJ}"):
+            info = await bus.js.stream_info(name)
+            assert info.config.num_replicas == 3, name
+            assert info.cluster.name == "dsec" and info.cluster.leader.startswith("dsec-"), name
+            assert len(info.cluster.replicas) == 2, name
+        assert await bus.publish(SUBJECT, b"hello", msg_id="hello-1") > 0
+        await bus.kv_put(streams.IMAGES_KV, "k", b"v")
+        assert await bus.kv_get(streams.IMAGES_KV, "k") == b"v"
+    finally:
+        await bus.close()
+
+
+async def test_publishes_survive_losing_a_server(cluster):
+    bus = await Bus.connect(cluster.url)
+    try:
+        await bus.provision(replicas=3)
+        victim = cluster.index_of(bus.nc.connected_url)
+        # Worst case: the server the client talks to is also the leader of the stream.
+        await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{streams.REQ_STREAM}",
+                             json.dumps({"placement": {"preferred": cluster.name(victim)}}).encode(), timeout=3)
+        deadline = time.monotonic() + 10
+        while await _leader(bus, streams.REQ_STREAM) != cluster.name(victim):   # no answer while it moves
+            assert time.monotonic() < deadline, "stream leadership did not move to the client's server"
+            await asyncio.sleep(0.1)
+
+        before = (await bus.js.stream_info(streams.REQ_STREAM)).state.messages
+        acked: set[str] = set()
+
+        async def publish_until_acked(msg_id: str, deadline: float) -> None:
+            while True:
+                try:
+                    await bus.publish(SUBJECT, msg_id.encode(), msg_id=msg_id, retries=5, timeout=2)
+                    acked.add(msg_id)
+                    return
+                except BusError:   # same id again: JetStream dedupes if an attempt was stored after all
+                    assert time.monotonic() < deadline, f"no publish acked in time ({msg_id})"
+
+        for n in range(10):
+            await publish_until_acked(f"pre-{n}", time.monotonic() + 5)
+
+        cluster.kill(victim)
+        killed = time.monotonic()
+        for n in range(20):
+            await publish_until_acked(f"post-{n}", killed + 20)
+            if n == 0:
+                resumed = time.monotonic() - killed
+        assert cluster.index_of(bus.nc.connected_url) != victim
+        info = await bus.js.stream_info(streams.REQ_STREAM)
+        assert info.cluster.leader != cluster.name(victim)
+        assert info.state.messages - before == len(acked) == 30, "a message was lost or duplicated"
+        print(f"publishes resumed {resumed:.1f}s after killing {cluster.name(victim)}")
+
+        cluster.restart(victim)
+        assert cluster.running(victim)
+        assert await _replicas_current(bus, streams.REQ_STREAM, timeout=15), "restarted server did not catch up"
+        await publish_until_acked("after-restart", time.monotonic() + 10)
+        info = await bus.js.stream_info(streams.REQ_STREAM)
+        assert info.state.messages - before == len(acked) == 31
+    finally:
+        await bus.close()
+
+
+async def test_stop_leaves_no_process(tmp_path):
+    c = NatsCluster(tmp_path / "c").start()
+    try:
+        assert len(set(c.pids)) == 3 and all(psutil.pid_exists(p) for p in c.pids)
+        assert [(tmp_path / "c" / f"nats-{i}.conf").exists() for i in range(3)] == [True] * 3
+        bus = await Bus.connect(c.url)
+        await bus.provision(replicas=3)
+        await bus.close()
+        c.kill(2)   # a killed server is reaped too
+    finally:
+        c.stop()
+    assert _alive(c) == []
+    c.stop()   # idempotent
+
+
+async def test_start_timeout_raises_and_cleans_up(tmp_path):
+    c = NatsCluster(tmp_path / "c")
+    with pytest.raises(BusUnavailable, match="not ready"):
+        c.start(timeout=0.3)
+    assert _alive(c) == []
+
+
+def test_render_refuses_unfilled_placeholders():
+    assert render("a: ${A}\n# ${B} in a comment\n", {"A": "1"}) == "a: 1\n# ${B} in a comment\n"
+    with pytest.raises(ValueError, match="B"):
+        render("a: ${A}\nb: ${B}\n", {"A": "1"})

@@ -1,0 +1,266 @@
+"""Placement at scale, against a real nats-server: compare-and-set bookings, quotas, priorities, drain,
+client-side timeouts, lost nodes, and the operator commands."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import libdsec
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.messages import (Booking, CreateRequest, ExecRequest, NodeInfo, Quota, Resources, SandboxRecord, encode,
+                          event_decoder, node_decoder, output_decoder, sandbox_decoder)
+from bus.server import NatsServer, free_port
+from placement import ledger as ledger_mod
+from placement.quota import set_quota
+from placement.reaper import Reaper
+
+pytestmark = pytest.mark.timeout(120)
+DSEC = str(Path(sys.executable).parent / "dsec")
+
+
+def fake_node(name: str, slots: int = 10, age: float = 0.0, **kw) -> NodeInfo:
+    """A node record as an edge would write it (no edge behind it)."""
+    return NodeInfo(node=name, pool=kw.pop("pool", "local"), slots=slots, cpu=64, memory=64 << 30, disk=64 << 30,
+                    max_cpu=8, max_memory=64 << 30, max_disk=64 << 30, max_pids=1 << 22,
+                    heartbeat=time.time() - age, **kw)
+
+
+@pytest.fixture
+async def bare_server(tmp_path):
+    """A provisioned nats-server of its own: fake node records there attract no other test's work."""
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    bus = await Bus.connect(srv.url)
+    await bus.provision()
+    await bus.close()
+    yield srv
+    srv.stop()
+
+
+async def test_two_engines_booking_at_once_never_pass_a_nodes_capacity(bare_server):
+    nats_server = bare_server
+    """Two ledgers on two connections (two engines) race 60 bookings for 10 slots: exactly 10 win."""
+    buses = [await Bus.connect(nats_server.url) for _ in range(2)]
+    node = f"cas{free_port()}"
+    try:
+        await buses[0].kv_put(streams.NODES_KV, node, fake_node(node, slots=10))
+        ledgers = [ledger_mod.NodeLedger(b) for b in buses]
+        for led, b in zip(ledgers, buses):   # start from the record each engine would have from its watch
+            raw, rev = await b.kv_entry(streams.NODES_KV, node)
+            led.on_change(node, raw, rev)
+        results = await asyncio.gather(*(
+            ledgers[i % 2].book(node, f"r{i}", Booking(Resources(), time.time() + 60)) for i in range(60)))
+        assert sum(results) == 10, results
+        final = node_decoder.decode(await buses[0].kv_get(streams.NODES_KV, node))
+        assert len(final.bookings) == 10
+        assert sum(led.conflicts for led in ledgers) > 0, "the race must actually have happened"
+        # a redelivered request finds its booking and keeps it (idempotent), without a second one
+        booked = next(iter(final.bookings))
+        assert await ledgers[0].book(node, booked, Booking(Resources(), time.time() + 60))
+        assert len(node_decoder.decode(await buses[0].kv_get(streams.NODES_KV, node)).bookings) == 10
+    finally:
+        await buses[0].kv_delete(streams.NODES_KV, node)
+        for b in buses:
+            await b.close()
+
+
+async def test_quota_exceeded_at_once_and_released_when_sandboxes_end(stack):
+    tenant = f"q{free_port()}"
+    await set_quota(stack.bus, Quota(tenant=tenant, max_sandboxes=2))
+    for _ in range(50):   # the engine learns quotas from its watch
+        if tenant in stack.placement.quotas.table:
+            break
+        await asyncio.sleep(0.05)
+    async with libdsec.AsyncClient(stack.url, tenant=tenant) as client:
+        a, b = await client.create_many(2)
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.QuotaExceeded, match="at most 2 concurrent"):
+            await client.create(timeout=30)
+        assert time.monotonic() - t0 < 2, "over quota is refused at once, never queued"
+        await a.destroy()
+        c = await client.create(timeout=10)        # the ended sandbox no longer counts
+        await asyncio.gather(b.destroy(), c.destroy())
+    await set_quota(stack.bus, Quota(tenant=tenant, max_cpu=1.5))
+    await asyncio.sleep(0.3)
+    async with libdsec.AsyncClient(stack.url, tenant=tenant) as client:
+        with pytest.raises(libdsec.QuotaExceeded, match="cpu"):
+            await client.create(resources=libdsec.Resources(cpu=2))
+    await stack.bus.kv_delete(streams.QUOTAS_KV, tenant)
+
+
+@pytest.fixture
+async def one_slot(tmp_path):
+    """Its own server and a stack whose edge has room for 1 sandbox."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="one", slots=1))
+    with leaks.live("one", tmp_path / "state" / "edge"):
+        await st.start()
+        yield st
+        await st.stop()
+    srv.stop()
+
+
+async def test_latency_requests_jump_ahead_of_queued_batch_ones(one_slot):
+    st = one_slot
+    async with libdsec.AsyncClient(st.url) as client:
+        holder = await client.create()
+        order: list[str] = []
+
+        async def make(prio: str):
+            sb = await client.create(priority=prio, timeout=60)
+            order.append(prio)
+            await asyncio.sleep(0.2)
+            await sb.destroy()
+
+        batch = [asyncio.create_task(make("batch")) for _ in range(3)]
+        await asyncio.sleep(0.5)                    # the batch requests queue first
+        latency = asyncio.create_task(make("latency"))
+        await asyncio.sleep(0.5)
+        await holder.destroy()
+        await asyncio.gather(latency, *batch)
+        assert order[0] == "latency", order
+
+
+async def test_client_timeout_is_cancelled_in_the_system_and_leaves_no_orphan(one_slot):
+    st = one_slot
+    async with libdsec.AsyncClient(st.url) as client:
+        holder = await client.create()
+        queued: list[str] = []
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.CapacityUnavailable, match="queued"):
+            await client.create(timeout=1.5, on_queued=queued.append)
+        assert 1.4 < time.monotonic() - t0 < 4 and queued, "the client is told it waits, then gives up on time"
+        await holder.destroy()
+        await asyncio.sleep(1.5)                    # room is free now: the timed-out request must not start
+        assert st.edge.sandboxes == {}
+        records = [sandbox_decoder.decode(v) for _, v in await st.bus.kv_items(streams.SANDBOXES_KV)]
+        assert not [r for r in records if r.state in ("ready", "starting")]
+        assert any(r.state == "expired" for r in records), "the expired request is recorded as such"
+
+
+async def test_drain_takes_no_new_work_and_lets_running_sandboxes_finish(one_slot):
+    st = one_slot
+    async with libdsec.AsyncClient(st.url) as client:
+        running = await client.create()
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "node", "drain", "one", "--nats", st.url],
+                                    capture_output=True, text=True)
+        assert p.returncode == 0 and "draining" in p.stdout, p.stderr
+        for _ in range(60):
+            if st.edge.draining:
+                break
+            await asyncio.sleep(0.1)
+        assert st.edge.draining
+        assert (await running.exec("echo still")).stdout == b"still\n"   # running sandboxes go on
+        await running.destroy()
+        with pytest.raises(libdsec.CapacityUnavailable):
+            await client.create(timeout=1.5)        # room, but draining: nothing new starts
+        ls = await asyncio.to_thread(subprocess.run, [DSEC, "node", "ls", "--nats", st.url], capture_output=True,
+                                     text=True)
+        assert "draining" in ls.stdout
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "node", "undrain", "one", "--nats", st.url],
+                                    capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        sb = await client.create(timeout=10)
+        await sb.destroy()
+    bad = await asyncio.to_thread(subprocess.run, [DSEC, "node", "drain", "nosuch", "--nats", st.url],
+                                  capture_output=True, text=True)
+    assert bad.returncode == 1 and "no node 'nosuch'" in bad.stderr
+
+
+async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
+    """A node record whose heartbeat stopped (no edge behind it): the reaper claims it once, marks its
+    sandboxes node_lost with an event, places its queued creates again and answers its pending ops."""
+    nats_server = bare_server
+    bus = await Bus.connect(nats_server.url)
+    node = f"gone{free_port()}"
+    try:
+        await bus.kv_put(streams.NODES_KV, node, fake_node(node, age=streams.NODE_LOST_AFTER + 5))
+        sid = f"sb{node}"
+        await bus.kv_put(streams.SANDBOXES_KV, sid, SandboxRecord(sandbox_id=sid, node=node, state="ready",
+                                                                  request_id="rq"))
+        for config in (streams.edge_create_consumer(node), streams.edge_ops_consumer(node)):
+            await bus.ensure_consumer(*config)
+        waiting = CreateRequest(request_id=f"rw{node}", sandbox_id=f"sw{node}", tenant="default",
+                                deadline=time.time() + 60, node=node)
+        await bus.publish(subjects.node_create(node), encode(waiting))
+        exec_req = ExecRequest(exec_id=f"x{node}", sandbox_id=sid, argv=["true"])
+        exits, events, replaced = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
+        subs = [await bus.subscribe(subjects.output(sid, exec_req.exec_id), lambda d, s: exits.put(d)),
+                await bus.subscribe(subjects.event("default", sid), lambda d, s: events.put(d))]
+        watcher = await Bus.connect(nats_server.url)
+        # the replaced create goes back to placement: read it where placement would
+        subs.append(await watcher.subscribe(subjects.create_request("default", "latency"),
+                                            lambda d, s: replaced.put(d)))
+        await bus.publish(subjects.node_ops(node, sid), encode(exec_req))
+        reapers = [Reaper(bus, ledger_mod.NodeLedger(bus)) for _ in range(2)]
+        claims = await asyncio.gather(*(r.claim(node) for r in reapers))
+        assert sorted(claims) == [False, True], "exactly one engine handles a lost node"
+        rec = sandbox_decoder.decode(await bus.kv_get(streams.SANDBOXES_KV, sid))
+        assert rec.state == "node_lost"
+        assert event_decoder.decode(await asyncio.wait_for(events.get(), 5)).type == "node_lost"
+        exit_rec = output_decoder.decode(await asyncio.wait_for(exits.get(), 5))
+        assert exit_rec.error_code == "sandbox_not_found" and exit_rec.reason == "node_lost"
+        again = msgspec.json.decode(await asyncio.wait_for(replaced.get(), 5), type=CreateRequest)
+        assert again.request_id == waiting.request_id and again.attempt == 1 and again.node == ""
+        assert node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).lost
+        for s in subs:
+            await s.unsubscribe()
+        await watcher.close()
+    finally:
+        for config in (streams.edge_create_consumer(node), streams.edge_ops_consumer(node)):
+            await bus.delete_consumer(config[0], config[1].durable_name)
+        await bus.kv_delete(streams.NODES_KV, node)
+        await bus.close()
+
+
+async def test_exec_on_a_sandbox_whose_node_dies_raises_node_lost_instead_of_hanging(stack):
+    async with libdsec.AsyncClient(stack.url) as client:
+        sb = await client.create()
+        try:
+            task = asyncio.create_task(sb.exec("sleep 20", timeout=60))
+            await asyncio.sleep(0.5)
+            # what the reaper publishes when this sandbox's node is declared lost
+            from bus.messages import Event
+            await stack.bus.publish(subjects.event(client.tenant, sb.id),
+                                    Event(type="node_lost", sandbox_id=sb.id, detail="node t1 stopped heartbeating"))
+            with pytest.raises(libdsec.SandboxNotFound) as exc:
+                await asyncio.wait_for(task, 5)
+            assert exc.value.reason == "node_lost"
+        finally:
+            await sb.destroy()
+
+
+async def test_top_once_shows_nodes_queues_and_placement(stack, client):
+    sb = await client.create()
+    await asyncio.sleep(1.2)   # engines publish their figures every second
+    p = await asyncio.to_thread(subprocess.run, [DSEC, "top", "--once", "--nats", stack.url],
+                                capture_output=True, text=True, timeout=30)
+    await sb.destroy()
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "t1" in out and "local" in out and "queue depth: placement latency=" in out
+    assert "creates/s=" in out and "p99=" in out and "burst share=" in out and "engine " in out
+
+
+async def test_quota_cli_sets_lists_and_removes(stack):
+    p = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "set", "cliq", "--sandboxes", "3", "--memory", "2Gi",
+                                                 "--nats", stack.url], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    ls = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "ls", "--nats", stack.url], capture_output=True,
+                                 text=True)
+    assert "cliq" in ls.stdout and "2.0Gi" in ls.stdout
+    rm = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "rm", "cliq", "--nats", stack.url],
+                                 capture_output=True, text=True)
+    assert rm.returncode == 0 and await stack.bus.kv_get(streams.QUOTAS_KV, "cliq") is None
+    bad = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "set", "bad.tenant", "--nats", stack.url],
+                                  capture_output=True, text=True)
+    assert bad.returncode == 1 and "tenant" in bad.stderr
