@@ -33,7 +33,7 @@ import libdsec
 from bus import streams
 from bus.conn import Bus
 from bus.messages import CreateRequest, engine_decoder
-from bus.server import NatsServer, free_port
+from bus.server import NatsServer, die_with_parent, free_port
 from cli.demo import percentile
 
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -42,7 +42,7 @@ DSEC = str(Path(sys.executable).parent / "dsec")
 def spawn(args: list[str], ready: str, log: Path) -> subprocess.Popen:
     """A child process; returns once it printed its ready line."""
     with open(log, "ab") as f:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=f, text=True)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=f, text=True, preexec_fn=die_with_parent)
     line = proc.stdout.readline()
     if not line.startswith(ready):
         proc.kill()

@@ -23,7 +23,7 @@ from pathlib import Path
 import libdsec
 from bus import streams
 from bus.messages import sandbox_decoder
-from bus.server import NatsServer, free_port
+from bus.server import NatsServer, die_with_parent, free_port
 
 NODE = "chaos-edge"
 VERBOSE = "-v" in sys.argv
@@ -35,7 +35,8 @@ TYPED_FAILURES = {"node_lost", "capacity_unavailable", "expired"}
 def start_edge(url: str, state: Path) -> subprocess.Popen:
     """`dsec edge` as a separate process, like a node agent on its own machine."""
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "edge", "--nats", url, "--node-id", NODE,
-                             "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=die_with_parent)
     if not proc.stdout.readline().startswith("dsec: edge"):
         raise SystemExit("verdict: edge did not start -> FAIL")
     return proc

@@ -37,6 +37,7 @@ from bus import streams
 from bus.cluster import NatsCluster
 from bus.conn import Bus, kv_watch
 from bus.messages import engine_decoder, event_decoder
+from bus.server import die_with_parent
 from placement.ledger import decode_node
 
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -61,7 +62,9 @@ class Harness:
 
     def _spawn(self, name: str, args: list[str], ready: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen([DSEC, *args], stdout=subprocess.PIPE, stderr=log, text=True)
+        # dies with this thread: a harness killed mid-run leaves no component behind
+        proc = subprocess.Popen([DSEC, *args], stdout=subprocess.PIPE, stderr=log, text=True,
+                                preexec_fn=die_with_parent)
         log.close()
         line = proc.stdout.readline()
         if not line.startswith(ready):

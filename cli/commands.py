@@ -22,6 +22,8 @@ def resource_options(fn):
         click.option("--env", "-e", multiple=True, metavar="K=V", help="Environment of every exec."),
         click.option("--label", "-l", multiple=True, metavar="K=V", help="Labels."),
         click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the sandbox."),
+        click.option("--priority", type=click.Choice(["latency", "batch"]), default="latency", show_default=True,
+                     help="latency goes ahead of queued batch requests; batch may burst to the cloud pool."),
     ]):
         fn = opt(fn)
     return fn
@@ -38,9 +40,12 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
-async def _create(client: libdsec.AsyncClient, image, cpu, memory, pids, disk, ttl, env, label, timeout):
+async def _create(client: libdsec.AsyncClient, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority):
+    def queued(reason: str) -> None:
+        click.echo(f"dsec: queued ({reason}); waiting up to {timeout:.0f}s", err=True)
     return await client.create(image=image, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
-                               ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout)
+                               ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout,
+                               priority=priority, on_queued=queued)
 
 
 async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
@@ -64,13 +69,14 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout, exec_timeout, argv) -> None:
+async def run(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority, exec_timeout,
+              argv) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code.
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout)
+        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority)
         try:
             code = await _stream_to_terminal(sb, list(argv), exec_timeout)
         finally:
@@ -85,10 +91,10 @@ async def run(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout
 @nats_option
 @resource_options
 @run_async
-async def create(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout) -> None:
+async def create(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority) -> None:
     """Create a sandbox and print its id."""
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout)
+        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority)
         click.echo(sb.id)
 
 
