@@ -223,9 +223,12 @@ class Bus:
         try:
             while taken < limit:
                 try:
-                    msgs = await sub.fetch(min(100, limit - taken), timeout=wait)
-                except nats.errors.TimeoutError:
-                    return taken
+                    with mapped_errors(f"take from {durable}"):
+                        msgs = await sub.fetch(min(100, limit - taken), timeout=wait)
+                except BusError as exc:
+                    if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                        return taken   # nothing more waits
+                    raise
                 for m in msgs:
                     ok = await handle(m.data)
                     with contextlib.suppress(Exception):
@@ -355,9 +358,12 @@ class Bus:
         try:
             while True:
                 try:
-                    m = await sub.next_msg(timeout=3)
-                except nats.errors.TimeoutError:
-                    return
+                    with mapped_errors(f"kv list {bucket}"):
+                        m = await sub.next_msg(timeout=3)
+                except BusError as exc:
+                    if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                        return
+                    raise
                 yield m.subject, m.data, (m.headers or {}).get("KV-Operation", "PUT")
                 if m.metadata.num_pending == 0:
                     return
@@ -383,6 +389,11 @@ class Bus:
     async def provision(self, retention: streams.Retention | None = None, replicas: int = 1) -> None:
         """Create or update every stream, KV bucket and object store; safe to run any number of times."""
         ret = retention or streams.Retention()
+        for stream, durable in streams.LEGACY_CONSUMERS:
+            try:
+                await self.delete_consumer(stream, durable)
+            except BusError:
+                pass   # no such stream yet
         for cfg in streams.stream_configs(ret, replicas):
             with mapped_errors(f"stream {cfg.name}"):
                 try:
@@ -397,8 +408,11 @@ class Bus:
             with mapped_errors(f"kv {kcfg.bucket}"):
                 try:
                     await self.js.create_key_value(kcfg)
-                except nats.js.errors.BadRequestError:
-                    await self.js.key_value(kcfg.bucket)   # exists with other settings: keep it
+                except nats.js.errors.BadRequestError:   # exists: keep it, but bring its TTL up to date
+                    have = (await self.js.stream_info(f"KV_{kcfg.bucket}")).config
+                    if (have.max_age or 0) != (kcfg.ttl or 0):
+                        have.max_age = kcfg.ttl
+                        await self.js.update_stream(have)
         for ocfg in streams.object_configs(replicas):
             with mapped_errors(f"object store {ocfg.bucket}"):
                 try:

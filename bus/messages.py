@@ -210,7 +210,9 @@ class NodeInfo(Wire, tag="node"):
     heartbeat: float = 0.0           # unix time
     backends: list[str] = msgspec.field(default_factory=lambda: ["container"])
     bookings: dict[str, Booking] = {}   # request id -> reservation not yet taken by the edge
-    lost: bool = False               # heartbeat stopped; its sandboxes were reported node_lost
+    lost: bool = False               # heartbeat stopped: declared lost by a placement engine
+    lost_at: float = 0.0
+    lost_handled: bool = False       # its sandboxes reported node_lost, its lanes emptied
     started_at: float = 0.0          # when this run of the edge started
 
 

@@ -91,6 +91,7 @@ class PullWorker:
         self._loop_task: asyncio.Task | None = None
         self.in_flight = 0
         self.on_stop = lambda: None
+        self._failures: dict[int, int] = {}   # stream seq -> handler exceptions (NAKs for room do not count)
 
     async def start(self) -> None:
         """Subscribe to the delivery inbox and start pulling."""
@@ -165,9 +166,9 @@ class PullWorker:
     async def _run_one(self, msg: Msg) -> None:
         try:
             meta = msg.metadata
-            delivered = meta.num_delivered
+            delivered, seq = meta.num_delivered, meta.sequence.stream
         except Exception:
-            delivered = 1
+            delivered, seq = 1, -1
         d = Delivery(msg.subject, msg.data, dict(msg.headers or {}), delivered, msg)
         verdict = Verdict.NAK
         try:
@@ -178,8 +179,11 @@ class PullWorker:
         except Exception:
             # A bug, not a transport hiccup: retry a few times, then stop the message going round.
             log.exception("handler failed on %s (delivery %d)", msg.subject, delivered)
-            verdict = Verdict.TERM if delivered >= POISON_AFTER else Verdict.NAK
+            failures = self._failures[seq] = self._failures.get(seq, 0) + 1
+            verdict = Verdict.TERM if failures >= POISON_AFTER else Verdict.NAK
         finally:
+            if verdict is not Verdict.NAK:
+                self._failures.pop(seq, None)
             await self._settle(msg, verdict, d.nak_delay)
             self.in_flight -= 1
             self._wake.set()

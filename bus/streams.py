@@ -24,6 +24,7 @@ ENGINES_KV = "dsec-engines"
 LAYERS_OBJ = "dsec-layers"
 
 PLACEMENT_CONSUMER = "placement"
+LEGACY_CONSUMERS = [(REQ_STREAM, "placement")]   # removed at provisioning (its filter overlaps the new ones)
 # Unlimited redelivery: every request carries a deadline after which it ends as `expired`, and
 # undecodable ones are terminated at once, so nothing loops forever. A cap would silently drop
 # requests that merely wait for room.

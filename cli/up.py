@@ -72,9 +72,10 @@ def placement_options(fn):
     """Options of a placement engine."""
     for opt in reversed([
         click.option("--burst-threshold", default=0.8, show_default=True,
+                     type=click.FloatRange(0, 1, min_open=True),
                      help="Local utilization past which burstable creates go to the burst pool."),
         click.option("--burst-pool", default="cloud", show_default=True, help="Pool that takes the overflow."),
-        click.option("--max-waiting", default=32, show_default=True,
+        click.option("--max-waiting", default=32, show_default=True, type=click.IntRange(min=1),
                      help="Creates per priority this engine holds while they wait for room (the rest wait "
                           "in JetStream)."),
     ]):
@@ -170,9 +171,6 @@ async def placement(nats_url: str, state_dir: Path, burst_threshold: float, burs
     they share the create consumers and book nodes by compare-and-set, so each request is placed once)."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if not 0 < burst_threshold <= 1 or max_waiting < 1:
-        from cli.main import fail
-        fail("--burst-threshold must be in (0, 1] and --max-waiting at least 1")
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=metrics_port or None, run_edge=False,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                          max_waiting=max_waiting))

@@ -28,6 +28,16 @@ log = logging.getLogger(__name__)
 
 BUS_CLEANUP_TIMEOUT = 1.0   # cleanup never waits on the bus longer than this
 RECORD_RETRY = 8.0          # seconds a state record or event is retried (a leader election takes seconds)
+WAIT = -1                   # _claim: another node is starting this request now
+
+
+def _decode_record(raw: bytes | None) -> SandboxRecord | None:
+    if raw is None:
+        return None
+    try:
+        return sandbox_decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 @dataclass
@@ -50,8 +60,9 @@ class Edge:
         self.layers = LayerCache(bus, Path(state_dir) / "layer-cache")
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
-        self.record = NodeRecord(bus, self.capacity, self._set_draining)
+        self.record = NodeRecord(bus, self.capacity, self._set_draining, self._declared_lost)
         self._creating: set[str] = set()
+        self._claims: set[str] = set()     # ids claimed (`starting`) and not yet ready or failed
         self._create_worker = None
         self._pool_worker = None
         self._tasks: list[asyncio.Task] = []
@@ -76,10 +87,10 @@ class Edge:
         self._tasks = [asyncio.create_task(self._ttl_loop())]
         await self.ops.start()
         self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
-                                                         self._on_create, credit=self._create_credit)
+                                                         self._on_node_create, credit=self._create_credit)
         # The pool's shared lane (cloud bursting): every edge of the pool competes for it.
         self._pool_worker = await self.bus.pull_worker(streams.pool_create_consumer(self.config.pool),
-                                                       self._on_create, credit=self._create_credit)
+                                                       self._on_pool_create, credit=self._pool_credit)
 
     @property
     def draining(self) -> bool:
@@ -90,34 +101,73 @@ class Edge:
         log.warning("node %s %s", self.node, "draining" if draining else "accepting work again")
         self._poke()
 
+    def _declared_lost(self) -> None:
+        """Placement declared this node lost while it ran (its heartbeats did not land for too long): its
+        sandboxes were reported node_lost and its waiting creates placed elsewhere, so the ones it still
+        runs are destroyed, as a restart would; then it serves afresh."""
+        log.error("node %s was declared lost while running; destroying its %d sandboxes", self.node,
+                  len(self.sandboxes))
+        for sid in list(self.sandboxes):
+            self._tasks.append(asyncio.create_task(self._destroy_quietly(sid, "node_lost",
+                                                                         "node was declared lost")))
+
+    async def _destroy_quietly(self, sandbox_id: str, state: str, reason: str) -> None:
+        try:
+            await self.destroy(sandbox_id, state=state, reason=reason)
+        except KeyError:
+            pass
+        except Exception:
+            log.exception("destroy of %s failed", sandbox_id)
+
     def _poke(self) -> None:
         for w in (self._create_worker, self._pool_worker):
             if w is not None:
                 w.poke()
 
     async def stop(self) -> None:
-        """Stop taking work, destroy every sandbox, release the node. Never waits long on the bus."""
-        for w in (self._create_worker, self._pool_worker):
-            if w:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(w.stop(drain=False), BUS_CLEANUP_TIMEOUT)
-        await self.record.stop()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.ops.stop(), BUS_CLEANUP_TIMEOUT)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Stop taking work, destroy every sandbox, release the node. Never waits long on the bus, and the
+        backend's clean-up runs whatever happens before it."""
         ids = list(self.sandboxes)
         try:
-            await self.backend.stop()
-        except BackendError as exc:
-            log.error("backend stop incomplete: %s", exc)
+            for w in (self._create_worker, self._pool_worker):
+                if w:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(w.stop(drain=False), BUS_CLEANUP_TIMEOUT)
+            with contextlib.suppress(Exception):
+                await self.record.stop()
+            await self._best_effort(self._hand_back())
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ops.stop(), BUS_CLEANUP_TIMEOUT)
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            ids = list(self.sandboxes)
+        finally:
+            try:
+                await self.backend.stop()
+            except BackendError as exc:
+                log.error("backend stop incomplete: %s", exc)
         await self._best_effort(self._forget_all(ids))
+
+    async def _hand_back(self) -> None:
+        """At a stop: free the ids of creates cut short, and send the creates waiting on this node's lane
+        back to placement, so none waits for a node that is gone."""
+        from placement.reaper import replace_creates
+        for sid in list(self._claims):
+            raw, _ = await self.bus.kv_entry(streams.SANDBOXES_KV, sid)
+            rec = _decode_record(raw)
+            if rec is not None and rec.node == self.node and rec.state == "starting":
+                await self.bus.kv_delete(streams.SANDBOXES_KV, sid)
+        handed = await replace_creates(self.bus, self.node)
+        if handed:
+            log.warning("node %s stopping: %d waiting creates handed back to placement", self.node, handed)
 
     async def _best_effort(self, coro) -> None:
         try:
             await asyncio.wait_for(coro, BUS_CLEANUP_TIMEOUT)
-        except (asyncio.TimeoutError, DsecError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:   # whatever the bus does, the stop goes on
             log.info("bus update skipped during cleanup: %s", exc)
 
     async def _forget_all(self, ids: list[str]) -> None:
@@ -138,10 +188,13 @@ class Edge:
     # ---- accounting and heartbeat ---------------------------------------------------------------
 
     def _create_credit(self) -> int:
-        """Create messages this edge may hold: free slots, plus those in flight that already booked one."""
-        if self.draining:
-            return 0
+        """Create messages this edge may hold: free slots, plus those in flight that already booked one.
+        A draining node still takes what its lane holds: placement booked those before the drain."""
         return self.capacity.free_slots() + sum(1 for i in self._creating if i in self.capacity.used)
+
+    def _pool_credit(self) -> int:
+        """The pool's shared lane: nothing while draining."""
+        return 0 if self.draining else self._create_credit()
 
     async def _ttl_loop(self) -> None:
         while True:
@@ -162,20 +215,16 @@ class Edge:
             with contextlib.suppress(DsecError):
                 await self.bus.send(reply_to, msg)
 
+    async def _on_node_create(self, d: Delivery) -> Verdict:
+        return await self._on_create(d)
+
+    async def _on_pool_create(self, d: Delivery) -> Verdict:
+        if self.draining:   # a drained node takes nothing new from its pool; what was booked on it still runs
+            d.nak_delay = 0.5
+            return Verdict.NAK
+        return await self._on_create(d)
+
     async def _on_create(self, d: Delivery) -> Verdict:
-        verdict, request_id = await self._take_create(d)
-        if verdict is not Verdict.NAK and request_id:
-            self.record.took(request_id)   # answered one way or another: its booking is no longer needed
-        return verdict
-
-    async def _take_create(self, d: Delivery) -> tuple[Verdict, str]:
-        verdict = await self._create_lane(d)
-        try:
-            return verdict, create_decoder.decode(d.data).request_id
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return verdict, ""
-
-    async def _create_lane(self, d: Delivery) -> Verdict:
         try:
             req = create_decoder.decode(d.data)
             subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
@@ -192,104 +241,157 @@ class Edge:
                 raise CapacityUnavailable(f"node {self.node} can never fit these resources")
         except DsecError as err:
             await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
-            return Verdict.ACK
-        if time.time() > req.deadline and req.sandbox_id not in self.sandboxes:
-            await self._create(req)   # records and answers `expired`; never starts it
-            return Verdict.ACK
+            return self._answered(req)
         running = self.sandboxes.get(req.sandbox_id)
         if running is not None:   # served before (ack lost): answer again; another request: refuse
             same = running.record.request_id == req.request_id
             await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                          node=self.node) if same else ErrorReply(
                 request_id=req.request_id, code=InvalidRequest.code, message="sandbox_id is already in use"))
-            return Verdict.ACK
-        if not self.capacity.fits(req.resources):
+            return self._answered(req)
+        expired = time.time() > req.deadline
+        if not expired and not self.capacity.fits(req.resources):
             d.nak_delay = 0.2    # room may free before its deadline; until then it waits in JetStream
             return Verdict.NAK
+        if not expired:   # booked before any await: two deliveries can never share one slot; the booking
+            self.capacity.reserve(req.sandbox_id, req.resources)   # leaves the record as the usage enters it
+            self.record.took(req.request_id)
         self._creating.add(req.sandbox_id)
         lease = Lease(d)
+        verdict = Verdict.NAK
         try:
-            await self._create(req)
-        except BusError as exc:   # the bus hiccuped before anything started: try again shortly
+            verdict = await self._create(req)
+        except (BusError, EnvironmentFailure) as exc:   # before anything started: try again shortly
             log.warning("create %s retried: %s", req.request_id, exc)
-            d.nak_delay = 0.5
-            return Verdict.NAK
         finally:
             lease.cancel()
             self._creating.discard(req.sandbox_id)
+            if req.sandbox_id not in self.sandboxes:   # not started here (answered, failed, retried later)
+                self.capacity.release(req.sandbox_id)
+                self.record.changed()
+        d.nak_delay = 0.5
+        return verdict
+
+    def _answered(self, req: CreateRequest) -> Verdict:
+        """The request got its answer here: its booking on this node is no longer needed."""
+        self.record.took(req.request_id)
         return Verdict.ACK
 
-    async def _create(self, req: CreateRequest) -> None:
-        if not await self._claim(req):   # a BusError here leaves the request for redelivery
-            return
+    async def _create(self, req: CreateRequest) -> Verdict:
+        """Claim, start, record, answer. NAK when another node is still starting it (ask again later)."""
+        revision = await self._claim(req)
+        if revision == WAIT:
+            return Verdict.NAK
+        if revision is None:
+            return self._answered(req)
+        self._claims.add(req.sandbox_id)
+        try:
+            return await self._start_claimed(req, revision)
+        finally:
+            self._claims.discard(req.sandbox_id)
+
+    async def _start_claimed(self, req: CreateRequest, revision: int) -> Verdict:
         try:
             if time.time() > req.deadline:
                 raise RequestExpired("create request expired before a node started it")
-            self.capacity.reserve(req.sandbox_id, req.resources)
-            self.record.took(req.request_id)
             await self._start_sandbox(req)
         except DsecError as err:
             self.capacity.release(req.sandbox_id)
             self.record.changed()
             self.failed += 1
             await self._record_failure(req, err)
-            return
+            return Verdict.ACK
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
                             image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id)
+        if not await self._record_ready(rec, revision):   # our claim was taken from us (declared lost)
+            await self._drop(req)
+            return Verdict.ACK
         self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl)
         self.created += 1
-        try:   # kept trying through a stream leader moving to another server
-            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec, retry_for=RECORD_RETRY),
-                                 self._event(rec, "created", req.request_id))
+        try:
+            await self._event(rec, "created", req.request_id)
         except BusError as exc:
-            log.error("state of %s not recorded: %s", req.sandbox_id, exc)
+            log.error("created event of %s not published: %s", req.sandbox_id, exc)
         await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                      node=self.node))
+        return Verdict.ACK
 
-    async def _claim(self, req: CreateRequest) -> bool:
+    async def _record_ready(self, rec: SandboxRecord, claim: int) -> bool:
+        """Turn our `starting` claim into `ready` by compare-and-set; False when the claim is no longer ours.
+        Kept trying through a stream leader moving to another server (then the outcome is re-read)."""
+        give_up = time.monotonic() + RECORD_RETRY
+        while True:
+            try:
+                if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), claim) is not None:
+                    return True
+                raw, _ = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
+                prior = _decode_record(raw)
+                # a retried write that landed the first time reads back as ours
+                return prior is not None and prior.node == self.node and prior.state == "ready" \
+                    and prior.request_id == rec.request_id
+            except BusError as exc:
+                if time.monotonic() > give_up:
+                    log.error("state of %s not recorded: %s", rec.sandbox_id, exc)
+                    return True   # it runs and the client is told; the record catches up on destroy
+                await asyncio.sleep(0.2)
+
+    async def _drop(self, req: CreateRequest) -> None:
+        """A sandbox started under a claim that was taken away: destroy it, answer from the record if any."""
+        log.warning("claim of %s lost while starting it; destroying it here", req.sandbox_id)
+        try:
+            await self.backend.destroy(req.sandbox_id)
+        except BackendError as exc:
+            log.error("destroying %s failed: %s", req.sandbox_id, exc)
+        self.capacity.release(req.sandbox_id)
+        self.record.changed()
+        raw, _ = await self.bus.kv_entry(streams.SANDBOXES_KV, req.sandbox_id)
+        prior = _decode_record(raw)
+        if prior is not None and prior.state != "starting":
+            await self._answer_from(req, prior)
+        # no record: the reaper placed the request again, and its new node answers
+
+    async def _claim(self, req: CreateRequest) -> int | None:
         """Claim the sandbox id for this request by compare-and-set on its KV record (state `starting`).
 
         The record is the one place that decides: a request redelivered, placed twice (JetStream's
         duplicate window does not survive a stream leader change for messages already consumed), or
         sent again by a client starts at most one sandbox, on the node that claimed it. Anyone else
-        answers from the record. False when the request is answered (or being served) elsewhere."""
+        answers from the record. Returns the claim's revision; None when the request was answered
+        from the record; WAIT while another node is starting it."""
         now = time.time()
         mine = encode(SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="starting",
                                     image=req.image, labels=dict(req.labels), resources=req.resources,
                                     created_at=now, updated_at=now, request_id=req.request_id))
         revision = 0
         for _ in range(4):
-            if await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, mine, revision) is not None:
-                return True
+            claimed = await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, mine, revision)
+            if claimed is not None:
+                return claimed
             raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, req.sandbox_id)
-            prior = None
-            if raw is not None:
-                try:
-                    prior = sandbox_decoder.decode(raw)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    prior = None   # junk under this key names no sandbox: claim over it
+            prior = _decode_record(raw)   # junk under this key names no sandbox: claim over it
             if prior is None or (prior.node == self.node and prior.state == "starting"
                                  and prior.request_id == req.request_id):
                 continue   # free, or a claim of a crashed run of this node: take it over
+            if prior.state == "starting" and prior.request_id == req.request_id:
+                return WAIT   # another node starts it now: it answers; if it dies, the reaper frees the id
             await self._answer_from(req, prior)
-            return False
+            return None
         raise EnvironmentFailure(f"could not claim sandbox {req.sandbox_id}: its record keeps changing")
 
     async def _answer_from(self, req: CreateRequest, prior: SandboxRecord) -> None:
-        """Answer a create whose sandbox id already has a record (then it was, or is being, served)."""
+        """Answer a create whose sandbox id already has a final record (or is in use by another request)."""
         if prior.request_id != req.request_id:
             await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=InvalidRequest.code,
                                                        message="sandbox_id is already in use"))
         elif prior.state == "ready":   # served, maybe by another node: point the client there
             await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                          node=prior.node))
-        elif prior.state != "starting":   # its outcome was recorded; the reply may have died with a crash
+        else:   # its outcome was recorded; the reply may have died with a crash
             await self._reply(req.reply_to, ErrorReply(
                 request_id=req.request_id, code=SandboxNotFound.code, reason=prior.state,
                 message=f"sandbox {req.sandbox_id} {prior.state}: {prior.reason}"))
-        # starting elsewhere: that node answers
 
     async def _start_sandbox(self, req: CreateRequest) -> None:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
@@ -325,7 +427,7 @@ class Edge:
         ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
                    request_id=request_id, at=time.time(), detail=detail)
         await self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev),
-                               msg_id=f"{rec.sandbox_id}.{type_}", retry_for=RECORD_RETRY)
+                               msg_id=f"{rec.sandbox_id}.{type_}.{self.node}", retry_for=RECORD_RETRY)
 
     # ---- destroy (used by the op lane, the TTL loop and stop) ----------------------------------
 

@@ -33,11 +33,14 @@ STALE_BOOKING = 10.0    # seconds past its deadline a booking nobody took is dro
 class NodeRecord:
     """Writes this node's record; tells the edge when an operator drains or undrains it."""
 
-    def __init__(self, bus: Bus, capacity: Capacity, on_draining: Callable[[bool], None]) -> None:
+    def __init__(self, bus: Bus, capacity: Capacity, on_draining: Callable[[bool], None],
+                 on_lost: Callable[[], None] = lambda: None) -> None:
         self.bus = bus
         self.capacity = capacity
         self.node = capacity.config.node_id
         self.on_draining = on_draining
+        self.on_lost = on_lost
+        self._declared_lost = False
         self.draining = False
         self.started_at = time.time()
         self._taken: set[str] = set()
@@ -65,8 +68,11 @@ class NodeRecord:
             used.update(self._taken)
             return self._build(raw, used)
 
+        self._declared_lost = False
         result = await self.bus.kv_update(streams.NODES_KV, self.node, build)
         self._taken -= used
+        if self._declared_lost:   # declared lost while we ran (our heartbeats did not land in time)
+            self.on_lost()
         self.writes += 1
         info = node_decoder.decode(result.value) if result.value else None
         if info is not None and info.draining != self.draining:
@@ -83,11 +89,13 @@ class NodeRecord:
         now = time.time()
         info = self.capacity.node_info(draining=prior.draining if prior and prior.node == self.node else False)
         bookings = {}
+        self._declared_lost = bool(prior and prior.node == self.node and prior.lost
+                                   and prior.started_at == self.started_at)
         if prior is not None and prior.node == self.node:
             bookings = {rid: b for rid, b in prior.bookings.items()
                         if rid not in taken and now < b.deadline + STALE_BOOKING}
-        return encode(msgspec.structs.replace(info, bookings=bookings, lost=False, started_at=self.started_at,
-                                              heartbeat=now))
+        return encode(msgspec.structs.replace(info, bookings=bookings, lost=False, lost_handled=False, lost_at=0.0,
+                                              started_at=self.started_at, heartbeat=now))
 
     def start(self, heartbeat: float) -> None:
         """Start the writer loop (after a first write())."""

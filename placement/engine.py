@@ -19,7 +19,7 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus, kv_watch
-from bus.errors import CapacityUnavailable, DsecError, RequestExpired
+from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired
 from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Event, Queued, SandboxRecord,
                           create_decoder, encode, salvage)
 from bus.pull import Delivery, Lease, Verdict
@@ -51,6 +51,10 @@ class PlacementEngine:
 
     def __init__(self, bus: Bus, *, max_waiting: int = 32, burst_threshold: float = 0.8,
                  burst_pool: str = "cloud", pool: str = "local", name: str | None = None) -> None:
+        if not 0 < burst_threshold <= 1:
+            raise InvalidRequest(f"burst threshold must be in (0, 1], got {burst_threshold}")
+        if max_waiting < 1:
+            raise InvalidRequest(f"max waiting must be at least 1, got {max_waiting}")
         self.bus = bus
         self.name = name or _engine_name()
         self.images = ImageRegistry(bus)
@@ -141,6 +145,10 @@ class PlacementEngine:
             lease = Lease(d, every=streams.PLACEMENT_LEASE_EVERY)
             try:
                 return await self._handle(d, priority)
+            except BusError as exc:   # a hiccup (a leader election), not an answer: try again shortly
+                log.warning("create request retried: %s", exc)
+                d.nak_delay = 0.5
+                return Verdict.NAK
             finally:
                 lease.cancel()
         return handle
@@ -169,8 +177,8 @@ class PlacementEngine:
             rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image,
                                 labels=dict(req.labels), resources=req.resources, created_at=now,
                                 updated_at=now, reason=str(err), request_id=req.request_id)
-            try:
-                await self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec)
+            try:   # only if no edge claimed it meanwhile (its record is then the truth)
+                await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, encode(rec), 0)
             except DsecError as exc:
                 log.warning("record of %s not written: %s", req.sandbox_id, exc)
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
@@ -193,6 +201,8 @@ class PlacementEngine:
             layers = await self.images.resolve(req.image)
             self._never_fits(req)
             await self.quotas.admit(req)
+        except BusError:
+            raise
         except DsecError as err:
             return await self._reject(req, err)
         placed = msgspec.structs.replace(req, layers=layers)
@@ -204,6 +214,8 @@ class PlacementEngine:
                 if await self._try_place(placed):
                     return Verdict.ACK
                 self._never_fits(req)
+            except BusError:
+                raise
             except DsecError as err:
                 return await self._reject(req, err, admitted=True)
             if not queued:

@@ -82,9 +82,11 @@ class NodeLedger:
             self.on_room()
 
     def find_booking(self, request_id: str) -> str | None:
-        """The node holding a booking for this request, if any (a redelivered request placed before)."""
+        """The live node holding a booking for this request, if any (a redelivered request placed before).
+        A booking on a node that is lost or draining does not count: the request is placed afresh."""
+        now = time.time()
         for key, e in self.entries.items():
-            if request_id in e.info.bookings:
+            if request_id in e.info.bookings and scoring.placeable(e.info, e.info.pool, now):
                 return key
         return None
 
@@ -102,14 +104,15 @@ class NodeLedger:
     async def _flush(self, node: str) -> None:
         try:
             while batch := self._queues.pop(node, []):
+                accepted: set[str] = set()
                 try:
                     accepted = await self._commit(node, batch)
                 except Exception as exc:   # the bus failed: these requests are retried by their handlers
                     log.warning("booking on %s failed: %s", node, exc)
-                    accepted = set()
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_result(p.request_id in accepted)
+                finally:   # every waiter gets an answer, even when this flush is cancelled
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_result(p.request_id in accepted)
         finally:
             self._flushing.discard(node)
             for p in self._queues.pop(node, []):   # arrived after the loop ended
@@ -159,18 +162,26 @@ def _more_room(old: NodeInfo, new: NodeInfo) -> bool:
 
 
 async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, lost: bool | None = None,
-                   only_if_stale: float | None = None) -> NodeInfo | None:
-    """Set a node's draining or lost flag by compare-and-set. With only_if_stale, lost is set only while
-    the heartbeat is older than that many seconds and the node is not already lost (so exactly one
-    engine wins the claim). Returns the record written, or None when nothing was written."""
+                   lost_handled: bool | None = None, only_if_stale: float | None = None) -> NodeInfo | None:
+    """Set a node's draining / lost / lost_handled flag by compare-and-set. With only_if_stale, lost is
+    set only while the heartbeat is older than that many seconds and the node is not lost already (so
+    exactly one engine wins the claim); declaring a node lost drops its bookings (their creates are
+    placed again). Returns the record written, or None when nothing was written."""
     def mutate(raw: bytes | None) -> bytes | None:
         info = decode_node(node, raw)
         if info is None:
             return None
         if only_if_stale is not None and (info.lost or time.time() - info.heartbeat < only_if_stale):
             return None
-        new = msgspec.structs.replace(info, draining=info.draining if draining is None else draining,
-                                      lost=info.lost if lost is None else lost)
+        if lost_handled is not None and not info.lost:
+            return None   # it came back meanwhile
+        new = info
+        if draining is not None:
+            new = msgspec.structs.replace(new, draining=draining)
+        if lost:
+            new = msgspec.structs.replace(new, lost=True, lost_at=time.time(), lost_handled=False, bookings={})
+        if lost_handled is not None:
+            new = msgspec.structs.replace(new, lost_handled=lost_handled)
         return None if new == info else encode(new)
 
     result = await bus.kv_update(streams.NODES_KV, node, mutate)

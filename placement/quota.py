@@ -21,7 +21,8 @@ from bus.errors import QuotaExceeded
 from bus.messages import (CreateRequest, Hold, Quota, TenantUsage, encode, quota_decoder, sandbox_decoder,
                           usage_decoder)
 
-GRACE = 30.0   # seconds after its request's deadline a hold with no sandbox record still counts
+GRACE = 5.0    # seconds after its request's deadline a hold with no sandbox record still counts
+PRUNE_ABOVE = 512   # holds beyond which ended ones are released at every admission (keeps the record small)
 
 
 class Quotas:
@@ -52,24 +53,25 @@ class Quotas:
         hold = Hold(request_id=req.request_id, resources=req.resources, deadline=req.deadline)
         refused: list[str] = []
 
-        def mutate(raw: bytes | None, live: set[str] | None = None) -> bytes | None:
+        def mutate(raw: bytes | None, dead: frozenset[str] = frozenset()) -> bytes | None:
             refused.clear()
             usage = _decode(raw, req.tenant)
-            holds = usage.holds if live is None else {k: v for k, v in usage.holds.items() if k in live}
+            holds = {k: v for k, v in usage.holds.items() if k not in dead}   # holds added meanwhile stay
             if req.sandbox_id in holds:
-                return None if live is None else encode(msgspec.structs.replace(usage, holds=holds))
+                return None if len(holds) == len(usage.holds) else encode(msgspec.structs.replace(usage, holds=holds))
             why = over(quota, holds.values(), req.resources)
             if why:
                 refused.append(why)
-                return None if live is None or len(holds) == len(usage.holds) else encode(
-                    msgspec.structs.replace(usage, holds=holds))
+                return None if len(holds) == len(usage.holds) else encode(msgspec.structs.replace(usage, holds=holds))
             return encode(msgspec.structs.replace(usage, holds={**holds, req.sandbox_id: hold}))
 
         result = await self.bus.kv_update(streams.TENANTS_KV, req.tenant, mutate)
-        if not refused:
+        usage = _decode(result.value, req.tenant)
+        if not refused and len(usage.holds) < PRUNE_ABOVE:
             return
-        live = await self._live(_decode(result.value, req.tenant))   # release what has ended, then retry
-        await self.bus.kv_update(streams.TENANTS_KV, req.tenant, lambda raw: mutate(raw, live))
+        # at the limit (or holding many): release what has ended, then decide again
+        dead = frozenset(usage.holds) - await self._live(usage)
+        await self.bus.kv_update(streams.TENANTS_KV, req.tenant, lambda raw: mutate(raw, dead))
         if refused:
             raise QuotaExceeded(f"tenant {req.tenant}: {refused[0]}")
 

@@ -26,6 +26,7 @@ from placement.ledger import NodeLedger, set_flag
 log = logging.getLogger(__name__)
 
 SWEEP_EVERY = 1.0
+RETRY_AFTER = 10.0   # a lost node still not handled this long after its claim is handled by any engine
 
 
 class Reaper:
@@ -39,16 +40,18 @@ class Reaper:
         self.replaced = 0
 
     async def run(self) -> None:
-        """Sweep forever."""
+        """Sweep forever; no failure ends the sweep."""
         while True:
             await asyncio.sleep(SWEEP_EVERY)
             now = time.time()
             for info in self.ledger.nodes():
-                if not info.lost and now - info.heartbeat > streams.NODE_LOST_AFTER:
-                    try:
+                try:
+                    if not info.lost and now - info.heartbeat > streams.NODE_LOST_AFTER:
                         await self.claim(info.node)
-                    except BusError as exc:
-                        log.warning("lost node %s not handled yet: %s", info.node, exc)
+                    elif info.lost and not info.lost_handled and now - info.lost_at > RETRY_AFTER:
+                        await self.finish(info.node)   # the engine that claimed it died midway
+                except Exception as exc:
+                    log.warning("lost node %s not handled yet: %s", info.node, exc)
 
     async def claim(self, node: str) -> bool:
         """Declare node lost if its heartbeat is still stale and nobody did; then account for its work."""
@@ -57,10 +60,15 @@ class Reaper:
             return False
         self.lost_nodes += 1
         log.warning("node %s lost (no heartbeat for %.0fs)", node, time.time() - won.heartbeat)
+        await self.finish(node)
+        return True
+
+    async def finish(self, node: str) -> None:
+        """The work for a lost node; every step may run again (after a crash midway) without harm."""
         await self._mark_sandboxes(node)
         await self._replace_creates(node)
         await self._answer_ops(node)
-        return True
+        await set_flag(self.bus, node, lost_handled=True)
 
     async def _mark_sandboxes(self, node: str) -> None:
         now = time.time()
@@ -80,51 +88,66 @@ class Reaper:
                                            updated_at=now)
             await self.bus.kv_put(streams.SANDBOXES_KV, key, gone)
             await self.bus.publish(subjects.event(rec.tenant, key), Event(
-                type="node_lost", sandbox_id=key, tenant=rec.tenant, node=node, at=now, detail=gone.reason))
+                type="node_lost", sandbox_id=key, tenant=rec.tenant, node=node, at=now, detail=gone.reason),
+                msg_id=f"{key}.node_lost.{node}", retry_for=5.0)
             self.lost_sandboxes += 1
 
     async def _replace_creates(self, node: str) -> None:
-        async def again(data: bytes) -> bool:
-            try:
-                req = create_decoder.decode(data)
-                subjects.token(req.tenant, "tenant")
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
-                return True   # junk: drop it
-            req = msgspec.structs.replace(req, node="", attempt=req.attempt + 1)
-            await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(req),
-                                   msg_id=f"{req.request_id}.{req.attempt}", retries=3)
-            self.replaced += 1
-            return True
-
-        await self._take(streams.edge_create_consumer(node), again)
+        self.replaced += await replace_creates(self.bus, node)
 
     async def _answer_ops(self, node: str) -> None:
-        why = f"node {node} was lost"
+        await answer_ops(self.bus, node, f"node {node} was lost", "node_lost")
 
-        async def answer(data: bytes) -> bool:
-            try:
-                op = op_decoder.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return True
-            try:
-                if isinstance(op, ExecRequest):
-                    subjects.token(op.sandbox_id, "sandbox_id"), subjects.token(op.exec_id, "exec_id")
-                    await self.bus.publish(subjects.output(op.sandbox_id, op.exec_id), ExitRecord(
-                        exec_id=op.exec_id, seq=1, exit_code=-1, error_code=SandboxNotFound.code, error=why,
-                        reason="node_lost"))
-                elif subjects.is_reply_subject(op.reply_to):
-                    await self.bus.send(op.reply_to, ErrorReply(request_id=op.request_id, code=SandboxNotFound.code,
-                                                                message=why, reason="node_lost"))
-            except ValueError:
-                pass
+
+async def replace_creates(bus: Bus, node: str) -> int:
+    """Send every create waiting on a node's lane (also ones it pulled and never acked) back to placement,
+    as attempt + 1. Returns how many."""
+    count = 0
+
+    async def again(data: bytes) -> bool:
+        nonlocal count
+        try:
+            req = create_decoder.decode(data)
+            subjects.token(req.tenant, "tenant")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+            return True   # junk: drop it
+        req = msgspec.structs.replace(req, node="", pool="", attempt=req.attempt + 1)
+        await bus.publish(subjects.create_request(req.tenant, req.priority), encode(req),
+                          msg_id=f"{req.request_id}.{req.attempt}", retries=3, retry_for=5.0)
+        count += 1
+        return True
+
+    await _take(bus, streams.edge_create_consumer(node), again)
+    return count
+
+
+async def answer_ops(bus: Bus, node: str, why: str, reason: str) -> None:
+    """Answer every op waiting on a node's lane with sandbox_not_found (reason), so no caller hangs."""
+    async def answer(data: bytes) -> bool:
+        try:
+            op = op_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return True
+        try:
+            if isinstance(op, ExecRequest):
+                subjects.token(op.sandbox_id, "sandbox_id"), subjects.token(op.exec_id, "exec_id")
+                await bus.publish(subjects.output(op.sandbox_id, op.exec_id), ExitRecord(
+                    exec_id=op.exec_id, seq=1, exit_code=-1, error_code=SandboxNotFound.code, error=why,
+                    reason=reason))
+            elif subjects.is_reply_subject(op.reply_to):
+                await bus.send(op.reply_to, ErrorReply(request_id=op.request_id, code=SandboxNotFound.code,
+                                                       message=why, reason=reason))
+        except ValueError:
+            pass
+        return True
 
-        await self._take(streams.edge_ops_consumer(node), answer)
+    await _take(bus, streams.edge_ops_consumer(node), answer)
 
-    async def _take(self, stream_and_config, handle) -> None:
-        """Everything waiting on a dead node's lane, including what it had pulled and not acked: the
-        consumer is made afresh (its unacked messages are then deliverable at once)."""
-        stream, config = stream_and_config
-        await self.bus.delete_consumer(stream, config.durable_name)
-        await self.bus.ensure_consumer(stream, config)
-        await self.bus.take(stream, config.durable_name, handle)
+
+async def _take(bus: Bus, stream_and_config, handle) -> None:
+    """Everything waiting on a node's lane, including what it had pulled and not acked: the consumer is
+    made afresh (its unacked messages are then deliverable at once)."""
+    stream, config = stream_and_config
+    await bus.delete_consumer(stream, config.durable_name)
+    await bus.ensure_consumer(stream, config)
+    await bus.take(stream, config.durable_name, handle)

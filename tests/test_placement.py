@@ -183,7 +183,8 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
     bus = await Bus.connect(nats_server.url)
     node = f"gone{free_port()}"
     try:
-        await bus.kv_put(streams.NODES_KV, node, fake_node(node, age=streams.NODE_LOST_AFTER + 5))
+        await bus.kv_put(streams.NODES_KV, node, fake_node(node, age=streams.NODE_LOST_AFTER + 5, bookings={
+            f"rw{node}": Booking(Resources(), time.time() + 60)}))
         sid = f"sb{node}"
         await bus.kv_put(streams.SANDBOXES_KV, sid, SandboxRecord(sandbox_id=sid, node=node, state="ready",
                                                                   request_id="rq"))
@@ -211,7 +212,13 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
         assert exit_rec.error_code == "sandbox_not_found" and exit_rec.reason == "node_lost"
         again = msgspec.json.decode(await asyncio.wait_for(replaced.get(), 5), type=CreateRequest)
         assert again.request_id == waiting.request_id and again.attempt == 1 and again.node == ""
-        assert node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).lost
+        after = node_decoder.decode(await bus.kv_get(streams.NODES_KV, node))
+        assert after.lost and after.lost_handled and after.bookings == {}
+        # an engine that still sees the booking (an older view) must not send the create back there
+        led = ledger_mod.NodeLedger(bus)
+        led.on_change(node, encode(fake_node(node, bookings={again.request_id: Booking(Resources(), 0)},
+                                             lost=True)), 1)
+        assert led.find_booking(again.request_id) is None
         for s in subs:
             await s.unsubscribe()
         await watcher.close()
