@@ -27,10 +27,10 @@ def mapped_errors(what: str):
     """Translate nats errors raised inside the block into BusError / BusUnavailable, once."""
     try:
         yield
+    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
+        raise BusError(f"{what}: NATS did not answer in time") from exc   # (TimeoutError is an OSError too)
     except (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError) as exc:
         raise BusUnavailable(f"{what}: NATS unavailable ({exc.__class__.__name__})") from exc
-    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
-        raise BusError(f"{what}: NATS did not answer in time") from exc
     except nats.errors.Error as exc:
         raise BusError(f"{what}: {exc}") from exc
 
@@ -280,10 +280,10 @@ class Bus:
                 entry = await kv.get(key)
         except BusError as exc:
             cause = exc.__cause__
-            if isinstance(cause, nats.js.errors.KeyDeletedError):
-                return None, cause.entry.revision if cause.entry else 0
             if isinstance(cause, (nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError)):
-                return None, 0
+                # a deleted key: its tombstone's revision is what a compare-and-set must name
+                entry = getattr(cause, "entry", None)
+                return None, entry.revision if entry is not None and entry.revision else 0
             raise
         return entry.value, entry.revision
 

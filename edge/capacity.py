@@ -41,18 +41,19 @@ class Capacity:
         self.cores = c.cpus or float(psutil.cpu_count() or 1)
         self.cpu = self.cores * c.cpu_overcommit
         self.memory = int((c.memory or psutil.virtual_memory().total) * c.memory_fraction)
+        self._cpu, self._memory, self._disk = 0.0, 0, 0   # running sums: the record is rebuilt often
 
     def used_cpu(self) -> float:
         """Cores booked."""
-        return sum(r.cpu for r in self.used.values())
+        return max(0.0, self._cpu)
 
     def used_memory(self) -> int:
         """Bytes booked."""
-        return sum(r.memory for r in self.used.values())
+        return self._memory
 
     def used_disk(self) -> int:
         """Writable-layer bytes booked."""
-        return sum(r.disk for r in self.used.values())
+        return self._disk
 
     def free_slots(self) -> int:
         """Sandboxes that may still start."""
@@ -70,11 +71,21 @@ class Capacity:
 
     def reserve(self, sandbox_id: str, r: Resources) -> None:
         """Book r for a sandbox."""
+        self.release(sandbox_id)
         self.used[sandbox_id] = r
+        self._cpu += r.cpu
+        self._memory += r.memory
+        self._disk += r.disk
 
     def release(self, sandbox_id: str) -> None:
         """Free a sandbox's booking."""
-        self.used.pop(sandbox_id, None)
+        r = self.used.pop(sandbox_id, None)
+        if r is not None:
+            self._cpu -= r.cpu
+            self._memory -= r.memory
+            self._disk -= r.disk
+            if not self.used:   # no float drift survives an empty node
+                self._cpu, self._memory, self._disk = 0.0, 0, 0
 
     def node_info(self, draining: bool = False) -> NodeInfo:
         """The heartbeat record."""

@@ -26,7 +26,7 @@ from edge.capacity import Capacity
 
 log = logging.getLogger(__name__)
 
-MIN_GAP = 0.01          # seconds between two writes under load
+MIN_GAP = 0.025         # seconds between two writes under load
 STALE_BOOKING = 10.0    # seconds past its deadline a booking nobody took is dropped
 
 

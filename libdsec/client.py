@@ -173,7 +173,8 @@ class AsyncClient:
             await self._abandon(req.sandbox_id)
             why = f" (queued: {queued})" if queued else ""
             raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; "
-                                      "the request expires and will not start later")
+                                      f"the request expires and will not start later (sandbox {req.sandbox_id})",
+                                      sandbox_id=req.sandbox_id)
         finally:
             replies.forget(req.request_id)
 

@@ -271,3 +271,19 @@ async def test_quota_cli_sets_lists_and_removes(stack):
     bad = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "set", "bad.tenant", "--nats", stack.url],
                                   capture_output=True, text=True)
     assert bad.returncode == 1 and "tenant" in bad.stderr
+
+
+async def test_a_deleted_record_can_be_claimed_again_by_compare_and_set(bare_server):
+    """The reaper frees a lost node's `starting` claims by deleting them; the next claim must name the
+    tombstone's revision (a create-only write would fail on it forever)."""
+    bus = await Bus.connect(bare_server.url)
+    try:
+        await bus.kv_put(streams.SANDBOXES_KV, "sbdel", b"{}")
+        await bus.kv_delete(streams.SANDBOXES_KV, "sbdel")
+        value, revision = await bus.kv_entry(streams.SANDBOXES_KV, "sbdel")
+        assert value is None and revision > 0
+        assert await bus.kv_cas(streams.SANDBOXES_KV, "sbdel", b"{}", 0) is None
+        assert await bus.kv_cas(streams.SANDBOXES_KV, "sbdel", b"{}", revision) is not None
+        assert await bus.kv_entry(streams.SANDBOXES_KV, "never") == (None, 0)
+    finally:
+        await bus.close()
