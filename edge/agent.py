@@ -216,15 +216,15 @@ class Edge:
                 await self.bus.send(reply_to, msg)
 
     async def _on_node_create(self, d: Delivery) -> Verdict:
-        return await self._on_create(d)
+        return await self._on_create(d, streams.ACK_WAIT / 3)
 
     async def _on_pool_create(self, d: Delivery) -> Verdict:
         if self.draining:   # a drained node takes nothing new from its pool; what was booked on it still runs
             d.nak_delay = 0.5
             return Verdict.NAK
-        return await self._on_create(d)
+        return await self._on_create(d, streams.POOL_ACK_WAIT / 3)
 
-    async def _on_create(self, d: Delivery) -> Verdict:
+    async def _on_create(self, d: Delivery, lease_every: float) -> Verdict:
         try:
             req = create_decoder.decode(d.data)
             subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
@@ -257,7 +257,7 @@ class Edge:
             self.capacity.reserve(req.sandbox_id, req.resources)   # leaves the record as the usage enters it
             self.record.took(req.request_id)
         self._creating.add(req.sandbox_id)
-        lease = Lease(d)
+        lease = Lease(d, every=lease_every)   # a third of the lane's ack wait: never redelivered while it runs
         verdict = Verdict.NAK
         try:
             verdict = await self._create(req)
