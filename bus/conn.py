@@ -299,6 +299,18 @@ class Bus:
                 return None
             raise
 
+    async def kv_cas_delete(self, bucket: str, key: str, revision: int) -> bool:
+        """Delete key only if it is still at `revision`; False when someone wrote first."""
+        kv = await self.kv(bucket)
+        try:
+            with mapped_errors(f"kv delete {bucket}/{key}"):
+                await kv.delete(key, last=revision)
+            return True
+        except BusError as exc:
+            if isinstance(exc.__cause__, (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError)):
+                return False
+            raise
+
     async def kv_update(self, bucket: str, key: str, mutate: Callable[[bytes | None], bytes | None], *,
                         known: tuple[bytes | None, int] | None = None, attempts: int = 64) -> CasResult:
         """Read-modify-write with compare-and-set, retried on conflict. mutate(current) returns the new
@@ -361,9 +373,13 @@ class Bus:
                     with mapped_errors(f"kv list {bucket}"):
                         m = await sub.next_msg(timeout=3)
                 except BusError as exc:
-                    if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
-                        return
-                    raise
+                    if not isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                        raise
+                    # silence before the last entry: a stall, not the end (unless the bucket emptied)
+                    with mapped_errors(f"kv list {bucket}"):
+                        if (await self.js.stream_info(f"KV_{bucket}")).state.messages == 0:
+                            return
+                    raise BusError(f"kv list {bucket}: the listing stalled before its end") from exc
                 yield m.subject, m.data, (m.headers or {}).get("KV-Operation", "PUT")
                 if m.metadata.num_pending == 0:
                     return

@@ -179,6 +179,8 @@ class PullWorker:
         except Exception:
             # A bug, not a transport hiccup: retry a few times, then stop the message going round.
             log.exception("handler failed on %s (delivery %d)", msg.subject, delivered)
+            if len(self._failures) > 10_000:   # entries of messages finished elsewhere: start over
+                self._failures.clear()
             failures = self._failures[seq] = self._failures.get(seq, 0) + 1
             verdict = Verdict.TERM if failures >= POISON_AFTER else Verdict.NAK
         finally:

@@ -27,6 +27,9 @@ from placement import admission
 log = logging.getLogger(__name__)
 
 BUS_CLEANUP_TIMEOUT = 1.0   # cleanup never waits on the bus longer than this
+STOP_BUS_BUDGET = 1.5       # seconds for everything a stop does before the backend's clean-up
+HAND_BACK_BUDGET = 1.2      # seconds for handing waiting creates back at a stop
+CLAIM_STALE = 30.0          # a `starting` claim this long past its request's deadline is abandoned
 RECORD_RETRY = 8.0          # seconds a state record or event is retried (a leader election takes seconds)
 WAIT = -1                   # _claim: another node is starting this request now
 
@@ -98,7 +101,7 @@ class Edge:
         return self.record.draining
 
     def _set_draining(self, draining: bool) -> None:
-        log.warning("node %s %s", self.node, "draining" if draining else "accepting work again")
+        log.info("node %s %s", self.node, "draining" if draining else "accepting work again")
         self._poke()
 
     def _declared_lost(self) -> None:
@@ -125,22 +128,35 @@ class Edge:
                 w.poke()
 
     async def stop(self) -> None:
-        """Stop taking work, destroy every sandbox, release the node. Never waits long on the bus, and the
-        backend's clean-up runs whatever happens before it."""
+        """Stop taking work, destroy every sandbox, release the node, hand waiting creates back.
+
+        Order matters under the caller's budget (about 6 s): the node is marked draining (no new
+        bookings) and the lanes stop within STOP_BUS_BUDGET; the backend's clean-up comes next, whatever
+        happened before; bus bookkeeping and the hand-back come last, each bounded."""
+        claims = set(self._claims)   # creates cut short below: their ids are freed at the end
+        loop = asyncio.get_running_loop()
+        until = loop.time() + STOP_BUS_BUDGET
+
+        async def step(aw) -> None:
+            try:
+                await asyncio.wait_for(aw, max(0.05, until - loop.time()))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:   # whatever the bus does, the stop goes on
+                log.info("stop step skipped: %s", exc)
+
         ids = list(self.sandboxes)
         try:
+            from placement.ledger import set_flag
+            await step(set_flag(self.bus, self.node, draining=True))
             for w in (self._create_worker, self._pool_worker):
                 if w:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(w.stop(drain=False), BUS_CLEANUP_TIMEOUT)
-            with contextlib.suppress(Exception):
-                await self.record.stop()
-            await self._best_effort(self._hand_back())
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.ops.stop(), BUS_CLEANUP_TIMEOUT)
+                    await step(w.stop(drain=False))
+            await step(self.record.stop())
+            await step(self.ops.stop())
             for t in self._tasks:
                 t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await step(asyncio.gather(*self._tasks, return_exceptions=True))
             ids = list(self.sandboxes)
         finally:
             try:
@@ -148,23 +164,28 @@ class Edge:
             except BackendError as exc:
                 log.error("backend stop incomplete: %s", exc)
         await self._best_effort(self._forget_all(ids))
+        await self._best_effort(self._hand_back(claims), HAND_BACK_BUDGET)
 
-    async def _hand_back(self) -> None:
-        """At a stop: free the ids of creates cut short, and send the creates waiting on this node's lane
-        back to placement, so none waits for a node that is gone."""
+    async def _hand_back(self, claims: set[str]) -> None:
+        """At a stop, after the node record is gone (nothing books it any more): free the ids of creates
+        cut short, and send the creates waiting on this node's lane back to placement."""
         from placement.reaper import replace_creates
-        for sid in list(self._claims):
-            raw, _ = await self.bus.kv_entry(streams.SANDBOXES_KV, sid)
-            rec = _decode_record(raw)
-            if rec is not None and rec.node == self.node and rec.state == "starting":
-                await self.bus.kv_delete(streams.SANDBOXES_KV, sid)
+        for sid in claims:
+            await self._free_claim(sid)
         handed = await replace_creates(self.bus, self.node)
         if handed:
             log.warning("node %s stopping: %d waiting creates handed back to placement", self.node, handed)
 
-    async def _best_effort(self, coro) -> None:
+    async def _free_claim(self, sandbox_id: str) -> None:
+        """Delete this node's `starting` record of an id (compare-and-set: never someone else's)."""
+        raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, sandbox_id)
+        rec = _decode_record(raw)
+        if rec is not None and rec.node == self.node and rec.state == "starting":
+            await self.bus.kv_cas_delete(streams.SANDBOXES_KV, sandbox_id, revision)
+
+    async def _best_effort(self, coro, budget: float = BUS_CLEANUP_TIMEOUT) -> None:
         try:
-            await asyncio.wait_for(coro, BUS_CLEANUP_TIMEOUT)
+            await asyncio.wait_for(coro, budget)
         except asyncio.CancelledError:
             raise
         except Exception as exc:   # whatever the bus does, the stop goes on
@@ -184,6 +205,8 @@ class Edge:
             if rec.node == self.node and rec.state == "ready":
                 self.sandboxes[key] = Running(rec, 0)
                 await self._mark_gone(key, "node_lost", "edge restarted; sandbox destroyed by reconcile")
+            elif rec.node == self.node and rec.state == "starting":   # a crashed run's claim: free the id
+                await self._free_claim(key)
 
     # ---- accounting and heartbeat ---------------------------------------------------------------
 
@@ -375,10 +398,21 @@ class Edge:
                                  and prior.request_id == req.request_id):
                 continue   # free, or a claim of a crashed run of this node: take it over
             if prior.state == "starting" and prior.request_id == req.request_id:
+                if await self._abandoned(prior, req):
+                    continue   # its node is gone, restarted or far past the deadline: take it over
                 return WAIT   # another node starts it now: it answers; if it dies, the reaper frees the id
             await self._answer_from(req, prior)
             return None
         raise EnvironmentFailure(f"could not claim sandbox {req.sandbox_id}: its record keeps changing")
+
+    async def _abandoned(self, claim: SandboxRecord, req: CreateRequest) -> bool:
+        """Whether another node's `starting` claim will never be finished: its node has no record, is
+        lost, restarted since it claimed, or the request's deadline passed long ago."""
+        if time.time() > req.deadline + CLAIM_STALE:
+            return True
+        from placement.ledger import decode_node
+        owner = decode_node(claim.node, await self.bus.kv_get(streams.NODES_KV, claim.node))
+        return owner is None or owner.lost or owner.started_at > claim.created_at
 
     async def _answer_from(self, req: CreateRequest, prior: SandboxRecord) -> None:
         """Answer a create whose sandbox id already has a final record (or is in use by another request)."""
@@ -448,8 +482,26 @@ class Edge:
         if running is None:
             return
         rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time())
+        mine = running.record
+
+        def mutate(raw: bytes | None) -> bytes | None:   # never over a record another node wrote since
+            prior = _decode_record(raw)
+            if prior is not None and (prior.node != mine.node or prior.request_id != mine.request_id):
+                return None
+            return encode(rec)
+
+        async def record() -> None:   # kept trying through a stream leader moving to another server
+            give_up = time.monotonic() + RECORD_RETRY
+            while True:
+                try:
+                    await self.bus.kv_update(streams.SANDBOXES_KV, sandbox_id, mutate)
+                    return
+                except BusError:
+                    if time.monotonic() > give_up:
+                        raise
+                    await asyncio.sleep(0.2)
+
         try:
-            await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, sandbox_id, rec, retry_for=RECORD_RETRY),
-                                 self._event(rec, state, detail=reason))
+            await asyncio.gather(record(), self._event(rec, state, detail=reason))
         except BusError as exc:
             log.warning("state of %s not recorded: %s", sandbox_id, exc)

@@ -66,7 +66,7 @@ class Capacity:
 
     def fits(self, r: Resources) -> bool:
         """Whether r fits now on every dimension."""
-        return (self.free_slots() > 0 and self.used_cpu() + r.cpu <= self.cpu
+        return (self.free_slots() > 0 and self.used_cpu() + r.cpu <= self.cpu + 1e-9
                 and self.used_memory() + r.memory <= self.memory and self.used_disk() + r.disk <= self.config.disk)
 
     def reserve(self, sandbox_id: str, r: Resources) -> None:

@@ -68,10 +68,10 @@ class NodeRecord:
             used.update(self._taken)
             return self._build(raw, used)
 
-        self._declared_lost = False
         result = await self.bus.kv_update(streams.NODES_KV, self.node, build)
         self._taken -= used
-        if self._declared_lost:   # declared lost while we ran (our heartbeats did not land in time)
+        if self._declared_lost:   # declared lost while we ran (our heartbeats did not land in time);
+            self._declared_lost = False   # kept pending until a write lands, so it is never missed
             self.on_lost()
         self.writes += 1
         info = node_decoder.decode(result.value) if result.value else None
@@ -89,8 +89,8 @@ class NodeRecord:
         now = time.time()
         info = self.capacity.node_info(draining=prior.draining if prior and prior.node == self.node else False)
         bookings = {}
-        self._declared_lost = bool(prior and prior.node == self.node and prior.lost
-                                   and prior.started_at == self.started_at)
+        self._declared_lost = self._declared_lost or bool(prior and prior.node == self.node and prior.lost
+                                                          and prior.started_at == self.started_at)
         if prior is not None and prior.node == self.node:
             bookings = {rid: b for rid, b in prior.bookings.items()
                         if rid not in taken and now < b.deadline + STALE_BOOKING}

@@ -178,7 +178,9 @@ class PlacementEngine:
                                 labels=dict(req.labels), resources=req.resources, created_at=now,
                                 updated_at=now, reason=str(err), request_id=req.request_id)
             try:   # only if no edge claimed it meanwhile (its record is then the truth)
-                await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, encode(rec), 0)
+                raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, req.sandbox_id)
+                if raw is None:
+                    await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, encode(rec), revision)
             except DsecError as exc:
                 log.warning("record of %s not written: %s", req.sandbox_id, exc)
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))

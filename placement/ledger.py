@@ -162,11 +162,13 @@ def _more_room(old: NodeInfo, new: NodeInfo) -> bool:
 
 
 async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, lost: bool | None = None,
-                   lost_handled: bool | None = None, only_if_stale: float | None = None) -> NodeInfo | None:
+                   lost_handled: bool | None = None, only_if_stale: float | None = None,
+                   retry_lost_after: float | None = None) -> NodeInfo | None:
     """Set a node's draining / lost / lost_handled flag by compare-and-set. With only_if_stale, lost is
     set only while the heartbeat is older than that many seconds and the node is not lost already (so
     exactly one engine wins the claim); declaring a node lost drops its bookings (their creates are
-    placed again). Returns the record written, or None when nothing was written."""
+    placed again). With retry_lost_after, an unfinished lost-node job older than that is taken over
+    (lost_at refreshed). Returns the record written, or None when nothing was written."""
     def mutate(raw: bytes | None) -> bytes | None:
         info = decode_node(node, raw)
         if info is None:
@@ -175,6 +177,10 @@ async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, lost: b
             return None
         if lost_handled is not None and not info.lost:
             return None   # it came back meanwhile
+        if retry_lost_after is not None:   # take over an unfinished lost-node job (one engine wins)
+            if not info.lost or info.lost_handled or time.time() - info.lost_at < retry_lost_after:
+                return None
+            return encode(msgspec.structs.replace(info, lost_at=time.time()))
         new = info
         if draining is not None:
             new = msgspec.structs.replace(new, draining=draining)

@@ -22,7 +22,8 @@ from bus.messages import (CreateRequest, Hold, Quota, TenantUsage, encode, quota
                           usage_decoder)
 
 GRACE = 5.0    # seconds after its request's deadline a hold with no sandbox record still counts
-PRUNE_ABOVE = 512   # holds beyond which ended ones are released at every admission (keeps the record small)
+PRUNE_ABOVE = 512   # holds beyond which ended ones are released (keeps the record small)...
+PRUNE_EVERY = 5.0   # ...at most this often per tenant and engine (a refusal always prunes first)
 
 
 class Quotas:
@@ -31,6 +32,7 @@ class Quotas:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
         self.table: dict[str, Quota] = {}
+        self._pruned: dict[str, float] = {}   # tenant -> when its many holds were last pruned here
 
     def on_change(self, key: str, raw: bytes | None, _revision: int) -> None:
         """KV watch callback of dsec-quotas."""
@@ -67,8 +69,10 @@ class Quotas:
 
         result = await self.bus.kv_update(streams.TENANTS_KV, req.tenant, mutate)
         usage = _decode(result.value, req.tenant)
-        if not refused and len(usage.holds) < PRUNE_ABOVE:
+        if not refused and (len(usage.holds) < PRUNE_ABOVE
+                            or time.monotonic() - self._pruned.get(req.tenant, 0.0) < PRUNE_EVERY):
             return
+        self._pruned[req.tenant] = time.monotonic()
         # at the limit (or holding many): release what has ended, then decide again
         dead = frozenset(usage.holds) - await self._live(usage)
         await self.bus.kv_update(streams.TENANTS_KV, req.tenant, lambda raw: mutate(raw, dead))

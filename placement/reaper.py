@@ -49,7 +49,8 @@ class Reaper:
                     if not info.lost and now - info.heartbeat > streams.NODE_LOST_AFTER:
                         await self.claim(info.node)
                     elif info.lost and not info.lost_handled and now - info.lost_at > RETRY_AFTER:
-                        await self.finish(info.node)   # the engine that claimed it died midway
+                        if await set_flag(self.bus, info.node, retry_lost_after=RETRY_AFTER):
+                            await self.finish(info.node)   # the engine that claimed it died midway
                 except Exception as exc:
                     log.warning("lost node %s not handled yet: %s", info.node, exc)
 
@@ -71,26 +72,39 @@ class Reaper:
         await set_flag(self.bus, node, lost_handled=True)
 
     async def _mark_sandboxes(self, node: str) -> None:
+        """Every record of the node: `ready` -> `node_lost` (with an event), `starting` -> freed. Each by
+        compare-and-set on the revision read, and only while the node is still lost: an edge that comes
+        back (or was wrongly declared lost) writes its own records, and those win."""
         now = time.time()
         for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
             try:
                 rec = sandbox_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            if rec.node != node or rec.sandbox_id != key:
+            if rec.node != node or rec.sandbox_id != key or rec.state not in ("ready", "starting"):
                 continue
+            if not await self._still_lost(node):
+                return
+            raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, key)
+            if raw is None or sandbox_decoder.decode(raw) != rec:
+                continue   # changed since the listing: its writer knows better
             if rec.state == "starting":   # never started: free the id, its create is placed again below
-                await self.bus.kv_delete(streams.SANDBOXES_KV, key)
-                continue
-            if rec.state != "ready":
+                await self.bus.kv_cas_delete(streams.SANDBOXES_KV, key, revision)
                 continue
             gone = msgspec.structs.replace(rec, state="node_lost", reason=f"node {node} stopped heartbeating",
                                            updated_at=now)
-            await self.bus.kv_put(streams.SANDBOXES_KV, key, gone)
+            if await self.bus.kv_cas(streams.SANDBOXES_KV, key, encode(gone), revision) is None:
+                continue
             await self.bus.publish(subjects.event(rec.tenant, key), Event(
                 type="node_lost", sandbox_id=key, tenant=rec.tenant, node=node, at=now, detail=gone.reason),
                 msg_id=f"{key}.node_lost.{node}", retry_for=5.0)
             self.lost_sandboxes += 1
+
+    async def _still_lost(self, node: str) -> bool:
+        raw = await self.bus.kv_get(streams.NODES_KV, node)
+        from placement.ledger import decode_node
+        info = decode_node(node, raw)
+        return info is not None and info.lost
 
     async def _replace_creates(self, node: str) -> None:
         self.replaced += await replace_creates(self.bus, node)
