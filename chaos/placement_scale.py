@@ -255,7 +255,8 @@ async def scenario(creates: int, fault: str, hold: float, tmp: Path) -> int:
           f"({', '.join(f'{k}={v}' for k, v in sorted(failed.items())) or 'none'}) lost={lost} "
           f"duplicated={duplicated} leaked={leaked} over_capacity={len(obs.over)} "
           f"burst_before_threshold={burst_low + (not burst_order_ok)} cloud_peak={obs.cloud_peak} "
-          f"node_lost={node_lost} (victim ran ~{running_on_victim}, stuck={len(stuck)}) untyped={untyped} seconds={time.monotonic() - t0:.1f} "
+          f"node_lost={node_lost} (victim ran ~{running_on_victim}, stuck={len(stuck)}) untyped={untyped} "
+          f"seconds={time.monotonic() - t0:.1f} "
           f"-> {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
