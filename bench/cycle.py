@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import libdsec
-from bus.server import free_port
+from bus.server import die_with_parent, free_port
 from cli.demo import percentile
 
 RAW = ["unshare", "--fork", "--pid", "--mount", "--net", "--uts", "--ipc", "--mount-proc", "/bin/true"]
@@ -78,7 +78,8 @@ def dsec_up():
     with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
         proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "up", "--state-dir", tmp, "--port",
                                  str(port), "--metrics-port", str(free_port()), "--node-id", "bench"],
-                                stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                preexec_fn=die_with_parent)   # a killed bench leaves no `dsec up` behind
         try:
             line = proc.stdout.readline().strip()
             if not line.startswith("dsec: ready "):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
 import os
@@ -86,6 +87,14 @@ def placement_options(fn):
 STOP_WATCHDOG = 9.5   # seconds: a stop that has not finished by then is reported, and the process exits
 
 
+def _say(message: str, err: bool = False) -> None:
+    """Print a status line; a closed stdout/stderr (a reader that went away) never stops the clean-up."""
+    try:
+        click.echo(message, err=err)
+    except OSError:
+        pass
+
+
 async def _serve_until_signal(stack, ready_line: str) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1` shows where it is stuck
     loop = asyncio.get_running_loop()
@@ -94,18 +103,19 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stack.start()   # cleans up after itself when it fails
     try:
-        click.echo(ready_line)
+        _say(ready_line)
         await stop.wait()
     finally:
-        click.echo("dsec: stopping (destroying sandboxes)", err=True)
+        _say("dsec: stopping (destroying sandboxes)", err=True)
         try:
             await asyncio.wait_for(stack.stop(), STOP_WATCHDOG)
         except asyncio.TimeoutError:
-            faulthandler.dump_traceback(all_threads=True)
-            click.echo(f"dsec: error: stop did not finish within {STOP_WATCHDOG:.0f}s; the next start of this "
-                       "node reconciles what is left", err=True)
+            with contextlib.suppress(OSError):
+                faulthandler.dump_traceback(all_threads=True)
+            _say(f"dsec: error: stop did not finish within {STOP_WATCHDOG:.0f}s; the next start of this "
+                 "node reconciles what is left", err=True)
             os._exit(1)
-        click.echo("dsec: stopped", err=True)
+        _say("dsec: stopped", err=True)
 
 
 @main.command()
