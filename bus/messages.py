@@ -95,7 +95,8 @@ class ExecRequest(Wire, tag="exec"):
 
     exec_id: str = ""
     sandbox_id: str = ""
-    argv: list[str] = []
+    argv: list[str] = []             # run as is (resolved inside the sandbox)...
+    shell: str = ""                  # ...or a script for the edge's trusted shell (never the image's /bin/sh)
     env: dict[str, str] = {}
     cwd: str = "/"
     stdin: bytes = b""

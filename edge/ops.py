@@ -16,7 +16,7 @@ from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, ExitRecord, O
                           op_decoder, output_decoder, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
-from edge.backends.base import BackendError, SandboxGone
+from edge.backends.base import TRUSTED_SHELL, BackendError, SandboxGone
 
 if TYPE_CHECKING:
     from edge.agent import Edge
@@ -186,7 +186,8 @@ class OpLane:
         """Run the command; the fields of its exit record (an error record when it could not run)."""
         t0 = time.monotonic()
         try:
-            res = await self.edge.backend.exec(op.sandbox_id, op.argv, env=dict(op.env), cwd=op.cwd,
+            argv = [TRUSTED_SHELL, "-c", op.shell] if op.shell else op.argv
+            res = await self.edge.backend.exec(op.sandbox_id, argv, env=dict(op.env), cwd=op.cwd,
                                                stdin=op.stdin or None, timeout=op.timeout, sink=relay.sink)
         except SandboxGone:
             err = await self._gone(op.sandbox_id)
@@ -219,8 +220,12 @@ class OpLane:
 
     @staticmethod
     def _check_exec(op: ExecRequest) -> None:
-        if not op.argv or not all(op.argv):
-            raise InvalidRequest("argv must be a non-empty list of non-empty strings")
+        if op.shell and op.argv:
+            raise InvalidRequest("give argv or shell, not both")
+        if not op.shell and (not op.argv or not all(op.argv)):
+            raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
+        if "\0" in op.shell:
+            raise InvalidRequest("shell script must not contain NUL bytes")
         if not 0 < op.timeout <= 7 * 24 * 3600:
             raise InvalidRequest(f"timeout must be > 0 seconds, got {op.timeout}")
         if not op.cwd.startswith("/"):

@@ -24,13 +24,21 @@ MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per fi
 
 
 def argv_of(cmd: Command) -> list[str]:
-    """A str command runs under /bin/sh -c; a list is the argv itself."""
-    if isinstance(cmd, str):
-        return ["/bin/sh", "-c", cmd]
+    """A list command is its argv, run as is inside the sandbox."""
     argv = list(cmd)
     if not argv or not all(isinstance(a, str) and a for a in argv):
         raise InvalidRequest("command must be a string or a non-empty list of non-empty strings")
     return argv
+
+
+def command_fields(cmd: Command) -> dict:
+    """ExecRequest fields for a command: a str runs under the edge's trusted shell (a static busybox sh
+    the sandbox cannot replace, never the image's /bin/sh); a list is the argv itself."""
+    if isinstance(cmd, str):
+        if not cmd or "\0" in cmd:
+            raise InvalidRequest("command must be a non-empty string without NUL bytes")
+        return {"shell": cmd}
+    return {"argv": argv_of(cmd)}
 
 
 class AsyncSandbox:
@@ -63,7 +71,7 @@ class AsyncSandbox:
         if stdin and len(stdin) > MAX_FILE_OP:
             raise InvalidRequest(f"stdin: at most {MAX_FILE_OP} bytes per exec, got {len(stdin)}")
         bus = self.client._need_bus()
-        req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, argv=argv_of(cmd), env=dict(env or {}),
+        req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **command_fields(cmd), env=dict(env or {}),
                           cwd=cwd, stdin=stdin or b"", timeout=float(timeout),
                           deadline=time.time() + timeout + EXIT_GRACE, max_output=max_output)
         stream = ExecStream(bus, self.id, req.exec_id, self.client.tenant)

@@ -50,6 +50,14 @@ class SandboxGone(BackendError):
     """The sandbox does not exist (never created, or destroyed)."""
 
 
+# A shell the sandbox cannot replace: the host's static busybox, bind-mounted read-only at /.dsec
+# (a mount point: it can be neither renamed, removed nor written from inside, and without
+# CAP_SYS_ADMIN nothing can be mounted over it). String commands run with it, never with the
+# image's /bin/sh; being static, it reads no library and ignores LD_PRELOAD.
+TRUSTED_DIR = "/.dsec"
+TRUSTED_SHELL = "/.dsec/sh"
+
+
 class Backend(abc.ABC):
     """One kind of sandbox. Lifecycle: start/stop/reconcile. Work: create/exec/files/destroy."""
 

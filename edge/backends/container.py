@@ -12,6 +12,7 @@ import errno
 import itertools
 import os
 import re
+import shutil
 import signal
 import time
 from collections import Counter
@@ -73,6 +74,7 @@ class ContainerBackend(Backend):
         self._uppers = UpperPool(self.state_dir, upper_pool_size)
         self._layers = LayerMounts(self.state_dir / "layers")
         self._empty = self.state_dir / "empty"     # the lowerdir of a sandbox without layers
+        self._trusted = self.state_dir / "trusted"  # the trusted shell, bind-mounted at /.dsec in every sandbox
         self._launcher = Launcher(init_binary, label=f"{self.state_dir}:{node_id}")
         self._sandboxes: dict[str, _Sandbox] = {}
         self._starting: set[str] = set()
@@ -90,12 +92,27 @@ class ContainerBackend(Backend):
             if helper and native.available():
                 self._spawner = enter.Spawner(helper, zygote.KEEP_MASK)
             await asyncio.to_thread(self._uppers.setup)
+            await asyncio.to_thread(self._prepare_trusted)
             self._layers.root.mkdir(exist_ok=True)
             self._empty.mkdir(exist_ok=True)
             await self._launcher.start()
         except (OSError, UpperError, LauncherError) as exc:
             await self._reconcile()
             raise BackendError(f"container backend failed to start: {exc}") from exc
+
+    def _prepare_trusted(self) -> None:
+        """state_dir/trusted/sh: a root-owned, read-only copy of the host's static busybox."""
+        from edge.erofs import LayerBuildError, find_busybox
+        try:
+            src = find_busybox()
+        except LayerBuildError as exc:   # only a dynamic busybox (or none): no trusted shell
+            raise OSError(f"no trusted shell: {exc}") from exc
+        self._trusted.mkdir(mode=0o755, exist_ok=True)
+        sh = self._trusted / "sh"
+        tmp = self._trusted / "sh.tmp"
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, 0o555)
+        os.replace(tmp, sh)
 
     async def _reconcile(self) -> None:
         """Kill and remove everything this node id left under its cgroups and state dir."""
@@ -165,7 +182,8 @@ class ContainerBackend(Backend):
             ready_r, ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             try:
                 msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
-                             upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"))
+                             upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
+                             trusted=str(self._trusted))
                 try:
                     init = await self._launcher.request(msg, [ready_w])
                 finally:

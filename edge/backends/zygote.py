@@ -50,6 +50,7 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     work: str
     merged: str
     rid: int = 0
+    trusted: str = ""           # host dir holding the trusted shell, bind-mounted read-only at /.dsec
 
 
 class Exec(msgspec.Struct, tag="exec", tag_field="kind", frozen=True):
@@ -261,6 +262,19 @@ def _mount_root(req: Launch) -> None:
         _bind("/dev/null", f"{root}/proc/{name}", readonly=False)
     kernel.mount("sysfs", f"{root}/sys", "sysfs", nosuid | kernel.MS_RDONLY)
     _mount_dev(f"{root}/dev")
+    if req.trusted:
+        _mount_trusted(req.trusted, f"{root}/.dsec")
+
+
+def _mount_trusted(src: str, target: str) -> None:
+    """The trusted shell's directory, read-only (executable) over a mount point the sandbox can't move."""
+    if os.path.islink(target) or (os.path.lexists(target) and not os.path.isdir(target)):
+        os.unlink(target)   # an image that put something else there loses it
+    if not os.path.isdir(target):
+        os.mkdir(target, 0o555)
+    kernel.mount(src, target, None, kernel.MS_BIND)
+    kernel.mount(None, target, None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY
+                 | kernel.MS_NOSUID | kernel.MS_NODEV)
 
 
 def _bind(src: str, target: str, readonly: bool) -> None:
