@@ -288,6 +288,41 @@ class Event(Wire, tag="event"):
     detail: str = ""
 
 
+class TrajRecord(Wire, tag="traj"):
+    """dsec.traj.<tenant>.<job>.<sandbox>: one step of a sandbox's episode (see docs/streams.md).
+
+    type "exec": a command and its outcome; type created/destroyed/expired/failed/node_lost: lifecycle.
+    `id` is unique per record (exec id, or sandbox id + type): consumers de-duplicate on it."""
+
+    id: str = ""
+    type: str = ""
+    sandbox_id: str = ""
+    tenant: str = ""
+    job: str = ""
+    node: str = ""
+    at: float = 0.0                  # when the record was written (unix time)
+    exec_id: str = ""
+    argv: list[str] = []
+    shell: str = ""
+    cwd: str = ""
+    env_keys: list[str] = []
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    exit_code: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+    cpu_time: float = 0.0
+    peak_memory: int = 0
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    stdout_sha256: str = ""
+    stderr_sha256: str = ""
+    stdout: bytes = b""              # the first TRAJ_OUTPUT bytes of each stream (all of it: dsec.out)
+    stderr: bytes = b""
+    error_code: str = ""
+    detail: str = ""
+
+
 class ImageRecord(Wire, tag="image"):
     """KV dsec-images: one version of a named layer, stored in object store dsec-layers."""
 
@@ -316,6 +351,7 @@ node_decoder = msgspec.json.Decoder(NodeInfo)
 sandbox_decoder = msgspec.json.Decoder(SandboxRecord)
 event_decoder = msgspec.json.Decoder(Event)
 image_decoder = msgspec.json.Decoder(ImageRecord)
+traj_decoder = msgspec.json.Decoder(TrajRecord)
 quota_decoder = msgspec.json.Decoder(Quota)
 usage_decoder = msgspec.json.Decoder(TenantUsage)
 engine_decoder = msgspec.json.Decoder(EngineStats)

@@ -14,6 +14,7 @@ REQ_STREAM = "DSEC_REQ"
 NODE_STREAM = "DSEC_NODE"
 OUT_STREAM = "DSEC_OUT"
 EVT_STREAM = "DSEC_EVT"
+TRAJ_STREAM = "DSEC_TRAJ"
 
 NODES_KV = "dsec-nodes"
 SANDBOXES_KV = "dsec-sandboxes"
@@ -47,6 +48,7 @@ class Retention:
     output_max_age: float = 6 * HOUR
     output_max_bytes: int = 16 << 30   # oldest output is dropped first beyond this
     events_max_age: float = 7 * DAY
+    trajectories_max_age: float = 30 * DAY
     sandboxes_max_age: float = 2 * DAY
 
 
@@ -64,6 +66,8 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
                          discard=api.DiscardPolicy.OLD, **common),
         api.StreamConfig(name=EVT_STREAM, subjects=["dsec.evt.>"], retention=api.RetentionPolicy.LIMITS,
                          max_age=ret.events_max_age, **common),
+        api.StreamConfig(name=TRAJ_STREAM, subjects=["dsec.traj.>"], retention=api.RetentionPolicy.LIMITS,
+                         max_age=ret.trajectories_max_age, **common),
     ]
 
 

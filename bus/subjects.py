@@ -69,3 +69,14 @@ def output(sandbox: str, exec_id: str = "*") -> str:
 def event(tenant: str, sandbox: str) -> str:
     """Lifecycle events of one sandbox."""
     return f"dsec.evt.{tenant}.{sandbox}"
+
+
+def trajectory(tenant: str, job: str, sandbox: str) -> str:
+    """One sandbox's trajectory timeline (every exec and lifecycle record, in order)."""
+    return f"dsec.traj.{tenant}.{job}.{sandbox}"
+
+
+def job_of(labels: dict[str, str]) -> str:
+    """The job a sandbox belongs to: its `job` label when that is a valid token, else `default`."""
+    job = labels.get("job", "")
+    return job if job and _TOKEN.match(job) else "default"

@@ -8,6 +8,7 @@ Past the per-exec cap, output is dropped and the exit record says truncated.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
 from bus import subjects
 from bus.conn import Bus
@@ -15,6 +16,7 @@ from bus.messages import ExitRecord, OutputChunk, encode
 
 FLUSH_BYTES = 64 << 10
 FLUSH_AFTER = 0.003
+TRAJ_OUTPUT = 64 << 10   # bytes of each stream kept in the exec's trajectory record (all of it is in dsec.out)
 
 
 class OutputRelay:
@@ -34,6 +36,9 @@ class OutputRelay:
         self._timed: asyncio.Future | None = None
         self._lock = asyncio.Lock()
         self._exit: ExitRecord | None = None
+        self.counts = {"stdout": 0, "stderr": 0}            # bytes relayed per stream
+        self.digests = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
+        self.kept = {"stdout": bytearray(), "stderr": bytearray()}
 
     async def sink(self, stream: str, data: bytes) -> None:
         """Accept a chunk read from the command (the backend awaits this: backpressure)."""
@@ -45,6 +50,10 @@ class OutputRelay:
         if len(data) > room:
             data, self.truncated = data[:room], True
         self.total += len(data)
+        self.counts[stream] += len(data)
+        self.digests[stream].update(data)
+        if len(self.kept[stream]) < TRAJ_OUTPUT:
+            self.kept[stream].extend(data[:TRAJ_OUTPUT - len(self.kept[stream])])
         if self._pending and self._pending[-1][0] == stream:
             self._pending[-1][1].extend(data)
         else:

@@ -14,8 +14,8 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest,
                         RequestExpired, SandboxNotFound)
-from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, create_decoder,
-                          encode, salvage, sandbox_decoder)
+from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, TrajRecord,
+                          create_decoder, encode, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
@@ -458,10 +458,18 @@ class Edge:
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
 
     async def _event(self, rec: SandboxRecord, type_: str, request_id: str = "", detail: str = "") -> None:
+        """A lifecycle event, on the ops event stream and on the sandbox's trajectory timeline."""
+        now = time.time()
         ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
-                   request_id=request_id, at=time.time(), detail=detail)
-        await self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev),
-                               msg_id=f"{rec.sandbox_id}.{type_}.{self.node}", retry_for=RECORD_RETRY)
+                   request_id=request_id, at=now, detail=detail)
+        job = subjects.job_of(rec.labels)
+        traj = TrajRecord(id=f"{rec.sandbox_id}.{type_}", type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant,
+                          job=job, node=self.node, at=now, detail=detail)
+        await asyncio.gather(
+            self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev),
+                             msg_id=f"{rec.sandbox_id}.{type_}.{self.node}", retry_for=RECORD_RETRY),
+            self.bus.publish(subjects.trajectory(rec.tenant, job, rec.sandbox_id), encode(traj),
+                             msg_id=f"{rec.sandbox_id}.{type_}.{self.node}.traj", retry_for=RECORD_RETRY))
 
     # ---- destroy (used by the op lane, the TTL loop and stop) ----------------------------------
 

@@ -12,8 +12,8 @@ import msgspec
 
 from bus import streams, subjects
 from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
-from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, ExitRecord, OkReply, ReadFile, WriteFile,
-                          op_decoder, output_decoder, salvage, sandbox_decoder)
+from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, ExitRecord, OkReply, ReadFile, TrajRecord,
+                          WriteFile, op_decoder, output_decoder, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
 from edge.backends.base import TRUSTED_SHELL, BackendError, SandboxGone
@@ -170,10 +170,15 @@ class OpLane:
             await self._exec_error(op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
         relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
+        running = self.edge.sandboxes.get(op.sandbox_id)
+        started = time.time()
         lease = Lease(d)
         try:
             fields = await self._run(op, relay)
-            return await self._final(relay, fields)
+            verdict = await self._final(relay, fields)
+            if verdict is Verdict.ACK and running is not None:
+                await self._trajectory(op, relay, fields, running.record, started)
+            return verdict
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
             with contextlib.suppress(DsecError, asyncio.TimeoutError):
                 await asyncio.wait_for(relay.finish(exit_code=-1, error_code=SandboxNotFound.code, reason="destroyed",
@@ -203,6 +208,25 @@ class OpLane:
                         error=f"exec failed on the node: {exc.__class__.__name__}: {exc}")
         return dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
                     peak_memory=res.peak_memory, timed_out=res.timed_out)
+
+    async def _trajectory(self, op: ExecRequest, relay: OutputRelay, fields: dict, rec, started: float) -> None:
+        """The exec's record on the sandbox's trajectory timeline (after its exit record: never before it)."""
+        job = subjects.job_of(rec.labels)
+        traj = TrajRecord(
+            id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.edge.node,
+            at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,
+            env_keys=sorted(op.env), started_at=started, ended_at=time.time(), exit_code=fields.get("exit_code", 0),
+            timed_out=fields.get("timed_out", False), truncated=relay.truncated,
+            cpu_time=fields.get("cpu_time", 0.0), peak_memory=fields.get("peak_memory", 0),
+            stdout_bytes=relay.counts["stdout"], stderr_bytes=relay.counts["stderr"],
+            stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
+            stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
+            error_code=fields.get("error_code", ""), detail=fields.get("error", ""))
+        try:
+            await self.bus.publish(subjects.trajectory(rec.tenant, job, op.sandbox_id), traj,
+                                   msg_id=f"{op.exec_id}-traj", retries=3, retry_for=5.0)
+        except DsecError as exc:
+            log.warning("trajectory record of %s not published: %s", op.exec_id, exc)
 
     async def _final(self, relay: OutputRelay, fields: dict) -> Verdict:
         """Publish the exit record, the exec's one terminal outcome. Transport failures are retried

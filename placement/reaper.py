@@ -19,7 +19,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, SandboxNotFound
-from bus.messages import (ErrorReply, Event, ExecRequest, ExitRecord, create_decoder, encode,
+from bus.messages import (ErrorReply, Event, ExecRequest, ExitRecord, TrajRecord, create_decoder, encode,
                           op_decoder, sandbox_decoder)
 from placement.ledger import NodeLedger, set_flag
 
@@ -98,6 +98,10 @@ class Reaper:
             await self.bus.publish(subjects.event(rec.tenant, key), Event(
                 type="node_lost", sandbox_id=key, tenant=rec.tenant, node=node, at=now, detail=gone.reason),
                 msg_id=f"{key}.node_lost.{node}", retry_for=5.0)
+            job = subjects.job_of(rec.labels)
+            await self.bus.publish(subjects.trajectory(rec.tenant, job, key), TrajRecord(
+                id=f"{key}.node_lost", type="node_lost", sandbox_id=key, tenant=rec.tenant, job=job, node=node,
+                at=now, detail=gone.reason), msg_id=f"{key}.node_lost.{node}.traj", retry_for=5.0)
             self.lost_sandboxes += 1
 
     async def _still_lost(self, node: str) -> bool:
