@@ -36,6 +36,48 @@ def mapped_errors(what: str):
 
 
 @dataclass
+class Pulled:
+    """One message of a DurableReader: its data, stream sequence and time, and its ack."""
+
+    data: bytes
+    seq: int
+    at: float
+    _msg: object
+
+    async def ack(self) -> None:
+        """Done with it: a durable consumer will not hand it out again."""
+        with mapped_errors("ack"):
+            await self._msg.ack()
+
+
+class DurableReader:
+    """Batches from a pull consumer (see Bus.durable_reader)."""
+
+    def __init__(self, sub) -> None:
+        self._sub = sub
+
+    async def fetch(self, n: int, timeout: float) -> list[Pulled]:
+        """Up to n messages; [] when none arrived within timeout."""
+        try:
+            with mapped_errors("fetch"):
+                msgs = await self._sub.fetch(n, timeout=timeout)
+        except BusError as exc:
+            if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                return []
+            raise
+        out = []
+        for m in msgs:
+            meta = m.metadata
+            out.append(Pulled(m.data, meta.sequence.stream, meta.timestamp.timestamp() if meta.timestamp else 0.0, m))
+        return out
+
+    async def close(self) -> None:
+        """Stop reading (a durable consumer stays on the server, with its position)."""
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+
+@dataclass
 class CasResult:
     """Outcome of kv_update: the value and revision now stored, conflicts met, whether we wrote."""
 
@@ -238,6 +280,17 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         return taken
+
+    async def durable_reader(self, stream: str, config: api.ConsumerConfig) -> "DurableReader":
+        """A pull consumer read in batches by its holder (who acks): trajectory consumers. A durable
+        one resumes where it was left, after any restart."""
+        with mapped_errors(f"consumer {config.durable_name or 'ephemeral'}"):
+            if config.durable_name:
+                await self.js.add_consumer(stream, config)
+                sub = await self.js.pull_subscribe_bind(config.durable_name, stream)
+            else:
+                sub = await self.js.pull_subscribe(config.filter_subject, stream=stream, config=config)
+        return DurableReader(sub)
 
     async def pull_worker(self, stream_and_config: tuple[str, api.ConsumerConfig], handler: Handler,
                           credit: Callable[[], int]) -> PullWorker:

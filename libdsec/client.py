@@ -242,6 +242,21 @@ class AsyncClient:
                 out.append(rec)
         return sorted(out, key=lambda r: r.created_at)
 
+    # ---- trajectories -----------------------------------------------------------------------------
+
+    def trajectories(self, *, job: str | None = None, sandbox: str | None = None, since=None,
+                     durable: str | None = None, follow: bool = True, ack_wait: float = 30.0):
+        """This tenant's trajectory records (every exec and lifecycle step), in order, as an async iterator
+        of Trajectory (`.record`, `.seq`, `await .ack()`).
+
+        job / sandbox narrow it; since is a datetime or a DSEC_TRAJ sequence (default: the beginning).
+        With durable="name" the position is kept on the server: a consumer restarted later resumes
+        after the last record it acked (at-least-once: records not acked within ack_wait come again;
+        de-duplicate on record.id). follow=False stops when caught up."""
+        from libdsec.trajectories import consumer_config, read
+        config = consumer_config(self.tenant, job, sandbox, since, durable, ack_wait)
+        return read(self._need_bus(), config, follow)
+
     # ---- ops (used by AsyncSandbox) -------------------------------------------------------------
 
     async def _op(self, node: str, sandbox_id: str, make, timeout: float, recheck=None) -> bytes:

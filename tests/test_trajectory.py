@@ -3,18 +3,23 @@ order, readable by any NATS client, and `dsec replay` printing the episode byte 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import nats
+import pytest
 
+import libdsec
 from bus import subjects
 
 DSEC = str(Path(sys.executable).parent / "dsec")
 BINARY = bytes(range(256)) * 4 + b"\xff\xfe no newline at the end"
+ACK_WAIT = 3.0   # longer than a reader's wait for more records, so its own unacked ones never come back to it
 
 
 async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack, client):
@@ -55,3 +60,42 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     none = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", "sbnosuch", "--nats", stack.url],
                                    capture_output=True, text=True, timeout=60)
     assert none.returncode == 1 and "no trajectory records" in none.stderr
+
+
+async def test_a_durable_trajectory_consumer_resumes_where_it_left_off(client):
+    job, durable = f"jd{os.getpid()}", f"reward{os.getpid()}"
+    sb = await client.create(labels={"job": job})
+    for i in range(3):
+        await sb.exec(f"echo {i}")
+    seen = []   # a reward model reads everything so far, acks only the first two records, then dies
+    async for t in client.trajectories(job=job, durable=durable, follow=False, ack_wait=ACK_WAIT):
+        seen.append(t.record)
+        if len(seen) <= 2:
+            await t.ack()
+    assert [r.type for r in seen] == ["created", "exec", "exec", "exec"]
+    await sb.exec("echo 3")
+    await sb.destroy()
+    await asyncio.sleep(ACK_WAIT + 0.5)   # past the ack wait: what it never acked is due again
+    again = []
+    async for t in client.trajectories(job=job, durable=durable, follow=False, ack_wait=ACK_WAIT):
+        again.append(t.record)
+        await t.ack()
+    ids = [r.id for r in again]
+    assert len(ids) == 4 and not {r.id for r in seen[:2]} & set(ids), "acked records never come again"
+    assert {r.id for r in seen[2:]} <= set(ids), "the unacked records come again"
+    assert [r.type for r in again if r.id not in {x.id for x in seen}] == ["exec", "destroyed"]
+    after = []   # nothing left for it now; a new reader from a sequence reads from there on
+    async for t in client.trajectories(job=job, durable=durable, follow=False):
+        after.append(t)
+    assert after == []
+    everything = [t.record.type async for t in client.trajectories(job=job, since=1, follow=False)]
+    assert everything == ["created", "exec", "exec", "exec", "exec", "destroyed"]
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=1)
+    assert [t async for t in client.trajectories(job=job, since=later, follow=False)] == []
+
+
+async def test_trajectory_arguments_are_checked(client):
+    with pytest.raises(libdsec.InvalidRequest):
+        client.trajectories(job="bad.job")
+    with pytest.raises(libdsec.InvalidRequest):
+        client.trajectories(since="yesterday")

@@ -1,0 +1,71 @@
+"""Trajectory consumers for reward models: `client.trajectories(job=..., since=..., durable=...)`."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import msgspec
+from nats.js import api
+
+from bus import streams, subjects
+from bus.conn import Bus, DurableReader, Pulled
+from bus.errors import InvalidRequest
+from bus.messages import TrajRecord, traj_decoder
+
+BATCH = 64
+WAIT = 1.0   # seconds a fetch waits for new records before asking again
+
+
+@dataclass
+class Trajectory:
+    """One record of an episode; ack() it (or a later one with ack_upto) once it is processed."""
+
+    record: TrajRecord
+    seq: int                   # the record's sequence in DSEC_TRAJ (increasing, unique)
+    _pulled: Pulled | None
+
+    async def ack(self) -> None:
+        """Processed: a durable consumer restarted later does not receive it again."""
+        if self._pulled is not None:
+            await self._pulled.ack()
+
+
+def consumer_config(tenant: str, job: str | None, sandbox: str | None, since, durable: str | None,
+                    ack_wait: float) -> api.ConsumerConfig:
+    """The pull consumer on DSEC_TRAJ for one tenant's job (or sandbox), from a point in time or a seq."""
+    try:
+        subject = subjects.trajectory(tenant, subjects.token(job, "job") if job else "*",
+                                      subjects.token(sandbox, "sandbox") if sandbox else "*")
+        name = subjects.token(durable, "durable") if durable else None
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    start: dict = {"deliver_policy": api.DeliverPolicy.ALL}
+    if isinstance(since, datetime.datetime):
+        start = {"deliver_policy": api.DeliverPolicy.BY_START_TIME,
+                 "opt_start_time": since.astimezone(datetime.timezone.utc).isoformat()}
+    elif isinstance(since, int) and not isinstance(since, bool) and since > 0:
+        start = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": since}
+    elif since is not None:
+        raise InvalidRequest(f"since must be a datetime or a positive stream sequence, got {since!r}")
+    return api.ConsumerConfig(durable_name=name, filter_subject=subject, ack_policy=api.AckPolicy.EXPLICIT,
+                              ack_wait=ack_wait, max_ack_pending=10_000, **start)
+
+
+async def read(bus: Bus, config: api.ConsumerConfig, follow: bool) -> AsyncIterator[Trajectory]:
+    """Records in stream order; with follow, waits for new ones forever, else stops when caught up."""
+    reader: DurableReader = await bus.durable_reader(streams.TRAJ_STREAM, config)
+    try:
+        while True:
+            batch = await reader.fetch(BATCH, WAIT)
+            if not batch and not follow:
+                return
+            for pulled in batch:
+                try:
+                    rec = traj_decoder.decode(pulled.data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    await pulled.ack()   # junk on the stream: skip it for good
+                    continue
+                yield Trajectory(rec, pulled.seq, pulled)
+    finally:
+        await reader.close()
