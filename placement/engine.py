@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL = 1.0          # a waiting request looks again at least this often
 BOOK_TRIES = 3           # nodes tried per attempt before waiting for room
-BATCH_YIELD = 0.005      # freed room goes to waiting latency requests first
 
 
 def node_msg_id(req: CreateRequest) -> str:
@@ -68,7 +67,8 @@ class PlacementEngine:
         self._room = asyncio.Event()
         self._workers: list = []
         self._tasks: list[asyncio.Task] = []
-        self.waiting = {p: 0 for p in subjects.PRIORITIES}
+        self.waiting = {p: 0 for p in subjects.PRIORITIES}   # in _wait_room now
+        self.queued = {p: 0 for p in subjects.PRIORITIES}    # found no room at least once, not placed yet
         self.placed = self.bursted = self.rejected = 0
         self.burst_min_utilization = 1.0   # lowest local utilization seen at a burst decision
         self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
@@ -135,8 +135,6 @@ class PlacementEngine:
             pass
         finally:
             self.waiting[req.priority] -= 1
-        if req.priority == "batch" and self.waiting["latency"]:
-            await asyncio.sleep(BATCH_YIELD)
 
     # ---- handling ------------------------------------------------------------------------------
 
@@ -209,23 +207,28 @@ class PlacementEngine:
             return await self._reject(req, err)
         placed = msgspec.structs.replace(req, layers=layers)
         queued = False
-        while True:
-            try:
-                if admission.expired(req.deadline):
-                    raise RequestExpired("no node had room before the create's deadline")
-                if await self._try_place(placed):
-                    return Verdict.ACK
-                self._never_fits(req)
-            except BusError:
-                raise
-            except DsecError as err:
-                return await self._reject(req, err, admitted=True)
-            if not queued:
-                queued = True
-                why = "no live node" if not self._live(self.pool) else "no node has room"
-                await self._reply(req.reply_to, Queued(request_id=req.request_id, reason=why))
-                await self._event(req, "queued", why)
-            await self._wait_room(req)
+        try:
+            while True:
+                try:
+                    if admission.expired(req.deadline):
+                        raise RequestExpired("no node had room before the create's deadline")
+                    if await self._try_place(placed):
+                        return Verdict.ACK
+                    self._never_fits(req)
+                except BusError:
+                    raise
+                except DsecError as err:
+                    return await self._reject(req, err, admitted=True)
+                if not queued:
+                    queued = True
+                    self.queued[req.priority] += 1
+                    why = "no live node" if not self._live(self.pool) else "no node has room"
+                    await self._reply(req.reply_to, Queued(request_id=req.request_id, reason=why))
+                    await self._event(req, "queued", why)
+                await self._wait_room(req)
+        finally:
+            if queued:
+                self.queued[req.priority] -= 1
 
     def _live(self, pool: str) -> list:
         now = time.time()
@@ -255,6 +258,8 @@ class PlacementEngine:
             await self.bus.publish_once(subjects.node_create(prior), encode(msgspec.structs.replace(req, node=prior)),
                                         msg_id=node_msg_id(req))
             return self._routed(req)
+        if req.priority == "batch" and self.queued["latency"]:
+            return False   # strict priority: while a latency request waits here, freed room is its
         if self._burst_ready(req):
             await self.bus.publish_once(subjects.pool_create(self.burst_pool),
                                         encode(msgspec.structs.replace(req, pool=self.burst_pool)),
