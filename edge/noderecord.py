@@ -21,7 +21,7 @@ import msgspec
 from bus import streams
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import NodeInfo, encode, node_decoder
+from bus.messages import encode, node_decoder
 from edge.capacity import Capacity
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,3 @@ class NodeRecord:
                 await asyncio.sleep(0.5)
             await asyncio.sleep(MIN_GAP)
 
-
-def empty(info: NodeInfo) -> bool:
-    """No sandbox runs and none is booked."""
-    return info.used_slots == 0 and not info.bookings

@@ -113,17 +113,11 @@ class NodeLedger:
                     for p in batch:
                         if not p.future.done():
                             p.future.set_result(p.request_id in accepted)
-        finally:
+        finally:   # only a cancelled flush leaves waiters queued: they hear "no room" and try again
             self._flushing.discard(node)
-            for p in self._queues.pop(node, []):   # arrived after the loop ended
-                asyncio.get_running_loop().create_task(self._requeue(node, p))
-
-    async def _requeue(self, node: str, p: _Pending) -> None:
-        try:
-            p.future.set_result(await self.book(node, p.request_id, p.booking))
-        except Exception:
-            if not p.future.done():
-                p.future.set_result(False)
+            for p in self._queues.pop(node, []):
+                if not p.future.done():
+                    p.future.set_result(False)
 
     async def _commit(self, node: str, batch: list[_Pending]) -> set[str]:
         accepted: set[str] = set()

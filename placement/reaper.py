@@ -26,6 +26,7 @@ from placement.ledger import NodeLedger, set_flag
 log = logging.getLogger(__name__)
 
 SWEEP_EVERY = 1.0
+STILL_LOST_EVERY = 50   # records rewritten between two checks that the node is still lost
 RETRY_AFTER = 10.0   # a lost node still not handled this long after its claim is handled by any engine
 
 
@@ -76,6 +77,7 @@ class Reaper:
         compare-and-set on the revision read, and only while the node is still lost: an edge that comes
         back (or was wrongly declared lost) writes its own records, and those win."""
         now = time.time()
+        checked = 0
         for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
             try:
                 rec = sandbox_decoder.decode(raw)
@@ -83,8 +85,9 @@ class Reaper:
                 continue
             if rec.node != node or rec.sandbox_id != key or rec.state not in ("ready", "starting"):
                 continue
-            if not await self._still_lost(node):
-                return
+            checked += 1
+            if checked % STILL_LOST_EVERY == 1 and not await self._still_lost(node):
+                return   # it came back: its own records win from here on
             raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, key)
             if raw is None or sandbox_decoder.decode(raw) != rec:
                 continue   # changed since the listing: its writer knows better
