@@ -43,6 +43,7 @@ class Pulled:
     seq: int
     at: float
     _msg: object
+    pending: int = 0     # messages of the consumer still after this one when it was delivered
 
     async def ack(self) -> None:
         """Done with it: a durable consumer will not hand it out again."""
@@ -68,7 +69,8 @@ class DurableReader:
         out = []
         for m in msgs:
             meta = m.metadata
-            out.append(Pulled(m.data, meta.sequence.stream, meta.timestamp.timestamp() if meta.timestamp else 0.0, m))
+            out.append(Pulled(m.data, meta.sequence.stream, meta.timestamp.timestamp() if meta.timestamp else 0.0, m,
+                              meta.num_pending or 0))
         return out
 
     async def close(self) -> None:

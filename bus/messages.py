@@ -151,12 +151,18 @@ OpReply = Union[OkReply, ErrorReply]
 # ---- output (dsec.out.<sandbox>.<exec>) --------------------------------------------------------
 
 class OutputChunk(Wire, tag="out"):
-    """edge -> anyone: a chunk of one stream of one exec; seq orders all records of the exec."""
+    """edge -> anyone: a chunk of one stream of one exec, whole lines where it can.
+
+    seq orders all records of the exec (both streams and the exit record); stream_seq numbers the
+    chunks of one stream. partial: the chunk ends inside a line (a line longer than a chunk, or one
+    not finished yet) that the next chunk of the same stream continues; join them to rebuild it."""
 
     exec_id: str = ""
     seq: int = 0
     stream: Literal["stdout", "stderr"] = "stdout"
     data: bytes = b""
+    stream_seq: int = 0
+    partial: bool = False
 
 
 class ExitRecord(Wire, tag="exit"):

@@ -2,8 +2,12 @@
 
 Chunks are flushed when FLUSH_BYTES are buffered or FLUSH_AFTER seconds after the first buffered
 byte, never one message per line. Consecutive bytes of one stream are merged; stdout and stderr
-stay apart and every record carries the exec's sequence number, so a reader restores the order.
-Past the per-exec cap, output is dropped and the exit record says truncated.
+stay apart. Every record carries the exec's sequence number (seq: both streams and the exit
+record, so a reader restores the order) and its stream's own (stream_seq). A chunk is cut after
+its last newline when it has one; one ending inside a line says so (partial) and the next chunk
+of the stream continues that line. Past the per-exec cap, output is dropped (read at most
+DRAIN_RATE bytes/s, so a flood costs the node little and the command still ends on its own) and
+the exit record says truncated.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from bus.messages import ExitRecord, OutputChunk, encode
 
 FLUSH_BYTES = 64 << 10
 FLUSH_AFTER = 0.003
+DRAIN_RATE = 64 << 20   # bytes/s read (and dropped) from a command past its output cap
 TRAJ_OUTPUT = 64 << 10   # bytes of each stream kept in the exec's trajectory record (all of it is in dsec.out)
 
 
@@ -28,6 +33,7 @@ class OutputRelay:
         self.exec_id = exec_id
         self.max_output = max(0, max_output)
         self.seq = 0
+        self.stream_seq = {"stdout": 0, "stderr": 0}
         self.total = 0
         self.truncated = False
         self._pending: list[tuple[str, bytearray]] = []
@@ -46,6 +52,7 @@ class OutputRelay:
         room = self.max_output - self.total
         if room <= 0:
             self.truncated = self.truncated or bool(data)
+            await asyncio.sleep(len(data) / DRAIN_RATE)   # paced: a flood past the cap costs little
             return
         if len(data) > room:
             data, self.truncated = data[:room], True
@@ -88,10 +95,12 @@ class OutputRelay:
                 self._timer = None
             pending, self._pending, self._pending_bytes = self._pending, [], 0
             for stream, buf in pending:
-                for off in range(0, len(buf), FLUSH_BYTES):
+                for piece in pieces(buf):
                     self.seq += 1
+                    self.stream_seq[stream] += 1
                     await self.bus.send(self.subject, encode(OutputChunk(
-                        exec_id=self.exec_id, seq=self.seq, stream=stream, data=bytes(buf[off:off + FLUSH_BYTES]))))
+                        exec_id=self.exec_id, seq=self.seq, stream=stream, data=piece,
+                        stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n"))))
 
     async def finish(self, **fields) -> ExitRecord:
         """Flush, then publish the exit record with an ack: every chunk before it is stored too.
@@ -107,3 +116,18 @@ class OutputRelay:
             self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
         await self.bus.publish(self.subject, encode(self._exit), msg_id=f"{self.exec_id}-exit")
         return self._exit
+
+
+def pieces(buf: bytearray) -> list[bytes]:
+    """Split one stream's buffered bytes into chunks of at most FLUSH_BYTES, each cut after its last
+    newline when it has one (a longer line is cut at FLUSH_BYTES and continues in the next)."""
+    out = []
+    view = memoryview(buf)
+    while len(view) > FLUSH_BYTES:
+        cut = buf.rfind(b"\n", len(buf) - len(view), len(buf) - len(view) + FLUSH_BYTES) + 1
+        size = cut - (len(buf) - len(view)) if cut > 0 else FLUSH_BYTES
+        out.append(bytes(view[:size]))
+        view = view[size:]
+    if view:
+        out.append(bytes(view))
+    return out

@@ -1,6 +1,8 @@
 """`dsec replay`: print a sandbox's (or a job's) episode from the trajectory stream, after the fact."""
 from __future__ import annotations
 
+import datetime
+import re
 import shlex
 import sys
 import time
@@ -10,8 +12,16 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.messages import OutputChunk, TrajRecord, output_decoder, traj_decoder
+from bus.errors import DsecError
+from bus.messages import OutputChunk, TrajRecord, encode, output_decoder
 from cli.main import fail, main, nats_option, run_async
+from libdsec.execstream import LineSplitter
+from libdsec.trajectories import consumer_config, read
+
+ENDS = ("destroyed", "expired", "failed", "node_lost")   # records after which a sandbox's episode is over
+MARK = {"stdout": b"1| ", "stderr": b"2| "}
+NO_NEWLINE = b"\\ no newline at end\n"
+_AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
 
 async def _output(bus: Bus, rec: TrajRecord) -> list[OutputChunk]:
@@ -27,68 +37,108 @@ async def _output(bus: Bus, rec: TrajRecord) -> list[OutputChunk]:
             chunks.setdefault(r.seq, r)
     if chunks or not (rec.stdout or rec.stderr):
         return [chunks[k] for k in sorted(chunks)]
-    return [c for c in (OutputChunk(seq=1, stream="stdout", data=rec.stdout),
-                        OutputChunk(seq=2, stream="stderr", data=rec.stderr)) if c.data]
+    return [c for c in (OutputChunk(exec_id=rec.exec_id, seq=1, stream="stdout", data=rec.stdout, stream_seq=1),
+                        OutputChunk(exec_id=rec.exec_id, seq=2, stream="stderr", data=rec.stderr, stream_seq=1))
+            if c.data]
 
 
 def _command(rec: TrajRecord) -> str:
     return rec.shell if rec.shell else shlex.join(rec.argv)
 
 
-def _write(stream: str, data: bytes) -> None:
-    out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
-    out.write(data)
-    out.flush()
+def marked(chunks: list[OutputChunk]) -> bytes:
+    """Output as text: each line marked by its stream ("1| " stdout, "2| " stderr) in the order the
+    lines were completed; a last line without a newline is followed by a "\\ no newline at end" line.
+    Stripping the marks gives back each stream byte for byte."""
+    lines = LineSplitter()
+    out = bytearray()
+    for chunk in chunks:
+        for line in lines.feed(chunk.stream, chunk.data):
+            out += MARK[line.stream] + line.data
+    for line in lines.flush():
+        out += MARK[line.stream] + line.data + b"\n" + NO_NEWLINE
+    return bytes(out)
+
+
+def parse_since(text: str | None) -> datetime.datetime | None:
+    """--since: an ISO 8601 time (local when it has no zone) or an age like 30s, 10m, 2h, 1d."""
+    if text is None:
+        return None
+    m = _AGO.match(text.strip())
+    if m:
+        seconds = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=seconds)
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: give an ISO time (2026-11-29T14:00:00) or an age (30s, 10m, 2h, 1d)",
+                                 param_hint="--since") from None
+    return when if when.tzinfo else when.astimezone()
+
+
+def _write(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.buffer.flush()
 
 
 @main.command()
 @nats_option
 @click.option("--sandbox", "sandbox_id", default=None, help="Replay one sandbox's episode.")
 @click.option("--job", default=None, help="Replay every sandbox of a job (its `job` label).")
+@click.option("--since", default=None, metavar="TIME",
+              help="Start at records written at or after TIME: ISO 8601 (2026-11-29T14:00:00) or an age (10m, 2h).")
+@click.option("--seq", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Start at DSEC_TRAJ sequence N (json records carry theirs as `seq`).")
+@click.option("--follow", is_flag=True,
+              help="Keep printing records as they are written (each command when it ends); a --sandbox replay "
+                   "stops at the end of its episode (destroyed, expired, failed, node_lost).")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="text: commands, then their output (stdout to stdout, stderr to stderr) and exit codes; "
-                   "json: one trajectory record per line.")
+              help="text: lifecycle lines (# ...), commands ($ ...), their output lines marked by stream "
+                   "(1| stdout, 2| stderr) and exit lines; json: one JSON object per line, each trajectory "
+                   "record (with its `seq`) followed by the exec's output records as stored on dsec.out.")
 @click.option("--speed", type=click.Choice(["instant", "original"]), default="instant", show_default=True,
               help="original: wait between records as long as they were apart when they happened.")
 @run_async
-async def replay(nats_url: str, sandbox_id: str | None, job: str | None, fmt: str, speed: str) -> None:
+async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: str | None, seq: int | None,
+                 follow: bool, fmt: str, speed: str) -> None:
     """Print an episode exactly as it happened: lifecycle, commands, their output byte for byte (from
     dsec.out while it is kept, else the part kept in the trajectory) and exit codes. Works after the
     sandbox is gone and after a restart (the streams are on disk)."""
     if bool(sandbox_id) == bool(job):
         fail("give exactly one of --sandbox ID or --job J")
+    if since is not None and seq is not None:
+        fail("give --since or --seq, not both")
     try:
-        subject = (subjects.trajectory("*", "*", subjects.token(sandbox_id, "--sandbox")) if sandbox_id
-                   else f"dsec.traj.*.{subjects.token(job, '--job')}.*")
-    except ValueError as exc:
+        config = consumer_config("*", job, sandbox_id, seq if seq is not None else parse_since(since), None, 30.0)
+    except DsecError as exc:
         fail(str(exc))
-    bus = await Bus.connect(nats_url, name="dsec-replay", reconnect=False)
+    bus = await Bus.connect(nats_url, name="dsec-replay", reconnect=follow)
     try:
         previous = None
         count = 0
-        async for data in bus.read_subject(streams.TRAJ_STREAM, subject):
-            try:
-                rec = traj_decoder.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
+        async for item in read(bus, config, follow):
+            rec = item.record
+            await item.ack()
             count += 1
             if speed == "original" and previous is not None and rec.at > previous:
                 time.sleep(min(rec.at - previous, 60.0))
             previous = rec.at
             if fmt == "json":
-                click.echo(data.decode())
-                continue
-            stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
-            if rec.type != "exec":
-                click.echo(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}")
-                continue
-            click.echo(f"$ {_command(rec)}")
-            for chunk in await _output(bus, rec):
-                _write(chunk.stream, chunk.data)
-            status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
-                (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {rec.detail}]"
-                                                                     if rec.error_code else "")
-            click.echo(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s")
+                _write(msgspec.json.encode({"seq": item.seq, **msgspec.to_builtins(rec)}) + b"\n")
+                if rec.type == "exec":
+                    for chunk in await _output(bus, rec):
+                        _write(encode(chunk) + b"\n")
+            elif rec.type != "exec":
+                stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
+                _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
+            else:
+                _write(f"$ {_command(rec)}\n".encode() + marked(await _output(bus, rec)))
+                status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
+                    (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {rec.detail}]"
+                                                                         if rec.error_code else "")
+                _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s\n".encode())
+            if follow and sandbox_id and rec.type in ENDS:
+                break
         if count == 0:
             fail(f"no trajectory records for {'sandbox ' + sandbox_id if sandbox_id else 'job ' + str(job)}")
     finally:

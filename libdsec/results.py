@@ -23,6 +23,7 @@ class Exit:
     peak_memory: int = 0
     timed_out: bool = False
     truncated: bool = False
+    exec_id: str = ""           # its output is on dsec.out.<sandbox>.<exec_id>, its record in the trajectory
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ExecResult:
     peak_memory: int = 0
     timed_out: bool = False
     truncated: bool = False
+    exec_id: str = ""
 
     @property
     def ok(self) -> bool:

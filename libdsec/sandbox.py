@@ -121,7 +121,7 @@ class AsyncSandbox:
                               stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]), truncated=ex.truncated)
         return ExecResult(exit_code=ex.exit_code, stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]),
                           duration=ex.duration, cpu_time=ex.cpu_time, peak_memory=ex.peak_memory,
-                          timed_out=False, truncated=ex.truncated)
+                          timed_out=False, truncated=ex.truncated, exec_id=ex.exec_id)
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          timeout: float = DEFAULT_OP_TIMEOUT) -> None:

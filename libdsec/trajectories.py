@@ -67,5 +67,7 @@ async def read(bus: Bus, config: api.ConsumerConfig, follow: bool) -> AsyncItera
                     await pulled.ack()   # junk on the stream: skip it for good
                     continue
                 yield Trajectory(rec, pulled.seq, pulled)
+            if batch and batch[-1].pending == 0 and not follow:
+                return   # caught up: no need to wait for a fetch to come back empty
     finally:
         await reader.close()

@@ -51,12 +51,23 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
                                 capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
     out = p.stdout
-    assert b"$ echo one; echo two >&2; exit 4\none\n# exit 4" in out
-    assert b"$ /bin/busybox cat /tmp/blob\n" + BINARY + b"# exit 0" in out
-    assert b"two\n" in p.stderr and out.index(b" created") < out.index(b"$ echo") < out.index(b" destroyed")
+    assert b"$ echo one; echo two >&2; exit 4\n1| one\n2| two\n# exit 4" in out
+    *whole, last = BINARY.split(b"\n")
+    marked = b"".join(b"1| " + line + b"\n" for line in whole) + b"1| " + last
+    assert b"$ /bin/busybox cat /tmp/blob\n" + marked + b"\n\\ no newline at end\n# exit 0" in out
+    assert out.index(b" created") < out.index(b"$ echo") < out.index(b" destroyed")
     js = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--format", "json",
                                                   "--nats", stack.url], capture_output=True, text=True, timeout=60)
-    assert [json.loads(line)["type"] for line in js.stdout.splitlines()] == ["created", "exec", "exec", "destroyed"]
+    lines = [json.loads(line) for line in js.stdout.splitlines()]
+    assert [r["type"] for r in lines if r["kind"] == "traj"] == ["created", "exec", "exec", "destroyed"]
+    assert [r["seq"] for r in lines if r["kind"] == "traj"] == sorted(r["seq"] for r in lines if r["kind"] == "traj")
+    later = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--format", "json", "--seq",
+                                                     str(lines[-1]["seq"]), "--nats", stack.url],
+                                    capture_output=True, text=True, timeout=60)
+    assert [json.loads(line)["type"] for line in later.stdout.splitlines()] == ["destroyed"]
+    future = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--since", "2099-01-01T00:00:00",
+                                                      "--nats", stack.url], capture_output=True, text=True, timeout=60)
+    assert future.returncode == 1 and "no trajectory records" in future.stderr
     none = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", "sbnosuch", "--nats", stack.url],
                                    capture_output=True, text=True, timeout=60)
     assert none.returncode == 1 and "no trajectory records" in none.stderr

@@ -2,8 +2,11 @@
 busybox sh bind-mounted read-only at /.dsec), whatever the sandbox did to its own /bin/sh."""
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 
+import psutil
 import pytest
 
 import libdsec
@@ -62,3 +65,70 @@ async def test_a_string_command_with_a_nul_byte_is_refused(client):
     async with await client.create() as sb:
         with pytest.raises(libdsec.InvalidRequest):
             await sb.exec("echo a\0b")
+
+
+# A process left behind by one command, spying on every later one: for each process it sees, it
+# tries to write into its stdout/stderr through /proc/<pid>/fd, to read its environment and to read
+# its stdin, stdout and stderr; what it manages to open it logs with the victim's command line. Its
+# own child `sleep 3600` is the control: a process it may open, so the probe is shown to work.
+SPY = r"""
+sleep 3600 &
+while :; do
+  for d in /proc/[0-9]*; do
+    p=${d#/proc/}; [ "$p" = "$$" ] && continue
+    cmd=$(tr '\0' ' ' < $d/cmdline 2>/dev/null)
+    case "$cmd" in *proc*|"") continue;; esac
+    for n in 1 2; do
+      if echo FORGED 2>/dev/null > $d/fd/$n; then echo "wrote $p/$n $cmd" >> /tmp/spy.log; fi
+    done
+    if cat $d/environ >> /tmp/stolen 2>/dev/null; then echo "environ $p $cmd" >> /tmp/spy.log; fi
+    for n in 0 1 2; do
+      if timeout 1 cat $d/fd/$n >> /tmp/stolen 2>/dev/null; then echo "read $p/$n $cmd" >> /tmp/spy.log; fi
+    done
+  done
+  touch /tmp/spy.alive
+done
+"""
+
+
+async def test_a_process_left_behind_cannot_see_or_alter_later_commands_io(client):
+    async with await client.create() as sb:
+        await sb.write_file("/tmp/spy.sh", SPY, mode=0o755)
+        await sb.exec("/.dsec/sh /tmp/spy.sh > /dev/null 2>&1 &")
+        for _ in range(100):   # the spy has made a full pass
+            if (await sb.exec("[ -e /tmp/spy.alive ]")).exit_code == 0:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the spy never ran")
+        for i in range(3):
+            r = await sb.exec(f"sleep 1.5; read answer; echo out-$answer; echo err-$answer >&2; exit {i + 3}",
+                              stdin=f"secret{i}\n", env={"TOKEN": f"token{i}"})
+            assert (r.stdout, r.stderr, r.exit_code) == (f"out-secret{i}\n".encode(), f"err-secret{i}\n".encode(),
+                                                          i + 3)
+        spied = (await sb.exec("cat /tmp/spy.log /tmp/stolen 2>/dev/null; true")).stdout
+        assert b"secret" not in spied and b"token" not in spied, spied
+        # what it could open was its own child only, never a later command
+        assert b"read answer" not in spied and b"sleep 1.5" not in spied, spied
+        assert b"wrote" in spied and b"sleep 3600" in spied, "the probe could not even open its own child"
+
+
+async def test_a_sandbox_cannot_reach_the_bus(client, stack):
+    """Only its own loopback: neither the nats-server's port nor any address of the host answers."""
+    port = int(stack.url.rsplit(":", 1)[1])
+    host_ips = sorted({a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                       if a.family == socket.AF_INET})
+    async with await client.create() as sb:
+        links = (await sb.exec(["/bin/busybox", "ls", "/sys/class/net"])).stdout.split()
+        assert links == [b"lo"]
+        for ip in host_ips:
+            r = await sb.exec(f"nc -w 1 {ip} {port} < /dev/null && echo connected")
+            assert r.exit_code != 0 and b"connected" not in r.stdout, (ip, r)
+
+
+async def test_output_that_looks_like_a_record_is_only_output(client):
+    """A command cannot forge its exit: what it prints is data, its exit code is what the kernel reported."""
+    fake = b'{"kind":"exit","v":1,"seq":2,"exit_code":0}\n'
+    async with await client.create() as sb:
+        r = await sb.exec(["/bin/busybox", "sh", "-c", "printf '%s\\n' \"$0\"; exit 7", fake[:-1].decode()])
+        assert (r.stdout, r.exit_code) == (fake, 7)

@@ -225,6 +225,7 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
         os.set_inheritable(ready, False)        # EOF on the ready pipe = catatonit is running
         _join(req.cgroups)
         kernel.unshare(kernel.CLONE_NEWNS | kernel.CLONE_NEWNET | kernel.CLONE_NEWUTS | kernel.CLONE_NEWIPC)
+        _open_net_privileges()                   # the host's /proc/sys/net: now the new namespace's
         kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
         _mount_root(req)
         os.chdir(req.merged)
@@ -243,6 +244,19 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
         os.write(ready, str(exc).encode()[:2000] or type(exc).__name__.encode())
     finally:
         os._exit(1)
+
+
+# Commands run in user namespaces of their own (see _own_userns), where CAP_NET_BIND_SERVICE and
+# CAP_NET_RAW do not count for the sandbox's network namespace; as Docker does, low ports and ICMP
+# echo sockets are opened to every uid in it instead.
+NET_SYSCTLS = (("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647"))
+
+
+def _open_net_privileges() -> None:
+    """Let every uid of the (new) network namespace bind ports below 1024 and ping."""
+    for name, value in NET_SYSCTLS:
+        with open(f"/proc/sys/{name}", "w") as f:
+            f.write(value)
 
 
 def _mount_root(req: Launch) -> None:
@@ -314,6 +328,7 @@ def _exec_child(req: Exec, fds: list[int], nsfds: list[int], root_fd: int,
         _join(req.cgroups)
         for fd in nsfds:
             kernel.setns(fd, 0)
+        _own_userns()
         os.fchdir(root_fd)
         os.chroot(".")
         stage = "cwd"
@@ -334,6 +349,36 @@ def _exec_child(req: Exec, fds: list[int], nsfds: list[int], root_fd: int,
         os.write(err, f"{stage}\0{code}\0{exc}".encode()[:2000])
     finally:
         os._exit(127)
+
+
+def _own_userns() -> None:
+    """Move into a user namespace of this exec's own, identity-mapped (as dsec-enter does; see there).
+
+    The maps can only be written from the parent namespace, so a child forked before the unshare
+    writes them (through the sandbox's /proc: both already live in its mount and pid namespaces)."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    helper = os.fork()
+    if helper == 0:
+        code = 1
+        try:
+            os.close(w)
+            if os.read(r, 1):
+                parent = os.getppid()
+                for name in ("uid_map", "gid_map"):
+                    with open(f"/proc/{parent}/{name}", "w") as f:
+                        f.write("0 0 4294967295")
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(r)
+    try:
+        kernel.unshare(kernel.CLONE_NEWUSER)
+        os.write(w, b"u")
+    finally:
+        os.close(w)
+        _, status = os.waitpid(helper, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise PermissionError(1, "user namespace map not written")
 
 
 def main(argv: list[str]) -> None:

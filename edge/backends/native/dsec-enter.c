@@ -9,6 +9,11 @@
  *   BASE+8 sandbox root. BASE is above every fd the spawner passes, so its dup2s never clobber a source.
  * The environment is the command's, exactly. On failure it writes "stage\0errno\0message" to the
  * error pipe and exits 127; success closes the error pipe by exec (CLOEXEC).
+ *
+ * Every exec gets a user namespace of its own (identity-mapped: uid 0 is still uid 0 on files). The
+ * kernel lets a process read another's /proc/<pid>/fd, mem or environ, ptrace it or take its fds
+ * only from the same user namespace (or with CAP_SYS_PTRACE, which no command has), so a process
+ * left behind by an earlier command can neither read nor write a later command's pipes.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -20,6 +25,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #define NS_COUNT 4
@@ -37,6 +43,43 @@ static void join(const char *tasks) {
     int fd = open(tasks, O_WRONLY | O_CLOEXEC);
     if (fd < 0 || write(fd, "0", 1) != 1) fail("setup", tasks);
     close(fd);
+}
+
+static int write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    close(fd);
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+/* Move into a new user namespace, identity-mapped. Its maps can only be written from the parent
+ * namespace with CAP_SETUID/CAP_SETGID there, so a child forked before the unshare writes them. */
+static void own_userns(void) {
+    int sync[2];
+    if (pipe2(sync, O_CLOEXEC)) fail("setup", "pipe");
+    pid_t helper = fork();
+    if (helper < 0) fail("setup", "fork");
+    if (helper == 0) {
+        char c, path[64];
+        close(sync[1]);
+        if (read(sync[0], &c, 1) != 1) _exit(1);          /* the parent died before unsharing */
+        int parent = (int)getppid();
+        snprintf(path, sizeof path, "/proc/%d/uid_map", parent);
+        if (write_file(path, "0 0 4294967295")) _exit(2);
+        snprintf(path, sizeof path, "/proc/%d/gid_map", parent);
+        if (write_file(path, "0 0 4294967295")) _exit(3);
+        _exit(0);
+    }
+    close(sync[0]);
+    int unshared = unshare(CLONE_NEWUSER);
+    int e = errno;
+    (void)!write(sync[1], "u", unshared == 0 ? 1 : 0);
+    close(sync[1]);
+    int status = 0;
+    while (waitpid(helper, &status, 0) < 0 && errno == EINTR) {}
+    if (unshared) { errno = e; fail("setup", "unshare user namespace"); }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { errno = EPERM; fail("setup", "user namespace map"); }
 }
 
 static void lockdown(unsigned long long keep) {
@@ -67,6 +110,7 @@ int main(int argc, char **argv) {
     if (i + 1 >= argc) { errno = EINVAL; fail("setup", "no command"); }
     for (int k = 0; k < NS_COUNT; k++)
         if (setns(NS_FD0 + k, 0)) fail("setup", "setns");
+    own_userns();   /* after the mount namespace (its root is ours: no chroot yet), before chroot */
     if (fchdir(ROOT_FD) || chroot(".")) fail("setup", "chroot");
     if (chdir(cwd)) fail("cwd", cwd);
     lockdown(keep);
