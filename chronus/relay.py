@@ -18,7 +18,7 @@ from bus import subjects
 from bus.conn import Bus
 from bus.messages import ExitRecord, OutputChunk, encode
 
-FLUSH_BYTES = 64 << 10
+FLUSH_BYTES = 256 << 10
 FLUSH_AFTER = 0.003
 DRAIN_RATE = 64 << 20   # bytes/s read (and dropped) from a command past its output cap
 TRAJ_OUTPUT = 64 << 10   # bytes of each stream kept in the exec's trajectory record (all of it is in dsec.out)

@@ -60,13 +60,16 @@ class ExecStream:
         """Records in order until the exit record; SandboxError if none comes within `wait` seconds."""
         deadline = time.monotonic() + wait
         while True:
-            left = deadline - time.monotonic()
             try:
-                data = await asyncio.wait_for(self._queue.get(), timeout=max(0.05, left) if left > 0 else 0.05)
-            except asyncio.TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
-                continue
+                data = self._queue.get_nowait()   # the common case under load: no timer, no task
+            except asyncio.QueueEmpty:
+                left = deadline - time.monotonic()
+                try:
+                    data = await asyncio.wait_for(self._queue.get(), timeout=max(0.05, left) if left > 0 else 0.05)
+                except asyncio.TimeoutError:
+                    if time.monotonic() >= deadline:
+                        raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
+                    continue
             if data is None:
                 raise SandboxNotFound(f"sandbox lost with its node: {self._lost}", reason="node_lost")
             try:

@@ -106,20 +106,21 @@ class AsyncSandbox:
                    env: dict[str, str] | None = None, stdin: bytes | str | None = None,
                    max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
         """Run a command to the end; ExecTimeout (with the partial output) if it outlived `timeout`."""
-        out = {"stdout": bytearray(), "stderr": bytearray()}
+        out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         stream = await self._start(cmd, timeout, cwd, env, stdin, max_output)
         try:
             async for rec in stream.records(timeout + EXIT_GRACE):
                 if isinstance(rec, ExitRecord):
                     ex = exit_of(rec)
                     break
-                out[rec.stream].extend(rec.data)
+                out[rec.stream].append(rec.data)
         finally:
             await stream.close()
+        stdout, stderr = b"".join(out["stdout"]), b"".join(out["stderr"])   # one copy
         if ex.timed_out:
             raise ExecTimeout(f"command timed out after {timeout}s; its process tree was killed",
-                              stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]), truncated=ex.truncated)
-        return ExecResult(exit_code=ex.exit_code, stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]),
+                              stdout=stdout, stderr=stderr, truncated=ex.truncated)
+        return ExecResult(exit_code=ex.exit_code, stdout=stdout, stderr=stderr,
                           duration=ex.duration, cpu_time=ex.cpu_time, peak_memory=ex.peak_memory,
                           timed_out=False, truncated=ex.truncated, exec_id=ex.exec_id)
 

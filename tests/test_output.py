@@ -98,7 +98,7 @@ async def test_every_reader_gets_exactly_the_bytes_written(stack, client):
         assert streams_of([c for c in plain if c["kind"] == "out"]) == {"stdout": stdout, "stderr": stderr}
         exec_ids.append(r.exec_id)
     long_line = await read_plain(stack.url, sb.id, exec_ids[1])
-    assert sum(c.get("partial", False) for c in long_line) >= 16   # 1 MiB line: cut, flagged, rejoined
+    assert sum(c.get("partial", False) for c in long_line) >= 4   # 1 MiB line: cut, flagged, rejoined
     await sb.destroy()
     text = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", sb.id, "--nats", stack.url],
                                    capture_output=True, timeout=120)
