@@ -197,6 +197,36 @@ class Bus:
             return await self.nc.subscribe(subject, cb=_cb, pending_msgs_limit=1_000_000,
                                            pending_bytes_limit=256 << 20)
 
+    async def serve(self, subject: str, handle: Callable[[bytes, str], Awaitable[Wire | None]]):
+        """Answer core requests on subject: handle(data, subject) runs in a task of its own per request
+        (one slow answer holds up no other) and its result, when not None, is the reply."""
+        tasks: set[asyncio.Task] = set()
+
+        async def _answer(m) -> None:
+            reply = await handle(m.data, m.subject)
+            if reply is not None and m.reply:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(m.reply, encode(reply))
+
+        async def _cb(m) -> None:
+            task = asyncio.ensure_future(_answer(m))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        with mapped_errors(f"subscribe {subject}"):
+            return await self.nc.subscribe(subject, cb=_cb)
+
+    async def request(self, subject: str, msg: Wire, timeout: float) -> bytes | None:
+        """A core request; its reply, or None when nobody serves the subject (now)."""
+        try:
+            with mapped_errors(f"request {subject}"):
+                m = await self.nc.request(subject, encode(msg), timeout=timeout)
+        except BusError as exc:
+            if isinstance(exc.__cause__, nats.errors.NoRespondersError):
+                return None
+            raise
+        return m.data
+
     async def flush(self, timeout: float = 2.0) -> None:
         """Round trip to the server: everything sent before is processed."""
         with mapped_errors("flush"):

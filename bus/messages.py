@@ -103,6 +103,8 @@ class ExecRequest(Wire, tag="exec"):
     timeout: float = 30.0
     deadline: float = 0.0
     max_output: int = 16 << 20
+    live_stdin: bool = False         # more stdin comes on dsec.in.<node>.<sandbox>.<exec_id> (ExecInput)
+    background: bool = False         # the client does not wait for it: the node acks it once started
 
 
 class DestroyRequest(Wire, tag="destroy"):
@@ -182,6 +184,28 @@ class ExitRecord(Wire, tag="exit"):
 
 
 OutputRecord = Union[OutputChunk, ExitRecord]
+
+
+# ---- a running exec's input (core request/reply on dsec.in.<node>.<sandbox>.<exec>) -------------
+
+class ExecInput(Wire, tag="stdin"):
+    """libdsec -> edge: the next piece of a live stdin (seq from 1, in order); eof closes it. Answered
+    OkReply once the command's pipe took it (flow control); a repeated seq is answered, not rewritten."""
+
+    exec_id: str = ""
+    seq: int = 0
+    data: bytes = b""
+    eof: bool = False
+
+
+class ExecSignal(Wire, tag="signal"):
+    """libdsec -> edge: send a signal to every process of a running exec (9: kill its whole tree)."""
+
+    exec_id: str = ""
+    signal: int = 9
+
+
+ExecControlMsg = Union[ExecInput, ExecSignal]
 
 
 # ---- state: KV values and events ---------------------------------------------------------------
@@ -325,6 +349,8 @@ class TrajRecord(Wire, tag="traj"):
     stderr_sha256: str = ""
     stdout: bytes = b""              # the first TRAJ_OUTPUT bytes of each stream (all of it: dsec.out)
     stderr: bytes = b""
+    background: bool = False         # started with background=True (the client did not wait for it)
+    live_stdin: bool = False         # its stdin was streamed while it ran (not kept in the trajectory)
     error_code: str = ""
     detail: str = ""
 
@@ -353,6 +379,7 @@ create_reply_decoder = msgspec.json.Decoder(CreateReply)
 op_decoder = msgspec.json.Decoder(SandboxOp)
 op_reply_decoder = msgspec.json.Decoder(OpReply)
 output_decoder = msgspec.json.Decoder(OutputRecord)
+control_decoder = msgspec.json.Decoder(ExecControlMsg)
 node_decoder = msgspec.json.Decoder(NodeInfo)
 sandbox_decoder = msgspec.json.Decoder(SandboxRecord)
 event_decoder = msgspec.json.Decoder(Event)

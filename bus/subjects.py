@@ -61,6 +61,11 @@ def node_ops_all(node: str) -> str:
     return f"dsec.node.{node}.exec.>"
 
 
+def exec_input(node: str, sandbox: str = "*", exec_id: str = "*") -> str:
+    """Core request/reply to a running exec on its node: live stdin and signals (no stream keeps them)."""
+    return f"dsec.in.{node}.{sandbox}.{exec_id}"
+
+
 def output(sandbox: str, exec_id: str = "*") -> str:
     """Where an exec's output records go."""
     return f"dsec.out.{sandbox}.{exec_id}"

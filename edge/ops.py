@@ -12,11 +12,12 @@ import msgspec
 
 from bus import streams, subjects
 from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
-from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, ExitRecord, OkReply, ReadFile, TrajRecord,
-                          WriteFile, op_decoder, output_decoder, salvage, sandbox_decoder)
+from bus.messages import (DestroyRequest, ErrorReply, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply,
+                          ReadFile, TrajRecord, WriteFile, control_decoder, op_decoder, output_decoder, salvage,
+                          sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
-from edge.backends.base import TRUSTED_SHELL, BackendError, SandboxGone
+from edge.backends.base import TRUSTED_SHELL, BackendError, ExecControl, SandboxGone
 
 if TYPE_CHECKING:
     from edge.agent import Edge
@@ -24,11 +25,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
+MAX_SIGNAL = 64
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 
 
+class LiveExec:
+    """A running exec as its control subject sees it: the backend's controls and the stdin seq."""
+
+    def __init__(self, control: ExecControl) -> None:
+        self.control = control
+        self.next_seq = 1
+        self.last: tuple[int, asyncio.Future] | None = None   # the latest stdin write, for a repeated seq
+
+
 class OpLane:
-    """Pulls dsec.node.<node>.exec.> and runs each op; execs run concurrently up to max_execs."""
+    """Pulls dsec.node.<node>.exec.> and runs each op; execs run concurrently up to max_execs.
+    Background execs are acked once started and run on, outside that count. Running execs take live
+    stdin and signals on dsec.in.<node>.<sandbox>.<exec> (core request/reply)."""
 
     def __init__(self, edge: "Edge") -> None:
         self.edge = edge
@@ -37,9 +50,13 @@ class OpLane:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicates = 0   # execs delivered again and not run (ack lost, lease lost, client retry)
         self._unpublished: dict[str, tuple[OutputRelay, dict]] = {}   # exit records the bus refused so far
+        self._live: dict[str, LiveExec] = {}
+        self._background: set[asyncio.Task] = set()
+        self._controls = None
 
     async def start(self) -> None:
-        """Start pulling ops."""
+        """Start pulling ops and answering the control subject of running execs."""
+        self._controls = await self.bus.serve(subjects.exec_input(self.edge.node), self._on_control)
         self._worker = await self.bus.pull_worker(streams.edge_ops_consumer(self.edge.node), self._handle,
                                                   credit=lambda: self.edge.config.max_execs)
 
@@ -47,6 +64,49 @@ class OpLane:
         """Stop pulling; cancel ops in flight (their sandboxes are about to be destroyed)."""
         if self._worker:
             await self._worker.stop(drain=False)
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._controls is not None:
+            with contextlib.suppress(Exception):
+                await self._controls.unsubscribe()
+            self._controls = None
+
+    # ---- live stdin and signals ---------------------------------------------------------------
+
+    async def _on_control(self, data: bytes, subject: str):
+        try:
+            msg = control_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return ErrorReply(code=InvalidRequest.code, message=f"bad exec control message: {exc}")
+        live = self._live.get(msg.exec_id)
+        if live is None or subject.rsplit(".", 1)[-1] != msg.exec_id:
+            return ErrorReply(code="exec_not_running", message=f"exec {msg.exec_id} is not running on this node")
+        if isinstance(msg, ExecSignal):
+            if not 0 < msg.signal <= MAX_SIGNAL:
+                return ErrorReply(code=InvalidRequest.code, message=f"signal must be 1..{MAX_SIGNAL}, got {msg.signal}")
+            sent = await live.control.signal(msg.signal)
+            return OkReply() if sent else ErrorReply(code="exec_not_running", message="no process left to signal")
+        return await self._stdin(live, msg)
+
+    @staticmethod
+    async def _stdin(live: LiveExec, msg: ExecInput):
+        if not live.control.live_stdin:
+            return ErrorReply(code=InvalidRequest.code, message="this exec was not started with a live stdin")
+        if msg.seq < live.next_seq:          # a retry: answer as the first time (once written)
+            if live.last is not None and live.last[0] == msg.seq:
+                await asyncio.shield(live.last[1])
+            return OkReply()
+        if msg.seq > live.next_seq:
+            return ErrorReply(code=InvalidRequest.code, message=f"stdin piece {msg.seq} before {live.next_seq}")
+        live.next_seq += 1
+        done = live.control.write(msg.data)
+        if msg.eof:
+            done = live.control.write(None)
+        live.last = (msg.seq, done)
+        if not await asyncio.shield(done):
+            return ErrorReply(code="stdin_closed", message="the command closed its stdin")
+        return OkReply()
 
     async def _handle(self, d: Delivery) -> Verdict:
         try:
@@ -170,11 +230,20 @@ class OpLane:
             await self._exec_error(op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
         relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
+        live = LiveExec(ExecControl(live_stdin=op.live_stdin))
+        self._live[op.exec_id] = live
+        if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
+            task = asyncio.ensure_future(self._execute(op, relay, None))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return Verdict.ACK
+        return await self._execute(op, relay, Lease(d))
+
+    async def _execute(self, op: ExecRequest, relay: OutputRelay, lease: Lease | None) -> Verdict:
         running = self.edge.sandboxes.get(op.sandbox_id)
         started = time.time()
-        lease = Lease(d)
         try:
-            fields = await self._run(op, relay)
+            fields = await self._run(op, relay, self._live[op.exec_id].control)
             verdict = await self._final(relay, fields)
             if verdict is Verdict.ACK and running is not None:
                 await self._trajectory(op, relay, fields, running.record, started)
@@ -185,15 +254,18 @@ class OpLane:
                                                     error="sandbox destroyed: the edge stopped"), 0.5)
             raise
         finally:
-            lease.cancel()
+            self._live.pop(op.exec_id, None)
+            if lease is not None:
+                lease.cancel()
 
-    async def _run(self, op: ExecRequest, relay: OutputRelay) -> dict:
+    async def _run(self, op: ExecRequest, relay: OutputRelay, control: ExecControl) -> dict:
         """Run the command; the fields of its exit record (an error record when it could not run)."""
         t0 = time.monotonic()
         try:
             argv = [TRUSTED_SHELL, "-c", op.shell] if op.shell else op.argv
             res = await self.edge.backend.exec(op.sandbox_id, argv, env=dict(op.env), cwd=op.cwd,
-                                               stdin=op.stdin or None, timeout=op.timeout, sink=relay.sink)
+                                               stdin=op.stdin or None, timeout=op.timeout, sink=relay.sink,
+                                               control=control)
         except SandboxGone:
             err = await self._gone(op.sandbox_id)
             return dict(exit_code=-1, error_code=err.code, error=str(err), reason=err.reason)
@@ -221,7 +293,8 @@ class OpLane:
             stdout_bytes=relay.counts["stdout"], stderr_bytes=relay.counts["stderr"],
             stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
             stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
-            error_code=fields.get("error_code", ""), detail=fields.get("error", ""))
+            error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
+            live_stdin=op.live_stdin)
         try:
             await self.bus.publish(subjects.trajectory(rec.tenant, job, op.sandbox_id), traj,
                                    msg_id=f"{op.exec_id}-traj", retries=3, retry_for=5.0)

@@ -4,13 +4,14 @@ from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecE
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, PlacementError,
                             QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound)
 from libdsec.resources import Resources
+from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 from libdsec.sync import Client, Sandbox
 
 __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
-    "EnvironmentFailure", "ExecFailed", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
+    "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
     "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
     "SandboxNotFound",
 ]

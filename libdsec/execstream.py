@@ -29,6 +29,7 @@ class ExecStream:
         self._evt_sub = None
         self._held: dict[int, OutputChunk | ExitRecord] = {}
         self._next = 1
+        self.finished = False   # the exit record was read, or the exec is known lost
 
     async def open(self) -> None:
         """Subscribe to the output subject."""
@@ -58,6 +59,12 @@ class ExecStream:
 
     async def records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
         """Records in order until the exit record; SandboxError if none comes within `wait` seconds."""
+        async for rec in self._records(wait):
+            if isinstance(rec, ExitRecord):
+                self.finished = True
+            yield rec
+
+    async def _records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
         deadline = time.monotonic() + wait
         while True:
             try:
@@ -68,9 +75,11 @@ class ExecStream:
                     data = await asyncio.wait_for(self._queue.get(), timeout=max(0.05, left) if left > 0 else 0.05)
                 except asyncio.TimeoutError:
                     if time.monotonic() >= deadline:
+                        self.finished = True
                         raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
                     continue
             if data is None:
+                self.finished = True
                 raise SandboxNotFound(f"sandbox lost with its node: {self._lost}", reason="node_lost")
             try:
                 rec = output_decoder.decode(data)
@@ -90,6 +99,17 @@ class ExecStream:
                 yield out
                 if isinstance(out, ExitRecord):
                     return
+
+    async def ended(self) -> bool:
+        """Whether the exec's exit record is stored (asked of the stream, not of this subscription)."""
+        if self.finished:
+            return True
+        try:
+            last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject)
+            self.finished = last is not None and isinstance(output_decoder.decode(last), ExitRecord)
+        except (BusError, msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        return self.finished
 
     async def _refill(self, upto: int) -> None:
         try:

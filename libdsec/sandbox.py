@@ -2,20 +2,23 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import subjects
-from bus.errors import ExecTimeout, InvalidRequest
-from bus.messages import DestroyRequest, ExecRequest, ExitRecord, ReadFile, WriteFile, encode
+from bus.errors import InvalidRequest
+from bus.messages import DestroyRequest, ExecRequest, ReadFile, WriteFile, encode
+from libdsec.exechandle import ExecHandle
+from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
-from libdsec.execstream import EXIT_GRACE, ExecStream, LineSplitter, exit_of
-from libdsec.results import ExecResult, Exit, Output
+from libdsec.results import Exit, Output
 
 if TYPE_CHECKING:
     from libdsec.client import AsyncClient
 
 Command = str | Sequence[str]
+Stdin = bytes | str | AsyncIterable[bytes | str] | None
 DEFAULT_EXEC_TIMEOUT = 30.0
+DEFAULT_BACKGROUND_TIMEOUT = 24 * 3600.0
 DEFAULT_OP_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT = 16 << 20
 PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec id dedupes them)...
@@ -63,17 +66,20 @@ class AsyncSandbox:
             pass
 
     async def _start(self, cmd: Command, timeout: float, cwd: str, env: dict[str, str] | None,
-                     stdin: bytes | str | None, max_output: int) -> ExecStream:
+                     stdin: Stdin, max_output: int, background: bool = False) -> ExecHandle:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(stdin, str):
-            stdin = stdin.encode()
-        if stdin and len(stdin) > MAX_FILE_OP:
-            raise InvalidRequest(f"stdin: at most {MAX_FILE_OP} bytes per exec, got {len(stdin)}")
+        live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
+        if live and not hasattr(stdin, "__aiter__"):
+            raise InvalidRequest("stdin must be bytes, str or an async iterable of bytes/str")
+        first = b"" if live or stdin is None else (stdin.encode() if isinstance(stdin, str) else bytes(stdin))
+        if len(first) > MAX_FILE_OP:
+            raise InvalidRequest(f"stdin: at most {MAX_FILE_OP} bytes in one exec request, got {len(first)} "
+                                 "(an async iterable streams any amount)")
         bus = self.client._need_bus()
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **command_fields(cmd), env=dict(env or {}),
-                          cwd=cwd, stdin=stdin or b"", timeout=float(timeout),
-                          deadline=time.time() + timeout + EXIT_GRACE, max_output=max_output)
+                          cwd=cwd, stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
+                          max_output=max_output, live_stdin=live, background=background)
         stream = ExecStream(bus, self.id, req.exec_id, self.client.tenant)
         await stream.open()
         try:
@@ -82,47 +88,39 @@ class AsyncSandbox:
         except BaseException:
             await stream.close()
             raise
-        return stream
+        handle = ExecHandle(bus, self.node, self.id, req.exec_id, stream, timeout)
+        if live:
+            handle.feed(stdin)  # type: ignore[arg-type]
+        return handle
 
     async def stream(self, cmd: Command, *, timeout: float = DEFAULT_EXEC_TIMEOUT, cwd: str = "/",
-                     env: dict[str, str] | None = None, stdin: bytes | str | None = None,
+                     env: dict[str, str] | None = None, stdin: Stdin = None,
                      max_output: int = DEFAULT_MAX_OUTPUT) -> AsyncIterator[Output | Exit]:
-        """Yield Output per line as it is produced, then one Exit (timed_out set if the timeout fired)."""
-        stream = await self._start(cmd, timeout, cwd, env, stdin, max_output)
-        lines = LineSplitter()
+        """Yield Output per line as it is produced, then one Exit (timed_out set if the timeout fired).
+        stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
+        them (interactive; its end closes the command's stdin)."""
+        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output)
         try:
-            async for rec in stream.records(timeout + EXIT_GRACE):
-                if isinstance(rec, ExitRecord):
-                    for out in lines.flush():
-                        yield out
-                    yield exit_of(rec)
-                    return
-                for out in lines.feed(rec.stream, rec.data):
-                    yield out
+            async for ev in handle.stream():
+                yield ev
         finally:
-            await stream.close()
+            await handle.close()
 
-    async def exec(self, cmd: Command, *, timeout: float = DEFAULT_EXEC_TIMEOUT, cwd: str = "/",
-                   env: dict[str, str] | None = None, stdin: bytes | str | None = None,
-                   max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
-        """Run a command to the end; ExecTimeout (with the partial output) if it outlived `timeout`."""
-        out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
-        stream = await self._start(cmd, timeout, cwd, env, stdin, max_output)
+    async def exec(self, cmd: Command, *, timeout: float | None = None, cwd: str = "/",
+                   env: dict[str, str] | None = None, stdin: Stdin = None,
+                   max_output: int = DEFAULT_MAX_OUTPUT, background: bool = False) -> Any:
+        """Run a command to the end and return its ExecResult; ExecTimeout (with the partial output) if it
+        outlived `timeout` (default 30 s). background=True returns an ExecHandle at once instead (default
+        timeout 24 h): stream its output, wait() for it or kill() it later."""
+        if timeout is None:
+            timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
+        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background)
+        if background:
+            return handle
         try:
-            async for rec in stream.records(timeout + EXIT_GRACE):
-                if isinstance(rec, ExitRecord):
-                    ex = exit_of(rec)
-                    break
-                out[rec.stream].append(rec.data)
+            return await handle.wait()
         finally:
-            await stream.close()
-        stdout, stderr = b"".join(out["stdout"]), b"".join(out["stderr"])   # one copy
-        if ex.timed_out:
-            raise ExecTimeout(f"command timed out after {timeout}s; its process tree was killed",
-                              stdout=stdout, stderr=stderr, truncated=ex.truncated)
-        return ExecResult(exit_code=ex.exit_code, stdout=stdout, stderr=stderr,
-                          duration=ex.duration, cpu_time=ex.cpu_time, peak_memory=ex.peak_memory,
-                          timed_out=False, truncated=ex.truncated, exec_id=ex.exec_id)
+            await handle.close()
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          timeout: float = DEFAULT_OP_TIMEOUT) -> None:

@@ -7,6 +7,7 @@ import threading
 from typing import Any, Iterator
 
 from libdsec.client import AsyncClient
+from bus.errors import InvalidRequest
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 
@@ -50,7 +51,9 @@ class Sandbox:
         self._client._loop.run(self._inner.__aexit__(*exc))
 
     def exec(self, cmd, **kwargs: Any) -> ExecResult:
-        """Run a command to the end."""
+        """Run a command to the end (background execs and live stdin: use AsyncClient)."""
+        if kwargs.get("background"):
+            raise InvalidRequest("background execs need the AsyncClient (their handle is async)")
         return self._client._loop.run(self._inner.exec(cmd, **kwargs))
 
     def stream(self, cmd, **kwargs: Any) -> Iterator[Output | Exit]:

@@ -19,7 +19,7 @@ from placement import admission, scoring
 def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
         "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
-        "EnvironmentFailure", "ExecFailed", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
+        "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
         "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
         "SandboxNotFound"])
     for name in libdsec.__all__:
@@ -176,6 +176,40 @@ async def test_relay_flushes_after_a_few_ms():
     await asyncio.sleep(0.05)
     assert [m.data for m in bus.sent] == [b"hello\n"]
     await r.finish(exit_code=0)
+
+
+async def test_relay_cuts_chunks_at_newlines_and_flags_continued_lines():
+    bus = _FakeBus()
+    size = relay_mod.FLUSH_BYTES
+    r = relay_mod.OutputRelay(bus, "sb", "x3", max_output=64 << 20)
+    await r.sink("stdout", b"short\n" + b"L" * (3 * size) + b"\nend")   # a line longer than a chunk
+    await r.sink("stderr", b"e" * 10)
+    await r.sink("stdout", b"\n")
+    await r.finish(exit_code=0)
+    chunks = [m for m in bus.sent if isinstance(m, OutputChunk)]
+    out = [c for c in chunks if c.stream == "stdout"]
+    assert all(len(c.data) <= size for c in chunks)
+    assert out[0].data == b"short\n" and not out[0].partial          # cut after the newline
+    assert all(c.partial for c in out[1:4]) and out[4].data.endswith(b"end") and out[4].partial
+    assert out[-1].data == b"\n" and not out[-1].partial
+    assert [c.stream_seq for c in out] == list(range(1, len(out) + 1))
+    assert [c.stream_seq for c in chunks if c.stream == "stderr"] == [1]
+    assert b"".join(c.data for c in out) == b"short\n" + b"L" * (3 * size) + b"\nend\n"
+    lines = LineSplitter()
+    got = [o.data for c in chunks for o in lines.feed(c.stream, c.data)] + [o.data for o in lines.flush()]
+    assert got == [b"short\n", b"L" * (3 * size) + b"\n", b"end\n", b"e" * 10]   # rejoined whole
+
+
+async def test_relay_drains_past_the_cap_at_a_paced_rate():
+    import time
+    bus = _FakeBus()
+    r = relay_mod.OutputRelay(bus, "sb", "x4", max_output=10)
+    await r.sink("stdout", b"x" * 10)
+    t0 = time.monotonic()
+    for _ in range(8):
+        await r.sink("stdout", b"y" * (1 << 20))    # 8 MiB past the cap: about 8/64 s
+    assert time.monotonic() - t0 >= 8 / 64 * 0.9
+    assert (await r.finish(exit_code=0)).truncated
 
 
 def test_encode_is_json_any_client_can_read():

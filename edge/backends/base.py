@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal
 
@@ -42,6 +43,41 @@ class ExecResult:
     timed_out: bool = False     # killed because the timeout passed (tree verified gone)
 
 
+class ExecControl:
+    """A running exec's live controls, given by the edge to Backend.exec: stdin written while the
+    command runs (in order; each write resolves once the pipe took it) and signals to its processes."""
+
+    def __init__(self, live_stdin: bool = False) -> None:
+        self.live_stdin = live_stdin      # stdin comes through write()/close(), after the request's bytes
+        self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
+        self._signal: Callable[[int], Awaitable[bool]] | None = None
+
+    def write(self, data: bytes | None) -> asyncio.Future:
+        """Queue stdin bytes (None: end of stdin); the future resolves when written (or the pipe closed)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((data, fut))
+        return fut
+
+    async def next_input(self) -> tuple[bytes | None, asyncio.Future]:
+        """For the backend: the next stdin piece and its future."""
+        return await self._queue.get()
+
+    def fail_pending(self) -> None:
+        """The command's stdin is gone: resolve every queued write."""
+        while not self._queue.empty():
+            _, fut = self._queue.get_nowait()
+            if not fut.done():
+                fut.set_result(False)
+
+    def on_signal(self, fn: Callable[[int], Awaitable[bool]]) -> None:
+        """For the backend: how to signal the exec's processes."""
+        self._signal = fn
+
+    async def signal(self, sig: int) -> bool:
+        """Send sig to every process of the exec; False when it is not running (yet, or any more)."""
+        return await self._signal(sig) if self._signal is not None else False
+
+
 class BackendError(Exception):
     """A backend could not do what was asked; the message is one clear line."""
 
@@ -75,8 +111,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
-                   stdin: bytes | None, timeout: float, sink: OutputSink) -> ExecResult:
-        """Run argv inside the sandbox; stream output to sink; return when it exited and its pipes closed."""
+                   stdin: bytes | None, timeout: float, sink: OutputSink,
+                   control: ExecControl | None = None) -> ExecResult:
+        """Run argv inside the sandbox; stream output to sink; return when it exited and its pipes closed.
+        With control: stdin continues from control's writes (when live_stdin) and signals reach it."""
 
     @abc.abstractmethod
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:

@@ -8,6 +8,7 @@ A sandbox costs the host its catatonit (~50 KiB), its namespaces and mounts; no 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.backends import cgroups, enter, execio, kernel, native, zygote
-from edge.backends.base import (Backend, BackendError, ExecResult, OutputSink, SandboxGone,
+from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone,
                                 SandboxSpec)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.layermounts import LayerError, LayerMounts
@@ -279,7 +280,8 @@ class ContainerBackend(Backend):
     # ------------------------------------------------------------ exec
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
-                   stdin: bytes | None, timeout: float, sink: OutputSink) -> ExecResult:
+                   stdin: bytes | None, timeout: float, sink: OutputSink,
+                   control: ExecControl | None = None) -> ExecResult:
         """Run argv inside the sandbox (timeout <= 0: none); see ExecFailed for commands that never start."""
         sb = self._live(sandbox_id)
         if not argv:
@@ -300,7 +302,9 @@ class ContainerBackend(Backend):
                     exited = await self._start_exec(sb, msg, pipes)
                 finally:
                     pipes.close_child_ends()    # else our copies of the write ends would hide EOF
-                status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink)
+                if control is not None:
+                    control.on_signal(lambda sig: self._signal_exec(groups, sig))
+                status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink, control)
             except LauncherError as exc:
                 raise BackendError(str(exc)) from exc
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
@@ -337,9 +341,13 @@ class ContainerBackend(Backend):
             raise BackendError(f"cannot watch {msg.argv[0]}: {exc.strerror}") from exc
 
     async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "execio.Pipes",
-                         stdin: bytes | None, timeout: float, sink: OutputSink) -> tuple[int, bool]:
+                         stdin: bytes | None, timeout: float, sink: OutputSink,
+                         control: ExecControl | None) -> tuple[int, bool]:
         """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree."""
-        feeder = asyncio.ensure_future(execio.feed(pipes.take("stdin_w"), stdin or b""))
+        if control is not None and control.live_stdin:
+            feeder = asyncio.ensure_future(execio.feed_live(pipes.take("stdin_w"), stdin or b"", control))
+        else:
+            feeder = asyncio.ensure_future(execio.feed(pipes.take("stdin_w"), stdin or b""))
         pumps = [asyncio.ensure_future(execio.pump(pipes.stdout_r, "stdout", sink)),
                  asyncio.ensure_future(execio.pump(pipes.stderr_r, "stderr", sink))]
         # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
@@ -368,6 +376,19 @@ class ContainerBackend(Backend):
             # Wait until they unregistered their fds: the caller closes them next, and a closed
             # fd number may at once be reused by another exec's pipe.
             await asyncio.gather(feeder, *pumps, return_exceptions=True)
+
+    async def _signal_exec(self, groups: dict[str, Path], sig: int) -> bool:
+        """Signal every process of one exec (SIGKILL: the whole tree, verified gone)."""
+        if sig == signal.SIGKILL:
+            return await cgroups.kill_tree(groups["freezer"])
+        try:
+            pids = cgroups.procs_under(groups["freezer"])
+        except OSError:
+            return False
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return bool(pids)
 
     async def _kill_exec(self, groups: dict[str, Path]) -> None:
         if not await cgroups.kill_tree(groups["freezer"]):

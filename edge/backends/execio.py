@@ -6,7 +6,7 @@ import asyncio
 import errno
 import os
 
-from edge.backends.base import OutputSink
+from edge.backends.base import ExecControl, OutputSink
 
 CHUNK = 64 << 10   # bytes read from a pipe at once
 
@@ -93,6 +93,32 @@ async def feed(fd: int, data: bytes) -> None:
         pass        # the command stopped reading; not an error of the exec
     finally:
         os.close(fd)
+
+
+async def feed_live(fd: int, first: bytes, control: ExecControl) -> None:
+    """Write the request's stdin, then what arrives through control until its end (None), then close."""
+    async def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view[:CHUNK]):]
+            except BlockingIOError:
+                await wait_fd(fd, write=True)
+
+    try:
+        await write(first)
+        while True:
+            data, done = await control.next_input()
+            if data is None:
+                done.set_result(True)
+                return
+            await write(data)
+            done.set_result(True)
+    except BrokenPipeError:
+        pass        # the command stopped reading; later writes are answered False
+    finally:
+        os.close(fd)
+        control.fail_pending()
 
 
 async def read_to_eof(fd: int) -> bytes:

@@ -22,7 +22,7 @@ class NoopBackend(Backend):
         """Remember the id."""
         self._ids.add(spec.id)
 
-    async def exec(self, sandbox_id, argv, *, env, cwd, stdin, timeout, sink) -> ExecResult:
+    async def exec(self, sandbox_id, argv, *, env, cwd, stdin, timeout, sink, control=None) -> ExecResult:
         """Exit 0 with no output."""
         if sandbox_id not in self._ids:
             raise SandboxGone(sandbox_id)

@@ -1,0 +1,108 @@
+"""Interactive stdin (an async iterable fed while the command runs) and background execs (a handle to
+stream, wait for or kill later)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import nats
+import pytest
+
+import libdsec
+from bus import subjects
+
+
+async def test_stdin_reaches_the_command_as_it_is_produced(client):
+    async with await client.create() as sb:
+        questions: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def source():
+            while (q := await questions.get()) is not None:
+                yield q
+
+        answers = []
+        await questions.put(b"q0\n")
+        async for ev in sb.stream("while read line; do echo got-$line; done; echo bye", stdin=source()):
+            if isinstance(ev, libdsec.Exit):
+                assert ev.exit_code == 0
+                break
+            answers.append(ev.data)
+            n = len(answers)
+            # the next question is only sent once the answer to the last one came back: interactive
+            await questions.put(f"q{n}\n".encode() if n < 5 else None)
+        assert answers == [b"got-q%d\n" % i for i in range(5)] + [b"bye\n"]
+
+
+async def test_a_large_streamed_stdin_arrives_whole(client):
+    async with await client.create() as sb:
+        async def source():
+            for i in range(16):
+                yield bytes([65 + i]) * (128 << 10)
+
+        r = await sb.exec("wc -c; ", stdin=source())
+        assert r.stdout.strip() == str(16 * (128 << 10)).encode()
+        r = await sb.exec(["/bin/busybox", "md5sum"], stdin=source())
+        import hashlib
+        assert r.stdout.split()[0].decode() == hashlib.md5(b"".join(bytes([65 + i]) * (128 << 10)
+                                                                     for i in range(16))).hexdigest()
+
+
+async def test_stdin_to_a_command_that_does_not_read_it_does_not_hang(client):
+    async with await client.create() as sb:
+        async def endless():
+            while True:
+                yield b"x" * 65536
+
+        r = await asyncio.wait_for(sb.exec("head -c 10 > /dev/null; echo read-enough", stdin=endless()), 30)
+        assert r.stdout == b"read-enough\n"
+
+
+async def test_a_background_exec_can_be_streamed_waited_for_and_killed(stack, client):
+    async with await client.create(labels={"job": "bg"}) as sb:
+        counter = await sb.exec("i=0; while :; do echo $i; i=$((i+1)); usleep 20000; done", background=True)
+        assert isinstance(counter, libdsec.ExecHandle) and not counter.done
+        sleepers = [await sb.exec("sleep 60", background=True) for _ in range(3)]
+        assert (await sb.exec("echo meanwhile")).stdout == b"meanwhile\n"   # the lane is not held by them
+        seen = []
+        async for ev in counter.stream():
+            seen.append(ev.data)
+            if len(seen) == 5:
+                break
+        assert seen == [b"%d\n" % i for i in range(5)]
+        assert await counter.kill() is True
+        r = await counter.wait()
+        assert r.exit_code == 128 + signal.SIGKILL
+        lines = r.stdout.split()
+        assert lines[:5] == [b"0", b"1", b"2", b"3", b"4"] and lines == [b"%d" % i for i in range(len(lines))]
+        assert await counter.kill() is False     # already ended
+        assert await sleepers[0].kill(signal.SIGTERM) is True
+        assert (await sleepers[0].wait()).exit_code == 128 + signal.SIGTERM
+        done = await sb.exec("sleep 0.2; echo done", background=True)
+        assert (await done.wait()).stdout == b"done\n"
+        with pytest.raises(libdsec.InvalidRequest):
+            await sleepers[1].kill(0)
+        for h in sleepers[1:]:
+            await h.close()      # stop listening; the sandbox's destroy ends them
+    nc = await nats.connect(stack.url)
+    try:
+        sub = await nc.jetstream().subscribe(subjects.trajectory("default", "bg", sb.id), ordered_consumer=True)
+        records = []
+        while not records or records[-1]["type"] != "destroyed":
+            records.append(json.loads((await sub.next_msg(timeout=10)).data))
+    finally:
+        await nc.close()
+    execs = {r["exec_id"]: r for r in records if r["type"] == "exec"}
+    assert execs[counter.id]["background"] is True and execs[counter.id]["exit_code"] == 137
+
+
+async def test_a_background_exec_ends_with_its_sandbox(client):
+    sb = await client.create()
+    h = await sb.exec("sleep 60", background=True)
+    await asyncio.sleep(0.3)
+    await sb.destroy()
+    try:   # it ends at once, one way or the other: killed with the sandbox, or told the sandbox is gone
+        r = await asyncio.wait_for(h.wait(), 10)
+        assert r.exit_code == 128 + signal.SIGKILL
+    except libdsec.SandboxNotFound:
+        pass
