@@ -182,16 +182,20 @@ class Bus:
             await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
             attempt += 1
 
-    async def send(self, subject: str, msg: Wire | bytes) -> None:
+    async def send(self, subject: str, msg: Wire | bytes, headers: dict[str, str] | None = None) -> None:
         """Core publish (no ack): replies, and output chunks followed by an acked record."""
         data = msg if isinstance(msg, bytes) else encode(msg)
         with mapped_errors(f"send to {subject}"):
-            await self.nc.publish(subject, data)
+            await self.nc.publish(subject, data, headers=headers)
 
-    async def subscribe(self, subject: str, cb: Callable[[bytes, str], Awaitable[None]]):
-        """Core subscription; cb(data, subject). Returns an object with async unsubscribe()."""
+    async def subscribe(self, subject: str, cb: Callable[..., Awaitable[None]], *, with_headers: bool = False):
+        """Core subscription; cb(data, subject), or cb(data, subject, headers) with_headers. Returns an
+        object with async unsubscribe()."""
         async def _cb(m) -> None:
-            await cb(m.data, m.subject)
+            if with_headers:
+                await cb(m.data, m.subject, m.headers)
+            else:
+                await cb(m.data, m.subject)
 
         with mapped_errors(f"subscribe {subject}"):
             return await self.nc.subscribe(subject, cb=_cb, pending_msgs_limit=1_000_000,
@@ -234,8 +238,10 @@ class Bus:
 
     # ---- streams ------------------------------------------------------------------------------
 
-    async def read_subject(self, stream: str, subject: str, *, timeout: float = 5.0) -> AsyncIterator[bytes]:
-        """Every message stored on `subject` (wildcards allowed), oldest first, until caught up."""
+    async def read_subject(self, stream: str, subject: str, *, timeout: float = 5.0,
+                           with_headers: bool = False) -> AsyncIterator:
+        """Every message stored on `subject` (wildcards allowed), oldest first, until caught up: its
+        data, or (data, headers) with_headers."""
         with mapped_errors(f"read {subject}"):
             sub = await self.js.subscribe(subject, stream=stream, ordered_consumer=True)
         try:
@@ -244,7 +250,7 @@ class Bus:
                     m = await sub.next_msg(timeout=timeout)
                 except nats.errors.TimeoutError:
                     return
-                yield m.data
+                yield (m.data, m.headers) if with_headers else m.data
                 if m.metadata.num_pending == 0:
                     return
         finally:

@@ -379,6 +379,31 @@ create_reply_decoder = msgspec.json.Decoder(CreateReply)
 op_decoder = msgspec.json.Decoder(SandboxOp)
 op_reply_decoder = msgspec.json.Decoder(OpReply)
 output_decoder = msgspec.json.Decoder(OutputRecord)
+
+
+# Output chunks travel raw: the bytes are the message payload (no JSON, no base64) and the framing is
+# in NATS headers, which every NATS client reads. Exit records stay JSON. See docs/streams.md.
+def chunk_message(c: OutputChunk) -> tuple[bytes, dict[str, str]]:
+    """The payload and headers of one output chunk on dsec.out."""
+    return c.data, {"Dsec-Kind": "out", "Dsec-V": str(WIRE_VERSION), "Dsec-Exec": c.exec_id, "Dsec-Seq": str(c.seq),
+                    "Dsec-Stream": c.stream, "Dsec-Stream-Seq": str(c.stream_seq),
+                    "Dsec-Partial": "1" if c.partial else "0"}
+
+
+def decode_output(data: bytes, headers: dict[str, str] | None) -> OutputRecord:
+    """An output record from a dsec.out message (raw chunk with headers, or a JSON exit record);
+    msgspec.ValidationError / DecodeError for anything else."""
+    if headers and headers.get("Dsec-Kind") == "out":
+        try:
+            stream = headers["Dsec-Stream"]
+            if stream not in ("stdout", "stderr"):
+                raise ValueError(stream)
+            return OutputChunk(exec_id=headers.get("Dsec-Exec", ""), seq=int(headers["Dsec-Seq"]), stream=stream,
+                               data=data, stream_seq=int(headers.get("Dsec-Stream-Seq", "0")),
+                               partial=headers.get("Dsec-Partial") == "1")
+        except (KeyError, ValueError) as exc:
+            raise msgspec.ValidationError(f"bad output chunk headers: {exc}") from None
+    return output_decoder.decode(data)
 control_decoder = msgspec.json.Decoder(ExecControlMsg)
 node_decoder = msgspec.json.Decoder(NodeInfo)
 sandbox_decoder = msgspec.json.Decoder(SandboxRecord)

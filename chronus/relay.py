@@ -16,7 +16,7 @@ import hashlib
 
 from bus import subjects
 from bus.conn import Bus
-from bus.messages import ExitRecord, OutputChunk, encode
+from bus.messages import ExitRecord, OutputChunk, chunk_message, encode
 
 FLUSH_BYTES = 256 << 10
 FLUSH_AFTER = 0.003
@@ -98,9 +98,10 @@ class OutputRelay:
                 for piece in pieces(buf):
                     self.seq += 1
                     self.stream_seq[stream] += 1
-                    await self.bus.send(self.subject, encode(OutputChunk(
+                    data, headers = chunk_message(OutputChunk(
                         exec_id=self.exec_id, seq=self.seq, stream=stream, data=piece,
-                        stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n"))))
+                        stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n")))
+                    await self.bus.send(self.subject, data, headers)
 
     async def finish(self, **fields) -> ExitRecord:
         """Flush, then publish the exit record with an ack: every chunk before it is stored too.

@@ -13,7 +13,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import OutputChunk, TrajRecord, encode, output_decoder
+from bus.messages import OutputChunk, TrajRecord, decode_output, encode
 from cli.main import fail, main, nats_option, run_async
 from libdsec.execstream import LineSplitter
 from libdsec.trajectories import consumer_config, read
@@ -28,9 +28,10 @@ async def _output(bus: Bus, rec: TrajRecord) -> list[OutputChunk]:
     """The exec's full output, in order, from dsec.out (byte-identical to what the SDK saw); when that
     has aged out, the part kept in the trajectory record."""
     chunks: dict[int, OutputChunk] = {}
-    async for data in bus.read_subject(streams.OUT_STREAM, subjects.output(rec.sandbox_id, rec.exec_id)):
+    async for data, headers in bus.read_subject(streams.OUT_STREAM, subjects.output(rec.sandbox_id, rec.exec_id),
+                                                with_headers=True):
         try:
-            r = output_decoder.decode(data)
+            r = decode_output(data, headers)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
         if isinstance(r, OutputChunk):

@@ -10,7 +10,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, SandboxError, SandboxNotFound, from_code
-from bus.messages import ExitRecord, OutputChunk, event_decoder, output_decoder
+from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder, output_decoder
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
@@ -23,7 +23,7 @@ class ExecStream:
         self.bus = bus
         self.subject = subjects.output(sandbox_id, exec_id)
         self.events = subjects.event(tenant, sandbox_id) if tenant else ""
-        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[bytes, dict | None] | None] = asyncio.Queue()
         self._lost = ""
         self._sub = None
         self._evt_sub = None
@@ -33,9 +33,9 @@ class ExecStream:
 
     async def open(self) -> None:
         """Subscribe to the output subject."""
-        async def _cb(data: bytes, _subject: str) -> None:
-            self._queue.put_nowait(data)
-        self._sub = await self.bus.subscribe(self.subject, _cb)
+        async def _cb(data: bytes, _subject: str, headers: dict | None) -> None:
+            self._queue.put_nowait((data, headers))
+        self._sub = await self.bus.subscribe(self.subject, _cb, with_headers=True)
         if self.events:   # the node dying is announced here: stop waiting for an exit it will never send
             async def _evt(data: bytes, _subject: str) -> None:
                 try:
@@ -82,7 +82,7 @@ class ExecStream:
                 self.finished = True
                 raise SandboxNotFound(f"sandbox lost with its node: {self._lost}", reason="node_lost")
             try:
-                rec = output_decoder.decode(data)
+                rec = decode_output(*data)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue   # junk on the subject is skipped
             if rec.seq < self._next:
@@ -113,9 +113,9 @@ class ExecStream:
 
     async def _refill(self, upto: int) -> None:
         try:
-            async for data in self.bus.read_subject(streams.OUT_STREAM, self.subject):
+            async for data, headers in self.bus.read_subject(streams.OUT_STREAM, self.subject, with_headers=True):
                 try:
-                    rec = output_decoder.decode(data)
+                    rec = decode_output(data, headers)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue
                 if self._next <= rec.seq <= upto:

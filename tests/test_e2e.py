@@ -128,13 +128,14 @@ async def test_events_and_kv_record(client, stack):
 
 async def test_output_readable_later_from_stream(client, stack):
     from bus import streams, subjects
-    from bus.messages import ExitRecord, OutputChunk, output_decoder
+    from bus.messages import ExitRecord, OutputChunk, decode_output
     async with await client.create() as sb:
         await sb.exec("echo later")
         node = sb.node
     recs = []
-    async for data in stack.bus.read_subject(streams.OUT_STREAM, subjects.output(sb.id, "*")):
-        recs.append(output_decoder.decode(data))
+    async for data, headers in stack.bus.read_subject(streams.OUT_STREAM, subjects.output(sb.id, "*"),
+                                                      with_headers=True):
+        recs.append(decode_output(data, headers))
     assert any(isinstance(r, OutputChunk) and r.data == b"later\n" for r in recs)
     assert isinstance(recs[-1], ExitRecord) and recs[-1].exit_code == 0 and node
 

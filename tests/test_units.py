@@ -8,8 +8,8 @@ import pytest
 
 import libdsec
 from bus import errors
-from bus.messages import (Booking, CreateRequest, ExitRecord, NodeInfo, OutputChunk, Resources, create_decoder, encode,
-                          output_decoder, salvage)
+from bus.messages import (Booking, CreateRequest, ExitRecord, NodeInfo, OutputChunk, Resources, create_decoder,
+                          decode_output, encode, output_decoder, salvage)
 from chronus import relay as relay_mod
 from libdsec.execstream import LineSplitter
 from libdsec.resources import parse_size
@@ -142,8 +142,8 @@ class _FakeBus:
     def __init__(self):
         self.sent = []
 
-    async def send(self, subject, data):
-        self.sent.append(output_decoder.decode(data))
+    async def send(self, subject, data, headers=None):
+        self.sent.append(decode_output(data, headers))
 
     async def publish(self, subject, data, msg_id=None):
         self.sent.append(output_decoder.decode(data))
