@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import os
 
 from edge.backends.base import ExecControl, OutputSink
 
-CHUNK = 256 << 10  # bytes read from a pipe at once
-PIPE_SIZE = 1 << 20   # output pipes hold this much: fewer, larger reads when a command writes fast
+CHUNK = 64 << 10   # bytes read from a pipe at once (a pipe holds 64 KiB)
 
 class Pipes:
     """The four pipes of one exec: stdin, stdout, stderr, and the execve error pipe."""
@@ -22,11 +20,6 @@ class Pipes:
         self.error_r, self.error_w = os.pipe2(os.O_CLOEXEC)
         for fd in (self.stdin_w, self.stdout_r, self.stderr_r, self.error_r):
             os.set_blocking(fd, False)
-        for fd in (self.stdout_r, self.stderr_r):
-            try:
-                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-            except OSError:
-                pass   # over /proc/sys/fs/pipe-max-size or the user's pipe quota: the default 64 KiB
 
     def child_ends(self) -> list[int]:
         """The ends the command gets: stdin read, stdout write, stderr write, error write."""
