@@ -16,7 +16,7 @@ from nats.js import api
 
 from bus import streams
 from bus.errors import BusError, BusUnavailable
-from bus.messages import Wire, encode
+from bus.messages import ErrorReply, Wire, encode
 from bus.pull import Handler, PullWorker
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,11 @@ class Bus:
         tasks: set[asyncio.Task] = set()
 
         async def _answer(m) -> None:
-            reply = await handle(m.data, m.subject)
+            try:
+                reply = await handle(m.data, m.subject)
+            except Exception as exc:     # still one answer: the asker must not wait for nothing
+                log.exception("serving %s", m.subject)
+                reply = ErrorReply(code="internal", message=f"{exc.__class__.__name__}: {exc}")
             if reply is not None and m.reply:
                 with contextlib.suppress(Exception):
                     await self.nc.publish(m.reply, encode(reply))

@@ -1,6 +1,7 @@
 """`dsec replay`: print a sandbox's (or a job's) episode from the trajectory stream, after the fact."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 import re
 import shlex
@@ -13,7 +14,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import OutputChunk, TrajRecord, decode_output, encode
+from bus.messages import ExitRecord, OutputChunk, TrajRecord, decode_output, encode
 from cli.main import fail, main, nats_option, run_async
 from libdsec.execstream import LineSplitter
 from libdsec.trajectories import consumer_config, read
@@ -24,10 +25,11 @@ NO_NEWLINE = b"\\ no newline at end\n"
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
 
-async def _output(bus: Bus, rec: TrajRecord) -> list[OutputChunk]:
-    """The exec's full output, in order, from dsec.out (byte-identical to what the SDK saw); when that
-    has aged out, the part kept in the trajectory record."""
+async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRecord | None]:
+    """The exec's full output in order and its exit record, from dsec.out (byte-identical to what the
+    SDK saw); when that has aged out, the part kept in the trajectory record (and no exit record)."""
     chunks: dict[int, OutputChunk] = {}
+    exit_rec = None
     async for data, headers in bus.read_subject(streams.OUT_STREAM, subjects.output(rec.sandbox_id, rec.exec_id),
                                                 with_headers=True):
         try:
@@ -36,11 +38,13 @@ async def _output(bus: Bus, rec: TrajRecord) -> list[OutputChunk]:
             continue
         if isinstance(r, OutputChunk):
             chunks.setdefault(r.seq, r)
-    if chunks or not (rec.stdout or rec.stderr):
-        return [chunks[k] for k in sorted(chunks)]
+        else:
+            exit_rec = r
+    if chunks or exit_rec is not None or not (rec.stdout or rec.stderr):
+        return [chunks[k] for k in sorted(chunks)], exit_rec
     return [c for c in (OutputChunk(exec_id=rec.exec_id, seq=1, stream="stdout", data=rec.stdout, stream_seq=1),
                         OutputChunk(exec_id=rec.exec_id, seq=2, stream="stderr", data=rec.stderr, stream_seq=1))
-            if c.data]
+            if c.data], None
 
 
 def _command(rec: TrajRecord) -> str:
@@ -122,18 +126,23 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
             await item.ack()
             count += 1
             if speed == "original" and previous is not None and rec.at > previous:
-                time.sleep(min(rec.at - previous, 60.0))
+                await asyncio.sleep(min(rec.at - previous, 60.0))
             previous = rec.at
             if fmt == "json":
                 _write(msgspec.json.encode({"seq": item.seq, **msgspec.to_builtins(rec)}) + b"\n")
                 if rec.type == "exec":
-                    for chunk in await _output(bus, rec):
-                        _write(encode(chunk) + b"\n")
+                    chunks, exit_rec = await _output(bus, rec)
+                    for record in (*chunks, *([exit_rec] if exit_rec else [])):
+                        _write(encode(record) + b"\n")
             elif rec.type != "exec":
                 stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
                 _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
             else:
-                _write(f"$ {_command(rec)}\n".encode() + marked(await _output(bus, rec)))
+                chunks, exit_rec = await _output(bus, rec)
+                kept = exit_rec is None and (len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes)
+                _write(f"$ {_command(rec)}\n".encode() + marked(chunks))
+                if kept:
+                    _write(b"# (output aged out of dsec.out: only the first 64 KiB of each stream was kept)\n")
                 status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
                     (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {rec.detail}]"
                                                                          if rec.error_code else "")

@@ -480,6 +480,7 @@ class Edge:
         try:
             await self.backend.destroy(sandbox_id)
         finally:
+            await self.ops.settle(sandbox_id)   # its execs' records first, then `destroyed`
             await self._mark_gone(sandbox_id, state, reason)
 
     async def _mark_gone(self, sandbox_id: str, state: str, reason: str) -> None:

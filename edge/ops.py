@@ -26,16 +26,19 @@ log = logging.getLogger(__name__)
 
 REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
 MAX_SIGNAL = 64
+MAX_BACKGROUND_PER_EXEC_SLOT = 4   # background execs a node runs at once: this times max_execs
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 
 
 class LiveExec:
     """A running exec as its control subject sees it: the backend's controls and the stdin seq."""
 
-    def __init__(self, control: ExecControl) -> None:
+    def __init__(self, sandbox_id: str, control: ExecControl) -> None:
+        self.sandbox_id = sandbox_id
         self.control = control
         self.next_seq = 1
         self.last: tuple[int, asyncio.Future] | None = None   # the latest stdin write, for a repeated seq
+        self.recorded = asyncio.Event()   # its exit and trajectory records are out (or given up on)
 
 
 class OpLane:
@@ -67,6 +70,10 @@ class OpLane:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        for live in self._live.values():   # background execs cancelled before they started
+            live.control.close()
+            live.recorded.set()
+        self._live.clear()
         if self._controls is not None:
             with contextlib.suppress(Exception):
                 await self._controls.unsubscribe()
@@ -89,16 +96,27 @@ class OpLane:
             return OkReply() if sent else ErrorReply(code="exec_not_running", message="no process left to signal")
         return await self._stdin(live, msg)
 
+    async def settle(self, sandbox_id: str, wait: float = 2.0) -> None:
+        """Wait (a bounded time) until the execs of a sandbox being destroyed have published their exit
+        and trajectory records, so its `destroyed` record comes after theirs on the timeline."""
+        pending = [live.recorded.wait() for live in self._live.values() if live.sandbox_id == sandbox_id]
+        if pending:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pending), wait)
+
     @staticmethod
     async def _stdin(live: LiveExec, msg: ExecInput):
         if not live.control.live_stdin:
             return ErrorReply(code=InvalidRequest.code, message="this exec was not started with a live stdin")
-        if msg.seq < live.next_seq:          # a retry: answer as the first time (once written)
+        if msg.seq < live.next_seq:          # a retry: the same answer as the first time (once written)
+            written = True
             if live.last is not None and live.last[0] == msg.seq:
-                await asyncio.shield(live.last[1])
-            return OkReply()
+                written = await asyncio.shield(live.last[1])
+            return OkReply() if written else ErrorReply(code="stdin_closed", message="the command closed its stdin")
         if msg.seq > live.next_seq:
             return ErrorReply(code=InvalidRequest.code, message=f"stdin piece {msg.seq} before {live.next_seq}")
+        if live.last is not None and not live.last[1].done():   # one piece in flight at a time: bounded memory
+            return ErrorReply(code="stdin_busy", message=f"stdin piece {live.last[0]} is still being written")
         live.next_seq += 1
         done = live.control.write(msg.data)
         if msg.eof:
@@ -230,7 +248,11 @@ class OpLane:
             await self._exec_error(op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
         relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
-        live = LiveExec(ExecControl(live_stdin=op.live_stdin))
+        if op.background and len(self._background) >= MAX_BACKGROUND_PER_EXEC_SLOT * self.edge.config.max_execs:
+            await self._exec_error(op.sandbox_id, op.exec_id, ExecFailed(
+                f"too many background execs on node {self.edge.node} ({len(self._background)})"))
+            return Verdict.ACK
+        live = LiveExec(op.sandbox_id, ExecControl(live_stdin=op.live_stdin))
         self._live[op.exec_id] = live
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
             task = asyncio.ensure_future(self._execute(op, relay, None))
@@ -242,9 +264,17 @@ class OpLane:
     async def _execute(self, op: ExecRequest, relay: OutputRelay, lease: Lease | None) -> Verdict:
         running = self.edge.sandboxes.get(op.sandbox_id)
         started = time.time()
+        live = self._live[op.exec_id]
         try:
-            fields = await self._run(op, relay, self._live[op.exec_id].control)
+            try:
+                fields = await self._run(op, relay, live.control)
+            finally:
+                live.control.close()         # nothing more reaches it: late stdin is answered at once
+                self._live.pop(op.exec_id, None)
             verdict = await self._final(relay, fields)
+            while verdict is Verdict.NAK and lease is None:   # acked already: no redelivery will retry it
+                await asyncio.sleep(1.0)
+                verdict = await self._final(relay, fields)
             if verdict is Verdict.ACK and running is not None:
                 await self._trajectory(op, relay, fields, running.record, started)
             return verdict
@@ -254,7 +284,7 @@ class OpLane:
                                                     error="sandbox destroyed: the edge stopped"), 0.5)
             raise
         finally:
-            self._live.pop(op.exec_id, None)
+            live.recorded.set()
             if lease is not None:
                 lease.cancel()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal as signals
+import time
 from typing import AsyncIterable, AsyncIterator
 
 import msgspec
@@ -29,18 +30,21 @@ class ExecHandle:
     a partial stream)."""
 
     def __init__(self, bus: Bus, node: str, sandbox_id: str, exec_id: str, stream: ExecStream,
-                 timeout: float) -> None:
+                 timeout: float, keep_output: bool = True) -> None:
         self.id = exec_id
         self.sandbox_id = sandbox_id
         self._bus = bus
         self._control = subjects.exec_input(node, sandbox_id, exec_id)
         self._stream = stream
         self._timeout = timeout
+        self._give_up = time.monotonic() + timeout + EXIT_GRACE
         self._records = stream.records(timeout + EXIT_GRACE)
+        self._keep = keep_output           # stream() alone (sb.stream) keeps only partial lines
         self._out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         self._lines = LineSplitter()
-        self._exit: Exit | None = None
+        self._exit: ExitRecord | None = None
         self._stdin: asyncio.Task | None = None
+        self._stdin_error: BaseException | None = None
 
     def __repr__(self) -> str:
         return f"ExecHandle(id={self.id!r}, sandbox={self.sandbox_id!r}, done={self.done})"
@@ -56,20 +60,21 @@ class ExecHandle:
 
     async def stream(self) -> AsyncIterator[Output | Exit]:
         """Each line as it is produced (the last partial line at the end), then the Exit. Leaving the
-        loop early keeps the handle: wait() or another stream() goes on from there."""
-        async for rec in self._records:
-            if isinstance(rec, ExitRecord):
-                for out in self._lines.flush():
-                    yield out
-                try:
-                    self._exit = exit_of(rec)   # raises the typed error of an exec that never ran
-                finally:
+        loop early keeps the handle: wait() or another stream() goes on from there; after the end,
+        stream() yields the Exit again."""
+        if self._exit is None:
+            async for rec in self._records:
+                if isinstance(rec, ExitRecord):
+                    self._exit = rec
                     await self.close()
-                yield self._exit
-                return
-            self._out[rec.stream].append(rec.data)
-            for out in self._lines.feed(rec.stream, rec.data):
-                yield out
+                    break
+                if self._keep:
+                    self._out[rec.stream].append(rec.data)
+                for out in self._lines.feed(rec.stream, rec.data):
+                    yield out
+        for out in self._lines.flush():
+            yield out
+        yield self._end()
 
     async def wait(self) -> ExecResult:
         """Wait for the end; ExecTimeout (with the partial output) if it outlived its timeout."""
@@ -77,13 +82,12 @@ class ExecHandle:
             try:
                 async for rec in self._records:
                     if isinstance(rec, ExitRecord):
-                        self._exit = exit_of(rec)
+                        self._exit = rec
                         break
                     self._out[rec.stream].append(rec.data)
             finally:
                 await self.close()
-        ex = self._exit
-        assert ex is not None
+        ex = self._end()
         stdout, stderr = b"".join(self._out["stdout"]), b"".join(self._out["stderr"])   # one copy
         if ex.timed_out:
             raise ExecTimeout(f"command timed out after {self._timeout}s; its process tree was killed",
@@ -91,6 +95,13 @@ class ExecHandle:
         return ExecResult(exit_code=ex.exit_code, stdout=stdout, stderr=stderr, duration=ex.duration,
                           cpu_time=ex.cpu_time, peak_memory=ex.peak_memory, timed_out=False,
                           truncated=ex.truncated, exec_id=ex.exec_id)
+
+    def _end(self) -> Exit:
+        """The Exit; the typed error of an exec that never ran, or the error of a stdin source that failed."""
+        assert self._exit is not None
+        if self._stdin_error is not None:
+            raise self._stdin_error
+        return exit_of(self._exit)
 
     async def kill(self, signal: int = signals.SIGKILL) -> bool:
         """Send signal to every process of the exec (SIGKILL, the default, kills its whole tree);
@@ -116,24 +127,33 @@ class ExecHandle:
 
     async def _pump_stdin(self, source: AsyncIterable[bytes | str]) -> None:
         seq = 0
-        async for item in source:
-            data = item.encode() if isinstance(item, str) else bytes(item)
-            for off in range(0, len(data), STDIN_PIECE):
-                seq += 1
-                if await self._ask(ExecInput(exec_id=self.id, seq=seq, data=data[off:off + STDIN_PIECE])) is None:
-                    return   # the exec ended or closed its stdin: the rest has nowhere to go
+        try:
+            async for item in source:
+                data = item.encode() if isinstance(item, str) else bytes(item)
+                for off in range(0, len(data), STDIN_PIECE):
+                    seq += 1
+                    if await self._ask(ExecInput(exec_id=self.id, seq=seq, data=data[off:off + STDIN_PIECE])) is None:
+                        return   # the exec ended or closed its stdin: the rest has nowhere to go
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:   # the caller's source failed: end the command's stdin, report it at the end
+            self._stdin_error = exc
         await self._ask(ExecInput(exec_id=self.id, seq=seq + 1, eof=True))
 
     async def _ask(self, msg: ExecInput | ExecSignal):
         """Send a control message until the node answers it; None when the exec is not running any
         more (or its stdin is closed). Typed errors for a refused message."""
-        not_running = 0
-        while not self._stream.finished:
+        tries = 0
+        while not self._stream.finished and time.monotonic() < self._give_up:
+            tries += 1
+            if tries % 10 == 0 and await self._stream.ended():
+                return None          # its exit record is stored: nothing runs to answer
             try:
                 raw = await self._bus.request(self._control, msg, timeout=CONTROL_WAIT)
-            except DsecError:
-                continue            # no answer in time (a full pipe, a moving connection): ask again
-            if raw is None:         # nobody serves the node's control subject: the edge is down
+            except DsecError:        # no answer in time (a full pipe), or the connection is moving
+                await asyncio.sleep(NOT_YET)
+                continue
+            if raw is None:          # nobody serves the node's control subject: the edge is down
                 await asyncio.sleep(NOT_YET * 10)
                 continue
             try:
@@ -144,10 +164,7 @@ class ExecHandle:
                 return reply
             if reply.code == "stdin_closed":
                 return None
-            if reply.code != "exec_not_running":
+            if reply.code not in ("exec_not_running", "stdin_busy"):
                 raise from_code(reply.code, reply.message)
-            not_running += 1         # not started yet, or ended: its exit record tells
-            if not_running % 10 == 0 and await self._stream.ended():
-                return None
-            await asyncio.sleep(NOT_YET)
+            await asyncio.sleep(NOT_YET)   # not started yet, or ended (its exit record tells)
         return None

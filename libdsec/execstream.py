@@ -14,6 +14,7 @@ from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder, 
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
+GONE_GRACE = 3.0    # seconds after its sandbox's destroyed/expired event an exit record may still come
 
 
 class ExecStream:
@@ -24,7 +25,8 @@ class ExecStream:
         self.subject = subjects.output(sandbox_id, exec_id)
         self.events = subjects.event(tenant, sandbox_id) if tenant else ""
         self._queue: asyncio.Queue[tuple[bytes, dict | None] | None] = asyncio.Queue()
-        self._lost = ""
+        self._lost = ("", "")
+        self._grace: asyncio.TimerHandle | None = None
         self._sub = None
         self._evt_sub = None
         self._held: dict[int, OutputChunk | ExitRecord] = {}
@@ -43,12 +45,25 @@ class ExecStream:
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     return
                 if ev.type == "node_lost":
-                    self._lost = ev.detail or "node lost"
-                    self._queue.put_nowait(None)
+                    self._gone("node_lost", ev.detail or "node lost")
+                elif ev.type in ("destroyed", "expired") and self._grace is None:
+                    # its exit record (killed with the sandbox) normally follows at once; if the node
+                    # stopped before the exec even started, none ever will
+                    self._grace = asyncio.get_running_loop().call_later(
+                        GONE_GRACE, self._gone, ev.type, ev.detail or f"sandbox {ev.type}")
             self._evt_sub = await self.bus.subscribe(self.events, _evt)
+
+    def _gone(self, reason: str, detail: str) -> None:
+        """No exit record will come: the records end with SandboxNotFound(reason)."""
+        if not self.finished:
+            self._lost = (reason, detail)
+            self.finished = True
+            self._queue.put_nowait(None)
 
     async def close(self) -> None:
         """Unsubscribe."""
+        if self._grace is not None:
+            self._grace.cancel()
         for sub in (self._sub, self._evt_sub):
             if sub is not None:
                 try:
@@ -79,8 +94,10 @@ class ExecStream:
                         raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
                     continue
             if data is None:
-                self.finished = True
-                raise SandboxNotFound(f"sandbox lost with its node: {self._lost}", reason="node_lost")
+                reason, detail = self._lost
+                raise SandboxNotFound(f"sandbox lost with its node: {detail}" if reason == "node_lost"
+                                      else f"sandbox {reason} before the exec reported an exit: {detail}",
+                                      reason=reason)
             try:
                 rec = decode_output(*data)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -135,20 +152,30 @@ def exit_of(rec: ExitRecord) -> Exit:
 
 
 class LineSplitter:
-    """Turns chunks of one stream into lines (the final partial line is flushed at the end)."""
+    """Turns chunks of one stream into lines (the final partial line is flushed at the end). A line
+    spread over many chunks is kept as pieces and joined once, when its newline comes."""
 
     def __init__(self) -> None:
-        self._partial: dict[str, bytes] = {"stdout": b"", "stderr": b""}
+        self._partial: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
 
     def feed(self, stream: str, data: bytes) -> list[Output]:
         """Complete lines found so far in this stream."""
-        buf = self._partial[stream] + data
-        lines = buf.split(b"\n")
-        self._partial[stream] = lines.pop()
-        return [Output(stream, line + b"\n") for line in lines]  # type: ignore[arg-type]
+        if not data:
+            return []
+        pieces = self._partial[stream]
+        first = data.find(b"\n")
+        if first < 0:
+            pieces.append(data)
+            return []
+        head = b"".join(pieces) + data[:first + 1] if pieces else data[:first + 1]
+        pieces.clear()
+        rest = data[first + 1:].split(b"\n")
+        if rest[-1]:
+            pieces.append(rest[-1])
+        return [Output(stream, head)] + [Output(stream, line + b"\n") for line in rest[:-1]]  # type: ignore[arg-type]
 
     def flush(self) -> list[Output]:
         """The partial last lines, if any."""
-        out = [Output(s, b) for s, b in self._partial.items() if b]  # type: ignore[arg-type]
-        self._partial = {"stdout": b"", "stderr": b""}
+        out = [Output(s, b"".join(p)) for s, p in self._partial.items() if p]  # type: ignore[arg-type]
+        self._partial = {"stdout": [], "stderr": []}
         return out

@@ -66,7 +66,8 @@ class AsyncSandbox:
             pass
 
     async def _start(self, cmd: Command, timeout: float, cwd: str, env: dict[str, str] | None,
-                     stdin: Stdin, max_output: int, background: bool = False) -> ExecHandle:
+                     stdin: Stdin, max_output: int, background: bool = False,
+                     keep_output: bool = True) -> ExecHandle:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
@@ -88,7 +89,7 @@ class AsyncSandbox:
         except BaseException:
             await stream.close()
             raise
-        handle = ExecHandle(bus, self.node, self.id, req.exec_id, stream, timeout)
+        handle = ExecHandle(bus, self.node, self.id, req.exec_id, stream, timeout, keep_output)
         if live:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle
@@ -99,7 +100,7 @@ class AsyncSandbox:
         """Yield Output per line as it is produced, then one Exit (timed_out set if the timeout fired).
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
         them (interactive; its end closes the command's stdin)."""
-        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output)
+        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False)
         try:
             async for ev in handle.stream():
                 yield ev

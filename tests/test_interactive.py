@@ -106,3 +106,28 @@ async def test_a_background_exec_ends_with_its_sandbox(client):
         assert r.exit_code == 128 + signal.SIGKILL
     except libdsec.SandboxNotFound:
         pass
+
+
+async def test_a_failing_stdin_source_ends_stdin_and_is_reported(client):
+    async with await client.create() as sb:
+        async def broken():
+            yield b"some\n"
+            raise ValueError("source broke")
+
+        with pytest.raises(ValueError, match="source broke"):
+            await asyncio.wait_for(sb.exec("cat", stdin=broken()), 20)
+
+
+async def test_a_handle_can_be_read_again_after_its_end(client):
+    async with await client.create() as sb:
+        h = await sb.exec("printf 'a\\nb'", background=True)
+        r = await h.wait()
+        assert r.stdout == b"a\nb"
+        assert [ev async for ev in h.stream()][-1].exit_code == 0     # stream() after the end: the Exit
+        h2 = await sb.exec("echo x; exit 3", background=True)
+        first = None
+        async for ev in h2.stream():
+            first = ev
+            break
+        assert first == libdsec.Output("stdout", b"x\n")
+        assert (await h2.wait()).exit_code == 3 and (await h2.wait()).stdout == b"x\n"

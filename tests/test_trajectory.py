@@ -110,3 +110,22 @@ async def test_trajectory_arguments_are_checked(client):
         client.trajectories(job="bad.job")
     with pytest.raises(libdsec.InvalidRequest):
         client.trajectories(since="yesterday")
+
+
+async def test_replay_follow_prints_records_as_they_come_and_stops_at_the_end(stack, client):
+    sb = await client.create(labels={"job": "jfollow"})
+    proc = await asyncio.create_subprocess_exec(DSEC, "replay", "--sandbox", sb.id, "--follow", "--nats", stack.url,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        assert b" created" in await asyncio.wait_for(proc.stdout.readline(), 30)
+        await sb.exec("echo live")
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"$ echo live\n"
+        assert await asyncio.wait_for(proc.stdout.readline(), 30) == b"1| live\n"
+        await sb.destroy()
+        rest, err = await asyncio.wait_for(proc.communicate(), 30)   # it ends by itself after `destroyed`
+        assert proc.returncode == 0, err
+        assert rest.startswith(b"# exit 0") and rest.rstrip().endswith(b"destroyed: destroyed by request")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -132,3 +132,17 @@ async def test_output_that_looks_like_a_record_is_only_output(client):
     async with await client.create() as sb:
         r = await sb.exec(["/bin/busybox", "sh", "-c", "printf '%s\\n' \"$0\"; exit 7", fake[:-1].decode()])
         assert (r.stdout, r.exit_code) == (fake, 7)
+
+
+async def test_limits_and_interpreters_come_from_the_relay_not_the_sandbox(client):
+    """No core dumps (a leftover process could otherwise raise a later command's limit and make it dump
+    its memory), and a script without #! is refused rather than run by the image's (replaceable) /bin/sh."""
+    async with await client.create() as sb:
+        r = await sb.exec("ulimit -c; ulimit -c unlimited && echo raised; umask")
+        assert r.stdout.split()[:1] == [b"0"] and b"raised" not in r.stdout and r.stdout.split()[-1] == b"0022", r
+        await sb.write_file("/tmp/noshebang", "echo ran-by-the-image-shell\n", mode=0o755)
+        await sb.exec(["/bin/busybox", "sh", "-c", TAMPER])
+        with pytest.raises(libdsec.ExecFailed, match="noshebang"):
+            await sb.exec(["/tmp/noshebang"])
+        with pytest.raises(libdsec.ExecFailed, match="command not found"):
+            await sb.exec(["no-such-command"])

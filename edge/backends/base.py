@@ -45,25 +45,32 @@ class ExecResult:
 
 class ExecControl:
     """A running exec's live controls, given by the edge to Backend.exec: stdin written while the
-    command runs (in order; each write resolves once the pipe took it) and signals to its processes."""
+    command runs (in order; each write resolves True once the pipe took it, False when the command's
+    stdin is gone) and signals to its processes."""
 
     def __init__(self, live_stdin: bool = False) -> None:
-        self.live_stdin = live_stdin      # stdin comes through write()/close(), after the request's bytes
+        self.live_stdin = live_stdin      # stdin comes through write(), after the request's bytes
         self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
         self._signal: Callable[[int], Awaitable[bool]] | None = None
+        self.closed = False
 
     def write(self, data: bytes | None) -> asyncio.Future:
-        """Queue stdin bytes (None: end of stdin); the future resolves when written (or the pipe closed)."""
+        """Queue stdin bytes (None: end of stdin); the future says whether they were written."""
         fut = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((data, fut))
+        if self.closed:
+            fut.set_result(False)
+        else:
+            self._queue.put_nowait((data, fut))
         return fut
 
     async def next_input(self) -> tuple[bytes | None, asyncio.Future]:
         """For the backend: the next stdin piece and its future."""
         return await self._queue.get()
 
-    def fail_pending(self) -> None:
-        """The command's stdin is gone: resolve every queued write."""
+    def close(self) -> None:
+        """The command's stdin is gone (or the exec ended): every queued and later write fails."""
+        self.closed = True
+        self._signal = None
         while not self._queue.empty():
             _, fut = self._queue.get_nowait()
             if not fut.done():

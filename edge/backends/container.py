@@ -378,7 +378,9 @@ class ContainerBackend(Backend):
             await asyncio.gather(feeder, *pumps, return_exceptions=True)
 
     async def _signal_exec(self, groups: dict[str, Path], sig: int) -> bool:
-        """Signal every process of one exec (SIGKILL: the whole tree, verified gone)."""
+        """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left."""
+        if not groups["freezer"].is_dir():
+            return False
         if sig == signal.SIGKILL:
             return await cgroups.kill_tree(groups["freezer"])
         try:

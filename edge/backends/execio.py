@@ -96,7 +96,8 @@ async def feed(fd: int, data: bytes) -> None:
 
 
 async def feed_live(fd: int, first: bytes, control: ExecControl) -> None:
-    """Write the request's stdin, then what arrives through control until its end (None), then close."""
+    """Write the request's stdin, then what arrives through control until its end (None), then close.
+    Every piece taken from control is answered: True once written, False if the pipe is gone."""
     async def write(data: bytes) -> None:
         view = memoryview(data)
         while view:
@@ -105,6 +106,7 @@ async def feed_live(fd: int, first: bytes, control: ExecControl) -> None:
             except BlockingIOError:
                 await wait_fd(fd, write=True)
 
+    done: asyncio.Future | None = None
     try:
         await write(first)
         while True:
@@ -114,11 +116,14 @@ async def feed_live(fd: int, first: bytes, control: ExecControl) -> None:
                 return
             await write(data)
             done.set_result(True)
+            done = None
     except BrokenPipeError:
-        pass        # the command stopped reading; later writes are answered False
+        pass        # the command closed its stdin; this and later writes are answered False
     finally:
+        if done is not None and not done.done():
+            done.set_result(False)
         os.close(fd)
-        control.fail_pending()
+        control.close()
 
 
 async def read_to_eof(fd: int) -> bytes:

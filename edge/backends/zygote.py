@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import select
 import signal
 import socket
@@ -334,6 +335,7 @@ def _exec_child(req: Exec, fds: list[int], nsfds: list[int], root_fd: int,
         stage = "cwd"
         os.chdir(req.cwd)
         stage = "setup"
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # as dsec-enter's clean_slate (see there)
         lockdown.apply()
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -98,6 +100,41 @@ static void lockdown(unsigned long long keep) {
     if (syscall(SYS_capset, &hdr, data)) fail("setup", "capset");
 }
 
+/* Search PATH with execve only: unlike execvp, a file without a #! line fails (ENOEXEC) instead of
+ * being run by the image's /bin/sh, which the sandbox may have replaced. */
+static void exec_path(char **cmd, char **envp) {
+    if (strchr(cmd[0], '/')) { execve(cmd[0], cmd, envp); return; }
+    const char *path = NULL;
+    for (char **e = envp; *e; e++)
+        if (strncmp(*e, "PATH=", 5) == 0) path = *e + 5;
+    if (!path) path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+    int seen_eacces = 0;
+    char buf[4096];
+    for (const char *p = path; ; ) {
+        const char *end = strchr(p, ':');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        int n = snprintf(buf, sizeof buf, "%.*s/%s", (int)len, len ? p : ".", cmd[0]);
+        if (n > 0 && (size_t)n < sizeof buf) {
+            execve(buf, cmd, envp);
+            if (errno == EACCES) seen_eacces = 1;
+            else if (errno != ENOENT && errno != ENOTDIR) return;     /* e.g. ENOEXEC: report it */
+        }
+        if (!end) break;
+        p = end + 1;
+    }
+    errno = seen_eacces ? EACCES : ENOENT;
+}
+
+/* What a command inherits besides its environment is set here, not taken from the edge: no core
+ * dumps (hard limit 0: a process of another exec, same uid, could otherwise raise the limit and
+ * make this one dump its memory into the sandbox), umask 022, a session keyring of its own. */
+static void clean_slate(void) {
+    struct rlimit none = {0, 0};
+    if (setrlimit(RLIMIT_CORE, &none)) fail("setup", "rlimit core");
+    umask(022);
+    syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
+}
+
 int main(int argc, char **argv) {
     if (argc < 6) { errno = EINVAL; fail("setup", "usage: dsec-enter BASE CAPMASK CWD TASKS... -- ARGV..."); }
     int base = atoi(argv[1]);
@@ -113,6 +150,7 @@ int main(int argc, char **argv) {
     own_userns();   /* after the mount namespace (its root is ours: no chroot yet), before chroot */
     if (fchdir(ROOT_FD) || chroot(".")) fail("setup", "chroot");
     if (chdir(cwd)) fail("cwd", cwd);
+    clean_slate();
     lockdown(keep);
     fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
     if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 1, ~0U, 0)) {
@@ -121,7 +159,7 @@ int main(int argc, char **argv) {
             if (fd != ERR_FD) close((int)fd);
     }
     char **cmd = argv + i + 1;
-    execvp(cmd[0], cmd);
+    exec_path(cmd, environ);
     fail("exec", cmd[0]);
     return 127;
 }
