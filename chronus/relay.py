@@ -1,7 +1,8 @@
 """The output relay: a command's stdout/stderr become ordered chunks on dsec.out.<sandbox>.<exec>.
 
-Chunks are flushed when FLUSH_BYTES are buffered or FLUSH_AFTER seconds after the first buffered
-byte, never one message per line. Consecutive bytes of one stream are merged; stdout and stderr
+Output that follows a quiet spell (nothing sent for FLUSH_AFTER) goes out at once: an interactive
+line costs no wait. Output that keeps coming is batched: flushed when FLUSH_BYTES are buffered or
+FLUSH_AFTER seconds after the first buffered byte, never one message per line. Consecutive bytes of one stream are merged; stdout and stderr
 stay apart. Every record carries the exec's sequence number (seq: both streams and the exit
 record, so a reader restores the order) and its stream's own (stream_seq). A chunk is cut after
 its last newline when it has one; one ending inside a line says so (partial) and the next chunk
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 from bus import subjects
 from bus.conn import Bus
@@ -39,6 +41,7 @@ class OutputRelay:
         self._pending: list[tuple[str, bytearray]] = []
         self._pending_bytes = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._last_flush = 0.0
         self._timed: asyncio.Future | None = None
         self._lock = asyncio.Lock()
         self._exit: ExitRecord | None = None
@@ -66,7 +69,8 @@ class OutputRelay:
         else:
             self._pending.append((stream, bytearray(data)))
         self._pending_bytes += len(data)
-        if self._pending_bytes >= FLUSH_BYTES:
+        now = time.monotonic()
+        if self._pending_bytes >= FLUSH_BYTES or (self._timer is None and now - self._last_flush > FLUSH_AFTER):
             await self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._timed_flush)
@@ -94,6 +98,7 @@ class OutputRelay:
                 self._timer.cancel()
                 self._timer = None
             pending, self._pending, self._pending_bytes = self._pending, [], 0
+            self._last_flush = time.monotonic()
             for stream, buf in pending:
                 for piece in pieces(buf):
                     self.seq += 1
