@@ -146,3 +146,11 @@ async def test_limits_and_interpreters_come_from_the_relay_not_the_sandbox(clien
             await sb.exec(["/tmp/noshebang"])
         with pytest.raises(libdsec.ExecFailed, match="command not found"):
             await sb.exec(["no-such-command"])
+
+
+async def test_a_command_cannot_make_user_namespaces(client):
+    """Each exec needs a user namespace; a sandbox hoarding them could stop every exec on the node."""
+    async with await client.create() as sb:
+        r = await sb.exec("unshare -U true")
+        assert r.exit_code != 0 and b"not permitted" in r.stderr, r
+        assert (await sb.exec("sleep 0.1 & wait; echo $?")).stdout == b"0\n"   # fork/clone still work

@@ -155,6 +155,32 @@ class Lockdown:
         _check(_libc.syscall(SYS_CAPSET, self.header, self.data), "capset")
 
 
+# The seccomp filter of every command (the same program as dsec-enter.c's no_new_userns; see there):
+# unshare/clone with CLONE_NEWUSER -> EPERM, clone3 -> ENOSYS (libc falls back to clone), x32 refused.
+_ERRNO, _ALLOW = 0x00050000, 0x7FFF0000
+_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+_NO_USERNS = [  # (code, jt, jf, k)
+    (_LD_ABS, 0, 0, 4), (_JEQ, 1, 0, 0xC000003E), (_JEQ, 7, 15, 0x40000003),
+    (_LD_ABS, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _ERRNO | 38),
+    (_JEQ, 0, 1, 435), (_RET, 0, 0, _ERRNO | 38), (_JEQ, 6, 0, 272), (_JEQ, 5, 8, 56),
+    (_LD_ABS, 0, 0, 0), (_JEQ, 0, 1, 435), (_RET, 0, 0, _ERRNO | 38), (_JEQ, 1, 0, 310), (_JEQ, 0, 3, 120),
+    (_LD_ABS, 0, 0, 16), (_JSET, 0, 1, CLONE_NEWUSER), (_RET, 0, 0, _ERRNO | 1), (_RET, 0, 0, _ALLOW),
+]
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def deny_user_namespaces() -> None:
+    """Install the command seccomp filter on the calling thread (no_new_privs must be set)."""
+    program = b"".join(struct.pack("=HBBI", *ins) for ins in _NO_USERNS)
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(_NO_USERNS), ctypes.cast(buf, ctypes.c_void_p))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0), "seccomp")
+
+
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 

@@ -337,6 +337,7 @@ def _exec_child(req: Exec, fds: list[int], nsfds: list[int], root_fd: int,
         stage = "setup"
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # as dsec-enter's clean_slate (see there)
         lockdown.apply()
+        kernel.deny_user_namespaces()
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
         if err != 3:                            # fds arrive at >= 3, after 0-2 are taken

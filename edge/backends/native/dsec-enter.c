@@ -18,7 +18,11 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/audit.h>
 #include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -82,6 +86,39 @@ static void own_userns(void) {
     while (waitpid(helper, &status, 0) < 0 && errno == EINTR) {}
     if (unshared) { errno = e; fail("setup", "unshare user namespace"); }
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { errno = EPERM; fail("setup", "user namespace map"); }
+}
+
+/* Commands may not make user namespaces of their own: each one is charged to the host's uid 0, so a
+ * sandbox keeping thousands alive would exhaust user.max_user_namespaces and stop every new exec on
+ * the node (each exec needs one). unshare/clone with CLONE_NEWUSER fail with EPERM; clone3, whose
+ * flags a filter cannot read, fails with ENOSYS, so libc falls back to clone (as Docker does). */
+static void no_new_userns(void) {
+    struct sock_filter f[] = {
+        /*  0 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        /*  1 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
+        /*  2 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_I386, 7, 15),
+        /* x86_64 */
+        /*  3 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        /*  4 */ BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1),   /* the x32 ABI: refused */
+        /*  5 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        /*  6 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 435 /* clone3 */, 0, 1),
+        /*  7 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        /*  8 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 272 /* unshare */, 6, 0),
+        /*  9 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 56 /* clone */, 5, 8),
+        /* i386 */
+        /* 10 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        /* 11 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 435 /* clone3 */, 0, 1),
+        /* 12 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        /* 13 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 310 /* unshare */, 1, 0),
+        /* 14 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 120 /* clone */, 0, 3),
+        /* flags */
+        /* 15 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),   /* low half */
+        /* 16 */ BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER, 0, 1),
+        /* 17 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+        /* 18 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {sizeof f / sizeof f[0], f};
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0)) fail("setup", "seccomp");
 }
 
 static void lockdown(unsigned long long keep) {
@@ -152,6 +189,7 @@ int main(int argc, char **argv) {
     if (chdir(cwd)) fail("cwd", cwd);
     clean_slate();
     lockdown(keep);
+    no_new_userns();   /* after no_new_privs (lockdown): a filter needs it without CAP_SYS_ADMIN */
     fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
     if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 1, ~0U, 0)) {
         long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */
