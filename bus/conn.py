@@ -498,7 +498,9 @@ class Bus:
     # ---- provisioning -------------------------------------------------------------------------
 
     async def provision(self, retention: streams.Retention | None = None, replicas: int = 1) -> None:
-        """Create or update every stream, KV bucket and object store; safe to run any number of times."""
+        """Create or update every stream, KV bucket and object store; safe to run any number of times.
+        Existing streams keep their ages and sizes unless a retention is given (`dsec up` gives one; an
+        edge or engine joining provisions without, so it never undoes the operator's choice)."""
         ret = retention or streams.Retention()
         for stream, durable in streams.LEGACY_CONSUMERS:
             try:
@@ -514,6 +516,8 @@ class Bus:
                     # joining a cluster provisions too)
                     have = await self.js.stream_info(cfg.name)
                     cfg.num_replicas = max(cfg.num_replicas or 1, have.config.num_replicas or 1)
+                    if retention is None:
+                        cfg.max_age, cfg.max_bytes = have.config.max_age, have.config.max_bytes
                     await self.js.update_stream(cfg)
         for kcfg in streams.kv_configs(ret, replicas):
             with mapped_errors(f"kv {kcfg.bucket}"):

@@ -23,13 +23,14 @@ from bus.messages import ExitRecord, OutputChunk, chunk_message, encode
 FLUSH_BYTES = 256 << 10
 FLUSH_AFTER = 0.003
 DRAIN_RATE = 64 << 20   # bytes/s read (and dropped) from a command past its output cap
-TRAJ_OUTPUT = 64 << 10   # bytes of each stream kept in the exec's trajectory record (all of it is in dsec.out)
+TRAJ_OUTPUT = 64 << 10   # default bytes of each stream kept in the exec's trajectory record (all: dsec.out)
 
 
 class OutputRelay:
     """Collects one exec's output and publishes it in order; finish() publishes the exit record."""
 
-    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, max_output: int) -> None:
+    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, max_output: int,
+                 traj_output: int = TRAJ_OUTPUT) -> None:
         self.bus = bus
         self.subject = subjects.output(sandbox_id, exec_id)
         self.exec_id = exec_id
@@ -48,6 +49,7 @@ class OutputRelay:
         self.counts = {"stdout": 0, "stderr": 0}            # bytes relayed per stream
         self.digests = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
         self.kept = {"stdout": bytearray(), "stderr": bytearray()}
+        self.traj_output = max(0, traj_output)
 
     async def sink(self, stream: str, data: bytes) -> None:
         """Accept a chunk read from the command (the backend awaits this: backpressure)."""
@@ -62,8 +64,8 @@ class OutputRelay:
         self.total += len(data)
         self.counts[stream] += len(data)
         self.digests[stream].update(data)
-        if len(self.kept[stream]) < TRAJ_OUTPUT:
-            self.kept[stream].extend(data[:TRAJ_OUTPUT - len(self.kept[stream])])
+        if len(self.kept[stream]) < self.traj_output:
+            self.kept[stream].extend(data[:self.traj_output - len(self.kept[stream])])
         if self._pending and self._pending[-1][0] == stream:
             self._pending[-1][1].extend(data)
         else:

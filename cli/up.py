@@ -33,19 +33,30 @@ def edge_options(fn):
                           "and memory fraction below still apply to cpu and memory."),
         click.option("--cpu-overcommit", default=16.0, show_default=True, help="Schedulable cores per core."),
         click.option("--memory-fraction", default=0.8, show_default=True, help="Share of RAM sandboxes may book."),
+        click.option("--max-output", default="64Mi", show_default=True, metavar="SIZE",
+                     help="Per-exec output cap (stdout+stderr), whatever a client asks for; past it the rest is "
+                          "dropped and the exit record says truncated."),
+        click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
+                     help="Bytes of each stream kept in an exec's trajectory record (all of it is on dsec.out "
+                          "while that stream keeps it)."),
     ]):
         fn = opt(fn)
     return fn
 
 
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
-                memory_fraction: float) -> EdgeConfig:
+                memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki") -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
     from libdsec.resources import parse_size
     from bus.errors import InvalidRequest
     fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
                     "memory_fraction": memory_fraction}
+    for name, value in (("max_output", max_output), ("traj_output", traj_output)):
+        try:
+            fields[name] = parse_size(value, "--" + name.replace("_", "-"))
+        except (ValueError, InvalidRequest) as exc:
+            fail(str(exc))
     for item in filter(None, capacity.split(",")):
         key, _, value = item.partition("=")
         try:
@@ -129,22 +140,31 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
               help="Embedded NATS servers: 3 runs a local JetStream cluster with R3 streams (route ports are "
                    "chosen free); edges and placement elsewhere connect with the comma-separated URL list printed.")
 @click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
+@click.option("--traj-retention", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              metavar="DAYS", help="How long DSEC_TRAJ keeps trajectory records.")
+@click.option("--output-retention", default=6.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              metavar="HOURS", help="How long DSEC_OUT keeps exec output (replay falls back to the part kept in "
+                                    "the trajectory after that).")
 @edge_options
 @placement_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int, node_id: str,
-             slots: int, capacity: str, cpu_overcommit: float, memory_fraction: float, burst_threshold: float,
+async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int,
+             traj_retention: float, output_retention: float, node_id: str, slots: int, capacity: str,
+             cpu_overcommit: float, memory_fraction: float, max_output: str, traj_output: str, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
     destroys every sandbox and stops everything within 10 s."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction)
+    from bus.streams import DAY, HOUR, Retention
+    cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
-                                                          max_waiting=max_waiting), servers=servers)
+                                                          max_waiting=max_waiting), servers=servers,
+                  retention=Retention(trajectories_max_age=traj_retention * DAY,
+                                      output_max_age=output_retention * HOUR))
     await _serve_until_signal(stack, f"dsec: ready {stack.url}")
 
 
@@ -158,12 +178,13 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
 async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, capacity: str,
-               cpu_overcommit: float, memory_fraction: float, verbose: bool) -> None:
+               cpu_overcommit: float, memory_fraction: float, max_output: str, traj_output: str,
+               verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction)
+    cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output)
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")
 

@@ -21,6 +21,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     disk: int = 64 << 30              # writable-layer pool size (sparse btrfs image)
     max_execs: int = 256              # concurrent execs across the node (>= 64)
     max_output: int = 64 << 20        # per-exec output cap, whatever a client asks for
+    traj_output: int = 64 << 10       # bytes of each stream kept in an exec's trajectory record
     heartbeat: float = 2.0            # seconds between inventory updates
     cpus: float = 0.0                 # 0: psutil.cpu_count()
     memory: int = 0                   # 0: psutil total RAM

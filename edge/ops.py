@@ -247,7 +247,8 @@ class OpLane:
         except DsecError as err:
             await self._exec_error(op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
-        relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output))
+        relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.edge.config.max_output),
+                            self.edge.config.traj_output)
         if op.background and len(self._background) >= MAX_BACKGROUND_PER_EXEC_SLOT * self.edge.config.max_execs:
             await self._exec_error(op.sandbox_id, op.exec_id, ExecFailed(
                 f"too many background execs on node {self.edge.node} ({len(self._background)})"))

@@ -8,10 +8,11 @@ from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 from libdsec.sync import Client, Sandbox
+from libdsec.trajectories import Trajectory
 
 __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
     "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-    "SandboxNotFound",
+    "SandboxNotFound", "Trajectory",
 ]

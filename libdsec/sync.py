@@ -7,6 +7,7 @@ import threading
 from typing import Any, Iterator
 
 from libdsec.client import AsyncClient
+from libdsec.exechandle import ExecHandle as AsyncExecHandle
 from bus.errors import InvalidRequest
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
@@ -32,6 +33,60 @@ class _Loop:
             self.loop.close()
 
 
+def _iterate(loop: _Loop, make) -> Iterator:
+    """Run an async iterator on the private loop, handing its items to this thread as they come."""
+    q: queue.Queue = queue.Queue()
+
+    async def pump() -> None:
+        try:
+            async for ev in make():
+                q.put(ev)
+        except BaseException as exc:
+            q.put(exc)
+        finally:
+            q.put(_DONE)
+
+    asyncio.run_coroutine_threadsafe(pump(), loop.loop)
+    while (item := q.get()) is not _DONE:
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+class ExecHandle:
+    """Synchronous twin of libdsec.ExecHandle: a background exec to stream, wait for or kill."""
+
+    def __init__(self, loop: _Loop, inner: AsyncExecHandle) -> None:
+        self._loop = loop
+        self._inner = inner
+        self.id = inner.id
+
+    def __repr__(self) -> str:
+        return repr(self._inner)
+
+    @property
+    def done(self) -> bool:
+        """Its exit record has been read."""
+        return self._inner.done
+
+    def stream(self) -> Iterator[Output | Exit]:
+        """Lines as they are produced, then the Exit (read to the end: a break here leaves the rest
+        read in the background)."""
+        return _iterate(self._loop, self._inner.stream)
+
+    def wait(self) -> ExecResult:
+        """Wait for the end (ExecTimeout past its timeout)."""
+        return self._loop.run(self._inner.wait())
+
+    def kill(self, signal: int = 9) -> bool:
+        """Signal its processes (SIGKILL by default); False when it had already ended."""
+        return self._loop.run(self._inner.kill(signal))
+
+    def close(self) -> None:
+        """Stop listening."""
+        self._loop.run(self._inner.close())
+
+
 class Sandbox:
     """Synchronous handle on one sandbox (see AsyncSandbox for each method)."""
 
@@ -50,30 +105,17 @@ class Sandbox:
     def __exit__(self, *exc: Any) -> None:
         self._client._loop.run(self._inner.__aexit__(*exc))
 
-    def exec(self, cmd, **kwargs: Any) -> ExecResult:
-        """Run a command to the end (background execs and live stdin: use AsyncClient)."""
-        if kwargs.get("background"):
-            raise InvalidRequest("background execs need the AsyncClient (their handle is async)")
-        return self._client._loop.run(self._inner.exec(cmd, **kwargs))
+    def exec(self, cmd, **kwargs: Any) -> Any:
+        """Run a command to the end and return its ExecResult; background=True returns an ExecHandle
+        (stream(), wait(), kill()) at once. Live stdin (an async iterable) needs the AsyncClient."""
+        if kwargs.get("stdin") is not None and hasattr(kwargs["stdin"], "__aiter__"):
+            raise InvalidRequest("a streamed (async iterable) stdin needs the AsyncClient; give bytes or str here")
+        result = self._client._loop.run(self._inner.exec(cmd, **kwargs))
+        return ExecHandle(self._client._loop, result) if kwargs.get("background") else result
 
     def stream(self, cmd, **kwargs: Any) -> Iterator[Output | Exit]:
         """Yield Output per line as produced, then Exit."""
-        q: queue.Queue = queue.Queue()
-
-        async def pump() -> None:
-            try:
-                async for ev in self._inner.stream(cmd, **kwargs):
-                    q.put(ev)
-            except BaseException as exc:
-                q.put(exc)
-            finally:
-                q.put(_DONE)
-
-        asyncio.run_coroutine_threadsafe(pump(), self._client._loop.loop)
-        while (item := q.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        return _iterate(self._client._loop, lambda: self._inner.stream(cmd, **kwargs))
 
     def write_file(self, path: str, data: bytes | str, **kwargs: Any) -> None:
         """Write a file inside the sandbox."""

@@ -1,6 +1,7 @@
 """Trajectory consumers for reward models: `client.trajectories(job=..., since=..., durable=...)`."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -19,7 +20,7 @@ WAIT = 1.0   # seconds a fetch waits for new records before asking again
 
 @dataclass
 class Trajectory:
-    """One record of an episode; ack() it (or a later one with ack_upto) once it is processed."""
+    """One record of an episode; ack() it (or a batch with Trajectory.ack_all) once it is processed."""
 
     record: TrajRecord
     seq: int                   # the record's sequence in DSEC_TRAJ (increasing, unique)
@@ -29,6 +30,11 @@ class Trajectory:
         """Processed: a durable consumer restarted later does not receive it again."""
         if self._pulled is not None:
             await self._pulled.ack()
+
+    @staticmethod
+    async def ack_all(batch: "list[Trajectory]") -> None:
+        """Ack a batch at once (the acks are sent together, not one round trip each)."""
+        await asyncio.gather(*(t.ack() for t in batch))
 
 
 def consumer_config(tenant: str, job: str | None, sandbox: str | None, since, durable: str | None,

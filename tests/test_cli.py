@@ -51,7 +51,8 @@ def up(tmp_path_factory):
     port, mport = free_port(), free_port()
     log = open(state / "up.log", "w")   # a file, not a pipe: an unread pipe that fills would block `dsec up`
     proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", str(mport),
-                             "--node-id", NODE], stdout=subprocess.PIPE, stderr=log, text=True,
+                             "--node-id", NODE, "--traj-retention", "2", "--output-retention", "3",
+                             "--traj-output", "1Ki", "--max-output", "1Mi"], stdout=subprocess.PIPE, stderr=log, text=True,
                             start_new_session=True)
     log.close()
     line = proc.stdout.readline().strip()
@@ -104,6 +105,34 @@ def test_create_exec_ls_rm(up):
     line = one_clear_line(dsec("rm", "--nats", up["url"], sid))
     assert sid in line and "destroyed" in line
     assert sid not in dsec("ls", "--nats", up["url"]).stdout
+
+
+def test_retention_and_output_sizes_are_settable(up):
+    """dsec up --traj-retention/--output-retention set the streams' ages; --traj-output what a trajectory
+    record keeps; --max-output the node's per-exec cap."""
+    import asyncio
+    import json
+
+    import nats
+
+    async def check():
+        nc = await nats.connect(up["url"])
+        try:
+            js = nc.jetstream()
+            assert (await js.stream_info("DSEC_TRAJ")).config.max_age == 2 * 86400
+            assert (await js.stream_info("DSEC_OUT")).config.max_age == 3 * 3600
+            p = dsec("run", "--nats", up["url"], "--label", "job=sizes", "--", "sh", "-c",
+                     "head -c 2000000 /dev/zero | tr '\\0' a")
+            assert p.returncode == 0 and len(p.stdout) == 1 << 20, (len(p.stdout), p.stderr)   # the node's cap
+            sub = await js.subscribe("dsec.traj.default.sizes.*", ordered_consumer=True)
+            while (rec := json.loads((await sub.next_msg(timeout=10)).data))["type"] != "exec":
+                pass
+            assert rec["stdout_bytes"] == 1 << 20 and rec["truncated"] is True
+            import base64
+            assert len(base64.b64decode(rec["stdout"])) == 1024
+        finally:
+            await nc.close()
+    asyncio.run(check())
 
 
 def test_image_build_and_ls(up, tmp_path):

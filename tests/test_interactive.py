@@ -131,3 +131,16 @@ async def test_a_handle_can_be_read_again_after_its_end(client):
             break
         assert first == libdsec.Output("stdout", b"x\n")
         assert (await h2.wait()).exit_code == 3 and (await h2.wait()).stdout == b"x\n"
+
+
+async def test_the_sync_client_has_background_execs_too(stack):
+    def scenario():
+        with libdsec.Client(stack.url) as client, client.create() as sb:
+            h = sb.exec("echo a; sleep 30", background=True)
+            first = next(iter(h.stream()))
+            assert first == libdsec.Output("stdout", b"a\n")
+            assert h.kill() is True
+            r = h.wait()
+            assert (r.exit_code, r.stdout) == (137, b"a\n") and h.done
+            assert [ev.data for ev in sb.stream("echo x; echo y") if isinstance(ev, libdsec.Output)] == [b"x\n", b"y\n"]
+    await asyncio.wait_for(asyncio.to_thread(scenario), 60)
