@@ -45,9 +45,12 @@ async def test_the_trusted_shell_cannot_be_replaced_moved_or_covered(client):
 
 async def test_ld_preload_and_profile_do_not_reach_the_trusted_shell(client):
     async with await client.create() as sb:
-        await sb.exec(["/bin/busybox", "sh", "-c", "echo 'echo profile-pwned' > /etc/profile"])
+        await sb.exec(["/bin/busybox", "sh", "-c", "echo 'echo profile-pwned' > /etc/profile; "
+                       "echo /tmp/evil.so > /etc/ld.so.preload; export LD_PRELOAD=/tmp/evil.so"])
         r = await sb.exec("echo ok", env={"LD_PRELOAD": "/tmp/evil.so", "ENV": "/etc/profile"})
         assert (r.stdout, r.stderr, r.exit_code) == (b"ok\n", b"", 0)
+        r = await sb.exec("echo ok; env | grep -c LD_PRELOAD")   # an export in an earlier exec does not stay
+        assert (r.stdout, r.stderr) == (b"ok\n0\n", b"")
 
 
 async def test_a_commands_environment_is_the_request_and_the_spec_only(client):
