@@ -261,8 +261,8 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def last_on_subject(self, stream: str, subject: str) -> bytes | None:
-        """The last message stored on a subject, or None."""
+    async def last_on_subject(self, stream: str, subject: str, *, with_headers: bool = False):
+        """The last message stored on a subject (its data, or (data, headers) with_headers), or None."""
         try:
             with mapped_errors(f"last of {subject}"):
                 m = await self.js.get_last_msg(stream, subject)
@@ -270,7 +270,7 @@ class Bus:
             if isinstance(exc.__cause__, nats.js.errors.NotFoundError):
                 return None
             raise
-        return m.data
+        return (m.data, m.headers) if with_headers else m.data
 
     async def consumer_pending(self, stream: str, durable: str) -> int:
         """Messages not yet delivered to a consumer."""
@@ -496,6 +496,14 @@ class Bus:
         return result.data
 
     # ---- provisioning -------------------------------------------------------------------------
+
+    async def set_stream_age(self, stream: str, max_age: float) -> None:
+        """Set how long a limits stream keeps messages (seconds)."""
+        with mapped_errors(f"stream {stream}"):
+            cfg = (await self.js.stream_info(stream)).config
+            if cfg.max_age != max_age:
+                cfg.max_age = max_age
+                await self.js.update_stream(cfg)
 
     async def provision(self, retention: streams.Retention | None = None, replicas: int = 1) -> None:
         """Create or update every stream, KV bucket and object store; safe to run any number of times.

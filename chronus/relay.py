@@ -7,8 +7,8 @@ stay apart. Every record carries the exec's sequence number (seq: both streams a
 record, so a reader restores the order) and its stream's own (stream_seq). A chunk is cut after
 its last newline when it has one; one ending inside a line says so (partial) and the next chunk
 of the stream continues that line. Past the per-exec cap, output is dropped (read at most
-DRAIN_RATE bytes/s, so a flood costs the node little and the command still ends on its own) and
-the exit record says truncated.
+DRAIN_RATE bytes/s across the node's execs, so floods cost the node little and commands still end
+on their own) and the exit record says truncated.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from bus.messages import ExitRecord, OutputChunk, chunk_message, encode
 
 FLUSH_BYTES = 256 << 10
 FLUSH_AFTER = 0.003
-DRAIN_RATE = 64 << 20   # bytes/s read (and dropped) from a command past its output cap
+DRAIN_RATE = 64 << 20   # bytes/s read (and dropped) past the output cap, all of a node's execs together
 TRAJ_OUTPUT = 64 << 10   # default bytes of each stream kept in the exec's trajectory record (all: dsec.out)
 
 
@@ -57,7 +57,7 @@ class OutputRelay:
         room = self.max_output - self.total
         if room <= 0:
             self.truncated = self.truncated or bool(data)
-            await asyncio.sleep(len(data) / DRAIN_RATE)   # paced: a flood past the cap costs little
+            await _drain_turn(len(data))   # paced, node-wide: floods past their caps cost the node little
             return
         if len(data) > room:
             data, self.truncated = data[:room], True
@@ -124,6 +124,17 @@ class OutputRelay:
             self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
         await self.bus.publish(self.subject, encode(self._exit), msg_id=f"{self.exec_id}-exit")
         return self._exit
+
+
+_drain_free_at = 0.0   # when the node's drain budget is next free (monotonic seconds)
+
+
+async def _drain_turn(size: int) -> None:
+    """Wait for this many dropped bytes' turn in the node's drain budget (DRAIN_RATE shared)."""
+    global _drain_free_at
+    now = time.monotonic()
+    _drain_free_at = max(now, _drain_free_at) + size / DRAIN_RATE
+    await asyncio.sleep(_drain_free_at - now)
 
 
 def pieces(buf: bytearray) -> list[bytes]:

@@ -25,9 +25,9 @@ NO_NEWLINE = b"\\ no newline at end\n"
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
 
-async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRecord | None]:
+async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRecord | None, bool]:
     """The exec's full output in order and its exit record, from dsec.out (byte-identical to what the
-    SDK saw); when that has aged out, the part kept in the trajectory record (and no exit record)."""
+    SDK saw); when that has aged out, the part kept in the trajectory record, no exit record, and True."""
     chunks: dict[int, OutputChunk] = {}
     exit_rec = None
     async for data, headers in bus.read_subject(streams.OUT_STREAM, subjects.output(rec.sandbox_id, rec.exec_id),
@@ -41,10 +41,10 @@ async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRec
         else:
             exit_rec = r
     if chunks or exit_rec is not None or not (rec.stdout or rec.stderr):
-        return [chunks[k] for k in sorted(chunks)], exit_rec
+        return [chunks[k] for k in sorted(chunks)], exit_rec, False
     return [c for c in (OutputChunk(exec_id=rec.exec_id, seq=1, stream="stdout", data=rec.stdout, stream_seq=1),
                         OutputChunk(exec_id=rec.exec_id, seq=2, stream="stderr", data=rec.stderr, stream_seq=1))
-            if c.data], None
+            if c.data], None, True
 
 
 def _command(rec: TrajRecord) -> str:
@@ -131,18 +131,22 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
             if fmt == "json":
                 _write(msgspec.json.encode({"seq": item.seq, **msgspec.to_builtins(rec)}) + b"\n")
                 if rec.type == "exec":
-                    chunks, exit_rec = await _output(bus, rec)
-                    for record in (*chunks, *([exit_rec] if exit_rec else [])):
-                        _write(encode(record) + b"\n")
+                    chunks, exit_rec, kept_only = await _output(bus, rec)
+                    if not kept_only:   # the trajectory record above already holds the part it kept
+                        for record in (*chunks, *([exit_rec] if exit_rec else [])):
+                            _write(encode(record) + b"\n")
             elif rec.type != "exec":
                 stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
                 _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
             else:
-                chunks, exit_rec = await _output(bus, rec)
-                kept = exit_rec is None and (len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes)
+                chunks, exit_rec, kept_only = await _output(bus, rec)
                 _write(f"$ {_command(rec)}\n".encode() + marked(chunks))
-                if kept:
-                    _write(b"# (output aged out of dsec.out: only the first 64 KiB of each stream was kept)\n")
+                if kept_only:
+                    if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:
+                        _write(f"# (output aged out of dsec.out: only the first {len(rec.stdout)} of {rec.stdout_bytes}"
+                               f" stdout and {len(rec.stderr)} of {rec.stderr_bytes} stderr bytes were kept)\n".encode())
+                elif exit_rec is not None and len(chunks) < exit_rec.seq - 1:
+                    _write(f"# ({exit_rec.seq - 1 - len(chunks)} output records aged out of dsec.out)\n".encode())
                 status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
                     (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {rec.detail}]"
                                                                          if rec.error_code else "")

@@ -45,7 +45,7 @@ class Stack:
     def __init__(self, state_dir: Path, *, nats_url: str | None = None, host: str = "127.0.0.1", port: int = 4222,
                  metrics_port: int | None = 9464, edge_config: EdgeConfig | None = None,
                  run_edge: bool = True, run_placement: bool = True, placement_options: dict | None = None,
-                 servers: int = 1, retention=None) -> None:
+                 servers: int = 1, stream_ages: dict[str, float] | None = None) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.external_url = nats_url
         self.host, self.port, self.metrics_port = host, port, metrics_port
@@ -53,7 +53,7 @@ class Stack:
         self.run_edge, self.run_placement = run_edge, run_placement
         self.placement_options = placement_options or {}
         self.servers = servers       # > 1: an embedded JetStream cluster of that many servers (R3 streams)
-        self.retention = retention   # bus.streams.Retention (None: the defaults)
+        self.stream_ages = stream_ages or {}   # stream -> max age (s) the operator set; others keep theirs
         self.cluster = None
         self.server: NatsServer | None = None
         self.bus: Bus | None = None
@@ -99,7 +99,9 @@ class Stack:
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
         self.bus = await Bus.connect(self.url, name="dsec-up")
-        await self.bus.provision(self.retention, replicas=min(3, self.servers))
+        await self.bus.provision(replicas=min(3, self.servers))
+        for name, age in self.stream_ages.items():
+            await self.bus.set_stream_age(name, age)
         await ensure_busybox(self.bus, self.state_dir / "tmp")
         if self.run_placement:
             from placement.engine import PlacementEngine

@@ -37,8 +37,8 @@ def edge_options(fn):
                      help="Per-exec output cap (stdout+stderr), whatever a client asks for; past it the rest is "
                           "dropped and the exit record says truncated."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
-                     help="Bytes of each stream kept in an exec's trajectory record (all of it is on dsec.out "
-                          "while that stream keeps it)."),
+                     help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
+                          "on dsec.out while that stream keeps it)."),
     ]):
         fn = opt(fn)
     return fn
@@ -57,6 +57,8 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
             fields[name] = parse_size(value, "--" + name.replace("_", "-"))
         except (ValueError, InvalidRequest) as exc:
             fail(str(exc))
+    if fields["traj_output"] > 256 << 10:   # both streams in one trajectory message (1 MiB, base64 in JSON)
+        fail(f"--traj-output: at most 256Ki, got {traj_output}")
     for item in filter(None, capacity.split(",")):
         key, _, value = item.partition("=")
         try:
@@ -140,17 +142,18 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
               help="Embedded NATS servers: 3 runs a local JetStream cluster with R3 streams (route ports are "
                    "chosen free); edges and placement elsewhere connect with the comma-separated URL list printed.")
 @click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
-@click.option("--traj-retention", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              metavar="DAYS", help="How long DSEC_TRAJ keeps trajectory records.")
-@click.option("--output-retention", default=6.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              metavar="HOURS", help="How long DSEC_OUT keeps exec output (replay falls back to the part kept in "
-                                    "the trajectory after that).")
+@click.option("--traj-retention", default=None, type=click.FloatRange(min=0, max=36500, min_open=True),
+              metavar="DAYS", help="How long DSEC_TRAJ keeps trajectory records (new streams: 30; unset: keep "
+                                   "what the stream has).")
+@click.option("--output-retention", default=None, type=click.FloatRange(min=0, max=87600, min_open=True),
+              metavar="HOURS", help="How long DSEC_OUT keeps exec output; replay falls back to the part kept in "
+                                    "the trajectory after that (new streams: 6; unset: keep what the stream has).")
 @edge_options
 @placement_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
 async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int,
-             traj_retention: float, output_retention: float, node_id: str, slots: int, capacity: str,
+             traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
              cpu_overcommit: float, memory_fraction: float, max_output: str, traj_output: str, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
@@ -158,13 +161,14 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
     destroys every sandbox and stops everything within 10 s."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from bus.streams import DAY, HOUR, Retention
+    from bus.streams import DAY, HOUR, OUT_STREAM, TRAJ_STREAM
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                                           max_waiting=max_waiting), servers=servers,
-                  retention=Retention(trajectories_max_age=traj_retention * DAY,
-                                      output_max_age=output_retention * HOUR))
+                  stream_ages={name: age for name, age in ((TRAJ_STREAM, traj_retention and traj_retention * DAY),
+                                                           (OUT_STREAM, output_retention and output_retention * HOUR))
+                               if age})
     await _serve_until_signal(stack, f"dsec: ready {stack.url}")
 
 

@@ -13,7 +13,7 @@ import msgspec
 from bus import streams, subjects
 from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply,
-                          ReadFile, TrajRecord, WriteFile, control_decoder, op_decoder, output_decoder, salvage,
+                          ReadFile, TrajRecord, WriteFile, control_decoder, decode_output, op_decoder, salvage,
                           sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
 MAX_SIGNAL = 64
+STDIN_ANSWER_WAIT = 4.0   # a repeated stdin piece is answered within this (busy, if still not written)
 MAX_BACKGROUND_PER_EXEC_SLOT = 4   # background execs a node runs at once: this times max_execs
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 
@@ -53,7 +54,8 @@ class OpLane:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicates = 0   # execs delivered again and not run (ack lost, lease lost, client retry)
         self._unpublished: dict[str, tuple[OutputRelay, dict]] = {}   # exit records the bus refused so far
-        self._live: dict[str, LiveExec] = {}
+        self._live: dict[str, LiveExec] = {}        # running: its control subject answers
+        self._recording: dict[str, LiveExec] = {}   # until its exit and trajectory records are out
         self._background: set[asyncio.Task] = set()
         self._controls = None
 
@@ -74,6 +76,7 @@ class OpLane:
             live.control.close()
             live.recorded.set()
         self._live.clear()
+        self._recording.clear()
         if self._controls is not None:
             with contextlib.suppress(Exception):
                 await self._controls.unsubscribe()
@@ -99,7 +102,7 @@ class OpLane:
     async def settle(self, sandbox_id: str, wait: float = 2.0) -> None:
         """Wait (a bounded time) until the execs of a sandbox being destroyed have published their exit
         and trajectory records, so its `destroyed` record comes after theirs on the timeline."""
-        pending = [live.recorded.wait() for live in self._live.values() if live.sandbox_id == sandbox_id]
+        pending = [live.recorded.wait() for live in self._recording.values() if live.sandbox_id == sandbox_id]
         if pending:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*pending), wait)
@@ -111,7 +114,10 @@ class OpLane:
         if msg.seq < live.next_seq:          # a retry: the same answer as the first time (once written)
             written = True
             if live.last is not None and live.last[0] == msg.seq:
-                written = await asyncio.shield(live.last[1])
+                try:       # bounded: a command that never reads must not pile up waiting answers
+                    written = await asyncio.wait_for(asyncio.shield(live.last[1]), STDIN_ANSWER_WAIT)
+                except asyncio.TimeoutError:
+                    return ErrorReply(code="stdin_busy", message=f"stdin piece {msg.seq} is still being written")
             return OkReply() if written else ErrorReply(code="stdin_closed", message="the command closed its stdin")
         if msg.seq > live.next_seq:
             return ErrorReply(code=InvalidRequest.code, message=f"stdin piece {msg.seq} before {live.next_seq}")
@@ -266,6 +272,7 @@ class OpLane:
         running = self.edge.sandboxes.get(op.sandbox_id)
         started = time.time()
         live = self._live[op.exec_id]
+        self._recording[op.exec_id] = live
         try:
             try:
                 fields = await self._run(op, relay, live.control)
@@ -286,6 +293,7 @@ class OpLane:
             raise
         finally:
             live.recorded.set()
+            self._recording.pop(op.exec_id, None)
             if lease is not None:
                 lease.cancel()
 
@@ -366,6 +374,7 @@ class OpLane:
         if d.num_delivered <= 1:
             return False
         with contextlib.suppress(DsecError, msgspec.DecodeError):
-            last = await self.bus.last_on_subject(streams.OUT_STREAM, subjects.output(op.sandbox_id, op.exec_id))
-            return last is not None and isinstance(output_decoder.decode(last), ExitRecord)
+            last = await self.bus.last_on_subject(streams.OUT_STREAM, subjects.output(op.sandbox_id, op.exec_id),
+                                                  with_headers=True)
+            return last is not None and isinstance(decode_output(*last), ExitRecord)
         return False

@@ -1,11 +1,14 @@
 """A running exec seen from the SDK: its output (lines or bytes), its end, live stdin and signals.
 
 `sb.exec` and `sb.stream` are built on it; `sb.exec(cmd, background=True)` hands it to the caller.
-Output is collected as it arrives, so `wait()` after a partial `stream()` still returns every byte.
+One reader task owns the exec's output subscription and keeps every chunk as it arrives (until the
+end, or a failure it keeps to raise again); `stream()` and `wait()` only read what it kept. So a
+cancelled `wait()`, a `stream()` left early or a second `wait()` lose nothing and hang nothing.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import signal as signals
 import time
 from typing import AsyncIterable, AsyncIterator
@@ -14,20 +17,21 @@ import msgspec
 
 from bus import subjects
 from bus.conn import Bus
-from bus.errors import DsecError, ExecTimeout, InvalidRequest, from_code
+from bus.errors import DsecError, ExecTimeout, InvalidRequest, SandboxError, from_code
 from bus.messages import ErrorReply, ExecInput, ExecSignal, ExitRecord, op_reply_decoder
 from libdsec.execstream import EXIT_GRACE, ExecStream, LineSplitter, exit_of
 from libdsec.results import ExecResult, Exit, Output
 
 STDIN_PIECE = 256 << 10   # bytes of live stdin per message
 CONTROL_WAIT = 5.0        # seconds one stdin/signal request waits for the node (then asked again)
+NODE_GONE_AFTER = 30.0    # seconds nobody serves the node's control subject before giving up
 NOT_YET = 0.02            # pause before asking again while the node has not started the exec
 
 
 class ExecHandle:
     """One exec: `stream()` yields Output per line then Exit; `wait()` returns the ExecResult;
-    `kill(signal)` signals its processes. Consume its output once (stream or wait; wait may follow
-    a partial stream)."""
+    `kill(signal)` signals its processes. stream() may be left early and taken up again (it goes on
+    where it stopped), and wait() may follow it; after the end both give the same outcome again."""
 
     def __init__(self, bus: Bus, node: str, sandbox_id: str, exec_id: str, stream: ExecStream,
                  timeout: float, keep_output: bool = True) -> None:
@@ -38,11 +42,16 @@ class ExecHandle:
         self._stream = stream
         self._timeout = timeout
         self._give_up = time.monotonic() + timeout + EXIT_GRACE
-        self._records = stream.records(timeout + EXIT_GRACE)
-        self._keep = keep_output           # stream() alone (sb.stream) keeps only partial lines
-        self._out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self._keep = keep_output     # False (sb.stream): chunks are dropped once stream() has read them
+        self._chunks: list[tuple[str, bytes] | None] = []
+        self._read = 0               # chunks stream() has split into lines so far
         self._lines = LineSplitter()
+        self._pending: collections.deque[Output] = collections.deque()   # split, not yet yielded
+        self._flushed = False
         self._exit: ExitRecord | None = None
+        self._error: BaseException | None = None
+        self._arrived = asyncio.Event()
+        self._reader = asyncio.ensure_future(self._read_records())
         self._stdin: asyncio.Task | None = None
         self._stdin_error: BaseException | None = None
 
@@ -58,37 +67,58 @@ class ExecHandle:
         """Send source to the exec's stdin as it yields (then end of stdin), in the background."""
         self._stdin = asyncio.ensure_future(self._pump_stdin(source))
 
-    async def stream(self) -> AsyncIterator[Output | Exit]:
-        """Each line as it is produced (the last partial line at the end), then the Exit. Leaving the
-        loop early keeps the handle: wait() or another stream() goes on from there; after the end,
-        stream() yields the Exit again."""
-        if self._exit is None:
-            async for rec in self._records:
+    # ---- output --------------------------------------------------------------------------------
+
+    async def _read_records(self) -> None:
+        try:
+            async for rec in self._stream.records(self._timeout + EXIT_GRACE):
                 if isinstance(rec, ExitRecord):
                     self._exit = rec
-                    await self.close()
-                    break
-                if self._keep:
-                    self._out[rec.stream].append(rec.data)
-                for out in self._lines.feed(rec.stream, rec.data):
-                    yield out
-        for out in self._lines.flush():
-            yield out
-        yield self._end()
+                    return
+                self._chunks.append((rec.stream, rec.data))
+                self._arrived.set()
+        except BaseException as exc:
+            self._error = exc
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self._arrived.set()
+            if self._stdin is not None and not self._stdin.done() and self._exit is None:
+                self._stdin.cancel()
+            await self._stream.close()
+
+    async def stream(self) -> AsyncIterator[Output | Exit]:
+        """Each line as it is produced (the last partial line at the end), then the Exit."""
+        while True:
+            while self._pending:
+                yield self._pending.popleft()
+            if self._read < len(self._chunks):
+                name, data = self._chunks[self._read]  # type: ignore[misc]
+                if not self._keep:
+                    self._chunks[self._read] = None
+                self._read += 1
+                self._pending.extend(self._lines.feed(name, data))
+                continue
+            if self._reader.done():
+                if not self._flushed:
+                    self._flushed = True
+                    self._pending.extend(self._lines.flush())
+                    continue
+                yield self._end()
+                return
+            self._arrived.clear()
+            if self._read == len(self._chunks) and not self._reader.done():
+                await self._arrived.wait()
 
     async def wait(self) -> ExecResult:
         """Wait for the end; ExecTimeout (with the partial output) if it outlived its timeout."""
-        if self._exit is None:
-            try:
-                async for rec in self._records:
-                    if isinstance(rec, ExitRecord):
-                        self._exit = rec
-                        break
-                    self._out[rec.stream].append(rec.data)
-            finally:
-                await self.close()
+        await asyncio.shield(self._reader)    # a cancelled wait() leaves the reader reading
         ex = self._end()
-        stdout, stderr = b"".join(self._out["stdout"]), b"".join(self._out["stderr"])   # one copy
+        out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        for item in self._chunks:
+            if item is not None:
+                out[item[0]].append(item[1])
+        stdout, stderr = b"".join(out["stdout"]), b"".join(out["stderr"])
         if ex.timed_out:
             raise ExecTimeout(f"command timed out after {self._timeout}s; its process tree was killed",
                               stdout=stdout, stderr=stderr, truncated=ex.truncated)
@@ -97,24 +127,23 @@ class ExecHandle:
                           truncated=ex.truncated, exec_id=ex.exec_id)
 
     def _end(self) -> Exit:
-        """The Exit; the typed error of an exec that never ran, or the error of a stdin source that failed."""
+        """The Exit; else the failure that ended the reading, the typed error of an exec that never ran,
+        or the error of a stdin source that failed."""
+        if self._error is not None:
+            if isinstance(self._error, asyncio.CancelledError):
+                raise SandboxError(f"exec {self.id}: its output was closed before it ended")
+            raise self._error
         assert self._exit is not None
         if self._stdin_error is not None:
             raise self._stdin_error
         return exit_of(self._exit)
 
-    async def kill(self, signal: int = signals.SIGKILL) -> bool:
-        """Send signal to every process of the exec (SIGKILL, the default, kills its whole tree);
-        False when it had already ended."""
-        if not 0 < int(signal) <= 64:
-            raise InvalidRequest(f"signal must be 1..64, got {signal!r}")
-        reply = await self._ask(ExecSignal(exec_id=self.id, signal=int(signal)))
-        return reply is not None
-
     async def close(self) -> None:
         """Stop listening (the exec itself runs on until it ends or is killed)."""
-        if self._stdin is not None and not self._stdin.done():
-            self._stdin.cancel()
+        for task in (self._stdin, self._reader):
+            if task is not None and not task.done():
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._stdin, self._reader) if t is not None), return_exceptions=True)
         await self._stream.close()
 
     async def __aenter__(self) -> "ExecHandle":
@@ -125,11 +154,24 @@ class ExecHandle:
 
     # ---- live stdin and signals ----------------------------------------------------------------
 
+    async def kill(self, signal: int = signals.SIGKILL) -> bool:
+        """Send signal to every process of the exec (SIGKILL, the default, kills its whole tree);
+        False when it had already ended. SandboxError when its node does not answer for 30 s."""
+        if isinstance(signal, bool) or not isinstance(signal, int) or not 0 < signal <= 64:
+            raise InvalidRequest(f"signal must be 1..64, got {signal!r}")
+        reply = await self._ask(ExecSignal(exec_id=self.id, signal=int(signal)))
+        return reply is not None
+
     async def _pump_stdin(self, source: AsyncIterable[bytes | str]) -> None:
         seq = 0
         try:
             async for item in source:
-                data = item.encode() if isinstance(item, str) else bytes(item)
+                if isinstance(item, str):
+                    data = item.encode()
+                elif isinstance(item, (bytes, bytearray, memoryview)):
+                    data = bytes(item)
+                else:
+                    raise InvalidRequest(f"stdin pieces must be bytes or str, got {type(item).__name__}")
                 for off in range(0, len(data), STDIN_PIECE):
                     seq += 1
                     if await self._ask(ExecInput(exec_id=self.id, seq=seq, data=data[off:off + STDIN_PIECE])) is None:
@@ -138,13 +180,18 @@ class ExecHandle:
             raise
         except Exception as exc:   # the caller's source failed: end the command's stdin, report it at the end
             self._stdin_error = exc
-        await self._ask(ExecInput(exec_id=self.id, seq=seq + 1, eof=True))
+        try:
+            await self._ask(ExecInput(exec_id=self.id, seq=seq + 1, eof=True))
+        except DsecError as exc:
+            self._stdin_error = self._stdin_error or exc
 
     async def _ask(self, msg: ExecInput | ExecSignal):
         """Send a control message until the node answers it; None when the exec is not running any
-        more (or its stdin is closed). Typed errors for a refused message."""
+        more (or its stdin is closed). Typed errors for a refused message; SandboxError when nobody has
+        served the node's control subject for NODE_GONE_AFTER seconds."""
         tries = 0
-        while not self._stream.finished and time.monotonic() < self._give_up:
+        unserved_since: float | None = None
+        while self._exit is None and self._error is None and time.monotonic() < self._give_up:
             tries += 1
             if tries % 10 == 0 and await self._stream.ended():
                 return None          # its exit record is stored: nothing runs to answer
@@ -154,8 +201,12 @@ class ExecHandle:
                 await asyncio.sleep(NOT_YET)
                 continue
             if raw is None:          # nobody serves the node's control subject: the edge is down
+                unserved_since = unserved_since or time.monotonic()
+                if time.monotonic() - unserved_since > NODE_GONE_AFTER:
+                    raise SandboxError(f"exec {self.id}: its node has not answered for {NODE_GONE_AFTER:.0f}s")
                 await asyncio.sleep(NOT_YET * 10)
                 continue
+            unserved_since = None
             try:
                 reply = op_reply_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -166,5 +217,5 @@ class ExecHandle:
                 return None
             if reply.code not in ("exec_not_running", "stdin_busy"):
                 raise from_code(reply.code, reply.message)
-            await asyncio.sleep(NOT_YET)   # not started yet, or ended (its exit record tells)
+            await asyncio.sleep(NOT_YET)   # not started yet, ended (its exit record tells), or busy
         return None

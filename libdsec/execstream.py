@@ -10,10 +10,11 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, SandboxError, SandboxNotFound, from_code
-from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder, output_decoder
+from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
+GAP_WAIT = 1.0      # seconds a gap in the seqs may last before it is read back from the stream
 GONE_GRACE = 3.0    # seconds after its sandbox's destroyed/expired event an exit record may still come
 
 
@@ -86,12 +87,21 @@ class ExecStream:
                 data = self._queue.get_nowait()   # the common case under load: no timer, no task
             except asyncio.QueueEmpty:
                 left = deadline - time.monotonic()
+                timeout = max(0.05, left) if left > 0 else 0.05
                 try:
-                    data = await asyncio.wait_for(self._queue.get(), timeout=max(0.05, left) if left > 0 else 0.05)
+                    data = await asyncio.wait_for(self._queue.get(), min(timeout, GAP_WAIT) if self._held else timeout)
                 except asyncio.TimeoutError:
                     if time.monotonic() >= deadline:
                         self.finished = True
                         raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
+                    if self._held:   # a gap that did not fill itself: core delivery dropped it, the stream has it
+                        await self._refill(max(self._held))
+                        while self._next in self._held:
+                            out = self._held.pop(self._next)
+                            self._next += 1
+                            yield out
+                            if isinstance(out, ExitRecord):
+                                return
                     continue
             if data is None:
                 reason, detail = self._lost
@@ -122,8 +132,8 @@ class ExecStream:
         if self.finished:
             return True
         try:
-            last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject)
-            self.finished = last is not None and isinstance(output_decoder.decode(last), ExitRecord)
+            last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject, with_headers=True)
+            self.finished = last is not None and isinstance(decode_output(*last), ExitRecord)
         except (BusError, msgspec.DecodeError, msgspec.ValidationError):
             pass
         return self.finished

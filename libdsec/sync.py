@@ -46,11 +46,27 @@ def _iterate(loop: _Loop, make) -> Iterator:
         finally:
             q.put(_DONE)
 
-    asyncio.run_coroutine_threadsafe(pump(), loop.loop)
-    while (item := q.get()) is not _DONE:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    running = asyncio.run_coroutine_threadsafe(pump(), loop.loop)
+    try:
+        while (item := q.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        running.cancel()   # left early: stop reading (a handle keeps what it read; the rest is still there)
+
+
+def _iterate_exact(loop: _Loop, agen) -> Iterator:
+    """One item at a time, nothing read ahead: what is not taken here stays for the next reader."""
+    try:
+        while True:
+            try:
+                item = loop.run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        loop.run(agen.aclose())
 
 
 class ExecHandle:
@@ -70,9 +86,8 @@ class ExecHandle:
         return self._inner.done
 
     def stream(self) -> Iterator[Output | Exit]:
-        """Lines as they are produced, then the Exit (read to the end: a break here leaves the rest
-        read in the background)."""
-        return _iterate(self._loop, self._inner.stream)
+        """Lines as they are produced, then the Exit; leave it any time, stream() again goes on from there."""
+        return _iterate_exact(self._loop, self._inner.stream())
 
     def wait(self) -> ExecResult:
         """Wait for the end (ExecTimeout past its timeout)."""

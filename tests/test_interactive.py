@@ -144,3 +144,17 @@ async def test_the_sync_client_has_background_execs_too(stack):
             assert (r.exit_code, r.stdout) == (137, b"a\n") and h.done
             assert [ev.data for ev in sb.stream("echo x; echo y") if isinstance(ev, libdsec.Output)] == [b"x\n", b"y\n"]
     await asyncio.wait_for(asyncio.to_thread(scenario), 60)
+
+
+async def test_a_handle_loses_nothing_when_left_cancelled_or_read_again(client):
+    async with await client.create() as sb:
+        h = await sb.exec("printf 'a\\nb\\nc\\n'; sleep 0.5; echo d", background=True)
+        async for ev in h.stream():     # the three lines arrive in one chunk: take one, leave
+            assert ev == libdsec.Output("stdout", b"a\n")
+            break
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(h.wait(), 0.05)    # a cancelled wait leaves the handle whole
+        rest = [ev async for ev in h.stream()]
+        assert [ev.data for ev in rest[:-1]] == [b"b\n", b"c\n", b"d\n"] and rest[-1].exit_code == 0
+        assert (await h.wait()).stdout == b"a\nb\nc\nd\n"
+        assert (await h.wait()).stdout == b"a\nb\nc\nd\n"

@@ -216,3 +216,40 @@ def test_encode_is_json_any_client_can_read():
     import json
     d = json.loads(encode(OutputChunk(exec_id="x", seq=1, data=b"\x00\xff")))
     assert d["kind"] == "out" and d["v"] == 1
+
+
+async def test_exec_stream_reads_a_lasting_gap_back_from_the_stream():
+    """A chunk core delivery dropped mid-exec is read back from DSEC_OUT after a second, not at the exit."""
+    import asyncio
+
+    from bus.messages import chunk_message
+    from libdsec.execstream import ExecStream
+
+    stored = [chunk_message(OutputChunk(exec_id="x", seq=i, stream="stdout", data=b"%d\n" % i)) for i in (1, 2, 3)]
+
+    class Bus:
+        async def subscribe(self, subject, cb, with_headers=False):
+            self.cb = cb
+            return self
+
+        async def unsubscribe(self):
+            pass
+
+        async def read_subject(self, stream, subject, with_headers=False):
+            for data, headers in stored:
+                yield data, headers
+
+    bus = Bus()
+    es = ExecStream(bus, "sb", "x")
+    await es.open()
+    for data, headers in (stored[0], stored[2]):        # seq 2 was dropped on the way
+        await bus.cb(data, "s", headers)
+    got = []
+
+    async def read():
+        async for rec in es.records(30):
+            got.append(rec.data)
+            if len(got) == 3:
+                return
+    await asyncio.wait_for(read(), 3)
+    assert got == [b"1\n", b"2\n", b"3\n"]
