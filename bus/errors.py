@@ -114,6 +114,12 @@ class FileOpError(SandboxError, OSError):
     code = "file_error"
 
 
+class SandboxSuspended(SandboxError):
+    """The sandbox is suspended (client.suspend): resume it before running commands in it."""
+
+    code = "sandbox_suspended"
+
+
 class EnvironmentFailure(SandboxError):
     """The node could not build the sandbox's environment (layer fetch, mount, launch)."""
 

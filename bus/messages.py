@@ -116,6 +116,24 @@ class DestroyRequest(Wire, tag="destroy"):
     deadline: float = 0.0
 
 
+class SuspendRequest(Wire, tag="suspend"):
+    """libdsec -> edge: freeze every process of a sandbox (client.suspend)."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
+class ResumeRequest(Wire, tag="resume"):
+    """libdsec -> edge: thaw a suspended sandbox (client.resume)."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
 class WriteFile(Wire, tag="write_file"):
     """libdsec -> edge: write a file inside the sandbox."""
 
@@ -146,7 +164,7 @@ class OkReply(Wire, tag="ok"):
     data: bytes = b""
 
 
-SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile]
+SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest]
 OpReply = Union[OkReply, ErrorReply]
 
 
@@ -304,12 +322,14 @@ class SandboxRecord(Wire, tag="sandbox"):
     updated_at: float = 0.0
     reason: str = ""
     request_id: str = ""             # the create request that made it (redeliveries are recognised by it)
+    suspended: bool = False          # frozen by client.suspend (state stays ready: it holds its resources)
+    suspended_at: float = 0.0
 
 
 class Event(Wire, tag="event"):
     """Lifecycle event on dsec.evt.<tenant>.<sandbox>."""
 
-    type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost
+    type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost, suspended, resumed
     sandbox_id: str = ""
     tenant: str = "default"
     node: str = ""

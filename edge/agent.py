@@ -49,6 +49,8 @@ class Running:
 
     record: SandboxRecord
     expires_at: float
+    suspended_since: float = 0.0     # unix time of client.suspend, 0 when running
+    suspends: int = 0                # how many times it was suspended (names its events)
 
 
 class Edge:
@@ -223,7 +225,8 @@ class Edge:
         while True:
             await asyncio.sleep(0.5)
             now = time.time()
-            for sid in [s for s, r in self.sandboxes.items() if r.expires_at and r.expires_at < now]:
+            for sid in [s for s, r in self.sandboxes.items()
+                        if r.expires_at and r.expires_at < now and not r.suspended_since]:   # TTL paused
                 try:
                     await self.destroy(sid, state="expired", reason="ttl reached")
                 except KeyError:
@@ -457,19 +460,74 @@ class Edge:
                                  self._event(rec, state, req.request_id, str(err)))
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
 
-    async def _event(self, rec: SandboxRecord, type_: str, request_id: str = "", detail: str = "") -> None:
-        """A lifecycle event, on the ops event stream and on the sandbox's trajectory timeline."""
+    async def _event(self, rec: SandboxRecord, type_: str, request_id: str = "", detail: str = "",
+                     nth: int = 0) -> None:
+        """A lifecycle event, on the ops event stream and on the sandbox's trajectory timeline (nth: which
+        one of a step that may happen again, e.g. the 2nd suspend)."""
         now = time.time()
         ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
                    request_id=request_id, at=now, detail=detail)
         job = subjects.job_of(rec.labels)
-        traj = TrajRecord(id=f"{rec.sandbox_id}.{type_}", type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant,
+        name = f"{type_}.{nth}" if nth else type_
+        traj = TrajRecord(id=f"{rec.sandbox_id}.{name}", type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant,
                           job=job, node=self.node, at=now, detail=detail)
         await asyncio.gather(
             self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev),
-                             msg_id=f"{rec.sandbox_id}.{type_}.{self.node}", retry_for=RECORD_RETRY),
+                             msg_id=f"{rec.sandbox_id}.{name}.{self.node}", retry_for=RECORD_RETRY),
             self.bus.publish(subjects.trajectory(rec.tenant, job, rec.sandbox_id), encode(traj),
-                             msg_id=f"{rec.sandbox_id}.{type_}.{self.node}.traj", retry_for=RECORD_RETRY))
+                             msg_id=f"{rec.sandbox_id}.{name}.{self.node}.traj", retry_for=RECORD_RETRY))
+
+    # ---- suspend and resume (client.suspend / client.resume) -----------------------------------
+
+    async def suspend(self, sandbox_id: str) -> None:
+        """Freeze a sandbox; its TTL stops counting. Idempotent."""
+        running = self.sandboxes[sandbox_id]
+        if running.suspended_since:
+            return
+        await self.backend.freeze(sandbox_id)
+        now = time.time()
+        running.suspended_since, running.suspends = now, running.suspends + 1
+        running.record = msgspec.structs.replace(running.record, suspended=True, suspended_at=now, updated_at=now)
+        await asyncio.gather(self._write_record(sandbox_id, running.record),
+                             self._event(running.record, "suspended", nth=running.suspends))
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Thaw a suspended sandbox; its TTL moves on by the time it was suspended. Idempotent."""
+        running = self.sandboxes[sandbox_id]
+        if not running.suspended_since:
+            return
+        await self.backend.thaw(sandbox_id)
+        now = time.time()
+        if running.expires_at:
+            running.expires_at += now - running.suspended_since
+        running.suspended_since = 0.0
+        running.record = msgspec.structs.replace(running.record, suspended=False, updated_at=now,
+                                                 expires_at=running.expires_at or running.record.expires_at)
+        await asyncio.gather(self._write_record(sandbox_id, running.record),
+                             self._event(running.record, "resumed", nth=running.suspends))
+
+    async def _write_record(self, sandbox_id: str, rec: SandboxRecord) -> None:
+        """Write our sandbox's KV record, never over one another node wrote since; retried through a
+        stream leader moving to another server."""
+        mine = rec
+
+        def mutate(raw: bytes | None) -> bytes | None:
+            prior = _decode_record(raw)
+            if prior is not None and (prior.node != mine.node or prior.request_id != mine.request_id):
+                return None
+            if prior is not None and prior.state not in ("starting", "ready") and rec.state == "ready":
+                return None   # a suspend/resume that lost the race with its destroy: the end stays
+            return encode(rec)
+
+        give_up = time.monotonic() + RECORD_RETRY
+        while True:
+            try:
+                await self.bus.kv_update(streams.SANDBOXES_KV, sandbox_id, mutate)
+                return
+            except BusError:
+                if time.monotonic() > give_up:
+                    raise
+                await asyncio.sleep(0.2)
 
     # ---- destroy (used by the op lane, the TTL loop and stop) ----------------------------------
 
@@ -490,27 +548,9 @@ class Edge:
         self._poke()
         if running is None:
             return
-        rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time())
-        mine = running.record
-
-        def mutate(raw: bytes | None) -> bytes | None:   # never over a record another node wrote since
-            prior = _decode_record(raw)
-            if prior is not None and (prior.node != mine.node or prior.request_id != mine.request_id):
-                return None
-            return encode(rec)
-
-        async def record() -> None:   # kept trying through a stream leader moving to another server
-            give_up = time.monotonic() + RECORD_RETRY
-            while True:
-                try:
-                    await self.bus.kv_update(streams.SANDBOXES_KV, sandbox_id, mutate)
-                    return
-                except BusError:
-                    if time.monotonic() > give_up:
-                        raise
-                    await asyncio.sleep(0.2)
-
+        rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time(),
+                                      suspended=False)
         try:
-            await asyncio.gather(record(), self._event(rec, state, detail=reason))
+            await asyncio.gather(self._write_record(sandbox_id, rec), self._event(rec, state, detail=reason))
         except BusError as exc:
             log.warning("state of %s not recorded: %s", sandbox_id, exc)

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from bus import streams, subjects
-from bus.errors import DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
+from bus.errors import (DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound,
+                        SandboxSuspended)
 from bus.messages import (DestroyRequest, ErrorReply, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply,
-                          ReadFile, TrajRecord, WriteFile, control_decoder, decode_output, op_decoder, salvage,
+                          ReadFile, ResumeRequest, SuspendRequest, TrajRecord, WriteFile, control_decoder, decode_output, op_decoder, salvage,
                           sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
@@ -151,6 +152,10 @@ class OpLane:
                 await self._answer(op, self._write(op))
             case ReadFile():
                 await self._answer(op, self._read(op))
+            case SuspendRequest():
+                await self._answer(op, self._suspend(op, True))
+            case ResumeRequest():
+                await self._answer(op, self._suspend(op, False))
         return Verdict.ACK
 
     # ---- replies ------------------------------------------------------------------------------
@@ -197,6 +202,15 @@ class OpLane:
             raise await self._gone(op.sandbox_id) from None
         except BackendError as exc:   # recorded as destroyed; what the kernel kept is reconciled at restart
             raise SandboxError(f"destroy of {op.sandbox_id} incomplete: {exc}") from exc
+
+    async def _suspend(self, op: SuspendRequest | ResumeRequest, freeze: bool) -> None:
+        await self._require(op.sandbox_id)
+        try:
+            await (self.edge.suspend if freeze else self.edge.resume)(op.sandbox_id)
+        except (KeyError, SandboxGone):
+            raise await self._gone(op.sandbox_id) from None
+        except BackendError as exc:
+            raise SandboxError(f"{'suspend' if freeze else 'resume'} of {op.sandbox_id} failed: {exc}") from exc
 
     async def _write(self, op: WriteFile) -> None:
         await self._require(op.sandbox_id)
@@ -250,6 +264,9 @@ class OpLane:
         try:
             self._check_exec(op)
             await self._require(op.sandbox_id)
+            if self.edge.sandboxes[op.sandbox_id].suspended_since:
+                raise SandboxSuspended(f"sandbox {op.sandbox_id} is suspended: resume it to run commands",
+                                       reason="suspended")
         except DsecError as err:
             await self._exec_error(op.sandbox_id, op.exec_id, err)
             return Verdict.ACK

@@ -2,7 +2,7 @@
 from libdsec.client import AsyncClient
 from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, PlacementError,
-                            QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound)
+                            QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended)
 from libdsec.resources import Resources
 from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
@@ -14,5 +14,5 @@ __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
     "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-    "SandboxNotFound", "Trajectory",
+    "SandboxNotFound", "SandboxSuspended", "Trajectory",
 ]

@@ -10,8 +10,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import (CapacityUnavailable, DsecError, InvalidRequest, SandboxError, SandboxNotFound, from_code)
-from bus.messages import (CreateRequest, ErrorReply, Queued, SandboxReady, create_reply_decoder, encode,
-                          op_reply_decoder, sandbox_decoder)
+from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest,
+                          create_reply_decoder, encode, op_reply_decoder, sandbox_decoder)
 from libdsec.ids import new_id
 from libdsec.resources import Resources
 from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, AsyncSandbox
@@ -229,6 +229,45 @@ class AsyncClient:
             return sandbox_decoder.decode(raw)
         except msgspec.DecodeError:
             return None
+
+    # ---- suspend and resume by group ------------------------------------------------------------
+
+    async def suspend(self, *, labels: dict[str, str] | None = None, ids: list[str] | None = None,
+                      timeout: float = 30.0) -> list[str]:
+        """Freeze every running sandbox of this tenant that has all these labels (or these ids), on
+        whatever node: processes stop where they are, use no CPU and keep their memory; their TTL stops.
+        Execs on a suspended sandbox fail with SandboxSuspended; execs already running are paused (their
+        timeouts do not count the suspended time). Returns the ids suspended now."""
+        return await self._suspend_group(labels, ids, timeout, freeze=True)
+
+    async def resume(self, *, labels: dict[str, str] | None = None, ids: list[str] | None = None,
+                     timeout: float = 30.0) -> list[str]:
+        """Thaw the suspended sandboxes with all these labels (or these ids): their processes continue
+        where they were. Returns the ids resumed now."""
+        return await self._suspend_group(labels, ids, timeout, freeze=False)
+
+    async def _suspend_group(self, labels, ids, timeout: float, freeze: bool) -> list[str]:
+        if not labels and not ids:
+            raise InvalidRequest("give labels={...} or ids=[...]: suspend/resume never applies to every sandbox")
+        wanted = set(ids or [])
+        chosen = [rec for rec in await self.list()
+                  if rec.suspended != freeze and (not wanted or rec.sandbox_id in wanted)
+                  and all(rec.labels.get(k) == v for k, v in (labels or {}).items())]
+        make = SuspendRequest if freeze else ResumeRequest
+
+        async def one(rec) -> str | None:
+            try:
+                await self._op(rec.node, rec.sandbox_id, lambda rid, to, dl: make(
+                    request_id=rid, sandbox_id=rec.sandbox_id, reply_to=to, deadline=dl), timeout)
+            except SandboxNotFound:
+                return None   # gone meanwhile: nothing to freeze or thaw
+            return rec.sandbox_id
+
+        done = await asyncio.gather(*(one(rec) for rec in chosen), return_exceptions=True)
+        errors = [d for d in done if isinstance(d, BaseException)]
+        if errors:
+            raise errors[0]
+        return [d for d in done if d]
 
     async def list(self, all_states: bool = False) -> list:
         """Sandbox records of this tenant (running only unless all_states)."""

@@ -28,6 +28,8 @@ class ExecStream:
         self._queue: asyncio.Queue[tuple[bytes, dict | None] | None] = asyncio.Queue()
         self._lost = ("", "")
         self._grace: asyncio.TimerHandle | None = None
+        self._paused = 0.0                   # seconds its sandbox was suspended (the deadline moves on)
+        self._paused_at: float | None = None
         self._sub = None
         self._evt_sub = None
         self._held: dict[int, OutputChunk | ExitRecord] = {}
@@ -45,7 +47,12 @@ class ExecStream:
                     ev = event_decoder.decode(data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     return
-                if ev.type == "node_lost":
+                if ev.type == "suspended" and self._paused_at is None:   # its timeout stops too
+                    self._paused_at = time.monotonic()
+                elif ev.type == "resumed" and self._paused_at is not None:
+                    self._paused += time.monotonic() - self._paused_at
+                    self._paused_at = None
+                elif ev.type == "node_lost":
                     self._gone("node_lost", ev.detail or "node lost")
                 elif ev.type in ("destroyed", "expired") and self._grace is None:
                     # its exit record (killed with the sandbox) normally follows at once; if the node
@@ -81,8 +88,13 @@ class ExecStream:
             yield rec
 
     async def _records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
-        deadline = time.monotonic() + wait
+        start = time.monotonic()
+
+        def deadline_() -> float:   # suspended time does not count
+            return start + wait + self._paused + (time.monotonic() - self._paused_at if self._paused_at else 0.0)
+
         while True:
+            deadline = deadline_()
             try:
                 data = self._queue.get_nowait()   # the common case under load: no timer, no task
             except asyncio.QueueEmpty:
@@ -91,7 +103,7 @@ class ExecStream:
                 try:
                     data = await asyncio.wait_for(self._queue.get(), min(timeout, GAP_WAIT) if self._held else timeout)
                 except asyncio.TimeoutError:
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline_():
                         self.finished = True
                         raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
                     if self._held:   # a gap that did not fill itself: core delivery dropped it, the stream has it

@@ -138,6 +138,14 @@ class AsyncSandbox:
         return await self.client._op(self.node, self.id, lambda rid, to, dl: ReadFile(
             request_id=rid, sandbox_id=self.id, path=path, limit=limit, reply_to=to, deadline=dl), timeout)
 
+    async def suspend(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
+        """Freeze this sandbox (see AsyncClient.suspend)."""
+        await self.client.suspend(ids=[self.id], timeout=timeout)
+
+    async def resume(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
+        """Thaw it (see AsyncClient.resume)."""
+        await self.client.resume(ids=[self.id], timeout=timeout)
+
     async def destroy(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Destroy it; SandboxNotFound if it is already gone."""
         async def recheck() -> bytes | None:   # destroyed meanwhile (a lost reply): done

@@ -183,6 +183,14 @@ class Client:
         """Attach to a sandbox by id."""
         return Sandbox(self, self._loop.run(self._async.get(sandbox_id)))
 
+    def suspend(self, **kwargs: Any) -> list[str]:
+        """Freeze sandboxes by labels= or ids= (see AsyncClient.suspend)."""
+        return self._loop.run(self._async.suspend(**kwargs))
+
+    def resume(self, **kwargs: Any) -> list[str]:
+        """Thaw them (see AsyncClient.resume)."""
+        return self._loop.run(self._async.resume(**kwargs))
+
     def list(self, all_states: bool = False) -> list:
         """Sandbox records of this tenant."""
         return self._loop.run(self._async.list(all_states))

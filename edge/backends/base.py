@@ -135,6 +135,14 @@ class Backend(abc.ABC):
     async def destroy(self, sandbox_id: str) -> None:
         """Kill every process, unmount, remove cgroups and the writable layer. Idempotent."""
 
+    async def freeze(self, sandbox_id: str) -> None:
+        """Stop every process of a sandbox where it is (no CPU, memory kept) until thaw()."""
+        raise BackendError(f"{type(self).__name__} cannot suspend sandboxes")
+
+    async def thaw(self, sandbox_id: str) -> None:
+        """Let a frozen sandbox's processes run on from where they were."""
+        raise BackendError(f"{type(self).__name__} cannot resume sandboxes")
+
     @abc.abstractmethod
     def sandboxes(self) -> list[str]:
         """Ids of the sandboxes this backend runs now."""

@@ -161,6 +161,23 @@ async def _set_frozen(group: Path, frozen: bool, deadline: float) -> None:
         await asyncio.sleep(0.0005)
 
 
+async def freeze(group: Path, timeout: float = 5.0) -> bool:
+    """Freeze a group and its descendants; True once every task is frozen (False: still FREEZING)."""
+    write(group / "freezer.state", "FROZEN")
+    deadline = time.monotonic() + timeout
+    while read(group / "freezer.state").strip() != "FROZEN":
+        if time.monotonic() > deadline:
+            return False
+        write(group / "freezer.state", "FROZEN")   # a task that was in uninterruptible sleep: ask again
+        await asyncio.sleep(0.001)
+    return True
+
+
+def thaw(group: Path) -> None:
+    """Thaw a group (its descendants thaw with it unless frozen themselves)."""
+    write(group / "freezer.state", "THAWED")
+
+
 class NodeCgroups:
     """The dsec-<node> groups of one node and the sandbox and exec groups below them."""
 

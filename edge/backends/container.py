@@ -58,6 +58,29 @@ class _Sandbox:
     execs: itertools.count = field(default_factory=lambda: itertools.count(1))
     events: Counter = field(default_factory=Counter)    # limit events of removed exec groups
     dying: asyncio.Future | None = None
+    frozen_since: float | None = None   # monotonic time of the freeze (suspended), else None
+    frozen_total: float = 0.0           # seconds spent frozen before that
+
+    def frozen_for(self) -> float:
+        """Seconds this sandbox has spent frozen so far (exec timeouts do not count them)."""
+        return self.frozen_total + (time.monotonic() - self.frozen_since if self.frozen_since is not None else 0.0)
+
+
+async def _wait_unfrozen(fut: asyncio.Future, timeout: float, frozen_for) -> None:
+    """Wait for fut up to timeout seconds of time not spent frozen (timeout <= 0: forever)."""
+    if timeout <= 0:
+        await asyncio.shield(fut)
+        return
+    start, frozen0 = time.monotonic(), frozen_for()
+    while True:
+        left = timeout - ((time.monotonic() - start) - (frozen_for() - frozen0))
+        if left <= 0:
+            raise asyncio.TimeoutError
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), left)
+            return
+        except asyncio.TimeoutError:
+            continue   # time passed while frozen does not count: look again
 
 
 class ContainerBackend(Backend):
@@ -267,6 +290,35 @@ class ContainerBackend(Backend):
                 return busy
             await asyncio.sleep(0.002)
 
+    async def freeze(self, sandbox_id: str) -> None:
+        """Freeze the sandbox's freezer group: its init, its execs, everything they started."""
+        sb = self._live(sandbox_id)
+        if sb.frozen_since is not None:
+            return
+        group = self._cgroups.sandbox(sandbox_id)["freezer"]
+        sb.frozen_since = time.monotonic()
+        try:
+            if not await cgroups.freeze(group):
+                cgroups.thaw(group)
+                raise BackendError(f"sandbox {sandbox_id} did not freeze within 5 s (a task in uninterruptible sleep)")
+        except OSError as exc:
+            raise BackendError(f"cannot freeze {sandbox_id}: {exc}") from exc
+        except BaseException:
+            sb.frozen_since = None
+            raise
+
+    async def thaw(self, sandbox_id: str) -> None:
+        """Thaw it: every process runs on from where it stopped."""
+        sb = self._live(sandbox_id)
+        if sb.frozen_since is None:
+            return
+        try:
+            cgroups.thaw(self._cgroups.sandbox(sandbox_id)["freezer"])
+        except OSError as exc:
+            raise BackendError(f"cannot thaw {sandbox_id}: {exc}") from exc
+        sb.frozen_total += time.monotonic() - sb.frozen_since
+        sb.frozen_since = None
+
     def _live(self, sandbox_id: str) -> _Sandbox:
         sb = self._sandboxes.get(sandbox_id)
         if sb is None or sb.dying is not None:
@@ -304,7 +356,8 @@ class ContainerBackend(Backend):
                     pipes.close_child_ends()    # else our copies of the write ends would hide EOF
                 if control is not None:
                     control.on_signal(lambda sig: self._signal_exec(groups, sig))
-                status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink, control)
+                status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink, control,
+                                                          sb.frozen_for)
             except LauncherError as exc:
                 raise BackendError(str(exc)) from exc
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
@@ -342,8 +395,9 @@ class ContainerBackend(Backend):
 
     async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "execio.Pipes",
                          stdin: bytes | None, timeout: float, sink: OutputSink,
-                         control: ExecControl | None) -> tuple[int, bool]:
-        """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree."""
+                         control: ExecControl | None, frozen_for=lambda: 0.0) -> tuple[int, bool]:
+        """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree. Time
+        the sandbox spends frozen (suspended) does not count against the timeout."""
         if control is not None and control.live_stdin:
             feeder = asyncio.ensure_future(execio.feed_live(pipes.take("stdin_w"), stdin or b"", control))
         else:
@@ -355,7 +409,7 @@ class ContainerBackend(Backend):
         timed_out = False
         try:
             try:
-                await asyncio.wait_for(asyncio.shield(everything), timeout if timeout > 0 else None)
+                await _wait_unfrozen(everything, timeout, frozen_for)
             except asyncio.TimeoutError:
                 timed_out = True
                 await self._kill_exec(groups)

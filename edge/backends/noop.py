@@ -43,6 +43,16 @@ class NoopBackend(Backend):
         """Forget it (idempotent)."""
         self._ids.discard(sandbox_id)
 
+    async def freeze(self, sandbox_id: str) -> None:
+        """Nothing runs: nothing to stop."""
+        if sandbox_id not in self._ids:
+            raise SandboxGone(sandbox_id)
+
+    async def thaw(self, sandbox_id: str) -> None:
+        """Nothing to resume."""
+        if sandbox_id not in self._ids:
+            raise SandboxGone(sandbox_id)
+
     def sandboxes(self) -> list[str]:
         """The remembered ids."""
         return sorted(self._ids)

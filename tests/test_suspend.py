@@ -1,0 +1,99 @@
+"""Suspend and resume by group (client.suspend / client.resume): every sandbox of a job, on any node,
+freezes where it is and later runs on from there."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import libdsec
+from bus import streams
+from bus.messages import sandbox_decoder
+from edge.capacity import EdgeConfig
+from tests import leaks
+
+COUNTER = "i=0; while :; do echo $i > /tmp/count; i=$((i+1)); usleep 20000; done"
+
+
+@pytest.fixture
+async def second_edge(stack, tmp_path):
+    """Another node on the session's bus, smaller, so placement fills it first (best fit)."""
+    from cli.stack import Stack
+    st = Stack(tmp_path / "t2", nats_url=stack.url, metrics_port=None, run_placement=False,
+               edge_config=EdgeConfig(node_id="t2", slots=10))
+    with leaks.live("t2", tmp_path / "t2" / "edge"):
+        await st.start()
+        try:
+            yield st
+        finally:
+            await st.stop()
+
+
+async def counts(sandboxes) -> list[int]:
+    return [int((await sb.read_file("/tmp/count")).strip() or 0) for sb in sandboxes]
+
+
+async def test_a_group_of_20_on_2_edges_freezes_and_goes_on_where_it_was(stack, client, second_edge):
+    boxes = await asyncio.gather(*(client.create(labels={"job": "js"}) for _ in range(20)))
+    other = await client.create(labels={"job": "other"})
+    try:
+        assert {sb.node for sb in boxes} == {"t1", "t2"}
+        counters = [await sb.exec(COUNTER, background=True) for sb in boxes + [other]]
+        await asyncio.sleep(0.5)
+        suspended = await client.suspend(labels={"job": "js"})
+        assert sorted(suspended) == sorted(sb.id for sb in boxes)
+        frozen = await counts(boxes)
+        await asyncio.sleep(0.6)
+        assert await counts(boxes) == frozen, "a suspended sandbox's processes do not run"
+        other_before = (await counts([other]))[0]
+        await asyncio.sleep(0.2)
+        assert (await counts([other]))[0] > other_before, "only the job's sandboxes are suspended"
+        with pytest.raises(libdsec.SandboxSuspended):
+            await boxes[0].exec("echo hi")
+        rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, boxes[0].id))
+        assert rec.state == "ready" and rec.suspended
+        assert await client.suspend(labels={"job": "js"}) == []        # already suspended: nothing to do
+        assert sorted(await client.resume(labels={"job": "js"})) == sorted(suspended)
+        await asyncio.sleep(0.3)
+        after = await counts(boxes)
+        for before, now in zip(frozen, after):   # on from where it stopped, not started again
+            assert before < now < before + 40, (before, now)
+        assert (await boxes[0].exec("echo hi")).stdout == b"hi\n"
+        for h in counters:
+            assert await h.kill() is True
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in boxes + [other]), return_exceptions=True)
+
+
+async def test_suspended_time_counts_against_neither_ttl_nor_exec_timeout(client):
+    sb = await client.create(ttl=2)
+    try:
+        running = asyncio.ensure_future(sb.exec("sleep 1; echo done", timeout=2))
+        await asyncio.sleep(0.5)
+        await sb.suspend()
+        await asyncio.sleep(3)                       # past the TTL and past the exec's timeout, frozen
+        assert (await client.get(sb.id)).id == sb.id
+        await sb.resume()
+        r = await running
+        assert (r.stdout, r.exit_code, r.timed_out) == (b"done\n", 0, False)
+        await asyncio.sleep(2.5)                     # now the TTL runs on: 1.5 s were left of it
+        with pytest.raises(libdsec.SandboxNotFound):
+            await client.get(sb.id)
+    finally:
+        try:
+            await sb.destroy()
+        except libdsec.SandboxNotFound:
+            pass
+
+
+async def test_a_suspended_sandbox_can_be_destroyed_and_suspend_needs_a_selection(client):
+    sb = await client.create(labels={"job": "jd"})
+    h = await sb.exec("sleep 60", background=True)
+    assert await client.suspend(labels={"job": "jd"}) == [sb.id]
+    await sb.destroy()              # frozen processes die too (the kill thaws them)
+    try:
+        assert (await asyncio.wait_for(h.wait(), 10)).exit_code == 137
+    except libdsec.SandboxNotFound:
+        pass
+    with pytest.raises(libdsec.InvalidRequest):
+        await client.suspend()
