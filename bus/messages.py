@@ -52,6 +52,7 @@ class CreateRequest(Wire, tag="create"):
     priority: Literal["latency", "batch"] = "latency"   # latency requests jump ahead of queued batch ones
     burst: bool | None = None        # may run on the cloud pool past the threshold; None: only batch may
     attempt: int = 0                 # bumped when a lost node's queued creates are placed again
+    avoid: list[str] = []            # nodes where its environment failed (placed elsewhere when it can be)
     node: str = ""                   # set by placement
     pool: str = ""                   # set by placement when routed to a pool instead of a node
     layers: list[LayerRef] = []      # set by placement: resolved image layers, lowest first
@@ -329,13 +330,15 @@ class SandboxRecord(Wire, tag="sandbox"):
 class Event(Wire, tag="event"):
     """Lifecycle event on dsec.evt.<tenant>.<sandbox>."""
 
-    type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost, suspended, resumed
+    type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost, suspended,
+                                     # resumed, retried (an environment failure, placed again), task_failed
     sandbox_id: str = ""
     tenant: str = "default"
     node: str = ""
     request_id: str = ""
     at: float = 0.0
     detail: str = ""
+    failure_class: str = ""          # on failures: environment (retried elsewhere, up to a bound) or task (never)
 
 
 class TrajRecord(Wire, tag="traj"):
@@ -369,6 +372,7 @@ class TrajRecord(Wire, tag="traj"):
     stderr_sha256: str = ""
     stdout: bytes = b""              # the first TRAJ_OUTPUT bytes of each stream (all of it: dsec.out)
     stderr: bytes = b""
+    failure_class: str = ""          # environment or task, on failures (see Event)
     background: bool = False         # started with background=True (the client did not wait for it)
     live_stdin: bool = False         # its stdin was streamed while it ran (not kept in the trajectory)
     error_code: str = ""

@@ -17,7 +17,7 @@ from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFai
 from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, TrajRecord,
                           create_decoder, encode, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
-from edge.backends.base import Backend, BackendError, Limits, SandboxSpec
+from edge.backends.base import Backend, BackendError, LayerUnusable, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
 from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
@@ -32,6 +32,7 @@ HAND_BACK_BUDGET = 1.2      # seconds for handing waiting creates back at a stop
 CLAIM_STALE = 30.0          # a `starting` claim this long past its request's deadline is abandoned
 RECORD_RETRY = 8.0          # seconds a state record or event is retried (a leader election takes seconds)
 WAIT = -1                   # _claim: another node is starting this request now
+ENV_RETRIES = 1             # times a create whose environment failed is placed again on another node
 
 
 def _decode_record(raw: bytes | None) -> SandboxRecord | None:
@@ -325,6 +326,13 @@ class Edge:
             self.capacity.release(req.sandbox_id)
             self.record.changed()
             self.failed += 1
+            if isinstance(err, EnvironmentFailure) and len(req.avoid) < ENV_RETRIES and time.time() < req.deadline:
+                try:
+                    self.record.took(req.request_id)   # its booking here goes first
+                    await self._retry_elsewhere(req, err)
+                    return Verdict.ACK
+                except DsecError as exc:
+                    log.warning("create %s not placed again: %s", req.request_id, exc)
             await self._record_failure(req, err)
             return Verdict.ACK
         now = time.time()
@@ -440,6 +448,9 @@ class Edge:
             await self.backend.create(spec)
         except DsecError:
             raise
+        except LayerUnusable as exc:   # a cached layer that does not mount: fetched (and verified) again next time
+            self.layers.evict(req.layers)
+            raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc
         except Exception as exc:   # BackendError, OSError writing the layer cache, ...
             raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc
         if time.time() > req.deadline:   # the client gave up meanwhile: never leave an orphan
@@ -449,6 +460,20 @@ class Edge:
                 log.error("destroying expired sandbox %s failed: %s", req.sandbox_id, exc)
             raise RequestExpired("create request expired while the sandbox started; it was destroyed")
 
+    async def _retry_elsewhere(self, req: CreateRequest, err: EnvironmentFailure) -> None:
+        """An environment failure (a layer, a mount, the launch) on this node: free the id and send the
+        create back to placement with this node to avoid; the client's reply comes from where it runs."""
+        await self._free_claim(req.sandbox_id)
+        again = msgspec.structs.replace(req, node="", pool="", attempt=req.attempt + 1,
+                                        avoid=[*req.avoid, self.node])
+        await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(again),
+                               msg_id=f"{req.request_id}.{again.attempt}", retries=3, retry_for=5.0)
+        rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="failed",
+                            image=req.image, labels=dict(req.labels), request_id=req.request_id)
+        with contextlib.suppress(DsecError):
+            await self._event(rec, "retried", req.request_id, f"placed again elsewhere after: {err}",
+                              nth=again.attempt, failure_class="environment")
+
     async def _record_failure(self, req: CreateRequest, err: DsecError) -> None:
         state = "expired" if isinstance(err, RequestExpired) else "failed"
         now = time.time()
@@ -457,20 +482,21 @@ class Edge:
                             updated_at=now, reason=str(err), request_id=req.request_id)
         with contextlib.suppress(DsecError):
             await asyncio.gather(self.bus.kv_put(streams.SANDBOXES_KV, req.sandbox_id, rec, retry_for=RECORD_RETRY),
-                                 self._event(rec, state, req.request_id, str(err)))
+                                 self._event(rec, state, req.request_id, str(err), failure_class=(
+                                     "environment" if isinstance(err, EnvironmentFailure) else "")))
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
 
     async def _event(self, rec: SandboxRecord, type_: str, request_id: str = "", detail: str = "",
-                     nth: int = 0) -> None:
+                     nth: int = 0, failure_class: str = "") -> None:
         """A lifecycle event, on the ops event stream and on the sandbox's trajectory timeline (nth: which
         one of a step that may happen again, e.g. the 2nd suspend)."""
         now = time.time()
         ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
-                   request_id=request_id, at=now, detail=detail)
+                   request_id=request_id, at=now, detail=detail, failure_class=failure_class)
         job = subjects.job_of(rec.labels)
         name = f"{type_}.{nth}" if nth else type_
         traj = TrajRecord(id=f"{rec.sandbox_id}.{name}", type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant,
-                          job=job, node=self.node, at=now, detail=detail)
+                          job=job, node=self.node, at=now, detail=detail, failure_class=failure_class)
         await asyncio.gather(
             self.bus.publish(subjects.event(rec.tenant, rec.sandbox_id), encode(ev),
                              msg_id=f"{rec.sandbox_id}.{name}.{self.node}", retry_for=RECORD_RETRY),

@@ -54,6 +54,13 @@ class LayerCache:
                 del self._fetching[layer.digest]
         return await asyncio.shield(fut)
 
+    def evict(self, layers: list[LayerRef]) -> None:
+        """Drop these layers' files (one would not mount): the next use fetches and verifies them again.
+        Mounts made from them before keep their open file."""
+        for layer in layers:
+            if subjects.is_digest(layer.digest):
+                self.path(layer).unlink(missing_ok=True)
+
     async def _fetch(self, layer: LayerRef, path: Path) -> None:
         self.misses += 1
         try:

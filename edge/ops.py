@@ -13,7 +13,7 @@ import msgspec
 from bus import streams, subjects
 from bus.errors import (DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound,
                         SandboxSuspended)
-from bus.messages import (DestroyRequest, ErrorReply, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply,
+from bus.messages import (DestroyRequest, ErrorReply, Event, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply,
                           ReadFile, ResumeRequest, SuspendRequest, TrajRecord, WriteFile, control_decoder, decode_output, op_decoder, salvage,
                           sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
@@ -340,6 +340,7 @@ class OpLane:
     async def _trajectory(self, op: ExecRequest, relay: OutputRelay, fields: dict, rec, started: float) -> None:
         """The exec's record on the sandbox's trajectory timeline (after its exit record: never before it)."""
         job = subjects.job_of(rec.labels)
+        task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code")   # its own failure: never retried
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.edge.node,
             at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,
@@ -350,12 +351,19 @@ class OpLane:
             stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
             stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
             error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
-            live_stdin=op.live_stdin)
-        try:
-            await self.bus.publish(subjects.trajectory(rec.tenant, job, op.sandbox_id), traj,
-                                   msg_id=f"{op.exec_id}-traj", retries=3, retry_for=5.0)
-        except DsecError as exc:
-            log.warning("trajectory record of %s not published: %s", op.exec_id, exc)
+            live_stdin=op.live_stdin, failure_class="task" if task_failed else "")
+        publishes = [self.bus.publish(subjects.trajectory(rec.tenant, job, op.sandbox_id), traj,
+                                      msg_id=f"{op.exec_id}-traj", retries=3, retry_for=5.0)]
+        if task_failed:
+            publishes.append(self.bus.publish(subjects.event(rec.tenant, op.sandbox_id), Event(
+                type="task_failed", sandbox_id=op.sandbox_id, tenant=rec.tenant, node=self.edge.node, at=time.time(),
+                detail=f"exec {op.exec_id} exited {traj.exit_code}", failure_class="task"),
+                msg_id=f"{op.exec_id}-failed", retries=3, retry_for=5.0))
+        for outcome in await asyncio.gather(*publishes, return_exceptions=True):
+            if isinstance(outcome, DsecError):
+                log.warning("trajectory record or event of %s not published: %s", op.exec_id, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def _final(self, relay: OutputRelay, fields: dict) -> Verdict:
         """Publish the exit record, the exec's one terminal outcome. Transport failures are retried

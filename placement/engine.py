@@ -254,7 +254,7 @@ class PlacementEngine:
     async def _try_place(self, req: CreateRequest) -> bool:
         """Route the request once: True when it is on a lane (or was before), False when nothing has room."""
         prior = self.ledger.find_booking(req.request_id)
-        if prior is not None:   # a redelivery of a request booked before: same node, same msg id
+        if prior is not None and prior not in req.avoid:   # a redelivery booked before: same node, same msg id
             await self.bus.publish_once(subjects.node_create(prior), encode(msgspec.structs.replace(req, node=prior)),
                                         msg_id=node_msg_id(req))
             return self._routed(req)
@@ -266,10 +266,13 @@ class PlacementEngine:
                                         msg_id=node_msg_id(req))
             self.bursted += 1
             return self._routed(req)
-        tried: set[str] = set()
+        tried: set[str] = set(req.avoid)   # nodes where its environment failed: elsewhere if anywhere fits
         for _ in range(BOOK_TRIES):
             node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool,
                                          exclude=frozenset(tried))
+            if node is None and req.avoid and tried == set(req.avoid):
+                tried = set()   # nowhere else: a fresh environment on the same node is the retry
+                node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool)
             if node is None:
                 return False
             booking = Booking(resources=req.resources, deadline=req.deadline, tenant=req.tenant)

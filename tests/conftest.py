@@ -3,6 +3,7 @@ and a leak check after every test."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -45,6 +46,28 @@ async def stack(nats_server, session_dir):
         await st.stop()
     from edge.backends.container import leftovers
     assert leftovers(session_dir / "state" / "edge", NODE) == []
+
+
+@contextlib.asynccontextmanager
+async def extra_edge(stack, state_dir: Path, node: str, slots: int):
+    """Another node on the session's bus (its own edge process part, no placement), stopped after."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    st = Stack(state_dir, nats_url=stack.url, metrics_port=None, run_placement=False,
+               edge_config=EdgeConfig(node_id=node, slots=slots))
+    with leaks.live(node, state_dir / "edge"):
+        await st.start()
+        try:
+            yield st
+        finally:
+            await st.stop()
+
+
+@pytest.fixture
+async def second_edge(stack, tmp_path):
+    """Node t2, smaller than t1, so placement's best fit fills it first."""
+    async with extra_edge(stack, tmp_path / "t2", "t2", 10) as st:
+        yield st
 
 
 @pytest.fixture

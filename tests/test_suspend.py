@@ -9,24 +9,8 @@ import pytest
 import libdsec
 from bus import streams
 from bus.messages import sandbox_decoder
-from edge.capacity import EdgeConfig
-from tests import leaks
 
 COUNTER = "i=0; while :; do echo $i > /tmp/count; i=$((i+1)); usleep 20000; done"
-
-
-@pytest.fixture
-async def second_edge(stack, tmp_path):
-    """Another node on the session's bus, smaller, so placement fills it first (best fit)."""
-    from cli.stack import Stack
-    st = Stack(tmp_path / "t2", nats_url=stack.url, metrics_port=None, run_placement=False,
-               edge_config=EdgeConfig(node_id="t2", slots=10))
-    with leaks.live("t2", tmp_path / "t2" / "edge"):
-        await st.start()
-        try:
-            yield st
-        finally:
-            await st.stop()
 
 
 async def counts(sandboxes) -> list[int]:

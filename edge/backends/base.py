@@ -89,6 +89,10 @@ class BackendError(Exception):
     """A backend could not do what was asked; the message is one clear line."""
 
 
+class LayerUnusable(BackendError):
+    """A layer file of the node's cache could not be used (e.g. it does not mount): fetch it again."""
+
+
 class SandboxGone(BackendError):
     """The sandbox does not exist (never created, or destroyed)."""
 

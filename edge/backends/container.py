@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.backends import cgroups, enter, execio, kernel, native, zygote
-from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone,
-                                SandboxSpec)
+from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, LayerUnusable, OutputSink,
+                                SandboxGone, SandboxSpec)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.layermounts import LayerError, LayerMounts
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
@@ -220,7 +220,9 @@ class ContainerBackend(Backend):
             return _Sandbox(spec, init[0], init[1], layers, pidfd=os.pidfd_open(init[0]))
         except BaseException as exc:
             await self._teardown(spec.id, init, groups, sub is not None, layers)
-            if isinstance(exc, (LayerError, UpperError, CgroupError, LauncherError, OSError)):
+            if isinstance(exc, LayerError):
+                raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
+            if isinstance(exc, (UpperError, CgroupError, LauncherError, OSError)):
                 raise BackendError(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
                 raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc

@@ -1,0 +1,52 @@
+"""Failure classes: an environment failure (here a cached layer that does not mount) is retried on another
+node with a fresh environment, once; a task failure (the command's own exit) never is. Both are events
+with their class."""
+from __future__ import annotations
+
+from bus import streams, subjects
+from bus.messages import event_decoder, traj_decoder
+from tests.conftest import extra_edge
+
+
+async def events_of(stack, sandbox_id: str) -> list:
+    return [event_decoder.decode(d) async for d in stack.bus.read_subject(
+        streams.EVT_STREAM, subjects.event("default", sandbox_id))]
+
+
+async def test_an_environment_failure_is_retried_elsewhere_and_a_task_failure_is_not(stack, client, tmp_path):
+    async with extra_edge(stack, tmp_path / "t3", "t3", 2) as small:
+        await environment_then_task_failure(stack, client, small)
+
+
+async def environment_then_task_failure(stack, client, small) -> None:
+    first = await client.create()
+    assert first.node == "t3"        # the small node is filled first (best fit)
+    await first.destroy()
+    cached = list(small.edge.layers.root.glob("*.erofs"))
+    assert cached
+    for path in cached:              # the node's copy goes bad (same file, other bytes): it will not mount
+        path.write_bytes(b"not an erofs image" * 100)
+    moved = await client.create()
+    try:
+        assert moved.node == "t1" and (await moved.exec("echo ok")).stdout == b"ok\n"
+        evs = await events_of(stack, moved.id)
+        retried = [e for e in evs if e.type == "retried"]
+        assert len(retried) == 1 and retried[0].node == "t3" and retried[0].failure_class == "environment"
+        assert "mount" in retried[0].detail
+        assert [e.type for e in evs if e.node == "t1"] == ["created"]
+    finally:
+        await moved.destroy()
+    healed = await client.create()   # the bad copy was dropped: fetched and verified again, it runs there
+    try:
+        assert healed.node == "t3"
+        r = await healed.exec("echo out; exit 3")
+        assert (r.exit_code, r.stdout) == (3, b"out\n")     # returned once: a task failure is not retried
+        evs = await events_of(stack, healed.id)
+        failed = [e for e in evs if e.type == "task_failed"]
+        assert len(failed) == 1 and failed[0].failure_class == "task" and "exited 3" in failed[0].detail
+        recs = [traj_decoder.decode(d) async for d in stack.bus.read_subject(
+            streams.TRAJ_STREAM, subjects.trajectory("default", "default", healed.id))]
+        assert [r.failure_class for r in recs if r.type == "exec"] == ["task"]
+    finally:
+        await healed.destroy()
+    assert small.edge.layers.misses >= 2   # fetched at first use, and again after the bad copy was dropped
