@@ -488,6 +488,28 @@ class Bus:
             store = await self.js.object_store(bucket)
             await store.put(name, data)
 
+    async def obj_has(self, bucket: str, name: str) -> bool:
+        """Whether an object is stored."""
+        try:
+            with mapped_errors(f"object info {bucket}/{name}"):
+                store = await self.js.object_store(bucket)
+                await store.get_info(name)
+        except BusError as exc:
+            if isinstance(exc.__cause__, (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError)):
+                return False
+            raise
+        return True
+
+    async def obj_delete(self, bucket: str, name: str) -> None:
+        """Delete an object (absent: nothing to do)."""
+        try:
+            with mapped_errors(f"object delete {bucket}/{name}"):
+                store = await self.js.object_store(bucket)
+                await store.delete(name)
+        except BusError as exc:
+            if not isinstance(exc.__cause__, (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError)):
+                raise
+
     async def obj_get(self, bucket: str, name: str) -> bytes:
         """Fetch an object (digest verified by the client); BusError if missing or corrupt."""
         with mapped_errors(f"object get {bucket}/{name}"):

@@ -55,7 +55,9 @@ class CreateRequest(Wire, tag="create"):
     avoid: list[str] = []            # nodes where its environment failed (placed elsewhere when it can be)
     node: str = ""                   # set by placement
     pool: str = ""                   # set by placement when routed to a pool instead of a node
-    layers: list[LayerRef] = []      # set by placement: resolved image layers, lowest first
+    layers: list[LayerRef] = []      # set by placement: resolved layers, lowest first (base, workspace, toolkit)
+    workspace: str = ""              # name[@version] of a workspace layer over the base image (optional)
+    toolkit: str = ""                # name[@version] of a toolkit layer on top (optional)
 
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
@@ -323,6 +325,7 @@ class SandboxRecord(Wire, tag="sandbox"):
     updated_at: float = 0.0
     reason: str = ""
     request_id: str = ""             # the create request that made it (redeliveries are recognised by it)
+    layers: list[str] = []           # digests of its layers, lowest first (an image in use is not removed)
     suspended: bool = False          # frozen by client.suspend (state stays ready: it holds its resources)
     suspended_at: float = 0.0
 

@@ -11,9 +11,11 @@ from cli.main import fail, main, nats_option, run_async
 
 
 def resource_options(fn):
-    """--image, --cpu, --memory, --pids, --disk, --ttl, --env, --label."""
+    """--image, --workspace, --toolkit, --cpu, --memory, --pids, --disk, --ttl, --env, --label."""
     for opt in reversed([
-        click.option("--image", default="busybox", show_default=True, help="Image name[@version]."),
+        click.option("--image", default="busybox", show_default=True, help="Base image name[@version]."),
+        click.option("--workspace", default=None, metavar="NAME[@VERSION]", help="Workspace layer over the base."),
+        click.option("--toolkit", default=None, metavar="NAME[@VERSION]", help="Toolkit layer on top."),
         click.option("--cpu", default=1.0, show_default=True, help="Cores."),
         click.option("--memory", default="256Mi", show_default=True, help="Memory (swap capped equal)."),
         click.option("--pids", default=256, show_default=True, help="Max processes."),
@@ -40,12 +42,13 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
-async def _create(client: libdsec.AsyncClient, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority):
+async def _create(client: libdsec.AsyncClient, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label,
+                  timeout, priority):
     def queued(reason: str) -> None:
         click.echo(f"dsec: queued ({reason}); waiting up to {timeout:.0f}s", err=True)
     return await client.create(image=image, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
                                ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout,
-                               priority=priority, on_queued=queued)
+                               priority=priority, on_queued=queued, workspace=workspace, toolkit=toolkit)
 
 
 async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
@@ -69,14 +72,15 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority, exec_timeout,
+async def run(nats_url, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout, priority, exec_timeout,
               argv) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code.
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority)
+        sb = await _create(client, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout,
+                               priority)
         try:
             code = await _stream_to_terminal(sb, list(argv), exec_timeout)
         finally:
@@ -91,10 +95,11 @@ async def run(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout
 @nats_option
 @resource_options
 @run_async
-async def create(nats_url, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority) -> None:
+async def create(nats_url, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout, priority) -> None:
     """Create a sandbox and print its id."""
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, cpu, memory, pids, disk, ttl, env, label, timeout, priority)
+        sb = await _create(client, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout,
+                               priority)
         click.echo(sb.id)
 
 

@@ -1,13 +1,18 @@
 """`dsec image build|ls`: EROFS layers in the object store."""
 from __future__ import annotations
 
+import asyncio
 import datetime
+import tarfile
 import tempfile
 from pathlib import Path
 
 import click
+import msgspec
 
+from bus import streams
 from bus.conn import Bus
+from bus.messages import sandbox_decoder
 from cli.main import main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
@@ -22,30 +27,71 @@ def image() -> None:
 @image.command()
 @nats_option
 @click.argument("name")
-@click.option("--from-dir", "from_dir", required=True, type=click.Path(path_type=Path),
+@click.option("--from-dir", "from_dir", default=None, type=click.Path(path_type=Path),
               help="Directory to pack as the layer's root.")
+@click.option("--from-tar", "from_tar", default=None, type=click.Path(path_type=Path),
+              help="Tar archive (optionally compressed) to unpack and pack as the layer's root.")
 @click.option("--kind", type=click.Choice(["base", "workspace", "toolkit"]), default="base", show_default=True,
-              help="Layer kind.")
+              help="Layer kind: a base image, or a workspace or toolkit layer that sandboxes stack over a base "
+                   "(create --workspace/--toolkit).")
 @run_async
-async def build(nats_url: str, name: str, from_dir: Path, kind: str) -> None:
-    """Pack DIR into an EROFS layer and store it as the next version of NAME."""
+async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path | None, kind: str) -> None:
+    """Pack a directory (or tar) into an EROFS layer and store it as the next version of NAME. Only this
+    layer is built and uploaded; an unchanged layer makes no new version."""
     name_only, version = parse_ref(name)
     if version is not None:
         raise InvalidRequest("image build takes a NAME without @version (versions are assigned)")
-    if not from_dir.is_dir():
+    if (from_dir is None) == (from_tar is None):
+        raise InvalidRequest("give exactly one of --from-dir DIR or --from-tar FILE")
+    if from_dir is not None and not from_dir.is_dir():
         raise InvalidRequest(f"--from-dir: not a directory: {from_dir}")
+    if from_tar is not None and not from_tar.is_file():
+        raise InvalidRequest(f"--from-tar: not a file: {from_tar}")
     with tempfile.TemporaryDirectory() as tmp:
         layer = Path(tmp) / "layer.erofs"
         try:
-            digest = pack_dir(from_dir, layer)
-        except LayerBuildError as exc:
-            raise InvalidRequest(str(exc)) from None
+            if from_tar is not None:
+                from_dir = Path(tmp) / "root"
+                await asyncio.to_thread(unpack_tar, from_tar, from_dir)
+            digest = await asyncio.to_thread(pack_dir, from_dir, layer)
+        except (LayerBuildError, tarfile.TarError, OSError) as exc:
+            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
         bus = await Bus.connect(nats_url, name="dsec-image")
         try:
-            rec = await ImageRegistry(bus).publish(name_only, layer, digest, kind)
+            rec, new = await ImageRegistry(bus).publish(name_only, layer, digest, kind)
         finally:
             await bus.close()
-    click.echo(f"{rec.name}@{rec.version} {rec.digest} {rec.size} bytes")
+    click.echo(f"{rec.name}@{rec.version} {rec.layer_kind} {rec.digest} {rec.size} bytes"
+               + ("" if new else " (unchanged: same as the latest version)"))
+
+
+def unpack_tar(archive: Path, root: Path) -> None:
+    """Unpack a tar into root; members leaving root (absolute paths, .., links out) are refused."""
+    root.mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(root, filter="tar")   # keeps modes and owners, refuses paths outside root
+
+
+@image.command(name="rm")
+@nats_option
+@click.argument("ref", metavar="NAME@VERSION")
+@run_async
+async def rm_image(nats_url: str, ref: str) -> None:
+    """Remove one version of a layer; refused while a running sandbox uses it."""
+    bus = await Bus.connect(nats_url, name="dsec-image")
+    try:
+        in_use = set()
+        for _, raw in await bus.kv_items(streams.SANDBOXES_KV):
+            try:
+                rec = sandbox_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rec.state in ("starting", "ready"):
+                in_use.update(rec.layers)
+        gone = await ImageRegistry(bus).remove(ref, in_use)
+    finally:
+        await bus.close()
+    click.echo(f"removed {gone.name}@{gone.version} ({gone.digest})")
 
 
 @image.command(name="ls")

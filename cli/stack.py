@@ -35,7 +35,7 @@ async def ensure_busybox(bus: Bus, work_dir: Path) -> bool:
             digest = await asyncio.to_thread(pack_dir, root, layer)
         except LayerBuildError as exc:
             raise EnvironmentFailure(f"cannot import busybox: {exc}") from exc
-        await registry.publish("busybox", layer, digest)
+        await registry.publish("busybox", layer, digest)   # (a twin starting at once publishes the same digest)
     return True
 
 

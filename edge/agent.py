@@ -338,7 +338,8 @@ class Edge:
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
                             image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
-                            expires_at=now + req.ttl, updated_at=now, request_id=req.request_id)
+                            expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
+                            layers=[layer.digest for layer in req.layers])
         if not await self._record_ready(rec, revision):   # our claim was taken from us (declared lost)
             await self._drop(req)
             return Verdict.ACK

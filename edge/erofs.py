@@ -16,14 +16,19 @@ class LayerBuildError(Exception):
     """A layer could not be built; the message is one clear line."""
 
 
+FIXED_UUID = "00000000-0000-0000-0000-000000000000"
+
+
 def pack_dir(src: Path, dst: Path) -> str:
-    """Pack directory src into the EROFS file dst (uid/gid kept, fixed mtime); return its sha256 digest."""
+    """Pack directory src into the EROFS file dst (uid/gid kept, fixed mtime); return its sha256 digest.
+    Reproducible: fixed timestamps and filesystem UUID, so the same tree always gives the same bytes,
+    hence the same digest (a layer is stored once; an unchanged rebuild makes no new version)."""
     if not src.is_dir():
         raise LayerBuildError(f"not a directory: {src}")
     if shutil.which("mkfs.erofs") is None:
         raise LayerBuildError("mkfs.erofs not found: install erofs-utils (make setup does)")
     tmp = dst.with_suffix(".tmp")
-    proc = subprocess.run(["mkfs.erofs", "--quiet", "-T0", str(tmp), str(src)],
+    proc = subprocess.run(["mkfs.erofs", "--quiet", "-T0", f"-U{FIXED_UUID}", str(tmp), str(src)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -98,13 +98,17 @@ class AsyncClient:
 
     def _request(self, image: str, backend: str, resources: Resources | None, ttl: float,
                  env: dict[str, str] | None, labels: dict[str, str] | None, timeout: float,
-                 priority: str = "latency", burst: bool | None = None) -> CreateRequest:
+                 priority: str = "latency", burst: bool | None = None, workspace: str | None = None,
+                 toolkit: str | None = None) -> CreateRequest:
         if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
             raise InvalidRequest(f"ttl must be a positive number of seconds, got {ttl!r}")
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(image, str) or not image:
             raise InvalidRequest(f"image must be a non-empty string, got {image!r}")
+        for what, ref in (("workspace", workspace), ("toolkit", toolkit)):
+            if ref is not None and (not isinstance(ref, str) or not ref):
+                raise InvalidRequest(f"{what} must be a name or name@version, got {ref!r}")
         if priority not in subjects.PRIORITIES:
             raise InvalidRequest(f"priority must be one of {', '.join(subjects.PRIORITIES)}, got {priority!r}")
         if burst is not None and not isinstance(burst, bool):
@@ -117,14 +121,18 @@ class AsyncClient:
         return CreateRequest(request_id=rid, sandbox_id=new_id("sb"), tenant=self.tenant, image=image,
                              backend=backend, resources=(resources or Resources()).to_wire(), ttl=float(ttl),
                              env=dict(env or {}), labels=dict(labels or {}), deadline=now + timeout, sent_at=now,
-                             priority=priority, burst=burst)  # type: ignore[arg-type]
+                             priority=priority, burst=burst, workspace=workspace or "",  # type: ignore[arg-type]
+                             toolkit=toolkit or "")
 
     async def create(self, image: str = "busybox", *, backend: str = "container", resources: Resources | None = None,
                      ttl: float = DEFAULT_TTL, env: dict[str, str] | None = None,
                      labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT,
                      priority: str = "latency", burst: bool | None = None,
-                     on_queued=None) -> AsyncSandbox:
+                     on_queued=None, workspace: str | None = None, toolkit: str | None = None) -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
+
+        image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
+        when given, are layers of those kinds stacked over it (overlayfs, base lowest, toolkit on top).
 
         priority: "latency" (default) requests are placed ahead of queued "batch" ones. burst: may run on
         the cloud pool when the local pool passes its threshold (default: batch yes, latency no).
@@ -132,7 +140,7 @@ class AsyncClient:
         Raises CapacityUnavailable after `timeout` (the request is then cancelled: it never starts later),
         QuotaExceeded at once when the tenant's quota would be passed.
         """
-        req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst)
+        req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst, workspace, toolkit)
         return await self._create(req, timeout, on_queued)
 
     async def _create(self, req: CreateRequest, timeout: float, on_queued=None) -> AsyncSandbox:

@@ -80,6 +80,7 @@ class PlacementEngine:
         # every edge heartbeats every few seconds: a node watch silent for longer has lost its server
         self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0),
                        await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
+                       await kv_watch(self.bus, streams.IMAGES_KV, self.images.on_change),   # drops stale resolves
                        asyncio.create_task(self.reaper.run()), asyncio.create_task(self._stats_loop())]
         for prio in subjects.PRIORITIES:
             self._workers.append(await self.bus.pull_worker(
@@ -198,7 +199,7 @@ class PlacementEngine:
             admission.check_create(req)
             if admission.expired(req.deadline):
                 raise RequestExpired("create request expired before it was placed")
-            layers = await self.images.resolve(req.image)
+            layers = await self.images.compose(req.image, req.workspace, req.toolkit)
             self._never_fits(req)
             await self.quotas.admit(req)
         except BusError:

@@ -32,7 +32,13 @@ class ImageRegistry:
 
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
-        self._cache: dict[str, tuple[float, LayerRef]] = {}
+        self._cache: dict[str, tuple[float, ImageRecord]] = {}
+
+    def on_change(self, key: str, raw: bytes | None, revision: int) -> None:
+        """KV watch callback: a new, changed or removed version is seen by the next resolve at once."""
+        name = key.split(".", 1)[0]
+        for ref in [r for r in self._cache if r.partition("@")[0] == name]:
+            del self._cache[ref]
 
     async def _record(self, key: str) -> ImageRecord | None:
         raw = await self.bus.kv_get(streams.IMAGES_KV, key)
@@ -43,37 +49,79 @@ class ImageRegistry:
         except msgspec.DecodeError:
             return None   # junk in the bucket never blocks resolution: treat as absent
 
-    async def resolve(self, ref: str, cache_for: float = 2.0) -> list[LayerRef]:
-        """The layers (lowest first) of an image reference; ImageNotFound when it is not stored."""
+    async def resolve(self, ref: str, cache_for: float = 5.0, kind: str = "base") -> list[LayerRef]:
+        """The layer of a reference to a `kind` layer (base, workspace, toolkit); ImageNotFound when it is
+        not stored, InvalidRequest when it is a layer of another kind."""
         name, version = parse_ref(ref)
         hit = self._cache.get(ref)
         if hit and time.monotonic() - hit[0] < cache_for:
-            return [hit[1]]
-        rec = await self._record(name if version is None else f"{name}.{version}")
-        if rec is None and version is None:
-            rec = await self._latest_version(name)   # the latest pointer is missing or junk: scan versions
-        if rec is None or not subjects.is_digest(rec.digest):
-            raise ImageNotFound(f"image {ref!r} not found (see `dsec image ls`)")
-        layer = LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)
-        self._cache[ref] = (time.monotonic(), layer)
-        return [layer]
+            rec = hit[1]
+        else:
+            rec = await self._record(name if version is None else f"{name}.{version}")
+            if rec is None and version is None:
+                rec = await self._latest_version(name)   # the latest pointer is missing or junk: scan versions
+            if rec is None or not subjects.is_digest(rec.digest):
+                raise ImageNotFound(f"{kind} {ref!r} not found (see `dsec image ls`)")
+            self._cache[ref] = (time.monotonic(), rec)
+        if rec.layer_kind != kind:
+            raise InvalidRequest(f"{ref!r} is a {rec.layer_kind} layer, not a {kind} one")
+        return [LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)]
+
+    async def compose(self, image: str, workspace: str = "", toolkit: str = "") -> list[LayerRef]:
+        """A sandbox's layers, lowest first: the base image, then its workspace and toolkit when given."""
+        layers = await self.resolve(image)
+        if workspace:
+            layers += await self.resolve(workspace, kind="workspace")
+        if toolkit:
+            layers += await self.resolve(toolkit, kind="toolkit")
+        return layers
 
     async def _latest_version(self, name: str) -> ImageRecord | None:
         versions = [r for r in await self.list() if r.name == name]
         return versions[-1] if versions else None
 
     async def publish(self, name: str, layer_file: Path, digest: str,
-                      kind: str = "base") -> ImageRecord:
-        """Store a packed layer file as the next version of `name`."""
+                      kind: str = "base") -> tuple[ImageRecord, bool]:
+        """Store a packed layer file as the next version of `name`: (its record, whether it is new). A
+        layer identical to the latest version is not stored again (same record, False); bytes already in
+        the object store under their digest (content-addressed) are not uploaded again."""
         parse_ref(name)
         latest = await self._record(name) or await self._latest_version(name)
+        if latest is not None and latest.layer_kind != kind:
+            raise InvalidRequest(f"{name} is a {latest.layer_kind} layer: a new version cannot be a {kind} one")
+        if latest is not None and latest.digest == digest:
+            return latest, False
         version = (latest.version if latest else 0) + 1
         data = Path(layer_file).read_bytes()
-        await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
+        if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
+            await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
         rec = ImageRecord(name=name, version=version, layer_kind=kind, digest=digest, size=len(data),
                           created_at=time.time())
         await self.bus.kv_put(streams.IMAGES_KV, f"{name}.{version}", rec)
         await self.bus.kv_put(streams.IMAGES_KV, name, rec)
+        return rec, True
+
+    async def remove(self, ref: str, in_use: set[str]) -> ImageRecord:
+        """Remove one version (name@version); refused while a live sandbox uses its layer (digests in
+        in_use). Its bytes go when no other version holds the same digest."""
+        name, version = parse_ref(ref)
+        if version is None:
+            raise InvalidRequest(f"image rm takes NAME@VERSION, got {ref!r}")
+        rec = await self._record(f"{name}.{version}")
+        if rec is None:
+            raise ImageNotFound(f"{ref!r} not found (see `dsec image ls`)")
+        if rec.digest in in_use:
+            raise InvalidRequest(f"{ref} is in use by a running sandbox; destroy it first")
+        await self.bus.kv_delete(streams.IMAGES_KV, f"{name}.{version}")
+        rest = await self.list()
+        if not any(r.digest == rec.digest for r in rest):
+            await self.bus.obj_delete(streams.LAYERS_OBJ, rec.digest)
+        mine = [r for r in rest if r.name == name]
+        if mine:
+            await self.bus.kv_put(streams.IMAGES_KV, name, mine[-1])   # latest is the newest version left
+        else:
+            await self.bus.kv_delete(streams.IMAGES_KV, name)
+        self._cache.clear()
         return rec
 
     async def list(self) -> list[ImageRecord]:

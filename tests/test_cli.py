@@ -148,7 +148,7 @@ def test_image_build_and_ls(up, tmp_path):
     (root / "data").mkdir(parents=True)
     (root / "data" / "hello.txt").write_text("from a layer\n")
     p = dsec("image", "build", "--nats", up["url"], "mylayer", "--from-dir", str(root))
-    assert p.returncode == 0 and p.stdout.startswith("mylayer@1 sha256:"), p.stderr
+    assert p.returncode == 0 and p.stdout.startswith("mylayer@1 base sha256:"), p.stderr
     p = dsec("image", "ls", "--nats", up["url"])
     assert "mylayer" in p.stdout and "busybox" in p.stdout
     one_clear_line(dsec("image", "build", "--nats", up["url"], "x", "--from-dir", str(tmp_path / "missing")))

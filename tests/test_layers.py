@@ -1,0 +1,113 @@
+"""Three layer kinds: a sandbox stacks a base image, a workspace and a toolkit, each its own versioned,
+content-addressed EROFS layer; updating one layer rebuilds and uploads only that one."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import libdsec
+from bus import streams
+
+DSEC = os.path.join(os.path.dirname(sys.executable), "dsec")
+
+
+def dsec(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=120)
+
+
+async def build(url: str, name: str, kind: str, root: Path) -> str:
+    p = await asyncio.to_thread(dsec, "image", "build", "--nats", url, name, "--kind", kind, "--from-dir", str(root))
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+async def objects(stack) -> set[str]:
+    return {key for key, _ in await stack.bus.kv_items(streams.IMAGES_KV) if "." in key}
+
+
+async def test_base_workspace_toolkit_compose_and_only_the_updated_layer_changes(stack, client, tmp_path):
+    ws, tk = tmp_path / "ws", tmp_path / "tk"
+    (ws / "work").mkdir(parents=True)
+    (ws / "work" / "README").write_text("repo x\n")
+    (tk / "opt" / "tool").mkdir(parents=True)
+    (tk / "opt" / "tool" / "version").write_text("1\n")
+    (tk / "work").mkdir()
+    (tk / "work" / "README").write_text("the toolkit wins over the workspace\n")
+    assert (await build(stack.url, "repo-x", "workspace", ws)).startswith("repo-x@1 workspace sha256:")
+    assert (await build(stack.url, "tools", "toolkit", tk)).startswith("tools@1 toolkit sha256:")
+    assert "unchanged" in await build(stack.url, "tools", "toolkit", tk)    # same bytes: no new version
+    old = await client.create(image="busybox", workspace="repo-x", toolkit="tools")
+    try:
+        r = await old.exec("cat /opt/tool/version /work/README; ls /bin/busybox")
+        assert r.stdout == b"1\nthe toolkit wins over the workspace\n/bin/busybox\n", r
+        before = await objects(stack)
+        (tk / "opt" / "tool" / "version").write_text("2\n")
+        assert (await build(stack.url, "tools", "toolkit", tk)).startswith("tools@2 toolkit")
+        assert await objects(stack) - before == {"tools.2"}      # one new layer version, nothing else rebuilt
+        new = await client.create(image="busybox", workspace="repo-x", toolkit="tools")
+        pinned = await client.create(workspace="repo-x@1", toolkit="tools@1")
+        try:
+            assert (await new.exec("cat /opt/tool/version")).stdout == b"2\n"
+            assert (await old.exec("cat /opt/tool/version")).stdout == b"1\n"   # running ones keep theirs
+            assert (await pinned.exec("cat /opt/tool/version")).stdout == b"1\n"
+            p = await asyncio.to_thread(dsec, "image", "rm", "--nats", stack.url, "tools@2")
+            assert p.returncode == 1 and "in use" in p.stderr
+        finally:
+            await new.destroy()
+            await pinned.destroy()
+        p = await asyncio.to_thread(dsec, "image", "rm", "--nats", stack.url, "tools@2")
+        assert p.returncode == 0, p.stderr
+        assert (await old.exec("cat /opt/tool/version")).stdout == b"1\n"
+    finally:
+        await old.destroy()
+    ls = (await asyncio.to_thread(dsec, "image", "ls", "--nats", stack.url)).stdout
+    assert "repo-x" in ls and "workspace" in ls and "tools" in ls
+    latest = await client.create(toolkit="tools")               # tools@2 gone: the latest is 1 again
+    try:
+        assert (await latest.exec("cat /opt/tool/version")).stdout == b"1\n"
+    finally:
+        await latest.destroy()
+
+
+async def test_layer_kinds_and_names_are_checked(stack, client, tmp_path):
+    root = tmp_path / "r"
+    root.mkdir()
+    (root / "f").write_text("x")
+    await build(stack.url, "kindcheck", "workspace", root)
+    with pytest.raises(libdsec.InvalidRequest, match="workspace layer, not a toolkit"):
+        await client.create(toolkit="kindcheck")
+    with pytest.raises(libdsec.InvalidRequest, match="workspace layer, not a base"):
+        await client.create(image="kindcheck")
+    with pytest.raises(libdsec.ImageNotFound):
+        await client.create(workspace="nosuchws")
+    p = await asyncio.to_thread(dsec, "image", "build", "--nats", stack.url, "kindcheck", "--kind", "toolkit",
+                                "--from-dir", str(root))
+    assert p.returncode == 1 and "workspace layer" in p.stderr
+
+
+async def test_a_layer_from_a_tar(stack, client, tmp_path):
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "motd").write_text("from a tar\n")
+    os.symlink("motd", src / "etc" / "motd-link")
+    archive = tmp_path / "layer.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname=".")
+    p = await asyncio.to_thread(dsec, "image", "build", "--nats", stack.url, "tarws", "--kind", "workspace",
+                                "--from-tar", str(archive))
+    assert p.returncode == 0, p.stderr
+    async with await client.create(workspace="tarws") as sb:
+        assert (await sb.exec("cat /etc/motd-link")).stdout == b"from a tar\n"
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tar:
+        info = tarfile.TarInfo("../../escape")
+        info.size = 0
+        tar.addfile(info)
+    p = await asyncio.to_thread(dsec, "image", "build", "--nats", stack.url, "evil", "--from-tar", str(evil))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
