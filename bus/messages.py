@@ -56,6 +56,7 @@ class CreateRequest(Wire, tag="create"):
     node: str = ""                   # set by placement
     pool: str = ""                   # set by placement when routed to a pool instead of a node
     layers: list[LayerRef] = []      # set by placement: resolved layers, lowest first (base, workspace, toolkit)
+    snapshot: str = ""               # start from this snapshot's layers (client.create(from_snapshot=...))
     workspace: str = ""              # name[@version] of a workspace layer over the base image (optional)
     toolkit: str = ""                # name[@version] of a toolkit layer on top (optional)
 
@@ -137,6 +138,26 @@ class ResumeRequest(Wire, tag="resume"):
     deadline: float = 0.0
 
 
+class SnapshotRequest(Wire, tag="snapshot"):
+    """libdsec -> edge: pack the sandbox's writable layer as a new layer over its own (sb.snapshot)."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    tag: str = ""
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
+class RollbackRequest(Wire, tag="rollback"):
+    """libdsec -> edge: restart a sandbox on a snapshot's layers with a fresh writable layer (sb.rollback)."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    snapshot_id: str = ""
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
 class WriteFile(Wire, tag="write_file"):
     """libdsec -> edge: write a file inside the sandbox."""
 
@@ -167,7 +188,8 @@ class OkReply(Wire, tag="ok"):
     data: bytes = b""
 
 
-SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest]
+SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest, SnapshotRequest,
+                  RollbackRequest]
 OpReply = Union[OkReply, ErrorReply]
 
 
@@ -393,6 +415,23 @@ class ImageRecord(Wire, tag="image"):
     created_at: float = 0.0
 
 
+class SnapshotRecord(Wire, tag="snapshot"):
+    """KV dsec-snapshots/<id>: a sandbox's filesystem at one point, as layers (its own on top)."""
+
+    id: str = ""
+    tag: str = ""
+    tenant: str = "default"
+    sandbox_id: str = ""             # the sandbox it was taken of
+    layers: list[LayerRef] = []      # lowest first; the last is this snapshot's own (the writable layer's diff)
+    image: str = ""
+    env: dict[str, str] = {}
+    resources: Resources = Resources()
+    labels: dict[str, str] = {}
+    cwd: str = "/"
+    size: int = 0                    # bytes of its own layer
+    created_at: float = 0.0
+
+
 def encode(msg: Wire) -> bytes:
     """Encode any wire message to JSON."""
     return _ENCODER.encode(msg)
@@ -435,6 +474,7 @@ control_decoder = msgspec.json.Decoder(ExecControlMsg)
 node_decoder = msgspec.json.Decoder(NodeInfo)
 sandbox_decoder = msgspec.json.Decoder(SandboxRecord)
 event_decoder = msgspec.json.Decoder(Event)
+snapshot_decoder = msgspec.json.Decoder(SnapshotRecord)
 image_decoder = msgspec.json.Decoder(ImageRecord)
 traj_decoder = msgspec.json.Decoder(TrajRecord)
 quota_decoder = msgspec.json.Decoder(Quota)

@@ -19,6 +19,7 @@ TRAJ_STREAM = "DSEC_TRAJ"
 NODES_KV = "dsec-nodes"
 SANDBOXES_KV = "dsec-sandboxes"
 IMAGES_KV = "dsec-images"
+SNAPSHOTS_KV = "dsec-snapshots"
 QUOTAS_KV = "dsec-quotas"
 TENANTS_KV = "dsec-tenants"
 ENGINES_KV = "dsec-engines"
@@ -77,6 +78,7 @@ def kv_configs(ret: Retention, replicas: int = 1) -> list[api.KeyValueConfig]:
         api.KeyValueConfig(bucket=NODES_KV, history=1, ttl=NODE_ENTRY_TTL, replicas=replicas),
         api.KeyValueConfig(bucket=SANDBOXES_KV, history=1, ttl=ret.sandboxes_max_age, replicas=replicas),
         api.KeyValueConfig(bucket=IMAGES_KV, history=64, replicas=replicas),
+        api.KeyValueConfig(bucket=SNAPSHOTS_KV, history=1, replicas=replicas),
         api.KeyValueConfig(bucket=QUOTAS_KV, history=1, replicas=replicas),
         api.KeyValueConfig(bucket=TENANTS_KV, history=1, replicas=replicas),
         api.KeyValueConfig(bucket=ENGINES_KV, history=1, ttl=ENGINE_STATS_TTL, replicas=replicas),

@@ -17,6 +17,11 @@ _REPLY = re.compile(r"^_INBOX\.[A-Za-z0-9_.-]{1,200}$")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
+def is_token(value: str) -> bool:
+    """Whether value can be one subject token (an id, a KV key)."""
+    return isinstance(value, str) and bool(_TOKEN.match(value))
+
+
 def is_reply_subject(subject: str) -> bool:
     """Replies go only to inboxes: a request can never make a service publish on a system subject."""
     return bool(_REPLY.match(subject))

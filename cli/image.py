@@ -12,7 +12,7 @@ import msgspec
 
 from bus import streams
 from bus.conn import Bus
-from bus.messages import sandbox_decoder
+from bus.messages import sandbox_decoder, snapshot_decoder
 from cli.main import main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
@@ -77,7 +77,7 @@ def unpack_tar(archive: Path, root: Path) -> None:
 @click.argument("ref", metavar="NAME@VERSION")
 @run_async
 async def rm_image(nats_url: str, ref: str) -> None:
-    """Remove one version of a layer; refused while a running sandbox uses it."""
+    """Remove one version of a layer; refused while a running sandbox or a snapshot uses it."""
     bus = await Bus.connect(nats_url, name="dsec-image")
     try:
         in_use = set()
@@ -88,6 +88,11 @@ async def rm_image(nats_url: str, ref: str) -> None:
                 continue
             if rec.state in ("starting", "ready"):
                 in_use.update(rec.layers)
+        for _, raw in await bus.kv_items(streams.SNAPSHOTS_KV):   # snapshots are built on their layers too
+            try:
+                in_use.update(layer.digest for layer in snapshot_decoder.decode(raw).layers)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
         gone = await ImageRegistry(bus).remove(ref, in_use)
     finally:
         await bus.close()

@@ -4,8 +4,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -14,8 +16,8 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest,
                         RequestExpired, SandboxNotFound)
-from bus.messages import (CreateRequest, ErrorReply, Event, SandboxReady, SandboxRecord, TrajRecord,
-                          create_decoder, encode, salvage, sandbox_decoder)
+from bus.messages import (CreateRequest, ErrorReply, Event, LayerRef, SandboxReady, SandboxRecord, SnapshotRecord,
+                          TrajRecord, create_decoder, encode, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from edge.backends.base import Backend, BackendError, LayerUnusable, Limits, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
@@ -52,6 +54,10 @@ class Running:
     expires_at: float
     suspended_since: float = 0.0     # unix time of client.suspend, 0 when running
     suspends: int = 0                # how many times it was suspended (names its events)
+    spec: SandboxSpec | None = None  # what the backend was asked to start (a rollback restarts it)
+    layers: list[LayerRef] = field(default_factory=list)   # its layers, lowest first
+    restarts: int = 0                # rollbacks so far (names their events)
+    snapshots: int = 0               # snapshots taken of it (names their events)
 
 
 class Edge:
@@ -63,7 +69,8 @@ class Edge:
         self.config = config
         self.node = subjects.token(config.node_id, "node id")
         self.capacity = Capacity(config)
-        self.layers = LayerCache(bus, Path(state_dir) / "layer-cache")
+        self.state_dir = Path(state_dir)
+        self.layers = LayerCache(bus, self.state_dir / "layer-cache")
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
         self.record = NodeRecord(bus, self.capacity, self._set_draining, self._declared_lost)
@@ -321,7 +328,7 @@ class Edge:
         try:
             if time.time() > req.deadline:
                 raise RequestExpired("create request expired before a node started it")
-            await self._start_sandbox(req)
+            spec = await self._start_sandbox(req)
         except DsecError as err:
             self.capacity.release(req.sandbox_id)
             self.record.changed()
@@ -343,7 +350,7 @@ class Edge:
         if not await self._record_ready(rec, revision):   # our claim was taken from us (declared lost)
             await self._drop(req)
             return Verdict.ACK
-        self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl)
+        self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
         self.created += 1
         try:
             await self._event(rec, "created", req.request_id)
@@ -439,7 +446,7 @@ class Edge:
                 request_id=req.request_id, code=SandboxNotFound.code, reason=prior.state,
                 message=f"sandbox {req.sandbox_id} {prior.state}: {prior.reason}"))
 
-    async def _start_sandbox(self, req: CreateRequest) -> None:
+    async def _start_sandbox(self, req: CreateRequest) -> SandboxSpec:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
         try:
             paths = await self.layers.ensure(req.layers)
@@ -460,6 +467,7 @@ class Edge:
             except BackendError as exc:
                 log.error("destroying expired sandbox %s failed: %s", req.sandbox_id, exc)
             raise RequestExpired("create request expired while the sandbox started; it was destroyed")
+        return spec
 
     async def _retry_elsewhere(self, req: CreateRequest, err: EnvironmentFailure) -> None:
         """An environment failure (a layer, a mount, the launch) on this node: free the id and send the
@@ -532,6 +540,52 @@ class Edge:
                                                  expires_at=running.expires_at or running.record.expires_at)
         await asyncio.gather(self._write_record(sandbox_id, running.record),
                              self._event(running.record, "resumed", nth=running.suspends))
+
+    # ---- snapshots and rollback ------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, tag: str) -> SnapshotRecord:
+        """Pack the writable layer (processes frozen meanwhile) as a layer over the sandbox's own, store
+        it (object store, by digest) and its record (KV dsec-snapshots)."""
+        running = self.sandboxes[sandbox_id]
+        snap_id = "snap" + secrets.token_hex(8)
+        with tempfile.TemporaryDirectory(dir=self.state_dir) as tmp:
+            layer_file = Path(tmp) / "snapshot.erofs"
+            digest = await self.backend.pack_upper(sandbox_id, str(layer_file))
+            size = layer_file.stat().st_size
+            if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
+                data = await asyncio.to_thread(layer_file.read_bytes)
+                await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
+        rec = running.record
+        snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
+                              layers=[*running.layers, LayerRef(name=f"snapshot-{snap_id}", version=1, digest=digest,
+                                                                size=size)],
+                              image=rec.image, env=dict(running.spec.env) if running.spec else {},
+                              resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time())
+        await self.bus.kv_put(streams.SNAPSHOTS_KV, snap_id, snap, retry_for=RECORD_RETRY)
+        running.snapshots += 1
+        with contextlib.suppress(DsecError):
+            await self._event(rec, "snapshot", detail=f"{snap_id} {tag}".strip(), nth=running.snapshots)
+        return snap
+
+    async def rollback(self, sandbox_id: str, snap: SnapshotRecord) -> None:
+        """Restart the sandbox on the snapshot's layers with a fresh writable layer (same id, node,
+        resources; its processes start afresh). If the restart fails the sandbox is gone (failed)."""
+        running = self.sandboxes[sandbox_id]
+        assert running.spec is not None
+        paths = await self.layers.ensure(snap.layers)          # before anything is torn down
+        spec = SandboxSpec(id=sandbox_id, layers=paths, env=dict(running.spec.env), limits=running.spec.limits)
+        await self.backend.destroy(sandbox_id)
+        try:
+            await self.backend.create(spec)
+        except Exception as exc:
+            await self._mark_gone(sandbox_id, "failed", f"rollback to {snap.id} failed: {exc}")
+            raise EnvironmentFailure(f"rollback of {sandbox_id} to {snap.id} failed: {exc}") from exc
+        running.spec, running.layers, running.restarts = spec, list(snap.layers), running.restarts + 1
+        running.suspended_since = 0.0
+        running.record = msgspec.structs.replace(running.record, layers=[layer.digest for layer in snap.layers],
+                                                 suspended=False, updated_at=time.time())
+        await asyncio.gather(self._write_record(sandbox_id, running.record),
+                             self._event(running.record, "rollback", detail=snap.id, nth=running.restarts))
 
     async def _write_record(self, sandbox_id: str, rec: SandboxRecord) -> None:
         """Write our sandbox's KV record, never over one another node wrote since; retried through a

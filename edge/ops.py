@@ -14,7 +14,8 @@ from bus import streams, subjects
 from bus.errors import (DsecError, ExecFailed, FileOpError, InvalidRequest, SandboxError, SandboxNotFound,
                         SandboxSuspended)
 from bus.messages import (DestroyRequest, ErrorReply, Event, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply,
-                          ReadFile, ResumeRequest, SuspendRequest, TrajRecord, WriteFile, control_decoder, decode_output, op_decoder, salvage,
+                          ReadFile, ResumeRequest, RollbackRequest, SnapshotRequest, SuspendRequest, TrajRecord,
+                          WriteFile, encode, snapshot_decoder, control_decoder, decode_output, op_decoder, salvage,
                           sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import OutputRelay
@@ -156,6 +157,10 @@ class OpLane:
                 await self._answer(op, self._suspend(op, True))
             case ResumeRequest():
                 await self._answer(op, self._suspend(op, False))
+            case SnapshotRequest():
+                await self._answer(op, self._snapshot(op))
+            case RollbackRequest():
+                await self._answer(op, self._rollback(op))
         return Verdict.ACK
 
     # ---- replies ------------------------------------------------------------------------------
@@ -175,6 +180,10 @@ class OpLane:
         except DsecError as err:
             reply = ErrorReply(request_id=op.request_id, code=err.code, message=str(err),
                                reason=str(err.details.get("reason", "")))
+        except Exception as exc:   # a bug must still answer, once, and not loop through redeliveries
+            log.exception("op %s on %s failed", type(op).__name__, op.sandbox_id)
+            reply = ErrorReply(request_id=op.request_id, code=SandboxError.code,
+                               message=f"{type(op).__name__} failed on the node: {exc.__class__.__name__}: {exc}")
         await self._reply(op.reply_to, reply)
 
     async def _gone(self, sandbox_id: str) -> SandboxNotFound:
@@ -211,6 +220,31 @@ class OpLane:
             raise await self._gone(op.sandbox_id) from None
         except BackendError as exc:
             raise SandboxError(f"{'suspend' if freeze else 'resume'} of {op.sandbox_id} failed: {exc}") from exc
+
+    async def _snapshot(self, op: SnapshotRequest) -> bytes:
+        await self._require(op.sandbox_id)
+        try:
+            return encode(await self.edge.snapshot(op.sandbox_id, op.tag))
+        except (KeyError, SandboxGone):
+            raise await self._gone(op.sandbox_id) from None
+        except BackendError as exc:
+            raise SandboxError(f"snapshot of {op.sandbox_id} failed: {exc}") from exc
+
+    async def _rollback(self, op: RollbackRequest) -> None:
+        await self._require(op.sandbox_id)
+        raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, op.snapshot_id)
+        try:
+            snap = snapshot_decoder.decode(raw) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            snap = None
+        if snap is None or snap.tenant != self.edge.sandboxes[op.sandbox_id].record.tenant:
+            raise InvalidRequest(f"snapshot {op.snapshot_id} not found")
+        try:
+            await self.edge.rollback(op.sandbox_id, snap)
+        except (KeyError, SandboxGone):
+            raise await self._gone(op.sandbox_id) from None
+        except BackendError as exc:
+            raise SandboxError(f"rollback of {op.sandbox_id} failed: {exc}") from exc
 
     async def _write(self, op: WriteFile) -> None:
         await self._require(op.sandbox_id)

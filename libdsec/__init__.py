@@ -9,10 +9,11 @@ from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 from libdsec.sync import Client, Sandbox
 from libdsec.trajectories import Trajectory
+from bus.messages import SnapshotRecord as Snapshot
 
 __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
     "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-    "SandboxNotFound", "SandboxSuspended", "Trajectory",
+    "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory",
 ]

@@ -9,9 +9,11 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import (CapacityUnavailable, DsecError, InvalidRequest, SandboxError, SandboxNotFound, from_code)
-from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest,
-                          create_reply_decoder, encode, op_reply_decoder, sandbox_decoder)
+from bus.errors import (CapacityUnavailable, DsecError, ImageNotFound, InvalidRequest, SandboxError, SandboxNotFound,
+                        from_code)
+from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SnapshotRecord,
+                          SuspendRequest, create_reply_decoder, encode, op_reply_decoder, sandbox_decoder,
+                          snapshot_decoder)
 from libdsec.ids import new_id
 from libdsec.resources import Resources
 from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, AsyncSandbox
@@ -128,7 +130,8 @@ class AsyncClient:
                      ttl: float = DEFAULT_TTL, env: dict[str, str] | None = None,
                      labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT,
                      priority: str = "latency", burst: bool | None = None,
-                     on_queued=None, workspace: str | None = None, toolkit: str | None = None) -> AsyncSandbox:
+                     on_queued=None, workspace: str | None = None, toolkit: str | None = None,
+                     from_snapshot: SnapshotRecord | str | None = None) -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
 
         image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
@@ -140,8 +143,66 @@ class AsyncClient:
         Raises CapacityUnavailable after `timeout` (the request is then cancelled: it never starts later),
         QuotaExceeded at once when the tenant's quota would be passed.
         """
+        if from_snapshot is not None:   # its layers; its env, resources and labels unless given here
+            snap = await self.snapshot(from_snapshot)
+            env = {**snap.env, **(env or {})}
+            labels = dict(snap.labels) if labels is None else labels
+            resources = resources or Resources(cpu=snap.resources.cpu, memory=snap.resources.memory,
+                                               pids=snap.resources.pids, disk=snap.resources.disk)
         req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst, workspace, toolkit)
+        if from_snapshot is not None:
+            req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image)
         return await self._create(req, timeout, on_queued)
+
+    async def fork(self, snapshot: SnapshotRecord | str, n: int = 1, **kwargs: Any) -> list[AsyncSandbox]:
+        """n independent sandboxes started from a snapshot, on any nodes (all or none)."""
+        return await self.create_many(n, from_snapshot=snapshot, **kwargs)
+
+    # ---- snapshots ----------------------------------------------------------------------------
+
+    async def snapshot(self, ref: SnapshotRecord | str) -> SnapshotRecord:
+        """A snapshot of this tenant by id (or by tag: the newest with it); SandboxError if none."""
+        if isinstance(ref, SnapshotRecord):
+            return ref
+        if subjects.is_token(ref):
+            raw = await self._need_bus().kv_get(streams.SNAPSHOTS_KV, ref)
+            if raw is not None:
+                rec = snapshot_decoder.decode(raw)
+                if rec.tenant == self.tenant:
+                    return rec
+        tagged = [s for s in await self.snapshots() if s.tag == ref]
+        if not tagged:
+            raise ImageNotFound(f"snapshot {ref!r} not found")
+        return tagged[-1]
+
+    async def snapshots(self, tag: str | None = None) -> list[SnapshotRecord]:
+        """This tenant's snapshots, oldest first (only those with `tag` when given)."""
+        out = []
+        for _, raw in await self._need_bus().kv_items(streams.SNAPSHOTS_KV):
+            try:
+                rec = snapshot_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rec.tenant == self.tenant and (tag is None or rec.tag == tag):
+                out.append(rec)
+        return sorted(out, key=lambda r: r.created_at)
+
+    async def delete_snapshot(self, ref: SnapshotRecord | str) -> None:
+        """Delete a snapshot (by id, tag or record); refused (InvalidRequest) while another snapshot is
+        built on it or a running sandbox uses its layer. Its bytes go when nothing else holds them."""
+        snap = await self.snapshot(ref)
+        own = snap.layers[-1].digest
+        others = [s for s in await self.snapshots() if s.id != snap.id and any(la.digest == own for la in s.layers)]
+        children = [s.id for s in others if s.layers[-1].digest != own]   # the rest: twins (same bytes)
+        if children:
+            raise InvalidRequest(f"snapshot {snap.id} has snapshots built on it ({', '.join(children)}): delete them first")
+        users = [r.sandbox_id for r in await self.list() if own in r.layers]
+        if users:
+            raise InvalidRequest(f"snapshot {snap.id} is in use by running sandboxes ({', '.join(users)})")
+        bus = self._need_bus()
+        await bus.kv_delete(streams.SNAPSHOTS_KV, snap.id)
+        if not others:
+            await bus.obj_delete(streams.LAYERS_OBJ, own)
 
     async def _create(self, req: CreateRequest, timeout: float, on_queued=None) -> AsyncSandbox:
         bus, replies = self._need_bus(), self._replies

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import subjects
 from bus.errors import InvalidRequest
-from bus.messages import DestroyRequest, ExecRequest, ReadFile, WriteFile, encode
+from bus.messages import (DestroyRequest, ExecRequest, ReadFile, RollbackRequest, SnapshotRecord, SnapshotRequest,
+                          WriteFile, encode, snapshot_decoder)
 from libdsec.exechandle import ExecHandle
 from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
@@ -137,6 +138,22 @@ class AsyncSandbox:
         """Read a file inside the sandbox."""
         return await self.client._op(self.node, self.id, lambda rid, to, dl: ReadFile(
             request_id=rid, sandbox_id=self.id, path=path, limit=limit, reply_to=to, deadline=dl), timeout)
+
+    async def snapshot(self, *, tag: str = "", timeout: float = 120.0) -> SnapshotRecord:
+        """Freeze it briefly, pack its writable layer as a new layer over its own and store it; returns the
+        snapshot (`.id`, `.tag`, `.layers`, `.size`...) to create, fork or roll back from."""
+        if not isinstance(tag, str) or len(tag) > 128:
+            raise InvalidRequest(f"tag must be a string of at most 128 characters, got {tag!r}")
+        data = await self.client._op(self.node, self.id, lambda rid, to, dl: SnapshotRequest(
+            request_id=rid, sandbox_id=self.id, tag=tag, reply_to=to, deadline=dl), timeout)
+        return snapshot_decoder.decode(data)
+
+    async def rollback(self, snapshot: SnapshotRecord | str, *, timeout: float = 120.0) -> None:
+        """Return its filesystem to a snapshot: it restarts on the snapshot's layers with a fresh writable
+        layer (same id and node; every process, background execs included, starts afresh)."""
+        snap_id = snapshot if isinstance(snapshot, str) else snapshot.id
+        await self.client._op(self.node, self.id, lambda rid, to, dl: RollbackRequest(
+            request_id=rid, sandbox_id=self.id, snapshot_id=snap_id, reply_to=to, deadline=dl), timeout)
 
     async def suspend(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Freeze this sandbox (see AsyncClient.suspend)."""

@@ -199,7 +199,8 @@ class PlacementEngine:
             admission.check_create(req)
             if admission.expired(req.deadline):
                 raise RequestExpired("create request expired before it was placed")
-            layers = await self.images.compose(req.image, req.workspace, req.toolkit)
+            layers = await (self.images.snapshot_layers(req.snapshot, req.tenant) if req.snapshot
+                            else self.images.compose(req.image, req.workspace, req.toolkit))
             self._never_fits(req)
             await self.quotas.admit(req)
         except BusError:

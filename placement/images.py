@@ -10,7 +10,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
-from bus.messages import ImageRecord, LayerRef, image_decoder
+from bus.messages import ImageRecord, LayerRef, image_decoder, snapshot_decoder
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
@@ -67,6 +67,17 @@ class ImageRegistry:
             raise InvalidRequest(f"{ref!r} is a {rec.layer_kind} layer, not a {kind} one")
         return [LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)]
 
+    async def snapshot_layers(self, snapshot_id: str, tenant: str) -> list[LayerRef]:
+        """The layers of a tenant's snapshot (its parents', then its own); ImageNotFound when absent."""
+        raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, snapshot_id) if subjects.is_token(snapshot_id) else None
+        try:
+            rec = snapshot_decoder.decode(raw) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            rec = None
+        if rec is None or rec.tenant != tenant or not all(subjects.is_digest(la.digest) for la in rec.layers):
+            raise ImageNotFound(f"snapshot {snapshot_id!r} not found")
+        return list(rec.layers)
+
     async def compose(self, image: str, workspace: str = "", toolkit: str = "") -> list[LayerRef]:
         """A sandbox's layers, lowest first: the base image, then its workspace and toolkit when given."""
         layers = await self.resolve(image)
@@ -111,7 +122,7 @@ class ImageRegistry:
         if rec is None:
             raise ImageNotFound(f"{ref!r} not found (see `dsec image ls`)")
         if rec.digest in in_use:
-            raise InvalidRequest(f"{ref} is in use by a running sandbox; destroy it first")
+            raise InvalidRequest(f"{ref} is in use by a running sandbox or a snapshot; destroy or delete it first")
         await self.bus.kv_delete(streams.IMAGES_KV, f"{name}.{version}")
         rest = await self.list()
         if not any(r.digest == rec.digest for r in rest):

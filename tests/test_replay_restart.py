@@ -76,6 +76,7 @@ async def test_consumer_killed_mid_job_and_replay_after_a_full_restart(tmp_path)
                 first = [await asyncio.to_thread(reader.stdout.readline) for _ in range(3)]
                 reader.kill()            # SIGKILL mid-job: records it read but did not ack come again
                 reader.wait()
+                first += reader.stdout.readlines()   # what it printed (and acked) before the kill
                 await sb.destroy()
             records = 1 + len(results) + 1  # created, the execs, destroyed
         finally:
@@ -86,6 +87,8 @@ async def test_consumer_killed_mid_job_and_replay_after_a_full_restart(tmp_path)
                                             capture_output=True, text=True, timeout=60)
             ids = [line.split()[0] for line in first] + [line.split()[0] for line in again.stdout.splitlines()]
             assert len(set(ids)) == records, (first, again.stdout, again.stderr)
+            acked = [line.split()[0] for line in first][:-1]   # the last printed may not have been acked
+            assert not set(acked) & {line.split()[0] for line in again.stdout.splitlines()}, "it resumed"
             assert again.stdout.splitlines()[-1].endswith(" destroyed")
             p = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", sb.id, "--nats", url],
                                         capture_output=True, timeout=60)

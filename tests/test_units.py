@@ -21,7 +21,7 @@ def test_public_names_are_pinned():
         "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
         "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-        "SandboxNotFound", "SandboxSuspended", "Trajectory"])
+        "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None
 

@@ -139,6 +139,11 @@ class Backend(abc.ABC):
     async def destroy(self, sandbox_id: str) -> None:
         """Kill every process, unmount, remove cgroups and the writable layer. Idempotent."""
 
+    async def pack_upper(self, sandbox_id: str, dst: str) -> str:
+        """Pack the sandbox's writable layer (its diff over its layers: files, modes, links, whiteouts)
+        into the EROFS file dst while its processes are frozen; return the file's digest."""
+        raise BackendError(f"{type(self).__name__} cannot snapshot sandboxes")
+
     async def freeze(self, sandbox_id: str) -> None:
         """Stop every process of a sandbox where it is (no CPU, memory kept) until thaw()."""
         raise BackendError(f"{type(self).__name__} cannot suspend sandboxes")

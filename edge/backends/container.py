@@ -309,6 +309,21 @@ class ContainerBackend(Backend):
             sb.frozen_since = None
             raise
 
+    async def pack_upper(self, sandbox_id: str, dst: str) -> str:
+        """Freeze (unless suspended already), pack upper/ with mkfs.erofs, thaw: the freeze lasts the pack."""
+        from edge.erofs import LayerBuildError, pack_dir
+        sb = self._live(sandbox_id)
+        was_frozen = sb.frozen_since is not None
+        if not was_frozen:
+            await self.freeze(sandbox_id)
+        try:
+            return await asyncio.to_thread(pack_dir, self._uppers.root / sandbox_id / "upper", Path(dst))
+        except LayerBuildError as exc:
+            raise BackendError(f"snapshot of {sandbox_id} failed: {exc}") from exc
+        finally:
+            if not was_frozen:
+                await self.thaw(sandbox_id)
+
     async def thaw(self, sandbox_id: str) -> None:
         """Thaw it: every process runs on from where it stopped."""
         sb = self._live(sandbox_id)
