@@ -278,6 +278,12 @@ class Bus:
             info = await self.js.consumer_info(stream, durable)
         return info.num_pending
 
+    async def consumer_ack_pending(self, stream: str, durable: str) -> int:
+        """Messages delivered by a consumer and not acked yet (they come again after its ack wait)."""
+        with mapped_errors(f"consumer info {durable}"):
+            info = await self.js.consumer_info(stream, durable)
+        return info.num_ack_pending
+
     async def delete_consumer(self, stream: str, durable: str) -> None:
         """Delete a durable consumer (absent is fine): its unacked messages go to the next one at once."""
         try:

@@ -69,7 +69,9 @@ class Harness:
         log.close()
         line = proc.stdout.readline()
         if not line.startswith(ready):
-            raise SystemExit(f"verdict: {name} did not start ({line.strip()!r}, see {self.tmp}/{name}.log) -> FAIL")
+            tail = (self.tmp / f"{name}.log").read_text(errors="replace").strip().splitlines()[-6:]
+            raise SystemExit(f"verdict: {name} did not start ({line.strip()!r}; its log ends: {' | '.join(tail)})"
+                             " -> FAIL")
         self.procs[name] = proc
         return proc
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -25,11 +26,14 @@ class Trajectory:
     record: TrajRecord
     seq: int                   # the record's sequence in DSEC_TRAJ (increasing, unique)
     _pulled: Pulled | None
+    _unacked: set[int] | None = None   # the reader's records not acked yet
 
     async def ack(self) -> None:
         """Processed: a durable consumer restarted later does not receive it again."""
         if self._pulled is not None:
             await self._pulled.ack()
+            if self._unacked is not None:
+                self._unacked.discard(self.seq)
 
     @staticmethod
     async def ack_all(batch: "list[Trajectory]") -> None:
@@ -59,21 +63,32 @@ def consumer_config(tenant: str, job: str | None, sandbox: str | None, since, du
 
 
 async def read(bus: Bus, config: api.ConsumerConfig, follow: bool) -> AsyncIterator[Trajectory]:
-    """Records in stream order; with follow, waits for new ones forever, else stops when caught up."""
+    """Records in stream order; with follow, waits for new ones forever, else stops when caught up. A
+    durable consumer is caught up only once records an earlier reader took and never acked (it died)
+    have come again, after the ack wait."""
     reader: DurableReader = await bus.durable_reader(streams.TRAJ_STREAM, config)
+    unacked: set[int] = set()
+    give_up: float | None = None
     try:
         while True:
             batch = await reader.fetch(BATCH, WAIT)
-            if not batch and not follow:
-                return
             for pulled in batch:
                 try:
                     rec = traj_decoder.decode(pulled.data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     await pulled.ack()   # junk on the stream: skip it for good
                     continue
-                yield Trajectory(rec, pulled.seq, pulled)
-            if batch and batch[-1].pending == 0 and not follow:
-                return   # caught up: no need to wait for a fetch to come back empty
+                unacked.add(pulled.seq)
+                yield Trajectory(rec, pulled.seq, pulled, unacked)
+            if follow or (batch and batch[-1].pending > 0):
+                continue
+            if not config.durable_name:
+                return   # caught up
+            others = await bus.consumer_ack_pending(streams.TRAJ_STREAM, config.durable_name) - len(unacked)
+            if others <= 0:
+                return   # caught up, and nothing of an earlier reader is due again
+            give_up = give_up or time.monotonic() + (config.ack_wait or 30.0) + 2 * WAIT
+            if time.monotonic() > give_up:
+                return
     finally:
         await reader.close()

@@ -111,3 +111,20 @@ async def test_a_layer_from_a_tar(stack, client, tmp_path):
         tar.addfile(info)
     p = await asyncio.to_thread(dsec, "image", "build", "--nats", stack.url, "evil", "--from-tar", str(evil))
     assert p.returncode == 1 and "Traceback" not in p.stderr
+
+
+async def test_twenty_concurrent_creates_of_a_new_layer_fetch_it_once(stack, client, tmp_path):
+    root = tmp_path / "fresh"
+    (root / "work").mkdir(parents=True)
+    (root / "work" / "blob").write_bytes(os.urandom(1 << 20))    # new bytes: no node holds this layer yet
+    await build(stack.url, "fresh-ws", "workspace", root)
+    cache = stack.edge.layers
+    misses, fetched = cache.misses, cache.bytes_fetched
+    boxes = await client.create_many(20, workspace="fresh-ws")
+    try:
+        assert cache.misses == misses + 1, "one fetch for the 20 first uses"
+        assert (1 << 20) < cache.bytes_fetched - fetched < (2 << 20)
+        sums = await asyncio.gather(*(sb.exec("md5sum /work/blob | cut -c1-32") for sb in boxes))
+        assert len({s.stdout for s in sums}) == 1
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in boxes))
