@@ -76,15 +76,17 @@ async def measure(url: str, args: argparse.Namespace) -> None:
             print(f"snapshot of a {args.snapshot_mib} MiB writable layer     {t_snap:8.1f} ms  (layer {snap.size >> 20} MiB)")
             t_fork, forks = await timed(client.fork(snap, n=args.fork))
             print(f"fork of {args.fork} from it                        {t_fork:8.1f} ms  "
-                  f"(first fetch of its layer on this node included)")
+                  f"(its layer kept on this node by the snapshot: no fetch)")
             await asyncio.gather(*(f.destroy() for f in forks))
             t_fork2, forks = await timed(client.fork(snap, n=args.fork))
-            print(f"fork of {args.fork} again (layer cached)           {t_fork2:8.1f} ms")
+            print(f"fork of {args.fork} again                          {t_fork2:8.1f} ms")
+            t_get, _ = await timed(client._need_bus().obj_get("dsec-layers", snap.layers[-1].digest))
+            print(f"fetch of its {snap.size >> 20} MiB layer from the store     {t_get:8.1f} ms  (what another node pays once)")
             await asyncio.gather(*(f.destroy() for f in forks))
         finally:
             await sb.destroy()
         await client.delete_snapshot(snap)
-        for target, value, label in ((2000, t_snap, "snapshot <= 2 s"), (1000, t_fork2, "fork of 8 <= 1 s")):
+        for target, value, label in ((2000, t_snap, "snapshot <= 2 s"), (1000, t_fork, "fork of 8 <= 1 s")):
             print(f"target {'met    ' if value <= target else 'NOT met'}  {label}: {value:.0f} ms")
         print(f"(mean create cached {statistics.mean(cached):.2f} ms over {len(cached)})")
 

@@ -555,10 +555,11 @@ class Edge:
             if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
                 data = await asyncio.to_thread(layer_file.read_bytes)
                 await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
+            own = LayerRef(name=f"snapshot-{snap_id}", version=1, digest=digest, size=size)
+            self.layers.adopt(own, layer_file)   # forks and rollbacks here need no fetch
         rec = running.record
         snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
-                              layers=[*running.layers, LayerRef(name=f"snapshot-{snap_id}", version=1, digest=digest,
-                                                                size=size)],
+                              layers=[*running.layers, own],
                               image=rec.image, env=dict(running.spec.env) if running.spec else {},
                               resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time())
         await self.bus.kv_put(streams.SNAPSHOTS_KV, snap_id, snap, retry_for=RECORD_RETRY)

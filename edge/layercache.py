@@ -54,6 +54,12 @@ class LayerCache:
                 del self._fetching[layer.digest]
         return await asyncio.shield(fut)
 
+    def adopt(self, layer: LayerRef, file: Path) -> None:
+        """Keep a layer made on this node (a snapshot) as if fetched: move its file into the cache."""
+        path = self.path(layer)
+        if not path.exists():
+            os.replace(file, path)
+
     def evict(self, layers: list[LayerRef]) -> None:
         """Drop these layers' files (one would not mount): the next use fetches and verifies them again.
         Mounts made from them before keep their open file."""
