@@ -10,11 +10,12 @@ import libdsec
 from bus import streams
 from bus.messages import sandbox_decoder
 
-COUNTER = "i=0; while :; do echo $i > /tmp/count; i=$((i+1)); usleep 20000; done"
+# the count is written aside and renamed over: a reader never sees it half written
+COUNTER = "i=0; while :; do echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; i=$((i+1)); usleep 20000; done"
 
 
 async def counts(sandboxes) -> list[int]:
-    return [int((await sb.read_file("/tmp/count")).strip() or 0) for sb in sandboxes]
+    return [int((await sb.read_file("/tmp/count")).strip()) for sb in sandboxes]
 
 
 async def test_a_group_of_20_on_2_edges_freezes_and_goes_on_where_it_was(stack, client, second_edge):
