@@ -212,39 +212,36 @@ class OpLane:
         except BackendError as exc:   # recorded as destroyed; what the kernel kept is reconciled at restart
             raise SandboxError(f"destroy of {op.sandbox_id} incomplete: {exc}") from exc
 
-    async def _suspend(self, op: SuspendRequest | ResumeRequest, freeze: bool) -> None:
-        await self._require(op.sandbox_id)
+    async def _on_sandbox(self, sandbox_id: str, what: str, work):
+        """Run work() for a sandbox this node runs: typed errors for a gone sandbox or a backend failure."""
+        await self._require(sandbox_id)
         try:
-            await (self.edge.suspend if freeze else self.edge.resume)(op.sandbox_id)
+            return await work()
         except (KeyError, SandboxGone):
-            raise await self._gone(op.sandbox_id) from None
+            raise await self._gone(sandbox_id) from None
         except BackendError as exc:
-            raise SandboxError(f"{'suspend' if freeze else 'resume'} of {op.sandbox_id} failed: {exc}") from exc
+            raise SandboxError(f"{what} of {sandbox_id} failed: {exc}") from exc
+
+    async def _suspend(self, op: SuspendRequest | ResumeRequest, freeze: bool) -> None:
+        await self._on_sandbox(op.sandbox_id, "suspend" if freeze else "resume",
+                               lambda: (self.edge.suspend if freeze else self.edge.resume)(op.sandbox_id))
 
     async def _snapshot(self, op: SnapshotRequest) -> bytes:
-        await self._require(op.sandbox_id)
-        try:
+        async def work() -> bytes:
             return encode(await self.edge.snapshot(op.sandbox_id, op.tag))
-        except (KeyError, SandboxGone):
-            raise await self._gone(op.sandbox_id) from None
-        except BackendError as exc:
-            raise SandboxError(f"snapshot of {op.sandbox_id} failed: {exc}") from exc
+        return await self._on_sandbox(op.sandbox_id, "snapshot", work)
 
     async def _rollback(self, op: RollbackRequest) -> None:
-        await self._require(op.sandbox_id)
-        raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, op.snapshot_id)
-        try:
-            snap = snapshot_decoder.decode(raw) if raw is not None else None
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            snap = None
-        if snap is None or snap.tenant != self.edge.sandboxes[op.sandbox_id].record.tenant:
-            raise InvalidRequest(f"snapshot {op.snapshot_id} not found")
-        try:
+        async def work() -> None:
+            raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, op.snapshot_id)
+            try:
+                snap = snapshot_decoder.decode(raw) if raw is not None else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                snap = None
+            if snap is None or snap.tenant != self.edge.sandboxes[op.sandbox_id].record.tenant:
+                raise InvalidRequest(f"snapshot {op.snapshot_id} not found")
             await self.edge.rollback(op.sandbox_id, snap)
-        except (KeyError, SandboxGone):
-            raise await self._gone(op.sandbox_id) from None
-        except BackendError as exc:
-            raise SandboxError(f"rollback of {op.sandbox_id} failed: {exc}") from exc
+        await self._on_sandbox(op.sandbox_id, "rollback", work)
 
     async def _write(self, op: WriteFile) -> None:
         await self._require(op.sandbox_id)

@@ -108,9 +108,7 @@ class ExecStream:
                         raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
                     if self._held:   # a gap that did not fill itself: core delivery dropped it, the stream has it
                         await self._refill(max(self._held))
-                        while self._next in self._held:
-                            out = self._held.pop(self._next)
-                            self._next += 1
+                        for out in self._in_order():
                             yield out
                             if isinstance(out, ExitRecord):
                                 return
@@ -132,12 +130,18 @@ class ExecStream:
             self._held[rec.seq] = rec
             if isinstance(rec, ExitRecord) and rec.seq > self._next:
                 await self._refill(rec.seq)   # core delivery dropped something: the stream has it
-            while self._next in self._held:
-                out = self._held.pop(self._next)
-                self._next += 1
+            for out in self._in_order():
                 yield out
                 if isinstance(out, ExitRecord):
                     return
+
+    def _in_order(self) -> list[OutputChunk | ExitRecord]:
+        """The held records that now follow on without a gap, taken off the hold."""
+        out = []
+        while self._next in self._held:
+            out.append(self._held.pop(self._next))
+            self._next += 1
+        return out
 
     async def ended(self) -> bool:
         """Whether the exec's exit record is stored (asked of the stream, not of this subscription)."""

@@ -89,7 +89,7 @@ async def test_consumer_killed_mid_job_and_replay_after_a_full_restart(tmp_path)
             assert len(set(ids)) == records, (first, again.stdout, again.stderr)
             acked = [line.split()[0] for line in first][:-1]   # the last printed may not have been acked
             assert not set(acked) & {line.split()[0] for line in again.stdout.splitlines()}, "it resumed"
-            assert again.stdout.splitlines()[-1].endswith(" destroyed")
+            assert " destroyed" in again.stdout   # (records redelivered after the ack wait may come after it)
             p = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", sb.id, "--nats", url],
                                         capture_output=True, timeout=60)
             assert p.returncode == 0, p.stderr
