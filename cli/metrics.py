@@ -36,6 +36,7 @@ class StackCollector:
             for name, value in (("created", edge.created), ("create_failures", edge.failed),
                                 ("layer_cache_hits", edge.layers.hits), ("layer_cache_misses", edge.layers.misses),
                                 ("layer_bytes_fetched", edge.layers.bytes_fetched),
+                                ("layer_cache_evictions", edge.layers.evictions),
                                 ("exec_duplicates", edge.ops.duplicates)):
                 c = CounterMetricFamily(f"dsec_edge_{name}", f"Edge {name.replace('_', ' ')}", labels=["node"])
                 c.add_metric([edge.node], value)

@@ -70,7 +70,8 @@ class Edge:
         self.node = subjects.token(config.node_id, "node id")
         self.capacity = Capacity(config)
         self.state_dir = Path(state_dir)
-        self.layers = LayerCache(bus, self.state_dir / "layer-cache")
+        self.layers = LayerCache(bus, self.state_dir / "layer-cache", config.layer_cache,
+                                 in_use=lambda: {la.digest for r in self.sandboxes.values() for la in r.layers})
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
         self.record = NodeRecord(bus, self.capacity, self._set_draining, self._declared_lost)

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 from bus import streams, subjects
 from bus.conn import Bus
@@ -12,17 +15,53 @@ from bus.errors import BusError, EnvironmentFailure
 from bus.messages import LayerRef
 
 
-class LayerCache:
-    """Local EROFS files by digest; concurrent first uses of one layer fetch it once."""
+KEEP_RECENT = 60.0   # seconds a layer just used is never evicted (a create may be about to mount it)
 
-    def __init__(self, bus: Bus, root: Path) -> None:
+
+class LayerCache:
+    """Local EROFS files by digest; concurrent first uses of one layer fetch it once. Past max_bytes,
+    the least recently used layers that no running sandbox uses are dropped (fetched again if needed)."""
+
+    def __init__(self, bus: Bus, root: Path, max_bytes: int = 0,
+                 in_use: Callable[[], set[str]] = lambda: set()) -> None:
         self.bus = bus
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes   # 0: no cap
+        self.in_use = in_use         # digests running sandboxes use
         self._fetching: dict[str, asyncio.Future] = {}
+        self._lru: collections.OrderedDict[Path, tuple[int, float]] = collections.OrderedDict()  # size, last use
+        for f in sorted(self.root.glob("*.erofs"), key=lambda f: f.stat().st_mtime):   # kept across restarts
+            self._lru[f] = (f.stat().st_size, 0.0)
         self.hits = 0
         self.misses = 0
         self.bytes_fetched = 0
+        self.evictions = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes of layers held."""
+        return sum(size for size, _ in self._lru.values())
+
+    def _used(self, path: Path) -> None:
+        self._lru[path] = (path.stat().st_size, time.monotonic())
+        self._lru.move_to_end(path)
+
+    def _trim(self) -> None:
+        """Drop least recently used layers nobody runs on until under the cap (or none can go)."""
+        if not self.max_bytes:
+            return
+        total, busy, now = self.size, self.in_use(), time.monotonic()
+        for path, (size, last) in list(self._lru.items()):
+            if total <= self.max_bytes:
+                return
+            digest = path.name.removesuffix(".erofs").replace("-", ":", 1)
+            if digest in busy or digest in self._fetching or now - last < KEEP_RECENT:
+                continue
+            path.unlink(missing_ok=True)
+            del self._lru[path]
+            total -= size
+            self.evictions += 1
 
     def path(self, layer: LayerRef) -> Path:
         """Where a layer's file lives on this node."""
@@ -38,6 +77,7 @@ class LayerCache:
         path = self.path(layer)
         if path.exists():
             self.hits += 1
+            self._used(path)
             return path
         fut = self._fetching.get(layer.digest)
         if fut is None:
@@ -59,6 +99,8 @@ class LayerCache:
         path = self.path(layer)
         if not path.exists():
             os.replace(file, path)
+            self._used(path)
+            self._trim()
 
     def evict(self, layers: list[LayerRef]) -> None:
         """Drop these layers' files (one would not mount): the next use fetches and verifies them again.
@@ -66,6 +108,7 @@ class LayerCache:
         for layer in layers:
             if subjects.is_digest(layer.digest):
                 self.path(layer).unlink(missing_ok=True)
+                self._lru.pop(self.path(layer), None)
 
     async def _fetch(self, layer: LayerRef, path: Path) -> None:
         self.misses += 1
@@ -80,3 +123,5 @@ class LayerCache:
         await asyncio.to_thread(tmp.write_bytes, data)
         os.replace(tmp, path)
         self.bytes_fetched += len(data)
+        self._used(path)
+        self._trim()

@@ -253,3 +253,31 @@ async def test_exec_stream_reads_a_lasting_gap_back_from_the_stream():
                 return
     await asyncio.wait_for(read(), 3)
     assert got == [b"1\n", b"2\n", b"3\n"]
+
+
+async def test_layer_cache_keeps_under_its_cap_and_never_drops_a_layer_in_use(tmp_path, monkeypatch):
+    import hashlib
+
+    from bus.messages import LayerRef
+    from edge import layercache
+
+    monkeypatch.setattr(layercache, "KEEP_RECENT", 0.0)
+    blobs = {f"sha256:{hashlib.sha256(b * 1000).hexdigest()}": b * 1000 for b in (b"a", b"b", b"c", b"d")}
+
+    class Store:
+        async def obj_get(self, bucket, name):
+            return blobs[name]
+
+    in_use: set[str] = set()
+    cache = layercache.LayerCache(Store(), tmp_path, max_bytes=2500, in_use=lambda: set(in_use))
+    refs = [LayerRef(name=f"l{i}", version=1, digest=d, size=1000) for i, d in enumerate(blobs)]
+    await cache.ensure([refs[0]])
+    in_use.add(refs[0].digest)                      # a sandbox runs on the first one
+    await cache.ensure([refs[1]])
+    await cache.ensure([refs[2]])                   # 3000 > 2500: the oldest one not in use goes
+    assert cache.path(refs[0]).exists() and not cache.path(refs[1]).exists() and cache.path(refs[2]).exists()
+    assert cache.evictions == 1 and cache.size == 2000
+    await cache.ensure([refs[1]])                   # fetched again when needed
+    assert cache.misses == 4 and cache.path(refs[1]).exists() and not cache.path(refs[2]).exists()
+    again = layercache.LayerCache(Store(), tmp_path, max_bytes=2500)   # a restart keeps what is there
+    assert again.size == 2000
