@@ -36,6 +36,11 @@ def mapped_errors(what: str):
         raise BusError(f"{what}: {exc}") from exc
 
 
+def _not_found(exc: BusError) -> bool:
+    """Whether a mapped error says the message or object asked for is not there (not a failure)."""
+    return isinstance(exc.__cause__, nats.js.errors.NotFoundError)   # ObjectNotFoundError is one too
+
+
 @dataclass
 class Pulled:
     """One message of a DurableReader: its data, stream sequence and time, and its ack."""
@@ -268,7 +273,7 @@ class Bus:
             with mapped_errors(f"last of {subject}"):
                 m = await self.js.get_last_msg(stream, subject)
         except BusError as exc:
-            if isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+            if _not_found(exc):
                 return None
             raise
         return (m.data, m.headers) if with_headers else m.data
@@ -502,7 +507,7 @@ class Bus:
                 store = await self.js.object_store(bucket)
                 await store.get_info(name)
         except BusError as exc:
-            if isinstance(exc.__cause__, (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError)):
+            if _not_found(exc):
                 return False
             raise
         return True
@@ -514,7 +519,7 @@ class Bus:
                 store = await self.js.object_store(bucket)
                 await store.delete(name)
         except BusError as exc:
-            if not isinstance(exc.__cause__, (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError)):
+            if not _not_found(exc):
                 raise
 
     async def obj_get(self, bucket: str, name: str) -> bytes:

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from bus.conn import Bus
-from bus.errors import DsecError, EnvironmentFailure, ImageNotFound
+from bus.errors import EnvironmentFailure, ImageNotFound
 from bus.server import NatsServer, check_port_free
 from edge.capacity import EdgeConfig
 from edge.erofs import LayerBuildError, busybox_rootfs, pack_dir

@@ -44,7 +44,8 @@ class LayerCache:
         return sum(size for size, _ in self._lru.values())
 
     def _used(self, path: Path) -> None:
-        self._lru[path] = (path.stat().st_size, time.monotonic())
+        size = self._lru[path][0] if path in self._lru else path.stat().st_size   # no stat on a hit
+        self._lru[path] = (size, time.monotonic())
         self._lru.move_to_end(path)
 
     def _trim(self) -> None:

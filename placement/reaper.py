@@ -18,7 +18,7 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, SandboxNotFound
+from bus.errors import SandboxNotFound
 from bus.messages import (ErrorReply, Event, ExecRequest, ExitRecord, TrajRecord, create_decoder, encode,
                           op_decoder, sandbox_decoder)
 from placement.ledger import NodeLedger, set_flag
