@@ -3,12 +3,12 @@
 
 Run: python -m bench.environments [--creates N] [--snapshot-mib M] [--fork N] [--nats URL]
      (starts its own `dsec up` on free ports with its own state dir and node id, like bench.stream)
-Warm pools are not built yet: their line says so.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -44,6 +44,33 @@ async def creates(client: libdsec.AsyncClient, n: int, **kwargs) -> list[float]:
     return out
 
 
+async def init_started(sb: libdsec.AsyncSandbox) -> float:
+    """When the sandbox's init started, in seconds since boot (CLOCK_BOOTTIME, 10 ms resolution)."""
+    stat = (await sb.exec(["cat", "/proc/1/stat"])).stdout.decode()
+    return int(stat.rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+
+
+async def warm_claims(client: libdsec.AsyncClient, n: int) -> tuple[list[float], int]:
+    """Sequential creates that each find a warm sandbox ready (the pool refills between them, as it does
+    between the creates of a rollout's steps); (latencies, how many were claimed warm)."""
+    await client.set_warm_pool("bench", min=2, max=4)
+    try:
+        out, hits = [], 0
+        for i in range(n + 5):
+            for _ in range(200):   # refilled in the background after each claim
+                if (await client.warm_pools())[0].total >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            sent = time.clock_gettime(time.CLOCK_BOOTTIME)
+            t, sb = await timed(client.create())
+            out.append(t)
+            hits += i >= 5 and await init_started(sb) < sent - 0.02   # its init is older than the request: warm
+            await sb.destroy()
+        return out[5:], hits
+    finally:
+        await client.delete_warm_pool("bench")
+
+
 def build_layer(url: str, name: str, i: int, tmp: Path) -> None:
     """A new workspace layer version (distinct bytes: the node has to fetch it)."""
     root = tmp / f"ws{i}"
@@ -68,7 +95,10 @@ async def measure(url: str, args: argparse.Namespace) -> None:
                 fetched.append(t)
                 await sb.destroy()
         print(f"create, with a 1 MiB layer fetch       {ms(fetched)}  ({percentile(fetched, 50) / percentile(raw, 50):.1f}x raw)")
-        print("create, warm-pool claim                not built yet (warm pools)")
+        claimed, hits = await warm_claims(client, args.creates)
+        print(f"create, warm-pool claim                {ms(claimed)}  ({percentile(claimed, 50) / percentile(raw, 50):.1f}x raw,"
+              f" {hits}/{len(claimed)} claimed warm)")
+        warm_target = percentile(claimed, 50)
         sb = await client.create(resources=libdsec.Resources(disk=f"{args.snapshot_mib * 2}Mi"))
         try:
             await sb.exec(f"head -c {args.snapshot_mib << 20} /dev/urandom > /big", timeout=120)
@@ -86,8 +116,9 @@ async def measure(url: str, args: argparse.Namespace) -> None:
         finally:
             await sb.destroy()
         await client.delete_snapshot(snap)
-        for target, value, label in ((2000, t_snap, "snapshot <= 2 s"), (1000, t_fork, "fork of 8 <= 1 s")):
-            print(f"target {'met    ' if value <= target else 'NOT met'}  {label}: {value:.0f} ms")
+        for target, value, label in ((5, warm_target, "warm-pool create p50 <= 5 ms"),
+                                     (2000, t_snap, "snapshot <= 2 s"), (1000, t_fork, "fork of 8 <= 1 s")):
+            print(f"target {'met    ' if value <= target else 'NOT met'}  {label}: {value:.1f} ms")
         print(f"(mean create cached {statistics.mean(cached):.2f} ms over {len(cached)})")
 
 

@@ -1,6 +1,7 @@
 """Wire messages: frozen msgspec structs, JSON, tagged by `kind`, version field `v` on every one."""
 from __future__ import annotations
 
+import hashlib
 from typing import Literal, Union
 
 import msgspec
@@ -288,6 +289,8 @@ class NodeInfo(Wire, tag="node"):
     lost_at: float = 0.0
     lost_handled: bool = False       # its sandboxes reported node_lost, its lanes emptied
     started_at: float = 0.0          # when this run of the edge started
+    warm: dict[str, int] = {}        # pool_key -> ready warm sandboxes (placement prefers such a node)
+    layers: list[str] = []           # layer_mark of layers in its cache, most recently used first (bounded)
 
 
 class Quota(Wire, tag="quota"):
@@ -432,6 +435,35 @@ class SnapshotRecord(Wire, tag="snapshot"):
     created_at: float = 0.0
 
 
+class WarmPool(Wire, tag="warmpool"):
+    """KV dsec-warm-pools: every edge of a node pool keeps between `min` and `max` ready sandboxes of one
+    (layers, resources) key, sized by the recent rate of creates that match it; a matching create
+    claims one. Names (image, workspace, toolkit) are resolved by each edge, so a new version of a
+    layer turns the pool over to it."""
+
+    name: str = ""
+    image: str = "busybox"
+    workspace: str = ""
+    toolkit: str = ""
+    resources: Resources = Resources()
+    min: int = 0
+    max: int = 4
+    node_pool: str = "local"         # the edges of this node pool keep it
+    updated_at: float = 0.0
+
+
+def pool_key(layers: list[LayerRef], r: Resources) -> str:
+    """What a warm sandbox and a create must share: the layer digests and the resources (a short hash,
+    as edges advertise their warm stock in their node record and placement looks for it there)."""
+    text = ",".join(la.digest for la in layers) + f"|{r.cpu}|{r.memory}|{r.pids}|{r.disk}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def layer_mark(digest: str) -> str:
+    """A layer as node records list it (held in an edge's cache): a short, still unambiguous prefix."""
+    return digest.rpartition(":")[2][:16]
+
+
 def encode(msg: Wire) -> bytes:
     """Encode any wire message to JSON."""
     return _ENCODER.encode(msg)
@@ -475,6 +507,7 @@ node_decoder = msgspec.json.Decoder(NodeInfo)
 sandbox_decoder = msgspec.json.Decoder(SandboxRecord)
 event_decoder = msgspec.json.Decoder(Event)
 snapshot_decoder = msgspec.json.Decoder(SnapshotRecord)
+warm_pool_decoder = msgspec.json.Decoder(WarmPool)
 image_decoder = msgspec.json.Decoder(ImageRecord)
 traj_decoder = msgspec.json.Decoder(TrajRecord)
 quota_decoder = msgspec.json.Decoder(Quota)

@@ -23,6 +23,7 @@ SNAPSHOTS_KV = "dsec-snapshots"
 QUOTAS_KV = "dsec-quotas"
 TENANTS_KV = "dsec-tenants"
 ENGINES_KV = "dsec-engines"
+WARM_POOLS_KV = "dsec-warm-pools"
 LAYERS_OBJ = "dsec-layers"
 
 PLACEMENT_CONSUMER = "placement"
@@ -82,6 +83,7 @@ def kv_configs(ret: Retention, replicas: int = 1) -> list[api.KeyValueConfig]:
         api.KeyValueConfig(bucket=QUOTAS_KV, history=1, replicas=replicas),
         api.KeyValueConfig(bucket=TENANTS_KV, history=1, replicas=replicas),
         api.KeyValueConfig(bucket=ENGINES_KV, history=1, ttl=ENGINE_STATS_TTL, replicas=replicas),
+        api.KeyValueConfig(bucket=WARM_POOLS_KV, history=1, replicas=replicas),
     ]
 
 

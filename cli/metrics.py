@@ -25,6 +25,11 @@ class StackCollector:
             g = GaugeMetricFamily("dsec_edge_sandboxes", "Sandboxes running on this node", labels=["node"])
             g.add_metric([edge.node], len(edge.sandboxes))
             yield g
+            w = GaugeMetricFamily("dsec_edge_warm_ready", "Warm-pool sandboxes ready on this node",
+                                  labels=["node", "pool"])
+            for name, stock in sorted(edge.warm.pools.items()):
+                w.add_metric([edge.node, name], len(stock.ready))
+            yield w
             for name, value, total in (("cpu", cap.used_cpu(), cap.cpu), ("memory_bytes", cap.used_memory(), cap.memory),
                                        ("slots", len(cap.used), cap.config.slots)):
                 used = GaugeMetricFamily(f"dsec_edge_used_{name}", f"Booked {name}", labels=["node"])
@@ -37,7 +42,9 @@ class StackCollector:
                                 ("layer_cache_hits", edge.layers.hits), ("layer_cache_misses", edge.layers.misses),
                                 ("layer_bytes_fetched", edge.layers.bytes_fetched),
                                 ("layer_cache_evictions", edge.layers.evictions),
-                                ("exec_duplicates", edge.ops.duplicates)):
+                                ("exec_duplicates", edge.ops.duplicates), ("warm_pool_hits", edge.warm.hits),
+                                ("warm_pool_misses", edge.warm.misses), ("warm_pool_started", edge.warm.started),
+                                ("warm_pool_failures", edge.warm.failures)):
                 c = CounterMetricFamily(f"dsec_edge_{name}", f"Edge {name.replace('_', ' ')}", labels=["node"])
                 c.add_metric([edge.node], value)
                 yield c

@@ -19,11 +19,12 @@ from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFai
 from bus.messages import (CreateRequest, ErrorReply, Event, LayerRef, SandboxReady, SandboxRecord, SnapshotRecord,
                           TrajRecord, create_decoder, encode, salvage, sandbox_decoder)
 from bus.pull import Delivery, Lease, Verdict
-from edge.backends.base import Backend, BackendError, LayerUnusable, Limits, SandboxSpec
+from edge.backends.base import Backend, BackendError, LayerUnusable, SandboxSpec
 from edge.capacity import Capacity, EdgeConfig
 from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
 from edge.ops import OpLane
+from edge.warmpool import WarmPools, limits
 from placement import admission
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,13 @@ class Running:
     layers: list[LayerRef] = field(default_factory=list)   # its layers, lowest first
     restarts: int = 0                # rollbacks so far (names their events)
     snapshots: int = 0               # snapshots taken of it (names their events)
+    announced: asyncio.Future | None = None   # its `created` records are out (or given up on)
+
+    async def after_created(self) -> None:
+        """Wait (bounded) until its `created` records are published: nothing of it goes out before them."""
+        if self.announced is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self.announced), RECORD_RETRY)
 
 
 class Edge:
@@ -70,11 +78,13 @@ class Edge:
         self.node = subjects.token(config.node_id, "node id")
         self.capacity = Capacity(config)
         self.state_dir = Path(state_dir)
-        self.layers = LayerCache(bus, self.state_dir / "layer-cache", config.layer_cache,
-                                 in_use=lambda: {la.digest for r in self.sandboxes.values() for la in r.layers})
+        self.layers = LayerCache(bus, self.state_dir / "layer-cache", config.layer_cache, in_use=lambda: {
+            la.digest for r in self.sandboxes.values() for la in r.layers} | self.warm.digests())
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
-        self.record = NodeRecord(bus, self.capacity, self._set_draining, self._declared_lost)
+        self.warm = WarmPools(self)
+        self.record = NodeRecord(bus, self.capacity, self._set_draining, self._declared_lost,
+                                 inventory=lambda: dict(warm=self.warm.stock(), layers=self.layers.held()))
         self._creating: set[str] = set()
         self._claims: set[str] = set()     # ids claimed (`starting`) and not yet ready or failed
         self._create_worker = None
@@ -100,11 +110,17 @@ class Edge:
         self.record.start(self.config.heartbeat)
         self._tasks = [asyncio.create_task(self._ttl_loop())]
         await self.ops.start()
+        await self.warm.start()
         self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
                                                          self._on_node_create, credit=self._create_credit)
         # The pool's shared lane (cloud bursting): every edge of the pool competes for it.
         self._pool_worker = await self.bus.pull_worker(streams.pool_create_consumer(self.config.pool),
                                                        self._on_pool_create, credit=self._pool_credit)
+
+    @property
+    def creating(self) -> bool:
+        """Whether a create is being served now."""
+        return bool(self._creating)
 
     @property
     def draining(self) -> bool:
@@ -164,6 +180,7 @@ class Edge:
                 if w:
                     await step(w.stop(drain=False))
             await step(self.record.stop())
+            await step(self.warm.stop())
             await step(self.ops.stop())
             for t in self._tasks:
                 t.cancel()
@@ -314,6 +331,8 @@ class Edge:
 
     async def _create(self, req: CreateRequest) -> Verdict:
         """Claim, start, record, answer. NAK when another node is still starting it (ask again later)."""
+        if await self._create_warm(req):
+            return Verdict.ACK
         revision = await self._claim(req)
         if revision == WAIT:
             return Verdict.NAK
@@ -343,23 +362,74 @@ class Edge:
                     log.warning("create %s not placed again: %s", req.request_id, exc)
             await self._record_failure(req, err)
             return Verdict.ACK
-        now = time.time()
-        rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
-                            image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
-                            expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
-                            layers=[layer.digest for layer in req.layers])
+        rec = self._ready_record(req)
         if not await self._record_ready(rec, revision):   # our claim was taken from us (declared lost)
             await self._drop(req)
             return Verdict.ACK
-        self.sandboxes[req.sandbox_id] = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
-        self.created += 1
+        await self._started(req, spec, rec)
+        return Verdict.ACK
+
+    def _ready_record(self, req: CreateRequest) -> SandboxRecord:
+        now = time.time()
+        return SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
+                             image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
+                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
+                             layers=[layer.digest for layer in req.layers])
+
+    async def _create_warm(self, req: CreateRequest) -> bool:
+        """The short way for a create a warm sandbox matches: claim it, then record the id `ready` with one
+        create-only write (no `starting` step: the sandbox is ready already). False when there is no warm
+        sandbox or the id has a record already (the sandbox is destroyed, and the usual way answers)."""
+        if time.time() > req.deadline or not self.warm.has(req.layers, req.resources):
+            return False
         try:
-            await self._event(rec, "created", req.request_id)
-        except BusError as exc:
-            log.error("created event of %s not published: %s", req.sandbox_id, exc)
+            paths = await self.layers.ensure(req.layers)   # held by the pool: no fetch
+        except DsecError:
+            return False
+        spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
+        if not await self._claim_warm(req, spec):
+            return False
+        rec = self._ready_record(req)
+        if not await self._record_new(rec):
+            with contextlib.suppress(BackendError):
+                await self.backend.destroy(req.sandbox_id)
+            return False
+        await self._started(req, spec, rec)
+        return True
+
+    async def _record_new(self, rec: SandboxRecord) -> bool:
+        """Write the record of an id that has none (or a deleted one); False when another record is there."""
+        revision = 0
+        try:
+            for _ in range(3):
+                if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), revision) is not None:
+                    return True
+                raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
+                if raw is not None:
+                    return False
+        except BusError:   # the write may have landed: read it back
+            with contextlib.suppress(BusError):
+                prior = _decode_record((await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id))[0])
+                return prior is not None and prior.node == self.node and prior.request_id == rec.request_id
+        return False
+
+    async def _started(self, req: CreateRequest, spec: SandboxSpec, rec: SandboxRecord) -> None:
+        """A sandbox runs and its record says `ready`: keep it, answer the client, announce it."""
+        now = rec.created_at
+        running = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
+        self.sandboxes[req.sandbox_id] = running
+        self.created += 1
+        # The reply does not wait for the `created` records: the sandbox's later records (exec, destroyed)
+        # wait for them instead (Running.after_created), so the timeline keeps its order.
+        running.announced = asyncio.ensure_future(self._announce(rec, req.request_id))
         await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                      node=self.node))
-        return Verdict.ACK
+
+    async def _announce(self, rec: SandboxRecord, request_id: str) -> None:
+        try:
+            await self._event(rec, "created", request_id)
+        except BusError as exc:
+            log.error("created event of %s not published: %s", rec.sandbox_id, exc)
 
     async def _record_ready(self, rec: SandboxRecord, claim: int) -> bool:
         """Turn our `starting` claim into `ready` by compare-and-set; False when the claim is no longer ours.
@@ -451,10 +521,9 @@ class Edge:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
         try:
             paths = await self.layers.ensure(req.layers)
-            r = req.resources
-            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env),
-                               limits=Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk))
-            await self.backend.create(spec)
+            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
+            if not await self._claim_warm(req, spec):
+                await self.backend.create(spec)
         except DsecError:
             raise
         except LayerUnusable as exc:   # a cached layer that does not mount: fetched (and verified) again next time
@@ -469,6 +538,19 @@ class Edge:
                 log.error("destroying expired sandbox %s failed: %s", req.sandbox_id, exc)
             raise RequestExpired("create request expired while the sandbox started; it was destroyed")
         return spec
+
+    async def _claim_warm(self, req: CreateRequest, spec: SandboxSpec) -> bool:
+        """Give the create a ready sandbox of a matching warm pool, if there is one."""
+        warm = self.warm.take(req.layers, req.resources)
+        if warm is None:
+            return False
+        try:
+            await self.backend.claim(warm, spec)
+            return True
+        except BackendError as exc:   # e.g. its init died: start one cold instead
+            log.warning("warm sandbox %s not claimed for %s (%s): starting one cold", warm, req.sandbox_id, exc)
+            self.warm.retire(warm)
+            return False
 
     async def _retry_elsewhere(self, req: CreateRequest, err: EnvironmentFailure) -> None:
         """An environment failure (a layer, a mount, the launch) on this node: free the id and send the
@@ -500,6 +582,9 @@ class Edge:
                      nth: int = 0, failure_class: str = "") -> None:
         """A lifecycle event, on the ops event stream and on the sandbox's trajectory timeline (nth: which
         one of a step that may happen again, e.g. the 2nd suspend)."""
+        running = self.sandboxes.get(rec.sandbox_id)
+        if running is not None and type_ != "created":
+            await running.after_created()
         now = time.time()
         ev = Event(type=type_, sandbox_id=rec.sandbox_id, tenant=rec.tenant, node=self.node,
                    request_id=request_id, at=now, detail=detail, failure_class=failure_class)
@@ -631,6 +716,7 @@ class Edge:
         self._poke()
         if running is None:
             return
+        await running.after_created()
         rec = msgspec.structs.replace(running.record, state=state, reason=reason, updated_at=time.time(),
                                       suspended=False)
         try:

@@ -23,6 +23,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_output: int = 64 << 20        # per-exec output cap, whatever a client asks for
     traj_output: int = 64 << 10       # bytes of each stream kept in an exec's trajectory record
     layer_cache: int = 16 << 30       # bytes of layers kept on the node (LRU beyond, never one in use)
+    warm_max: int = 32                # warm-pool sandboxes kept ready on the node, all pools together
     heartbeat: float = 2.0            # seconds between inventory updates
     cpus: float = 0.0                 # 0: psutil.cpu_count()
     memory: int = 0                   # 0: psutil total RAM

@@ -64,6 +64,11 @@ class LayerCache:
             total -= size
             self.evictions += 1
 
+    def held(self, n: int = 64) -> list[str]:
+        """layer_mark of the n most recently used layers held (for the node record: placement prefers
+        a node that needs no fetch)."""
+        return [path.name.removesuffix(".erofs").rpartition("-")[2][:16] for path in reversed(self._lru)][:n]
+
     def path(self, layer: LayerRef) -> Path:
         """Where a layer's file lives on this node."""
         return self.root / (layer.digest.replace(":", "-") + ".erofs")

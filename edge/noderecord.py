@@ -34,12 +34,13 @@ class NodeRecord:
     """Writes this node's record; tells the edge when an operator drains or undrains it."""
 
     def __init__(self, bus: Bus, capacity: Capacity, on_draining: Callable[[bool], None],
-                 on_lost: Callable[[], None] = lambda: None) -> None:
+                 on_lost: Callable[[], None] = lambda: None, inventory: Callable[[], dict] = dict) -> None:
         self.bus = bus
         self.capacity = capacity
         self.node = capacity.config.node_id
         self.on_draining = on_draining
         self.on_lost = on_lost
+        self.inventory = inventory   # extra NodeInfo fields: warm stock, layers held
         self._declared_lost = False
         self.draining = False
         self.started_at = time.time()
@@ -94,7 +95,7 @@ class NodeRecord:
         if prior is not None and prior.node == self.node:
             bookings = {rid: b for rid, b in prior.bookings.items()
                         if rid not in taken and now < b.deadline + STALE_BOOKING}
-        return encode(msgspec.structs.replace(info, bookings=bookings, lost=False, lost_handled=False, lost_at=0.0,
+        return encode(msgspec.structs.replace(info, **self.inventory(), bookings=bookings, lost=False, lost_handled=False, lost_at=0.0,
                                               started_at=self.started_at, heartbeat=now))
 
     def start(self, heartbeat: float) -> None:

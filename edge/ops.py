@@ -372,6 +372,9 @@ class OpLane:
         """The exec's record on the sandbox's trajectory timeline (after its exit record: never before it)."""
         job = subjects.job_of(rec.labels)
         task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code")   # its own failure: never retried
+        running = self.edge.sandboxes.get(op.sandbox_id)
+        if running is not None:
+            await running.after_created()
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.edge.node,
             at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,

@@ -12,8 +12,9 @@ from bus.conn import Bus
 from bus.errors import (CapacityUnavailable, DsecError, ImageNotFound, InvalidRequest, SandboxError, SandboxNotFound,
                         from_code)
 from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SnapshotRecord,
-                          SuspendRequest, create_reply_decoder, encode, op_reply_decoder, sandbox_decoder,
+                          SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder, sandbox_decoder,
                           snapshot_decoder)
+from libdsec import warmpools
 from libdsec.ids import new_id
 from libdsec.resources import Resources
 from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, AsyncSandbox
@@ -203,6 +204,25 @@ class AsyncClient:
         await bus.kv_delete(streams.SNAPSHOTS_KV, snap.id)
         if not others:
             await bus.obj_delete(streams.LAYERS_OBJ, own)
+
+    # ---- warm pools --------------------------------------------------------------------------
+
+    async def set_warm_pool(self, name: str, image: str = "busybox", *, workspace: str | None = None,
+                            toolkit: str | None = None, resources: Resources | None = None, min: int = 0,
+                            max: int = 4, node_pool: str = "local") -> WarmPool:
+        """Keep ready sandboxes of these layers and resources on every edge of node_pool: between min and
+        max per edge, sized by the recent rate of matching creates. A create with the same layers and
+        resources then claims one (its own id, hostname, env and labels; nothing of anyone before)."""
+        return await warmpools.set_pool(self._need_bus(), name, image, workspace, toolkit, resources, min, max,
+                                        node_pool)
+
+    async def warm_pools(self) -> list[warmpools.WarmPoolStatus]:
+        """Every warm pool with its ready sandboxes per node."""
+        return await warmpools.pools(self._need_bus())
+
+    async def delete_warm_pool(self, name: str) -> None:
+        """Remove a warm pool; its ready sandboxes are destroyed (claimed ones live on)."""
+        await warmpools.delete_pool(self._need_bus(), name)
 
     async def _create(self, req: CreateRequest, timeout: float, on_queued=None) -> AsyncSandbox:
         bus, replies = self._need_bus(), self._replies

@@ -194,3 +194,15 @@ class Client:
     def list(self, all_states: bool = False) -> list:
         """Sandbox records of this tenant."""
         return self._loop.run(self._async.list(all_states))
+
+    def set_warm_pool(self, name: str, image: str = "busybox", **kwargs: Any):
+        """Create or change a warm pool (see AsyncClient.set_warm_pool)."""
+        return self._loop.run(self._async.set_warm_pool(name, image, **kwargs))
+
+    def warm_pools(self) -> list:
+        """Every warm pool with its ready sandboxes per node."""
+        return self._loop.run(self._async.warm_pools())
+
+    def delete_warm_pool(self, name: str) -> None:
+        """Remove a warm pool."""
+        self._loop.run(self._async.delete_warm_pool(name))

@@ -5,13 +5,14 @@ import time
 
 from bus import subjects
 from bus.errors import InvalidRequest
-from bus.messages import CreateRequest, Resources
+from bus.messages import CreateRequest, Resources, WarmPool
 
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20
 MAX_TTL = 7 * 24 * 3600.0
 MAX_WAIT = 1800.0   # a create may wait this long for room; well inside the request streams' max age
 BACKENDS = ("container",)
+MAX_WARM_POOL = 64   # the largest `max` of a warm pool (sandboxes per edge)
 
 
 def check_resources(r: Resources) -> None:
@@ -52,3 +53,15 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
 def expired(deadline: float, now: float | None = None) -> bool:
     """Whether an absolute deadline has passed."""
     return (now or time.time()) > deadline
+
+
+def check_warm_pool(spec: WarmPool) -> None:
+    """Range checks of a warm pool's settings."""
+    if not subjects.is_token(spec.name):
+        raise InvalidRequest(f"name: {spec.name!r} is not a valid pool name (letters, digits, - and _)")
+    if not 0 <= spec.min <= spec.max <= MAX_WARM_POOL:
+        raise InvalidRequest(f"min and max must satisfy 0 <= min <= max <= {MAX_WARM_POOL}, "
+                             f"got {spec.min} and {spec.max}")
+    if not subjects.is_token(spec.node_pool):
+        raise InvalidRequest(f"node_pool: {spec.node_pool!r} is not a valid pool name")
+    check_resources(spec.resources)

@@ -139,6 +139,11 @@ class Backend(abc.ABC):
     async def destroy(self, sandbox_id: str) -> None:
         """Kill every process, unmount, remove cgroups and the writable layer. Idempotent."""
 
+    async def claim(self, warm_id: str, spec: SandboxSpec) -> None:
+        """Give a running sandbox nobody has used yet (a warm one, started with spec's layers and limits)
+        spec's id, hostname and default env; on failure it is left as it was."""
+        raise BackendError(f"{type(self).__name__} cannot hand out warm sandboxes")
+
     async def pack_upper(self, sandbox_id: str, dst: str) -> str:
         """Pack the sandbox's writable layer (its diff over its layers: files, modes, links, whiteouts)
         into the EROFS file dst while its processes are frozen; return the file's digest."""

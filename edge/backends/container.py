@@ -8,6 +8,7 @@ A sandbox costs the host its catatonit (~50 KiB), its namespaces and mounts; no 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import itertools
@@ -36,6 +37,7 @@ DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 LAUNCH_TIMEOUT = 30.0
 KILL_GRACE = 5.0            # after a kill, how long the pipes may take to close
 REAP_TIMEOUT = 10.0
+KEYS_KEPT = 4096            # claimed warm sandboxes whose cgroup/layer names residue() can still tell
 
 
 class ExecFailed(BackendError):
@@ -60,6 +62,11 @@ class _Sandbox:
     dying: asyncio.Future | None = None
     frozen_since: float | None = None   # monotonic time of the freeze (suspended), else None
     frozen_total: float = 0.0           # seconds spent frozen before that
+    key: str = ""                       # names its cgroups and writable layer: its first id (a warm
+                                        # sandbox keeps its pool name when a create claims it)
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.spec.id
 
     def frozen_for(self) -> float:
         """Seconds this sandbox has spent frozen so far (exec timeouts do not count them)."""
@@ -101,6 +108,7 @@ class ContainerBackend(Backend):
         self._trusted = self.state_dir / "trusted"  # the trusted shell, bind-mounted at /.dsec in every sandbox
         self._launcher = Launcher(init_binary, label=f"{self.state_dir}:{node_id}")
         self._sandboxes: dict[str, _Sandbox] = {}
+        self._keys: collections.OrderedDict[str, str] = collections.OrderedDict()   # claimed id -> key
         self._starting: set[str] = set()
         self._spawner: enter.Spawner | None = None   # direct exec spawns (dsec-enter built)
 
@@ -228,6 +236,48 @@ class ContainerBackend(Backend):
                 raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc
             raise
 
+    async def claim(self, warm_id: str, spec: SandboxSpec) -> None:
+        """Give a running, never used sandbox (a warm one) the identity of spec: its id, hostname and
+        default env. Its layers and limits must be spec's (the caller matched them). On failure it is
+        left as it was (the caller destroys it)."""
+        sb = self._live(warm_id)
+        if not ID_RE.match(spec.id):
+            raise BackendError(f"invalid sandbox id: {spec.id!r}")
+        if spec.id in self._sandboxes or spec.id in self._starting:
+            raise BackendError(f"sandbox already exists: {spec.id}")
+        if sb.frozen_since is not None or next(sb.execs) != 1:
+            raise BackendError(f"sandbox {warm_id} is not a fresh one")
+        sb.execs = itertools.count(1)
+        self._set_hostname(sb, spec.id)
+        self._sandboxes[spec.id] = self._sandboxes.pop(warm_id)
+        sb.spec = spec
+        self._keys[spec.id] = sb.key
+        while len(self._keys) > KEYS_KEPT:
+            self._keys.popitem(last=False)
+
+    def _set_hostname(self, sb: _Sandbox, name: str) -> None:
+        """sethostname in the sandbox's UTS namespace: this thread goes in and straight back (setns moves
+        only the calling thread; two syscalls, no thread hand-off on the claim path)."""
+        own = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            try:
+                kernel.setns(sb.pidfd, kernel.CLONE_NEWUTS)
+            except OSError as exc:
+                raise BackendError(f"cannot enter the UTS namespace of {sb.spec.id}: {exc}") from exc
+            try:
+                kernel.sethostname(name)
+            except OSError as exc:
+                raise BackendError(f"cannot set the hostname of {sb.spec.id}: {exc}") from exc
+            finally:
+                kernel.setns(own, kernel.CLONE_NEWUTS)   # back home (we hold the fd: cannot fail)
+        finally:
+            os.close(own)
+
+    def _key(self, sandbox_id: str) -> str:
+        """What names a sandbox's cgroups and writable layer (its id, unless it was a warm one)."""
+        sb = self._sandboxes.get(sandbox_id)
+        return sb.key if sb is not None else self._keys.get(sandbox_id, sandbox_id)
+
     async def destroy(self, sandbox_id: str) -> None:
         """Kill every process, remove cgroups and the writable layer, release layers. Idempotent."""
         sb = self._sandboxes.get(sandbox_id)
@@ -239,8 +289,8 @@ class ContainerBackend(Backend):
 
     async def _destroy(self, sb: _Sandbox) -> None:
         try:
-            groups = self._cgroups.sandbox(sb.spec.id)
-            residue = await self._teardown(sb.spec.id, (sb.init_pid, sb.init_exit), groups, True, sb.layers)
+            groups = self._cgroups.sandbox(sb.key)
+            residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers)
         finally:
             self._sandboxes.pop(sb.spec.id, None)
             if sb.pidfd >= 0:
@@ -249,7 +299,7 @@ class ContainerBackend(Backend):
         if residue:
             raise BackendError(f"destroy {sb.spec.id} left: {'; '.join(residue)}")
 
-    async def _teardown(self, sandbox_id: str, init: tuple[int, asyncio.Future] | None,
+    async def _teardown(self, key: str, init: tuple[int, asyncio.Future] | None,
                         groups: dict[str, Path] | None,
                         upper: bool, layers: list[Path]) -> list[str]:
         """Undo a (partial) launch in reverse order; return what could not be removed."""
@@ -265,7 +315,7 @@ class ContainerBackend(Backend):
                 residue.extend(await self._remove_groups(groups))
             if upper:
                 try:
-                    await asyncio.to_thread(self._uppers.remove, sandbox_id)
+                    await asyncio.to_thread(self._uppers.remove, key)
                 except UpperError as exc:
                     residue.append(str(exc))
         finally:
@@ -297,7 +347,7 @@ class ContainerBackend(Backend):
         sb = self._live(sandbox_id)
         if sb.frozen_since is not None:
             return
-        group = self._cgroups.sandbox(sandbox_id)["freezer"]
+        group = self._cgroups.sandbox(sb.key)["freezer"]
         sb.frozen_since = time.monotonic()
         try:
             if not await cgroups.freeze(group):
@@ -317,7 +367,7 @@ class ContainerBackend(Backend):
         if not was_frozen:
             await self.freeze(sandbox_id)
         try:
-            return await asyncio.to_thread(pack_dir, self._uppers.root / sandbox_id / "upper", Path(dst))
+            return await asyncio.to_thread(pack_dir, self._uppers.root / sb.key / "upper", Path(dst))
         except LayerBuildError as exc:
             raise BackendError(f"snapshot of {sandbox_id} failed: {exc}") from exc
         finally:
@@ -330,7 +380,7 @@ class ContainerBackend(Backend):
         if sb.frozen_since is None:
             return
         try:
-            cgroups.thaw(self._cgroups.sandbox(sandbox_id)["freezer"])
+            cgroups.thaw(self._cgroups.sandbox(sb.key)["freezer"])
         except OSError as exc:
             raise BackendError(f"cannot thaw {sandbox_id}: {exc}") from exc
         sb.frozen_total += time.monotonic() - sb.frozen_since
@@ -357,13 +407,13 @@ class ContainerBackend(Backend):
             raise BackendError("empty command")
         n = next(sb.execs)
         try:
-            groups = self._cgroups.create_exec(sandbox_id, n)
+            groups = self._cgroups.create_exec(sb.key, n)
         except CgroupError as exc:
             raise BackendError(str(exc)) from exc
         pipes = execio.Pipes()
         started = time.monotonic()
         try:
-            msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in self._cgroups.exec_join(sandbox_id, n)],
+            msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in self._cgroups.exec_join(sb.key, n)],
                        argv=list(argv),
                        env={**DEFAULT_ENV, **sb.spec.env, **env}, cwd=cwd or "/")
             try:
@@ -485,13 +535,13 @@ class ContainerBackend(Backend):
 
     def cgroup_dir(self, sandbox_id: str, controller: str) -> Path:
         """The sandbox's group directory in one controller (tests read limit events there)."""
-        return self._cgroups.sandbox(sandbox_id)[controller]
+        return self._cgroups.sandbox(self._key(sandbox_id))[controller]
 
     def limit_events(self, sandbox_id: str) -> dict[str, int]:
         """How often each limit fired in a sandbox so far: pids_max, oom_kill, memory/memsw failcnt."""
         sb = self._live(sandbox_id)
         total = Counter(sb.events)
-        top = self._cgroups.sandbox(sandbox_id)
+        top = self._cgroups.sandbox(sb.key)
         total.update(NodeCgroups.limit_events(top))
         for child in top["pids"].glob("x*"):
             total.update(NodeCgroups.limit_events({c: p / child.name for c, p in top.items()
@@ -505,12 +555,13 @@ class ContainerBackend(Backend):
     def residue(self, sandbox_id: str) -> list[str]:
         """What still exists of a sandbox (cgroups, processes, writable layer, untracked layer mounts)."""
         out: list[str] = []
-        for path in self._cgroups.sandbox(sandbox_id).values():
+        key = self._key(sandbox_id)
+        for path in self._cgroups.sandbox(key).values():
             if path.exists():
                 out.append(f"cgroup {path}")
                 out.extend(f"process {pid} in {path}" for pid in cgroups.procs_under(path))
-        if (self._uppers.root / sandbox_id).exists():
-            out.append(f"writable layer {self._uppers.root / sandbox_id}")
+        if (self._uppers.root / key).exists():
+            out.append(f"writable layer {self._uppers.root / key}")
         used = {str(p) for p in [*self._layers.in_use(), *self._layers.idle()]}
         out.extend(f"untracked layer mount {p}" for p in mount_points()
                    if Path(p).parent == self._layers.root and p not in used)

@@ -1,0 +1,254 @@
+"""Warm pools: sandboxes an edge starts before anyone asks for them, for the (layers, resources) keys
+configured in KV dsec-warm-pools. A create whose layers and resources match takes one: the backend
+gives it the create's id, hostname and env (Backend.claim), so it is what a cold start would have
+made. Each warm sandbox is used once; the pool refills in the background.
+
+Sizing: a pool holds what its recent demand asks for — the creates that matched it over the last
+WINDOW seconds, as a rate, times HORIZON seconds — never below `min` nor above `max`. Extras beyond
+that are destroyed once they sat unclaimed for IDLE seconds. Warm sandboxes book no capacity (an idle
+catatonit, an overlay, empty cgroups): the node's booked usage is the truth placement sees, and a
+pool fills only while the node has room for its sandboxes to be claimed.
+
+Layer names are resolved again every RESOLVE_EVERY seconds: after `dsec image build` makes a new
+version, creates ask for the new digests, the pool turns over to them and the old warm sandboxes go.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from bus import streams
+from bus.conn import kv_watch
+from bus.errors import DsecError
+from bus.messages import LayerRef, Resources, WarmPool, pool_key, warm_pool_decoder
+from edge.backends.base import BackendError, Limits, SandboxGone, SandboxSpec
+from placement.images import ImageRegistry
+
+if TYPE_CHECKING:
+    from edge.agent import Edge
+
+log = logging.getLogger(__name__)
+
+WINDOW = 10.0           # seconds of matching creates the demand rate is taken over
+HORIZON = 2.0           # a pool holds what that rate asks for in this many seconds (within min..max)
+TICK = 1.0              # seconds between two looks at every pool when nothing wakes the loop
+RESOLVE_EVERY = 2.0     # seconds a pool's resolved layers are trusted
+IDLE = 10.0             # a warm sandbox beyond its pool's target goes after this long unclaimed
+YIELD_FOR = 0.05        # a refill waits up to this long for the creates in flight to be answered
+PAUSE = 5.0             # after a failed start, a pool waits this long before it tries again
+
+
+def limits(r: Resources) -> Limits:
+    """The backend limits of a create's resources."""
+    return Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk)
+
+
+@dataclass
+class Stock:
+    """One pool on this edge: its settings, resolved layers and ready sandboxes."""
+
+    spec: WarmPool
+    layers: list[LayerRef] = field(default_factory=list)
+    key: str = ""                 # pool_key of the resolved layers; "" until resolved
+    resolved_at: float = -1e9
+    ready: collections.deque = field(default_factory=collections.deque)    # (warm id, started), oldest first
+    demand: collections.deque = field(default_factory=collections.deque)   # when matching creates came
+    paused_until: float = 0.0
+    error: str = ""               # why it is not filling, if it is not
+
+    def target(self, now: float) -> int:
+        """How many ready sandboxes it should hold now."""
+        while self.demand and now - self.demand[0] > WINDOW:
+            self.demand.popleft()
+        want = math.ceil(len(self.demand) / WINDOW * HORIZON)
+        return max(self.spec.min, min(self.spec.max, want))
+
+
+class WarmPools:
+    """The warm pools of one edge."""
+
+    def __init__(self, edge: "Edge") -> None:
+        self.edge = edge
+        self.pools: dict[str, Stock] = {}
+        self._by_key: dict[str, Stock] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._retiring: set[asyncio.Task] = set()
+        self.filling = 0
+        self.hits = 0           # creates that took a warm sandbox
+        self.misses = 0         # creates that matched a pool with none ready
+        self.started = 0        # warm sandboxes started
+        self.failures = 0       # warm sandboxes that failed to start
+
+    async def start(self) -> None:
+        """Watch the pool settings and keep the pools filled."""
+        self._tasks = [await kv_watch(self.edge.bus, streams.WARM_POOLS_KV, self._on_change),
+                       asyncio.create_task(self._loop())]
+
+    async def stop(self) -> None:
+        """Stop filling (the backend's stop destroys the warm sandboxes with the rest)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self._retiring, return_exceptions=True)
+        self._tasks = []
+
+    # ---- what the edge asks -----------------------------------------------------------------------
+
+    def has(self, layers: list[LayerRef], resources: Resources) -> bool:
+        """Whether a warm sandbox for these layers and resources is ready."""
+        stock = self._by_key.get(pool_key(layers, resources))
+        return stock is not None and bool(stock.ready)
+
+    def take(self, layers: list[LayerRef], resources: Resources) -> str | None:
+        """A ready sandbox for a create with these layers and resources (its demand counts either way)."""
+        stock = self._by_key.get(pool_key(layers, resources))
+        if stock is None:
+            return None
+        stock.demand.append(time.monotonic())
+        self._wake.set()
+        if not stock.ready:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.edge.record.changed()
+        return stock.ready.popleft()[0]
+
+    def retire(self, warm_id: str) -> None:
+        """Destroy a warm sandbox in the background."""
+        task = asyncio.ensure_future(self._destroy(warm_id))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def ready(self) -> int:
+        """Warm sandboxes ready on this edge."""
+        return sum(len(s.ready) for s in self.pools.values())
+
+    def stock(self) -> dict[str, int]:
+        """pool_key -> ready count (the node record's `warm`)."""
+        return {s.key: len(s.ready) for s in self.pools.values() if s.key and s.ready}
+
+    def digests(self) -> set[str]:
+        """Layers the pools keep mounted (never evicted from the layer cache)."""
+        return {la.digest for s in self.pools.values() for la in s.layers}
+
+    # ---- settings ---------------------------------------------------------------------------------
+
+    def _on_change(self, name: str, raw: bytes | None, revision: int) -> None:
+        spec = None
+        if raw is not None:
+            with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                spec = warm_pool_decoder.decode(raw)
+        old = self.pools.get(name)
+        if spec is None or spec.node_pool != self.edge.config.pool or spec.name != name:
+            if old is not None:
+                self._drop(self.pools.pop(name))
+        elif old is not None and _what(old.spec) == _what(spec):
+            old.spec = spec    # new bounds: the ready ones stay, the target follows
+        else:
+            if old is not None:
+                self._drop(old)
+            self.pools[name] = Stock(spec)
+        self._wake.set()
+
+    def _drop(self, stock: Stock) -> None:
+        while stock.ready:
+            self.retire(stock.ready.popleft()[0])
+        stock.key = ""
+        self._by_key = {s.key: s for s in self.pools.values() if s.key}
+
+    # ---- filling ----------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), TICK)
+            self._wake.clear()
+            for _ in range(int(YIELD_FOR / 0.002)):   # creates in flight go first: a start takes the loop
+                if not self.edge.creating:              # for a millisecond or two
+                    break
+                await asyncio.sleep(0.002)
+            try:
+                await self._tend()
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # never let one failure end the pools of the node
+                log.exception("warm pools of %s", self.edge.node)
+                await asyncio.sleep(TICK)
+
+    async def _tend(self) -> None:
+        """Resolve what is due, trim what is idle beyond the target, start one sandbox where one is
+        missing (then look again at once: pools fill in turn, one start at a time)."""
+        now = time.monotonic()
+        for stock in list(self.pools.values()):
+            if now - stock.resolved_at > RESOLVE_EVERY:
+                await self._resolve(stock)
+        self._by_key = {s.key: s for s in self.pools.values() if s.key}
+        for stock in list(self.pools.values()):
+            if not stock.key:
+                continue
+            target = stock.target(now)
+            while len(stock.ready) > target and now - stock.ready[0][1] > IDLE:
+                self.retire(stock.ready.popleft()[0])
+                self.edge.record.changed()
+            if len(stock.ready) < target and now >= stock.paused_until and self._room(stock):
+                await self._fill_one(stock)
+                self._wake.set()
+
+    async def _resolve(self, stock: Stock) -> None:
+        spec = stock.spec
+        try:
+            layers = await ImageRegistry(self.edge.bus).compose(spec.image, spec.workspace, spec.toolkit)
+            key, stock.error = pool_key(layers, spec.resources), ""
+        except DsecError as exc:
+            layers, key, stock.error = [], "", str(exc)
+        stock.resolved_at = time.monotonic()
+        if key != stock.key:   # a new version of a layer (or none any more): the old warm ones go
+            self._drop(stock)
+            stock.layers, stock.key = layers, key
+
+    def _room(self, stock: Stock) -> bool:
+        cap, held = self.edge.capacity, self.ready() + self.filling
+        return (not self.edge.draining and held < self.edge.config.warm_max and cap.free_slots() > held
+                and cap.fits(stock.spec.resources))
+
+    async def _fill_one(self, stock: Stock) -> None:
+        warm_id, key = f"warm-{secrets.token_hex(6)}", stock.key
+        self.filling += 1
+        try:
+            paths = await self.edge.layers.ensure(stock.layers)
+            await self.edge.backend.create(SandboxSpec(id=warm_id, layers=paths, limits=limits(stock.spec.resources)))
+        except (DsecError, BackendError, OSError) as exc:
+            self.failures += 1
+            stock.error, stock.paused_until = f"warm sandbox did not start: {exc}", time.monotonic() + PAUSE
+            log.warning("pool %s on %s: %s", stock.spec.name, self.edge.node, stock.error)
+            return
+        finally:
+            self.filling -= 1
+        self.started += 1
+        if self.pools.get(stock.spec.name) is not stock or stock.key != key:   # changed meanwhile
+            self.retire(warm_id)
+            return
+        stock.ready.append((warm_id, time.monotonic()))
+        self.edge.record.changed()
+
+    async def _destroy(self, warm_id: str) -> None:
+        try:
+            await self.edge.backend.destroy(warm_id)
+        except SandboxGone:
+            pass
+        except BackendError as exc:
+            log.error("warm sandbox %s not destroyed: %s", warm_id, exc)
+
+
+def _what(spec: WarmPool) -> tuple:
+    """What a pool's sandboxes are made of (its bounds aside)."""
+    return spec.image, spec.workspace, spec.toolkit, spec.resources

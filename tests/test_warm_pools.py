@@ -1,0 +1,165 @@
+"""Warm pools: ready sandboxes per (layers, resources) key; a matching create claims one, which is
+indistinguishable from a cold start (own id, hostname, env, labels, a fresh writable layer)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+
+import libdsec
+from bus.messages import WarmPool
+from edge.backends.base import TRUSTED_SHELL, BackendError, SandboxSpec
+from edge.warmpool import HORIZON, WINDOW, Stock
+from tests.test_layers import build
+
+
+async def wait_for(pred, timeout: float = 15.0, what: str = "condition") -> None:
+    give_up = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < give_up, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def warm_pool(stack, client, name: str, **kwargs):
+    """A pool for the test; deleted after, and its ready sandboxes gone before the leak check."""
+    await client.set_warm_pool(name, **kwargs)
+    try:
+        yield stack.edge.warm
+    finally:
+        await client.delete_warm_pool(name)
+        await wait_for(lambda: not [s for s in stack.edge.backend.sandboxes() if s.startswith("warm-")],
+                       what="warm sandboxes destroyed")
+
+
+def warm_ids(stack) -> list[str]:
+    return [s for s in stack.edge.backend.sandboxes() if s.startswith("warm-")]
+
+
+async def test_a_claimed_sandbox_is_clean_and_its_own(stack, client):
+    async with warm_pool(stack, client, "clean", min=2, max=2) as pools:
+        await wait_for(lambda: pools.ready() == 2, what="pool filled")
+        hits = pools.hits
+        first = await client.create(env={"WHO": "first"}, labels={"job": "warm-a"})
+        assert pools.hits == hits + 1, "the create did not claim a warm sandbox"
+        key_a = stack.edge.backend._key(first.id)
+        assert key_a.startswith("warm-") and key_a != first.id
+        r = await first.exec("hostname; echo $WHO; echo secret-a > /root/secret; echo tmp > /tmp/secret; "
+                             "sleep 600 >/dev/null 2>&1 & echo started")
+        assert r.stdout == f"{first.id}\nfirst\nstarted\n".encode(), r
+        [rec] = [x for x in await client.list() if x.sandbox_id == first.id]
+        assert rec.labels == {"job": "warm-a"} and rec.state == "ready"
+        await first.destroy()
+
+        await wait_for(lambda: pools.ready() == 2, what="pool refilled")
+        second = await client.create(env={"WHO": "second"})
+        try:
+            assert pools.hits == hits + 2
+            assert stack.edge.backend._key(second.id) not in (key_a, second.id)
+            r = await second.exec("hostname; echo ${WHO}-${WHO_ELSE:-none}; ls -A /root; ls -A /tmp; "
+                                  "pidof sleep || echo no-sleep")
+            # nothing of the first user: no file, no process; its own hostname and env
+            assert r.stdout == f"{second.id}\nsecond-none\nno-sleep\n".encode(), r
+            assert (await second.exec("cat /root/secret")).exit_code != 0
+        finally:
+            await second.destroy()
+
+
+async def test_warm_sandboxes_are_reachable_by_no_one(stack, client):
+    async with warm_pool(stack, client, "hidden", min=1, max=1) as pools:
+        await wait_for(lambda: pools.ready() == 1, what="pool filled")
+        [warm] = warm_ids(stack)
+        with pytest.raises(libdsec.SandboxNotFound):
+            await client.get(warm)
+        with pytest.raises(libdsec.SandboxNotFound):   # straight to the node's op lane: not served either
+            await libdsec.AsyncSandbox(client, warm, stack.edge.node).exec("true")
+
+
+async def test_hits_misses_and_metrics(stack, client):
+    from cli.metrics import StackCollector
+    async with warm_pool(stack, client, "counted", min=0, max=0) as pools:   # a pool that never fills
+        await wait_for(lambda: "counted" in pools.pools and pools.pools["counted"].key, what="pool resolved")
+        misses = pools.misses
+        sb = await client.create()
+        await sb.destroy()
+        assert pools.misses == misses + 1
+        other = await client.create(resources=libdsec.Resources(memory="128Mi"))   # another key: neither
+        await other.destroy()
+        assert pools.misses == misses + 1
+    families = {m.name: m for m in StackCollector(stack).collect()}
+    assert families["dsec_edge_warm_pool_misses"].samples[0].value == pools.misses
+    assert "dsec_edge_warm_pool_hits" in families and "dsec_edge_warm_ready" in families
+
+
+async def test_the_pool_grows_with_demand_within_its_bounds(stack, client):
+    async with warm_pool(stack, client, "adaptive", min=0, max=3) as pools:
+        await wait_for(lambda: "adaptive" in pools.pools and pools.pools["adaptive"].key, what="pool resolved")
+        assert pools.ready() == 0          # no demand yet: min
+        boxes = await client.create_many(6)
+        await asyncio.gather(*(b.destroy() for b in boxes))
+        await wait_for(lambda: pools.ready() == 2, what="pool grown to the demand")   # 6 in 10 s -> 2 for 2 s
+        boxes = await client.create_many(8)
+        await asyncio.gather(*(b.destroy() for b in boxes))
+        await wait_for(lambda: pools.ready() == 3, what="pool grown to its max")
+        await asyncio.sleep(0.3)
+        assert pools.ready() == 3 and len(warm_ids(stack)) == 3, "beyond max"
+
+
+def test_target_follows_the_recent_rate():
+    stock = Stock(WarmPool(name="p", min=1, max=5))
+    now = 1000.0
+    assert stock.target(now) == 1                          # no demand: min
+    stock.demand.extend([now - 1] * 10)                    # 1 create/s over the window -> 2 s worth
+    assert stock.target(now) == round(10 / WINDOW * HORIZON)
+    stock.demand.extend([now] * 100)
+    assert stock.target(now) == 5                          # capped at max
+    assert stock.target(now + WINDOW + 1) == 1             # the window passed: back to min
+
+
+async def test_a_new_layer_version_turns_the_pool_over(stack, client, tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "work").mkdir(parents=True)
+    (ws / "work" / "v").write_text("1\n")
+    await build(stack.url, "warmws", "workspace", ws)
+    async with warm_pool(stack, client, "layered", workspace="warmws", min=1, max=1) as pools:
+        await wait_for(lambda: pools.ready() == 1, what="pool filled")
+        [old_warm] = warm_ids(stack)
+        (ws / "work" / "v").write_text("2\n")
+        await build(stack.url, "warmws", "workspace", ws)
+        await wait_for(lambda: pools.ready() == 1 and warm_ids(stack) != [old_warm], what="pool turned over")
+        hits = pools.hits
+        sb = await client.create(workspace="warmws")
+        try:
+            assert pools.hits == hits + 1
+            assert (await sb.exec("cat /work/v")).stdout == b"2\n"
+        finally:
+            await sb.destroy()
+
+
+async def test_bad_pool_settings_are_refused(client):
+    with pytest.raises(libdsec.InvalidRequest, match="min and max"):
+        await client.set_warm_pool("bad", min=3, max=2)
+    with pytest.raises(libdsec.InvalidRequest, match="max"):
+        await client.set_warm_pool("bad", max=10_000)
+    with pytest.raises(libdsec.InvalidRequest, match="memory"):
+        await client.set_warm_pool("bad", resources=libdsec.Resources(memory="1Ki"))
+    with pytest.raises(libdsec.ImageNotFound):
+        await client.set_warm_pool("bad", image="no-such-image")
+    with pytest.raises(libdsec.InvalidRequest, match="no warm pool"):
+        await client.delete_warm_pool("never-made")
+    assert not [p for p in await client.warm_pools() if p.spec.name == "bad"]
+
+
+async def test_only_a_fresh_sandbox_can_be_claimed(stack):
+    backend = stack.edge.backend
+    await backend.create(SandboxSpec(id="warm-used", layers=[]))
+    try:
+        await backend.exec("warm-used", [TRUSTED_SHELL, "-c", "true"], env={}, cwd="/", stdin=None, timeout=5,
+                           sink=lambda *_: asyncio.sleep(0))
+        with pytest.raises(BackendError, match="not a fresh one"):
+            await backend.claim("warm-used", SandboxSpec(id="claimant", layers=[]))
+        assert "warm-used" in backend.sandboxes() and "claimant" not in backend.sandboxes()
+    finally:
+        await backend.destroy("warm-used")
