@@ -13,6 +13,7 @@ import msgspec
 from bus import streams
 from bus.conn import Bus
 from bus.messages import sandbox_decoder, snapshot_decoder
+from cli import debootstrap
 from cli.main import main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
@@ -31,22 +32,38 @@ def image() -> None:
               help="Directory to pack as the layer's root.")
 @click.option("--from-tar", "from_tar", default=None, type=click.Path(path_type=Path),
               help="Tar archive (optionally compressed) to unpack and pack as the layer's root.")
+@click.option("--debootstrap", "suite", default=None, metavar="SUITE",
+              help="Make a Debian root with debootstrap (e.g. bookworm; minbase variant), cached by its settings.")
+@click.option("--packages", default="", metavar="A,B,...",
+              help="With --debootstrap: Debian packages to include (e.g. python3,git).")
+@click.option("--mirror", default=None, metavar="URL",
+              help="With --debootstrap: the Debian archive (default: the one this machine's apt uses).")
 @click.option("--kind", type=click.Choice(["base", "workspace", "toolkit"]), default="base", show_default=True,
               help="Layer kind: a base image, or a workspace or toolkit layer that sandboxes stack over a base "
                    "(create --workspace/--toolkit).")
 @run_async
-async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path | None, kind: str) -> None:
-    """Pack a directory (or tar) into an EROFS layer and store it as the next version of NAME. Only this
-    layer is built and uploaded; an unchanged layer makes no new version."""
+async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path | None, suite: str | None,
+                packages: str, mirror: str | None, kind: str) -> None:
+    """Pack a directory, a tar or a debootstrapped Debian root into an EROFS layer and store it as the next
+    version of NAME. Only this layer is built and uploaded; an unchanged layer makes no new version."""
     name_only, version = parse_ref(name)
     if version is not None:
         raise InvalidRequest("image build takes a NAME without @version (versions are assigned)")
-    if (from_dir is None) == (from_tar is None):
-        raise InvalidRequest("give exactly one of --from-dir DIR or --from-tar FILE")
+    if [from_dir, from_tar, suite].count(None) != 2:
+        raise InvalidRequest("give exactly one of --from-dir DIR, --from-tar FILE or --debootstrap SUITE")
+    if (packages or mirror) and suite is None:
+        raise InvalidRequest("--packages and --mirror go with --debootstrap")
     if from_dir is not None and not from_dir.is_dir():
         raise InvalidRequest(f"--from-dir: not a directory: {from_dir}")
     if from_tar is not None and not from_tar.is_file():
         raise InvalidRequest(f"--from-tar: not a file: {from_tar}")
+    if suite is not None:
+        names = debootstrap.parse_packages(packages)
+        try:
+            from_dir = await asyncio.to_thread(debootstrap.root_for, suite, names, mirror or debootstrap.apt_mirror(),
+                                               lambda line: click.echo(line, err=True))
+        except (LayerBuildError, OSError) as exc:
+            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
     with tempfile.TemporaryDirectory() as tmp:
         layer = Path(tmp) / "layer.erofs"
         try:

@@ -50,7 +50,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from cli import admin, commands, demo, image, replay, top, up  # noqa: F401  (commands attach themselves to `main`)
+    from cli import admin, commands, demo, image, replay, top, up, warm  # noqa: F401  (commands attach themselves to `main`)
 
 
 _register()

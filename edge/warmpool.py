@@ -196,6 +196,10 @@ class WarmPools:
             if not stock.key:
                 continue
             target = stock.target(now)
+            if self.edge.draining:   # it takes no new creates: nothing will claim them
+                target = 0
+                while stock.ready:
+                    self.retire(stock.ready.popleft()[0])
             while len(stock.ready) > target and now - stock.ready[0][1] > IDLE:
                 self.retire(stock.ready.popleft()[0])
                 self.edge.record.changed()

@@ -269,9 +269,10 @@ class PlacementEngine:
             self.bursted += 1
             return self._routed(req)
         tried: set[str] = set(req.avoid)   # nodes where its environment failed: elsewhere if anywhere fits
+        prefer = scoring.affinity(req.layers, req.resources)
         for _ in range(BOOK_TRIES):
             node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool,
-                                         exclude=frozenset(tried))
+                                         exclude=frozenset(tried), prefer=prefer)
             if node is None and req.avoid and tried == set(req.avoid):
                 tried = set()   # nowhere else: a fresh environment on the same node is the retry
                 node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool)

@@ -10,6 +10,11 @@ of the leftovers plus half their spread (max - min): small leftovers pack nodes 
 requests still find an empty enough node), a small spread avoids nodes whose CPU is gone while memory
 is left (or the reverse), which nothing could use. Lowest score wins.
 
+Affinity: among nodes whose scores are close, one that already holds the request's layers (no fetch)
+wins, and one with a warm sandbox for it (no start at all) wins over that. Both are small bonuses taken
+off the score (LAYER_BONUS, WARM_BONUS), so they never override a clearly better fit; the edges list
+the layers they hold and their warm stock in their node records.
+
 Power of k choices: scanning every node costs O(nodes) per request and sends every engine to the same
 best node, where their compare-and-set writes conflict. With more than SCAN_ALL nodes, K random fitting
 candidates are drawn and the best of them is taken: packing stays close to a full scan (the fuller of
@@ -22,13 +27,16 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from bus import streams
-from bus.messages import NodeInfo, Resources
+from bus.messages import LayerRef, NodeInfo, Resources, layer_mark, pool_key
 
 SCAN_ALL = 4      # up to this many live nodes, look at all of them
 K = 4             # beyond, sample this many fitting candidates
 SPREAD_WEIGHT = 0.5   # how much an unbalanced leftover counts against a tight one
+LAYER_BONUS = 0.1     # the node holds every layer of the request
+WARM_BONUS = 0.2      # the node has a warm sandbox for the request
 
 
 @dataclass
@@ -75,27 +83,44 @@ def fragmentation(i: NodeInfo, r: Resources, f: Free | None = None) -> float:
     return sum(left) + SPREAD_WEIGHT * (max(left) - min(left))
 
 
+def affinity(layers: list[LayerRef], r: Resources) -> Callable[[NodeInfo], float]:
+    """How much placing a create with these layers and resources on a node saves: a warm sandbox ready
+    for it, or its layers already in the node's cache."""
+    key = pool_key(layers, r)
+    marks = {layer_mark(la.digest) for la in layers}
+
+    def bonus(i: NodeInfo) -> float:
+        if i.warm.get(key):
+            return WARM_BONUS
+        return LAYER_BONUS if marks and marks.issubset(i.layers) else 0.0
+    return bonus
+
+
 def placeable(i: NodeInfo, pool: str, now: float) -> bool:
     """A node placement may book: of the pool, alive, not draining."""
     return i.pool == pool and not i.draining and alive(i, now)
 
 
 def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude: frozenset[str] = frozenset(),
-           k: int = K, rng: random.Random | None = None, now: float | None = None) -> tuple[str | None, bool]:
-    """(best node for r, whether any live node of the pool could ever fit r)."""
+           k: int = K, rng: random.Random | None = None, now: float | None = None,
+           prefer: Callable[[NodeInfo], float] = lambda i: 0.0) -> tuple[str | None, bool]:
+    """(best node for r, whether any live node of the pool could ever fit r); prefer(node) is a bonus
+    taken off a node's score (see affinity)."""
     now = time.time() if now is None else now
     live = [i for i in nodes if placeable(i, pool, now) and i.node not in exclude]
     ever = any(can_ever_fit(i, r) for i in live)
     if len(live) > SCAN_ALL:
         rng = rng or random
-        sample = []
+        sample = [i for i in live if prefer(i) > 0 and can_ever_fit(i, r) and fits(i, r)][:k]   # always looked at
+        preferred, drawn = {i.node for i in sample}, 0
         for i in rng.sample(live, len(live)):   # random order; stop after k fitting candidates
-            if can_ever_fit(i, r) and fits(i, r):
+            if i.node not in preferred and can_ever_fit(i, r) and fits(i, r):
                 sample.append(i)
-                if len(sample) == k:
+                drawn += 1
+                if drawn == k:
                     break
         live = sample
-    scored = [(fragmentation(i, r), i.node) for i in live if can_ever_fit(i, r) and fits(i, r)]
+    scored = [(fragmentation(i, r) - prefer(i), i.node) for i in live if can_ever_fit(i, r) and fits(i, r)]
     if not scored:
         return None, ever
     return min(scored)[1], True

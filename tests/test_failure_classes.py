@@ -50,3 +50,34 @@ async def environment_then_task_failure(stack, client, small) -> None:
     finally:
         await healed.destroy()
     assert small.edge.layers.misses >= 2   # fetched at first use, and again after the bad copy was dropped
+
+
+async def test_a_corrupt_layer_in_the_store_fails_clearly_after_one_retry_and_leaks_nothing(stack, client, tmp_path):
+    from tests.test_layers import build
+    root = tmp_path / "ws"
+    (root / "work").mkdir(parents=True)
+    (root / "work" / "f").write_text("fine\n")
+    await build(stack.url, "rotten", "workspace", root)
+    [rec] = [r for r in await client._need_bus().kv_items(streams.IMAGES_KV) if r[0] == "rotten.1"]
+    from bus.messages import image_decoder
+    digest = image_decoder.decode(rec[1]).digest
+    await stack.bus.obj_put(streams.LAYERS_OBJ, digest, b"bit rot" * 1000)   # the stored bytes go bad
+    async with extra_edge(stack, tmp_path / "t3", "t3", 2) as small:
+        import libdsec
+        import pytest
+        with pytest.raises(libdsec.EnvironmentFailure, match=r"rotten@1 is corrupt \(digest mismatch\)"):
+            await client.create(workspace="rotten")
+        [sid] = [r.sandbox_id for r in await client.list(all_states=True)
+                 if r.state == "failed" and "rotten@1" in r.reason]
+        evs = await events_of(stack, sid)
+        retried = [e for e in evs if e.type == "retried"]
+        assert len(retried) == 1 and retried[0].failure_class == "environment" and "corrupt" in retried[0].detail
+        failed = [e for e in evs if e.type == "failed"]
+        assert len(failed) == 1 and failed[0].failure_class == "environment"
+        assert {retried[0].node, failed[0].node} == {"t1", "t3"}    # tried on both nodes, once each
+        for edge in (stack.edge, small.edge):   # nothing of the bad bytes kept, no half-written file
+            assert not [p for p in edge.layers.root.iterdir() if digest.split(":")[1] in p.name or ".tmp" in p.name]
+            assert not edge.sandboxes and not edge.capacity.used
+    await stack.bus.obj_delete(streams.LAYERS_OBJ, digest)
+    await stack.bus.kv_delete(streams.IMAGES_KV, "rotten.1")
+    await stack.bus.kv_delete(streams.IMAGES_KV, "rotten")

@@ -3,6 +3,7 @@ content-addressed EROFS layer; updating one layer rebuilds and uploads only that
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -128,3 +129,75 @@ async def test_twenty_concurrent_creates_of_a_new_layer_fetch_it_once(stack, cli
         assert len({s.stdout for s in sums}) == 1
     finally:
         await asyncio.gather(*(sb.destroy() for sb in boxes))
+
+
+FAKE_DEBOOTSTRAP = '''#!{python}
+"""Stands in for Debian's debootstrap: records its arguments, makes a tiny root."""
+import json, os, shutil, sys
+args = sys.argv[1:]
+with open({calls!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+root = args[-2]
+for d in ("bin", "etc", "var/cache/apt/archives"):
+    os.makedirs(os.path.join(root, d), exist_ok=True)
+shutil.copy({busybox!r}, os.path.join(root, "bin", "busybox"))
+for applet in ("sh", "cat", "ls"):
+    os.symlink("busybox", os.path.join(root, "bin", applet))
+with open(os.path.join(root, "etc", "os-release"), "w") as f:
+    f.write("PRETTY_NAME=made by debootstrap " + " ".join(args) + "\\n")
+open(os.path.join(root, "var/cache/apt/archives/python3.deb"), "w").close()
+'''
+
+
+async def test_debootstrap_base_is_made_once_cached_and_slim(stack, client, tmp_path):
+    from edge.erofs import find_busybox
+    bindir, calls = tmp_path / "bin", tmp_path / "calls"
+    bindir.mkdir()
+    fake = bindir / "debootstrap"
+    fake.write_text(FAKE_DEBOOTSTRAP.format(python=sys.executable, calls=str(calls), busybox=find_busybox()))
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "DSEC_CACHE": str(tmp_path / "cache")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([DSEC, "image", "build", "--nats", stack.url, *args], capture_output=True, text=True,
+                              timeout=120, env=env)
+    mirror = "http://127.0.0.1:9/debian"   # never contacted: the stand-in makes the root
+    first = await asyncio.to_thread(run, "debbase", "--debootstrap", "bookworm", "--packages", "python3,git,python3",
+                                    "--mirror", mirror)
+    assert first.returncode == 0 and first.stdout.startswith("debbase@1 base sha256:"), first.stderr
+    again = await asyncio.to_thread(run, "debbase", "--debootstrap", "bookworm", "--packages", "git,python3",
+                                    "--mirror", mirror)
+    assert again.returncode == 0 and "unchanged" in again.stdout and "cached" in again.stderr, again
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(made) == 1 and made[0][-3:] == ["bookworm", made[0][-2], mirror]
+    assert "--variant=minbase" in made[0] and "--include=git,python3" in made[0]
+    other = await asyncio.to_thread(run, "debbase", "--debootstrap", "bookworm", "--mirror", mirror)
+    assert other.returncode == 0 and other.stdout.startswith("debbase@2 "), other.stderr   # other settings: made anew
+    assert len(calls.read_text().splitlines()) == 2
+    sb = await client.create(image="debbase@1")
+    try:
+        r = await sb.exec("cat /etc/os-release; ls /var/cache/apt/archives")
+        assert r.stdout.startswith(b"PRETTY_NAME=made by debootstrap --variant=minbase"), r
+        assert b".deb" not in r.stdout                       # downloaded packages are not kept in the layer
+    finally:
+        await sb.destroy()
+    bad = await asyncio.to_thread(run, "debbase", "--debootstrap", "bookworm", "--packages", "python3;rm -rf /")
+    assert bad.returncode != 0 and "not Debian package names" in bad.stderr
+    stray = await asyncio.to_thread(run, "debbase", "--from-dir", str(tmp_path), "--packages", "git")
+    assert stray.returncode != 0 and "go with --debootstrap" in stray.stderr
+    for ref in ("debbase@1", "debbase@2"):
+        assert (await asyncio.to_thread(dsec, "image", "rm", "--nats", stack.url, ref)).returncode == 0
+
+
+def test_the_debian_mirror_comes_from_apt_sources(tmp_path):
+    from cli.debootstrap import apt_mirror
+    from bus.errors import InvalidRequest
+    (tmp_path / "sources.list.d").mkdir()
+    with pytest.raises(InvalidRequest, match="--mirror"):
+        apt_mirror(tmp_path)
+    (tmp_path / "sources.list").write_text("deb [arch=amd64] http://mirror.example/debian bookworm main\n")
+    assert apt_mirror(tmp_path) == "http://mirror.example/debian"
+    (tmp_path / "sources.list.d" / "debian.sources").write_text(
+        "Types: deb\nURIs: http://other.example/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://other.example/debian/\nSuites: bookworm\n")
+    assert apt_mirror(tmp_path) == "http://other.example/debian"

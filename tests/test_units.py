@@ -122,6 +122,27 @@ def test_scoring_power_of_k_samples_at_scale():
     assert scoring.choose(nodes[:4], Resources())[0] == "n3"           # small clusters: full scan, best fit
 
 
+def test_scoring_prefers_nodes_holding_the_layers_or_a_warm_sandbox_when_close():
+    import random
+    from bus.messages import LayerRef, layer_mark, pool_key
+    layers = [LayerRef("busybox", 1, "sha256:" + "a" * 64), LayerRef("ws", 3, "sha256:" + "b" * 64)]
+    prefer = scoring.affinity(layers, Resources())
+    fuller, emptier = _node("fuller", used_slots=5), _node("emptier", used_slots=4)
+    holder = msgspec.structs.replace(emptier, layers=[layer_mark(la.digest) for la in layers] + ["ffff"])
+    half = msgspec.structs.replace(emptier, layers=[layer_mark(layers[0].digest)])
+    warm = msgspec.structs.replace(_node("warm", used_slots=3), warm={pool_key(layers, Resources()): 2})
+    assert scoring.choose([fuller, emptier], Resources(), prefer=prefer)[0] == "fuller"   # best fit alone
+    assert scoring.choose([fuller, holder], Resources(), prefer=prefer)[0] == "emptier"   # close: no fetch wins
+    assert scoring.choose([fuller, half], Resources(), prefer=prefer)[0] == "fuller"      # one layer missing
+    assert scoring.choose([fuller, holder, warm], Resources(), prefer=prefer)[0] == "warm"
+    far = msgspec.structs.replace(_node("far", used_slots=0), layers=holder.layers)
+    assert scoring.choose([_node("tight", used_slots=9), far], Resources(), prefer=prefer)[0] == "tight"   # not close
+    other = scoring.affinity(layers, Resources(cpu=2))   # another key: the warm stock does not count
+    assert other(warm) == 0.0 and other(holder) == scoring.LAYER_BONUS
+    many = [_node(f"n{i}", used_slots=i % 5) for i in range(200)] + [msgspec.structs.replace(warm, node="w")]
+    assert scoring.choose(many, Resources(), rng=random.Random(1), prefer=prefer)[0] == "w"   # sampled or not
+
+
 def test_utilization_is_the_tightest_dimension_over_live_nodes():
     nodes = [_node("a", used_slots=5), _node("b", used_slots=10), _node("c", age=60)]
     assert scoring.utilization(nodes) == pytest.approx(0.75)

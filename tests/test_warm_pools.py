@@ -163,3 +163,23 @@ async def test_only_a_fresh_sandbox_can_be_claimed(stack):
         assert "warm-used" in backend.sandboxes() and "claimant" not in backend.sandboxes()
     finally:
         await backend.destroy("warm-used")
+
+
+async def test_the_warm_cli(stack):
+    from tests.test_layers import dsec
+    p = await asyncio.to_thread(dsec, "warm", "set", "--nats", stack.url, "clipool", "--min", "1", "--max", "2",
+                                "--memory", "128Mi")
+    assert p.returncode == 0 and "clipool: busybox, 1..2 per edge" in p.stdout, p.stderr
+    try:
+        await wait_for(lambda: stack.edge.warm.ready() == 1, what="pool filled")
+        ls = (await asyncio.to_thread(dsec, "warm", "ls", "--nats", stack.url)).stdout
+        [line] = [x for x in ls.splitlines() if x.startswith("clipool")]
+        assert line.split()[1:7] == ["busybox", "1", "128Mi", "1", "2", "1"] and "t1=1" in line, ls
+        bad = await asyncio.to_thread(dsec, "warm", "set", "--nats", stack.url, "clipool", "--min", "5", "--max", "1")
+        assert bad.returncode != 0 and "min and max" in bad.stderr
+    finally:
+        p = await asyncio.to_thread(dsec, "warm", "rm", "--nats", stack.url, "clipool")
+        assert p.returncode == 0, p.stderr
+    await wait_for(lambda: not warm_ids(stack), what="warm sandboxes destroyed")
+    again = await asyncio.to_thread(dsec, "warm", "rm", "--nats", stack.url, "clipool")
+    assert again.returncode != 0 and "no warm pool" in again.stderr
