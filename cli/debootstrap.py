@@ -7,11 +7,13 @@ unless --mirror names another. The cache lives in $DSEC_CACHE/debootstrap (defau
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -66,7 +68,8 @@ def _arch() -> str:
         return subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.uname().machine
+        machine = os.uname().machine
+        return {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine)
 
 
 def root_for(suite: str, packages: list[str], mirror: str, log=print) -> Path:
@@ -93,13 +96,20 @@ def root_for(suite: str, packages: list[str], mirror: str, log=print) -> Path:
             argv.append(f"--include={','.join(packages)}")
         argv += [suite, str(work / "root"), mirror]
         log(f"debootstrap {suite} ({', '.join(packages) or 'no extra packages'}) from {mirror}: this takes minutes")
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)   # its own group: a timeout kills dpkg & co too
         try:
-            p = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise LayerBuildError(f"debootstrap took longer than {TIMEOUT:.0f} s") from None
-        if p.returncode != 0:
-            tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-5:])
-            raise LayerBuildError(f"debootstrap failed (exit {p.returncode}): {tail}")
+            out, _ = proc.communicate(timeout=TIMEOUT)
+        except BaseException as exc:   # timed out, or interrupted: nothing of it goes on writing
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise LayerBuildError(f"debootstrap did not finish within {TIMEOUT:.0f} s") from None
+            raise
+        if proc.returncode != 0:
+            tail = "\n".join(out.strip().splitlines()[-5:])
+            raise LayerBuildError(f"debootstrap failed (exit {proc.returncode}): {tail}")
         _slim(work / "root")
         try:
             os.rename(work, done)
@@ -108,7 +118,16 @@ def root_for(suite: str, packages: list[str], mirror: str, log=print) -> Path:
                 raise
         return done / "root"
     finally:
+        _unmount_under(work)   # /proc, /sys... a killed debootstrap left mounted in its chroot
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _unmount_under(path: Path) -> None:
+    prefix = f"{path.resolve()}/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
 
 
 def _slim(root: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -36,6 +37,7 @@ CLAIM_STALE = 30.0          # a `starting` claim this long past its request's de
 RECORD_RETRY = 8.0          # seconds a state record or event is retried (a leader election takes seconds)
 WAIT = -1                   # _claim: another node is starting this request now
 ENV_RETRIES = 1             # times a create whose environment failed is placed again on another node
+ANNOUNCE_WAIT = 16.0        # a sandbox's records wait this long for its `created` ones (a publish's worst case)
 
 
 def _decode_record(raw: bytes | None) -> SandboxRecord | None:
@@ -63,9 +65,16 @@ class Running:
 
     async def after_created(self) -> None:
         """Wait (bounded) until its `created` records are published: nothing of it goes out before them."""
-        if self.announced is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self.announced), RECORD_RETRY)
+        fut = self.announced
+        if fut is None or fut.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), ANNOUNCE_WAIT)
+        except asyncio.TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            if not fut.cancelled():   # we were cancelled, not the announcement (cancelled at a stop)
+                raise
 
 
 class Edge:
@@ -87,6 +96,8 @@ class Edge:
                                  inventory=lambda: dict(warm=self.warm.stock(), layers=self.layers.held()))
         self._creating: set[str] = set()
         self._claims: set[str] = set()     # ids claimed (`starting`) and not yet ready or failed
+        self._slow_way: collections.OrderedDict[str, None] = collections.OrderedDict()   # no warm short way
+        self._announcing: set[asyncio.Task] = set()   # `created` records being published
         self._create_worker = None
         self._pool_worker = None
         self._tasks: list[asyncio.Task] = []
@@ -182,7 +193,7 @@ class Edge:
             await step(self.record.stop())
             await step(self.warm.stop())
             await step(self.ops.stop())
-            for t in self._tasks:
+            for t in [*self._tasks, *self._announcing]:   # no record waits on an announcement any more
                 t.cancel()
             await step(asyncio.gather(*self._tasks, return_exceptions=True))
             ids = list(self.sandboxes)
@@ -379,18 +390,26 @@ class Edge:
     async def _create_warm(self, req: CreateRequest) -> bool:
         """The short way for a create a warm sandbox matches: claim it, then record the id `ready` with one
         create-only write (no `starting` step: the sandbox is ready already). False when there is no warm
-        sandbox or the id has a record already (the sandbox is destroyed, and the usual way answers)."""
-        if time.time() > req.deadline or not self.warm.has(req.layers, req.resources):
+        sandbox or the id has another record already (the sandbox is destroyed, and the usual way, which
+        this request then always takes, answers)."""
+        if time.time() > req.deadline or req.request_id in self._slow_way:
+            return False
+        warm = self.warm.take(req.layers, req.resources, req.request_id)
+        if warm is None:
             return False
         try:
             paths = await self.layers.ensure(req.layers)   # held by the pool: no fetch
         except DsecError:
+            self.warm.retire(warm)
             return False
         spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
-        if not await self._claim_warm(req, spec):
+        if not await self._claim_warm(req, spec, warm):
             return False
         rec = self._ready_record(req)
         if not await self._record_new(rec):
+            self._slow_way[req.request_id] = None
+            while len(self._slow_way) > 1024:
+                self._slow_way.popitem(last=False)
             with contextlib.suppress(BackendError):
                 await self.backend.destroy(req.sandbox_id)
             return False
@@ -398,20 +417,25 @@ class Edge:
         return True
 
     async def _record_new(self, rec: SandboxRecord) -> bool:
-        """Write the record of an id that has none (or a deleted one); False when another record is there."""
-        revision = 0
-        try:
-            for _ in range(3):
+        """Write the record of an id that has none (or a deleted one); False when another request's record
+        is there. Kept trying through a stream leader moving (as _record_ready); a write that landed the
+        first time reads back as ours."""
+        revision, give_up = 0, time.monotonic() + RECORD_RETRY
+        while True:
+            try:
                 if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), revision) is not None:
                     return True
                 raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
-                if raw is not None:
-                    return False
-        except BusError:   # the write may have landed: read it back
-            with contextlib.suppress(BusError):
-                prior = _decode_record((await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id))[0])
-                return prior is not None and prior.node == self.node and prior.request_id == rec.request_id
-        return False
+                if raw is None:
+                    continue   # deleted (a freed claim): write over its tombstone
+                prior = _decode_record(raw)
+                return prior is not None and prior.node == self.node and prior.request_id == rec.request_id \
+                    and prior.state == "ready"
+            except BusError as exc:
+                if time.monotonic() > give_up:
+                    log.error("state of %s not recorded: %s", rec.sandbox_id, exc)
+                    return True   # it runs and the client is told; the record catches up on destroy
+                await asyncio.sleep(0.2)
 
     async def _started(self, req: CreateRequest, spec: SandboxSpec, rec: SandboxRecord) -> None:
         """A sandbox runs and its record says `ready`: keep it, answer the client, announce it."""
@@ -422,6 +446,8 @@ class Edge:
         # The reply does not wait for the `created` records: the sandbox's later records (exec, destroyed)
         # wait for them instead (Running.after_created), so the timeline keeps its order.
         running.announced = asyncio.ensure_future(self._announce(rec, req.request_id))
+        self._announcing.add(running.announced)
+        running.announced.add_done_callback(self._announcing.discard)
         await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                      node=self.node))
 
@@ -539,15 +565,15 @@ class Edge:
             raise RequestExpired("create request expired while the sandbox started; it was destroyed")
         return spec
 
-    async def _claim_warm(self, req: CreateRequest, spec: SandboxSpec) -> bool:
-        """Give the create a ready sandbox of a matching warm pool, if there is one."""
-        warm = self.warm.take(req.layers, req.resources)
+    async def _claim_warm(self, req: CreateRequest, spec: SandboxSpec, warm: str | None = None) -> bool:
+        """Give the create a ready sandbox of a matching warm pool (this one, or one taken now)."""
+        warm = warm or self.warm.take(req.layers, req.resources, req.request_id)
         if warm is None:
             return False
         try:
             await self.backend.claim(warm, spec)
             return True
-        except BackendError as exc:   # e.g. its init died: start one cold instead
+        except (BackendError, OSError) as exc:   # e.g. its init died: start one cold instead
             log.warning("warm sandbox %s not claimed for %s (%s): starting one cold", warm, req.sandbox_id, exc)
             self.warm.retire(warm)
             return False

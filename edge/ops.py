@@ -332,6 +332,7 @@ class OpLane:
                 await asyncio.sleep(1.0)
                 verdict = await self._final(relay, fields)
             if verdict is Verdict.ACK and running is not None:
+                await running.after_created()   # its `created` record first on the timeline
                 await self._trajectory(op, relay, fields, running.record, started)
             return verdict
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
@@ -372,9 +373,6 @@ class OpLane:
         """The exec's record on the sandbox's trajectory timeline (after its exit record: never before it)."""
         job = subjects.job_of(rec.labels)
         task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code")   # its own failure: never retried
-        running = self.edge.sandboxes.get(op.sandbox_id)
-        if running is not None:
-            await running.after_created()
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.edge.node,
             at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,

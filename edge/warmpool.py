@@ -28,7 +28,7 @@ import msgspec
 
 from bus import streams
 from bus.conn import kv_watch
-from bus.errors import DsecError
+from bus.errors import DsecError, ImageNotFound, InvalidRequest
 from bus.messages import LayerRef, Resources, WarmPool, pool_key, warm_pool_decoder
 from edge.backends.base import BackendError, Limits, SandboxGone, SandboxSpec
 from placement.images import ImageRegistry
@@ -83,6 +83,7 @@ class WarmPools:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._retiring: set[asyncio.Task] = set()
+        self._asked: collections.OrderedDict[str, None] = collections.OrderedDict()   # request ids counted
         self.filling = 0
         self.hits = 0           # creates that took a warm sandbox
         self.misses = 0         # creates that matched a pool with none ready
@@ -95,28 +96,30 @@ class WarmPools:
                        asyncio.create_task(self._loop())]
 
     async def stop(self) -> None:
-        """Stop filling (the backend's stop destroys the warm sandboxes with the rest)."""
+        """Stop filling. Warm sandboxes being retired finish with the backend's stop, which destroys the
+        rest with every other sandbox."""
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, *self._retiring, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
     # ---- what the edge asks -----------------------------------------------------------------------
 
-    def has(self, layers: list[LayerRef], resources: Resources) -> bool:
-        """Whether a warm sandbox for these layers and resources is ready."""
-        stock = self._by_key.get(pool_key(layers, resources))
-        return stock is not None and bool(stock.ready)
-
-    def take(self, layers: list[LayerRef], resources: Resources) -> str | None:
-        """A ready sandbox for a create with these layers and resources (its demand counts either way)."""
+    def take(self, layers: list[LayerRef], resources: Resources, request_id: str) -> str | None:
+        """A ready sandbox for a create with these layers and resources. The request's demand (and a
+        miss) counts once, however often it asks (a redelivery, the short way then the usual one)."""
         stock = self._by_key.get(pool_key(layers, resources))
         if stock is None:
             return None
-        stock.demand.append(time.monotonic())
-        self._wake.set()
+        first = request_id not in self._asked
+        if first:
+            self._asked[request_id] = None
+            while len(self._asked) > 4096:
+                self._asked.popitem(last=False)
+            stock.demand.append(time.monotonic())
+            self._wake.set()
         if not stock.ready:
-            self.misses += 1
+            self.misses += first
             return None
         self.hits += 1
         self.edge.record.changed()
@@ -163,7 +166,21 @@ class WarmPools:
         while stock.ready:
             self.retire(stock.ready.popleft()[0])
         stock.key = ""
-        self._by_key = {s.key: s for s in self.pools.values() if s.key}
+        self._index()
+
+    def _index(self) -> None:
+        """Pools by key. Two pools of one key (same layers and resources) are one: the first by name
+        fills and is claimed, the other stays empty and says so."""
+        self._by_key = {}
+        for name in sorted(self.pools):
+            stock = self.pools[name]
+            if not stock.key:
+                continue
+            first = self._by_key.setdefault(stock.key, stock)
+            if first is not stock:
+                stock.error = f"same layers and resources as pool {first.spec.name}: that one is kept"
+                while stock.ready:
+                    self.retire(stock.ready.popleft()[0])
 
     # ---- filling ----------------------------------------------------------------------------------
 
@@ -191,9 +208,9 @@ class WarmPools:
         for stock in list(self.pools.values()):
             if now - stock.resolved_at > RESOLVE_EVERY:
                 await self._resolve(stock)
-        self._by_key = {s.key: s for s in self.pools.values() if s.key}
+        self._index()
         for stock in list(self.pools.values()):
-            if not stock.key:
+            if not stock.key or self._by_key.get(stock.key) is not stock:
                 continue
             target = stock.target(now)
             if self.edge.draining:   # it takes no new creates: nothing will claim them
@@ -212,8 +229,11 @@ class WarmPools:
         try:
             layers = await ImageRegistry(self.edge.bus).compose(spec.image, spec.workspace, spec.toolkit)
             key, stock.error = pool_key(layers, spec.resources), ""
-        except DsecError as exc:
+        except (ImageNotFound, InvalidRequest) as exc:   # gone (or never was): nothing to keep warm
             layers, key, stock.error = [], "", str(exc)
+        except DsecError as exc:   # the bus, for now: keep what it has, look again soon
+            stock.error, stock.resolved_at = f"layers not resolved: {exc}", time.monotonic() - RESOLVE_EVERY + TICK
+            return
         stock.resolved_at = time.monotonic()
         if key != stock.key:   # a new version of a layer (or none any more): the old warm ones go
             self._drop(stock)

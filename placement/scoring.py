@@ -83,17 +83,31 @@ def fragmentation(i: NodeInfo, r: Resources, f: Free | None = None) -> float:
     return sum(left) + SPREAD_WEIGHT * (max(left) - min(left))
 
 
-def affinity(layers: list[LayerRef], r: Resources) -> Callable[[NodeInfo], float]:
+class Affinity:
     """How much placing a create with these layers and resources on a node saves: a warm sandbox ready
-    for it, or its layers already in the node's cache."""
-    key = pool_key(layers, r)
-    marks = {layer_mark(la.digest) for la in layers}
+    for it (WARM_BONUS), or its layers already in the node's cache (LAYER_BONUS)."""
 
-    def bonus(i: NodeInfo) -> float:
-        if i.warm.get(key):
+    def __init__(self, layers: list[LayerRef], r: Resources) -> None:
+        self.key = pool_key(layers, r)
+        self.marks = {layer_mark(la.digest) for la in layers}
+
+    def warm(self, i: NodeInfo) -> bool:
+        """Whether the node has a warm sandbox for it (a dict look-up: cheap enough to ask every node)."""
+        return i.warm.get(self.key, 0) > 0
+
+    def __call__(self, i: NodeInfo) -> float:
+        if self.warm(i):
             return WARM_BONUS
-        return LAYER_BONUS if marks and marks.issubset(i.layers) else 0.0
-    return bonus
+        return LAYER_BONUS if self.marks and self.marks.issubset(i.layers) else 0.0
+
+
+def affinity(layers: list[LayerRef], r: Resources) -> Affinity:
+    """The bonus function of a create (see Affinity)."""
+    return Affinity(layers, r)
+
+
+def _no_bonus(i: NodeInfo) -> float:
+    return 0.0
 
 
 def placeable(i: NodeInfo, pool: str, now: float) -> bool:
@@ -103,7 +117,7 @@ def placeable(i: NodeInfo, pool: str, now: float) -> bool:
 
 def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude: frozenset[str] = frozenset(),
            k: int = K, rng: random.Random | None = None, now: float | None = None,
-           prefer: Callable[[NodeInfo], float] = lambda i: 0.0) -> tuple[str | None, bool]:
+           prefer: Callable[[NodeInfo], float] = _no_bonus) -> tuple[str | None, bool]:
     """(best node for r, whether any live node of the pool could ever fit r); prefer(node) is a bonus
     taken off a node's score (see affinity)."""
     now = time.time() if now is None else now
@@ -111,14 +125,20 @@ def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude:
     ever = any(can_ever_fit(i, r) for i in live)
     if len(live) > SCAN_ALL:
         rng = rng or random
-        sample = [i for i in live if prefer(i) > 0 and can_ever_fit(i, r) and fits(i, r)][:k]   # always looked at
-        preferred, drawn = {i.node for i in sample}, 0
-        for i in rng.sample(live, len(live)):   # random order; stop after k fitting candidates
-            if i.node not in preferred and can_ever_fit(i, r) and fits(i, r):
+        # Random order: k fitting candidates, and when some node has a warm sandbox for the request,
+        # until one such node is among them too (met in the same random order: engines still spread).
+        warm = getattr(prefer, "warm", None)
+        hunting = warm is not None and any(warm(i) for i in live)
+        sample, found = [], 0
+        for i in rng.sample(live, len(live)):
+            if not (can_ever_fit(i, r) and fits(i, r)):
+                continue
+            is_warm = hunting and warm(i)
+            if len(sample) < k or is_warm:
                 sample.append(i)
-                drawn += 1
-                if drawn == k:
-                    break
+                found += is_warm
+            if len(sample) >= k and (not hunting or found):
+                break
         live = sample
     scored = [(fragmentation(i, r) - prefer(i), i.node) for i in live if can_ever_fit(i, r) and fits(i, r)]
     if not scored:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def groups(stack, sb) -> dict[str, Path]:
-    return NodeCgroups(stack.edge.node).sandbox(sb.id)
+    return NodeCgroups(stack.edge.node).sandbox(stack.edge.backend._key(sb.id))   # its name, if it was warm
 
 
 async def test_fork_bomb_hits_the_pids_limit(client, stack):

@@ -30,12 +30,13 @@ async def warm_pool(stack, client, name: str, **kwargs):
         yield stack.edge.warm
     finally:
         await client.delete_warm_pool(name)
-        await wait_for(lambda: not [s for s in stack.edge.backend.sandboxes() if s.startswith("warm-")],
-                       what="warm sandboxes destroyed")
+        await wait_for(lambda: not warm_ids(stack, dying_too=True), what="warm sandboxes destroyed")
 
 
-def warm_ids(stack) -> list[str]:
-    return [s for s in stack.edge.backend.sandboxes() if s.startswith("warm-")]
+def warm_ids(stack, dying_too: bool = False) -> list[str]:
+    """Warm sandboxes of the session's edge (with dying_too: also those still being torn down)."""
+    backend = stack.edge.backend
+    return [s for s in (backend._sandboxes if dying_too else backend.sandboxes()) if s.startswith("warm-")]
 
 
 async def test_a_claimed_sandbox_is_clean_and_its_own(stack, client):
@@ -93,13 +94,16 @@ async def test_hits_misses_and_metrics(stack, client):
     assert "dsec_edge_warm_pool_hits" in families and "dsec_edge_warm_ready" in families
 
 
-async def test_the_pool_grows_with_demand_within_its_bounds(stack, client):
+async def test_the_pool_grows_with_demand_within_its_bounds(stack, client, monkeypatch):
+    import edge.warmpool
+    monkeypatch.setattr(edge.warmpool, "WINDOW", 120.0)   # a window no slow machine outlasts:
+    monkeypatch.setattr(edge.warmpool, "HORIZON", 40.0)   # a third of the creates seen so far
     async with warm_pool(stack, client, "adaptive", min=0, max=3) as pools:
         await wait_for(lambda: "adaptive" in pools.pools and pools.pools["adaptive"].key, what="pool resolved")
         assert pools.ready() == 0          # no demand yet: min
         boxes = await client.create_many(6)
         await asyncio.gather(*(b.destroy() for b in boxes))
-        await wait_for(lambda: pools.ready() == 2, what="pool grown to the demand")   # 6 in 10 s -> 2 for 2 s
+        await wait_for(lambda: pools.ready() == 2, what="pool grown to the demand")   # 6 creates -> 2
         boxes = await client.create_many(8)
         await asyncio.gather(*(b.destroy() for b in boxes))
         await wait_for(lambda: pools.ready() == 3, what="pool grown to its max")
@@ -180,6 +184,24 @@ async def test_the_warm_cli(stack):
     finally:
         p = await asyncio.to_thread(dsec, "warm", "rm", "--nats", stack.url, "clipool")
         assert p.returncode == 0, p.stderr
-    await wait_for(lambda: not warm_ids(stack), what="warm sandboxes destroyed")
+    await wait_for(lambda: not warm_ids(stack, dying_too=True), what="warm sandboxes destroyed")
     again = await asyncio.to_thread(dsec, "warm", "rm", "--nats", stack.url, "clipool")
     assert again.returncode != 0 and "no warm pool" in again.stderr
+
+
+async def test_the_node_record_shows_its_warm_stock_and_layers(stack, client):
+    from bus import streams
+    from bus.messages import layer_mark, node_decoder, pool_key
+    async with warm_pool(stack, client, "advertised", min=1, max=1) as pools:
+        await wait_for(lambda: pools.ready() == 1, what="pool filled")
+        stock = pools.pools["advertised"]
+        key, marks = stock.key, [layer_mark(la.digest) for la in stock.layers]
+        assert key == pool_key(stock.layers, stock.spec.resources)
+
+        async def record():
+            return node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, stack.edge.node))
+        give_up = time.monotonic() + 10
+        while (await record()).warm.get(key) != 1:
+            assert time.monotonic() < give_up, "warm stock never reached the node record"
+            await asyncio.sleep(0.05)
+        assert set(marks) <= set((await record()).layers)

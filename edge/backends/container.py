@@ -12,6 +12,7 @@ import collections
 import contextlib
 import errno
 import itertools
+import logging
 import os
 import re
 import shutil
@@ -31,6 +32,8 @@ from edge.backends.launcher import Launcher
 from edge.backends.zygote import Exec, Launch, LauncherError
 
 __all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
+
+log = logging.getLogger(__name__)
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
@@ -196,6 +199,7 @@ class ContainerBackend(Backend):
         if spec.id in self._sandboxes or spec.id in self._starting:
             raise BackendError(f"sandbox already exists: {spec.id}")
         self._starting.add(spec.id)
+        self._keys.pop(spec.id, None)   # started again under its own name (a rollback of a claimed one)
         try:
             self._sandboxes[spec.id] = await self._launch(spec)
         finally:
@@ -258,7 +262,10 @@ class ContainerBackend(Backend):
     def _set_hostname(self, sb: _Sandbox, name: str) -> None:
         """sethostname in the sandbox's UTS namespace: this thread goes in and straight back (setns moves
         only the calling thread; two syscalls, no thread hand-off on the claim path)."""
-        own = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            own = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BackendError(f"cannot open this thread's UTS namespace: {exc}") from exc
         try:
             try:
                 kernel.setns(sb.pidfd, kernel.CLONE_NEWUTS)
@@ -269,7 +276,11 @@ class ContainerBackend(Backend):
             except OSError as exc:
                 raise BackendError(f"cannot set the hostname of {sb.spec.id}: {exc}") from exc
             finally:
-                kernel.setns(own, kernel.CLONE_NEWUTS)   # back home (we hold the fd: cannot fail)
+                try:
+                    kernel.setns(own, kernel.CLONE_NEWUTS)   # back home (we hold its fd: it cannot fail)
+                except OSError:   # if it ever did, every process forked later would be in a sandbox's
+                    log.critical("edge thread stuck in the UTS namespace of %s: aborting", sb.spec.id)
+                    os.abort()    # namespace: die; the restart reconciles everything
         finally:
             os.close(own)
 
