@@ -88,7 +88,8 @@ class Edge:
         self.capacity = Capacity(config)
         self.state_dir = Path(state_dir)
         self.layers = LayerCache(bus, self.state_dir / "layer-cache", config.layer_cache, in_use=lambda: {
-            la.digest for r in self.sandboxes.values() for la in r.layers} | self.warm.digests())
+            la.digest for r in self.sandboxes.values() for la in r.layers} | self.warm.digests(),
+            on_change=lambda: self.record.changed())
         self.sandboxes: dict[str, Running] = {}
         self.ops = OpLane(self)
         self.warm = WarmPools(self)

@@ -23,12 +23,13 @@ class LayerCache:
     the least recently used layers that no running sandbox uses are dropped (fetched again if needed)."""
 
     def __init__(self, bus: Bus, root: Path, max_bytes: int = 0,
-                 in_use: Callable[[], set[str]] = lambda: set()) -> None:
+                 in_use: Callable[[], set[str]] = lambda: set(), on_change: Callable[[], None] = lambda: None) -> None:
         self.bus = bus
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes   # 0: no cap
         self.in_use = in_use         # digests running sandboxes use
+        self.on_change = on_change   # a layer came or went (the node record lists what it holds)
         self._fetching: dict[str, asyncio.Future] = {}
         self._lru: collections.OrderedDict[Path, tuple[int, float]] = collections.OrderedDict()  # size, last use
         for f in sorted(self.root.glob("*.erofs"), key=lambda f: f.stat().st_mtime):   # kept across restarts
@@ -107,6 +108,7 @@ class LayerCache:
             os.replace(file, path)
             self._used(path)
             self._trim()
+            self.on_change()
 
     def evict(self, layers: list[LayerRef]) -> None:
         """Drop these layers' files (one would not mount): the next use fetches and verifies them again.
@@ -131,3 +133,4 @@ class LayerCache:
         self.bytes_fetched += len(data)
         self._used(path)
         self._trim()
+        self.on_change()

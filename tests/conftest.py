@@ -65,8 +65,19 @@ async def extra_edge(stack, state_dir: Path, node: str, slots: int):
 
 @pytest.fixture
 async def second_edge(stack, tmp_path):
-    """Node t2, smaller than t1, so placement's best fit fills it first."""
+    """Node t2, smaller than t1, so placement's best fit fills it first. It holds the busybox layer as t1
+    does (placement prefers a node that needs no fetch when fits are close)."""
+    from bus import streams
+    from bus.messages import layer_mark, node_decoder
+    from placement.images import ImageRegistry
     async with extra_edge(stack, tmp_path / "t2", "t2", 10) as st:
+        layers = await ImageRegistry(stack.bus).compose("busybox")
+        await st.edge.layers.ensure(layers)
+        for _ in range(100):   # until placement can see it in the node record
+            info = node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, "t2"))
+            if layer_mark(layers[0].digest) in info.layers:
+                break
+            await asyncio.sleep(0.05)
         yield st
 
 
