@@ -130,6 +130,7 @@ class WarmPools:
         task = asyncio.ensure_future(self._destroy(warm_id))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+        self.edge.record.changed()   # the node record's warm stock
 
     def ready(self) -> int:
         """Warm sandboxes ready on this edge."""
@@ -219,7 +220,6 @@ class WarmPools:
                     self.retire(stock.ready.popleft()[0])
             while len(stock.ready) > target and now - stock.ready[0][1] > IDLE:
                 self.retire(stock.ready.popleft()[0])
-                self.edge.record.changed()
             if len(stock.ready) < target and now >= stock.paused_until and self._room(stock):
                 await self._fill_one(stock)
                 self._wake.set()

@@ -49,12 +49,12 @@ async def stack(nats_server, session_dir):
 
 
 @contextlib.asynccontextmanager
-async def extra_edge(stack, state_dir: Path, node: str, slots: int):
+async def extra_edge(stack, state_dir: Path, node: str, slots: int, **config):
     """Another node on the session's bus (its own edge process part, no placement), stopped after."""
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
     st = Stack(state_dir, nats_url=stack.url, metrics_port=None, run_placement=False,
-               edge_config=EdgeConfig(node_id=node, slots=slots))
+               edge_config=EdgeConfig(node_id=node, slots=slots, **config))
     with leaks.live(node, state_dir / "edge"):
         await st.start()
         try:
@@ -67,18 +67,25 @@ async def extra_edge(stack, state_dir: Path, node: str, slots: int):
 async def second_edge(stack, tmp_path):
     """Node t2, smaller than t1, so placement's best fit fills it first. It holds the busybox layer as t1
     does (placement prefers a node that needs no fetch when fits are close)."""
+    async with extra_edge(stack, tmp_path / "t2", "t2", 10) as st:
+        await hold_layers(stack, st, "busybox")
+        yield st
+
+
+async def hold_layers(stack, other, image: str) -> None:
+    """Have another node fetch an image's layers, and wait until its node record (what placement sees)
+    lists them."""
     from bus import streams
     from bus.messages import layer_mark, node_decoder
     from placement.images import ImageRegistry
-    async with extra_edge(stack, tmp_path / "t2", "t2", 10) as st:
-        layers = await ImageRegistry(stack.bus).compose("busybox")
-        await st.edge.layers.ensure(layers)
-        for _ in range(100):   # until placement can see it in the node record
-            info = node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, "t2"))
-            if layer_mark(layers[0].digest) in info.layers:
-                break
-            await asyncio.sleep(0.05)
-        yield st
+    layers = await ImageRegistry(stack.bus).compose(image)
+    await other.edge.layers.ensure(layers)
+    marks = {layer_mark(la.digest) for la in layers}
+    for _ in range(200):
+        if marks <= set(node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, other.edge.node)).layers):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{other.edge.node}'s node record never listed the layers of {image}")
 
 
 @pytest.fixture

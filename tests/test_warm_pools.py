@@ -205,3 +205,26 @@ async def test_the_node_record_shows_its_warm_stock_and_layers(stack, client):
             assert time.monotonic() < give_up, "warm stock never reached the node record"
             await asyncio.sleep(0.05)
         assert set(marks) <= set((await record()).layers)
+
+
+async def test_placement_sends_a_matching_create_to_the_node_with_a_warm_sandbox(stack, client, tmp_path):
+    from tests.conftest import extra_edge, hold_layers
+    async with extra_edge(stack, tmp_path / "t4", "t4", 10, warm_max=0) as cold:   # keeps no warm sandbox
+        await hold_layers(stack, cold, "busybox")
+        probe = await client.create()           # the smaller node wins a plain best fit
+        await probe.destroy()
+        assert probe.node == "t4"
+        async with warm_pool(stack, client, "routed", min=2, max=2) as pools:
+            await wait_for(lambda: pools.ready() == 2, what="pool filled on t1")
+            from bus import streams
+            from bus.messages import node_decoder
+            give_up = time.monotonic() + 10
+            while not node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, "t1")).warm:
+                assert time.monotonic() < give_up, "warm stock never reached t1's record"
+                await asyncio.sleep(0.05)
+            hits = pools.hits
+            sb = await client.create()
+            try:
+                assert sb.node == "t1" and pools.hits == hits + 1   # where one is ready, not the best fit
+            finally:
+                await sb.destroy()
