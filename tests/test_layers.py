@@ -131,6 +131,30 @@ async def test_twenty_concurrent_creates_of_a_new_layer_fetch_it_once(stack, cli
         await asyncio.gather(*(sb.destroy() for sb in boxes))
 
 
+async def test_a_cold_node_fetches_only_the_layers_it_needs(stack, client, tmp_path):
+    from placement.images import ImageRegistry
+    from tests.conftest import extra_edge
+    for name, kind, size in (("needed-ws", "workspace", 300 << 10), ("decoy-tk", "toolkit", 2 << 20)):
+        root = tmp_path / name
+        (root / "data").mkdir(parents=True)
+        (root / "data" / "blob").write_bytes(os.urandom(size))
+        await build(stack.url, name, kind, root)
+    layers = await ImageRegistry(stack.bus).compose("busybox", "needed-ws")
+    async with extra_edge(stack, tmp_path / "t5", "t5", 4) as cold:   # empty cache; the best fit
+        cache = cold.edge.layers
+        assert (cache.misses, cache.bytes_fetched, list(cache.root.glob("*.erofs"))) == (0, 0, [])
+        sb = await client.create(workspace="needed-ws")
+        try:
+            assert sb.node == "t5"
+            assert cache.misses == 2 and cache.bytes_fetched == sum(la.size for la in layers)   # base + workspace
+            assert sorted(p.name for p in cache.root.glob("*.erofs")) == sorted(
+                la.digest.replace(":", "-") + ".erofs" for la in layers)   # not the decoy, nor any other image
+        finally:
+            await sb.destroy()
+    for ref in ("needed-ws@1", "decoy-tk@1"):
+        assert (await asyncio.to_thread(dsec, "image", "rm", "--nats", stack.url, ref)).returncode == 0
+
+
 FAKE_DEBOOTSTRAP = '''#!{python}
 """Stands in for Debian's debootstrap: records its arguments, makes a tiny root."""
 import json, os, shutil, sys
