@@ -100,13 +100,12 @@ def root_for(suite: str, packages: list[str], mirror: str, log=print) -> Path:
                                 start_new_session=True)   # its own group: a timeout kills dpkg & co too
         try:
             out, _ = proc.communicate(timeout=TIMEOUT)
-        except BaseException as exc:   # timed out, or interrupted: nothing of it goes on writing
+        except subprocess.TimeoutExpired:
+            raise LayerBuildError(f"debootstrap did not finish within {TIMEOUT:.0f} s") from None
+        finally:   # however it ended, nothing it started goes on writing
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            if isinstance(exc, subprocess.TimeoutExpired):
-                raise LayerBuildError(f"debootstrap did not finish within {TIMEOUT:.0f} s") from None
-            raise
         if proc.returncode != 0:
             tail = "\n".join(out.strip().splitlines()[-5:])
             raise LayerBuildError(f"debootstrap failed (exit {proc.returncode}): {tail}")
@@ -118,16 +117,21 @@ def root_for(suite: str, packages: list[str], mirror: str, log=print) -> Path:
                 raise
         return done / "root"
     finally:
-        _unmount_under(work)   # /proc, /sys... a killed debootstrap left mounted in its chroot
-        shutil.rmtree(work, ignore_errors=True)
+        if _unmount_under(work):   # /proc, /sys... a killed debootstrap left mounted in its chroot
+            shutil.rmtree(work, ignore_errors=True)
 
 
-def _unmount_under(path: Path) -> None:
+def _mounts_under(path: Path) -> list[str]:
     prefix = f"{path.resolve()}/"
     with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        return [p for p in (line.split()[4] for line in f) if p.startswith(prefix)]
+
+
+def _unmount_under(path: Path) -> bool:
+    """Detach every mount below path; whether none is left (else its files must not be removed)."""
+    for point in sorted(_mounts_under(path), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True)
+    return not _mounts_under(path)
 
 
 def _slim(root: Path) -> None:

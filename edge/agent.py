@@ -73,8 +73,9 @@ class Running:
         except asyncio.TimeoutError:
             pass
         except asyncio.CancelledError:
-            if not fut.cancelled():   # we were cancelled, not the announcement (cancelled at a stop)
-                raise
+            task = asyncio.current_task()
+            if not fut.cancelled() or (task is not None and task.cancelling()):
+                raise   # we were cancelled, not (only) the announcement (cancelled at a stop)
 
 
 class Edge:
@@ -400,9 +401,11 @@ class Edge:
             return False
         try:
             paths = await self.layers.ensure(req.layers)   # held by the pool: no fetch
-        except DsecError:
+        except Exception as exc:
             self.warm.retire(warm)
-            return False
+            if isinstance(exc, DsecError):
+                return False
+            raise
         spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
         if not await self._claim_warm(req, spec, warm):
             return False
@@ -421,17 +424,20 @@ class Edge:
         """Write the record of an id that has none (or a deleted one); False when another request's record
         is there. Kept trying through a stream leader moving (as _record_ready); a write that landed the
         first time reads back as ours."""
-        revision, give_up = 0, time.monotonic() + RECORD_RETRY
+        revision, give_up, conflicts = 0, time.monotonic() + RECORD_RETRY, 0
         while True:
             try:
                 if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), revision) is not None:
                     return True
                 raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
-                if raw is None:
-                    continue   # deleted (a freed claim): write over its tombstone
                 prior = _decode_record(raw)
-                return prior is not None and prior.node == self.node and prior.request_id == rec.request_id \
-                    and prior.state == "ready"
+                same = prior is not None and prior.node == self.node and prior.request_id == rec.request_id
+                if raw is None or (same and prior.state == "starting"):
+                    conflicts += 1   # a tombstone (a freed claim), or this node's claim from an earlier
+                    if conflicts > 4:   # delivery of this request: write over it (a few times at most)
+                        return False
+                    continue
+                return same and prior.state == "ready"
             except BusError as exc:
                 if time.monotonic() > give_up:
                     log.error("state of %s not recorded: %s", rec.sandbox_id, exc)
@@ -457,6 +463,8 @@ class Edge:
             await self._event(rec, "created", request_id)
         except BusError as exc:
             log.error("created event of %s not published: %s", rec.sandbox_id, exc)
+        except Exception:   # never into the records that wait for it
+            log.exception("created event of %s not published", rec.sandbox_id)
 
     async def _record_ready(self, rec: SandboxRecord, claim: int) -> bool:
         """Turn our `starting` claim into `ready` by compare-and-set; False when the claim is no longer ours.
@@ -585,13 +593,13 @@ class Edge:
         await self._free_claim(req.sandbox_id)
         again = msgspec.structs.replace(req, node="", pool="", attempt=req.attempt + 1,
                                         avoid=[*req.avoid, self.node])
-        await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(again),
-                               msg_id=f"{req.request_id}.{again.attempt}", retries=3, retry_for=5.0)
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="failed",
                             image=req.image, labels=dict(req.labels), request_id=req.request_id)
-        with contextlib.suppress(DsecError):
+        with contextlib.suppress(DsecError):   # first: the next attempt's events come after it
             await self._event(rec, "retried", req.request_id, f"placed again elsewhere after: {err}",
                               nth=again.attempt, failure_class="environment")
+        await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(again),
+                               msg_id=f"{req.request_id}.{again.attempt}", retries=3, retry_for=5.0)
 
     async def _record_failure(self, req: CreateRequest, err: DsecError) -> None:
         state = "expired" if isinstance(err, RequestExpired) else "failed"

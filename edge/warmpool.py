@@ -170,11 +170,11 @@ class WarmPools:
         self._index()
 
     def _index(self) -> None:
-        """Pools by key. Two pools of one key (same layers and resources) are one: the first by name
-        fills and is claimed, the other stays empty and says so."""
-        self._by_key = {}
-        for name in sorted(self.pools):
-            stock = self.pools[name]
+        """Pools by key. Two pools of one key (same layers and resources) are one: the one serving it
+        already (else the first by name) fills and is claimed, the other stays empty and says so."""
+        before, self._by_key = self._by_key, {}
+        for name in sorted(self.pools, key=lambda n: (before.get(self.pools[n].key) is not self.pools[n], n)):
+            stock = self.pools[name]   # the one that served its key so far stays first: no churn
             if not stock.key:
                 continue
             first = self._by_key.setdefault(stock.key, stock)

@@ -128,7 +128,7 @@ def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude:
         # Random order: k fitting candidates, and when some node has a warm sandbox for the request,
         # until one such node is among them too (met in the same random order: engines still spread).
         warm = getattr(prefer, "warm", None)
-        hunting = warm is not None and any(warm(i) for i in live)
+        hunting = warm is not None and any(warm(i) and can_ever_fit(i, r) and fits(i, r) for i in live)
         sample, found = [], 0
         for i in rng.sample(live, len(live)):
             if not (can_ever_fit(i, r) and fits(i, r)):

@@ -107,8 +107,9 @@ async def no_leaks(request):
     st = request.getfixturevalue("stack")
     if st.edge is None:
         return
-    for _ in range(50):   # destroys triggered at the end of a test may still be settling
-        if not st.edge.sandboxes and not st.edge.backend.sandboxes():
+    backend = st.edge.backend
+    for _ in range(50):   # destroys triggered at the end of a test may still be settling (dying ones too)
+        if not st.edge.sandboxes and not backend._sandboxes and not backend._starting and not st.edge.warm.filling:
             break
         await asyncio.sleep(0.1)
     left = list(st.edge.sandboxes)

@@ -3,6 +3,8 @@ node with a fresh environment, once; a task failure (the command's own exit) nev
 with their class."""
 from __future__ import annotations
 
+import asyncio
+
 from bus import streams, subjects
 from bus.messages import event_decoder, traj_decoder
 from tests.conftest import extra_edge
@@ -69,7 +71,11 @@ async def test_a_corrupt_layer_in_the_store_fails_clearly_after_one_retry_and_le
             await client.create(workspace="rotten")
         [sid] = [r.sandbox_id for r in await client.list(all_states=True)
                  if r.state == "failed" and "rotten@1" in r.reason]
-        evs = await events_of(stack, sid)
+        for _ in range(100):   # each node publishes its own event; the client's answer may come first
+            evs = await events_of(stack, sid)
+            if {"retried", "failed"} <= {e.type for e in evs}:
+                break
+            await asyncio.sleep(0.05)
         retried = [e for e in evs if e.type == "retried"]
         assert len(retried) == 1 and retried[0].failure_class == "environment" and "corrupt" in retried[0].detail
         failed = [e for e in evs if e.type == "failed"]
