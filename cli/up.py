@@ -39,6 +39,9 @@ def edge_options(fn):
         click.option("--layer-cache", default="16Gi", show_default=True, metavar="SIZE",
                      help="Layers kept on this node; beyond, the least recently used that no sandbox runs on go "
                           "(fetched again when needed)."),
+        click.option("--warm-max", default=32, show_default=True,
+                     help="Warm-pool sandboxes this node keeps ready, all pools together (0: none; pools are set "
+                          "with `dsec warm set`)."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
@@ -49,13 +52,15 @@ def edge_options(fn):
 
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
                 memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki",
-                layer_cache: str = "16Gi") -> EdgeConfig:
+                layer_cache: str = "16Gi", warm_max: int = 32) -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
     from libdsec.resources import parse_size
     from bus.errors import InvalidRequest
     fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
-                    "memory_fraction": memory_fraction}
+                    "memory_fraction": memory_fraction, "warm_max": warm_max}
+    if not 0 <= warm_max <= 1024:
+        fail(f"--warm-max: between 0 and 1024, got {warm_max}")
     for name, value in (("max_output", max_output), ("traj_output", traj_output), ("layer_cache", layer_cache)):
         try:
             fields[name] = parse_size(value, "--" + name.replace("_", "-"))
@@ -158,8 +163,8 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
 @run_async
 async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int,
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
-             cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, traj_output: str,
-             burst_threshold: float,
+             cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
+             traj_output: str, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
@@ -168,7 +173,7 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from bus.streams import DAY, HOUR, OUT_STREAM, TRAJ_STREAM
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
-                      layer_cache)
+                      layer_cache, warm_max)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                                           max_waiting=max_waiting), servers=servers,
@@ -188,14 +193,14 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
 async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, capacity: str,
-               cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, traj_output: str,
-               verbose: bool) -> None:
+               cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
+               traj_output: str, verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
-                      layer_cache)
+                      layer_cache, warm_max)
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")
 
