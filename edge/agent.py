@@ -401,11 +401,9 @@ class Edge:
             return False
         try:
             paths = await self.layers.ensure(req.layers)   # held by the pool: no fetch
-        except Exception as exc:
+        except Exception:   # the usual way meets it again and makes it a typed failure
             self.warm.retire(warm)
-            if isinstance(exc, DsecError):
-                return False
-            raise
+            return False
         spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
         if not await self._claim_warm(req, spec, warm):
             return False
