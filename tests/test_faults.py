@@ -86,6 +86,8 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
         async with libdsec.AsyncClient(srv.url) as client:
             old = await client.create_many(2)
             await old[0].exec("sleep 1000 >/dev/null 2>&1 &")
+            await client.set_warm_pool("kept", min=2, max=2)   # the killed run leaves warm sandboxes too
+            await _wait_warm(client, 2)
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             queued = asyncio.create_task(client.create(timeout=60))
@@ -105,6 +107,8 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
                 with pytest.raises(libdsec.SandboxNotFound):
                     await sb.exec("echo")
             await new.destroy()
+            await _wait_warm(client, 2)   # the restarted run refilled the pool (the old ones were reconciled)
+            await client.delete_warm_pool("kept")
         edge.send_signal(signal.SIGTERM)
         assert edge.wait(15) == 0
     finally:
@@ -116,6 +120,15 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
     from edge.backends.container import leftovers
     assert leftovers(tmp_path / "edge" / "edge", "rs") == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
+
+
+async def _wait_warm(client, n: int) -> None:
+    for _ in range(300):
+        pools = await client.warm_pools()
+        if pools and pools[0].total == n:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the warm pool never had {n} ready: {await client.warm_pools()}")
 
 
 async def test_creates_wait_for_a_node_and_for_cpu(tmp_path):
