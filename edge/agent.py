@@ -408,7 +408,7 @@ class Edge:
         if not await self._claim_warm(req, spec, warm):
             return False
         rec = self._ready_record(req)
-        if not await self._record_new(rec):
+        if not await self._record_ready(rec):   # the id has a record already
             self._slow_way[req.request_id] = None
             while len(self._slow_way) > 1024:
                 self._slow_way.popitem(last=False)
@@ -417,30 +417,6 @@ class Edge:
             return False
         await self._started(req, spec, rec)
         return True
-
-    async def _record_new(self, rec: SandboxRecord) -> bool:
-        """Write the record of an id that has none (or a deleted one); False when another request's record
-        is there. Kept trying through a stream leader moving (as _record_ready); a write that landed the
-        first time reads back as ours."""
-        revision, give_up, conflicts = 0, time.monotonic() + RECORD_RETRY, 0
-        while True:
-            try:
-                if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), revision) is not None:
-                    return True
-                raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
-                prior = _decode_record(raw)
-                same = prior is not None and prior.node == self.node and prior.request_id == rec.request_id
-                if raw is None or (same and prior.state == "starting"):
-                    conflicts += 1   # a tombstone (a freed claim), or this node's claim from an earlier
-                    if conflicts > 4:   # delivery of this request: write over it (a few times at most)
-                        return False
-                    continue
-                return same and prior.state == "ready"
-            except BusError as exc:
-                if time.monotonic() > give_up:
-                    log.error("state of %s not recorded: %s", rec.sandbox_id, exc)
-                    return True   # it runs and the client is told; the record catches up on destroy
-                await asyncio.sleep(0.2)
 
     async def _started(self, req: CreateRequest, spec: SandboxSpec, rec: SandboxRecord) -> None:
         """A sandbox runs and its record says `ready`: keep it, answer the client, announce it."""
@@ -464,19 +440,24 @@ class Edge:
         except Exception:   # never into the records that wait for it
             log.exception("created event of %s not published", rec.sandbox_id)
 
-    async def _record_ready(self, rec: SandboxRecord, claim: int) -> bool:
-        """Turn our `starting` claim into `ready` by compare-and-set; False when the claim is no longer ours.
-        Kept trying through a stream leader moving to another server (then the outcome is re-read)."""
-        give_up = time.monotonic() + RECORD_RETRY
+    async def _record_ready(self, rec: SandboxRecord, claim: int = 0) -> bool:
+        """Write our sandbox's `ready` record by compare-and-set on `claim`: our `starting` claim's revision,
+        or 0 for an id with no record (a warm claim; a deleted record, or this node's own claim from an
+        earlier delivery of the request, is written over a few times at most). False when the record is
+        no longer ours. Kept trying through a stream leader moving to another server; a retried write
+        that landed the first time reads back as ours."""
+        give_up, revision, conflicts = time.monotonic() + RECORD_RETRY, claim, 0
         while True:
             try:
-                if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), claim) is not None:
+                if await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), revision) is not None:
                     return True
-                raw, _ = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
+                raw, latest = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
                 prior = _decode_record(raw)
-                # a retried write that landed the first time reads back as ours
-                return prior is not None and prior.node == self.node and prior.state == "ready" \
-                    and prior.request_id == rec.request_id
+                ours = prior is not None and prior.node == self.node and prior.request_id == rec.request_id
+                if not claim and conflicts < 4 and (raw is None or (ours and prior.state == "starting")):
+                    revision, conflicts = latest, conflicts + 1
+                    continue
+                return ours and prior.state == "ready"
             except BusError as exc:
                 if time.monotonic() > give_up:
                     log.error("state of %s not recorded: %s", rec.sandbox_id, exc)
