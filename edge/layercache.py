@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import itertools
 import os
 import time
 from pathlib import Path
@@ -68,7 +69,8 @@ class LayerCache:
     def held(self, n: int = 64) -> list[str]:
         """layer_mark of the n most recently used layers held (for the node record: placement prefers
         a node that needs no fetch)."""
-        return [path.name.removesuffix(".erofs").rpartition("-")[2][:16] for path in reversed(self._lru)][:n]
+        return [path.name.removesuffix(".erofs").rpartition("-")[2][:16]
+                for path in itertools.islice(reversed(self._lru), n)]
 
     def path(self, layer: LayerRef) -> Path:
         """Where a layer's file lives on this node."""

@@ -108,6 +108,8 @@ class WarmPools:
     def take(self, layers: list[LayerRef], resources: Resources, request_id: str) -> str | None:
         """A ready sandbox for a create with these layers and resources. The request's demand (and a
         miss) counts once, however often it asks (a redelivery, the short way then the usual one)."""
+        if not self._by_key:   # no pool on this node: nothing to hash on the create path
+            return None
         stock = self._by_key.get(pool_key(layers, resources))
         if stock is None:
             return None
