@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0
 STILL_LOST_EVERY = 50   # records rewritten between two checks that the node is still lost
 RETRY_AFTER = 10.0   # a lost node still not handled this long after its claim is handled by any engine
+STALL = 0.5          # a sweep this much later than due means this engine itself was stalled
+STALL_GRACE = 5      # after a stall, sweeps on time before a node may be declared lost (two heartbeats)
 
 
 class Reaper:
@@ -41,13 +43,26 @@ class Reaper:
         self.replaced = 0
 
     async def run(self) -> None:
-        """Sweep forever; no failure ends the sweep."""
+        """Sweep forever; no failure ends the sweep. After a stall of this engine itself (a paused process,
+        a starved event loop), nodes get STALL_GRACE sweeps to be heard from before any is declared lost: their
+        heartbeats may have been late because of us (an edge in this process) or unread by us. The grace
+        counts sweeps that ran on time, not seconds: a process paused again and again never judges others
+        by its own pauses."""
+        last, calm = time.monotonic(), STALL_GRACE   # calm: sweeps on time since the last stall
         while True:
             await asyncio.sleep(SWEEP_EVERY)
+            tick = time.monotonic()
+            if tick - last > SWEEP_EVERY + STALL:
+                log.warning("placement stalled for %.1fs: no node is declared lost for its next %d sweeps",
+                            tick - last, STALL_GRACE)
+                calm = 0
+            else:
+                calm += 1
+            last = tick
             now = time.time()
             for info in self.ledger.nodes():
                 try:
-                    if not info.lost and now - info.heartbeat > streams.NODE_LOST_AFTER:
+                    if not info.lost and now - info.heartbeat > streams.NODE_LOST_AFTER and calm >= STALL_GRACE:
                         await self.claim(info.node)
                     elif info.lost and not info.lost_handled and now - info.lost_at > RETRY_AFTER:
                         if await set_flag(self.bus, info.node, retry_lost_after=RETRY_AFTER):

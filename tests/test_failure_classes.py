@@ -38,6 +38,11 @@ async def environment_then_task_failure(stack, client, small) -> None:
         assert [e.type for e in evs if e.node == "t1"] == ["created"]
     finally:
         await moved.destroy()
+    for _ in range(100):   # placement sees the small node free again (its failed attempt released)
+        [t3] = [i for i in stack.placement.ledger.nodes() if i.node == "t3"]
+        if t3.used_slots == 0 and not t3.bookings:
+            break
+        await asyncio.sleep(0.05)
     healed = await client.create()   # the bad copy was dropped: fetched and verified again, it runs there
     try:
         assert healed.node == "t3"

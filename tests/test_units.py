@@ -1,6 +1,7 @@
 """Unit tests: parsing, validation, scoring, framing, errors, public names. No bus, no kernel."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -302,3 +303,37 @@ async def test_layer_cache_keeps_under_its_cap_and_never_drops_a_layer_in_use(tm
     assert cache.misses == 4 and cache.path(refs[1]).exists() and not cache.path(refs[2]).exists()
     again = layercache.LayerCache(Store(), tmp_path, max_bytes=2500)   # a restart keeps what is there
     assert again.size == 2000
+
+
+async def test_the_reaper_gives_nodes_grace_after_its_own_stall(monkeypatch):
+    from placement import reaper as rmod
+    monkeypatch.setattr(rmod, "SWEEP_EVERY", 0.05)
+    monkeypatch.setattr(rmod, "STALL", 0.1)
+    stale = _node("n", age=60)
+
+    class Ledger:
+        def nodes(self):
+            return [stale]
+    r = rmod.Reaper(bus=None, ledger=Ledger())
+    claimed: list[float] = []
+
+    async def claim(node):
+        claimed.append(time.monotonic())
+        return True
+    r.claim = claim
+    task = asyncio.create_task(r.run())
+    try:
+        await asyncio.sleep(0.2)
+        assert claimed, "a node silent for a minute is declared lost at once"
+        time.sleep(0.5)                      # this engine's process stalls (its event loop blocked)
+        await asyncio.sleep(0)
+        claimed.clear()
+        await asyncio.sleep(3 * 0.05)        # a few sweeps after the stall: within the grace
+        assert not claimed, "declared lost on the strength of our own stall"
+        for _ in range(100):                 # after STALL_GRACE sweeps on time: judged again
+            if claimed:
+                break
+            await asyncio.sleep(0.05)
+        assert claimed
+    finally:
+        task.cancel()
