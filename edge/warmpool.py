@@ -166,10 +166,14 @@ class WarmPools:
         self._wake.set()
 
     def _drop(self, stock: Stock) -> None:
-        while stock.ready:
-            self.retire(stock.ready.popleft()[0])
+        self._empty(stock)
         stock.key = ""
         self._index()
+
+    def _empty(self, stock: Stock) -> None:
+        """Retire every ready sandbox of a pool."""
+        while stock.ready:
+            self.retire(stock.ready.popleft()[0])
 
     def _index(self) -> None:
         """Pools by key. Two pools of one key (same layers and resources) are one: the one serving it
@@ -182,8 +186,7 @@ class WarmPools:
             first = self._by_key.setdefault(stock.key, stock)
             if first is not stock:
                 stock.error = f"same layers and resources as pool {first.spec.name}: that one is kept"
-                while stock.ready:
-                    self.retire(stock.ready.popleft()[0])
+                self._empty(stock)
 
     # ---- filling ----------------------------------------------------------------------------------
 
@@ -215,11 +218,10 @@ class WarmPools:
         for stock in list(self.pools.values()):
             if not stock.key or self._by_key.get(stock.key) is not stock:
                 continue
-            target = stock.target(now)
             if self.edge.draining:   # it takes no new creates: nothing will claim them
-                target = 0
-                while stock.ready:
-                    self.retire(stock.ready.popleft()[0])
+                self._empty(stock)
+                continue
+            target = stock.target(now)
             while len(stock.ready) > target and now - stock.ready[0][1] > IDLE:
                 self.retire(stock.ready.popleft()[0])
             if len(stock.ready) < target and now >= stock.paused_until and self._room(stock):
