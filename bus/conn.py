@@ -1,14 +1,16 @@
-"""The one door to NATS: connection, publishing, inboxes, KV, object store, provisioning, error mapping."""
+"""The one door to NATS: connection, publishing, inboxes, consumers, provisioning.
+
+KV and object stores are in bus/kvstore.py, stream reads in bus/streamread.py (mixins of Bus), and
+the mapping of nats errors to ours in bus/nats_errors.py.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import random
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import nats
 import nats.errors
@@ -17,85 +19,24 @@ from nats.js import api
 
 from bus import streams
 from bus.errors import BusError, BusUnavailable
+from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
+from bus.nats_errors import mapped_errors, not_found, timed_out
 from bus.pull import Handler, PullWorker
+from bus.streamread import DurableReader, Pulled, StreamReads
+
+__all__ = ["Bus", "CasResult", "DurableReader", "Pulled", "kv_watch", "mapped_errors", "not_found"]
 
 log = logging.getLogger(__name__)
 
-
-@contextlib.contextmanager
-def mapped_errors(what: str):
-    """Translate nats errors raised inside the block into BusError / BusUnavailable, once."""
-    try:
-        yield
-    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
-        raise BusError(f"{what}: NATS did not answer in time") from exc   # (TimeoutError is an OSError too)
-    except (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError) as exc:
-        raise BusUnavailable(f"{what}: NATS unavailable ({exc.__class__.__name__})") from exc
-    except nats.errors.Error as exc:
-        raise BusError(f"{what}: {exc}") from exc
+# A server that stops answering (paused, its host gone, a half-open TCP connection) is noticed after
+# PING_INTERVAL * MAX_PINGS seconds and the client moves to another server of the cluster; nats-py's
+# defaults (2 minutes) would leave an edge silent, and so declared lost, long before that.
+PING_INTERVAL = 1.0
+MAX_PINGS = 3
 
 
-def _not_found(exc: BusError) -> bool:
-    """Whether a mapped error says the message or object asked for is not there (not a failure)."""
-    return isinstance(exc.__cause__, nats.js.errors.NotFoundError)   # ObjectNotFoundError is one too
-
-
-@dataclass
-class Pulled:
-    """One message of a DurableReader: its data, stream sequence and time, and its ack."""
-
-    data: bytes
-    seq: int
-    at: float
-    _msg: object
-    pending: int = 0     # messages of the consumer still after this one when it was delivered
-
-    async def ack(self) -> None:
-        """Done with it: a durable consumer will not hand it out again."""
-        with mapped_errors("ack"):
-            await self._msg.ack()
-
-
-class DurableReader:
-    """Batches from a pull consumer (see Bus.durable_reader)."""
-
-    def __init__(self, sub) -> None:
-        self._sub = sub
-
-    async def fetch(self, n: int, timeout: float) -> list[Pulled]:
-        """Up to n messages; [] when none arrived within timeout."""
-        try:
-            with mapped_errors("fetch"):
-                msgs = await self._sub.fetch(n, timeout=timeout)
-        except BusError as exc:
-            if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
-                return []
-            raise
-        out = []
-        for m in msgs:
-            meta = m.metadata
-            out.append(Pulled(m.data, meta.sequence.stream, meta.timestamp.timestamp() if meta.timestamp else 0.0, m,
-                              meta.num_pending or 0))
-        return out
-
-    async def close(self) -> None:
-        """Stop reading (a durable consumer stays on the server, with its position)."""
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
-
-
-@dataclass
-class CasResult:
-    """Outcome of kv_update: the value and revision now stored, conflicts met, whether we wrote."""
-
-    value: bytes | None
-    revision: int
-    conflicts: int
-    written: bool
-
-
-class Bus:
+class Bus(KvStore, StreamReads):
     """A connection to NATS with JetStream, as DSec uses it."""
 
     def __init__(self, nc, listeners: list | None = None) -> None:
@@ -124,8 +65,8 @@ class Bus:
             nc = await asyncio.wait_for(
                 nats.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
                              allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_quiet,
-                             reconnected_cb=_reconnected,
-                             pending_size=64 << 20),
+                             reconnected_cb=_reconnected, ping_interval=PING_INTERVAL,
+                             max_outstanding_pings=MAX_PINGS, pending_size=64 << 20),
                 timeout=timeout + 1)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
@@ -167,10 +108,11 @@ class Bus:
         return (await self._publish(subject, msg, msg_id, timeout, retries, retry_for)).seq
 
     async def publish_once(self, subject: str, msg: Wire | bytes, *, msg_id: str, timeout: float = 5.0,
-                           retries: int = 3, retry_for: float = 10.0) -> bool:
-        """Publish under a msg id; False when the stream already had that id (within its duplicate window,
-        on any of its subjects): someone published this message before, and it was not stored again."""
-        return not (await self._publish(subject, msg, msg_id, timeout, retries, retry_for)).duplicate
+                           retries: int = 3, retry_for: float = 10.0) -> tuple[int, bool]:
+        """Publish under a msg id; (its stream seq, False) when the stream already had that id (within its
+        duplicate window, on any of its subjects: the seq is the first one's), else (seq, True)."""
+        ack = await self._publish(subject, msg, msg_id, timeout, retries, retry_for)
+        return ack.seq, not ack.duplicate
 
     async def _publish(self, subject: str, msg: Wire | bytes, msg_id: str | None, timeout: float, retries: int,
                        retry_for: float = 0.0):
@@ -188,8 +130,26 @@ class Bus:
             await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
             attempt += 1
 
+    async def publish_async(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> asyncio.Future:
+        """Publish into JetStream without waiting for the ack: returns a future of it (see stored()).
+        Readers subscribed to the subject get the message at once, as with send()."""
+        with mapped_errors(f"publish to {subject}"):
+            return await self.js.publish_async(subject, data, headers=headers)
+
+    @staticmethod
+    async def stored(ack: asyncio.Future, timeout: float) -> int:
+        """Wait for a publish_async ack; the stream seq, or BusError when none came in time (the
+        message may or may not be stored: publish it again under the same msg id)."""
+        try:
+            with mapped_errors("publish ack"):
+                return (await asyncio.wait_for(ack, timeout)).seq
+        except asyncio.CancelledError:
+            if not ack.done():
+                ack.cancel()
+            raise
+
     async def send(self, subject: str, msg: Wire | bytes, headers: dict[str, str] | None = None) -> None:
-        """Core publish (no ack): replies, and output chunks followed by an acked record."""
+        """Core publish (no ack): replies, heartbeats, anything a reader may miss without harm."""
         data = msg if isinstance(msg, bytes) else encode(msg)
         with mapped_errors(f"send to {subject}"):
             await self.nc.publish(subject, data, headers=headers)
@@ -246,37 +206,7 @@ class Bus:
         with mapped_errors("flush"):
             await self.nc.flush(timeout=timeout)
 
-    # ---- streams ------------------------------------------------------------------------------
-
-    async def read_subject(self, stream: str, subject: str, *, timeout: float = 5.0,
-                           with_headers: bool = False) -> AsyncIterator:
-        """Every message stored on `subject` (wildcards allowed), oldest first, until caught up: its
-        data, or (data, headers) with_headers."""
-        with mapped_errors(f"read {subject}"):
-            sub = await self.js.subscribe(subject, stream=stream, ordered_consumer=True)
-        try:
-            while True:
-                try:
-                    m = await sub.next_msg(timeout=timeout)
-                except nats.errors.TimeoutError:
-                    return
-                yield (m.data, m.headers) if with_headers else m.data
-                if m.metadata.num_pending == 0:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def last_on_subject(self, stream: str, subject: str, *, with_headers: bool = False):
-        """The last message stored on a subject (its data, or (data, headers) with_headers), or None."""
-        try:
-            with mapped_errors(f"last of {subject}"):
-                m = await self.js.get_last_msg(stream, subject)
-        except BusError as exc:
-            if _not_found(exc):
-                return None
-            raise
-        return (m.data, m.headers) if with_headers else m.data
+    # ---- consumers ----------------------------------------------------------------------------
 
     async def consumer_pending(self, stream: str, durable: str) -> int:
         """Messages not yet delivered to a consumer."""
@@ -304,15 +234,16 @@ class Bus:
         with mapped_errors(f"consumer {config.durable_name}"):
             await self.js.add_consumer(stream, config)
 
-    async def take(self, stream: str, durable: str, handle: Callable[[bytes], Awaitable[bool]], *,
+    async def take(self, stream: str, durable: str, handle: Callable[[bytes], Awaitable[bool | None]], *,
                    limit: int = 10_000, wait: float = 0.3) -> int:
         """Pull what waits on an existing durable consumer (a lost node's lanes) and hand each message to
-        handle(data): acked when it returns True, else left for redelivery. Returns how many were taken."""
+        handle(data): acked when it returns True, left for redelivery when False; None stops the take
+        (that message and the rest of its batch are left). Returns how many were taken."""
         try:
             with mapped_errors(f"bind {durable}"):
                 sub = await self.js.pull_subscribe_bind(durable, stream)
         except BusError as exc:
-            if isinstance(exc.__cause__, nats.js.errors.NotFoundError):
+            if not_found(exc):
                 return 0
             raise
         taken = 0
@@ -322,11 +253,16 @@ class Bus:
                     with mapped_errors(f"take from {durable}"):
                         msgs = await sub.fetch(min(100, limit - taken), timeout=wait)
                 except BusError as exc:
-                    if isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
+                    if timed_out(exc):
                         return taken   # nothing more waits
                     raise
-                for m in msgs:
+                for i, m in enumerate(msgs):
                     ok = await handle(m.data)
+                    if ok is None:
+                        for left in msgs[i:]:
+                            with contextlib.suppress(Exception):
+                                await left.nak()
+                        return taken
                     with contextlib.suppress(Exception):
                         await (m.ack() if ok else m.nak())
                     taken += ok
@@ -334,17 +270,6 @@ class Bus:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         return taken
-
-    async def durable_reader(self, stream: str, config: api.ConsumerConfig) -> "DurableReader":
-        """A pull consumer read in batches by its holder (who acks): trajectory consumers. A durable
-        one resumes where it was left, after any restart."""
-        with mapped_errors(f"consumer {config.durable_name or 'ephemeral'}"):
-            if config.durable_name:
-                await self.js.add_consumer(stream, config)
-                sub = await self.js.pull_subscribe_bind(config.durable_name, stream)
-            else:
-                sub = await self.js.pull_subscribe(config.filter_subject, stream=stream, config=config)
-        return DurableReader(sub)
 
     async def pull_worker(self, stream_and_config: tuple[str, api.ConsumerConfig], handler: Handler,
                           credit: Callable[[], int]) -> PullWorker:
@@ -356,179 +281,6 @@ class Bus:
         await worker.start()
         worker.on_stop = self.on_reconnect(worker.reconnected)
         return worker
-
-    # ---- KV and object store ------------------------------------------------------------------
-
-    async def kv(self, bucket: str):
-        """A KV bucket handle (cached)."""
-        if bucket not in self._kv:
-            with mapped_errors(f"kv {bucket}"):
-                self._kv[bucket] = await self.js.key_value(bucket)
-        return self._kv[bucket]
-
-    async def kv_get(self, bucket: str, key: str) -> bytes | None:
-        """Value of key, or None when absent or deleted."""
-        kv = await self.kv(bucket)
-        try:
-            with mapped_errors(f"kv get {bucket}/{key}"):
-                entry = await kv.get(key)
-        except BusError as exc:
-            if isinstance(exc.__cause__, (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError,
-                                          nats.js.errors.NotFoundError)):
-                return None
-            raise
-        return entry.value
-
-    async def kv_entry(self, bucket: str, key: str) -> tuple[bytes | None, int]:
-        """(value or None, the revision a compare-and-set must name: 0 when the key has no message)."""
-        kv = await self.kv(bucket)
-        try:
-            with mapped_errors(f"kv get {bucket}/{key}"):
-                entry = await kv.get(key)
-        except BusError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, (nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError)):
-                # a deleted key: its tombstone's revision is what a compare-and-set must name
-                entry = getattr(cause, "entry", None)
-                return None, entry.revision if entry is not None and entry.revision else 0
-            raise
-        return entry.value, entry.revision
-
-    async def kv_cas(self, bucket: str, key: str, value: bytes, revision: int) -> int | None:
-        """Write value only if the key is still at `revision` (0: has no message). New revision, or None
-        when someone wrote first."""
-        kv = await self.kv(bucket)
-        try:
-            with mapped_errors(f"kv update {bucket}/{key}"):
-                return await kv.update(key, value, last=revision)
-        except BusError as exc:
-            if isinstance(exc.__cause__, nats.js.errors.KeyWrongLastSequenceError):
-                return None
-            raise
-
-    async def kv_cas_delete(self, bucket: str, key: str, revision: int) -> bool:
-        """Delete key only if it is still at `revision`; False when someone wrote first."""
-        kv = await self.kv(bucket)
-        try:
-            with mapped_errors(f"kv delete {bucket}/{key}"):
-                await kv.delete(key, last=revision)
-            return True
-        except BusError as exc:
-            if isinstance(exc.__cause__, (nats.js.errors.KeyWrongLastSequenceError, nats.js.errors.BadRequestError)):
-                return False
-            raise
-
-    async def kv_update(self, bucket: str, key: str, mutate: Callable[[bytes | None], bytes | None], *,
-                        known: tuple[bytes | None, int] | None = None, attempts: int = 64) -> CasResult:
-        """Read-modify-write with compare-and-set, retried on conflict. mutate(current) returns the new
-        value, or None to write nothing; it is called again on the fresh value after every conflict, so
-        it must be pure. `known` (value, revision) from a watch saves the first read."""
-        current, revision = known if known is not None else await self.kv_entry(bucket, key)
-        for conflicts in range(attempts):
-            new = mutate(current)
-            if new is None:
-                return CasResult(current, revision, conflicts, written=False)
-            rev = await self.kv_cas(bucket, key, new, revision)
-            if rev is not None:
-                return CasResult(new, rev, conflicts, written=True)
-            current, revision = await self.kv_entry(bucket, key)
-        raise BusError(f"kv update {bucket}/{key}: still conflicting after {attempts} attempts")
-
-    async def kv_put(self, bucket: str, key: str, value: Wire | bytes, *, retry_for: float = 0.0) -> int:
-        """Put a value; returns its revision. A put is idempotent, so it may be retried for `retry_for` s."""
-        kv = await self.kv(bucket)
-        data = value if isinstance(value, bytes) else encode(value)
-        give_up, attempt = time.monotonic() + retry_for, 0
-        while True:
-            try:
-                with mapped_errors(f"kv put {bucket}/{key}"):
-                    return await kv.put(key, data)
-            except BusError:
-                if time.monotonic() >= give_up:
-                    raise
-            await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
-            attempt += 1
-
-    async def kv_delete(self, bucket: str, key: str) -> None:
-        """Delete a key (absent is fine)."""
-        kv = await self.kv(bucket)
-        with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
-            await kv.delete(key)
-
-    async def kv_items(self, bucket: str) -> list[tuple[str, bytes]]:
-        """Every live (key, value) of a bucket, read through one ordered pass over its stream."""
-        out: dict[str, bytes] = {}
-        prefix = f"$KV.{bucket}."
-        async for subject, data, op in self._kv_stream(bucket):
-            key = subject[len(prefix):]
-            if op in ("DEL", "PURGE"):
-                out.pop(key, None)
-            else:
-                out[key] = data
-        return list(out.items())
-
-    async def _kv_stream(self, bucket: str):
-        with mapped_errors(f"kv list {bucket}"):
-            info = await self.js.stream_info(f"KV_{bucket}")
-            if info.state.messages == 0:
-                return
-            sub = await self.js.subscribe(f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,
-                                          deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
-        try:
-            while True:
-                try:
-                    with mapped_errors(f"kv list {bucket}"):
-                        m = await sub.next_msg(timeout=3)
-                except BusError as exc:
-                    if not isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError)):
-                        raise
-                    # silence before the last entry: a stall, not the end (unless the bucket emptied)
-                    with mapped_errors(f"kv list {bucket}"):
-                        if (await self.js.stream_info(f"KV_{bucket}")).state.messages == 0:
-                            return
-                    raise BusError(f"kv list {bucket}: the listing stalled before its end") from exc
-                yield m.subject, m.data, (m.headers or {}).get("KV-Operation", "PUT")
-                if m.metadata.num_pending == 0:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def obj_put(self, bucket: str, name: str, data: bytes) -> None:
-        """Store an object."""
-        with mapped_errors(f"object put {bucket}/{name}"):
-            store = await self.js.object_store(bucket)
-            await store.put(name, data)
-
-    async def obj_has(self, bucket: str, name: str) -> bool:
-        """Whether an object is stored."""
-        try:
-            with mapped_errors(f"object info {bucket}/{name}"):
-                store = await self.js.object_store(bucket)
-                await store.get_info(name)
-        except BusError as exc:
-            if _not_found(exc):
-                return False
-            raise
-        return True
-
-    async def obj_delete(self, bucket: str, name: str) -> None:
-        """Delete an object (absent: nothing to do)."""
-        try:
-            with mapped_errors(f"object delete {bucket}/{name}"):
-                store = await self.js.object_store(bucket)
-                await store.delete(name)
-        except BusError as exc:
-            if not _not_found(exc):
-                raise
-
-    async def obj_get(self, bucket: str, name: str) -> bytes:
-        """Fetch an object (digest verified by the client); BusError if missing or corrupt."""
-        buf = io.BytesIO()   # nats-py appends chunks to one bytes object otherwise: quadratic (100 MiB took 27 s)
-        with mapped_errors(f"object get {bucket}/{name}"):
-            store = await self.js.object_store(bucket)
-            await store.get(name, writeinto=buf)
-        return buf.getvalue()
 
     # ---- provisioning -------------------------------------------------------------------------
 
@@ -577,54 +329,3 @@ class Bus:
                     await self.js.create_object_store(ocfg.bucket, config=ocfg)
                 except nats.js.errors.BadRequestError:
                     await self.js.object_store(ocfg.bucket)
-
-
-async def kv_watch(bus: Bus, bucket: str, on_change: Callable[[str, bytes | None, int], None], *,
-                   resync_every: float = 15.0) -> "asyncio.Task":
-    """Call on_change(key, value or None on delete, revision) for every current and future entry of a bucket.
-
-    The watch is an ephemeral consumer on one server; if that server dies the watch can go silent. So
-    it is started afresh after a reconnect, and whenever nothing arrived for `resync_every` seconds
-    (the current values are delivered again: callbacks must be idempotent per revision)."""
-    kv = await bus.kv(bucket)
-    restart = asyncio.Event()
-    remove = bus.on_reconnect(restart.set)
-
-    async def _one() -> None:
-        watcher = await kv.watchall()
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=resync_every)
-                except nats.errors.TimeoutError:
-                    return
-                if entry is None:
-                    continue   # end of the initial values
-                if not hasattr(entry, "key"):
-                    return     # the watcher was stopped
-                deleted = entry.operation in ("DEL", "PURGE")
-                on_change(entry.key, None if deleted else entry.value, entry.revision)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-
-    async def _run() -> None:
-        try:
-            while True:
-                restart.clear()
-                watch = asyncio.create_task(_one())
-                signal = asyncio.create_task(restart.wait())
-                try:
-                    await asyncio.wait({watch, signal}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for t in (watch, signal):
-                        t.cancel()
-                    results = await asyncio.gather(watch, signal, return_exceptions=True)
-                exc = results[0]
-                if isinstance(exc, Exception) and not isinstance(exc, asyncio.CancelledError):
-                    log.debug("kv watch %s: %s", bucket, exc)   # reconnects, server restarts: watch again
-                    await asyncio.sleep(0.5)
-        finally:
-            remove()
-
-    return asyncio.create_task(_run())

@@ -102,6 +102,28 @@ class ExecTimeout(SandboxError, TimeoutError):
         return bool(self.details.get("truncated", False))
 
 
+class OutputIncomplete(SandboxError):
+    """An exec's output could not be read whole: parts of it are not in DSEC_OUT (aged out, or the stream
+    could not be read before the deadline). Carries what was received and the missing record seqs."""
+
+    code = "output_incomplete"
+
+    @property
+    def stdout(self) -> bytes:
+        """Standard output received (with holes where the missing records were)."""
+        return self.details.get("stdout", b"")  # type: ignore[return-value]
+
+    @property
+    def stderr(self) -> bytes:
+        """Error output received."""
+        return self.details.get("stderr", b"")  # type: ignore[return-value]
+
+    @property
+    def missing(self) -> list[int]:
+        """Sequence numbers of the output records that could not be read."""
+        return list(self.details.get("missing", []))  # type: ignore[call-overload]
+
+
 class ExecFailed(SandboxError):
     """The command could not be started (e.g. not found inside the sandbox)."""
 

@@ -293,6 +293,17 @@ class NodeInfo(Wire, tag="node"):
     layers: list[str] = []           # layer_mark of layers in its cache, most recently used first (bounded)
 
 
+class Heartbeat(Wire, tag="hb"):
+    """dsec.hb.<node> (core, every HEARTBEAT_EVERY): the node is alive, even while KV dsec-nodes has no
+    leader. Placement stops booking a node whose heartbeats stop, and declares it lost only when
+    neither these nor its record's heartbeat were heard for NODE_LOST_AFTER."""
+
+    node: str = ""
+    started_at: float = 0.0          # the edge run (a restart is a new one)
+    seq: int = 0
+    at: float = 0.0
+
+
 class Quota(Wire, tag="quota"):
     """KV dsec-quotas: one tenant's limits; 0 means unlimited."""
 
@@ -353,6 +364,8 @@ class SandboxRecord(Wire, tag="sandbox"):
     layers: list[str] = []           # digests of its layers, lowest first (an image in use is not removed)
     suspended: bool = False          # frozen by client.suspend (state stays ready: it holds its resources)
     suspended_at: float = 0.0
+    version: int = 0                 # writes of this record so far: an older state never overwrites a newer one
+    epoch: float = 0.0               # started_at of the edge run that made it (the reaper marks only a lost run's)
 
 
 class Event(Wire, tag="event"):
@@ -513,6 +526,7 @@ traj_decoder = msgspec.json.Decoder(TrajRecord)
 quota_decoder = msgspec.json.Decoder(Quota)
 usage_decoder = msgspec.json.Decoder(TenantUsage)
 engine_decoder = msgspec.json.Decoder(EngineStats)
+heartbeat_decoder = msgspec.json.Decoder(Heartbeat)
 
 
 class _Envelope(msgspec.Struct):

@@ -32,7 +32,9 @@ LEGACY_CONSUMERS = [(REQ_STREAM, "placement")]   # removed at provisioning (its 
 # undecodable ones are terminated at once, so nothing loops forever. A cap would silently drop
 # requests that merely wait for room.
 MAX_DELIVER = -1
-NODE_LOST_AFTER = 10.0     # seconds without a heartbeat before a node is out of placement and declared lost
+NODE_LOST_AFTER = 10.0     # seconds without any heartbeat (core or record) before a node is declared lost
+HEARTBEAT_EVERY = 0.25     # seconds between two core heartbeats of an edge (dsec.hb.<node>)
+SUSPECT_AFTER = 0.75       # seconds without a core heartbeat (3 beats) before placement books a node no more
 NODE_ENTRY_TTL = 3600.0    # a dead node's record (kept as `lost` for `dsec top`) is dropped after this
 ENGINE_STATS_TTL = 5.0     # an engine's figures vanish this long after it stops
 ACK_WAIT = 30.0            # seconds a consumer waits for an ack; long work extends it (pull.Lease)

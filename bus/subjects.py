@@ -76,6 +76,16 @@ def output(sandbox: str, exec_id: str = "*") -> str:
     return f"dsec.out.{sandbox}.{exec_id}"
 
 
+def heartbeat(node: str = "*") -> str:
+    """A node's core heartbeats (every engine listens: liveness that needs no JetStream leader)."""
+    return f"dsec.hb.{node}"
+
+
+def engine_probe(engine: str) -> str:
+    """Where a placement engine hears itself: its own connection works (it may judge others' silence)."""
+    return f"dsec.probe.{engine}"
+
+
 def event(tenant: str, sandbox: str) -> str:
     """Lifecycle events of one sandbox."""
     return f"dsec.evt.{tenant}.{sandbox}"

@@ -39,7 +39,7 @@ from bus.cluster import NatsCluster
 from bus.conn import Bus, kv_watch
 from bus.messages import engine_decoder, event_decoder, sandbox_decoder
 from bus.server import die_with_parent
-from placement.ledger import decode_node
+from bus.nodes import decode_node
 
 DSEC = str(Path(sys.executable).parent / "dsec")
 TYPED_FAILURES = {"node_lost", "capacity_unavailable", "expired"}

@@ -9,21 +9,53 @@ its last newline when it has one; one ending inside a line says so (partial) and
 of the stream continues that line. Past the per-exec cap, output is dropped (read at most
 DRAIN_RATE bytes/s across the node's execs, so floods cost the node little and commands still end
 on their own) and the exit record says truncated.
+
+Nothing is reported stored that is not: every chunk is published into JetStream without waiting
+(readers attached to the subject see it at once), and its ack is collected in a bounded window
+(WINDOW_BYTES, WINDOW_CHUNKS: a full window holds the command back, as a full pipe would). A chunk
+whose ack does not come (a stream leader moving, a server dying under the connection) is published
+again under the same Nats-Msg-Id, so JetStream stores it once. The exit record goes out only after
+every chunk before it is acked: whoever reads the exit record from DSEC_OUT can read every byte.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
+from dataclasses import dataclass
 
 from bus import subjects
 from bus.conn import Bus
+from bus.errors import BusError
 from bus.messages import ExitRecord, OutputChunk, chunk_message, encode
+
+log = logging.getLogger(__name__)
 
 FLUSH_BYTES = 256 << 10
 FLUSH_AFTER = 0.003
 DRAIN_RATE = 64 << 20   # bytes/s read (and dropped) past the output cap, all of a node's execs together
 TRAJ_OUTPUT = 64 << 10   # default bytes of each stream kept in the exec's trajectory record (all: dsec.out)
+WINDOW_BYTES = 8 << 20   # chunk bytes published and not yet acked, at most...
+WINDOW_CHUNKS = 256      # ...and chunks
+ACK_WAIT = 2.0           # seconds an ack may take before the chunk is published again (same msg id)
+RETRY_MAX = 5.0          # the longest pause between two tries of one record
+
+
+def exit_msg_id(exec_id: str) -> str:
+    """The msg id of an exec's exit record, whoever publishes it (edge, reaper): JetStream keeps one."""
+    return f"{exec_id}-exit"
+
+
+@dataclass
+class _Unacked:
+    """A chunk published and not yet acked."""
+
+    seq: int
+    data: bytes
+    headers: dict[str, str]
+    ack: asyncio.Future
+    tries: int = 1
 
 
 class OutputRelay:
@@ -46,6 +78,9 @@ class OutputRelay:
         self._timed: asyncio.Future | None = None
         self._lock = asyncio.Lock()
         self._exit: ExitRecord | None = None
+        self._unacked: list[_Unacked] = []    # oldest first
+        self._unacked_bytes = 0
+        self.republished = 0                  # chunks published again after a missing ack
         self.counts = {"stdout": 0, "stderr": 0}            # bytes relayed per stream
         self.digests = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
         self.kept = {"stdout": bytearray(), "stderr": bytearray()}
@@ -94,7 +129,7 @@ class OutputRelay:
             timed.result()
 
     async def flush(self) -> None:
-        """Publish what is buffered, in order, in chunks of at most FLUSH_BYTES."""
+        """Publish what is buffered, in order, in chunks of at most FLUSH_BYTES (acks collected later)."""
         async with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
@@ -108,22 +143,74 @@ class OutputRelay:
                     data, headers = chunk_message(OutputChunk(
                         exec_id=self.exec_id, seq=self.seq, stream=stream, data=piece,
                         stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n")))
-                    await self.bus.send(self.subject, data, headers)
+                    headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
+                    while len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES:
+                        await self._settle_oldest()
+                    self._unacked.append(_Unacked(self.seq, piece, headers, await self._send(data, headers)))
+                    self._unacked_bytes += len(piece)
+            self._reap_acked()
 
-    async def finish(self, **fields) -> ExitRecord:
-        """Flush, then publish the exit record with an ack: every chunk before it is stored too.
+    def _reap_acked(self) -> None:
+        """Drop chunks whose acks came in already (cheap: no waiting)."""
+        while self._unacked and self._unacked[0].ack.done() and not self._unacked[0].ack.cancelled() \
+                and self._unacked[0].ack.exception() is None:
+            self._unacked_bytes -= len(self._unacked.pop(0).data)
 
-        Safe to call again after a transport failure: the same record (same seq) is published again.
-        """
+    async def _send(self, data: bytes, headers: dict[str, str]) -> asyncio.Future:
+        """Publish one chunk (no wait for its ack); a connection that refuses even that is tried again."""
+        delay = 0.05
+        while True:
+            try:
+                return await self.bus.publish_async(self.subject, data, headers)
+            except BusError as exc:
+                log.debug("chunk of %s not sent (%s); again in %.2fs", self.exec_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(RETRY_MAX, delay * 2)
+
+    async def _settle_oldest(self) -> None:
+        """Wait for the oldest chunk's ack; publish it again (same msg id) while none comes."""
+        u = self._unacked[0]
+        while True:
+            try:
+                await self.bus.stored(u.ack, ACK_WAIT)
+                break
+            except BusError as exc:
+                u.tries += 1
+                self.republished += 1
+                log.info("chunk %d of %s not acked (%s): published again (try %d)", u.seq, self.exec_id, exc,
+                         u.tries)
+                await asyncio.sleep(min(RETRY_MAX, 0.05 * 2 ** u.tries))
+                u.ack = await self._send(u.data, u.headers)
+        self._unacked.pop(0)
+        self._unacked_bytes -= len(u.data)
+
+    async def drained(self) -> None:
+        """Flush, and wait until JetStream acked every chunk so far."""
         if self._timed is not None:
             timed, self._timed = self._timed, None
             await timed
         await self.flush()
+        async with self._lock:
+            while self._unacked:
+                await self._settle_oldest()
+
+    async def finish(self, **fields) -> ExitRecord:
+        """Every chunk stored (acked), then the exit record, published until stored.
+
+        Safe to call again: the same record (same seq, same msg id) is published again."""
+        await self.drained()
         if self._exit is None:
             self.seq += 1
             self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
-        await self.bus.publish(self.subject, encode(self._exit), msg_id=f"{self.exec_id}-exit")
-        return self._exit
+        delay = 0.05
+        while True:
+            try:
+                await self.bus.publish(self.subject, encode(self._exit), msg_id=exit_msg_id(self.exec_id))
+                return self._exit
+            except BusError as exc:
+                log.warning("exit record of %s not stored (%s); again in %.2fs", self.exec_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(RETRY_MAX, delay * 2)
 
 
 _drain_free_at = 0.0   # when the node's drain budget is next free (monotonic seconds)

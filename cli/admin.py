@@ -10,7 +10,8 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.messages import Quota, quota_decoder
 from cli.main import fail, main, nats_option, run_async
-from placement import ledger, quota as quotas
+from bus import nodes
+from placement import quota as quotas
 
 
 async def _bus(url: str) -> Bus:
@@ -41,7 +42,7 @@ async def read_nodes(bus: Bus):
     """Every node record (junk skipped)."""
     out = []
     for key, raw in await bus.kv_items(streams.NODES_KV):
-        info = ledger.decode_node(key, raw)
+        info = nodes.decode_node(key, raw)
         if info is not None:
             out.append(info)
     return out
@@ -73,7 +74,7 @@ async def _set_draining(nats_url: str, node_id: str, draining: bool) -> Bus:
     if await bus.kv_get(streams.NODES_KV, node_id) is None:
         await bus.close()
         fail(f"no node {node_id!r} (see `dsec node ls`)")
-    await ledger.set_flag(bus, node_id, draining=draining)
+    await nodes.set_flag(bus, node_id, draining=draining)
     return bus
 
 
@@ -91,7 +92,7 @@ async def drain(node_id: str, nats_url: str, wait: bool, timeout: float) -> None
         deadline = time.monotonic() + timeout
         while wait:
             raw = await bus.kv_get(streams.NODES_KV, node_id)
-            info = ledger.decode_node(node_id, raw)
+            info = nodes.decode_node(node_id, raw)
             if info is None or (info.used_slots == 0 and not info.bookings):
                 click.echo(f"dsec: node {node_id} drained")
                 return

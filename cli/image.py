@@ -17,7 +17,7 @@ from cli import debootstrap
 from cli.main import main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
-from placement.images import ImageRegistry, parse_ref
+from bus.images import ImageRegistry, parse_ref
 
 
 @main.group()

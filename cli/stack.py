@@ -12,7 +12,7 @@ from bus.errors import EnvironmentFailure, ImageNotFound
 from bus.server import NatsServer, check_port_free
 from edge.capacity import EdgeConfig
 from edge.erofs import LayerBuildError, busybox_rootfs, pack_dir
-from placement.images import ImageRegistry
+from bus.images import ImageRegistry
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,9 @@ so placement's view (usage + bookings) never dips below the truth. Bookings whos
 passed long ago are dropped (their placement died or their request expired).
 
 Writes are coalesced: at most one in flight; changes meanwhile go into the next one, which follows
-after MIN_GAP. With no change, a heartbeat every `config.heartbeat` seconds.
+after MIN_GAP. With no change, a heartbeat every `config.heartbeat` seconds. Beside the record, a core
+heartbeat goes to dsec.hb.<node> every HEARTBEAT_EVERY: it needs no JetStream leader, so a node bucket
+that is briefly leaderless (a server lost, an election) never makes a live node look dead.
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from typing import Callable
 
 import msgspec
 
-from bus import streams
+from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import encode, node_decoder
+from bus.messages import Heartbeat, encode, node_decoder
 from edge.capacity import Capacity
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,9 @@ class NodeRecord:
         self._taken: set[str] = set()
         self._dirty = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._beats: asyncio.Task | None = None
         self.writes = 0
+        self.beats = 0
 
     def took(self, request_id: str) -> None:
         """A create was taken (its sandbox is now in the usage): drop its booking with the next write."""
@@ -99,14 +103,27 @@ class NodeRecord:
                                               started_at=self.started_at, heartbeat=now))
 
     def start(self, heartbeat: float) -> None:
-        """Start the writer loop (after a first write())."""
+        """Start the writer loop (after a first write()) and the core heartbeats."""
         self._task = asyncio.create_task(self._loop(heartbeat))
+        self._beats = asyncio.create_task(self._beat())
 
     async def stop(self) -> None:
-        """Stop writing (the caller deletes the record)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop writing and beating (the caller deletes the record)."""
+        tasks = [t for t in (self._task, self._beats) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _beat(self) -> None:
+        subject = subjects.heartbeat(self.node)
+        while True:
+            self.beats += 1
+            try:
+                await self.bus.send(subject, Heartbeat(node=self.node, started_at=self.started_at, seq=self.beats,
+                                                       at=time.time()))
+            except DsecError as exc:
+                log.debug("heartbeat not sent: %s", exc)
+            await asyncio.sleep(streams.HEARTBEAT_EVERY)
 
     async def _loop(self, heartbeat: float) -> None:
         while True:

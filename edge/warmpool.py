@@ -22,19 +22,18 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import msgspec
 
 from bus import streams
-from bus.conn import kv_watch
+from bus.conn import Bus, kv_watch
 from bus.errors import DsecError, ImageNotFound, InvalidRequest
 from bus.messages import LayerRef, Resources, WarmPool, pool_key, warm_pool_decoder
-from edge.backends.base import BackendError, Limits, SandboxGone, SandboxSpec
-from placement.images import ImageRegistry
-
-if TYPE_CHECKING:
-    from edge.agent import Edge
+from bus.images import ImageRegistry
+from edge.backends.base import Backend, BackendError, Limits, SandboxGone, SandboxSpec
+from edge.capacity import Capacity
+from edge.layercache import LayerCache
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,14 @@ class Stock:
 class WarmPools:
     """The warm pools of one edge."""
 
-    def __init__(self, edge: "Edge") -> None:
-        self.edge = edge
+    def __init__(self, bus: Bus, node: str, *, pool: str, warm_max: int, capacity: Capacity, layers: LayerCache,
+                 backend: Backend, changed: Callable[[], None], busy: Callable[[], bool],
+                 draining: Callable[[], bool]) -> None:
+        self.bus, self.node, self.pool, self.warm_max = bus, node, pool, warm_max
+        self.capacity, self.layers, self.backend = capacity, layers, backend
+        self.changed = changed      # the node record's warm stock changed
+        self.busy = busy            # creates are being served now (a refill waits for them)
+        self.draining = draining    # the node takes no new creates
         self.pools: dict[str, Stock] = {}
         self._by_key: dict[str, Stock] = {}
         self._wake = asyncio.Event()
@@ -92,7 +97,7 @@ class WarmPools:
 
     async def start(self) -> None:
         """Watch the pool settings and keep the pools filled."""
-        self._tasks = [await kv_watch(self.edge.bus, streams.WARM_POOLS_KV, self._on_change),
+        self._tasks = [await kv_watch(self.bus, streams.WARM_POOLS_KV, self._on_change),
                        asyncio.create_task(self._loop())]
 
     async def stop(self) -> None:
@@ -124,7 +129,7 @@ class WarmPools:
             self.misses += first
             return None
         self.hits += 1
-        self.edge.record.changed()
+        self.changed()
         return stock.ready.popleft()[0]
 
     def retire(self, warm_id: str) -> None:
@@ -132,7 +137,7 @@ class WarmPools:
         task = asyncio.ensure_future(self._destroy(warm_id))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
-        self.edge.record.changed()   # the node record's warm stock
+        self.changed()   # the node record's warm stock
 
     def ready(self) -> int:
         """Warm sandboxes ready on this edge."""
@@ -154,7 +159,7 @@ class WarmPools:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 spec = warm_pool_decoder.decode(raw)
         old = self.pools.get(name)
-        if spec is None or spec.node_pool != self.edge.config.pool or spec.name != name:
+        if spec is None or spec.node_pool != self.pool or spec.name != name:
             if old is not None:
                 self._drop(self.pools.pop(name))
         elif old is not None and _what(old.spec) == _what(spec):
@@ -196,7 +201,7 @@ class WarmPools:
                 await asyncio.wait_for(self._wake.wait(), TICK)
             self._wake.clear()
             for _ in range(int(YIELD_FOR / 0.002)):   # creates in flight go first: a start takes the loop
-                if not self.edge.creating:              # for a millisecond or two
+                if not self.busy():              # for a millisecond or two
                     break
                 await asyncio.sleep(0.002)
             try:
@@ -204,7 +209,7 @@ class WarmPools:
             except asyncio.CancelledError:
                 raise
             except Exception:   # never let one failure end the pools of the node
-                log.exception("warm pools of %s", self.edge.node)
+                log.exception("warm pools of %s", self.node)
                 await asyncio.sleep(TICK)
 
     async def _tend(self) -> None:
@@ -218,7 +223,7 @@ class WarmPools:
         for stock in list(self.pools.values()):
             if not stock.key or self._by_key.get(stock.key) is not stock:
                 continue
-            if self.edge.draining:   # it takes no new creates: nothing will claim them
+            if self.draining():   # it takes no new creates: nothing will claim them
                 self._empty(stock)
                 continue
             target = stock.target(now)
@@ -231,7 +236,7 @@ class WarmPools:
     async def _resolve(self, stock: Stock) -> None:
         spec = stock.spec
         try:
-            layers = await ImageRegistry(self.edge.bus).compose(spec.image, spec.workspace, spec.toolkit)
+            layers = await ImageRegistry(self.bus).compose(spec.image, spec.workspace, spec.toolkit)
             key, stock.error = pool_key(layers, spec.resources), ""
         except (ImageNotFound, InvalidRequest) as exc:   # gone (or never was): nothing to keep warm
             layers, key, stock.error = [], "", str(exc)
@@ -244,20 +249,20 @@ class WarmPools:
             stock.layers, stock.key = layers, key
 
     def _room(self, stock: Stock) -> bool:
-        cap, held = self.edge.capacity, self.ready() + self.filling
-        return (not self.edge.draining and held < self.edge.config.warm_max and cap.free_slots() > held
+        cap, held = self.capacity, self.ready() + self.filling
+        return (not self.draining() and held < self.warm_max and cap.free_slots() > held
                 and cap.fits(stock.spec.resources))
 
     async def _fill_one(self, stock: Stock) -> None:
         warm_id, key = f"warm-{secrets.token_hex(6)}", stock.key
         self.filling += 1
         try:
-            paths = await self.edge.layers.ensure(stock.layers)
-            await self.edge.backend.create(SandboxSpec(id=warm_id, layers=paths, limits=limits(stock.spec.resources)))
+            paths = await self.layers.ensure(stock.layers)
+            await self.backend.create(SandboxSpec(id=warm_id, layers=paths, limits=limits(stock.spec.resources)))
         except (DsecError, BackendError, OSError) as exc:
             self.failures += 1
             stock.error, stock.paused_until = f"warm sandbox did not start: {exc}", time.monotonic() + PAUSE
-            log.warning("pool %s on %s: %s", stock.spec.name, self.edge.node, stock.error)
+            log.warning("pool %s on %s: %s", stock.spec.name, self.node, stock.error)
             return
         finally:
             self.filling -= 1
@@ -266,11 +271,11 @@ class WarmPools:
             self.retire(warm_id)
             return
         stock.ready.append((warm_id, time.monotonic()))
-        self.edge.record.changed()
+        self.changed()
 
     async def _destroy(self, warm_id: str) -> None:
         try:
-            await self.edge.backend.destroy(warm_id)
+            await self.backend.destroy(warm_id)
         except SandboxGone:
             pass
         except BackendError as exc:

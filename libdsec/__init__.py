@@ -1,8 +1,8 @@
 """libdsec: the DSec SDK. `AsyncClient` and its synchronous twin `Client`."""
 from libdsec.client import AsyncClient
 from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
-                            ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, PlacementError,
-                            QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended)
+                            ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, OutputIncomplete,
+                            PlacementError, QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended)
 from libdsec.resources import Resources
 from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
@@ -14,6 +14,6 @@ from bus.messages import SnapshotRecord as Snapshot
 __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-    "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+    "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
     "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory",
 ]

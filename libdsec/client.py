@@ -22,6 +22,7 @@ from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, AsyncSandbox
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
 RECHECK_EVERY = 3.0   # seconds without a reply after which the sandbox's record is read instead
+FINAL = ("destroyed", "expired", "failed", "node_lost")   # states a sandbox never leaves
 
 
 async def _next(q: asyncio.Queue[bytes], timeout: float) -> bytes | None:
@@ -388,8 +389,9 @@ class AsyncClient:
     # ---- ops (used by AsyncSandbox) -------------------------------------------------------------
 
     async def _op(self, node: str, sandbox_id: str, make, timeout: float, recheck=None) -> bytes:
-        """Send one op and wait for its reply; recheck(), when given, is asked every RECHECK_EVERY s of
-        silence for an answer from recorded state (a reply lost while the connection moved)."""
+        """Send one op and wait for its reply. Every RECHECK_EVERY s of silence the sandbox's record is read
+        instead (a reply lost while the connection moved, a node that died with the op on its lane): a
+        final state ends the wait, as recheck(record) says (None: SandboxNotFound with the state)."""
         bus, replies = self._need_bus(), self._replies
         assert replies is not None
         rid = new_id("o")
@@ -401,12 +403,16 @@ class AsyncClient:
             give_up = time.monotonic() + timeout
             while True:
                 left = give_up - time.monotonic()
-                data = await _next(q, min(left, RECHECK_EVERY) if recheck else left)
+                data = await _next(q, min(left, RECHECK_EVERY))
                 if data is None:
-                    if recheck is not None and left > RECHECK_EVERY:
-                        answer = await recheck()
-                        if answer is not None:
-                            return answer
+                    if left > RECHECK_EVERY:
+                        rec = await self._record_quiet(sandbox_id)
+                        if rec is not None and rec.state in FINAL:
+                            answer = recheck(rec) if recheck is not None else None
+                            if answer is not None:
+                                return answer
+                            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({rec.state}: {rec.reason})",
+                                                  reason=rec.state)
                         continue
                     raise SandboxError(f"node {node} did not answer within {timeout:.0f}s")
                 try:

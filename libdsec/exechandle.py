@@ -17,7 +17,7 @@ import msgspec
 
 from bus import subjects
 from bus.conn import Bus
-from bus.errors import DsecError, ExecTimeout, InvalidRequest, SandboxError, from_code
+from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError, from_code
 from bus.messages import ErrorReply, ExecInput, ExecSignal, ExitRecord, op_reply_decoder
 from libdsec.execstream import EXIT_GRACE, ExecStream, LineSplitter, exit_of
 from libdsec.results import ExecResult, Exit, Output
@@ -113,12 +113,16 @@ class ExecHandle:
     async def wait(self) -> ExecResult:
         """Wait for the end; ExecTimeout (with the partial output) if it outlived its timeout."""
         await asyncio.shield(self._reader)    # a cancelled wait() leaves the reader reading
-        ex = self._end()
         out: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
         for item in self._chunks:
             if item is not None:
                 out[item[0]].append(item[1])
         stdout, stderr = b"".join(out["stdout"]), b"".join(out["stderr"])
+        if isinstance(self._error, OutputIncomplete):   # what was received goes with it
+            raise OutputIncomplete(self._error.message, stdout=stdout, stderr=stderr, missing=self._error.missing,
+                                   **{k: v for k, v in self._error.details.items()
+                                      if k not in ("stdout", "stderr", "missing")})
+        ex = self._end()
         if ex.timed_out:
             raise ExecTimeout(f"command timed out after {self._timeout}s; its process tree was killed",
                               stdout=stdout, stderr=stderr, truncated=ex.truncated)

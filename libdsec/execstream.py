@@ -1,4 +1,12 @@
-"""Reading one exec's output subject: ordered by seq, gaps refilled from the stream, split into lines."""
+"""Reading one exec's output subject: ordered by seq, gaps read back from the stream, split into lines.
+
+Records arrive as core deliveries of what the edge publishes into DSEC_OUT. A delivery can be missed
+(the connection moved to another server, a slow consumer), so the stream is the truth: a gap in the
+seqs that lasts GAP_WAIT, a reconnect, or a quiet spell in which the stream holds something newer
+than what arrived, makes the reader read the subject back from DSEC_OUT (retried through bus errors
+until its deadline). What the stream does not hold (aged out) ends the read with OutputIncomplete,
+never with fewer bytes passed off as the whole output.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +17,17 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, SandboxError, SandboxNotFound, from_code
-from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder
+from bus.errors import BusError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
+from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder, sandbox_decoder
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
 GAP_WAIT = 1.0      # seconds a gap in the seqs may last before it is read back from the stream
 GONE_GRACE = 3.0    # seconds after its sandbox's destroyed/expired event an exit record may still come
+QUIET_CHECK = 1.0   # seconds without a record before the stream is asked whether one was missed...
+QUIET_CHECK_MAX = 8.0   # ...doubling up to this while the exec stays quiet
+TERMINAL = ("destroyed", "expired", "failed", "node_lost")
+_WAKE = object()    # queued on reconnect: look at the stream
 
 
 class ExecStream:
@@ -23,17 +35,22 @@ class ExecStream:
 
     def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, tenant: str = "") -> None:
         self.bus = bus
+        self.sandbox_id = sandbox_id
         self.subject = subjects.output(sandbox_id, exec_id)
         self.events = subjects.event(tenant, sandbox_id) if tenant else ""
-        self._queue: asyncio.Queue[tuple[bytes, dict | None] | None] = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue()
         self._lost = ("", "")
         self._grace: asyncio.TimerHandle | None = None
         self._paused = 0.0                   # seconds its sandbox was suspended (the deadline moves on)
         self._paused_at: float | None = None
         self._sub = None
         self._evt_sub = None
+        self._unlisten = lambda: None
         self._held: dict[int, OutputChunk | ExitRecord] = {}
         self._next = 1
+        self._resume_at = 0     # DSEC_OUT seq up to which everything on the subject was consumed
+        self._moved = False     # the connection moved since the stream was last read
+        self.caught_up = 0      # times the subject was read back from the stream
         self.finished = False   # the exit record was read, or the exec is known lost
 
     async def open(self) -> None:
@@ -41,6 +58,7 @@ class ExecStream:
         async def _cb(data: bytes, _subject: str, headers: dict | None) -> None:
             self._queue.put_nowait((data, headers))
         self._sub = await self.bus.subscribe(self.subject, _cb, with_headers=True)
+        self._unlisten = self.bus.on_reconnect(self._on_reconnect)
         if self.events:   # the node dying is announced here: stop waiting for an exit it will never send
             async def _evt(data: bytes, _subject: str) -> None:
                 try:
@@ -52,14 +70,23 @@ class ExecStream:
                 elif ev.type == "resumed" and self._paused_at is not None:
                     self._paused += time.monotonic() - self._paused_at
                     self._paused_at = None
-                elif ev.type == "node_lost":
-                    self._gone("node_lost", ev.detail or "node lost")
-                elif ev.type in ("destroyed", "expired") and self._grace is None:
-                    # its exit record (killed with the sandbox) normally follows at once; if the node
-                    # stopped before the exec even started, none ever will
-                    self._grace = asyncio.get_running_loop().call_later(
-                        GONE_GRACE, self._gone, ev.type, ev.detail or f"sandbox {ev.type}")
+                else:
+                    self._ended(ev.type, ev.detail)
             self._evt_sub = await self.bus.subscribe(self.events, _evt)
+
+    def _on_reconnect(self) -> None:
+        self._moved = True
+        self._queue.put_nowait(_WAKE)
+
+    def _ended(self, state: str, detail: str) -> None:
+        """Its sandbox reached a final state: node_lost ends the wait now; after destroyed/expired/failed
+        its exit record (killed with the sandbox) normally follows at once, and if the node stopped
+        before the exec even started, none ever will."""
+        if state == "node_lost":
+            self._gone("node_lost", detail or "node lost")
+        elif state in TERMINAL and self._grace is None:
+            self._grace = asyncio.get_running_loop().call_later(
+                GONE_GRACE, self._gone, state, detail or f"sandbox {state}")
 
     def _gone(self, reason: str, detail: str) -> None:
         """No exit record will come: the records end with SandboxNotFound(reason)."""
@@ -72,6 +99,7 @@ class ExecStream:
         """Unsubscribe."""
         if self._grace is not None:
             self._grace.cancel()
+        self._unlisten()
         for sub in (self._sub, self._evt_sub):
             if sub is not None:
                 try:
@@ -81,7 +109,8 @@ class ExecStream:
         self._sub = self._evt_sub = None
 
     async def records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
-        """Records in order until the exit record; SandboxError if none comes within `wait` seconds."""
+        """Records in order until the exit record; SandboxError if none comes within `wait` seconds,
+        OutputIncomplete if the stream no longer holds all of them."""
         async for rec in self._records(wait):
             if isinstance(rec, ExitRecord):
                 self.finished = True
@@ -89,37 +118,53 @@ class ExecStream:
 
     async def _records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
         start = time.monotonic()
+        heard, quiet = start, QUIET_CHECK
+        gap_since: float | None = None
 
         def deadline_() -> float:   # suspended time does not count
             return start + wait + self._paused + (time.monotonic() - self._paused_at if self._paused_at else 0.0)
 
         while True:
-            deadline = deadline_()
             try:
-                data = self._queue.get_nowait()   # the common case under load: no timer, no task
+                item = self._queue.get_nowait()   # the common case under load: no timer, no task
             except asyncio.QueueEmpty:
-                left = deadline - time.monotonic()
-                timeout = max(0.05, left) if left > 0 else 0.05
+                now = time.monotonic()
+                until = min(deadline_(), gap_since + GAP_WAIT if gap_since is not None else heard + quiet)
                 try:
-                    data = await asyncio.wait_for(self._queue.get(), min(timeout, GAP_WAIT) if self._held else timeout)
+                    item = await asyncio.wait_for(self._queue.get(), max(0.01, until - now))
                 except asyncio.TimeoutError:
-                    if time.monotonic() >= deadline_():
-                        self.finished = True
-                        raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
-                    if self._held:   # a gap that did not fill itself: core delivery dropped it, the stream has it
-                        await self._refill(max(self._held))
-                        for out in self._in_order():
+                    now = time.monotonic()
+                    if now >= deadline_():
+                        for out in await self._catch_up(now + 2.0):   # a last look before giving up
                             yield out
                             if isinstance(out, ExitRecord):
                                 return
+                        self.finished = True
+                        raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
+                    if gap_since is not None or await self._missed_some():
+                        for out in await self._catch_up(deadline_()):
+                            yield out
+                            if isinstance(out, ExitRecord):
+                                return
+                        gap_since = time.monotonic() if self._held else None
+                    heard, quiet = time.monotonic(), min(QUIET_CHECK_MAX, quiet * 2)
                     continue
-            if data is None:
+            if item is _WAKE:
+                if self._moved:
+                    for out in await self._catch_up(deadline_()):
+                        yield out
+                        if isinstance(out, ExitRecord):
+                            return
+                    gap_since = time.monotonic() if self._held else None
+                continue
+            if item is None:
                 reason, detail = self._lost
                 raise SandboxNotFound(f"sandbox lost with its node: {detail}" if reason == "node_lost"
                                       else f"sandbox {reason} before the exec reported an exit: {detail}",
                                       reason=reason)
+            heard, quiet = time.monotonic(), QUIET_CHECK
             try:
-                rec = decode_output(*data)
+                rec = decode_output(*item)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue   # junk on the subject is skipped
             if rec.seq < self._next:
@@ -128,12 +173,14 @@ class ExecStream:
                     return
                 continue
             self._held[rec.seq] = rec
-            if isinstance(rec, ExitRecord) and rec.seq > self._next:
-                await self._refill(rec.seq)   # core delivery dropped something: the stream has it
-            for out in self._in_order():
+            ready = self._in_order()
+            if isinstance(rec, ExitRecord) and self._held:   # core delivery dropped something: the stream has it
+                ready += await self._catch_up(deadline_())
+            for out in ready:
                 yield out
                 if isinstance(out, ExitRecord):
                     return
+            gap_since = (gap_since or time.monotonic()) if self._held else None
 
     def _in_order(self) -> list[OutputChunk | ExitRecord]:
         """The held records that now follow on without a gap, taken off the hold."""
@@ -142,6 +189,70 @@ class ExecStream:
             out.append(self._held.pop(self._next))
             self._next += 1
         return out
+
+    async def _missed_some(self) -> bool:
+        """After a quiet spell: whether the stream holds a record not delivered here. If not, the sandbox
+        record tells whether the exec can still end (a destroyed or lost sandbox sends nothing more)."""
+        try:
+            last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject, with_headers=True)
+            if last is not None and decode_output(*last).seq >= self._next:
+                return True
+            raw = await self.bus.kv_get(streams.SANDBOXES_KV, self.sandbox_id)
+            rec = sandbox_decoder.decode(raw) if raw is not None else None
+        except (BusError, msgspec.DecodeError, msgspec.ValidationError):
+            return False   # asked again after the next quiet spell
+        if rec is not None and rec.state in TERMINAL:
+            self._ended(rec.state, rec.reason)
+        return False
+
+    async def _catch_up(self, give_up: float) -> list[OutputChunk | ExitRecord]:
+        """Read the subject back from DSEC_OUT (retried through bus errors until give_up) and return the
+        records that now follow on. OutputIncomplete when the exit record is known and the stream, read
+        to its end, lacks some record before it."""
+        self._moved, self.caught_up = False, self.caught_up + 1
+        delay = 0.05
+        while True:
+            try:
+                await self._read_back()
+                break
+            except BusError as exc:
+                if time.monotonic() + delay >= give_up:
+                    if self._exit_held() is not None:
+                        raise self._incomplete(f"the stream could not be read: {exc}") from exc
+                    return []
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        out = self._in_order()
+        if self._exit_held() is not None:
+            raise self._incomplete("DSEC_OUT no longer holds them (aged out or purged)")
+        return out
+
+    async def _read_back(self) -> None:
+        seq, consumed = self._resume_at, True
+        while (m := await self.bus.stored_after(streams.OUT_STREAM, self.subject, seq)) is not None:
+            seq = m.seq
+            try:
+                rec = decode_output(m.data, m.headers)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rec.seq < self._next:
+                if consumed:
+                    self._resume_at = m.seq   # everything up to here is consumed: the next read starts after
+            else:
+                consumed = False
+                self._held.setdefault(rec.seq, rec)
+
+    def _exit_held(self) -> ExitRecord | None:
+        exits = [r for r in self._held.values() if isinstance(r, ExitRecord)]
+        return max(exits, key=lambda r: r.seq) if exits else None
+
+    def _incomplete(self, why: str) -> OutputIncomplete:
+        end = self._exit_held()
+        assert end is not None
+        missing = [s for s in range(self._next, end.seq) if s not in self._held]
+        self.finished = True
+        return OutputIncomplete(f"exec output on {self.subject} is incomplete: records {_spans(missing)} of "
+                                f"{end.seq - 1} are missing ({why})", missing=missing, exit_code=end.exit_code)
 
     async def ended(self) -> bool:
         """Whether the exec's exit record is stored (asked of the stream, not of this subscription)."""
@@ -154,19 +265,16 @@ class ExecStream:
             pass
         return self.finished
 
-    async def _refill(self, upto: int) -> None:
-        try:
-            async for data, headers in self.bus.read_subject(streams.OUT_STREAM, self.subject, with_headers=True):
-                try:
-                    rec = decode_output(data, headers)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                if self._next <= rec.seq <= upto:
-                    self._held.setdefault(rec.seq, rec)
-        except BusError:
-            pass
-        for seq in range(self._next, upto):
-            self._held.setdefault(seq, OutputChunk(seq=seq, data=b""))   # lost past retention: keep going
+
+def _spans(seqs: list[int]) -> str:
+    """1,2,3,7 -> '1-3, 7' (a readable list of missing seqs)."""
+    out: list[str] = []
+    for s in seqs:
+        if out and s == int(out[-1].rsplit("-", 1)[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out[:20]) + (" ..." if len(out) > 20 else "")
 
 
 def exit_of(rec: ExitRecord) -> Exit:

@@ -165,11 +165,8 @@ class AsyncSandbox:
 
     async def destroy(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Destroy it; SandboxNotFound if it is already gone."""
-        async def recheck() -> bytes | None:   # destroyed meanwhile (a lost reply): done
-            rec = await self.client._record_quiet(self.id)
-            if rec is not None and rec.state == "destroyed":
-                return b""
-            return None
+        def recheck(rec) -> bytes | None:   # destroyed meanwhile (a lost reply): done
+            return b"" if rec.state == "destroyed" else None
 
         await self.client._op(self.node, self.id, lambda rid, to, dl: DestroyRequest(
             request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout, recheck)

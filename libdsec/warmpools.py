@@ -12,8 +12,8 @@ from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest
 from bus.messages import WarmPool, node_decoder, pool_key, warm_pool_decoder
 from libdsec.resources import Resources
-from placement.admission import check_warm_pool
-from placement.images import ImageRegistry
+from bus.validate import check_warm_pool
+from bus.images import ImageRegistry
 
 
 @dataclass(frozen=True)

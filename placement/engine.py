@@ -1,6 +1,8 @@
 """The placement engine: any number of them pull create requests from the shared durable consumers
-(one per priority), book room on a node by compare-and-set, and route each request to its node's lane
-(or, past the burst threshold, to the burst pool's shared lane).
+(one per priority), book room on a node by compare-and-set, and route each request to its node's lane.
+Local nodes first: past the burst threshold, a burstable create that fits on no local node is booked
+on a node of the burst pool (bounded by that pool's room). A node that does not take a booking is
+watched (placement/watchdog.py); one that stopped beating is booked no more.
 
 A request that fits nowhere is held (leased, unacked) while it waits for room, up to `max_waiting`
 per priority per engine; beyond that it waits in JetStream, unpulled. Latency requests have their own
@@ -21,13 +23,15 @@ from bus import streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired
 from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Event, Queued, SandboxRecord,
-                          create_decoder, encode, salvage)
+                          create_decoder, encode, heartbeat_decoder, salvage)
 from bus.pull import Delivery, Lease, Verdict
-from placement import admission, scoring
-from placement.images import ImageRegistry
+from bus import validate
+from placement import scoring
+from bus.images import ImageRegistry
 from placement.ledger import NodeLedger
 from placement.quota import Quotas
 from placement.reaper import Reaper
+from placement.watchdog import BookingWatch
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,8 @@ class PlacementEngine:
         self.ledger = NodeLedger(bus)
         self.ledger.on_room = self._room_changed
         self.quotas = Quotas(bus)
-        self.reaper = Reaper(bus, self.ledger)
+        self.reaper = Reaper(bus, self.ledger, self.name)
+        self.watch = BookingWatch(bus, self.ledger, self._place_again)
         self.max_waiting = max_waiting
         self.burst_threshold = burst_threshold
         self.burst_pool, self.pool = burst_pool, pool
@@ -78,10 +83,12 @@ class PlacementEngine:
     async def start(self) -> None:
         """Watch nodes and quotas, then pull both priorities."""
         # every edge heartbeats every few seconds: a node watch silent for longer has lost its server
+        await self.bus.subscribe(subjects.heartbeat(), self._heartbeat)
         self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0),
                        await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
                        await kv_watch(self.bus, streams.IMAGES_KV, self.images.on_change),   # drops stale resolves
-                       asyncio.create_task(self.reaper.run()), asyncio.create_task(self._stats_loop())]
+                       *await self.reaper.start(), asyncio.create_task(self.watch.run()),
+                       asyncio.create_task(self._stats_loop())]
         for prio in subjects.PRIORITIES:
             self._workers.append(await self.bus.pull_worker(
                 streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting))
@@ -95,6 +102,12 @@ class PlacementEngine:
         try:
             await asyncio.wait_for(self.bus.kv_delete(streams.ENGINES_KV, self.name), 0.5)
         except (asyncio.TimeoutError, DsecError):
+            pass
+
+    async def _heartbeat(self, data: bytes, _subject: str) -> None:
+        try:
+            self.ledger.on_heartbeat(heartbeat_decoder.decode(data))
+        except (msgspec.DecodeError, msgspec.ValidationError):
             pass
 
     # ---- figures -------------------------------------------------------------------------------
@@ -196,8 +209,8 @@ class PlacementEngine:
             return Verdict.TERM
         req = msgspec.structs.replace(req, priority=priority)   # the subject it came on decides
         try:
-            admission.check_create(req)
-            if admission.expired(req.deadline):
+            validate.check_create(req)
+            if validate.expired(req.deadline):
                 raise RequestExpired("create request expired before it was placed")
             layers = await (self.images.snapshot_layers(req.snapshot, req.tenant) if req.snapshot
                             else self.images.compose(req.image, req.workspace, req.toolkit))
@@ -212,7 +225,7 @@ class PlacementEngine:
         try:
             while True:
                 try:
-                    if admission.expired(req.deadline):
+                    if validate.expired(req.deadline):
                         raise RequestExpired("no node had room before the create's deadline")
                     if await self._try_place(placed):
                         return Verdict.ACK
@@ -254,39 +267,54 @@ class PlacementEngine:
         return True
 
     async def _try_place(self, req: CreateRequest) -> bool:
-        """Route the request once: True when it is on a lane (or was before), False when nothing has room."""
+        """Route the request once: True when it is on a lane (or was before), False when nothing has room.
+
+        Local room first: only a create that fits on no local node bursts, and only onto a node of the
+        burst pool with room, booked like any other (so the burst pool never holds more than its room)."""
         prior = self.ledger.find_booking(req.request_id)
         if prior is not None and prior not in req.avoid:   # a redelivery booked before: same node, same msg id
-            await self.bus.publish_once(subjects.node_create(prior), encode(msgspec.structs.replace(req, node=prior)),
-                                        msg_id=node_msg_id(req))
+            await self._send(msgspec.structs.replace(req, node=prior))
             return self._routed(req)
         if req.priority == "batch" and self.queued["latency"]:
             return False   # strict priority: while a latency request waits here, freed room is its
-        if self._burst_ready(req):
-            await self.bus.publish_once(subjects.pool_create(self.burst_pool),
-                                        encode(msgspec.structs.replace(req, pool=self.burst_pool)),
-                                        msg_id=node_msg_id(req))
-            self.bursted += 1
-            return self._routed(req)
         tried: set[str] = set(req.avoid)   # nodes where its environment failed: elsewhere if anywhere fits
         prefer = scoring.affinity(req.layers, req.resources)
         for _ in range(BOOK_TRIES):
-            node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool,
-                                         exclude=frozenset(tried), prefer=prefer)
+            away = self.ledger.unresponsive()
+            nodes = self.ledger.nodes()
+            node, _ever = scoring.choose(nodes, req.resources, pool=self.pool, exclude=frozenset(tried) | away,
+                                         prefer=prefer)
             if node is None and req.avoid and tried == set(req.avoid):
                 tried = set()   # nowhere else: a fresh environment on the same node is the retry
-                node, _ever = scoring.choose(self.ledger.nodes(), req.resources, pool=self.pool)
+                node, _ever = scoring.choose(nodes, req.resources, pool=self.pool, exclude=away)
+            burst = False
+            if node is None and self._burst_ready(req):   # the excess that does not fit locally
+                node, _ever = scoring.choose(nodes, req.resources, pool=self.burst_pool,
+                                             exclude=frozenset(tried) | away, prefer=prefer)
+                burst = node is not None
             if node is None:
                 return False
             booking = Booking(resources=req.resources, deadline=req.deadline, tenant=req.tenant)
             if await self.ledger.book(node, req.request_id, booking):
                 # Not stored when an earlier delivery placed it already (then this booking goes unused
                 # until its deadline: erring on the side of room, never of overbooking).
-                await self.bus.publish_once(subjects.node_create(node), encode(msgspec.structs.replace(req, node=node)),
-                                            msg_id=node_msg_id(req))
+                await self._send(msgspec.structs.replace(req, node=node))
+                self.bursted += burst
                 return self._routed(req)
             tried.add(node)
         return False
+
+    async def _send(self, placed: CreateRequest) -> None:
+        """Put a booked create on its node's lane, and watch that the node takes it."""
+        seq, _new = await self.bus.publish_once(subjects.node_create(placed.node), encode(placed),
+                                                msg_id=node_msg_id(placed))
+        self.watch.watch(placed, seq)
+
+    async def _place_again(self, req: CreateRequest) -> None:
+        """A create its node did not take (see placement/watchdog.py): back to placement, attempt + 1."""
+        again = msgspec.structs.replace(req, node="", pool="", attempt=req.attempt + 1)
+        await self.bus.publish(subjects.create_request(again.tenant, again.priority), encode(again),
+                               msg_id=f"{again.request_id}.{again.attempt}", retries=3, retry_for=5.0)
 
     def _routed(self, req: CreateRequest) -> bool:
         self.placed += 1

@@ -20,21 +20,11 @@ import msgspec
 
 from bus import streams
 from bus.conn import Bus
-from bus.messages import Booking, NodeInfo, encode, node_decoder
+from bus.messages import Booking, Heartbeat, NodeInfo, encode
+from bus.nodes import decode_node
 from placement import scoring
 
 log = logging.getLogger(__name__)
-
-
-def decode_node(key: str, raw: bytes | None) -> NodeInfo | None:
-    """A node record, or None for junk or a record filed under another node's key."""
-    if raw is None:
-        return None
-    try:
-        info = node_decoder.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return info if info.node == key else None
 
 
 @dataclass
@@ -61,6 +51,36 @@ class NodeLedger:
         self._flushing: set[str] = set()
         self.conflicts = 0
         self.on_room = lambda: None   # called when some node may have more room than before
+        self.heard: dict[str, tuple[float, float]] = {}   # node -> (monotonic time of its last core heartbeat, run)
+        self.cooled: dict[str, float] = {}   # node -> monotonic time a booking of it was taken back
+        self.since = time.monotonic()        # when this view started listening
+
+    # ---- liveness -------------------------------------------------------------------------------
+
+    def on_heartbeat(self, hb: Heartbeat) -> None:
+        """A node's core heartbeat (dsec.hb.<node>)."""
+        now = time.monotonic()
+        self.heard[hb.node] = (now, hb.started_at)
+        cooled = self.cooled.get(hb.node)
+        if cooled is not None and now > cooled + 0.05:   # it beats after the take-back: it is alive
+            del self.cooled[hb.node]
+            self.on_room()
+
+    def silent_for(self, node: str) -> float:
+        """Seconds since this view heard a core heartbeat of node (since it started listening, if never)."""
+        heard = self.heard.get(node)
+        return time.monotonic() - (heard[0] if heard else self.since)
+
+    def unresponsive(self) -> frozenset[str]:
+        """Nodes not to book now: their core heartbeats stopped (late by several beats), or a booking of
+        theirs was taken back for not being taken and no heartbeat came since."""
+        now = time.monotonic()
+        late = {n for n, (at, _) in self.heard.items() if now - at > streams.SUSPECT_AFTER}
+        return frozenset(late | set(self.cooled))
+
+    def cool(self, node: str) -> None:
+        """A booking of node was not taken in time: book it no more until it is heard from again."""
+        self.cooled[node] = time.monotonic()
 
     # ---- the view ------------------------------------------------------------------------------
 
@@ -85,8 +105,9 @@ class NodeLedger:
         """The live node holding a booking for this request, if any (a redelivered request placed before).
         A booking on a node that is lost or draining does not count: the request is placed afresh."""
         now = time.time()
+        away = self.unresponsive()
         for key, e in self.entries.items():
-            if request_id in e.info.bookings and scoring.placeable(e.info, e.info.pool, now):
+            if request_id in e.info.bookings and scoring.placeable(e.info, e.info.pool, now) and key not in away:
                 return key
         return None
 
@@ -100,6 +121,13 @@ class NodeLedger:
             self._flushing.add(node)
             asyncio.get_running_loop().create_task(self._flush(node))
         return await p.future
+
+    async def unbook(self, node: str, request_id: str) -> None:
+        """Remove a booking the node never took (best effort: a stale booking ages out anyway)."""
+        try:
+            await _unbook_write(self, node, request_id)
+        except Exception as exc:
+            log.info("booking %s on %s not removed: %s", request_id, node, exc)
 
     async def _flush(self, node: str) -> None:
         try:
@@ -149,40 +177,19 @@ class NodeLedger:
         return accepted
 
 
+async def _unbook_write(ledger: "NodeLedger", node: str, request_id: str) -> None:
+    def mutate(raw: bytes | None) -> bytes | None:
+        info = decode_node(node, raw)
+        if info is None or request_id not in info.bookings:
+            return None
+        return encode(msgspec.structs.replace(info, bookings={k: v for k, v in info.bookings.items()
+                                                                if k != request_id}))
+    result = await ledger.bus.kv_update(streams.NODES_KV, node, mutate)
+    if result.written:
+        ledger.on_change(node, result.value, result.revision)
+
+
 def _more_room(old: NodeInfo, new: NodeInfo) -> bool:
     a, b = scoring.free_of(old), scoring.free_of(new)
     return (b.slots > a.slots or b.cpu > a.cpu + 1e-9 or b.memory > a.memory or b.disk > a.disk
             or (old.draining and not new.draining) or (old.lost and not new.lost) or new.slots > old.slots)
-
-
-async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, lost: bool | None = None,
-                   lost_handled: bool | None = None, only_if_stale: float | None = None,
-                   retry_lost_after: float | None = None) -> NodeInfo | None:
-    """Set a node's draining / lost / lost_handled flag by compare-and-set. With only_if_stale, lost is
-    set only while the heartbeat is older than that many seconds and the node is not lost already (so
-    exactly one engine wins the claim); declaring a node lost drops its bookings (their creates are
-    placed again). With retry_lost_after, an unfinished lost-node job older than that is taken over
-    (lost_at refreshed). Returns the record written, or None when nothing was written."""
-    def mutate(raw: bytes | None) -> bytes | None:
-        info = decode_node(node, raw)
-        if info is None:
-            return None
-        if only_if_stale is not None and (info.lost or time.time() - info.heartbeat < only_if_stale):
-            return None
-        if lost_handled is not None and not info.lost:
-            return None   # it came back meanwhile
-        if retry_lost_after is not None:   # take over an unfinished lost-node job (one engine wins)
-            if not info.lost or info.lost_handled or time.time() - info.lost_at < retry_lost_after:
-                return None
-            return encode(msgspec.structs.replace(info, lost_at=time.time()))
-        new = info
-        if draining is not None:
-            new = msgspec.structs.replace(new, draining=draining)
-        if lost:
-            new = msgspec.structs.replace(new, lost=True, lost_at=time.time(), lost_handled=False, bookings={})
-        if lost_handled is not None:
-            new = msgspec.structs.replace(new, lost_handled=lost_handled)
-        return None if new == info else encode(new)
-
-    result = await bus.kv_update(streams.NODES_KV, node, mutate)
-    return node_decoder.decode(result.value) if result.written and result.value else None

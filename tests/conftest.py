@@ -77,7 +77,7 @@ async def hold_layers(stack, other, image: str) -> None:
     lists them."""
     from bus import streams
     from bus.messages import layer_mark, node_decoder
-    from placement.images import ImageRegistry
+    from bus.images import ImageRegistry
     layers = await ImageRegistry(stack.bus).compose(image)
     await other.edge.layers.ensure(layers)
     marks = {layer_mark(la.digest) for la in layers}

@@ -54,7 +54,7 @@ async def test_junk_everywhere_never_blocks_startup_listing_or_serving(stack, cl
         await fresh.start()
         assert await stack.bus.kv_get(streams.NODES_KV, "tjunk") is not None
         await fresh.stop()
-    from placement.images import ImageRegistry
+    from bus.images import ImageRegistry
     assert any(r.name == "busybox" for r in await ImageRegistry(stack.bus).list())
     # startup: provisioning and the busybox check run again over the junk
     await stack.bus.provision()

@@ -10,9 +10,15 @@ from bus.messages import event_decoder, traj_decoder
 from tests.conftest import extra_edge
 
 
-async def events_of(stack, sandbox_id: str) -> list:
-    return [event_decoder.decode(d) async for d in stack.bus.read_subject(
-        streams.EVT_STREAM, subjects.event("default", sandbox_id))]
+async def events_of(stack, sandbox_id: str, until: set[str] = frozenset()) -> list:
+    """The sandbox's events; with until, once those types are all there (events follow replies: a few ms)."""
+    for _ in range(100):
+        evs = [event_decoder.decode(d) async for d in stack.bus.read_subject(
+            streams.EVT_STREAM, subjects.event("default", sandbox_id))]
+        if until <= {e.type for e in evs}:
+            break
+        await asyncio.sleep(0.05)
+    return evs
 
 
 async def test_an_environment_failure_is_retried_elsewhere_and_a_task_failure_is_not(stack, client, tmp_path):
@@ -31,7 +37,7 @@ async def environment_then_task_failure(stack, client, small) -> None:
     moved = await client.create()
     try:
         assert moved.node == "t1" and (await moved.exec("echo ok")).stdout == b"ok\n"
-        evs = await events_of(stack, moved.id)
+        evs = await events_of(stack, moved.id, until={"retried", "created"})
         retried = [e for e in evs if e.type == "retried"]
         assert len(retried) == 1 and retried[0].node == "t3" and retried[0].failure_class == "environment"
         assert "mount" in retried[0].detail
@@ -48,11 +54,15 @@ async def environment_then_task_failure(stack, client, small) -> None:
         assert healed.node == "t3"
         r = await healed.exec("echo out; exit 3")
         assert (r.exit_code, r.stdout) == (3, b"out\n")     # returned once: a task failure is not retried
-        evs = await events_of(stack, healed.id)
+        evs = await events_of(stack, healed.id, until={"task_failed"})
         failed = [e for e in evs if e.type == "task_failed"]
         assert len(failed) == 1 and failed[0].failure_class == "task" and "exited 3" in failed[0].detail
-        recs = [traj_decoder.decode(d) async for d in stack.bus.read_subject(
-            streams.TRAJ_STREAM, subjects.trajectory("default", "default", healed.id))]
+        for _ in range(100):   # the exec's trajectory record follows its exit record
+            recs = [traj_decoder.decode(d) async for d in stack.bus.read_subject(
+                streams.TRAJ_STREAM, subjects.trajectory("default", "default", healed.id))]
+            if any(r.type == "exec" for r in recs):
+                break
+            await asyncio.sleep(0.05)
         assert [r.failure_class for r in recs if r.type == "exec"] == ["task"]
     finally:
         await healed.destroy()
@@ -76,11 +86,7 @@ async def test_a_corrupt_layer_in_the_store_fails_clearly_after_one_retry_and_le
             await client.create(workspace="rotten")
         [sid] = [r.sandbox_id for r in await client.list(all_states=True)
                  if r.state == "failed" and "rotten@1" in r.reason]
-        for _ in range(100):   # each node publishes its own event; the client's answer may come first
-            evs = await events_of(stack, sid)
-            if {"retried", "failed"} <= {e.type for e in evs}:
-                break
-            await asyncio.sleep(0.05)
+        evs = await events_of(stack, sid, until={"retried", "failed"})   # each node publishes its own
         retried = [e for e in evs if e.type == "retried"]
         assert len(retried) == 1 and retried[0].failure_class == "environment" and "corrupt" in retried[0].detail
         failed = [e for e in evs if e.type == "failed"]

@@ -132,7 +132,7 @@ async def test_twenty_concurrent_creates_of_a_new_layer_fetch_it_once(stack, cli
 
 
 async def test_a_cold_node_fetches_only_the_layers_it_needs(stack, client, tmp_path):
-    from placement.images import ImageRegistry
+    from bus.images import ImageRegistry
     from tests.conftest import extra_edge
     for name, kind, size in (("needed-ws", "workspace", 300 << 10), ("decoy-tk", "toolkit", 2 << 20)):
         root = tmp_path / name

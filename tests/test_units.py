@@ -14,14 +14,15 @@ from bus.messages import (Booking, CreateRequest, ExitRecord, NodeInfo, OutputCh
 from chronus import relay as relay_mod
 from libdsec.execstream import LineSplitter
 from libdsec.resources import parse_size
-from placement import admission, scoring
+from bus import validate
+from placement import scoring
 
 
 def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
         "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-        "InvalidRequest", "Output", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+        "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
         "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None
@@ -74,7 +75,7 @@ def _req(**kw) -> CreateRequest:
 ])
 def test_admission_names_the_field(kw, field):
     with pytest.raises(libdsec.InvalidRequest, match=field):
-        admission.check_create(_req(**kw))
+        validate.check_create(_req(**kw))
 
 
 def test_decode_errors_name_the_field_and_salvage_the_reply():
@@ -159,15 +160,35 @@ def test_line_splitter_keeps_streams_apart_and_flushes_partial():
 
 
 class _FakeBus:
-    """Records what the relay sends; enough for framing tests."""
+    """Records what the relay publishes (acked at once unless told to drop acks); enough for framing tests."""
 
-    def __init__(self):
+    def __init__(self, drop_acks: int = 0):
         self.sent = []
+        self.ids = []          # the msg id of every publish, in order
+        self.drop_acks = drop_acks
 
-    async def send(self, subject, data, headers=None):
-        self.sent.append(decode_output(data, headers))
+    async def publish_async(self, subject, data, headers=None):
+        import asyncio
+        fut = asyncio.get_running_loop().create_future()
+        self.ids.append(headers["Nats-Msg-Id"])
+        if self.drop_acks > 0:   # published, never acked: a server dying under the connection
+            self.drop_acks -= 1
+        else:
+            self.sent.append(decode_output(data, headers))
+            fut.set_result(len(self.sent))
+        return fut
+
+    @staticmethod
+    async def stored(ack, timeout):
+        import asyncio
+        from bus.errors import BusError
+        try:
+            return await asyncio.wait_for(ack, timeout)
+        except asyncio.TimeoutError:
+            raise BusError("no ack") from None
 
     async def publish(self, subject, data, msg_id=None):
+        self.ids.append(msg_id)
         self.sent.append(output_decoder.decode(data))
         return len(self.sent)
 
@@ -188,6 +209,20 @@ async def test_relay_batches_orders_and_caps():
     stdout = b"".join(c.data for c in chunks if c.stream == "stdout")
     assert stdout.startswith(b"line 0\nline 1\n")
     assert b"".join(c.data for c in chunks if c.stream == "stderr") == b"err\n"
+
+
+async def test_relay_publishes_an_unacked_chunk_again_and_the_exit_record_only_after_every_ack(monkeypatch):
+    """A chunk whose ack never comes (its server died) is published again under the same msg id (JetStream
+    stores it once), and the exit record goes out only once every chunk before it is acked."""
+    monkeypatch.setattr(relay_mod, "ACK_WAIT", 0.05)
+    bus = _FakeBus(drop_acks=2)
+    r = relay_mod.OutputRelay(bus, "sb", "x9", max_output=1 << 20)
+    await r.sink("stdout", b"sb-x9\n")
+    rec = await r.finish(exit_code=0)
+    assert [type(m).__name__ for m in bus.sent] == ["OutputChunk", "ExitRecord"]
+    assert bus.sent[0].data == b"sb-x9\n" and rec.seq == 2
+    assert bus.ids == ["x9.1", "x9.1", "x9.1", "x9-exit"], bus.ids   # twice unacked, then stored; then the exit
+    assert r.republished == 2
 
 
 async def test_relay_flushes_after_a_few_ms():
@@ -240,28 +275,68 @@ def test_encode_is_json_any_client_can_read():
     assert d["kind"] == "out" and d["v"] == 1
 
 
+class _OutBus:
+    """DSEC_OUT for ExecStream unit tests: what the stream stores, what core delivery hands over, and reads
+    back that fail `failures` times first (a leader election)."""
+
+    def __init__(self, stored, failures=0):
+        from bus.streamread import Stored
+        self.stored = [Stored(i + 1, d, h) for i, (d, h) in enumerate(stored)]
+        self.failures = failures
+        self.reads = 0
+        self.reconnect = []
+
+    async def subscribe(self, subject, cb, with_headers=False):
+        self.cb = cb
+        return self
+
+    async def unsubscribe(self):
+        pass
+
+    def on_reconnect(self, fn):
+        self.reconnect.append(fn)
+        return lambda: None
+
+    async def stored_after(self, stream, subject, seq=0):
+        from bus.errors import BusError
+        self.reads += 1
+        if self.failures:
+            self.failures -= 1
+            raise BusError("stream has no leader")
+        return next((m for m in self.stored if m.seq > seq), None)
+
+    async def last_on_subject(self, stream, subject, with_headers=False):
+        return (self.stored[-1].data, self.stored[-1].headers) if self.stored else None
+
+    async def kv_get(self, bucket, key):
+        return None
+
+
+def _out(exec_id, n, exit_code=0):
+    """n one-line chunks and an exit record, as dsec.out messages (payload, headers)."""
+    from bus.messages import ExitRecord, chunk_message
+    msgs = [chunk_message(OutputChunk(exec_id=exec_id, seq=i, stream="stdout", data=b"%d\n" % i))
+            for i in range(1, n + 1)]
+    return msgs + [(encode(ExitRecord(exec_id=exec_id, seq=n + 1, exit_code=exit_code)), None)]
+
+
+async def _read_all(es, wait=30):
+    from bus.messages import ExitRecord
+    got = []
+    async for rec in es.records(wait):
+        if isinstance(rec, ExitRecord):
+            return got, rec
+        got.append(rec.data)
+
+
 async def test_exec_stream_reads_a_lasting_gap_back_from_the_stream():
     """A chunk core delivery dropped mid-exec is read back from DSEC_OUT after a second, not at the exit."""
     import asyncio
 
-    from bus.messages import chunk_message
     from libdsec.execstream import ExecStream
 
-    stored = [chunk_message(OutputChunk(exec_id="x", seq=i, stream="stdout", data=b"%d\n" % i)) for i in (1, 2, 3)]
-
-    class Bus:
-        async def subscribe(self, subject, cb, with_headers=False):
-            self.cb = cb
-            return self
-
-        async def unsubscribe(self):
-            pass
-
-        async def read_subject(self, stream, subject, with_headers=False):
-            for data, headers in stored:
-                yield data, headers
-
-    bus = Bus()
+    stored = _out("x", 3)
+    bus = _OutBus(stored[:3])
     es = ExecStream(bus, "sb", "x")
     await es.open()
     for data, headers in (stored[0], stored[2]):        # seq 2 was dropped on the way
@@ -275,6 +350,76 @@ async def test_exec_stream_reads_a_lasting_gap_back_from_the_stream():
                 return
     await asyncio.wait_for(read(), 3)
     assert got == [b"1\n", b"2\n", b"3\n"]
+
+
+async def test_exec_stream_retries_a_failing_read_back_and_never_fills_gaps_with_nothing():
+    """The stream has the missed chunk, but the first reads fail (no leader): the reader tries again within
+    its deadline and returns the exact bytes (before: the gap became b'' and exit 0)."""
+    import asyncio
+
+    from libdsec.execstream import ExecStream
+
+    stored = _out("x", 2)
+    bus = _OutBus(stored, failures=3)
+    es = ExecStream(bus, "sb", "x")
+    await es.open()
+    await bus.cb(*stored[0][:1], "s", stored[0][1])
+    await bus.cb(stored[2][0], "s", stored[2][1])       # the exit record arrives, chunk 2 did not
+    got, end = await asyncio.wait_for(_read_all(es), 5)
+    assert got == [b"1\n", b"2\n"] and end.exit_code == 0 and bus.reads >= 4
+
+
+async def test_exec_stream_raises_output_incomplete_when_the_stream_lacks_a_record():
+    """A chunk the stream no longer holds (aged out): OutputIncomplete naming it, never fewer bytes with exit 0."""
+    import asyncio
+
+    import libdsec
+    from libdsec.execstream import ExecStream
+
+    stored = _out("x", 3)
+    bus = _OutBus([stored[0], stored[2], stored[3]])    # chunk 2 is not in the stream
+    es = ExecStream(bus, "sb", "x")
+    await es.open()
+    for m in (stored[0], stored[2], stored[3]):
+        await bus.cb(m[0], "s", m[1])
+    with pytest.raises(libdsec.OutputIncomplete) as ei:
+        await asyncio.wait_for(_read_all(es), 5)
+    assert ei.value.missing == [2] and "records 2 of 3 are missing" in str(ei.value)
+
+
+async def test_exec_stream_finds_a_result_stored_while_nothing_was_delivered(monkeypatch):
+    """Every record was published while the client's connection moved: nothing arrives, yet the stored
+    exit record is found (quiet probe, then a read back) long before the deadline."""
+    import asyncio
+    import time
+
+    from libdsec import execstream
+    from libdsec.execstream import ExecStream
+
+    monkeypatch.setattr(execstream, "QUIET_CHECK", 0.1)
+    bus = _OutBus(_out("x", 2))
+    es = ExecStream(bus, "sb", "x")
+    await es.open()
+    t0 = time.monotonic()
+    got, end = await asyncio.wait_for(_read_all(es, wait=30), 5)
+    assert got == [b"1\n", b"2\n"] and end.seq == 3 and time.monotonic() - t0 < 2
+
+
+async def test_exec_stream_reads_back_after_a_reconnect():
+    """A reconnect makes the reader read the stream at once (what was published meanwhile is there)."""
+    import asyncio
+
+    from libdsec.execstream import ExecStream
+
+    bus = _OutBus(_out("x", 1))
+    es = ExecStream(bus, "sb", "x")
+    await es.open()
+    reader = asyncio.ensure_future(_read_all(es, wait=30))
+    await asyncio.sleep(0.05)
+    for fn in bus.reconnect:
+        fn()
+    got, end = await asyncio.wait_for(reader, 0.5)
+    assert got == [b"1\n"] and end.exit_code == 0
 
 
 async def test_layer_cache_keeps_under_its_cap_and_never_drops_a_layer_in_use(tmp_path, monkeypatch):
@@ -305,15 +450,56 @@ async def test_layer_cache_keeps_under_its_cap_and_never_drops_a_layer_in_use(tm
     assert again.size == 2000
 
 
+async def test_the_reaper_declares_no_node_lost_that_beats_or_while_it_cannot_hear_itself(monkeypatch):
+    """Liveness is not one KV write: a node whose record's heartbeat is a minute old but whose core
+    heartbeats are heard is alive; and an engine that does not hear its own probe (its server paused)
+    judges nobody."""
+    from bus.messages import Heartbeat
+    from placement import reaper as rmod
+    from placement.ledger import NodeLedger
+    monkeypatch.setattr(rmod, "SWEEP_EVERY", 0.02)
+    monkeypatch.setattr(rmod, "STALL_GRACE", 1)
+    ledger = NodeLedger(bus=None)
+    ledger.since -= 60
+    for name in ("beats", "silent"):
+        ledger.on_change(name, encode(_node(name, age=60)), 1)
+    r = rmod.Reaper(bus=None, ledger=ledger)
+    claimed: list[str] = []
+
+    async def claim(node):
+        claimed.append(node)
+        return True
+    r.claim = claim
+    task = asyncio.create_task(r.run())
+    try:
+        r.heard_self = time.monotonic() - 10          # deaf: its own probe is not coming back
+        for _ in range(10):
+            ledger.on_heartbeat(Heartbeat(node="beats", started_at=1.0))
+            await asyncio.sleep(0.02)
+        assert claimed == [], "an engine that cannot hear itself declared a node lost"
+        for _ in range(20):
+            r.heard_self = time.monotonic()
+            ledger.on_heartbeat(Heartbeat(node="beats", started_at=1.0))
+            await asyncio.sleep(0.02)
+        assert claimed and set(claimed) == {"silent"}, claimed
+        assert ledger.unresponsive() == frozenset(), "a beating node is bookable"
+    finally:
+        task.cancel()
+
+
 async def test_the_reaper_gives_nodes_grace_after_its_own_stall(monkeypatch):
     from placement import reaper as rmod
     monkeypatch.setattr(rmod, "SWEEP_EVERY", 0.05)
     monkeypatch.setattr(rmod, "STALL", 0.1)
+    monkeypatch.setattr(rmod, "DEAF_AFTER", 1e9)   # no probe runs here: it hears itself
     stale = _node("n", age=60)
 
     class Ledger:
         def nodes(self):
             return [stale]
+
+        def silent_for(self, node):
+            return 60.0
     r = rmod.Reaper(bus=None, ledger=Ledger())
     claimed: list[float] = []
 

@@ -6,6 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Literal
 
+from chronus.shell import TRUSTED_DIR, TRUSTED_SHELL  # noqa: F401  (the trusted shell every backend mounts)
+
 StreamName = Literal["stdout", "stderr"]
 # Called with each chunk read from a command's stdout or stderr, in the order read.
 # Awaited before the next read of that stream, so a slow consumer slows the reader (no unbounded buffering).
@@ -95,14 +97,6 @@ class LayerUnusable(BackendError):
 
 class SandboxGone(BackendError):
     """The sandbox does not exist (never created, or destroyed)."""
-
-
-# A shell the sandbox cannot replace: the host's static busybox, bind-mounted read-only at /.dsec
-# (a mount point: it can be neither renamed, removed nor written from inside, and without
-# CAP_SYS_ADMIN nothing can be mounted over it). String commands run with it, never with the
-# image's /bin/sh; being static, it reads no library and ignores LD_PRELOAD.
-TRUSTED_DIR = "/.dsec"
-TRUSTED_SHELL = "/.dsec/sh"
 
 
 class Backend(abc.ABC):

@@ -1,4 +1,5 @@
-"""Admission: a request is checked field by field before anything is placed; errors name the field."""
+"""Request validation: a create request or warm pool is checked field by field (by placement and again by
+the edge that takes it); errors name the field."""
 from __future__ import annotations
 
 import time

@@ -1,0 +1,33 @@
+"""The one translation of nats-py's errors into DSec's (BusError, BusUnavailable)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import nats.errors
+import nats.js.errors
+
+from bus.errors import BusError, BusUnavailable
+
+
+@contextlib.contextmanager
+def mapped_errors(what: str):
+    """Translate nats errors raised inside the block into BusError / BusUnavailable, once."""
+    try:
+        yield
+    except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
+        raise BusError(f"{what}: NATS did not answer in time") from exc   # (TimeoutError is an OSError too)
+    except (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError) as exc:
+        raise BusUnavailable(f"{what}: NATS unavailable ({exc.__class__.__name__})") from exc
+    except nats.errors.Error as exc:
+        raise BusError(f"{what}: {exc}") from exc
+
+
+def not_found(exc: BusError) -> bool:
+    """Whether a mapped error says the message or object asked for is not there (not a failure)."""
+    return isinstance(exc.__cause__, nats.js.errors.NotFoundError)   # ObjectNotFoundError is one too
+
+
+def timed_out(exc: BusError) -> bool:
+    """Whether a mapped error is a plain timeout (nothing arrived in time)."""
+    return isinstance(exc.__cause__, (nats.errors.TimeoutError, asyncio.TimeoutError))

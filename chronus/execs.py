@@ -1,0 +1,329 @@
+"""Chronus on one node: the exec protocol.
+
+An exec request runs at most once per exec id (redeliveries, client retries and restarts are
+recognised), its output is relayed in order and stored (chronus/relay.py), and it ends in exactly
+one exit record on dsec.out.<sandbox>.<exec>, whoever publishes it (this node, or the reaper for a
+node that died: both use the same msg id). A string command runs under the trusted shell, never a
+binary of the sandbox. While it runs, live stdin and signals reach it on dsec.in.<node>.<sandbox>.<exec>.
+Its trajectory record follows its exit record on the sandbox's timeline. An exec whose sandbox the
+platform destroyed under it (a destroy, its TTL, its node declared lost) ends SandboxNotFound(reason),
+never as a bare kill.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
+from bus.messages import (ErrorReply, Event, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply, SandboxRecord,
+                          TrajRecord, control_decoder, decode_output, encode)
+from bus.pull import Delivery, Lease, Verdict
+from chronus.relay import TRAJ_OUTPUT, OutputRelay
+from chronus.shell import command_argv
+from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink, SandboxGone
+
+log = logging.getLogger(__name__)
+
+REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
+MAX_SIGNAL = 64
+STDIN_ANSWER_WAIT = 4.0   # a repeated stdin piece is answered within this (busy, if still not written)
+MAX_BACKGROUND_PER_EXEC_SLOT = 4   # background execs a node runs at once: this times max_execs
+SETTLE_WAIT = 2.0         # a destroy waits this long for its sandbox's execs to record their ends
+
+
+class ExecHost(Protocol):
+    """What Chronus needs of the node it runs on."""
+
+    def record_of(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record of a sandbox this node runs now (None: it does not run it)."""
+
+    def suspended(self, sandbox_id: str) -> bool:
+        """Whether the sandbox is frozen (client.suspend)."""
+
+    def ending(self, sandbox_id: str) -> str:
+        """Why the platform is ending the sandbox (destroyed, expired, node_lost, failed), '' while it runs."""
+
+    async def gone(self, sandbox_id: str) -> SandboxNotFound:
+        """The typed error for a sandbox this node does not run, with the recorded reason."""
+
+    async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
+                  timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
+        """Run a command in the sandbox (the backend's exec)."""
+
+    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]]) -> None:
+        """Publish (subject, data, msg id) messages on the sandbox's timeline, durably and in its order."""
+
+
+@dataclass(frozen=True)
+class ExecLimits:
+    """A node's exec settings."""
+
+    max_output: int = 64 << 20       # per-exec output cap, whatever a client asks for
+    traj_output: int = TRAJ_OUTPUT   # bytes of each stream kept in an exec's trajectory record
+    max_execs: int = 256             # concurrent execs (background ones: MAX_BACKGROUND_PER_EXEC_SLOT times)
+
+
+class LiveExec:
+    """A running exec as its control subject sees it: the backend's controls and the stdin seq."""
+
+    def __init__(self, sandbox_id: str, control: ExecControl) -> None:
+        self.sandbox_id = sandbox_id
+        self.control = control
+        self.next_seq = 1
+        self.last: tuple[int, asyncio.Future] | None = None   # the latest stdin write, for a repeated seq
+        self.recorded = asyncio.Event()   # its exit and trajectory records are out (or given up on)
+
+
+class Execs:
+    """Every exec of one node, from its request to its exit and trajectory records."""
+
+    def __init__(self, bus: Bus, node: str, host: ExecHost, limits: ExecLimits) -> None:
+        self.bus = bus
+        self.node = node
+        self.host = host
+        self.limits = limits
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.duplicates = 0   # execs delivered again and not run (ack lost, lease lost, client retry)
+        self._live: dict[str, LiveExec] = {}        # running: its control subject answers
+        self._recording: dict[str, LiveExec] = {}   # until its exit and trajectory records are out
+        self._background: set[asyncio.Task] = set()
+        self._controls = None
+
+    async def start(self) -> None:
+        """Answer the control subject of running execs."""
+        self._controls = await self.bus.serve(subjects.exec_input(self.node), self._on_control)
+
+    async def stop(self) -> None:
+        """Cancel execs in flight (their sandboxes are about to be destroyed); stop answering controls."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for live in self._live.values():   # background execs cancelled before they started
+            live.control.close()
+            live.recorded.set()
+        self._live.clear()
+        self._recording.clear()
+        if self._controls is not None:
+            with contextlib.suppress(Exception):
+                await self._controls.unsubscribe()
+            self._controls = None
+
+    async def settle(self, sandbox_id: str, wait: float = SETTLE_WAIT) -> None:
+        """Wait (a bounded time) until the execs of a sandbox being destroyed have recorded their ends,
+        so its `destroyed` record comes after theirs on the timeline."""
+        pending = [live.recorded.wait() for live in self._recording.values() if live.sandbox_id == sandbox_id]
+        if pending:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pending), wait)
+
+    # ---- live stdin and signals ---------------------------------------------------------------
+
+    async def _on_control(self, data: bytes, subject: str):
+        try:
+            msg = control_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return ErrorReply(code=InvalidRequest.code, message=f"bad exec control message: {exc}")
+        live = self._live.get(msg.exec_id)
+        if live is None or subject.rsplit(".", 1)[-1] != msg.exec_id:
+            return ErrorReply(code="exec_not_running", message=f"exec {msg.exec_id} is not running on this node")
+        if isinstance(msg, ExecSignal):
+            if not 0 < msg.signal <= MAX_SIGNAL:
+                return ErrorReply(code=InvalidRequest.code, message=f"signal must be 1..{MAX_SIGNAL}, got {msg.signal}")
+            sent = await live.control.signal(msg.signal)
+            return OkReply() if sent else ErrorReply(code="exec_not_running", message="no process left to signal")
+        return await self._stdin(live, msg)
+
+    @staticmethod
+    async def _stdin(live: LiveExec, msg: ExecInput):
+        if not live.control.live_stdin:
+            return ErrorReply(code=InvalidRequest.code, message="this exec was not started with a live stdin")
+        if msg.seq < live.next_seq:          # a retry: the same answer as the first time (once written)
+            written = True
+            if live.last is not None and live.last[0] == msg.seq:
+                try:       # bounded: a command that never reads must not pile up waiting answers
+                    written = await asyncio.wait_for(asyncio.shield(live.last[1]), STDIN_ANSWER_WAIT)
+                except asyncio.TimeoutError:
+                    return ErrorReply(code="stdin_busy", message=f"stdin piece {msg.seq} is still being written")
+            return OkReply() if written else ErrorReply(code="stdin_closed", message="the command closed its stdin")
+        if msg.seq > live.next_seq:
+            return ErrorReply(code=InvalidRequest.code, message=f"stdin piece {msg.seq} before {live.next_seq}")
+        if live.last is not None and not live.last[1].done():   # one piece in flight at a time: bounded memory
+            return ErrorReply(code="stdin_busy", message=f"stdin piece {live.last[0]} is still being written")
+        live.next_seq += 1
+        done = live.control.write(msg.data)
+        if msg.eof:
+            done = live.control.write(None)
+        live.last = (msg.seq, done)
+        if not await asyncio.shield(done):
+            return ErrorReply(code="stdin_closed", message="the command closed its stdin")
+        return OkReply()
+
+    # ---- one exec -------------------------------------------------------------------------------
+
+    def _first_time(self, exec_id: str) -> bool:
+        if exec_id in self._seen:
+            return False
+        self._seen[exec_id] = None
+        if len(self._seen) > REMEMBERED_EXECS:
+            self._seen.popitem(last=False)
+        return True
+
+    async def reject(self, sandbox_id: str, exec_id: str, err: DsecError) -> None:
+        """The exit record of an exec that cannot run (best effort: no valid subject, nothing to answer on)."""
+        with contextlib.suppress(ValueError):
+            relay = OutputRelay(self.bus, subjects.token(sandbox_id, "sandbox_id"),
+                                subjects.token(exec_id, "exec_id"), 0)
+            await relay.finish(exit_code=-1, error_code=err.code, error=str(err),
+                               reason=str(err.details.get("reason", "")))
+
+    async def handle(self, op: ExecRequest, d: Delivery) -> Verdict:
+        """An exec request from the node's op lane (the lane acks by the verdict)."""
+        try:
+            subjects.token(op.exec_id, "exec_id"), subjects.token(op.sandbox_id, "sandbox_id")
+        except ValueError as exc:
+            await self.reject(op.sandbox_id, op.exec_id, InvalidRequest(str(exc)))
+            return Verdict.ACK
+        if not self._first_time(op.exec_id) or await self._already_ran(op, d):
+            self.duplicates += 1
+            return Verdict.ACK   # a redelivered exec never runs twice
+        try:
+            self._check(op)
+            if self.host.record_of(op.sandbox_id) is None:
+                raise await self.host.gone(op.sandbox_id)
+            if self.host.suspended(op.sandbox_id):
+                raise SandboxSuspended(f"sandbox {op.sandbox_id} is suspended: resume it to run commands",
+                                       reason="suspended")
+            if op.background and len(self._background) >= MAX_BACKGROUND_PER_EXEC_SLOT * self.limits.max_execs:
+                raise ExecFailed(f"too many background execs on node {self.node} ({len(self._background)})")
+        except DsecError as err:
+            await self.reject(op.sandbox_id, op.exec_id, err)
+            return Verdict.ACK
+        relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.limits.max_output),
+                            self.limits.traj_output)
+        live = LiveExec(op.sandbox_id, ExecControl(live_stdin=op.live_stdin))
+        self._live[op.exec_id] = live
+        if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
+            task = asyncio.ensure_future(self._execute(op, relay, None))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return Verdict.ACK
+        return await self._execute(op, relay, Lease(d))
+
+    async def _execute(self, op: ExecRequest, relay: OutputRelay, lease: Lease | None) -> Verdict:
+        rec = self.host.record_of(op.sandbox_id)
+        started = time.time()
+        live = self._live[op.exec_id]
+        self._recording[op.exec_id] = live
+        try:
+            try:
+                fields = await self._run(op, relay, live.control)
+            finally:
+                live.control.close()         # nothing more reaches it: late stdin is answered at once
+                self._live.pop(op.exec_id, None)
+            await relay.finish(**fields)     # stored, however long the bus takes; then the timeline
+            if rec is not None:
+                await self.host.timeline(op.sandbox_id, self._trajectory(op, relay, fields, rec, started))
+            return Verdict.ACK
+        except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
+            with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                await asyncio.wait_for(relay.finish(exit_code=-1, error_code=SandboxNotFound.code, reason="destroyed",
+                                                    error="sandbox destroyed: the edge stopped"), 0.5)
+            raise
+        finally:
+            live.recorded.set()
+            self._recording.pop(op.exec_id, None)
+            if lease is not None:
+                lease.cancel()
+
+    async def _run(self, op: ExecRequest, relay: OutputRelay, control: ExecControl) -> dict:
+        """Run the command; the fields of its exit record (an error record when it could not run, or
+        when the platform ended its sandbox under it)."""
+        t0 = time.monotonic()
+        try:
+            res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
+                                      timeout=op.timeout, sink=relay.sink, control=control)
+        except SandboxGone:
+            return self._gone_fields(await self.host.gone(op.sandbox_id), t0)
+        except BackendError as exc:
+            if self.host.ending(op.sandbox_id):
+                return self._ended_fields(op.sandbox_id, t0)
+            return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code, error=str(exc))
+        except DsecError as exc:     # the output relay lost the bus: the command was killed
+            return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=exc.code,
+                        error=f"output relay failed: {exc}")
+        except Exception as exc:     # e.g. out of fds: still exactly one outcome, an error record
+            log.exception("exec %s failed", op.exec_id)
+            return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code,
+                        error=f"exec failed on the node: {exc.__class__.__name__}: {exc}")
+        if res.exit_code != 0 and self.host.ending(op.sandbox_id):   # killed with its sandbox
+            return self._ended_fields(op.sandbox_id, t0)
+        return dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
+                    peak_memory=res.peak_memory, timed_out=res.timed_out)
+
+    def _ended_fields(self, sandbox_id: str, t0: float) -> dict:
+        reason = self.host.ending(sandbox_id)
+        return self._gone_fields(SandboxNotFound(f"sandbox {sandbox_id} {reason} while the command ran",
+                                                 reason=reason), t0)
+
+    @staticmethod
+    def _gone_fields(err: SandboxNotFound, t0: float) -> dict:
+        return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=err.code, error=str(err),
+                    reason=err.reason)
+
+    def _trajectory(self, op: ExecRequest, relay: OutputRelay, fields: dict, rec: SandboxRecord,
+                    started: float) -> list[tuple[str, bytes, str]]:
+        """The exec's record on the sandbox's trajectory timeline (after its exit record: never before
+        it), and a task_failed event when the command itself failed."""
+        job = subjects.job_of(rec.labels)
+        task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code")   # its own failure: never retried
+        traj = TrajRecord(
+            id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.node,
+            at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,
+            env_keys=sorted(op.env), started_at=started, ended_at=time.time(), exit_code=fields.get("exit_code", 0),
+            timed_out=fields.get("timed_out", False), truncated=relay.truncated,
+            cpu_time=fields.get("cpu_time", 0.0), peak_memory=fields.get("peak_memory", 0),
+            stdout_bytes=relay.counts["stdout"], stderr_bytes=relay.counts["stderr"],
+            stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
+            stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
+            error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
+            live_stdin=op.live_stdin, failure_class="task" if task_failed else "")
+        out = [(subjects.trajectory(rec.tenant, job, op.sandbox_id), encode(traj), f"{op.exec_id}-traj")]
+        if task_failed:
+            out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
+                type="task_failed", sandbox_id=op.sandbox_id, tenant=rec.tenant, node=self.node, at=time.time(),
+                detail=f"exec {op.exec_id} exited {traj.exit_code}", failure_class="task")), f"{op.exec_id}-failed"))
+        return out
+
+    @staticmethod
+    def _check(op: ExecRequest) -> None:
+        if op.shell and op.argv:
+            raise InvalidRequest("give argv or shell, not both")
+        if not op.shell and (not op.argv or not all(op.argv)):
+            raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
+        if "\0" in op.shell:
+            raise InvalidRequest("shell script must not contain NUL bytes")
+        if not 0 < op.timeout <= 7 * 24 * 3600:
+            raise InvalidRequest(f"timeout must be > 0 seconds, got {op.timeout}")
+        if not op.cwd.startswith("/"):
+            raise InvalidRequest(f"cwd must be an absolute path, got {op.cwd!r}")
+        if op.deadline and time.time() > op.deadline:
+            raise InvalidRequest("exec request expired before the node served it")
+
+    async def _already_ran(self, op: ExecRequest, d: Delivery) -> bool:
+        """After an edge restart, a redelivered exec may have run before: its output subject tells."""
+        if d.num_delivered <= 1:
+            return False
+        with contextlib.suppress(DsecError, msgspec.DecodeError):
+            last = await self.bus.last_on_subject(streams.OUT_STREAM, subjects.output(op.sandbox_id, op.exec_id),
+                                                  with_headers=True)
+            return last is not None and isinstance(decode_output(*last), ExitRecord)
+        return False

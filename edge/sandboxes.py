@@ -1,0 +1,240 @@
+"""The sandboxes a node runs, and their lifecycle after create: suspend, resume, snapshot, rollback,
+destroy. Every state change is recorded through edge/records.py (the one writer), by way of the
+outbox: durable before anyone is told, in order per sandbox, retried until the bus has it.
+
+A sandbox is registered here before its `ready` record is written, so it is serviceable the moment
+any client can see it ready. It is also Chronus's host (chronus/execs.py): what execs ask of the node.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from bus import streams
+from bus.conn import Bus
+from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
+from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
+from edge.backends.base import Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxSpec
+from edge.layercache import LayerCache
+from edge.outbox import Publish
+from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
+
+log = logging.getLogger(__name__)
+
+RECORD_WAIT = 8.0       # seconds a reply waits for its record to be stored (it is kept trying after)
+ENDED_KEPT = 100_000    # sandboxes that ended here whose final state is remembered (a late op's answer)
+
+
+@dataclass
+class Running:
+    """A sandbox this edge runs."""
+
+    record: SandboxRecord
+    expires_at: float
+    suspended_since: float = 0.0     # unix time of client.suspend, 0 when running
+    suspends: int = 0                # how many times it was suspended (names its events)
+    spec: SandboxSpec | None = None  # what the backend was asked to start (a rollback restarts it)
+    layers: list[LayerRef] = field(default_factory=list)   # its layers, lowest first
+    restarts: int = 0                # rollbacks so far (names their events)
+    snapshots: int = 0               # snapshots taken of it (names their events)
+    ending: str = ""                 # the final state it is being destroyed into
+
+    def next(self, **changes) -> SandboxRecord:
+        """Its record with these changes, one version on."""
+        self.record = msgspec.structs.replace(self.record, version=self.record.version + 1, updated_at=time.time(),
+                                              **changes)
+        return self.record
+
+
+class Sandboxes:
+    """The running sandboxes of one node and what happens to them after create."""
+
+    def __init__(self, bus: Bus, node: str, backend: Backend, records: SandboxRecords, layers: LayerCache,
+                 state_dir: Path, released: Callable[[str], None], settle: Callable) -> None:
+        self.bus = bus
+        self.node = node
+        self.backend = backend
+        self.records = records
+        self.layers = layers
+        self.state_dir = Path(state_dir)
+        self.released = released          # released(sandbox_id): its capacity is free again
+        self.settle = settle              # settle(sandbox_id): its execs recorded their ends
+        self.running: dict[str, Running] = {}
+        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()   # id -> final state here
+
+    # ---- registry -----------------------------------------------------------------------------------
+
+    def add(self, running: Running) -> None:
+        """A sandbox now runs here (before its ready record is written)."""
+        self.running[running.record.sandbox_id] = running
+
+    def discard(self, sandbox_id: str) -> Running | None:
+        """Forget a sandbox whose record never became ours (its claim was taken)."""
+        return self.running.pop(sandbox_id, None)
+
+    async def record(self, running: Running, state: str = "", *, event: str = "", detail: str = "",
+                     nth: int = 0, wait: bool = True, **changes) -> None:
+        """Record a change of a running sandbox (and its event): durable now, stored when the bus has it;
+        with wait, returns once the record is stored (or after RECORD_WAIT: it is kept trying)."""
+        rec = running.next(**({"state": state} if state else {}), **changes)
+        publishes = lifecycle(rec, event, node=self.node, detail=detail, nth=nth) if event else []
+        pending = await self.records.change(rec, publishes=publishes, terminal_event=rec.state in TERMINAL)
+        if wait:
+            await wait_stored(pending.record, rec.sandbox_id)
+
+    # ---- what Chronus asks (ExecHost) ---------------------------------------------------------------
+
+    def record_of(self, sandbox_id: str) -> SandboxRecord | None:
+        running = self.running.get(sandbox_id)
+        return running.record if running is not None and not running.ending else None
+
+    def suspended(self, sandbox_id: str) -> bool:
+        running = self.running.get(sandbox_id)
+        return bool(running and running.suspended_since)
+
+    def ending(self, sandbox_id: str) -> str:
+        running = self.running.get(sandbox_id)
+        return running.ending if running is not None else self.ended.get(sandbox_id, "")
+
+    async def gone(self, sandbox_id: str) -> SandboxNotFound:
+        """The typed error for a sandbox this node does not run, with the reason: how it ended here, else
+        what its record says (a `ready` of this node that it does not run was lost with an earlier run)."""
+        reason = self.ended.get(sandbox_id, "")
+        if not reason:
+            reason = "never_existed"
+            try:
+                rec, _ = await self.records.get(sandbox_id)
+            except BusError:
+                rec = None
+                reason = "unknown"
+            if rec is not None:
+                if rec.state in TERMINAL or rec.state == "starting":
+                    reason = rec.state
+                else:
+                    reason = "node_lost" if rec.node == self.node else "not_on_this_node"
+        return SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
+
+    async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
+                  timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
+        return await self.backend.exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout, sink=sink,
+                                       control=control)
+
+    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]]) -> None:
+        """Messages on a sandbox's timeline (an exec's trajectory record): durable now, published in its order."""
+        await self.records.change(None, sandbox_id, publishes=[Publish(s, d, m) for s, d, m in messages])
+
+    # ---- destroy (the op lane, the TTL loop, a stop, a node declared lost) -------------------------------
+
+    async def destroy(self, sandbox_id: str, state: str = "destroyed", reason: str = "") -> None:
+        """Destroy a sandbox this edge runs and record why (KeyError if it does not run here)."""
+        running = self.running.get(sandbox_id)
+        if running is None:
+            raise KeyError(sandbox_id)
+        running.ending = running.ending or state
+        try:
+            await self.backend.destroy(sandbox_id)
+        finally:
+            await self.settle(sandbox_id)   # its execs' records first, then `destroyed`
+            await self.gone_now(sandbox_id, running.ending, reason)
+
+    async def gone_now(self, sandbox_id: str, state: str, reason: str, wait: bool = True) -> None:
+        """The sandbox no longer runs: free it and record its final state."""
+        running = self.running.pop(sandbox_id, None)
+        self.released(sandbox_id)
+        if running is None:
+            return
+        self.ended[sandbox_id] = state
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
+        await self.record(running, state, event=state, detail=reason, reason=reason, suspended=False, wait=wait)
+
+    # ---- suspend and resume (client.suspend / client.resume) -----------------------------------------
+
+    async def suspend(self, sandbox_id: str) -> None:
+        """Freeze a sandbox; its TTL stops counting. Idempotent."""
+        running = self.running[sandbox_id]
+        if running.suspended_since:
+            return
+        await self.backend.freeze(sandbox_id)
+        now = time.time()
+        running.suspended_since, running.suspends = now, running.suspends + 1
+        await self.record(running, event="suspended", nth=running.suspends, suspended=True, suspended_at=now)
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Thaw a suspended sandbox; its TTL moves on by the time it was suspended. Idempotent."""
+        running = self.running[sandbox_id]
+        if not running.suspended_since:
+            return
+        await self.backend.thaw(sandbox_id)
+        if running.expires_at:
+            running.expires_at += time.time() - running.suspended_since
+        running.suspended_since = 0.0
+        await self.record(running, event="resumed", nth=running.suspends, suspended=False,
+                          expires_at=running.expires_at or running.record.expires_at)
+
+    # ---- snapshots and rollback ------------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, tag: str) -> SnapshotRecord:
+        """Pack the writable layer (processes frozen meanwhile) as a layer over the sandbox's own, store
+        it (object store, by digest) and its record (KV dsec-snapshots)."""
+        running = self.running[sandbox_id]
+        snap_id = "snap" + secrets.token_hex(8)
+        with tempfile.TemporaryDirectory(dir=self.state_dir) as tmp:
+            layer_file = Path(tmp) / "snapshot.erofs"
+            digest = await self.backend.pack_upper(sandbox_id, str(layer_file))
+            size = layer_file.stat().st_size
+            if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
+                data = await asyncio.to_thread(layer_file.read_bytes)
+                await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
+            own = LayerRef(name=f"snapshot-{snap_id}", version=1, digest=digest, size=size)
+            self.layers.adopt(own, layer_file)   # forks and rollbacks here need no fetch
+        rec = running.record
+        snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
+                              layers=[*running.layers, own],
+                              image=rec.image, env=dict(running.spec.env) if running.spec else {},
+                              resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time())
+        await self.bus.kv_put(streams.SNAPSHOTS_KV, snap_id, snap, retry_for=RECORD_WAIT)
+        running.snapshots += 1
+        await self.records.change(None, sandbox_id, publishes=lifecycle(
+            rec, "snapshot", node=self.node, detail=f"{snap_id} {tag}".strip(), nth=running.snapshots))
+        return snap
+
+    async def rollback(self, sandbox_id: str, snap: SnapshotRecord) -> None:
+        """Restart the sandbox on the snapshot's layers with a fresh writable layer (same id, node,
+        resources; its processes start afresh). If the restart fails the sandbox is gone (failed)."""
+        running = self.running[sandbox_id]
+        if snap.tenant != running.record.tenant:
+            raise InvalidRequest(f"snapshot {snap.id} not found")
+        assert running.spec is not None
+        paths = await self.layers.ensure(snap.layers)          # before anything is torn down
+        spec = SandboxSpec(id=sandbox_id, layers=paths, env=dict(running.spec.env), limits=running.spec.limits)
+        await self.backend.destroy(sandbox_id)
+        try:
+            await self.backend.create(spec)
+        except Exception as exc:
+            await self.gone_now(sandbox_id, "failed", f"rollback to {snap.id} failed: {exc}")
+            raise EnvironmentFailure(f"rollback of {sandbox_id} to {snap.id} failed: {exc}") from exc
+        running.spec, running.layers, running.restarts = spec, list(snap.layers), running.restarts + 1
+        running.suspended_since = 0.0
+        await self.record(running, event="rollback", detail=snap.id, nth=running.restarts,
+                          layers=[layer.digest for layer in snap.layers], suspended=False)
+
+
+async def wait_stored(stored: asyncio.Future, sandbox_id: str, wait: float = RECORD_WAIT) -> Outcome | None:
+    """Wait (bounded) for a change to be stored; None if the bus did not take it in time (the outbox
+    keeps trying: the change is durable already)."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(stored), wait)
+    except asyncio.TimeoutError:
+        log.warning("record of %s not stored within %.0fs; kept trying from the outbox", sandbox_id, wait)
+        return None
+
