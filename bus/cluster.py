@@ -54,7 +54,10 @@ class NatsCluster:
     its config is root/nats-<i>.conf, its store root/nats-<i>/ and its log root/nats-<i>.log."""
 
     def __init__(self, root: Path, host: str = "127.0.0.1", ports: list[int] | None = None,
-                 cluster_ports: list[int] | None = None, size: int = 3, template: Path = CLUSTER_CONF) -> None:
+                 cluster_ports: list[int] | None = None, size: int = 3, template: Path = CLUSTER_CONF,
+                 monitor: bool = False) -> None:
+        """monitor: each server also serves its HTTP monitoring endpoint (/jsz: who leads what) on a free
+        loopback port (chaos runs read it)."""
         if size < 1:
             raise ValueError("a cluster needs at least one server")
         self.root = Path(root)
@@ -66,6 +69,8 @@ class NatsCluster:
             raise ValueError(f"ports and cluster_ports need {size} entries each")
         if len(set(self.ports) | set(self.cluster_ports)) != 2 * size:
             raise ValueError("client and cluster ports must all differ")
+        self.monitor_ports = (_unique_free_ports(host, size, set(self.ports) | set(self.cluster_ports))
+                              if monitor else [])
         self.servers = [NatsServer(self.root / f"nats-{i}", host=host, port=self.ports[i],
                                    conf=self.root / f"nats-{i}.conf", log_file=self.root / f"nats-{i}.log",
                                    full_conf=True)
@@ -118,7 +123,15 @@ class NatsCluster:
 
     def _write_conf(self, i: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.servers[i].conf.write_text(self.conf_text(i))
+        extra = f"\nhttp: {self.host}:{self.monitor_ports[i]}\n" if self.monitor_ports else ""
+        self.servers[i].conf.write_text(self.conf_text(i) + extra)
+
+    def jsz(self, i: int, timeout: float = 1.0) -> dict:
+        """Server i's /jsz (monitor=True): its JetStream view, the meta group's leader among it."""
+        import json
+        import urllib.request
+        with urllib.request.urlopen(f"http://{self.host}:{self.monitor_ports[i]}/jsz", timeout=timeout) as r:
+            return json.load(r)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 # defaults (2 minutes) would leave an edge silent, and so declared lost, long before that.
 PING_INTERVAL = 1.0
 MAX_PINGS = 3
+RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish: a leader back is used at once
 
 
 class Bus(KvStore, StreamReads):

@@ -20,7 +20,9 @@ from nats.aio.msg import Msg
 
 log = logging.getLogger(__name__)
 
-PULL_EXPIRES = 5.0  # seconds a pull request lingers on the server
+# Seconds a pull request lingers on the server. Short: when a consumer's leader dies, the requests it held
+# die with it, unanswered, and the worker asks again only once it counts them expired.
+PULL_EXPIRES = 1.0
 POISON_AFTER = 5    # deliveries after which a message whose handler keeps raising is terminated
 
 

@@ -208,7 +208,18 @@ class SandboxRecords:
                 return True
         return False
 
-    # ---- the reaper's write (placement: no outbox) --------------------------------------------------
+    # ---- placement's writes (no outbox) ------------------------------------------------------------
+
+    async def reject(self, rec: SandboxRecord, publishes: list[Publish]) -> bool:
+        """A request that ended before any node took it (placement: no room before its deadline): its final
+        record, only if the id has none (a node's claim is then the truth), and its event."""
+        prior, revision = await self.get(rec.sandbox_id)
+        if prior is not None or await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec),
+                                                       revision) is None:
+            return False
+        for p in publishes:
+            await self.bus.publish(p.subject, p.data, msg_id=p.msg_id, retries=3, retry_for=5.0)
+        return True
 
     async def mark_lost(self, rec: SandboxRecord, revision: int, why: str) -> Outcome:
         """A ready sandbox of a lost node: node_lost by compare-and-set, then its event and trajectory

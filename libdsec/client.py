@@ -17,7 +17,7 @@ from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, Sand
 from libdsec import warmpools
 from libdsec.ids import new_id
 from libdsec.resources import Resources
-from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, AsyncSandbox
+from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox
 
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
@@ -233,7 +233,7 @@ class AsyncClient:
         queued = ""
         try:
             await bus.publish(subjects.create_request(self.tenant, req.priority), encode(req), msg_id=req.request_id,
-                              timeout=2.0, retries=PUBLISH_RETRIES,
+                              timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
                               retry_for=max(0.0, min(PUBLISH_RETRY_FOR, req.deadline - time.time())))
             while True:
                 left = req.deadline - time.time()
@@ -398,7 +398,7 @@ class AsyncClient:
         reply_to, q = replies.register(rid)
         try:
             op = make(rid, reply_to, time.time() + timeout)
-            await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid, timeout=2.0,
+            await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid, timeout=PUBLISH_TRY,
                               retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
             give_up = time.monotonic() + timeout
             while True:

@@ -24,6 +24,7 @@ DEFAULT_OP_TIMEOUT = 30.0
 DEFAULT_MAX_OUTPUT = 16 << 20
 PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec id dedupes them)...
 PUBLISH_RETRY_FOR = 10.0   # ...kept up this long: a stream leader moving to another server takes seconds
+PUBLISH_TRY = 1.0       # seconds one try waits for its ack (a stream without a leader answers nothing)
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
 
 
@@ -86,7 +87,7 @@ class AsyncSandbox:
         await stream.open()
         try:
             await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id,
-                              timeout=2.0, retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
+                              timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
         except BaseException:
             await stream.close()
             raise

@@ -21,15 +21,16 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus, kv_watch
-from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired
-from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Event, Queued, SandboxRecord,
-                          create_decoder, encode, heartbeat_decoder, salvage)
+from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
+from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Event, Queued, SandboxReady,
+                          SandboxRecord, create_decoder, encode, heartbeat_decoder, salvage)
 from bus.pull import Delivery, Lease, Verdict
 from bus import validate
 from placement import scoring
 from bus.images import ImageRegistry
 from placement.ledger import NodeLedger
 from placement.quota import Quotas
+from edge.records import SandboxRecords, lifecycle
 from placement.reaper import Reaper
 from placement.watchdog import BookingWatch
 
@@ -66,6 +67,7 @@ class PlacementEngine:
         self.quotas = Quotas(bus)
         self.reaper = Reaper(bus, self.ledger, self.name)
         self.watch = BookingWatch(bus, self.ledger, self._place_again)
+        self.records = SandboxRecords(bus, "")
         self.max_waiting = max_waiting
         self.burst_threshold = burst_threshold
         self.burst_pool, self.pool = burst_pool, pool
@@ -188,15 +190,15 @@ class PlacementEngine:
             state = "expired" if isinstance(err, RequestExpired) else "failed"
             rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image,
                                 labels=dict(req.labels), resources=req.resources, created_at=now,
-                                updated_at=now, reason=str(err), request_id=req.request_id)
+                                updated_at=now, reason=str(err), request_id=req.request_id, version=1)
             try:   # only if no edge claimed it meanwhile (its record is then the truth)
-                raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, req.sandbox_id)
-                if raw is None:
-                    await self.bus.kv_cas(streams.SANDBOXES_KV, req.sandbox_id, encode(rec), revision)
+                await self.records.reject(rec, lifecycle(rec, "rejected", node="", request_id=req.request_id,
+                                                         detail=str(err)))
             except DsecError as exc:
                 log.warning("record of %s not written: %s", req.sandbox_id, exc)
         await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
-        await self._event(req, "rejected", str(err))
+        if not admitted:
+            await self._event(req, "rejected", str(err))
         return Verdict.ACK
 
     async def _handle(self, d: Delivery, priority: str) -> Verdict:
@@ -220,6 +222,8 @@ class PlacementEngine:
             raise
         except DsecError as err:
             return await self._reject(req, err)
+        if (d.num_delivered > 1 or req.attempt) and await self._served(req):
+            return Verdict.ACK   # placed before and taken by a node (an ack lost with a server): answered
         placed = msgspec.structs.replace(req, layers=layers)
         queued = False
         try:
@@ -244,6 +248,22 @@ class PlacementEngine:
         finally:
             if queued:
                 self.queued[req.priority] -= 1
+
+    async def _served(self, req: CreateRequest) -> bool:
+        """Whether a request delivered again already has a sandbox (ready) or an outcome: then it is answered
+        from its record and booked nowhere again. A `starting` one is placed as usual (its node may have
+        died: the claim decides who starts it)."""
+        rec, _ = await self.records.get(req.sandbox_id)
+        if rec is None or rec.request_id != req.request_id or rec.state == "starting":
+            return False
+        if rec.state == "ready":
+            await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+                                                         node=rec.node))
+        else:
+            await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=SandboxNotFound.code,
+                                                       reason=rec.state, message=f"sandbox {req.sandbox_id} "
+                                                       f"{rec.state}: {rec.reason}"))
+        return True
 
     def _live(self, pool: str) -> list:
         now = time.time()
