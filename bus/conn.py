@@ -17,7 +17,8 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from bus import streams
+from bus import streams, subjects
+from bus.acks import AckedPublisher
 from bus.errors import BusError, BusUnavailable
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 PING_INTERVAL = 1.0
 MAX_PINGS = 3
 RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish: a leader back is used at once
+# Seconds a JetStream request waits for its answer. A stream or bucket without a leader (an election:
+# 4-9 s in nats-server) answers nothing; short tries, retried, use a new leader within a second of its
+# election instead of waiting out a long timeout. Provisioning and consumers get the long one.
+JS_TIMEOUT = 1.5
+ADMIN_TIMEOUT = 10.0
 
 
 class Bus(KvStore, StreamReads):
@@ -42,10 +48,12 @@ class Bus(KvStore, StreamReads):
 
     def __init__(self, nc, listeners: list | None = None) -> None:
         self.nc = nc
-        self.js = nc.jetstream()
+        self.js = nc.jetstream(timeout=JS_TIMEOUT)          # the hot path: KV, publishes, message gets
+        self.admin = nc.jetstream(timeout=ADMIN_TIMEOUT)    # streams, consumers, object stores
         self._reconnect_listeners = listeners if listeners is not None else []
         self._kv: dict[str, object] = {}
         self._obj: dict[str, object] = {}
+        self._acks = AckedPublisher(nc)
 
     @classmethod
     async def connect(cls, url: str, name: str = "dsec", *, timeout: float = 3.0,
@@ -99,7 +107,7 @@ class Bus(KvStore, StreamReads):
     # ---- publishing ---------------------------------------------------------------------------
 
     async def publish(self, subject: str, msg: Wire | bytes, *, msg_id: str | None = None,
-                      timeout: float = 5.0, retries: int = 0, retry_for: float = 0.0) -> int:
+                      timeout: float = JS_TIMEOUT, retries: int = 0, retry_for: float = 0.0) -> int:
         """Publish into JetStream and wait for the ack. Returns the stream seq.
 
         With a msg_id (JetStream dedupes on it) a transport failure is retried `retries` times, or for
@@ -108,7 +116,7 @@ class Bus(KvStore, StreamReads):
         """
         return (await self._publish(subject, msg, msg_id, timeout, retries, retry_for)).seq
 
-    async def publish_once(self, subject: str, msg: Wire | bytes, *, msg_id: str, timeout: float = 5.0,
+    async def publish_once(self, subject: str, msg: Wire | bytes, *, msg_id: str, timeout: float = JS_TIMEOUT,
                            retries: int = 3, retry_for: float = 10.0) -> tuple[int, bool]:
         """Publish under a msg id; (its stream seq, False) when the stream already had that id (within its
         duplicate window, on any of its subjects: the seq is the first one's), else (seq, True)."""
@@ -133,9 +141,12 @@ class Bus(KvStore, StreamReads):
 
     async def publish_async(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> asyncio.Future:
         """Publish into JetStream without waiting for the ack: returns a future of it (see stored()).
-        Readers subscribed to the subject get the message at once, as with send()."""
+        Readers subscribed to the subject get the message at once, as with send(). BusUnavailable while
+        the connection is down (nothing is buffered for later: the caller tries again)."""
+        if not self.nc.is_connected:
+            raise BusUnavailable(f"publish to {subject}: not connected")
         with mapped_errors(f"publish to {subject}"):
-            return await self.js.publish_async(subject, data, headers=headers)
+            return await self._acks.publish(subject, data, headers)
 
     @staticmethod
     async def stored(ack: asyncio.Future, timeout: float) -> int:
@@ -143,17 +154,29 @@ class Bus(KvStore, StreamReads):
         message may or may not be stored: publish it again under the same msg id)."""
         try:
             with mapped_errors("publish ack"):
-                return (await asyncio.wait_for(ack, timeout)).seq
-        except asyncio.CancelledError:
+                return await asyncio.wait_for(asyncio.shield(ack), timeout)
+        finally:
             if not ack.done():
-                ack.cancel()
-            raise
+                ack.cancel()   # given up on: its late ack, if any, is dropped
 
     async def send(self, subject: str, msg: Wire | bytes, headers: dict[str, str] | None = None) -> None:
         """Core publish (no ack): replies, heartbeats, anything a reader may miss without harm."""
         data = msg if isinstance(msg, bytes) else encode(msg)
         with mapped_errors(f"send to {subject}"):
             await self.nc.publish(subject, data, headers=headers)
+
+    async def reply(self, reply_to: str, msg: Wire) -> bool:
+        """Answer a requester on its inbox (only ever an _INBOX subject: a request can never make a
+        service publish on a system subject); False when it was not an inbox or the bus refused (a reply
+        is a core message: the requester reads the outcome from the records if it misses it)."""
+        if not subjects.is_reply_subject(reply_to):
+            return False
+        try:
+            await self.send(reply_to, msg)
+            return True
+        except BusError as exc:
+            log.info("reply to %s lost: %s", reply_to, exc)
+            return False
 
     async def subscribe(self, subject: str, cb: Callable[..., Awaitable[None]], *, with_headers: bool = False):
         """Core subscription; cb(data, subject), or cb(data, subject, headers) with_headers. Returns an
@@ -212,20 +235,26 @@ class Bus(KvStore, StreamReads):
     async def consumer_pending(self, stream: str, durable: str) -> int:
         """Messages not yet delivered to a consumer."""
         with mapped_errors(f"consumer info {durable}"):
-            info = await self.js.consumer_info(stream, durable)
+            info = await self.admin.consumer_info(stream, durable)
         return info.num_pending
+
+    async def consumer_delivered(self, stream: str, durable: str) -> int:
+        """The stream sequence of the last message a consumer handed out (0: none yet)."""
+        with mapped_errors(f"consumer info {durable}"):
+            info = await self.js.consumer_info(stream, durable)
+        return info.delivered.stream_seq if info.delivered else 0
 
     async def consumer_ack_pending(self, stream: str, durable: str) -> int:
         """Messages delivered by a consumer and not acked yet (they come again after its ack wait)."""
         with mapped_errors(f"consumer info {durable}"):
-            info = await self.js.consumer_info(stream, durable)
+            info = await self.admin.consumer_info(stream, durable)
         return info.num_ack_pending
 
     async def delete_consumer(self, stream: str, durable: str) -> None:
         """Delete a durable consumer (absent is fine): its unacked messages go to the next one at once."""
         try:
             with mapped_errors(f"delete consumer {durable}"):
-                await self.js.delete_consumer(stream, durable)
+                await self.admin.delete_consumer(stream, durable)
         except BusError as exc:
             if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
                 raise
@@ -233,7 +262,7 @@ class Bus(KvStore, StreamReads):
     async def ensure_consumer(self, stream: str, config: api.ConsumerConfig) -> None:
         """Create a durable consumer (or keep it as it is)."""
         with mapped_errors(f"consumer {config.durable_name}"):
-            await self.js.add_consumer(stream, config)
+            await self.admin.add_consumer(stream, config)
 
     async def take(self, stream: str, durable: str, handle: Callable[[bytes], Awaitable[bool | None]], *,
                    limit: int = 10_000, wait: float = 0.3) -> int:
@@ -242,7 +271,7 @@ class Bus(KvStore, StreamReads):
         (that message and the rest of its batch are left). Returns how many were taken."""
         try:
             with mapped_errors(f"bind {durable}"):
-                sub = await self.js.pull_subscribe_bind(durable, stream)
+                sub = await self.admin.pull_subscribe_bind(durable, stream)
         except BusError as exc:
             if not_found(exc):
                 return 0
@@ -277,7 +306,7 @@ class Bus(KvStore, StreamReads):
         """Ensure the durable consumer exists and start a credit-based worker on it."""
         stream, config = stream_and_config
         with mapped_errors(f"consumer {config.durable_name}"):
-            await self.js.add_consumer(stream, config)
+            await self.admin.add_consumer(stream, config)
         worker = PullWorker(self.nc, stream, config.durable_name, handler, credit)
         await worker.start()
         worker.on_stop = self.on_reconnect(worker.reconnected)
@@ -288,10 +317,10 @@ class Bus(KvStore, StreamReads):
     async def set_stream_age(self, stream: str, max_age: float) -> None:
         """Set how long a limits stream keeps messages (seconds)."""
         with mapped_errors(f"stream {stream}"):
-            cfg = (await self.js.stream_info(stream)).config
+            cfg = (await self.admin.stream_info(stream)).config
             if cfg.max_age != max_age:
                 cfg.max_age = max_age
-                await self.js.update_stream(cfg)
+                await self.admin.update_stream(cfg)
 
     async def provision(self, retention: streams.Retention | None = None, replicas: int = 1) -> None:
         """Create or update every stream, KV bucket and object store; safe to run any number of times.
@@ -306,27 +335,27 @@ class Bus(KvStore, StreamReads):
         for cfg in streams.stream_configs(ret, replicas):
             with mapped_errors(f"stream {cfg.name}"):
                 try:
-                    await self.js.add_stream(cfg)
+                    await self.admin.add_stream(cfg)
                 except nats.js.errors.BadRequestError:
                     # exists: bring limits up to date, but never scale a replicated stream down (an edge
                     # joining a cluster provisions too)
-                    have = await self.js.stream_info(cfg.name)
+                    have = await self.admin.stream_info(cfg.name)
                     cfg.num_replicas = max(cfg.num_replicas or 1, have.config.num_replicas or 1)
                     if retention is None:
                         cfg.max_age, cfg.max_bytes = have.config.max_age, have.config.max_bytes
-                    await self.js.update_stream(cfg)
+                    await self.admin.update_stream(cfg)
         for kcfg in streams.kv_configs(ret, replicas):
             with mapped_errors(f"kv {kcfg.bucket}"):
                 try:
-                    await self.js.create_key_value(kcfg)
+                    await self.admin.create_key_value(kcfg)
                 except nats.js.errors.BadRequestError:   # exists: keep it, but bring its TTL up to date
-                    have = (await self.js.stream_info(f"KV_{kcfg.bucket}")).config
+                    have = (await self.admin.stream_info(f"KV_{kcfg.bucket}")).config
                     if (have.max_age or 0) != (kcfg.ttl or 0):
                         have.max_age = kcfg.ttl
-                        await self.js.update_stream(have)
+                        await self.admin.update_stream(have)
         for ocfg in streams.object_configs(replicas):
             with mapped_errors(f"object store {ocfg.bucket}"):
                 try:
-                    await self.js.create_object_store(ocfg.bucket, config=ocfg)
+                    await self.admin.create_object_store(ocfg.bucket, config=ocfg)
                 except nats.js.errors.BadRequestError:
-                    await self.js.object_store(ocfg.bucket)
+                    await self.admin.object_store(ocfg.bucket)

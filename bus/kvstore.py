@@ -35,6 +35,7 @@ class KvStore:
     """KV and object-store operations of a Bus (self.js is its JetStream context)."""
 
     js: object
+    admin: object
     _kv: dict
     on_reconnect: Callable
 
@@ -134,23 +135,35 @@ class KvStore:
         with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
-    async def kv_items(self, bucket: str) -> list[tuple[str, bytes]]:
-        """Every live (key, value) of a bucket, read through one ordered pass over its stream."""
-        out: dict[str, bytes] = {}
-        prefix = f"$KV.{bucket}."
-        async for subject, data, op in self._kv_stream(bucket):
-            key = subject[len(prefix):]
-            if op in ("DEL", "PURGE"):
-                out.pop(key, None)
-            else:
-                out[key] = data
-        return list(out.items())
+    async def kv_items(self, bucket: str, tries: int = 5) -> list[tuple[str, bytes]]:
+        """Every live (key, value) of a bucket, read through one ordered pass over its stream. The pass runs
+        on whichever replica the server picks for it; one still catching up (a server just back) would list
+        an old state, so a pass that ends short of the last sequence the stream's leader reported before it
+        started is done again (BusError after `tries`)."""
+        for attempt in range(tries):
+            out: dict[str, bytes] = {}
+            prefix = f"$KV.{bucket}."
+            with mapped_errors(f"kv list {bucket}"):
+                info = await self.js.stream_info(f"KV_{bucket}")
+            if info.state.messages == 0:
+                return []
+            upto = 0
+            async for subject, data, op, seq in self._kv_stream(bucket):
+                upto = max(upto, seq)
+                key = subject[len(prefix):]
+                if op in ("DEL", "PURGE"):
+                    out.pop(key, None)
+                else:
+                    out[key] = data
+            if upto >= info.state.last_seq:
+                return list(out.items())
+            log.info("kv list %s read a replica behind its leader (%d < %d): again", bucket, upto,
+                     info.state.last_seq)
+            await asyncio.sleep(0.2 * (attempt + 1))
+        raise BusError(f"kv list {bucket}: every pass read a replica behind the stream's leader")
 
     async def _kv_stream(self, bucket: str):
         with mapped_errors(f"kv list {bucket}"):
-            info = await self.js.stream_info(f"KV_{bucket}")
-            if info.state.messages == 0:
-                return
             sub = await self.js.subscribe(f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,
                                           deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
         try:
@@ -166,7 +179,7 @@ class KvStore:
                         if (await self.js.stream_info(f"KV_{bucket}")).state.messages == 0:
                             return
                     raise BusError(f"kv list {bucket}: the listing stalled before its end") from exc
-                yield m.subject, m.data, (m.headers or {}).get("KV-Operation", "PUT")
+                yield m.subject, m.data, (m.headers or {}).get("KV-Operation", "PUT"), m.metadata.sequence.stream
                 if m.metadata.num_pending == 0:
                     return
         finally:
@@ -176,14 +189,14 @@ class KvStore:
     async def obj_put(self, bucket: str, name: str, data: bytes) -> None:
         """Store an object."""
         with mapped_errors(f"object put {bucket}/{name}"):
-            store = await self.js.object_store(bucket)
+            store = await self.admin.object_store(bucket)
             await store.put(name, data)
 
     async def obj_has(self, bucket: str, name: str) -> bool:
         """Whether an object is stored."""
         try:
             with mapped_errors(f"object info {bucket}/{name}"):
-                store = await self.js.object_store(bucket)
+                store = await self.admin.object_store(bucket)
                 await store.get_info(name)
         except BusError as exc:
             if not_found(exc):
@@ -195,7 +208,7 @@ class KvStore:
         """Delete an object (absent: nothing to do)."""
         try:
             with mapped_errors(f"object delete {bucket}/{name}"):
-                store = await self.js.object_store(bucket)
+                store = await self.admin.object_store(bucket)
                 await store.delete(name)
         except BusError as exc:
             if not not_found(exc):
@@ -205,7 +218,7 @@ class KvStore:
         """Fetch an object (digest verified by the client); BusError if missing or corrupt."""
         buf = io.BytesIO()   # nats-py appends chunks to one bytes object otherwise: quadratic (100 MiB took 27 s)
         with mapped_errors(f"object get {bucket}/{name}"):
-            store = await self.js.object_store(bucket)
+            store = await self.admin.object_store(bucket)
             await store.get(name, writeinto=buf)
         return buf.getvalue()
 

@@ -140,8 +140,8 @@ class StreamReads:
         one resumes where it was left, after any restart."""
         with mapped_errors(f"consumer {config.durable_name or 'ephemeral'}"):
             if config.durable_name:
-                await self.js.add_consumer(stream, config)
-                sub = await self.js.pull_subscribe_bind(config.durable_name, stream)
+                await self.admin.add_consumer(stream, config)
+                sub = await self.admin.pull_subscribe_bind(config.durable_name, stream)
             else:
-                sub = await self.js.pull_subscribe(config.filter_subject, stream=stream, config=config)
+                sub = await self.admin.pull_subscribe(config.filter_subject, stream=stream, config=config)
         return DurableReader(sub)

@@ -22,6 +22,7 @@ from bus.server import die_with_parent
 
 DSEC = str(Path(sys.executable).parent / "dsec")
 TRACKED = ["DSEC_REQ", "DSEC_NODE", "DSEC_OUT", "DSEC_EVT", "DSEC_TRAJ", "KV_dsec-sandboxes", "KV_dsec-nodes"]
+CONSUMERS_OF = ["DSEC_REQ", "DSEC_NODE"]   # their durable consumers (placement's, the edges' lanes) elect too
 
 
 class Harness:
@@ -114,7 +115,13 @@ class Harness:
                 out[name] = (await js.stream_info(name)).cluster.leader or ""
             except Exception:
                 out[name] = ""
-        await asyncio.gather(*(one(n) for n in TRACKED))
+        async def consumers(stream: str) -> None:
+            try:
+                for c in await js.consumers_info(stream):
+                    out[f"{stream}/{c.name}"] = (c.cluster.leader if c.cluster else "") or ""
+            except Exception:
+                pass
+        await asyncio.gather(*(one(n) for n in TRACKED), *(consumers(s) for s in CONSUMERS_OF))
         out["meta"] = await asyncio.to_thread(self.meta_leader)
         return out
 
@@ -134,8 +141,8 @@ class Harness:
         return int(leader.rsplit("-", 1)[1]) if leader.startswith("dsec-") else 0
 
     async def server_leading_nothing(self, bus: Bus) -> int:
-        """A server leading none of the tracked streams nor the meta group: found, or made by stepping
-        leaders down away from one (that server then takes nothing tracked)."""
+        """A server leading none of the tracked streams, their consumers, nor the meta group: found, or made
+        by stepping leaders down away from one (that server then takes nothing tracked)."""
         for _ in range(20):
             leaders = await self.leaders(bus)
             led = {name for name in leaders.values() if name}
@@ -144,18 +151,21 @@ class Harness:
                 return free[-1]
             target = next(self.cluster.name(i) for i in reversed(range(self.cluster.size))
                           if self.cluster.name(i) != leaders["meta"])
-            for stream, leader in leaders.items():
-                if leader == target and stream != "meta":
+            for what, leader in leaders.items():
+                if leader == target and what != "meta":
+                    stream, _, consumer = what.partition("/")
+                    subject = (f"$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{consumer}" if consumer
+                               else f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}")
                     try:
-                        await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=3)
+                        await bus.nc.request(subject, b"", timeout=3)
                     except Exception:
                         pass
             await asyncio.sleep(1.0)
         raise SystemExit("verdict: no server could be made to lead nothing -> FAIL")
 
     async def elected(self, bus: Bus, victim: int, since: float, limit: float = 30.0) -> float:
-        """Seconds from `since` until every tracked stream and the meta group has a leader again (not the
-        victim while it is down): the servers' own recovery; -1 after limit."""
+        """Seconds from `since` until every tracked stream, its consumers and the meta group have a leader
+        again (not the victim while it is down): the servers' own recovery; -1 after limit."""
         name = self.cluster.name(victim)
         while time.monotonic() - since < limit:
             leaders = await self.leaders(bus)

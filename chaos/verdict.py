@@ -35,6 +35,8 @@ class Streams:
     wrong_state: list[str] = field(default_factory=list)      # recorded otherwise than the client was told
     events: int = 0
     exits: int = 0
+    seen: dict = field(default_factory=dict)    # sandbox -> [(event type, node)] (for the details)
+    records: dict = field(default_factory=dict)  # sandbox -> its record
 
     def bad(self) -> int:
         """How many things are wrong."""
@@ -57,13 +59,23 @@ class Streams:
             items = getattr(self, name)
             if items:
                 out.append(f"{name}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}")
+        for sid in (self.created_missing + self.terminal_missing + self.created_twice + self.terminal_twice)[:5]:
+            rec = self.records.get(sid)
+            out.append(f"  {sid}: events {self.seen.get(sid, [])}; record "
+                       f"{(rec.state, rec.node, rec.version, rec.reason) if rec else None}")
         return out
 
 
-async def _read(bus: Bus, stream: str, subject: str, headers: bool = False) -> list:
-    for attempt in range(5):   # a read that stalls is retried, never taken for the end
+async def _read(bus: Bus, stream: str, subject: str) -> list:
+    """Every message stored on subject (wildcards allowed), read from the stream's leader one by one: a
+    consumer may sit on a replica still catching up after a server came back, and read it short."""
+    for attempt in range(5):   # a read that fails midway is done again, never taken for the end
         try:
-            return [m async for m in bus.read_subject(stream, subject, with_headers=headers, timeout=5)]
+            out, seq = [], 0
+            while (m := await bus.stored_after(stream, subject, seq)) is not None:
+                seq = m.seq
+                out.append(m)
+            return out
         except BusError:
             if attempt == 4:
                 raise
@@ -71,12 +83,26 @@ async def _read(bus: Bus, stream: str, subject: str, headers: bool = False) -> l
     return []
 
 
+async def records(bus: Bus) -> list:
+    """Every sandbox record, as the KV stream's leader has it."""
+    last: dict[str, object] = {}
+    for m in await _read(bus, f"KV_{streams.SANDBOXES_KV}", f"$KV.{streams.SANDBOXES_KV}.>"):
+        op = (m.headers or {}).get("KV-Operation", "PUT")
+        try:
+            rec = sandbox_decoder.decode(m.data) if op == "PUT" and m.data else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if rec is not None:
+            last[rec.sandbox_id] = rec
+    return list(last.values())
+
+
 async def settle(bus: Bus, ids: set[str], limit: float = 30.0) -> list:
     """Wait (up to limit) until no record of these sandboxes is ready or starting; the records then."""
     deadline = time.monotonic() + limit
     while True:
         try:
-            recs = [sandbox_decoder.decode(raw) for _, raw in await bus.kv_items(streams.SANDBOXES_KV)]
+            recs = await records(bus)
         except BusError:
             recs = []
         live = [r for r in recs if r.sandbox_id in ids and r.state in ("ready", "starting")]
@@ -90,6 +116,7 @@ async def check(bus: Bus, ran: set[str], told: dict[str, str]) -> Streams:
     (destroyed by its destroy, or node_lost / expired from a SandboxNotFound)."""
     out = Streams()
     recs = {r.sandbox_id: r for r in await settle(bus, ran)}
+    out.records = recs
     for sid in sorted(ran):
         rec = recs.get(sid)
         if rec is None or rec.state in ("ready", "starting"):
@@ -98,12 +125,13 @@ async def check(bus: Bus, ran: set[str], told: dict[str, str]) -> Streams:
             out.wrong_state.append(f"{sid}: told {told[sid]}, recorded {rec.state}")
     created: collections.Counter = collections.Counter()
     ended: collections.Counter = collections.Counter()
-    for data in await _read(bus, streams.EVT_STREAM, "dsec.evt.>"):
+    for m in await _read(bus, streams.EVT_STREAM, "dsec.evt.>"):
         try:
-            ev = event_decoder.decode(data)
+            ev = event_decoder.decode(m.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
         out.events += 1
+        out.seen.setdefault(ev.sandbox_id, []).append((ev.type, ev.node))
         if ev.type == "created":
             created[ev.sandbox_id] += 1
         elif ev.type in TERMINAL_EVENTS:
@@ -117,9 +145,9 @@ async def check(bus: Bus, ran: set[str], told: dict[str, str]) -> Streams:
     out.terminal_twice = [s for s, n in ended.items() if n > 1]
     exits: collections.Counter = collections.Counter()
     subjects_seen: set[str] = set()
-    for data, headers in await _read(bus, streams.OUT_STREAM, "dsec.out.>", headers=True):
+    for m in await _read(bus, streams.OUT_STREAM, "dsec.out.>"):
         try:
-            rec = decode_output(data, headers)
+            rec = decode_output(m.data, m.headers)
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
         subject = f"{rec.exec_id}"

@@ -2,12 +2,12 @@
 
 An exec request runs at most once per exec id (redeliveries, client retries and restarts are
 recognised), its output is relayed in order and stored (chronus/relay.py), and it ends in exactly
-one exit record on dsec.out.<sandbox>.<exec>, whoever publishes it (this node, or the reaper for a
-node that died: both use the same msg id). A string command runs under the trusted shell, never a
-binary of the sandbox. While it runs, live stdin and signals reach it on dsec.in.<node>.<sandbox>.<exec>.
-Its trajectory record follows its exit record on the sandbox's timeline. An exec whose sandbox the
-platform destroyed under it (a destroy, its TTL, its node declared lost) ends SandboxNotFound(reason),
-never as a bare kill.
+one exit record on dsec.out.<sandbox>.<exec> (msg id <exec>-exit, whoever publishes it). A string
+command runs under the trusted shell, never a binary of the sandbox. While it runs, live stdin and
+signals reach it on dsec.in.<node>.<sandbox>.<exec>. Its trajectory record is recorded durably (the
+edge's outbox) as soon as the command ended, so the sandbox's `destroyed` comes after it on the
+timeline, and goes out once its exit record is stored. An exec whose sandbox the platform destroyed
+under it (a destroy, its TTL, its node declared lost) ends SandboxNotFound(reason), never as a bare kill.
 """
 from __future__ import annotations
 
@@ -59,8 +59,12 @@ class ExecHost(Protocol):
                   timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
         """Run a command in the sandbox (the backend's exec)."""
 
-    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]]) -> None:
-        """Publish (subject, data, msg id) messages on the sandbox's timeline, durably and in its order."""
+    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str) -> None:
+        """Publish (subject, data, msg id) messages on the sandbox's timeline, durably and in its order,
+        once the exit record of exec `after_exit` is stored."""
+
+    def exit_stored(self, exec_id: str) -> None:
+        """An exec's exit record is stored."""
 
 
 @dataclass(frozen=True)
@@ -194,7 +198,7 @@ class Execs:
             return Verdict.ACK
         if not self._first_time(op.exec_id) or await self._already_ran(op, d):
             self.duplicates += 1
-            return Verdict.ACK   # a redelivered exec never runs twice
+            return Verdict.ACK   # a redelivered exec never runs twice (its exit record is stored)
         try:
             self._check(op)
             if self.host.record_of(op.sandbox_id) is None:
@@ -229,9 +233,12 @@ class Execs:
             finally:
                 live.control.close()         # nothing more reaches it: late stdin is answered at once
                 self._live.pop(op.exec_id, None)
-            await relay.finish(**fields)     # stored, however long the bus takes; then the timeline
-            if rec is not None:
-                await self.host.timeline(op.sandbox_id, self._trajectory(op, relay, fields, rec, started))
+            if rec is not None:              # on the timeline (durably) before anything ends the sandbox
+                await self.host.timeline(op.sandbox_id, self._trajectory(op, relay, fields, rec, started),
+                                         after_exit=op.exec_id)
+            live.recorded.set()
+            await relay.finish(**fields)     # stored, however long the bus takes
+            self.host.exit_stored(op.exec_id)
             return Verdict.ACK
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
             with contextlib.suppress(DsecError, asyncio.TimeoutError):
@@ -319,8 +326,9 @@ class Execs:
             raise InvalidRequest("exec request expired before the node served it")
 
     async def _already_ran(self, op: ExecRequest, d: Delivery) -> bool:
-        """After an edge restart, a redelivered exec may have run before: its output subject tells."""
-        if d.num_delivered <= 1:
+        """A redelivered exec, or one for a sandbox this node does not run (a restart recreates the lanes:
+        deliveries count from 1 again), may have run before: its output subject tells."""
+        if d.num_delivered <= 1 and self.host.record_of(op.sandbox_id) is not None:
             return False
         with contextlib.suppress(DsecError, msgspec.DecodeError):
             last = await self.bus.last_on_subject(streams.OUT_STREAM, subjects.output(op.sandbox_id, op.exec_id),

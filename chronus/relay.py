@@ -25,10 +25,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from bus import subjects
+from bus.streams import OUT_STREAM
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import ExitRecord, OutputChunk, chunk_message, encode
+from bus.messages import ExitRecord, OutputChunk, chunk_message, decode_output, encode
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ WINDOW_BYTES = 8 << 20   # chunk bytes published and not yet acked, at most...
 WINDOW_CHUNKS = 256      # ...and chunks
 ACK_WAIT = 2.0           # seconds an ack may take before the chunk is published again (same msg id)
 RETRY_MAX = 5.0          # the longest pause between two tries of one record
+OLD_TRY = 100.0          # past this many seconds of tries, the stream is asked first (its duplicate window is 120 s)
 
 
 def exit_msg_id(exec_id: str) -> str:
@@ -55,6 +59,7 @@ class _Unacked:
     data: bytes
     headers: dict[str, str]
     ack: asyncio.Future
+    sent: float          # monotonic time of its latest publish
     tries: int = 1
 
 
@@ -146,7 +151,8 @@ class OutputRelay:
                     headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
                     while len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES:
                         await self._settle_oldest()
-                    self._unacked.append(_Unacked(self.seq, piece, headers, await self._send(data, headers)))
+                    ack = await self._send(data, headers)
+                    self._unacked.append(_Unacked(self.seq, piece, headers, ack, time.monotonic()))
                     self._unacked_bytes += len(piece)
             self._reap_acked()
 
@@ -168,21 +174,30 @@ class OutputRelay:
                 delay = min(RETRY_MAX, delay * 2)
 
     async def _settle_oldest(self) -> None:
-        """Wait for the oldest chunk's ack; publish it again (same msg id) while none comes."""
+        """Wait for the oldest chunk's ack (ACK_WAIT from its publish); when it does not come, every chunk
+        whose ack is as overdue is published again at once, under its own msg id (a server that died under
+        the connection took all of their acks with it)."""
         u = self._unacked[0]
         while True:
             try:
-                await self.bus.stored(u.ack, ACK_WAIT)
+                await self.bus.stored(u.ack, max(0.01, ACK_WAIT - (time.monotonic() - u.sent)))
                 break
             except BusError as exc:
-                u.tries += 1
-                self.republished += 1
-                log.info("chunk %d of %s not acked (%s): published again (try %d)", u.seq, self.exec_id, exc,
-                         u.tries)
-                await asyncio.sleep(min(RETRY_MAX, 0.05 * 2 ** u.tries))
-                u.ack = await self._send(u.data, u.headers)
+                log.info("chunk %d of %s not acked (%s): publishing the overdue ones again", u.seq, self.exec_id, exc)
+                await self._republish_overdue()
         self._unacked.pop(0)
         self._unacked_bytes -= len(u.data)
+
+    async def _republish_overdue(self) -> None:
+        now = time.monotonic()
+        for u in self._unacked:
+            if u.ack.done() and not u.ack.cancelled() and u.ack.exception() is None:
+                continue   # stored
+            if u.ack.done() or now - u.sent >= ACK_WAIT:
+                u.ack.cancel()
+                u.tries += 1
+                self.republished += 1
+                u.ack, u.sent = await self._send(u.data, u.headers), time.monotonic()
 
     async def drained(self) -> None:
         """Flush, and wait until JetStream acked every chunk so far."""
@@ -202,15 +217,24 @@ class OutputRelay:
         if self._exit is None:
             self.seq += 1
             self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
-        delay = 0.05
+        delay, first = 0.05, time.monotonic()
         while True:
             try:
+                if time.monotonic() - first > OLD_TRY and await self._exit_is_stored():
+                    return self._exit   # stored by an earlier try: past the duplicate window, never twice
                 await self.bus.publish(self.subject, encode(self._exit), msg_id=exit_msg_id(self.exec_id))
                 return self._exit
             except BusError as exc:
                 log.warning("exit record of %s not stored (%s); again in %.2fs", self.exec_id, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(RETRY_MAX, delay * 2)
+
+    async def _exit_is_stored(self) -> bool:
+        last = await self.bus.last_on_subject(OUT_STREAM, self.subject, with_headers=True)
+        try:
+            return last is not None and isinstance(decode_output(*last), ExitRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
 
 
 _drain_free_at = 0.0   # when the node's drain budget is next free (monotonic seconds)

@@ -2,7 +2,9 @@
 
 A second edge with the same node id would reconcile (kill) the first one's sandboxes, since the
 cgroup tree is named after the node; flock is released by the kernel when the holder dies, so a
-crashed run never leaves a stale lock.
+crashed run never leaves a stale lock: the file it left is taken over by the next one. A clean exit
+removes the file. Whoever holds the lock holds the file the path names now: one that locked a file
+removed meanwhile by its holder's release tries again on the new one.
 """
 from __future__ import annotations
 
@@ -29,23 +31,35 @@ class Lock:
         self._fd: int | None = None
 
     def acquire(self) -> "Lock":
-        """Take the lock or raise AlreadyRunning naming the holder."""
+        """Take the lock or raise AlreadyRunning naming the holder (a dead holder's file is taken over)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise AlreadyRunning(f"{self.what} is in use by another dsec process (pid {holder})") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise AlreadyRunning(f"{self.what} is in use by another dsec process (pid {holder})") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)   # its holder released (and removed) it between our open and flock: again
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._fd = fd
         return self
 
     def release(self) -> None:
-        """Let go (idempotent)."""
+        """Let go and remove the file (idempotent)."""
         if self._fd is not None:
+            try:
+                os.unlink(self.path)   # while still holding it: nobody can take a file about to go
+            except FileNotFoundError:
+                pass
             os.close(self._fd)
             self._fd = None
 

@@ -55,7 +55,7 @@ class Edge:
         self.record = NodeRecord(bus, self.capacity, self._set_draining, self._declared_lost,
                                  inventory=lambda: dict(warm=self.warm.stock(), layers=self.layers.held()))
         self.epoch = self.record.started_at   # this run of the edge (its records carry it)
-        self.outbox = Outbox(self.state_dir / "outbox.log", lambda c, replayed: self.records.apply(c, replayed))
+        self.outbox = Outbox(self.state_dir / "outbox.log", lambda c, replayed, early: self.records.apply(c, replayed, early))
         self.records = SandboxRecords(bus, self.node, self.outbox)
         self.layers = LayerCache(bus, self.state_dir / "layer-cache", config.layer_cache, in_use=lambda: {
             la.digest for r in self.sandboxes.values() for la in r.layers} | self.warm.digests(),
@@ -74,6 +74,7 @@ class Edge:
         self._create_worker = None
         self._pool_worker = None
         self._tasks: list[asyncio.Task] = []
+        self._expiring: set[asyncio.Task] = set()   # TTL destroys in flight
 
     @property
     def sandboxes(self) -> dict[str, Running]:
@@ -126,26 +127,33 @@ class Edge:
                                                        self.creates.on_pool_create, credit=self._pool_credit)
 
     async def _report_lost(self, pending: dict[str, SandboxRecord]) -> None:
-        """Sandboxes KV says run here that the reconcile just removed: node_lost (through the outbox, after
-        any change of them a crashed run left in it), never silently leaked; a crashed run's `starting`
-        claims are freed."""
+        """Sandboxes KV (or the outbox a crashed run left) says run here that the reconcile just removed:
+        node_lost (through the outbox, after any change of them the log held), never silently leaked; a
+        crashed run's `starting` claims are freed."""
         changes = []
+        seen: set[str] = set()
         for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
             rec = decode_record(raw)
             if rec is None or rec.node != self.node or rec.sandbox_id != key:
                 continue
+            seen.add(key)
             base = pending.get(key)
             if base is not None and base.version > rec.version:
                 rec = base   # the outbox holds a newer state of it: node_lost follows that one
             if rec.state == "ready":
-                gone = msgspec.structs.replace(rec, state="node_lost", reason="edge restarted; sandbox destroyed by "
-                                               "reconcile", updated_at=time.time(), version=rec.version + 1,
-                                               suspended=False)
-                changes.append(self.records.change(gone, terminal_event=True, publishes=lifecycle(
-                    gone, "node_lost", node=self.node, detail=gone.reason)))
+                changes.append(self._lost(rec))
             elif rec.state == "starting" and base is None:
                 await self.records.free_claim(key)
+        for key, rec in pending.items():   # only in the log (a warm claim's ready never stored)
+            if key not in seen and rec.state == "ready":
+                changes.append(self._lost(rec))
         await asyncio.gather(*changes)   # one fsync for all of them
+
+    def _lost(self, rec: SandboxRecord):
+        gone = msgspec.structs.replace(rec, state="node_lost", reason="edge restarted; sandbox destroyed by reconcile",
+                                       updated_at=time.time(), version=rec.version + 1, suspended=False)
+        return self.records.change(gone, terminal_event=True, publishes=lifecycle(
+            gone, "node_lost", node=self.node, detail=gone.reason))
 
     def _set_draining(self, draining: bool) -> None:
         log.info("node %s %s", self.node, "draining" if draining else "accepting work again")
@@ -212,9 +220,9 @@ class Edge:
             await step(self.record.stop())
             await step(self.warm.stop())
             await step(self.ops.stop())
-            for t in self._tasks:
+            for t in [*self._tasks, *self._expiring]:
                 t.cancel()
-            await step(asyncio.gather(*self._tasks, return_exceptions=True))
+            await step(asyncio.gather(*self._tasks, *self._expiring, return_exceptions=True))
         finally:
             try:
                 await self.backend.stop()
@@ -258,14 +266,20 @@ class Edge:
         return 0 if self.draining else self._create_credit()
 
     async def _ttl_loop(self) -> None:
+        expiring = self._expiring
         while True:
             await asyncio.sleep(TTL_EVERY)
             now = time.time()
             for sid in [s for s, r in self.sandboxes.items()
                         if r.expires_at and r.expires_at < now and not r.suspended_since and not r.ending]:
-                try:
-                    await self.box.destroy(sid, state="expired", reason="ttl reached")
-                except KeyError:
-                    pass    # destroyed by a request meanwhile
-                except Exception:   # never let one failure end TTL enforcement for the node
-                    log.exception("ttl destroy of %s failed", sid)
+                task = asyncio.ensure_future(self._expire(sid))   # at once: one slow record holds no other
+                expiring.add(task)
+                task.add_done_callback(expiring.discard)
+
+    async def _expire(self, sandbox_id: str) -> None:
+        try:
+            await self.box.destroy(sandbox_id, state="expired", reason="ttl reached")
+        except KeyError:
+            pass    # destroyed by a request meanwhile
+        except Exception:   # never let one failure end TTL enforcement for the node
+            log.exception("ttl destroy of %s failed", sandbox_id)

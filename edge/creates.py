@@ -51,47 +51,44 @@ class CreateLane:
         self.creating: set[str] = set()
         self.claims: set[str] = set()     # ids claimed (`starting`) and not yet ready or failed
         self._slow_way: collections.OrderedDict[str, None] = collections.OrderedDict()   # no warm short way
+        self._late: set[asyncio.Task] = set()   # sandboxes destroyed after a late not-ours record
         self.created = 0
         self.failed = 0
 
-    async def _reply(self, reply_to: str, msg) -> None:
-        if subjects.is_reply_subject(reply_to):
-            with contextlib.suppress(DsecError):
-                await self.bus.send(reply_to, msg)
-
     async def on_node_create(self, d: Delivery) -> Verdict:
         """A create from this node's own lane."""
-        return await self._on_create(d, streams.ACK_WAIT / 3, pooled=False)
+        return await self._on_create(d, streams.ACK_WAIT / 3)
 
     async def on_pool_create(self, d: Delivery) -> Verdict:
         """A create from the pool's shared lane (nothing new while draining)."""
         if self.draining():   # what was booked on it still runs
             d.nak_delay = 0.5
             return Verdict.NAK
-        return await self._on_create(d, streams.POOL_ACK_WAIT / 3, pooled=True)
+        return await self._on_create(d, streams.POOL_ACK_WAIT / 3)
 
-    async def _on_create(self, d: Delivery, lease_every: float, pooled: bool) -> Verdict:
+    async def _on_create(self, d: Delivery, lease_every: float) -> Verdict:
         try:
             req = create_decoder.decode(d.data)
             subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             env = salvage(d.data)
-            await self._reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
+            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
                                                        message=f"bad create request: {exc}"))
             return Verdict.TERM
-        if req.sandbox_id in self.creating:
-            return Verdict.ACK   # a redelivery while the first delivery still works: that one answers
+        if req.sandbox_id in self.creating:   # a redelivery while the first delivery still works: ask again later
+            d.nak_delay = 0.5                 # (that one answers, or NAKs itself if it fails before its claim)
+            return Verdict.NAK
         try:   # this lane is open to any publisher, not only placement: check again, never wait forever
             validate.check_create(req)
             if not self.capacity.could_ever_fit(req.resources):
                 raise CapacityUnavailable(f"node {self.node} can never fit these resources")
         except DsecError as err:
-            await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+            await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
             return self._answered(req)
         running = self.sandboxes.running.get(req.sandbox_id)
         if running is not None:   # served before (ack lost): answer again; another request: refuse
             same = running.record.request_id == req.request_id
-            await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+            await self.bus.reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                          node=self.node) if same else ErrorReply(
                 request_id=req.request_id, code=InvalidRequest.code, message="sandbox_id is already in use"))
             return self._answered(req)
@@ -106,7 +103,7 @@ class CreateLane:
         lease = Lease(d, every=lease_every)   # a third of the lane's ack wait: never redelivered while it runs
         verdict = Verdict.NAK
         try:
-            verdict = await self._create(req, pooled)
+            verdict = await self._create(req)
         except (BusError, EnvironmentFailure) as exc:   # before anything started: try again shortly
             log.warning("create %s retried: %s", req.request_id, exc)
         finally:
@@ -123,7 +120,7 @@ class CreateLane:
         self.node_record.took(req.request_id)
         return Verdict.ACK
 
-    async def _create(self, req: CreateRequest, pooled: bool) -> Verdict:
+    async def _create(self, req: CreateRequest) -> Verdict:
         """Claim, start, record, answer. NAK when another node is still starting it (ask again later)."""
         if await self._create_warm(req):
             return Verdict.ACK
@@ -134,11 +131,11 @@ class CreateLane:
             return self._answered(req)
         self.claims.add(req.sandbox_id)
         try:
-            return await self._start_claimed(req, revision, pooled)
+            return await self._start_claimed(req, revision)
         finally:
             self.claims.discard(req.sandbox_id)
 
-    async def _start_claimed(self, req: CreateRequest, revision: int, pooled: bool) -> Verdict:
+    async def _start_claimed(self, req: CreateRequest, revision: int) -> Verdict:
         try:
             if time.time() > req.deadline:
                 raise RequestExpired("create request expired before a node started it")
@@ -157,8 +154,8 @@ class CreateLane:
             await self._record_failure(req, err)
             return Verdict.ACK
         running = self._running(req, spec)
-        if await self._record_ready(running, revision) is Outcome.NOT_OURS:   # our claim was taken (declared lost)
-            return await self._drop(req, pooled)
+        if not _ready(await self._record_ready(running, revision)):   # our claim was taken (declared lost)
+            return await self._drop(req)
         await self._started(req)
         return Verdict.ACK
 
@@ -188,10 +185,12 @@ class CreateLane:
         return outcome
 
     def _late_outcome(self, fut: asyncio.Future, sandbox_id: str) -> None:
-        if not fut.cancelled() and fut.exception() is None and fut.result() is Outcome.NOT_OURS:
+        if not fut.cancelled() and fut.exception() is None and not _ready(fut.result()):
             log.error("ready record of %s found someone else's claim: destroying it here", sandbox_id)
             if self.sandboxes.discard(sandbox_id) is not None:
-                asyncio.ensure_future(self._destroy_quietly(sandbox_id))
+                task = asyncio.ensure_future(self._destroy_quietly(sandbox_id))
+                self._late.add(task)
+                task.add_done_callback(self._late.discard)
 
     async def _destroy_quietly(self, sandbox_id: str) -> None:
         with contextlib.suppress(BackendError):
@@ -218,7 +217,7 @@ class CreateLane:
         if not await self._claim_warm(req, spec, warm):
             return False
         running = self._running(req, spec)
-        if await self._record_ready(running, 0) is Outcome.NOT_OURS:   # the id has a record already
+        if not _ready(await self._record_ready(running, 0)):   # the id has a record already
             self.sandboxes.discard(req.sandbox_id)
             self._slow_way[req.request_id] = None
             while len(self._slow_way) > 1024:
@@ -232,13 +231,13 @@ class CreateLane:
     async def _started(self, req: CreateRequest) -> None:
         """A sandbox runs and its record says `ready`: answer the client."""
         self.created += 1
-        await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+        await self.bus.reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                      node=self.node))
 
-    async def _drop(self, req: CreateRequest, pooled: bool) -> Verdict:
+    async def _drop(self, req: CreateRequest) -> Verdict:
         """A sandbox started under a claim that was taken away: destroy it; answer from the record if it
-        is final. Otherwise the request goes round again: the reaper placed a node lane's creates again,
-        and a pool lane's is redelivered to the pool's edges (NAK)."""
+        is final (or another node's ready). Otherwise the request goes back to placement (attempt + 1,
+        under the msg id the reaper would use, so it is placed once either way)."""
         log.warning("claim of %s lost while starting it; destroying it here", req.sandbox_id)
         self.sandboxes.discard(req.sandbox_id)
         await self._destroy_quietly(req.sandbox_id)
@@ -246,7 +245,10 @@ class CreateLane:
         if prior is not None and prior.state != "starting":
             await self._answer_from(req, prior)
             return Verdict.ACK
-        return Verdict.NAK if pooled else Verdict.ACK
+        again = msgspec.structs.replace(req, node="", pool="", attempt=req.attempt + 1)
+        await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(again),
+                               msg_id=f"{req.request_id}.{again.attempt}", retries=3, retry_for=5.0)
+        return Verdict.ACK
 
     async def _claim(self, req: CreateRequest) -> int | None:
         """Claim the sandbox id for this request by compare-and-set on its KV record (state `starting`).
@@ -282,18 +284,18 @@ class CreateLane:
         if time.time() > req.deadline + CLAIM_STALE:
             return True
         owner = decode_node(claim.node, await self.bus.kv_get(streams.NODES_KV, claim.node))
-        return owner is None or owner.lost or owner.started_at > claim.created_at
+        return owner is None or owner.lost or (claim.epoch != 0 and owner.started_at != claim.epoch)
 
     async def _answer_from(self, req: CreateRequest, prior: SandboxRecord) -> None:
         """Answer a create whose sandbox id already has a final record (or is in use by another request)."""
         if prior.request_id != req.request_id:
-            await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=InvalidRequest.code,
+            await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=InvalidRequest.code,
                                                        message="sandbox_id is already in use"))
         elif prior.state == "ready":   # served, maybe by another node: point the client there
-            await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+            await self.bus.reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                          node=prior.node))
         else:   # its outcome was recorded; the reply may have died with a crash
-            await self._reply(req.reply_to, ErrorReply(
+            await self.bus.reply(req.reply_to, ErrorReply(
                 request_id=req.request_id, code=SandboxNotFound.code, reason=prior.state,
                 message=f"sandbox {req.sandbox_id} {prior.state}: {prior.reason}"))
 
@@ -340,10 +342,11 @@ class CreateLane:
                                         avoid=[*req.avoid, self.node])
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="failed",
                             image=req.image, labels=dict(req.labels), request_id=req.request_id)
-        # first (durably): the next attempt's events come after it
-        await self.records.change(None, req.sandbox_id, publishes=lifecycle(
+        # first (stored, or at least durable): the next attempt's events come after it
+        pending = await self.records.change(None, req.sandbox_id, publishes=lifecycle(
             rec, "retried", node=self.node, request_id=req.request_id, detail=f"placed again elsewhere after: {err}",
             nth=again.attempt, failure_class="environment"))
+        await wait_stored(pending.done, req.sandbox_id)
         await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(again),
                                msg_id=f"{req.request_id}.{again.attempt}", retries=3, retry_for=5.0)
 
@@ -361,5 +364,11 @@ class CreateLane:
             await wait_stored(pending.record, req.sandbox_id)
         except OSError as exc:   # the outbox's disk: the client still gets its answer
             log.error("failure of %s not recorded: %s", req.sandbox_id, exc)
-        await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+        await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
 
+
+def _ready(outcome: Outcome | None) -> bool:
+    """Whether a ready record's write leaves the sandbox ready for its client: written, found written, or
+    not known yet (the bus is away: it runs, the outbox goes on). Anything else: the id ended or is
+    someone else's."""
+    return outcome in (Outcome.WRITTEN, Outcome.ALREADY, None)

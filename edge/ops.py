@@ -11,14 +11,15 @@ import time
 
 import msgspec
 
-from bus import streams, subjects
+from bus import streams
 from bus.conn import Bus
-from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError
+from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, OkReply, ReadFile, ResumeRequest, RollbackRequest,
                           SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder, salvage, snapshot_decoder)
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
 from edge.backends.base import BackendError, SandboxGone
+from edge.records import Outcome
 from edge.sandboxes import Sandboxes
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ class OpLane:
             op = op_decoder.decode(d.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             env = salvage(d.data)
-            await self._reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
+            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
                                                        message=f"bad request: {exc}"))
             if env.exec_id and env.sandbox_id:
                 await self.execs.reject(env.sandbox_id, env.exec_id, InvalidRequest(f"bad exec request: {exc}"))
@@ -69,8 +70,7 @@ class OpLane:
             case ExecRequest():
                 return await self.execs.handle(op, d)
             case DestroyRequest():
-                await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: sb.destroy(
-                    op.sandbox_id, "destroyed", "destroyed by request")))
+                await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(op.sandbox_id)))
             case WriteFile():
                 await self._answer(op, self._on(op.sandbox_id, "write_file", lambda: sb.backend.write_file(
                     op.sandbox_id, op.path, op.data, op.mode), FileOpError))
@@ -88,13 +88,6 @@ class OpLane:
                 await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op)))
         return Verdict.ACK
 
-    async def _reply(self, reply_to: str, msg) -> None:
-        if subjects.is_reply_subject(reply_to):
-            try:
-                await self.bus.send(reply_to, msg)
-            except DsecError as exc:
-                log.info("reply to %s lost: %s", reply_to, exc)
-
     async def _answer(self, op, work) -> None:
         """Run work (unless the op expired) and answer the op once, whatever happens."""
         try:
@@ -110,7 +103,7 @@ class OpLane:
             log.exception("op %s on %s failed", type(op).__name__, op.sandbox_id)
             reply = ErrorReply(request_id=op.request_id, code=SandboxError.code,
                                message=f"{type(op).__name__} failed on the node: {exc.__class__.__name__}: {exc}")
-        await self._reply(op.reply_to, reply)
+        await self.bus.reply(op.reply_to, reply)
 
     async def _on(self, sandbox_id: str, what: str, work, failure: type[DsecError] = SandboxError):
         """Run work() for a sandbox this node runs: typed errors for a gone sandbox or a backend failure."""
@@ -122,6 +115,12 @@ class OpLane:
             raise await self.sandboxes.gone(sandbox_id) from None
         except BackendError as exc:   # a destroy is recorded anyway; what the kernel kept is reconciled at restart
             raise failure(str(exc) if failure is FileOpError else f"{what} of {sandbox_id} failed: {exc}") from exc
+
+    async def _destroy(self, sandbox_id: str) -> None:
+        if await self.sandboxes.destroy(sandbox_id, "destroyed", "destroyed by request") is Outcome.FINAL:
+            rec, _ = await self.sandboxes.records.get(sandbox_id)   # it ended otherwise first: say how
+            reason = rec.state if rec is not None else "destroyed"
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
 
     async def _read(self, op: ReadFile) -> bytes:
         if op.limit > MAX_READ:

@@ -60,6 +60,7 @@ class Change(msgspec.Struct, frozen=True):
     terminal_event: bool = False          # the publishes are the terminal event: only if this change wrote the end
     publishes: list[Publish] = []
     at: float = 0.0
+    after_exit: str = ""                  # an exec id: its exit record must be stored before the publishes
 
 
 class _Frame(msgspec.Struct, array_like=True):
@@ -113,16 +114,19 @@ def read_log(path: Path) -> tuple[dict[int, Change], str]:
 class Outbox:
     """The durable queue of sandbox state changes of one edge."""
 
-    def __init__(self, path: Path, apply: Callable[[Change, bool], Awaitable[object]],
+    def __init__(self, path: Path, apply: Callable[[Change, bool, asyncio.Future | None], Awaitable[object]],
                  max_pending: int = MAX_PENDING) -> None:
         self.path = Path(path)
-        self._apply = apply            # apply(change, replayed) -> outcome; BusError: try again later
+        self._apply = apply            # apply(change, replayed, early) -> outcome; BusError: try again later
         self.max_pending = max_pending
         self._seq = 0
         self._fd = -1
         self._size = 0
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-outbox")
-        self._frames: list[tuple[bytes, asyncio.Future | None]] = []
+        self._frames: list[tuple[bytes, asyncio.Future | None, tuple | None]] = []   # (bytes, written, job)
+        self._live_bytes = 0           # bytes of the pending changes' frames (what a compaction keeps)
+        self._sizes: dict[int, int] = {}
+        self._closed = False
         self._writer: asyncio.Task | None = None
         self._queues: dict[str, collections.deque] = {}
         self._workers: dict[str, asyncio.Task] = {}
@@ -149,6 +153,8 @@ class Outbox:
         await loop.run_in_executor(self._io, self._rewrite, dict(pending))
         changes = []
         for seq in sorted(pending):
+            self._sizes[seq] = len(frame(_Frame(seq, pending[seq])))
+            self._live_bytes += self._sizes[seq]
             self._queue(seq, pending[seq], None, replayed=True)
             changes.append(pending[seq])
         return changes
@@ -161,6 +167,7 @@ class Outbox:
                 await asyncio.wait_for(self._idle.wait(), drain)
             except asyncio.TimeoutError:
                 log.warning("outbox: %d changes not applied yet; kept for the next start", len(self._pending))
+        self._closed = True
         for task in list(self._workers.values()):
             task.cancel()
         await asyncio.gather(*self._workers.values(), return_exceptions=True)
@@ -187,26 +194,34 @@ class Outbox:
         """Whether changes of this sandbox wait to be applied."""
         return bool(self._queues.get(sandbox_id))
 
-    async def put(self, change: Change) -> asyncio.Future:
+    async def put(self, change: Change, early: asyncio.Future | None = None) -> asyncio.Future:
         """Append a change and fsync it; returns a future of its outcome (what apply() returned), which
-        resolves once it is applied, however long the bus takes."""
+        resolves once it is applied, however long the bus takes. `early`, if given, is handed to apply()
+        (which may resolve it sooner, e.g. once the record part is stored). OSError if the disk fails."""
+        if self._closed:
+            raise OSError(f"outbox {self.path} is closed")
         self._seq += 1
         seq = self._seq
-        written = asyncio.get_running_loop().create_future()
-        self._frames.append((frame(_Frame(seq, change)), written))
+        loop = asyncio.get_running_loop()
+        written, outcome = loop.create_future(), loop.create_future()
+        data = frame(_Frame(seq, change))
+        self._pending[seq] = change    # from now on every compaction keeps it, written or about to be
+        self._sizes[seq] = len(data)
+        self._live_bytes += len(data)
+        self._idle.clear()
+        self._frames.append((data, written, (seq, change, outcome, early)))
         self._kick()
-        await written
-        outcome = asyncio.get_running_loop().create_future()
-        self._queue(seq, change, outcome)
+        await asyncio.shield(written)  # a caller cancelled meanwhile does not undo the change: it is queued
         return outcome
 
     # ---- applying ---------------------------------------------------------------------------------
 
-    def _queue(self, seq: int, change: Change, outcome: asyncio.Future | None, replayed: bool = False) -> None:
+    def _queue(self, seq: int, change: Change, outcome: asyncio.Future | None, early: asyncio.Future | None = None,
+               replayed: bool = False) -> None:
         self._pending[seq] = change
         self._idle.clear()
         q = self._queues.setdefault(change.sandbox_id, collections.deque())
-        q.append((seq, change, outcome, replayed))
+        q.append((seq, change, outcome, early, replayed))
         if change.sandbox_id not in self._workers:
             self._workers[change.sandbox_id] = asyncio.ensure_future(self._work(change.sandbox_id))
 
@@ -214,35 +229,40 @@ class Outbox:
         q = self._queues[sandbox_id]
         try:
             async with self._slots:
-                while q:
-                    seq, change, outcome, replayed = q[0]
-                    result = await self._apply_until_done(change, replayed)
+                while q and not self._closed:
+                    seq, change, outcome, early, replayed = q[0]
+                    result = await self._apply_until_done(change, replayed, early)
                     q.popleft()
                     self._done(seq)
-                    if outcome is not None and not outcome.done():
-                        outcome.set_result(result)
+                    for fut in (early, outcome):
+                        if fut is not None and not fut.done():
+                            fut.set_result(result)
         finally:
             self._workers.pop(sandbox_id, None)
             if not q:
                 self._queues.pop(sandbox_id, None)
-            elif not asyncio.current_task().cancelled():   # type: ignore[union-attr]
+            elif not self._closed:   # (a worker ends only by close or a bug: never leave a queue unworked)
                 self._workers[sandbox_id] = asyncio.ensure_future(self._work(sandbox_id))
 
-    async def _apply_until_done(self, change: Change, replayed: bool) -> object:
+    async def _apply_until_done(self, change: Change, replayed: bool, early: asyncio.Future | None) -> object:
         delay = 0.05
         while True:
             try:
-                return await self._apply(change, replayed)
+                return await self._apply(change, replayed, early)
             except BusError as exc:
                 self.retries += 1
                 log.info("outbox: change of %s not applied yet (%s); again in %.1fs", change.sandbox_id, exc, delay)
+            except Exception:   # a bug: kept and tried again (slowly), never lost, never spinning
+                self.retries += 1
+                log.exception("outbox: change of %s failed; again in %.1fs", change.sandbox_id, delay)
             await asyncio.sleep(delay * (0.5 + random.random()))
             delay = min(BACKOFF_MAX, delay * 2)
 
     def _done(self, seq: int) -> None:
         self._pending.pop(seq, None)
+        self._live_bytes -= self._sizes.pop(seq, 0)
         self.applied += 1
-        self._frames.append((frame(_Frame(seq)), None))   # no fsync needed: applying again is harmless
+        self._frames.append((frame(_Frame(seq)), None, None))   # no fsync needed: applying again is harmless
         self._kick()
         if not self._pending:
             self._idle.set()
@@ -254,30 +274,42 @@ class Outbox:
             self._writer = asyncio.ensure_future(self._write())
 
     async def _write(self) -> None:
-        """Group commit: whatever was appended meanwhile goes out in one write and one fsync."""
+        """Group commit: whatever was appended meanwhile goes out in one write and one fsync; then its
+        changes are queued to be applied."""
         loop = asyncio.get_running_loop()
         while self._frames:
             batch, self._frames = self._frames, []
-            sync = any(f is not None for _, f in batch)
-            data = b"".join(b for b, _ in batch)
-            compact = dict(self._pending) if self._size + len(data) > COMPACT_AT else None
+            sync = any(f is not None for _, f, _ in batch)
+            data = b"".join(b for b, _, _ in batch)
+            # Compact when the log is mostly done frames: a snapshot of what is pending now (changes of this
+            # batch included: put() registers them first), taken on the loop; this batch follows it.
+            compact = (dict(self._pending) if self._size + len(data) > max(COMPACT_AT, 2 * self._live_bytes)
+                       else None)
             try:
                 await loop.run_in_executor(self._io, self._append, data, sync, compact)
-            except OSError as exc:   # the disk failed: nothing is reported as recorded
-                for _, fut in batch:
-                    if fut is not None and not fut.done():
-                        fut.set_exception(exc)
+            except Exception as exc:   # the disk (or the executor, at close) failed: nothing is reported
+                failure = exc if isinstance(exc, OSError) else OSError(f"outbox write failed: {exc}")
+                for _, written, job in batch:
+                    if job is not None:
+                        self._pending.pop(job[0], None)
+                        self._live_bytes -= self._sizes.pop(job[0], 0)
+                    for fut in (written, job[2] if job else None):
+                        if fut is not None and not fut.done():
+                            fut.set_exception(failure)
                 continue
-            for _, fut in batch:
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
+            for _, written, job in batch:
+                if job is not None:
+                    seq, change, outcome, early = job
+                    self._queue(seq, change, outcome, early)
+                if written is not None and not written.done():
+                    written.set_result(None)
 
     def _append(self, data: bytes, sync: bool, compact: dict[int, Change] | None) -> None:
-        if compact is not None:   # (a snapshot taken on the loop: changes of this batch follow in it)
+        if compact is not None:
             self._rewrite(compact)
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.write(self._fd, data)
+        _write_all(self._fd, data)
         self._size += len(data)
         if sync:
             os.fdatasync(self._fd)
@@ -288,7 +320,7 @@ class Outbox:
         data = b"".join(frame(_Frame(seq, c)) for seq, c in sorted(pending.items()))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data)
+            _write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -302,3 +334,10 @@ class Outbox:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._size = len(data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (a short write must not tear a frame)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

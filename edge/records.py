@@ -14,6 +14,7 @@ bus has it. Placement's reaper writes node_lost directly (mark_lost) under the s
 from __future__ import annotations
 
 import asyncio
+import collections
 import enum
 import logging
 import time
@@ -24,7 +25,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import Event, SandboxRecord, TrajRecord, encode, sandbox_decoder
+from bus.messages import Event, ExitRecord, SandboxRecord, TrajRecord, decode_output, encode, sandbox_decoder
 from edge.outbox import Change, Outbox, Publish
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,8 @@ class Outcome(enum.Enum):
 
     WRITTEN = "written"      # the record now holds it
     ALREADY = "already"      # it was there already (applied before)
-    STALE = "stale"          # a newer state of ours is there: nothing written
-    FINAL = "final"          # the record reached a final state first (someone else ended it)
+    STALE = "stale"          # stored before, and newer states followed: nothing written (it did happen)
+    FINAL = "final"          # another writer got there first (ended it): this change never happened
     NOT_OURS = "not_ours"    # the id belongs to another node or request (our claim was taken)
 
 
@@ -54,22 +55,26 @@ def decode_record(raw: bytes | None) -> SandboxRecord | None:
 
 
 def ours(prior: SandboxRecord, rec: SandboxRecord) -> bool:
-    """Whether two records are of the same sandbox run: same node and create request."""
-    return prior.node == rec.node and prior.request_id == rec.request_id
+    """Whether two records are of the same sandbox run: same node, create request and edge run (a change
+    an earlier run left in its outbox never lands on a later run's claim)."""
+    return prior.node == rec.node and prior.request_id == rec.request_id and prior.epoch == rec.epoch
 
 
 def decide(prior: SandboxRecord | None, rec: SandboxRecord, over_claim: bool) -> Outcome | None:
-    """Whether rec may be written over prior (None: write it), else why not."""
+    """Whether rec may be written over prior (None: write it), else why not. Versions grow by one per
+    write of one run's record, so a prior of a higher version means this change was stored before and
+    later ones followed it (STALE: it did happen); one of the same version, or a final state below it,
+    means another writer got there first (FINAL)."""
     if prior is None:
         return Outcome.NOT_OURS if over_claim else None   # a claim that was freed: the request went elsewhere
     if prior == rec:
         return Outcome.ALREADY
     if not ours(prior, rec):
         return Outcome.NOT_OURS
-    if prior.state in TERMINAL:
-        return Outcome.FINAL
-    if prior.version >= rec.version:
+    if prior.version > rec.version:
         return Outcome.STALE
+    if prior.state in TERMINAL or prior.version == rec.version:
+        return Outcome.FINAL
     return None
 
 
@@ -91,11 +96,17 @@ def lifecycle(rec: SandboxRecord, type_: str, *, node: str, request_id: str = ""
 
 @dataclass
 class Pending:
-    """A change recorded durably: `record` resolves once its record is stored (what reply paths wait
-    for), `done` once its publishes are out too; both to its Outcome."""
+    """A change recorded durably: `record` resolves to its Outcome once its record is stored (what reply
+    paths wait for); `done` once its publishes are out too."""
 
     record: asyncio.Future
     done: asyncio.Future
+
+
+OLD_CHANGE = 100.0   # seconds after which a change's publishes are looked for before being sent again (past
+                     # the streams' 120 s duplicate window a msg id no longer dedupes)
+EXITS_KEPT = 100_000  # exec ids whose exit records this node stored, remembered
+EXIT_WAIT = 2.0      # seconds an exec's trajectory change waits to hear its exit record is stored
 
 
 class SandboxRecords:
@@ -106,7 +117,31 @@ class SandboxRecords:
         self.node = node
         self.outbox = outbox
         self.revisions: dict[str, int] = {}   # last revision this writer stored per sandbox (a CAS hint)
-        self._written: dict[tuple[str, int], asyncio.Future] = {}   # (id, version) -> its `record` future
+        self._exits: collections.OrderedDict[str, None] = collections.OrderedDict()   # exit records stored
+        self._exit_waiters: dict[str, asyncio.Event] = {}
+
+    def exit_stored(self, exec_id: str) -> None:
+        """Chronus stored an exec's exit record: the exec's trajectory record may follow it now."""
+        self._exits[exec_id] = None
+        while len(self._exits) > EXITS_KEPT:
+            self._exits.popitem(last=False)
+        waiter = self._exit_waiters.pop(exec_id, None)
+        if waiter is not None:
+            waiter.set()
+
+    async def _exit_done(self, c: Change, replayed: bool) -> bool:
+        """Whether the exit record an exec's trajectory change waits for is stored: told by Chronus (waited
+        for a moment: it is usually a millisecond away), else asked of the stream."""
+        if c.after_exit in self._exits:
+            return True
+        if not replayed:
+            waiter = self._exit_waiters.setdefault(c.after_exit, asyncio.Event())
+            try:
+                await asyncio.wait_for(waiter.wait(), EXIT_WAIT)
+                return True
+            except asyncio.TimeoutError:
+                self._exit_waiters.pop(c.after_exit, None)
+        return await self._exit_stored(c)
 
     # ---- claims: the create path's own compare-and-set (exactly one sandbox per request) ----------
 
@@ -125,8 +160,11 @@ class SandboxRecords:
         raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, sandbox_id)
         return decode_record(raw), revision
 
-    async def free_claim(self, sandbox_id: str, node: str | None = None) -> bool:
-        """Delete a `starting` claim of this node (never someone else's, never a later state)."""
+    async def free_claim(self, sandbox_id: str, node: str | None = None, revision: int = 0) -> bool:
+        """Delete a `starting` claim of this node (never someone else's, never a later state); with a
+        revision, only the claim at that revision (the one the caller checked)."""
+        if revision:
+            return await self.bus.kv_cas_delete(streams.SANDBOXES_KV, sandbox_id, revision)
         rec, revision = await self.get(sandbox_id)
         if rec is not None and rec.node == (node or self.node) and rec.state == "starting":
             return await self.bus.kv_cas_delete(streams.SANDBOXES_KV, sandbox_id, revision)
@@ -135,46 +173,53 @@ class SandboxRecords:
     # ---- changes through the outbox -----------------------------------------------------------------
 
     async def change(self, rec: SandboxRecord | None, sandbox_id: str = "", *, publishes: list[Publish] = (),
-                     revision: int = -1, over_claim: bool = False, terminal_event: bool = False) -> Pending:
-        """Record a change durably (fsynced before this returns) and have it applied, however long the bus
-        takes. rec None: only publishes (an exec's trajectory record, an event)."""
+                     revision: int = -1, over_claim: bool = False, terminal_event: bool = False,
+                     after_exit: str = "") -> Pending:
+        """Record a change durably (fsynced before this returns; OSError if the disk fails) and have it
+        applied, however long the bus takes. rec None: only publishes (an exec's trajectory record, an
+        event); after_exit: an exec id whose exit record must be stored before they go out."""
         sid = rec.sandbox_id if rec is not None else sandbox_id
         if revision < 0 and rec is not None:
             revision = self.revisions.get(sid, -1)
         c = Change(sandbox_id=sid, record=rec, revision=revision, over_claim=over_claim,
-                   terminal_event=terminal_event, publishes=list(publishes), at=time.time())
+                   terminal_event=terminal_event, publishes=list(publishes), at=time.time(), after_exit=after_exit)
         assert self.outbox is not None, "changes go through an outbox"
-        written = asyncio.get_running_loop().create_future()
-        if rec is not None:
-            self._written[(sid, rec.version)] = written
-        try:
-            done = await self.outbox.put(c)
-        except BaseException:
-            self._written.pop((sid, rec.version if rec is not None else -1), None)
-            raise
-        if rec is None:
-            written.set_result(Outcome.WRITTEN)
-        done.add_done_callback(lambda f: _settle(written, f))
-        return Pending(written, done)
+        early = asyncio.get_running_loop().create_future()
+        done = await self.outbox.put(c, early)
+        return Pending(early, done)
 
-    async def apply(self, c: Change, replayed: bool = False) -> Outcome:
-        """Apply one change (the outbox's apply): the record by compare-and-set, then its publishes.
-        BusError when the bus fails (the outbox tries again)."""
+    async def apply(self, c: Change, replayed: bool = False, early: asyncio.Future | None = None) -> Outcome:
+        """Apply one change (the outbox's apply): the record by compare-and-set, then its publishes, only
+        if the record is ours and (for the terminal event) this change ended it. BusError when the bus
+        fails (the outbox tries again)."""
         outcome = Outcome.WRITTEN
         if c.record is not None:
             outcome = await self._write(c.record, c.revision, c.over_claim)
-            waiter = self._written.pop((c.sandbox_id, c.record.version), None)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(outcome)
-        if outcome is Outcome.NOT_OURS or (c.terminal_event and outcome not in (Outcome.WRITTEN, Outcome.ALREADY)):
-            return outcome
-        if replayed:   # published before the crash maybe, beyond the duplicate window: never twice
+            if early is not None and not early.done():
+                early.set_result(outcome)
+            if outcome not in (Outcome.WRITTEN, Outcome.ALREADY) and (c.terminal_event or outcome is not Outcome.STALE):
+                log.warning("change of %s to %s not recorded: %s", c.sandbox_id, c.record.state, outcome.value)
+                return outcome   # never an event of a change that did not happen (after the end, or not ours)
+        if c.after_exit:
+            if not await self._exit_done(c, replayed):
+                if replayed:
+                    return outcome   # a crashed run never stored this exec's end: the node's loss tells it
+                raise BusError(f"exit record of {c.after_exit} not stored yet")
+        if replayed or time.time() - c.at > OLD_CHANGE:   # published before maybe, past the duplicate window
             for p in c.publishes:
                 if not await self._stored(p):
                     await self.bus.publish(p.subject, p.data, msg_id=p.msg_id)
         else:
             await asyncio.gather(*(self.bus.publish(p.subject, p.data, msg_id=p.msg_id) for p in c.publishes))
         return outcome
+
+    async def _exit_stored(self, c: Change) -> bool:
+        subject = subjects.output(c.sandbox_id, c.after_exit)
+        last = await self.bus.last_on_subject(streams.OUT_STREAM, subject, with_headers=True)
+        try:
+            return last is not None and isinstance(decode_output(*last), ExitRecord)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return False
 
     async def _write(self, rec: SandboxRecord, revision: int, over_claim: bool) -> Outcome:
         data = encode(rec)
@@ -210,14 +255,30 @@ class SandboxRecords:
 
     # ---- placement's writes (no outbox) ------------------------------------------------------------
 
+    async def note(self, tenant: str, sandbox_id: str, type_: str, request_id: str, detail: str) -> None:
+        """An event of a request that has no record and no state hanging on it (queued: waiting for room;
+        rejected at admission): sent once, best effort, so a busy placement never waits on it."""
+        try:
+            subjects.token(sandbox_id, "sandbox_id"), subjects.token(tenant, "tenant")
+        except ValueError:
+            return   # no valid subject to file it under
+        try:
+            await self.bus.send(subjects.event(tenant, sandbox_id), Event(
+                type=type_, sandbox_id=sandbox_id, tenant=tenant, request_id=request_id, at=time.time(),
+                detail=detail))
+        except BusError:
+            pass   # the reply to the requester said it already
+
     async def reject(self, rec: SandboxRecord, publishes: list[Publish]) -> bool:
         """A request that ended before any node took it (placement: no room before its deadline): its final
         record, only if the id has none (a node's claim is then the truth), and its event."""
         prior, revision = await self.get(rec.sandbox_id)
-        if prior is not None or await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec),
-                                                       revision) is None:
+        if prior is not None and not (prior.request_id == rec.request_id and not prior.node):
+            return False   # a node's record: the truth
+        if prior is None and await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec),
+                                                   revision) is None:
             return False
-        for p in publishes:
+        for p in publishes:   # (again, for a rejection recorded before: the msg ids keep one of each)
             await self.bus.publish(p.subject, p.data, msg_id=p.msg_id, retries=3, retry_for=5.0)
         return True
 
@@ -237,13 +298,3 @@ class SandboxRecords:
         for p in lifecycle(rec, "node_lost", node=rec.node, detail=rec.reason):
             await self.bus.publish(p.subject, p.data, msg_id=p.msg_id, retries=3, retry_for=5.0)
 
-
-def _settle(written: asyncio.Future, done: asyncio.Future) -> None:
-    """A change that ended without its record part resolving (cancelled at a stop) resolves it too."""
-    if not written.done():
-        if done.cancelled():
-            written.cancel()
-        elif done.exception() is not None:
-            written.set_exception(done.exception())
-        else:
-            written.set_result(done.result())

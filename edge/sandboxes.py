@@ -23,7 +23,7 @@ from bus import streams
 from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
-from edge.backends.base import Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxSpec
+from edge.backends.base import Backend, ExecControl, ExecResult, OutputSink, SandboxSpec
 from edge.layercache import LayerCache
 from edge.outbox import Publish
 from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
@@ -82,14 +82,13 @@ class Sandboxes:
         return self.running.pop(sandbox_id, None)
 
     async def record(self, running: Running, state: str = "", *, event: str = "", detail: str = "",
-                     nth: int = 0, wait: bool = True, **changes) -> None:
+                     nth: int = 0, wait: bool = True, **changes) -> Outcome | None:
         """Record a change of a running sandbox (and its event): durable now, stored when the bus has it;
-        with wait, returns once the record is stored (or after RECORD_WAIT: it is kept trying)."""
+        with wait, returns its Outcome once the record is stored (None after RECORD_WAIT: kept trying)."""
         rec = running.next(**({"state": state} if state else {}), **changes)
         publishes = lifecycle(rec, event, node=self.node, detail=detail, nth=nth) if event else []
         pending = await self.records.change(rec, publishes=publishes, terminal_event=rec.state in TERMINAL)
-        if wait:
-            await wait_stored(pending.record, rec.sandbox_id)
+        return await wait_stored(pending.record, rec.sandbox_id) if wait else None
 
     # ---- what Chronus asks (ExecHost) ---------------------------------------------------------------
 
@@ -108,7 +107,7 @@ class Sandboxes:
     async def gone(self, sandbox_id: str) -> SandboxNotFound:
         """The typed error for a sandbox this node does not run, with the reason: how it ended here, else
         what its record says (a `ready` of this node that it does not run was lost with an earlier run)."""
-        reason = self.ended.get(sandbox_id, "")
+        reason = self.ending(sandbox_id)   # ending here now, or ended here
         if not reason:
             reason = "never_existed"
             try:
@@ -128,14 +127,20 @@ class Sandboxes:
         return await self.backend.exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout, sink=sink,
                                        control=control)
 
-    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]]) -> None:
-        """Messages on a sandbox's timeline (an exec's trajectory record): durable now, published in its order."""
-        await self.records.change(None, sandbox_id, publishes=[Publish(s, d, m) for s, d, m in messages])
+    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str = "") -> None:
+        """Messages on a sandbox's timeline (an exec's trajectory record): durable now, published in its order
+        (and, with after_exit, once that exec's exit record is stored)."""
+        await self.records.change(None, sandbox_id, publishes=[Publish(s, d, m) for s, d, m in messages],
+                                  after_exit=after_exit)
+
+    def exit_stored(self, exec_id: str) -> None:
+        self.records.exit_stored(exec_id)
 
     # ---- destroy (the op lane, the TTL loop, a stop, a node declared lost) -------------------------------
 
-    async def destroy(self, sandbox_id: str, state: str = "destroyed", reason: str = "") -> None:
-        """Destroy a sandbox this edge runs and record why (KeyError if it does not run here)."""
+    async def destroy(self, sandbox_id: str, state: str = "destroyed", reason: str = "") -> Outcome | None:
+        """Destroy a sandbox this edge runs and record why (KeyError if it does not run here). FINAL when
+        its record had ended otherwise first (its node was declared lost meanwhile)."""
         running = self.running.get(sandbox_id)
         if running is None:
             raise KeyError(sandbox_id)
@@ -144,18 +149,20 @@ class Sandboxes:
             await self.backend.destroy(sandbox_id)
         finally:
             await self.settle(sandbox_id)   # its execs' records first, then `destroyed`
-            await self.gone_now(sandbox_id, running.ending, reason)
+            outcome = await self.gone_now(sandbox_id, running.ending, reason)
+        return outcome
 
-    async def gone_now(self, sandbox_id: str, state: str, reason: str, wait: bool = True) -> None:
+    async def gone_now(self, sandbox_id: str, state: str, reason: str, wait: bool = True) -> Outcome | None:
         """The sandbox no longer runs: free it and record its final state."""
         running = self.running.pop(sandbox_id, None)
         self.released(sandbox_id)
         if running is None:
-            return
+            return None
         self.ended[sandbox_id] = state
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
-        await self.record(running, state, event=state, detail=reason, reason=reason, suspended=False, wait=wait)
+        return await self.record(running, state, event=state, detail=reason, reason=reason, suspended=False,
+                                 wait=wait)
 
     # ---- suspend and resume (client.suspend / client.resume) -----------------------------------------
 

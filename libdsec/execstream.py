@@ -51,6 +51,7 @@ class ExecStream:
         self._resume_at = 0     # DSEC_OUT seq up to which everything on the subject was consumed
         self._moved = False     # the connection moved since the stream was last read
         self.caught_up = 0      # times the subject was read back from the stream
+        self._renumbered: ExitRecord | None = None   # an exit record numbered afresh (a restarted edge's)
         self.finished = False   # the exit record was read, or the exec is known lost
 
     async def open(self) -> None:
@@ -135,14 +136,14 @@ class ExecStream:
                 except asyncio.TimeoutError:
                     now = time.monotonic()
                     if now >= deadline_():
-                        for out in await self._catch_up(now + 2.0):   # a last look before giving up
+                        async for out in self._caught_up(now + 2.0):   # a last look before giving up
                             yield out
                             if isinstance(out, ExitRecord):
                                 return
                         self.finished = True
                         raise SandboxError(f"no exit record on {self.subject} within {wait:.0f}s: node unavailable")
                     if gap_since is not None or await self._missed_some():
-                        for out in await self._catch_up(deadline_()):
+                        async for out in self._caught_up(deadline_()):
                             yield out
                             if isinstance(out, ExitRecord):
                                 return
@@ -151,13 +152,17 @@ class ExecStream:
                     continue
             if item is _WAKE:
                 if self._moved:
-                    for out in await self._catch_up(deadline_()):
+                    async for out in self._caught_up(deadline_()):
                         yield out
                         if isinstance(out, ExitRecord):
                             return
                     gap_since = time.monotonic() if self._held else None
                 continue
-            if item is None:
+            if item is None:   # its sandbox ended: unless the stream has the exit record after all
+                async for out in self._caught_up(time.monotonic() + 2.0):
+                    yield out
+                    if isinstance(out, ExitRecord):
+                        return
                 reason, detail = self._lost
                 raise SandboxNotFound(f"sandbox lost with its node: {detail}" if reason == "node_lost"
                                       else f"sandbox {reason} before the exec reported an exit: {detail}",
@@ -174,13 +179,24 @@ class ExecStream:
                 continue
             self._held[rec.seq] = rec
             ready = self._in_order()
-            if isinstance(rec, ExitRecord) and self._held:   # core delivery dropped something: the stream has it
-                ready += await self._catch_up(deadline_())
             for out in ready:
                 yield out
                 if isinstance(out, ExitRecord):
                     return
+            if isinstance(rec, ExitRecord) and self._held:   # core delivery dropped something: the stream has it
+                async for out in self._caught_up(deadline_()):
+                    yield out
+                    if isinstance(out, ExitRecord):
+                        return
             gap_since = (gap_since or time.monotonic()) if self._held else None
+
+    async def _caught_up(self, give_up: float) -> AsyncIterator[OutputChunk | ExitRecord]:
+        """What reading the subject back brings, in order; then OutputIncomplete if a record is missing."""
+        out, err = await self._catch_up(give_up)
+        for rec in out:
+            yield rec
+        if err is not None:
+            raise err
 
     def _in_order(self) -> list[OutputChunk | ExitRecord]:
         """The held records that now follow on without a gap, taken off the hold."""
@@ -205,10 +221,10 @@ class ExecStream:
             self._ended(rec.state, rec.reason)
         return False
 
-    async def _catch_up(self, give_up: float) -> list[OutputChunk | ExitRecord]:
-        """Read the subject back from DSEC_OUT (retried through bus errors until give_up) and return the
-        records that now follow on. OutputIncomplete when the exit record is known and the stream, read
-        to its end, lacks some record before it."""
+    async def _catch_up(self, give_up: float) -> tuple[list[OutputChunk | ExitRecord], OutputIncomplete | None]:
+        """Read the subject back from DSEC_OUT (retried through bus errors until give_up): the records that
+        now follow on, and OutputIncomplete when the exit record is known and the stream, read to its
+        end, lacks some record before it."""
         self._moved, self.caught_up = False, self.caught_up + 1
         delay = 0.05
         while True:
@@ -217,15 +233,17 @@ class ExecStream:
                 break
             except BusError as exc:
                 if time.monotonic() + delay >= give_up:
-                    if self._exit_held() is not None:
-                        raise self._incomplete(f"the stream could not be read: {exc}") from exc
-                    return []
+                    out = self._in_order()
+                    return out, (self._incomplete(f"the stream could not be read: {exc}")
+                                 if self._exit_held() is not None else None)
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
         out = self._in_order()
         if self._exit_held() is not None:
-            raise self._incomplete("DSEC_OUT no longer holds them (aged out or purged)")
-        return out
+            return out, self._incomplete("DSEC_OUT no longer holds them (aged out or purged)")
+        if self._renumbered is not None and not any(isinstance(r, ExitRecord) for r in out):
+            out.append(self._renumbered)   # a restarted edge's own end (numbered afresh): the end
+        return out, None
 
     async def _read_back(self) -> None:
         seq, consumed = self._resume_at, True
@@ -236,6 +254,8 @@ class ExecStream:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if rec.seq < self._next:
+                if isinstance(rec, ExitRecord):   # below what was read: numbered afresh
+                    self._renumbered = rec
                 if consumed:
                     self._resume_at = m.seq   # everything up to here is consumed: the next read starts after
             else:

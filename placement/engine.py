@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
-from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Event, Queued, SandboxReady,
+from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queued, SandboxReady,
                           SandboxRecord, create_decoder, encode, heartbeat_decoder, salvage)
 from bus.pull import Delivery, Lease, Verdict
 from bus import validate
@@ -66,7 +67,8 @@ class PlacementEngine:
         self.ledger.on_room = self._room_changed
         self.quotas = Quotas(bus)
         self.reaper = Reaper(bus, self.ledger, self.name)
-        self.watch = BookingWatch(bus, self.ledger, self._place_again)
+        self.watch = BookingWatch(bus, self.ledger, self._place_again, hears_itself=self.reaper.hears_itself)
+        self.ledger.hears_itself = self.reaper.hears_itself
         self.records = SandboxRecords(bus, "")
         self.max_waiting = max_waiting
         self.burst_threshold = burst_threshold
@@ -74,6 +76,7 @@ class PlacementEngine:
         self._room = asyncio.Event()
         self._workers: list = []
         self._tasks: list[asyncio.Task] = []
+        self._subs: list = []
         self.waiting = {p: 0 for p in subjects.PRIORITIES}   # in _wait_room now
         self.queued = {p: 0 for p in subjects.PRIORITIES}    # found no room at least once, not placed yet
         self.placed = self.bursted = self.rejected = 0
@@ -85,7 +88,7 @@ class PlacementEngine:
     async def start(self) -> None:
         """Watch nodes and quotas, then pull both priorities."""
         # every edge heartbeats every few seconds: a node watch silent for longer has lost its server
-        await self.bus.subscribe(subjects.heartbeat(), self._heartbeat)
+        self._subs.append(await self.bus.subscribe(subjects.heartbeat(), self._heartbeat))
         self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0),
                        await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
                        await kv_watch(self.bus, streams.IMAGES_KV, self.images.on_change),   # drops stale resolves
@@ -101,6 +104,10 @@ class PlacementEngine:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in [*self._subs, *self.reaper.subscriptions()]:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self._subs.clear()
         try:
             await asyncio.wait_for(self.bus.kv_delete(streams.ENGINES_KV, self.name), 0.5)
         except (asyncio.TimeoutError, DsecError):
@@ -167,21 +174,8 @@ class PlacementEngine:
                 lease.cancel()
         return handle
 
-    async def _reply(self, reply_to: str, msg) -> None:
-        if subjects.is_reply_subject(reply_to):
-            try:
-                await self.bus.send(reply_to, msg)
-            except DsecError as exc:
-                log.warning("reply to %s lost: %s", reply_to, exc)
-
     async def _event(self, req: CreateRequest, type_: str, detail: str) -> None:
-        try:
-            subjects.token(req.sandbox_id, "sandbox_id"), subjects.token(req.tenant, "tenant")
-            await self.bus.send(subjects.event(req.tenant, req.sandbox_id),
-                                Event(type=type_, sandbox_id=req.sandbox_id, tenant=req.tenant,
-                                      request_id=req.request_id, at=time.time(), detail=detail))
-        except (DsecError, ValueError):
-            pass   # no valid subject to file the event under, or the bus hiccuped: the reply was sent
+        await self.records.note(req.tenant, req.sandbox_id, type_, req.request_id, detail)
 
     async def _reject(self, req: CreateRequest, err: DsecError, admitted: bool = False) -> Verdict:
         self.rejected += 1
@@ -191,12 +185,11 @@ class PlacementEngine:
             rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image,
                                 labels=dict(req.labels), resources=req.resources, created_at=now,
                                 updated_at=now, reason=str(err), request_id=req.request_id, version=1)
-            try:   # only if no edge claimed it meanwhile (its record is then the truth)
-                await self.records.reject(rec, lifecycle(rec, "rejected", node="", request_id=req.request_id,
-                                                         detail=str(err)))
-            except DsecError as exc:
-                log.warning("record of %s not written: %s", req.sandbox_id, exc)
-        await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+            # only if no edge claimed it meanwhile (its record is then the truth); a bus error NAKs the
+            # request: its redelivery finds the record and publishes what is missing
+            await self.records.reject(rec, lifecycle(rec, "rejected", node="", request_id=req.request_id,
+                                                     detail=str(err)))
+        await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
         if not admitted:
             await self._event(req, "rejected", str(err))
         return Verdict.ACK
@@ -206,7 +199,7 @@ class PlacementEngine:
             req = create_decoder.decode(d.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             env = salvage(d.data)
-            await self._reply(env.reply_to, ErrorReply(request_id=env.request_id, code="invalid_request",
+            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code="invalid_request",
                                                        message=f"bad create request: {exc}"))
             return Verdict.TERM
         req = msgspec.structs.replace(req, priority=priority)   # the subject it came on decides
@@ -242,7 +235,7 @@ class PlacementEngine:
                     queued = True
                     self.queued[req.priority] += 1
                     why = "no live node" if not self._live(self.pool) else "no node has room"
-                    await self._reply(req.reply_to, Queued(request_id=req.request_id, reason=why))
+                    await self.bus.reply(req.reply_to, Queued(request_id=req.request_id, reason=why))
                     await self._event(req, "queued", why)
                 await self._wait_room(req)
         finally:
@@ -254,13 +247,19 @@ class PlacementEngine:
         from its record and booked nowhere again. A `starting` one is placed as usual (its node may have
         died: the claim decides who starts it)."""
         rec, _ = await self.records.get(req.sandbox_id)
-        if rec is None or rec.request_id != req.request_id or rec.state == "starting":
+        if rec is None or rec.request_id != req.request_id:
             return False
+        if rec.state == "starting":   # a live node is on it (it answers; if it dies, the reaper places it again)
+            return rec.node in self.ledger.entries and rec.node not in self.ledger.unresponsive() \
+                and not self.ledger.entries[rec.node].info.lost
+        if not rec.node:   # placement's own rejection: its event may not be out yet
+            await self.records.reject(rec, lifecycle(rec, "rejected", node="", request_id=req.request_id,
+                                                     detail=rec.reason))
         if rec.state == "ready":
-            await self._reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
+            await self.bus.reply(req.reply_to, SandboxReady(request_id=req.request_id, sandbox_id=req.sandbox_id,
                                                          node=rec.node))
         else:
-            await self._reply(req.reply_to, ErrorReply(request_id=req.request_id, code=SandboxNotFound.code,
+            await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=SandboxNotFound.code,
                                                        reason=rec.state, message=f"sandbox {req.sandbox_id} "
                                                        f"{rec.state}: {rec.reason}"))
         return True

@@ -20,6 +20,7 @@ import msgspec
 
 from bus import streams
 from bus.conn import Bus
+from bus.errors import BusError
 from bus.messages import Booking, Heartbeat, NodeInfo, encode
 from bus.nodes import decode_node
 from placement import scoring
@@ -54,6 +55,7 @@ class NodeLedger:
         self.heard: dict[str, tuple[float, float]] = {}   # node -> (monotonic time of its last core heartbeat, run)
         self.cooled: dict[str, float] = {}   # node -> monotonic time a booking of it was taken back
         self.since = time.monotonic()        # when this view started listening
+        self.hears_itself = lambda: True     # whether this engine's own connection works (a silence is then theirs)
 
     # ---- liveness -------------------------------------------------------------------------------
 
@@ -75,6 +77,8 @@ class NodeLedger:
         """Nodes not to book now: their core heartbeats stopped (late by several beats), or a booking of
         theirs was taken back for not being taken and no heartbeat came since."""
         now = time.monotonic()
+        if not self.hears_itself():   # everyone looks late when we are the one not hearing
+            return frozenset(self.cooled)
         late = {n for n, (at, _) in self.heard.items() if now - at > streams.SUSPECT_AFTER}
         return frozenset(late | set(self.cooled))
 
@@ -114,7 +118,8 @@ class NodeLedger:
     # ---- booking -------------------------------------------------------------------------------
 
     async def book(self, node: str, request_id: str, booking: Booking) -> bool:
-        """Reserve room on node for a request; False when the node (as it is now) has no room."""
+        """Reserve room on node for a request; False when the node (as it is now) has no room, BusError
+        when the bus did not say."""
         p = _Pending(request_id, booking)
         self._queues.setdefault(node, []).append(p)
         if node not in self._flushing:
@@ -133,13 +138,19 @@ class NodeLedger:
         try:
             while batch := self._queues.pop(node, []):
                 accepted: set[str] = set()
+                failed: BaseException | None = None
                 try:
                     accepted = await self._commit(node, batch)
-                except Exception as exc:   # the bus failed: these requests are retried by their handlers
+                except Exception as exc:   # the bus failed: not "no room" (their handlers try again later)
                     log.warning("booking on %s failed: %s", node, exc)
+                    failed = exc if isinstance(exc, BusError) else BusError(f"booking on {node} failed: {exc}")
                 finally:   # every waiter gets an answer, even when this flush is cancelled
                     for p in batch:
-                        if not p.future.done():
+                        if p.future.done():
+                            continue
+                        if failed is not None:
+                            p.future.set_exception(failed)
+                        else:
                             p.future.set_result(p.request_id in accepted)
         finally:   # only a cancelled flush leaves waiters queued: they hear "no room" and try again
             self._flushing.discard(node)

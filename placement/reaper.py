@@ -50,6 +50,8 @@ class Reaper:
         self.records = SandboxRecords(bus, "")
         self.probe = subjects.engine_probe(subjects.token(name, "engine name") if subjects.is_token(name) else "reaper")
         self.heard_self = time.monotonic()
+        self._sub = None
+        self._forget = lambda: None
         self.calm = STALL_GRACE   # sweeps on time since this engine was last unwell
         self.lost_nodes = 0
         self.lost_sandboxes = 0
@@ -59,9 +61,14 @@ class Reaper:
         """Listen to this engine's own probe and to reconnects; returns the tasks to cancel at stop."""
         async def _heard(_data: bytes, _subject: str) -> None:
             self.heard_self = time.monotonic()
-        await self.bus.subscribe(self.probe, _heard)
-        self.bus.on_reconnect(self._unwell)
+        self._sub = await self.bus.subscribe(self.probe, _heard)
+        self._forget = self.bus.on_reconnect(self._unwell)
         return [asyncio.create_task(self._probe()), asyncio.create_task(self.run())]
+
+    def subscriptions(self) -> list:
+        """What start() subscribed (the engine unsubscribes at its stop); the reconnect hook goes too."""
+        self._forget()
+        return [self._sub] if self._sub is not None else []
 
     def _unwell(self) -> None:
         self.calm = 0
@@ -74,9 +81,13 @@ class Reaper:
                 pass
             await asyncio.sleep(PROBE_EVERY)
 
+    def hears_itself(self) -> bool:
+        """Whether this engine's own probe came back lately (its connection works)."""
+        return time.monotonic() - self.heard_self < DEAF_AFTER
+
     def healthy(self) -> bool:
         """Whether this engine may judge others' silence: it hears itself and was calm lately."""
-        return self.calm >= STALL_GRACE and time.monotonic() - self.heard_self < DEAF_AFTER
+        return self.calm >= STALL_GRACE and self.hears_itself()
 
     async def run(self) -> None:
         """Sweep forever; no failure ends the sweep. After a stall of this engine itself (a paused process,
@@ -145,8 +156,8 @@ class Reaper:
             now_rec, revision = await self.records.get(key)
             if now_rec != rec:
                 continue   # changed since the listing: its writer knows better
-            if rec.state == "starting":   # never started: free the id, its create is placed again below
-                await self.records.free_claim(key, node)
+            if rec.state == "starting":   # never started: free the id (that claim only), placed again below
+                await self.records.free_claim(key, node, revision)
                 continue
             if await self.records.mark_lost(rec, revision, f"node {node} stopped heartbeating") is Outcome.WRITTEN:
                 self.lost_sandboxes += 1

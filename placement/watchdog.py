@@ -1,8 +1,8 @@
-"""Bookings a node does not take: a create this engine booked on a node and sent to its lane, which the
-node neither took (the booking is still in its record) within TAKE_WITHIN while it stopped beating, or
-within PILE_UP at all, is taken back from the lane and placed again; the node is booked no more until
-it is heard from (ledger.cool). So a node that dies stops holding creates within about a second, long
-before it is declared lost.
+"""Bookings a node does not take: a create this engine booked on a node and sent to its lane is taken back
+from the lane and placed again when the node stopped beating (no core heartbeat for TAKE_WITHIN: all its
+untaken creates at once), or when it beats but its lane has not even handed the create out within PILE_UP
+(it takes nothing). The node is then booked no more until it is heard from (ledger.cool). So a node that
+dies stops holding creates within about half a second, long before it is declared lost.
 
 Taking back is deleting the create's message from the node's lane by its stream sequence: once that
 succeeds no consumer can be handed it again. If the node had it already (delivered, not yet acked),
@@ -12,6 +12,7 @@ A delete that finds nothing means the node consumed it: it took the create.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -25,8 +26,8 @@ from placement.ledger import NodeLedger
 
 log = logging.getLogger(__name__)
 
-TAKE_WITHIN = 0.5    # seconds a silent node has to take a booking before it is taken back
-PILE_UP = 5.0        # seconds after which a booking is taken back even from a node that beats
+TAKE_WITHIN = 0.5    # seconds of a node's silence after which its untaken creates are taken back
+PILE_UP = 5.0        # seconds after which a create its beating node's lane never handed out is taken back
 LOOK_EVERY = 0.1     # seconds between two looks at the bookings watched
 
 
@@ -40,10 +41,12 @@ class _Watched:
 class BookingWatch:
     """The bookings one engine made and is waiting to see taken."""
 
-    def __init__(self, bus: Bus, ledger: NodeLedger, place_again: Callable[[CreateRequest], Awaitable[None]]) -> None:
+    def __init__(self, bus: Bus, ledger: NodeLedger, place_again: Callable[[CreateRequest], Awaitable[None]],
+                 hears_itself: Callable[[], bool] = lambda: True) -> None:
         self.bus = bus
         self.ledger = ledger
         self.place_again = place_again
+        self.hears_itself = hears_itself   # an engine that cannot hear itself judges no node's silence
         self._watched: dict[str, _Watched] = {}
         self.taken_back = 0
         self.recovery: list[float] = []   # seconds from a booking to its taking back (the latest few)
@@ -57,33 +60,48 @@ class BookingWatch:
         """Look at what is watched every LOOK_EVERY seconds, forever."""
         while True:
             await asyncio.sleep(LOOK_EVERY)
-            now = time.monotonic()
+            by_node: dict[str, list[_Watched]] = collections.defaultdict(list)
             for rid, w in list(self._watched.items()):
-                if now - w.at < TAKE_WITHIN:
-                    continue
+                entry = self.ledger.entries.get(w.req.node)
+                if entry is not None and not entry.info.lost and rid not in entry.info.bookings:
+                    del self._watched[rid]   # taken (its booking left the record)
+                else:                        # (a lost node's: taken back too, under the reaper's msg id)
+                    by_node[w.req.node].append(w)
+            for node, watched in by_node.items():
                 try:
-                    await self._look(rid, w, now)
+                    await self._look(node, watched)
                 except BusError as exc:   # the lane or the record is unavailable now: look again soon
-                    log.debug("booking %s on %s not checked: %s", rid, w.req.node, exc)
+                    log.debug("bookings on %s not checked: %s", node, exc)
                 except Exception:
-                    log.exception("booking %s on %s not checked", rid, w.req.node)
-                    self._watched.pop(rid, None)
+                    log.exception("bookings on %s not checked", node)
 
-    async def _look(self, rid: str, w: _Watched, now: float) -> None:
-        node = w.req.node
+    async def _look(self, node: str, watched: list[_Watched]) -> None:
+        now = time.monotonic()
         entry = self.ledger.entries.get(node)
-        if entry is None or rid not in entry.info.bookings or entry.info.lost:
-            self._watched.pop(rid, None)   # taken (or the node is gone: the reaper places its lane again)
-            return
-        if self.ledger.silent_for(node) < TAKE_WITHIN and now - w.at < PILE_UP:
-            return   # it beats: it may only be slow to write its record
-        removed = await self.bus.delete_msg(streams.NODE_STREAM, w.seq)
-        self._watched.pop(rid, None)
-        if not removed:
-            return   # consumed already: the node took it
+        if entry is None or entry.info.lost or self.ledger.silent_for(node) >= TAKE_WITHIN:
+            if not self.hears_itself():
+                return                                   # the silence may be our own connection's
+            due = watched                                # silent: everything it has not taken
+        else:
+            due = [w for w in watched if now - w.at >= PILE_UP]
+            if not due:
+                return
+            durable = streams.edge_create_consumer(node)[1].durable_name
+            handed = await self.bus.consumer_delivered(streams.NODE_STREAM, durable)
+            due = [w for w in due if w.seq > handed]     # handed out: the node is on it (its record is late)
+        for w in due:
+            await self._take_back(node, w, now)
+
+    async def _take_back(self, node: str, w: _Watched, now: float) -> None:
+        """Placed again first (a failure keeps it watched: nothing is lost), then taken off the lane."""
+        rid = w.req.request_id
         self.ledger.cool(node)
-        self.taken_back += 1
-        self.recovery = [*self.recovery[-63:], now - w.at]
-        log.warning("create %s booked on %s was not taken in %.1fs: placed again elsewhere", rid, node, now - w.at)
-        await self.ledger.unbook(node, rid)
         await self.place_again(w.req)
+        self._watched.pop(rid, None)
+        removed = await self.bus.delete_msg(streams.NODE_STREAM, w.seq)
+        await self.ledger.unbook(node, rid)
+        if removed:   # (else the node had consumed it: the sandbox record's claim keeps one of the two)
+            self.taken_back += 1
+            self.recovery = [*self.recovery[-63:], now - w.at]
+            log.warning("create %s booked on %s was not taken in %.1fs: placed again elsewhere", rid, node,
+                        now - w.at)

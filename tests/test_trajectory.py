@@ -80,6 +80,10 @@ async def test_a_durable_trajectory_consumer_resumes_where_it_left_off(client):
     sb = await client.create(labels={"job": job})
     for i in range(3):
         await sb.exec(f"echo {i}")
+    for _ in range(100):   # an exec's record follows its exit record by a few milliseconds
+        if len([t async for t in client.trajectories(job=job, follow=False)]) == 4:
+            break
+        await asyncio.sleep(0.05)
     seen = []   # a reward model reads everything so far, acks only the first two records, then dies
     async for t in client.trajectories(job=job, durable=durable, follow=False, ack_wait=ACK_WAIT):
         seen.append(t.record)

@@ -1,0 +1,196 @@
+"""Truth under faults: records that end right however long the bus is away, sandboxes serviceable the moment
+they are seen ready, execs that end typed when the platform destroys their sandbox, lock files, and the
+edge's outbox surviving a crash. Each against a real nats-server (killed and restarted where it matters)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import libdsec
+from bus import streams, subjects
+from bus.conn import Bus
+from bus.messages import Quota, event_decoder, sandbox_decoder
+from bus.server import NatsServer, free_port
+
+pytestmark = pytest.mark.timeout(180)
+DSEC = str(Path(sys.executable).parent / "dsec")
+
+
+async def _events(bus: Bus, sandbox_id: str) -> list[str]:
+    return [event_decoder.decode(d).type async for d in bus.read_subject(
+        streams.EVT_STREAM, subjects.event("default", sandbox_id))]
+
+
+async def _record(bus: Bus, sandbox_id: str):
+    raw = await bus.kv_get(streams.SANDBOXES_KV, sandbox_id)
+    return sandbox_decoder.decode(raw) if raw is not None else None
+
+
+async def _until(what, limit: float = 30.0, every: float = 0.2):
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            got = await what()
+        except libdsec.DsecError:
+            got = None
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"not within {limit}s"
+        await asyncio.sleep(every)
+
+
+async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_once_they_do(tmp_path):
+    """A 3-server cluster loses two servers for 18 s, longer than any retry window: the edge's own server
+    answers, but no stream or bucket has a quorum, so nothing it writes is stored (and nothing is kept
+    in a client buffer for later). The sandbox's TTL fires meanwhile. Once the servers are back its record
+    says expired, its events are there exactly once, and the quota it held is free (before: 'state not
+    recorded' after 8 s: the record stayed ready for good and the quota stayed held)."""
+    from bus.cluster import NatsCluster
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from placement.quota import set_quota
+    cluster = NatsCluster(tmp_path / "nats").start()
+    st = Stack(tmp_path / "state", nats_url=cluster.urls[0], metrics_port=None,
+               edge_config=EdgeConfig(node_id="tq", slots=4))
+    try:
+        boot = await Bus.connect(cluster.url)
+        await boot.provision(replicas=3)
+        await boot.close()
+        await st.start()
+        async with libdsec.AsyncClient(cluster.urls[0]) as client:
+            await set_quota(client._need_bus(), Quota(tenant="default", max_sandboxes=1))
+            await asyncio.sleep(0.5)   # placement's quota watch
+            sb = await client.create(ttl=3)
+            cluster.kill(1)
+            cluster.kill(2)
+            await asyncio.sleep(18)    # the TTL fired meanwhile; nothing could be stored
+            assert sb.id not in st.edge.sandboxes, "the TTL must fire while the records have no quorum"
+            await asyncio.gather(asyncio.to_thread(cluster.restart, 1), asyncio.to_thread(cluster.restart, 2))
+            rec = await _until(lambda: _record_in(st.bus, sb.id, "expired"), 40)
+            assert rec.state == "expired"
+            assert await _until(lambda: _has_events(st.bus, sb.id, ["created", "expired"]), 20)
+            again = await client.create(timeout=30)   # the quota it held is free
+            await again.destroy()
+            await client._need_bus().kv_delete(streams.QUOTAS_KV, "default")
+    finally:
+        await st.stop()
+        cluster.stop()
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "state" / "edge", "tq") == []
+
+
+async def _record_in(bus: Bus, sandbox_id: str, state: str):
+    rec = await _record(bus, sandbox_id)
+    return rec if rec is not None and rec.state == state else None
+
+
+async def _has_events(bus: Bus, sandbox_id: str, want: list[str]) -> bool:
+    return await _events(bus, sandbox_id) == want
+
+
+async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path):
+    """The edge destroys a sandbox (its TTL) while the server is down, then is SIGKILLed; the server comes
+    back, then the edge: its outbox, read at start, records `expired` (what happened), not node_lost
+    (what a restart would guess), with exactly one terminal event."""
+    from cli.stack import Stack
+    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    placement = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    await placement.start()
+    edge = _edge(srv.url, tmp_path / "edge")
+    try:
+        async with libdsec.AsyncClient(srv.url) as client:
+            sb = await client.create(ttl=2)
+            srv.kill()
+            await asyncio.sleep(4)          # the TTL fires: its `expired` waits in the outbox, on disk
+            edge.send_signal(signal.SIGKILL)
+            edge.wait()
+            srv.start()
+            edge = _edge(srv.url, tmp_path / "edge")
+            rec = await _until(lambda: _record_in(placement.bus, sb.id, "expired"), 30)
+            assert rec.reason == "ttl reached"
+            assert await _until(lambda: _has_events(placement.bus, sb.id, ["created", "expired"]), 15)
+    finally:
+        edge.send_signal(signal.SIGTERM)
+        edge.wait(20)
+        await placement.stop()
+        srv.stop()
+    from edge.backends.container import leftovers
+    assert leftovers(tmp_path / "edge" / "edge", "tx") == []
+
+
+def _edge(url: str, state: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "tx", "--state-dir", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline().startswith("dsec: edge")
+    return proc
+
+
+async def test_a_sandbox_is_serviceable_the_moment_its_ready_record_is_seen(stack, client, monkeypatch):
+    """The ready record's ack is slow to come back (a busy server): a client that sees the record `ready`
+    in the meantime and runs a command is served (before: not_on_this_node, as the edge registered the
+    sandbox only after its record was written)."""
+    bus = stack.edge.bus
+    real = bus.kv_cas
+    seen = asyncio.Event()
+
+    async def slow_ready(bucket, key, value, revision):
+        rev = await real(bucket, key, value, revision)
+        if bucket == streams.SANDBOXES_KV and b'"state":"ready"' in value and rev is not None:
+            seen.set()
+            await asyncio.sleep(1.0)   # written; its ack is late
+        return rev
+    monkeypatch.setattr(bus, "kv_cas", slow_ready)
+    creating = asyncio.ensure_future(client.create())
+    await asyncio.wait_for(seen.wait(), 10)
+    ids = [r.sandbox_id for r in await client.list()]
+    assert ids, "the ready record is visible"
+    other = await client.get(ids[-1])
+    r = await other.exec(["echo", "served"])
+    assert r.stdout == b"served\n"
+    sb = await creating
+    await sb.destroy()
+
+
+async def test_an_exec_whose_sandbox_the_platform_destroys_ends_sandbox_not_found(stack, client):
+    """A destroy (or the TTL) under a running command ends it SandboxNotFound with the reason, never a bare
+    exit 137."""
+    sb = await client.create()
+    handle = await sb.exec("sleep 30", background=True)
+    await asyncio.sleep(0.3)
+    await sb.destroy()
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await handle.wait()
+    assert ei.value.reason == "destroyed"
+    short = await client.create(ttl=1.5)
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await short.exec("sleep 30", timeout=20)
+    assert ei.value.reason == "expired"
+
+
+def test_lock_files_go_at_a_clean_exit_and_a_dead_holders_is_taken_over(tmp_path):
+    from cli.locks import AlreadyRunning, Lock
+    path = tmp_path / "node-x.lock"
+    lock = Lock(path, "node id 'x'").acquire()
+    with pytest.raises(AlreadyRunning, match=f"pid {os.getpid()}"):
+        Lock(path, "node id 'x'").acquire()
+    lock.release()
+    assert not path.exists(), "a clean exit removes the lock file"
+    holder = subprocess.Popen([sys.executable, "-c", f"from cli.locks import Lock; import time; "
+                               f"Lock({str(path)!r}, 'x').acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(AlreadyRunning):
+        Lock(path, "node id 'x'").acquire()
+    holder.kill()
+    holder.wait()
+    assert path.exists(), "a killed holder leaves its file"
+    taken = Lock(path, "node id 'x'").acquire()   # stale: its holder is dead
+    assert path.read_text() == str(os.getpid())
+    taken.release()
