@@ -342,6 +342,8 @@ class EngineStats(Wire, tag="engine"):
     utilization: float = 0.0         # local pool, booked share of the tightest dimension
     threshold: float = 0.8
     burst_min_utilization: float = 1.0   # lowest local utilization at which it routed a create to the burst pool
+    taken_back: int = 0              # creates taken back from a node that did not take them (placed again)
+    take_back_max: float = 0.0       # the longest a create sat on such a node before (seconds, latest 64)
     at: float = 0.0
 
 

@@ -133,6 +133,7 @@ class PlacementEngine:
                            queued=sum(self.waiting.values()), conflicts=self.ledger.conflicts,
                            latency_p50=pick(0.5), latency_p99=pick(0.99), utilization=self.utilization(),
                            threshold=self.burst_threshold, burst_min_utilization=self.burst_min_utilization,
+                           taken_back=self.watch.taken_back, take_back_max=max(self.watch.recovery, default=0.0),
                            at=time.time())
 
     async def _stats_loop(self) -> None:
