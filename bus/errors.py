@@ -81,20 +81,26 @@ class SandboxNotFound(SandboxError, LookupError):
         return str(self.details.get("reason", "unknown"))
 
 
-class ExecTimeout(SandboxError, TimeoutError):
-    """The command did not finish in time; its whole process tree was killed."""
+class _PartialOutput:
+    """An error that carries the output received before it (stdout and stderr bytes)."""
 
-    code = "exec_timeout"
+    details: dict
 
     @property
     def stdout(self) -> bytes:
-        """Output captured before the kill."""
+        """Standard output received before the error."""
         return self.details.get("stdout", b"")  # type: ignore[return-value]
 
     @property
     def stderr(self) -> bytes:
-        """Error output captured before the kill."""
+        """Error output received before the error."""
         return self.details.get("stderr", b"")  # type: ignore[return-value]
+
+
+class ExecTimeout(_PartialOutput, SandboxError, TimeoutError):
+    """The command did not finish in time; its whole process tree was killed."""
+
+    code = "exec_timeout"
 
     @property
     def truncated(self) -> bool:
@@ -102,21 +108,12 @@ class ExecTimeout(SandboxError, TimeoutError):
         return bool(self.details.get("truncated", False))
 
 
-class OutputIncomplete(SandboxError):
+class OutputIncomplete(_PartialOutput, SandboxError):
     """An exec's output could not be read whole: parts of it are not in DSEC_OUT (aged out, or the stream
-    could not be read before the deadline). Carries what was received and the missing record seqs."""
+    could not be read before the deadline). Carries what was received (with holes where the missing
+    records were) and the missing record seqs."""
 
     code = "output_incomplete"
-
-    @property
-    def stdout(self) -> bytes:
-        """Standard output received (with holes where the missing records were)."""
-        return self.details.get("stdout", b"")  # type: ignore[return-value]
-
-    @property
-    def stderr(self) -> bytes:
-        """Error output received."""
-        return self.details.get("stderr", b"")  # type: ignore[return-value]
 
     @property
     def missing(self) -> list[int]:

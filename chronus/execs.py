@@ -29,7 +29,7 @@ from bus.messages import (ErrorReply, Event, ExecInput, ExecRequest, ExecSignal,
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import TRAJ_OUTPUT, OutputRelay
 from chronus.shell import command_argv
-from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink, SandboxGone
+from chronus.control import ExecControl, ExecResult, Gone, OutputSink, RunFailed
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ class ExecHost(Protocol):
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
                   timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
-        """Run a command in the sandbox (the backend's exec)."""
+        """Run a command in the sandbox (the backend's exec): Gone when the sandbox does not run, RunFailed
+        when the command could not be run."""
 
     async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str) -> None:
         """Publish (subject, data, msg id) messages on the sandbox's timeline, durably and in its order,
@@ -233,12 +234,19 @@ class Execs:
             finally:
                 live.control.close()         # nothing more reaches it: late stdin is answered at once
                 self._live.pop(op.exec_id, None)
-            if rec is not None:              # on the timeline (durably) before anything ends the sandbox
-                await self.host.timeline(op.sandbox_id, self._trajectory(op, relay, fields, rec, started),
-                                         after_exit=op.exec_id)
-            live.recorded.set()
-            await relay.finish(**fields)     # stored, however long the bus takes
-            self.host.exit_stored(op.exec_id)
+            traj = None
+            if rec is not None:   # on the timeline (durably) before anything ends the sandbox; meanwhile the
+                traj = asyncio.ensure_future(self.host.timeline(   # exit record goes out
+                    op.sandbox_id, self._trajectory(op, relay, fields, rec, started), after_exit=op.exec_id))
+                traj.add_done_callback(lambda _t: live.recorded.set())
+            else:
+                live.recorded.set()
+            try:
+                await relay.finish(**fields)     # stored, however long the bus takes
+                self.host.exit_stored(op.exec_id)
+            finally:
+                if traj is not None:
+                    await traj
             return Verdict.ACK
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
             with contextlib.suppress(DsecError, asyncio.TimeoutError):
@@ -258,9 +266,9 @@ class Execs:
         try:
             res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
                                       timeout=op.timeout, sink=relay.sink, control=control)
-        except SandboxGone:
+        except Gone:
             return self._gone_fields(await self.host.gone(op.sandbox_id), t0)
-        except BackendError as exc:
+        except RunFailed as exc:
             if self.host.ending(op.sandbox_id):
                 return self._ended_fields(op.sandbox_id, t0)
             return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code, error=str(exc))

@@ -171,6 +171,8 @@ class Outbox:
         for task in list(self._workers.values()):
             task.cancel()
         await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        if self._frames:   # done markers not written yet
+            self._kick()
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 await self._writer
@@ -262,8 +264,8 @@ class Outbox:
         self._pending.pop(seq, None)
         self._live_bytes -= self._sizes.pop(seq, 0)
         self.applied += 1
-        self._frames.append((frame(_Frame(seq)), None, None))   # no fsync needed: applying again is harmless
-        self._kick()
+        # written with the next batch (no write of its own, no fsync): applying again is harmless
+        self._frames.append((frame(_Frame(seq)), None, None))
         if not self._pending:
             self._idle.set()
 

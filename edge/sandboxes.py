@@ -23,7 +23,9 @@ from bus import streams
 from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
-from edge.backends.base import Backend, ExecControl, ExecResult, OutputSink, SandboxSpec
+from chronus.control import Gone, RunFailed
+from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone,
+                                SandboxSpec)
 from edge.layercache import LayerCache
 from edge.outbox import Publish
 from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
@@ -124,8 +126,13 @@ class Sandboxes:
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
                   timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
-        return await self.backend.exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout, sink=sink,
-                                       control=control)
+        try:
+            return await self.backend.exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
+                                           sink=sink, control=control)
+        except SandboxGone as exc:
+            raise Gone(str(exc)) from exc
+        except BackendError as exc:
+            raise RunFailed(str(exc)) from exc
 
     async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str = "") -> None:
         """Messages on a sandbox's timeline (an exec's trajectory record): durable now, published in its order

@@ -2,16 +2,10 @@
 from __future__ import annotations
 
 import abc
-import asyncio
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Literal
 
+from chronus.control import ExecControl, ExecResult, OutputSink, StreamName  # noqa: F401  (the exec contract)
 from chronus.shell import TRUSTED_DIR, TRUSTED_SHELL  # noqa: F401  (the trusted shell every backend mounts)
-
-StreamName = Literal["stdout", "stderr"]
-# Called with each chunk read from a command's stdout or stderr, in the order read.
-# Awaited before the next read of that stream, so a slow consumer slows the reader (no unbounded buffering).
-OutputSink = Callable[[StreamName, bytes], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -32,59 +26,6 @@ class SandboxSpec:
     layers: list[str]           # local paths of EROFS layer files, lowest first
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)   # default env of every exec
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """How one command ended."""
-
-    exit_code: int              # 128+n when killed by signal n; -1 when it never started
-    duration: float             # seconds, wall clock
-    cpu_time: float             # seconds of CPU used by the command's cgroup
-    peak_memory: int            # bytes, max usage of the command's cgroup
-    timed_out: bool = False     # killed because the timeout passed (tree verified gone)
-
-
-class ExecControl:
-    """A running exec's live controls, given by the edge to Backend.exec: stdin written while the
-    command runs (in order; each write resolves True once the pipe took it, False when the command's
-    stdin is gone) and signals to its processes."""
-
-    def __init__(self, live_stdin: bool = False) -> None:
-        self.live_stdin = live_stdin      # stdin comes through write(), after the request's bytes
-        self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
-        self._signal: Callable[[int], Awaitable[bool]] | None = None
-        self.closed = False
-
-    def write(self, data: bytes | None) -> asyncio.Future:
-        """Queue stdin bytes (None: end of stdin); the future says whether they were written."""
-        fut = asyncio.get_running_loop().create_future()
-        if self.closed:
-            fut.set_result(False)
-        else:
-            self._queue.put_nowait((data, fut))
-        return fut
-
-    async def next_input(self) -> tuple[bytes | None, asyncio.Future]:
-        """For the backend: the next stdin piece and its future."""
-        return await self._queue.get()
-
-    def close(self) -> None:
-        """The command's stdin is gone (or the exec ended): every queued and later write fails."""
-        self.closed = True
-        self._signal = None
-        while not self._queue.empty():
-            _, fut = self._queue.get_nowait()
-            if not fut.done():
-                fut.set_result(False)
-
-    def on_signal(self, fn: Callable[[int], Awaitable[bool]]) -> None:
-        """For the backend: how to signal the exec's processes."""
-        self._signal = fn
-
-    async def signal(self, sig: int) -> bool:
-        """Send sig to every process of the exec; False when it is not running (yet, or any more)."""
-        return await self._signal(sig) if self._signal is not None else False
 
 
 class BackendError(Exception):

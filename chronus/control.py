@@ -1,0 +1,74 @@
+"""The exec contract between Chronus and whatever runs commands (a backend, through its node): what a
+command's output is handed to, how a running command is controlled, how it ended, and why it could not run.
+Backends implement it (edge/backends/base.py re-exports these); Chronus depends on nothing else of them."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Literal
+
+StreamName = Literal["stdout", "stderr"]
+# Called with each chunk read from a command's stdout or stderr, in the order read.
+# Awaited before the next read of that stream, so a slow consumer slows the reader (no unbounded buffering).
+OutputSink = Callable[[StreamName, bytes], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """How one command ended."""
+
+    exit_code: int              # 128+n when killed by signal n; -1 when it never started
+    duration: float             # seconds, wall clock
+    cpu_time: float             # seconds of CPU used by the command's cgroup
+    peak_memory: int            # bytes, max usage of the command's cgroup
+    timed_out: bool = False     # killed because the timeout passed (tree verified gone)
+
+
+class ExecControl:
+    """A running exec's live controls, given by the edge to Backend.exec: stdin written while the
+    command runs (in order; each write resolves True once the pipe took it, False when the command's
+    stdin is gone) and signals to its processes."""
+
+    def __init__(self, live_stdin: bool = False) -> None:
+        self.live_stdin = live_stdin      # stdin comes through write(), after the request's bytes
+        self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
+        self._signal: Callable[[int], Awaitable[bool]] | None = None
+        self.closed = False
+
+    def write(self, data: bytes | None) -> asyncio.Future:
+        """Queue stdin bytes (None: end of stdin); the future says whether they were written."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.closed:
+            fut.set_result(False)
+        else:
+            self._queue.put_nowait((data, fut))
+        return fut
+
+    async def next_input(self) -> tuple[bytes | None, asyncio.Future]:
+        """For the backend: the next stdin piece and its future."""
+        return await self._queue.get()
+
+    def close(self) -> None:
+        """The command's stdin is gone (or the exec ended): every queued and later write fails."""
+        self.closed = True
+        self._signal = None
+        while not self._queue.empty():
+            _, fut = self._queue.get_nowait()
+            if not fut.done():
+                fut.set_result(False)
+
+    def on_signal(self, fn: Callable[[int], Awaitable[bool]]) -> None:
+        """For the backend: how to signal the exec's processes."""
+        self._signal = fn
+
+    async def signal(self, sig: int) -> bool:
+        """Send sig to every process of the exec; False when it is not running (yet, or any more)."""
+        return await self._signal(sig) if self._signal is not None else False
+
+
+class RunFailed(Exception):
+    """The command could not be run (not found, a bad cwd, the backend failing); the message is one line."""
+
+
+class Gone(Exception):
+    """The sandbox does not run (any more) where the command was sent."""
