@@ -91,6 +91,15 @@ class LaneWatch:
         self.latencies, self.arrivals = [], []
 
 
+async def engines_figures(bus: Bus) -> str:
+    """What the live engines say they did: compare-and-set conflicts and creates taken back."""
+    conflicts = taken = 0
+    for _, raw in await bus.kv_items(streams.ENGINES_KV):
+        e = engine_decoder.decode(raw)
+        conflicts, taken = conflicts + e.conflicts, taken + getattr(e, "taken_back", 0)
+    return f"booking conflicts {conflicts}, creates taken back {taken}"
+
+
 async def engines_placed(bus: Bus) -> int:
     """Requests routed so far, summed over the live engines' published figures."""
     total = 0
@@ -159,6 +168,7 @@ async def placement_only(tmp: Path, creates: int, rate: float) -> None:
                 print(f"{n_engines} engine(s), below saturation at {rate:.0f}/s: placement latency "
                       f"p50 {low['lat_p50']:.2f} ms ({low['lat_p50'] / base:.1f}x baseline) "
                       f"p99 {low['lat_p99']:.2f} ms ({low['lat_p99'] / base:.1f}x baseline) errors={low['errors']}")
+                print(f"{n_engines} engine(s), so far: {await engines_figures(bus)}")
     finally:
         for p in engines:
             stop(p)

@@ -67,7 +67,7 @@ class PlacementEngine:
         self.ledger.on_room = self._room_changed
         self.quotas = Quotas(bus)
         self.reaper = Reaper(bus, self.ledger, self.name)
-        self.watch = BookingWatch(bus, self.ledger, self._place_again, hears_itself=self.reaper.hears_itself)
+        self.watch = BookingWatch(bus, self.ledger, self._place_again)
         self.ledger.hears_itself = self.reaper.hears_itself
         self.records = SandboxRecords(bus, "")
         self.max_waiting = max_waiting

@@ -61,11 +61,14 @@ class NodeLedger:
 
     def on_heartbeat(self, hb: Heartbeat) -> None:
         """A node's core heartbeat (dsec.hb.<node>)."""
+        self._heard(hb.node, hb.started_at)
+
+    def _heard(self, node: str, started_at: float) -> None:
         now = time.monotonic()
-        self.heard[hb.node] = (now, hb.started_at)
-        cooled = self.cooled.get(hb.node)
-        if cooled is not None and now > cooled + 0.05:   # it beats after the take-back: it is alive
-            del self.cooled[hb.node]
+        self.heard[node] = (now, started_at)
+        cooled = self.cooled.get(node)
+        if cooled is not None and now > cooled + 0.05:   # heard after the take-back: it is alive
+            del self.cooled[node]
             self.on_room()
 
     def silent_for(self, node: str) -> float:
@@ -74,13 +77,21 @@ class NodeLedger:
         return time.monotonic() - (heard[0] if heard else self.since)
 
     def unresponsive(self) -> frozenset[str]:
-        """Nodes not to book now: their core heartbeats stopped (late by several beats), or a booking of
-        theirs was taken back for not being taken and no heartbeat came since."""
-        now = time.monotonic()
-        if not self.hears_itself():   # everyone looks late when we are the one not hearing
+        """Nodes not to book now: their core heartbeats stopped (late by several beats) while others' still
+        come, or a booking of theirs was taken back for not being taken and no heartbeat came since."""
+        if not self.judging():
             return frozenset(self.cooled)
+        now = time.monotonic()
         late = {n for n, (at, _) in self.heard.items() if now - at > streams.SUSPECT_AFTER}
         return frozenset(late | set(self.cooled))
+
+    def judging(self) -> bool:
+        """Whether a node's silence may be held against it now: this engine hears itself, and some node was
+        heard lately (when every node falls silent at once, the stall is shared or ours: nobody is judged)."""
+        if not self.hears_itself():
+            return False
+        now = time.monotonic()
+        return any(now - at < streams.SUSPECT_AFTER for at, _ in self.heard.values())
 
     def cool(self, node: str) -> None:
         """A booking of node was not taken in time: book it no more until it is heard from again."""
@@ -102,6 +113,8 @@ class NodeLedger:
             self.entries.pop(key, None)
             return
         self.entries[key] = _Entry(info, raw, revision)   # type: ignore[arg-type]
+        if old is not None and info.heartbeat > old.info.heartbeat and not info.lost:
+            self._heard(key, info.started_at)   # its own write of its record: a sign of life too
         if old is None or _more_room(old.info, info):
             self.on_room()
 

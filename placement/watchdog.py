@@ -1,7 +1,7 @@
 """Bookings a node does not take: a create this engine booked on a node and sent to its lane is taken back
-from the lane and placed again when the node stopped beating (no core heartbeat for TAKE_WITHIN: all its
-untaken creates at once), or when it beats but its lane has not even handed the create out within PILE_UP
-(it takes nothing). The node is then booked no more until it is heard from (ledger.cool). So a node that
+from the lane and placed again when the node went silent (neither a core heartbeat nor a write of its record
+for TAKE_WITHIN: all its untaken creates at once), or when it is heard from but its lane has handed out
+nothing for PILE_UP (it takes nothing; a lane that moves works through its backlog, however deep). The node is then booked no more until it is heard from (ledger.cool). So a node that
 dies stops holding creates within about half a second, long before it is declared lost.
 
 Taking back is deleting the create's message from the node's lane by its stream sequence: once that
@@ -27,7 +27,7 @@ from placement.ledger import NodeLedger
 log = logging.getLogger(__name__)
 
 TAKE_WITHIN = 0.5    # seconds of a node's silence after which its untaken creates are taken back
-PILE_UP = 5.0        # seconds after which a create its beating node's lane never handed out is taken back
+PILE_UP = 5.0        # seconds a beating node's lane may hand out nothing before its waiting creates go back
 LOOK_EVERY = 0.1     # seconds between two looks at the bookings watched
 
 
@@ -41,13 +41,12 @@ class _Watched:
 class BookingWatch:
     """The bookings one engine made and is waiting to see taken."""
 
-    def __init__(self, bus: Bus, ledger: NodeLedger, place_again: Callable[[CreateRequest], Awaitable[None]],
-                 hears_itself: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, bus: Bus, ledger: NodeLedger, place_again: Callable[[CreateRequest], Awaitable[None]]) -> None:
         self.bus = bus
         self.ledger = ledger
         self.place_again = place_again
-        self.hears_itself = hears_itself   # an engine that cannot hear itself judges no node's silence
         self._watched: dict[str, _Watched] = {}
+        self._handed: dict[str, tuple[int, float]] = {}   # node -> (its lane's last handed-out seq, since when)
         self.taken_back = 0
         self.recovery: list[float] = []   # seconds from a booking to its taking back (the latest few)
 
@@ -79,8 +78,8 @@ class BookingWatch:
         now = time.monotonic()
         entry = self.ledger.entries.get(node)
         if entry is None or entry.info.lost or self.ledger.silent_for(node) >= TAKE_WITHIN:
-            if not self.hears_itself():
-                return                                   # the silence may be our own connection's
+            if not (entry is None or entry.info.lost or self.ledger.judging()):
+                return                                   # the silence may be ours, or everyone's
             due = watched                                # silent: everything it has not taken
         else:
             due = [w for w in watched if now - w.at >= PILE_UP]
@@ -88,6 +87,12 @@ class BookingWatch:
                 return
             durable = streams.edge_create_consumer(node)[1].durable_name
             handed = await self.bus.consumer_delivered(streams.NODE_STREAM, durable)
+            last, since = self._handed.get(node, (-1, now))
+            if handed != last:   # its lane moves: it works through a backlog, however deep
+                self._handed[node] = (handed, now)
+                return
+            if now - since < PILE_UP:
+                return
             due = [w for w in due if w.seq > handed]     # handed out: the node is on it (its record is late)
         for w in due:
             await self._take_back(node, w, now)
