@@ -17,6 +17,15 @@ from tests import leaks
 NODE = "t1"
 
 
+def pytest_sessionstart(session):
+    """Residue of an earlier, killed run is reported once and not counted as any test's leak."""
+    found = leaks.note_before()
+    if found:
+        print(f"\nnote: {len(found)} leftovers of an earlier run on this host (not counted as leaks):")
+        for r in found[:10]:
+            print(f"  {r}")
+
+
 @pytest.fixture(scope="session")
 def session_dir():
     """A temp dir for the whole session (removed at the end)."""

@@ -15,6 +15,7 @@ import psutil
 from edge.backends.cgroups import own_paths
 
 LIVE: dict[str, Path] = {}   # node id -> state dir of the backend (mounts under it are its own)
+BEFORE: set[str] = set()     # residue already on the host when the session began (a killed earlier run's)
 
 MOUNT_TYPES = ("erofs", "overlay", "btrfs")
 
@@ -40,8 +41,20 @@ def _node_of_cgroup(pid: int) -> str | None:
     return None
 
 
+def note_before() -> list[str]:
+    """Record what is already on the host before any test runs: residue of an earlier run that was
+    killed (SIGKILL leaves its mounts and cgroups) is not this session's leak. Returns it, to report."""
+    BEFORE.clear()
+    BEFORE.update(_residue())
+    return sorted(BEFORE)
+
+
 def host_leaks() -> list[str]:
-    """What DSec left on the host that no live node owns."""
+    """What DSec left on the host during this session that no live node owns."""
+    return [r for r in _residue() if r not in BEFORE]
+
+
+def _residue() -> list[str]:
     out: list[str] = []
     for base in own_paths().values():
         out += [f"cgroup {g}" for g in base.glob("dsec-*") if g.name[5:] not in LIVE]
