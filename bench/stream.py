@@ -344,14 +344,15 @@ def leftovers(node: str, state_dir: Path, procs: list) -> list[str]:
 
 
 @contextlib.contextmanager
-def dsec_up():
-    """`dsec up` in its own process group, on free ports, with a temp state dir and a unique node id;
-    yields its URL. On the way out: SIGINT, wait, then check nothing is left (mounts, cgroups, processes)."""
+def dsec_up(*extra: str):
+    """`dsec up` (plus extra arguments) in its own process group, on free ports, with a temp state dir and a
+    unique node id; yields its URL. On the way out: SIGINT, wait, then check nothing is left (mounts,
+    cgroups, processes)."""
     import psutil
     node = f"bstream-{os.getpid()}-{os.urandom(3).hex()}"
     tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-stream-"))
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "up", "--state-dir", str(tmp), "--port",
-                             str(free_port()), "--metrics-port", str(free_port()), "--node-id", node],
+                             str(free_port()), "--metrics-port", str(free_port()), "--node-id", node, *extra],
                             stdout=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=die_with_parent)   # a killed bench leaves no `dsec up` behind
     procs: list = []

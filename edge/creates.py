@@ -23,7 +23,7 @@ from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFai
 from bus.messages import CreateRequest, ErrorReply, SandboxReady, SandboxRecord, create_decoder, encode, salvage
 from bus.nodes import decode_node
 from bus.pull import Delivery, Lease, Verdict
-from edge.backends.base import Backend, BackendError, LayerUnusable, SandboxSpec
+from edge.backends.base import Backend, BackendError, CapacityExhausted, LayerUnusable, SandboxSpec
 from edge.capacity import Capacity
 from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
@@ -308,6 +308,8 @@ class CreateLane:
                 await self.backend.create(spec)
         except DsecError:
             raise
+        except CapacityExhausted as exc:
+            raise CapacityUnavailable(f"sandbox could not start on {self.node}: {exc}") from exc
         except LayerUnusable as exc:   # a cached layer that does not mount: fetched (and verified) again next time
             self.layers.evict(req.layers)
             raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -32,6 +33,17 @@ def session_dir():
     d = Path(tempfile.mkdtemp(prefix="dsec-test-"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hostile(session_dir) -> bytes:
+    """The attack tests' toolbox (tests/attacks/hostile.c), compiled static and stripped for any image."""
+    out = session_dir / "hostile"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "the attack tests need a C compiler (make setup installs gcc)"
+    subprocess.run([cc, "-Os", "-s", "-static", "-o", str(out), str(Path(__file__).parent / "attacks" / "hostile.c")],
+                   check=True)
+    return out.read_bytes()
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 Fixtures that keep a node alive across tests (the session stack, a module's backend, a module's
 `dsec up`) register it in LIVE with its state dir; after every test, anything of DSec on the host
 that belongs to no live node is a leak: dsec-<node> cgroups, sandbox inits (catatonit), zygotes,
-and erofs/overlay/btrfs mounts under a temp dir.
+erofs/overlay/btrfs mounts under a temp dir, and uid range leases (not draining ones).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+from edge.backends import idmap
 from edge.backends.cgroups import own_paths
 
 LIVE: dict[str, Path] = {}   # node id -> state dir of the backend (mounts under it are its own)
@@ -64,6 +65,9 @@ def _residue() -> list[str]:
             out.append(f"sandbox init pid {proc.info['pid']}")
         if "edge.backends.zygote" in cmd and cmd[-1].rsplit(":", 1)[-1] not in LIVE:
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
+    for i, (node, key) in sorted(idmap.leases().items()):
+        if node not in LIVE and key != idmap.DRAINING:
+            out.append(f"uid range lease {i} of node {node} ({key})")
     owned = [str(p) + "/" for p in LIVE.values()]
     with open("/proc/self/mountinfo") as f:
         for line in f:

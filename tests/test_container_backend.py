@@ -460,29 +460,16 @@ if __name__ == "__main__":
         asyncio.run(_timing(str(Path(tmp) / "busybox.erofs"), Path(tmp) / "state"))
 
 
-@pytest.mark.asyncio(loop_scope="function")
-async def test_fork_fallback_without_the_helper(busybox_layer: str, tmp_path_factory: pytest.TempPathFactory,
+async def test_no_helper_is_a_clear_start_error(tmp_path_factory: pytest.TempPathFactory,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the compiled dsec-enter (no C compiler), the zygote forks itself: same behaviour."""
+    """Without the compiled dsec-enter (no C compiler) the backend does not start, and says why: there
+    is no second, weaker way of starting commands."""
     monkeypatch.setenv("DSEC_ENTER_HELPER", "0")
-    backend, state, node = await started_backend(tmp_path_factory, "nohelper")
-    out: dict[str, bytes] = {"stdout": b"", "stderr": b""}
-
-    async def sink(stream: str, chunk: bytes) -> None:
-        out[stream] += chunk
-    try:
-        await backend.create(SandboxSpec("nohelper", [busybox_layer]))
-        res = await backend.exec("nohelper", ["sh", "-c", "echo $$; grep NoNewPrivs /proc/self/status; exit 4"],
-                                 env={}, cwd="/tmp", stdin=None, timeout=10, sink=sink)
-        pid, nnp = out["stdout"].decode().splitlines()
-        assert res.exit_code == 4 and int(pid) > 1 and nnp.split() == ["NoNewPrivs:", "1"]
-        with pytest.raises(ExecFailed, match="command not found"):
-            await backend.exec("nohelper", ["nope"], env={}, cwd="/", stdin=None, timeout=10, sink=sink)
-        with pytest.raises(ExecFailed, match="no such directory"):
-            await backend.exec("nohelper", ["true"], env={}, cwd="/nope", stdin=None, timeout=10, sink=sink)
-    finally:
-        await backend.stop()
-    assert leftovers(state, node) == []
+    state = tmp_path_factory.mktemp("nohelper")
+    backend = ContainerBackend(state / "edge", "nohelper")
+    with pytest.raises(BackendError, match="dsec-enter helper cannot be built: install gcc"):
+        await backend.start()
+    assert leftovers(state / "edge", "nohelper") == []
 
 
 async def test_idle_layer_mounts_are_bounded(tmp_path: Path, busybox_layer: str) -> None:

@@ -36,6 +36,11 @@ class LayerUnusable(BackendError):
     """A layer file of the node's cache could not be used (e.g. it does not mount): fetch it again."""
 
 
+class CapacityExhausted(BackendError):
+    """The host ran out of something every sandbox needs (a uid range, a kernel count): the create is
+    refused (CapacityUnavailable, naming it); the node stays healthy."""
+
+
 class SandboxGone(BackendError):
     """The sandbox does not exist (never created, or destroyed)."""
 

@@ -1,9 +1,10 @@
 """Container sandboxes: pid/mnt/net/uts/ipc namespaces, cgroup v1 limits, overlayfs over EROFS layers.
 
 Lifecycle: start() reconciles what a crashed run of this node left (processes, cgroups, mounts,
-writable layers), then formats the writable-layer pool and starts the zygote (see zygote.py), which
-forks every sandbox init (catatonit -P) and every command. Work: create/exec/files/destroy.
-A sandbox costs the host its catatonit (~50 KiB), its namespaces and mounts; no Python process.
+writable layers, uid leases), then formats the writable-layer pool and starts the zygote (see
+zygote.py), which forks every sandbox init (catatonit -P); commands are started by dsec-enter (see
+enter.py). Each sandbox's root is a host uid range of its own (idmap.py). Work: create/exec/files/
+destroy. A sandbox costs the host its catatonit (~50 KiB), its namespaces and mounts; no Python process.
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import cgroups, enter, execio, kernel, native, zygote
+from edge.backends import cgroups, enter, execio, idmap, kernel, native, rootfiles, zygote
 from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, LayerUnusable, OutputSink,
                                 SandboxGone, SandboxSpec)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.layermounts import LayerError, LayerMounts
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
 from edge.backends.launcher import Launcher
-from edge.backends.zygote import Exec, Launch, LauncherError
+from edge.backends.zygote import Launch, LauncherError
 
 __all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
 
@@ -59,6 +60,7 @@ class _Sandbox:
     init_pid: int
     init_exit: asyncio.Future
     layers: list[Path]
+    ids: idmap.IdRange
     pidfd: int = -1             # pins the init: /proc/<pid> opens are checked against it (pid reuse)
     execs: itertools.count = field(default_factory=lambda: itertools.count(1))
     events: Counter = field(default_factory=Counter)    # limit events of removed exec groups
@@ -113,7 +115,8 @@ class ContainerBackend(Backend):
         self._sandboxes: dict[str, _Sandbox] = {}
         self._keys: collections.OrderedDict[str, str] = collections.OrderedDict()   # claimed id -> key
         self._starting: set[str] = set()
-        self._spawner: enter.Spawner | None = None   # direct exec spawns (dsec-enter built)
+        self._spawner: enter.Spawner | None = None   # exec spawns (dsec-enter, built at start)
+        self._ids = idmap.Allocator(node_id)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -124,8 +127,10 @@ class ContainerBackend(Backend):
         try:
             self._cgroups.setup()
             helper = await asyncio.to_thread(native.ensure_built)
-            if helper and native.available():
-                self._spawner = enter.Spawner(helper, zygote.KEEP_MASK)
+            if not helper or not native.available():
+                raise OSError(errno.ENOENT, "the dsec-enter helper cannot be built: install gcc and "
+                                            "libc6-dev (make setup does)")
+            self._spawner = enter.Spawner(helper, zygote.KEEP_MASK)
             await asyncio.to_thread(self._uppers.setup)
             await asyncio.to_thread(self._prepare_trusted)
             self._layers.root.mkdir(exist_ok=True)
@@ -150,8 +155,12 @@ class ContainerBackend(Backend):
         os.replace(tmp, sh)
 
     async def _reconcile(self) -> None:
-        """Kill and remove everything this node id left under its cgroups and state dir."""
+        """Kill and remove everything this node id left under its cgroups and state dir; give back its
+        uid ranges (those still holding keys stay leased, draining)."""
         problems = await self._cgroups.reconcile()
+        if not problems:
+            self._ids.setup()
+            await asyncio.to_thread(self._ids.reclaim)
         self._layers.unmount_all()
         await asyncio.to_thread(self._uppers.teardown)
         for point in reversed(mount_points()):
@@ -210,7 +219,9 @@ class ContainerBackend(Backend):
         groups: dict[str, Path] | None = None
         sub: Path | None = None
         init: tuple[int, asyncio.Future] | None = None
+        ids: idmap.IdRange | None = None
         try:
+            ids = self._ids.lease(spec.id)
             layers = self._layers.acquire(spec.layers)
             sub = self._uppers.create(spec.id, spec.limits.disk)
             groups = self._cgroups.create_sandbox(spec.id, spec.limits)
@@ -219,7 +230,7 @@ class ContainerBackend(Backend):
             try:
                 msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
-                             trusted=str(self._trusted))
+                             trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty))
                 try:
                     init = await self._launcher.request(msg, [ready_w])
                 finally:
@@ -229,9 +240,9 @@ class ContainerBackend(Backend):
                 os.close(ready_r)
             if error:
                 raise BackendError(f"sandbox {spec.id} failed to start: {error.decode(errors='replace')}")
-            return _Sandbox(spec, init[0], init[1], layers, pidfd=os.pidfd_open(init[0]))
+            return _Sandbox(spec, init[0], init[1], layers, ids, pidfd=os.pidfd_open(init[0]))
         except BaseException as exc:
-            await self._teardown(spec.id, init, groups, sub is not None, layers)
+            await self._teardown(spec.id, init, groups, sub is not None, layers, ids)
             if isinstance(exc, LayerError):
                 raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, (UpperError, CgroupError, LauncherError, OSError)):
@@ -301,7 +312,7 @@ class ContainerBackend(Backend):
     async def _destroy(self, sb: _Sandbox) -> None:
         try:
             groups = self._cgroups.sandbox(sb.key)
-            residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers)
+            residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers, sb.ids)
         finally:
             self._sandboxes.pop(sb.spec.id, None)
             if sb.pidfd >= 0:
@@ -312,9 +323,11 @@ class ContainerBackend(Backend):
 
     async def _teardown(self, key: str, init: tuple[int, asyncio.Future] | None,
                         groups: dict[str, Path] | None,
-                        upper: bool, layers: list[Path]) -> list[str]:
-        """Undo a (partial) launch in reverse order; return what could not be removed."""
+                        upper: bool, layers: list[Path], ids: idmap.IdRange | None = None) -> list[str]:
+        """Undo a (partial) launch in reverse order; return what could not be removed. The uid range goes
+        back only when every process is gone (else it stays leased: a leftover keeps its identity)."""
         residue: list[str] = []
+        gone = False
         try:
             # Kill init by pid only while it is unreaped: after that its pid may belong to anyone.
             live_init = init[0] if init and not init[1].done() else None
@@ -323,7 +336,9 @@ class ContainerBackend(Backend):
             if init is not None:
                 await self._reap(*init)
             if groups:
-                residue.extend(await self._remove_groups(groups))
+                busy = await self._remove_groups(groups)
+                residue.extend(busy)
+                gone = not busy
             if upper:
                 try:
                     await asyncio.to_thread(self._uppers.remove, key)
@@ -331,6 +346,8 @@ class ContainerBackend(Backend):
                     residue.append(str(exc))
         finally:
             self._layers.release(layers)   # whatever failed above, the layer references go
+            if ids is not None and (gone or not groups):
+                self._ids.release(ids)
         return residue
 
     @staticmethod
@@ -371,15 +388,16 @@ class ContainerBackend(Backend):
             raise
 
     async def pack_upper(self, sandbox_id: str, dst: str) -> str:
-        """Freeze (unless suspended already), pack upper/ with mkfs.erofs, thaw: the freeze lasts the pack."""
-        from edge.erofs import LayerBuildError, pack_dir
+        """Freeze (unless suspended already), pack upper/ with mkfs.erofs, thaw: the freeze lasts the pack.
+        The layer is read through an idmapped view, so its files are owned relative to the sandbox."""
+        from edge.erofs import LayerBuildError
         sb = self._live(sandbox_id)
         was_frozen = sb.frozen_since is not None
         if not was_frozen:
             await self.freeze(sandbox_id)
         try:
-            return await asyncio.to_thread(pack_dir, self._uppers.root / sb.key / "upper", Path(dst))
-        except LayerBuildError as exc:
+            return await asyncio.to_thread(_pack_relative, self._uppers.root / sb.key / "upper", Path(dst), sb.ids)
+        except (LayerBuildError, OSError) as exc:
             raise BackendError(f"snapshot of {sandbox_id} failed: {exc}") from exc
         finally:
             if not was_frozen:
@@ -424,12 +442,10 @@ class ContainerBackend(Backend):
         pipes = execio.Pipes()
         started = time.monotonic()
         try:
-            msg = Exec(init=sb.init_pid, cgroups=[str(p) for p in self._cgroups.exec_join(sb.key, n)],
-                       argv=list(argv),
-                       env={**DEFAULT_ENV, **sb.spec.env, **env}, cwd=cwd or "/")
             try:
                 try:
-                    exited = await self._start_exec(sb, msg, pipes)
+                    exited = self._start_exec(sb, n, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
+                                              pipes)
                 finally:
                     pipes.close_child_ends()    # else our copies of the write ends would hide EOF
                 if control is not None:
@@ -451,25 +467,25 @@ class ContainerBackend(Backend):
             raise ExecFailed(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
 
-    async def _start_exec(self, sb: _Sandbox, msg: Exec, pipes: "execio.Pipes") -> asyncio.Future:
-        """Spawn the command directly with dsec-enter when built, else through the zygote's fork."""
+    def _start_exec(self, sb: _Sandbox, n: int, argv: list[str], env: dict[str, str], cwd: str,
+                    pipes: "execio.Pipes") -> asyncio.Future:
+        """Spawn dsec-enter for the command; a future of the command's wait status (see enter.py)."""
         if self._spawner is None:
-            _, exited = await self._launcher.request(msg, pipes.child_ends())
-            return exited
+            raise BackendError("container backend is not started")
         ends = pipes.child_ends()
+        tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
         try:
-            pid = self._spawner.spawn(sb.init_pid, sb.pidfd, [f"{g}/tasks" for g in msg.cgroups], msg.argv,
-                                      msg.env, msg.cwd, ends[:3], ends[3])
+            pid = self._spawner.spawn(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3])
         except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
             raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
         except OSError as exc:
-            raise BackendError(f"cannot start {msg.argv[0]}: {exc.strerror}") from exc
+            raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
         try:
             return enter.watch_exit(pid)
         except OSError as exc:   # cannot watch it (out of fds): do not leave it running unwatched
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise BackendError(f"cannot watch {msg.argv[0]}: {exc.strerror}") from exc
+            raise BackendError(f"cannot watch {argv[0]}: {exc.strerror}") from exc
 
     async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "execio.Pipes",
                          stdin: bytes | None, timeout: float, sink: OutputSink,
@@ -534,13 +550,13 @@ class ContainerBackend(Backend):
         """Create or truncate a file in the sandbox root filesystem (symlinks resolved inside it)."""
         sb = self._live(sandbox_id)
         pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
-        await asyncio.to_thread(_write_in_root, sandbox_id, sb.init_pid, pidfd, path, data, mode)
+        await asyncio.to_thread(rootfiles.write, sandbox_id, sb.init_pid, pidfd, path, data, mode, sb.ids.base)
 
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file of the sandbox root filesystem, at most limit bytes (else BackendError)."""
         sb = self._live(sandbox_id)
         pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
-        return await asyncio.to_thread(_read_in_root, sandbox_id, sb.init_pid, pidfd, path, limit)
+        return await asyncio.to_thread(rootfiles.read, sandbox_id, sb.init_pid, pidfd, path, limit)
 
     # ------------------------------------------------------------ checks
 
@@ -586,6 +602,8 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
     out = [f"mount {p}" for p in mount_points() if p == str(state_dir) or p.startswith(f"{state_dir}/")]
     out.extend(NodeCgroups(node_id).describe())
     out.extend(f"loop device {d}" for d in loop_devices(state_dir / "uppers.btrfs"))
+    out.extend(f"uid range lease {i} ({key})" for i, key in idmap.Allocator(node_id).held().items()
+               if key != idmap.DRAINING)
     label = f"{state_dir}:{node_id}".encode()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -597,54 +615,20 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------- files
-
-
-def _root_fd(sandbox_id: str, init_pid: int, pidfd: int) -> int:
-    """An O_PATH fd of the sandbox's root as its init sees it (checked against, then closing, pidfd)."""
+def _pack_relative(upper: Path, dst: Path, ids: idmap.IdRange) -> str:
+    """mkfs.erofs of upper as the sandbox sees its owners (host base+n packed as n), through an idmapped
+    view mounted beside it for the pack (mkfs.erofs resolves its source path, so a detached view read
+    through /proc/self/fd would be resolved away)."""
+    from edge.erofs import pack_dir
+    view = upper.parent / "packing"
+    view.mkdir(exist_ok=True)
+    userns = idmap.relative_userns(ids)
     try:
-        fd = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        if not enter.alive(pidfd):   # the pid may have been reused: the fd could be anyone's root
-            os.close(fd)
-            raise ProcessLookupError(init_pid)
-        return fd
-    except OSError as exc:
-        raise SandboxGone(f"sandbox {sandbox_id} is not running") from exc
+        kernel.idmap_over(str(upper), userns, at=str(view))
     finally:
-        os.close(pidfd)
-
-
-def _write_in_root(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int) -> None:
-    root = _root_fd(sandbox_id, init_pid, pidfd)
+        os.close(userns)
     try:
-        kernel.write_in_root(root, path, data, mode & 0o7777)
-    except OSError as exc:
-        raise _file_error(exc, path, creating=True) from exc
+        return pack_dir(view, dst)
     finally:
-        os.close(root)
-
-
-def _read_in_root(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int) -> bytes:
-    root = _root_fd(sandbox_id, init_pid, pidfd)
-    try:
-        return kernel.read_in_root(root, path, limit)
-    except OSError as exc:
-        raise _file_error(exc, path, creating=False) from exc
-    finally:
-        os.close(root)
-
-
-def _file_error(exc: OSError, path: str, creating: bool) -> BackendError:
-    """One clear line for a failed sandbox file operation."""
-    if exc.errno == errno.ENOENT:
-        return BackendError(f"no such directory: {os.path.dirname(path) or '/'}" if creating
-                            else f"no such file: {path}")
-    if exc.errno == errno.EFBIG:
-        return BackendError(f"file too large: {path} exceeds the limit of {exc.strerror} bytes")
-    messages = {errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
-                errno.ELOOP: "too many levels of symbolic links", errno.EACCES: "permission denied",
-                errno.EXDEV: "outside the sandbox root filesystem (/proc, /sys and /dev are not accessible)",
-                errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded",
-                errno.ENOSPC: "no space left on the writable layer", errno.ENXIO: "not a regular file",
-                errno.EBADFD: "not a regular file"}
-    return BackendError(f"{messages.get(exc.errno, exc.strerror)}: {path}")
+        kernel.umount2(str(view), kernel.MNT_DETACH)
+        view.rmdir()

@@ -7,6 +7,7 @@ import errno
 import os
 
 from edge.backends.base import ExecControl, OutputSink
+from edge.backends.kernel import USERNS_PER_SANDBOX
 
 CHUNK = 64 << 10   # bytes read from a pipe at once (a pipe holds 64 KiB)
 
@@ -166,6 +167,9 @@ def exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
         return f"permission denied: {argv[0]}"
     if stage == "cwd":
         return f"no such directory: {cwd}" if code == errno.ENOENT else f"cannot enter {cwd}: {text}"
+    if stage == "setup" and code == errno.ENOSPC and "user namespace" in text:
+        return (f"the sandbox holds its limit of {USERNS_PER_SANDBOX} user namespaces (each exec holds one "
+                f"while any of its processes lives): end some of its background processes")
     reason = text or os.strerror(code)
     return f"cannot execute {argv[0]}: {reason}" if stage == "exec" else f"exec {argv[0]} failed ({stage}): {reason}"
 

@@ -21,6 +21,21 @@ _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_u
 SYS_PIVOT_ROOT = 155
 SYS_CAPSET = 126
 SYS_OPENAT2 = 437
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+SYS_MOUNT_SETATTR = 442
+
+OPEN_TREE_CLONE = 1
+AT_EMPTY_PATH = 0x1000
+AT_RECURSIVE = 0x8000
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_IDMAP = 0x00100000
+
+# Per-namespace limits of every sandbox's user namespace (/proc/sys/user/*; see zygote.sandbox_userns).
+USERNS_PER_SANDBOX = 1024
+USERNS_LIMITS = (("max_inotify_instances", "128"), ("max_inotify_watches", "65536"),
+                 ("max_user_namespaces", str(USERNS_PER_SANDBOX)), ("max_fanotify_groups", "16"),
+                 ("max_fanotify_marks", "8192"))
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -155,30 +170,34 @@ class Lockdown:
         _check(_libc.syscall(SYS_CAPSET, self.header, self.data), "capset")
 
 
-# The seccomp filter of every command (the same program as dsec-enter.c's no_new_userns; see there):
-# unshare/clone with CLONE_NEWUSER -> EPERM, clone3 -> ENOSYS (libc falls back to clone), x32 refused.
-_ERRNO, _ALLOW = 0x00050000, 0x7FFF0000
-_LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
-_NO_USERNS = [  # (code, jt, jf, k)
-    (_LD_ABS, 0, 0, 4), (_JEQ, 1, 0, 0xC000003E), (_JEQ, 7, 15, 0x40000003),
-    (_LD_ABS, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _ERRNO | 38),
-    (_JEQ, 0, 1, 435), (_RET, 0, 0, _ERRNO | 38), (_JEQ, 6, 0, 272), (_JEQ, 5, 8, 56),
-    (_LD_ABS, 0, 0, 0), (_JEQ, 0, 1, 435), (_RET, 0, 0, _ERRNO | 38), (_JEQ, 1, 0, 310), (_JEQ, 0, 3, 120),
-    (_LD_ABS, 0, 0, 16), (_JSET, 0, 1, CLONE_NEWUSER), (_RET, 0, 0, _ERRNO | 1), (_RET, 0, 0, _ALLOW),
-]
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+def idmapped_clone(path: str, userns_fd: int) -> int:
+    """A detached copy of the mount at path whose file owners are seen through userns_fd's maps
+    (on-disk id n shows as the host id that n maps to); returns its fd (open_tree + mount_setattr)."""
+    fd = _check(_libc.syscall(SYS_OPEN_TREE, -100, _b(path), OPEN_TREE_CLONE | os.O_CLOEXEC),
+                f"open_tree({path})")
+    attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+    try:
+        _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
+               f"mount_setattr({path}, idmap)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def deny_user_namespaces() -> None:
-    """Install the command seccomp filter on the calling thread (no_new_privs must be set)."""
-    program = b"".join(struct.pack("=HBBI", *ins) for ins in _NO_USERNS)
-    buf = ctypes.create_string_buffer(program, len(program))
-    prog = _SockFprog(len(_NO_USERNS), ctypes.cast(buf, ctypes.c_void_p))
-    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0), "seccomp")
+def idmap_over(path: str, userns_fd: int, at: str | None = None) -> None:
+    """Mount an idmapped copy of path over `at` (default: over path itself, stacked)."""
+    fd = idmapped_clone(path, userns_fd)
+    try:
+        _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", -100, _b(at or path), MOVE_MOUNT_F_EMPTY_PATH),
+               f"move_mount({path}, {at or path})")
+    finally:
+        os.close(fd)
 
 
 class _OpenHow(ctypes.Structure):
@@ -211,11 +230,14 @@ def _regular(fd: int, path: str) -> os.stat_result:
     return st
 
 
-def write_in_root(root_fd: int, path: str, data: bytes, mode: int) -> None:
-    """Create or truncate a regular file under root_fd (see open_in_root) with exactly mode."""
+def write_in_root(root_fd: int, path: str, data: bytes, mode: int, owner: int | None = None) -> None:
+    """Create or truncate a regular file under root_fd (see open_in_root) with exactly mode; a file this
+    call created (owned by us, host root) is given to host uid/gid owner."""
     fd = open_in_root(root_fd, path, os.O_WRONLY | os.O_CREAT, mode)
     try:
-        _regular(fd, path)
+        st = _regular(fd, path)
+        if owner is not None and st.st_uid == os.geteuid():
+            os.fchown(fd, owner, owner)
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:

@@ -1,25 +1,32 @@
-"""The launcher ("zygote"): one single-threaded helper process that forks every sandbox init (and
-every exec when the dsec-enter helper is not built; see enter.py for the usual exec path).
+"""The launcher ("zygote"): one single-threaded helper process that forks every sandbox init. Commands
+are started by the dsec-enter helper, straight from the edge (see enter.py and dsec-enter.c).
 
 Why: the edge is a multithreaded asyncio process; running Python in a forked child of it is unsafe
 (locks held by other threads at fork time). The zygote has one thread, so its fork children may
 run Python freely until they exec. It talks to the edge over a SOCK_SEQPACKET socketpair: one
-msgspec-encoded message per packet, stdio pipe fds passed with SCM_RIGHTS.
+msgspec-encoded message per packet, fds passed with SCM_RIGHTS.
 
 PID namespaces: unshare(CLONE_NEWPID) changes only pid_for_children, so the zygote unshares, forks
 (the child is PID 1 of a new namespace and a direct child of the zygote) and setns()es back to its
-own namespace (verified to work here; no double fork needed). Execs do the same with setns into
-the sandbox's namespace, so every command lives inside the sandbox's PID namespace while the
-zygote remains its parent and reports its wait status.
+own namespace (verified to work here; no double fork needed).
+
+Identity: before that fork the zygote makes the sandbox's user namespace S, owned by the sandbox's
+host uid range (idmap.py) and mapping its 0..65535 onto that range, with per-namespace limits on
+inotify, fanotify and user namespaces that the sandbox cannot raise. S is kept per range and used
+again by the range's next sandbox (a range is reused only once nothing of the last one is left;
+commands live in namespaces of their own nested in S, so nothing of a tenant stays in S itself). The init builds the root as host
+root (the mount namespace stays the host user namespace's: the sandbox cannot unmount what masks
+/proc), with every image layer mounted idmapped through S (files show the image's owners inside;
+the layers stay shared and read-only), then joins S as its root and becomes catatonit.
 
 The zygote process imports only what it runs (no asyncio, subprocess, pathlib): fork time and the
 pages each child copies grow with its memory. The edge side (Launcher) lives in launcher.py.
 """
 from __future__ import annotations
 
+import errno
 import gc
 import os
-import resource
 import select
 import signal
 import socket
@@ -52,17 +59,8 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     merged: str
     rid: int = 0
     trusted: str = ""           # host dir holding the trusted shell, bind-mounted read-only at /.dsec
-
-
-class Exec(msgspec.Struct, tag="exec", tag_field="kind", frozen=True):
-    """Start a command in a sandbox. fds: [stdin read, stdout write, stderr write, error pipe write]."""
-
-    init: int                   # host pid of the sandbox init (a child of the zygote)
-    cgroups: list[str]
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    rid: int = 0
+    uid_base: int = 0           # first host uid (and gid) of the sandbox's range: its root
+    empty: str = ""             # the lowerdir of a sandbox without layers (a plain dir: not idmapped)
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="kind", frozen=True):
@@ -92,7 +90,7 @@ class Exited(msgspec.Struct, tag="exited", tag_field="kind", frozen=True):
     status: int
 
 
-Request = Launch | Exec
+Request = Launch
 Reply = Hello | Spawned | Refused | Exited
 
 
@@ -111,6 +109,7 @@ class Zygote:
         self.init_fd = os.open(init_binary, os.O_PATH | os.O_CLOEXEC)
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.inits: set[int] = set()
+        self.userns: dict[int, int] = {}   # uid range base -> its user namespace (kept: made once per range)
         self.lockdown = kernel.Lockdown(KEEP_CAPS)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Request)
@@ -153,7 +152,7 @@ class Zygote:
         try:
             req = self.decoder.decode(data)
             rid = req.rid
-            pid = self._launch(req, fds) if isinstance(req, Launch) else self._exec(req, fds)
+            pid = self._launch(req, fds)
             self._send(Spawned(rid, pid))
         except (OSError, msgspec.DecodeError, ValueError) as exc:
             self._send(Refused(rid, str(exc)))
@@ -165,35 +164,73 @@ class Zygote:
     def _launch(self, req: Launch, fds: list[int]) -> int:
         if len(fds) != 1:
             raise ValueError("launch needs exactly one fd (the ready pipe)")
+        if req.uid_base <= 0:
+            raise ValueError("launch needs the sandbox's uid range")
+        userns = self.userns.get(req.uid_base)
+        if userns is None:
+            userns = self.userns[req.uid_base] = sandbox_userns(req.uid_base)
         kernel.unshare(kernel.CLONE_NEWPID)
         try:
             pid = os.fork()
             if pid == 0:
-                _launch_child(req, fds[0], self.init_fd, self.lockdown)
+                _launch_child(req, fds[0], self.init_fd, self.lockdown, userns)
         finally:
             kernel.setns(self.own_pidns, kernel.CLONE_NEWPID)
         self.inits.add(pid)
         return pid
 
-    def _exec(self, req: Exec, fds: list[int]) -> int:
-        if req.init not in self.inits or len(fds) != 4:
-            raise ValueError("sandbox is not running")
-        opened: list[int] = []
+
+# Per-namespace limits of every sandbox's user namespace S (/proc/sys/user/*, written from inside S
+# before anything of the sandbox runs; commands live in namespaces nested in S and cannot change
+# them). They bound what the sandbox as a whole may hold; the host's per-uid sysctls (charged to the
+# sandbox's own uid) bound it too. Each exec uses one user namespace while any of its processes lives.
+USERNS_LIMITS = kernel.USERNS_LIMITS
+
+
+def sandbox_userns(base: int) -> int:
+    """An fd of a new user namespace owned by host uid `base`, mapping 0..65535 onto base.., limited.
+
+    A stub child drops to the range's root uid and unshares (so the namespace is charged to that uid,
+    not to host root), writes the limits from inside, and waits; the zygote writes the maps (a
+    privileged writer may map any range), opens the namespace and lets the stub exit."""
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
         try:
-            for ns in ("pid", "ipc", "uts", "net", "mnt"):
-                opened.append(os.open(f"/proc/{req.init}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
-            opened.append(os.open(f"/proc/{req.init}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            kernel.setns(opened[0], kernel.CLONE_NEWPID)
-            try:
-                pid = os.fork()
-                if pid == 0:
-                    _exec_child(req, fds, opened[1:5], opened[5], self.lockdown)
-            finally:
-                kernel.setns(self.own_pidns, kernel.CLONE_NEWPID)
-            return pid
+            os.close(go_w)
+            os.close(rep_r)
+            os.setgroups([])
+            os.setresgid(base, base, base)
+            os.setresuid(base, base, base)
+            kernel.unshare(kernel.CLONE_NEWUSER)
+            for name, value in USERNS_LIMITS:
+                try:
+                    with open(f"/proc/sys/user/{name}", "w") as f:
+                        f.write(value)
+                except FileNotFoundError:   # an older kernel without this count
+                    pass
+            os.write(rep_w, b"u")
+            os.read(go_r, 1)
+        except BaseException as exc:
+            os.write(rep_w, str(exc).encode()[:500] or b"?")
         finally:
-            for fd in opened:
-                os.close(fd)
+            os._exit(0)
+    os.close(go_r)
+    os.close(rep_w)
+    try:
+        report = os.read(rep_r, 600)
+        if report != b"u":
+            raise OSError(errno.EPERM, f"sandbox user namespace: {report.decode(errors='replace') or 'stub died'}")
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(f"0 {base} 65536")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(rep_r)
+        os.close(go_w)
+        os.waitpid(pid, 0)
+
 
 def _drain(fd: int) -> None:
     try:
@@ -218,8 +255,8 @@ def _join(groups: list[str]) -> None:
             os.close(fd)
 
 
-def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdown) -> NoReturn:
-    """PID 1 of a new sandbox: build its root, lock it down, become catatonit. Never returns."""
+def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdown, userns: int) -> NoReturn:
+    """PID 1 of a new sandbox: build its root, join its user namespace, lock down, become catatonit."""
     try:
         gc.disable()
         os.setsid()        # own session, no controlling tty: kill(0) and /dev/tty never reach the edge's
@@ -228,7 +265,7 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
         kernel.unshare(kernel.CLONE_NEWNS | kernel.CLONE_NEWNET | kernel.CLONE_NEWUTS | kernel.CLONE_NEWIPC)
         _open_net_privileges()                   # the host's /proc/sys/net: now the new namespace's
         kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
-        _mount_root(req)
+        _mount_root(req, userns)
         os.chdir(req.merged)
         kernel.pivot_root(".", ".")              # old root ends up stacked on /; detach it
         kernel.umount2(".", kernel.MNT_DETACH)
@@ -238,7 +275,12 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        kernel.close_fds_except({0, 1, 2, ready, init_fd})
+        kernel.close_fds_except({0, 1, 2, ready, init_fd, userns})
+        kernel.setns(userns, kernel.CLONE_NEWUSER)   # last: host root is needed for everything above
+        os.close(userns)
+        os.setgroups([])
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
         lockdown.apply()
         os.execve(init_fd, ["catatonit", "-P"], {})
     except BaseException as exc:
@@ -247,7 +289,7 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
         os._exit(1)
 
 
-# Commands run in user namespaces of their own (see _own_userns), where CAP_NET_BIND_SERVICE and
+# Commands run in user namespaces of their own (see dsec-enter.c), where CAP_NET_BIND_SERVICE and
 # CAP_NET_RAW do not count for the sandbox's network namespace; as Docker does, low ports and ICMP
 # echo sockets are opened to every uid in it instead.
 NET_SYSCTLS = (("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647"))
@@ -260,9 +302,13 @@ def _open_net_privileges() -> None:
             f.write(value)
 
 
-def _mount_root(req: Launch) -> None:
-    """Overlay root, then its /proc, /dev and /sys, all mounted before pivot_root."""
+def _mount_root(req: Launch, userns: int) -> None:
+    """Overlay root over idmapped layers, then its /proc, /dev and /sys, all mounted before pivot_root."""
     root = req.merged
+    for lower in req.lowers:        # in this (private) mount namespace only: the host sees none of it
+        if lower != req.empty:
+            kernel.idmap_over(lower, userns)
+    os.chown(req.upper, req.uid_base, req.uid_base)   # the root directory: the sandbox root's
     opts = f"lowerdir={':'.join(req.lowers)},upperdir={req.upper},workdir={req.work},volatile"
     kernel.mount("overlay", root, "overlay", kernel.MS_NODEV, opts)
     for name, mode in (("proc", 0o555), ("dev", 0o755), ("sys", 0o555), ("tmp", 0o1777)):
@@ -276,7 +322,7 @@ def _mount_root(req: Launch) -> None:
     for name in MASKED_PROC:
         _bind("/dev/null", f"{root}/proc/{name}", readonly=False)
     kernel.mount("sysfs", f"{root}/sys", "sysfs", nosuid | kernel.MS_RDONLY)
-    _mount_dev(f"{root}/dev")
+    _mount_dev(f"{root}/dev", req.uid_base)
     if req.trusted:
         _mount_trusted(req.trusted, f"{root}/.dsec")
 
@@ -302,9 +348,9 @@ def _bind(src: str, target: str, readonly: bool) -> None:
                      | kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC)
 
 
-def _mount_dev(dev: str) -> None:
-    """A minimal /dev on tmpfs: a few char devices, a private devpts, /dev/shm."""
-    kernel.mount("tmpfs", dev, "tmpfs", kernel.MS_NOSUID | kernel.MS_NOEXEC, "mode=755,size=64k")
+def _mount_dev(dev: str, base: int) -> None:
+    """A minimal /dev on tmpfs (the sandbox root's): a few char devices, a private devpts, /dev/shm."""
+    kernel.mount("tmpfs", dev, "tmpfs", kernel.MS_NOSUID | kernel.MS_NOEXEC, f"mode=755,size=64k,uid={base},gid={base}")
     for name, major, minor in DEVICES:
         os.mknod(f"{dev}/{name}", 0o666 | 0o020000, os.makedev(major, minor))
         os.chmod(f"{dev}/{name}", 0o666)
@@ -312,76 +358,10 @@ def _mount_dev(dev: str) -> None:
         os.symlink(target, f"{dev}/{name}")
     os.mkdir(f"{dev}/pts")
     kernel.mount("devpts", f"{dev}/pts", "devpts", kernel.MS_NOSUID | kernel.MS_NOEXEC,
-                 "newinstance,ptmxmode=0666,mode=0620")
+                 f"newinstance,ptmxmode=0666,mode=0620,gid={base + 5}")   # tty: gid 5 inside
     os.mkdir(f"{dev}/shm")
     kernel.mount("tmpfs", f"{dev}/shm", "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC,
-                 "mode=1777,size=64m")
-
-
-def _exec_child(req: Exec, fds: list[int], nsfds: list[int], root_fd: int,
-                lockdown: kernel.Lockdown) -> NoReturn:
-    """A command entering a sandbox: cgroup, namespaces, root, caps, stdio, execvpe. Never returns."""
-    err = fds[3]
-    stage = "setup"
-    try:
-        gc.disable()
-        os.setsid()        # own session, no controlling tty: kill(0) and /dev/tty never reach the edge's
-        _join(req.cgroups)
-        for fd in nsfds:
-            kernel.setns(fd, 0)
-        _own_userns()
-        os.fchdir(root_fd)
-        os.chroot(".")
-        stage = "cwd"
-        os.chdir(req.cwd)
-        stage = "setup"
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))   # as dsec-enter's clean_slate (see there)
-        lockdown.apply()
-        kernel.deny_user_namespaces()
-        for target, fd in enumerate(fds[:3]):
-            os.dup2(fd, target)
-        if err != 3:                            # fds arrive at >= 3, after 0-2 are taken
-            os.dup2(err, 3, inheritable=False)
-            err = 3
-        os.set_inheritable(err, False)          # EOF on the error pipe = execve succeeded
-        kernel.close_fds_except({0, 1, 2, 3})
-        stage = "exec"
-        os.execvpe(req.argv[0], req.argv, req.env)
-    except BaseException as exc:
-        code = getattr(exc, "errno", None) or 0
-        os.write(err, f"{stage}\0{code}\0{exc}".encode()[:2000])
-    finally:
-        os._exit(127)
-
-
-def _own_userns() -> None:
-    """Move into a user namespace of this exec's own, identity-mapped (as dsec-enter does; see there).
-
-    The maps can only be written from the parent namespace, so a child forked before the unshare
-    writes them (through the sandbox's /proc: both already live in its mount and pid namespaces)."""
-    r, w = os.pipe2(os.O_CLOEXEC)
-    helper = os.fork()
-    if helper == 0:
-        code = 1
-        try:
-            os.close(w)
-            if os.read(r, 1):
-                parent = os.getppid()
-                for name in ("uid_map", "gid_map"):
-                    with open(f"/proc/{parent}/{name}", "w") as f:
-                        f.write("0 0 4294967295")
-                code = 0
-        finally:
-            os._exit(code)
-    os.close(r)
-    try:
-        kernel.unshare(kernel.CLONE_NEWUSER)
-        os.write(w, b"u")
-    finally:
-        os.close(w)
-        _, status = os.waitpid(helper, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise PermissionError(1, "user namespace map not written")
+                 f"mode=1777,size=64m,uid={base},gid={base}")
 
 
 def main(argv: list[str]) -> None:

@@ -1,29 +1,49 @@
-/* dsec-enter: put the calling process into a running sandbox, then exec the command.
+/* dsec-enter: start a command inside a running sandbox, from outside its reach.
  *
- * Spawned by the edge with posix_spawn (vfork: no copy of the edge's memory, safe with threads)
- * after the spawning thread pointed its pid_for_children at the sandbox's pid namespace, so this
- * process already lives in it. A Python fork cost ~1.3 ms here; spawning this static helper ~0.4 ms.
+ * The edge spawns this static helper with posix_spawn in the host's pid namespace: no process of the
+ * sandbox can see, signal, stop or open it in /proc. It enters the sandbox step by step, and only when
+ * it holds nothing but the sandbox's namespaces, cgroups and credentials does it make the command's
+ * process, the first one the sandbox can see, which at once execs the command:
  *
- *   dsec-enter BASE CAPMASK CWD CGROUP_TASKS_FILE... -- ARGV...
- *   fds: 0-2 stdio, BASE+3 error pipe (write end), BASE+4..BASE+7 ns fds (ipc uts net mnt),
- *   BASE+8 sandbox root. BASE is above every fd the spawner passes, so its dup2s never clobber a source.
- * The environment is the command's, exactly. On failure it writes "stage\0errno\0message" to the
- * error pipe and exits 127; success closes the error pipe by exec (CLOEXEC).
+ *   1. fork a mapper (still host root, host mount namespace) that joins the sandbox's user namespace S;
+ *   2. join the exec's cgroups; setns ipc, uts, net, mnt, and pid (for its children only);
+ *   3. setns S and become its root (host uid = the sandbox's range base), unshare a user namespace E of
+ *      this exec's own inside S; the mapper, root in S, writes E's maps (0..65535 of S);
+ *   4. chroot to the sandbox root, cwd, a clean slate (no core dumps, umask, a session keyring),
+ *      capabilities, no_new_privs, the seccomp filter; every other fd closed;
+ *   5. clone(CLONE_VM | CLONE_VFORK) into the pid namespace: the child runs setsid and execve only. This
+ *      helper stays the command's parent, out of sight, with every signal blocked (a signal the edge
+ *      sends to the exec's processes reaches the command, not it), waits for it and exits the same way
+ *      (its exit code, or killed by the same signal), so the edge watches one child of its own. If
+ *      execve failed, it reports that on the error pipe and exits 127. If the helper is killed (a
+ *      timeout kills the exec's whole cgroup), the sandbox's init reaps the command.
  *
- * Every exec gets a user namespace of its own (identity-mapped: uid 0 is still uid 0 on files). The
- * kernel lets a process read another's /proc/<pid>/fd, mem or environ, ptrace it or take its fds
- * only from the same user namespace (or with CAP_SYS_PTRACE, which no command has), so a process
- * left behind by an earlier command can neither read nor write a later command's pipes.
+ * The user namespace E owned by the sandbox's uid is what keeps one exec's leftovers from reading or
+ * tracing another's processes (the kernel lets a process ptrace, read /proc/<pid>/fd, mem or environ of
+ * another only from the same user namespace or with CAP_SYS_PTRACE there); being nested in S, every
+ * per-user kernel count (inotify, user namespaces) is charged to the sandbox's own uid and bounded by
+ * S's limits, which the sandbox cannot change.
+ *
+ *   dsec-enter BASE -- ARGV...    (argv shows nothing of the host: the setup comes on a pipe)
+ *   fds: 0-2 stdio; BASE+3 error pipe (write end); BASE+4..BASE+8 ns fds (ipc uts net mnt pid);
+ *   BASE+9 the sandbox's user namespace; BASE+10 sandbox root; BASE+11 the setup pipe (read end),
+ *   holding "CAPMASK\0CWD\0CGROUP_TASKS_FILE\0..."; BASE is above every fd the spawner passes, so
+ *   its dup2s never clobber a source.
+ * The environment is the command's, exactly. On a failure it writes "stage\0errno\0message" to the
+ * error pipe and exits 127.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/audit.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
-#include <stddef.h>
 #include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +54,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define NS_COUNT 4
+#define NS_COUNT 5
+#define SETUP_MAX 65536
 static int ERR_FD = 2;
 
 static void fail(const char *stage, const char *what) {
@@ -59,39 +80,27 @@ static int write_file(const char *path, const char *text) {
     return n == (ssize_t)strlen(text) ? 0 : -1;
 }
 
-/* Move into a new user namespace, identity-mapped. Its maps can only be written from the parent
- * namespace with CAP_SETUID/CAP_SETGID there, so a child forked before the unshare writes them. */
-static void own_userns(void) {
-    int sync[2];
-    if (pipe2(sync, O_CLOEXEC)) fail("setup", "pipe");
-    pid_t helper = fork();
-    if (helper < 0) fail("setup", "fork");
-    if (helper == 0) {
-        char c, path[64];
-        close(sync[1]);
-        if (read(sync[0], &c, 1) != 1) _exit(1);          /* the parent died before unsharing */
-        int parent = (int)getppid();
-        snprintf(path, sizeof path, "/proc/%d/uid_map", parent);
-        if (write_file(path, "0 0 4294967295")) _exit(2);
-        snprintf(path, sizeof path, "/proc/%d/gid_map", parent);
-        if (write_file(path, "0 0 4294967295")) _exit(3);
-        _exit(0);
-    }
-    close(sync[0]);
-    int unshared = unshare(CLONE_NEWUSER);
-    int e = errno;
-    (void)!write(sync[1], "u", unshared == 0 ? 1 : 0);
-    close(sync[1]);
-    int status = 0;
-    while (waitpid(helper, &status, 0) < 0 && errno == EINTR) {}
-    if (unshared) { errno = e; fail("setup", "unshare user namespace"); }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { errno = EPERM; fail("setup", "user namespace map"); }
+/* The mapper: joins S (where it has every capability: host root owns S's parent), waits until the
+ * helper has unshared E, then writes E's maps. Stays in the host's mount and pid namespaces, so the
+ * helper's /proc entry is the host one. */
+static pid_t start_mapper(int userns_fd, int go_r, int go_w) {
+    pid_t helper = getpid();
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    char c, path[64];
+    close(go_w);
+    if (setns(userns_fd, CLONE_NEWUSER)) _exit(2);
+    if (read(go_r, &c, 1) != 1) _exit(1);          /* the helper failed before unsharing */
+    snprintf(path, sizeof path, "/proc/%d/uid_map", (int)helper);
+    if (write_file(path, "0 0 65536")) _exit(3);
+    snprintf(path, sizeof path, "/proc/%d/gid_map", (int)helper);
+    if (write_file(path, "0 0 65536")) _exit(4);
+    _exit(0);
 }
 
-/* Commands may not make user namespaces of their own: each one is charged to the host's uid 0, so a
- * sandbox keeping thousands alive would exhaust user.max_user_namespaces and stop every new exec on
- * the node (each exec needs one). unshare/clone with CLONE_NEWUSER fail with EPERM; clone3, whose
- * flags a filter cannot read, fails with ENOSYS, so libc falls back to clone (as Docker does). */
+/* Commands may not make user namespaces of their own: unshare/clone with CLONE_NEWUSER fail with
+ * EPERM; clone3, whose flags a filter cannot read, fails with ENOSYS, so libc falls back to clone (as
+ * Docker does). Each exec's own namespace is made here, before the filter. */
 static void no_new_userns(void) {
     struct sock_filter f[] = {
         /*  0 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
@@ -172,19 +181,68 @@ static void clean_slate(void) {
     syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
 }
 
+/* The command's process. It shares this helper's memory (CLONE_VM; the helper waits, CLONE_VFORK), so
+ * it touches nothing but its own stack and `exec_errno`: own session, close the error pipe, execve. */
+static char **child_cmd;
+static sigset_t child_mask;
+static volatile int exec_errno;
+static int command(void *unused) {
+    (void)unused;
+    setsid();                       /* own session: kill(0) or /dev/tty never reach anyone else's */
+    close(ERR_FD);
+    sigprocmask(SIG_SETMASK, &child_mask, NULL);   /* this thread only: the helper keeps all blocked */
+    exec_path(child_cmd, environ);
+    exec_errno = errno ? errno : ENOEXEC;
+    _exit(127);
+}
+
+static char setup[SETUP_MAX];
+static char stack[64 << 10] __attribute__((aligned(16)));
+
 int main(int argc, char **argv) {
-    if (argc < 6) { errno = EINVAL; fail("setup", "usage: dsec-enter BASE CAPMASK CWD TASKS... -- ARGV..."); }
+    if (argc < 4 || strcmp(argv[2], "--") != 0) {
+        errno = EINVAL;
+        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+11)");
+    }
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
     int base = atoi(argv[1]);
     ERR_FD = base + 3;
-    const int NS_FD0 = base + 4, ROOT_FD = base + 8;
-    unsigned long long keep = strtoull(argv[2], NULL, 0);
-    const char *cwd = argv[3];
-    int i = 4;
-    for (; i < argc && strcmp(argv[i], "--") != 0; i++) join(argv[i]);
-    if (i + 1 >= argc) { errno = EINVAL; fail("setup", "no command"); }
+    const int NS_FD0 = base + 4, USERNS_FD = base + 9, ROOT_FD = base + 10, SETUP_FD = base + 11;
+    size_t got = 0;
+    for (ssize_t n; got < sizeof setup - 1 && (n = read(SETUP_FD, setup + got, sizeof setup - 1 - got)) != 0; ) {
+        if (n < 0) { if (errno == EINTR) continue; fail("setup", "read setup"); }
+        got += (size_t)n;
+    }
+    setup[got] = 0;
+    /* setup: CAPMASK \0 CWD \0 TASKS... (each \0-terminated) */
+    char *p = setup, *end = setup + got;
+    unsigned long long keep = strtoull(p, NULL, 0);
+    p += strlen(p) + 1;
+    if (p >= end) { errno = EINVAL; fail("setup", "setup without cwd"); }
+    const char *cwd = p;
+    p += strlen(p) + 1;
+
+    int go[2];
+    if (pipe2(go, O_CLOEXEC)) fail("setup", "pipe");
+    pid_t mapper = start_mapper(USERNS_FD, go[0], go[1]);
+    if (mapper < 0) fail("setup", "fork");
+    close(go[0]);
+
+    for (; p < end; p += strlen(p) + 1) join(p);
     for (int k = 0; k < NS_COUNT; k++)
         if (setns(NS_FD0 + k, 0)) fail("setup", "setns");
-    own_userns();   /* after the mount namespace (its root is ours: no chroot yet), before chroot */
+    if (setns(USERNS_FD, CLONE_NEWUSER)) fail("setup", "setns user");
+    if (setgroups(0, NULL) || setresgid(0, 0, 0) || setresuid(0, 0, 0)) fail("setup", "sandbox root");
+    int unshared = unshare(CLONE_NEWUSER);
+    int e = errno;
+    (void)!write(go[1], "u", unshared == 0 ? 1 : 0);
+    close(go[1]);
+    int status = 0;
+    while (waitpid(mapper, &status, 0) < 0 && errno == EINTR) {}
+    if (unshared) { errno = e; fail("setup", "unshare user namespace"); }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { errno = EPERM; fail("setup", "user namespace map"); }
     if (fchdir(ROOT_FD) || chroot(".")) fail("setup", "chroot");
     if (chdir(cwd)) fail("cwd", cwd);
     clean_slate();
@@ -196,8 +254,23 @@ int main(int argc, char **argv) {
         for (long fd = 3; fd < (max > 0 ? max : 65536); fd++)
             if (fd != ERR_FD) close((int)fd);
     }
-    char **cmd = argv + i + 1;
-    exec_path(cmd, environ);
-    fail("exec", cmd[0]);
-    return 127;
+    child_cmd = argv + 3;
+    pid_t pid = clone(command, stack + sizeof stack, CLONE_VM | CLONE_VFORK | SIGCHLD, NULL);
+    if (pid < 0) fail("setup", "clone");
+    for (int fd = 0; fd < 3; fd++) close(fd);       /* the command's stdio is the command's alone */
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    if (exec_errno) { errno = exec_errno; fail("exec", child_cmd[0]); }
+    close(ERR_FD);
+    if (WIFSIGNALED(status)) {                      /* die the way it died */
+        int sig = WTERMSIG(status);
+        struct sigaction dfl = {.sa_handler = SIG_DFL};
+        sigaction(sig, &dfl, NULL);
+        sigset_t one;
+        sigemptyset(&one);
+        sigaddset(&one, sig);
+        kill(getpid(), sig);
+        sigprocmask(SIG_UNBLOCK, &one, NULL);
+        _exit(128 + sig);                            /* a signal that does not kill (none here) */
+    }
+    _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 127);
 }

@@ -1,0 +1,65 @@
+"""File operations in a sandbox's root filesystem, from the edge (write_file / read_file).
+
+Paths resolve inside the sandbox root (openat2 RESOLVE_IN_ROOT, see kernel.open_in_root). A file the
+edge creates belongs to the sandbox's root (its range base on the host), as if the sandbox had made it:
+never to host root.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+from edge.backends import enter, kernel
+from edge.backends.base import BackendError, SandboxGone
+
+
+def _root_fd(sandbox_id: str, init_pid: int, pidfd: int) -> int:
+    """An O_PATH fd of the sandbox's root as its init sees it (checked against, then closing, pidfd)."""
+    try:
+        fd = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not enter.alive(pidfd):   # the pid may have been reused: the fd could be anyone's root
+            os.close(fd)
+            raise ProcessLookupError(init_pid)
+        return fd
+    except OSError as exc:
+        raise SandboxGone(f"sandbox {sandbox_id} is not running") from exc
+    finally:
+        os.close(pidfd)
+
+
+def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int, owner: int) -> None:
+    """Create or truncate path with exactly mode; a new file is owned by host uid/gid owner."""
+    root = _root_fd(sandbox_id, init_pid, pidfd)
+    try:
+        kernel.write_in_root(root, path, data, mode & 0o7777, owner)
+    except OSError as exc:
+        raise _file_error(exc, path, creating=True) from exc
+    finally:
+        os.close(root)
+
+
+def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int) -> bytes:
+    """The bytes of a regular file (at most limit, else EFBIG)."""
+    root = _root_fd(sandbox_id, init_pid, pidfd)
+    try:
+        return kernel.read_in_root(root, path, limit)
+    except OSError as exc:
+        raise _file_error(exc, path, creating=False) from exc
+    finally:
+        os.close(root)
+
+
+def _file_error(exc: OSError, path: str, creating: bool) -> BackendError:
+    """One clear line for a failed sandbox file operation."""
+    if exc.errno == errno.ENOENT:
+        return BackendError(f"no such directory: {os.path.dirname(path) or '/'}" if creating
+                            else f"no such file: {path}")
+    if exc.errno == errno.EFBIG:
+        return BackendError(f"file too large: {path} exceeds the limit of {exc.strerror} bytes")
+    messages = {errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
+                errno.ELOOP: "too many levels of symbolic links", errno.EACCES: "permission denied",
+                errno.EXDEV: "outside the sandbox root filesystem (/proc, /sys and /dev are not accessible)",
+                errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded",
+                errno.ENOSPC: "no space left on the writable layer", errno.ENXIO: "not a regular file",
+                errno.EBADFD: "not a regular file"}
+    return BackendError(f"{messages.get(exc.errno, exc.strerror)}: {path}")

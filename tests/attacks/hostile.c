@@ -1,0 +1,141 @@
+/* hostile: what an attacking tenant runs inside its sandbox (tests/test_attacks.py). One static binary,
+ * written into the sandbox with write_file, so the attacks need nothing of the image.
+ *
+ *   hostile stopper HOLD        SIGSTOP every new pid as soon as it exists; SIGCONT it after HOLD s;
+ *                               counts what it stopped in /tmp/stopped, their command lines and
+ *                               uids (as seen inside) in /tmp/seen
+ *   hostile inotify             open inotify instances until refused; print "N errno", then hold them
+ *   hostile watches DIR         add inotify watches on new files in DIR until refused; print "N errno"
+ *   hostile keys                add user keys until refused; print "N errno"
+ *   hostile key NAME            add one key to the session keyring, print its serial, then hold it
+ *   hostile persist NAME        add a key to the persistent keyring (outlives the process), print serial
+ *   hostile describe SERIAL     describe a key by serial; print "ok" or the errno
+ *   hostile setcap FILE         give FILE cap_sys_admin+ep (security.capability); print "ok" or errno
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/inotify.h>
+#include <sys/syscall.h>
+#include <sys/xattr.h>
+#include <time.h>
+#include <unistd.h>
+
+static long add_key(const char *name, int ring) {
+    return syscall(SYS_add_key, "user", name, "secret", 6, ring);
+}
+
+/* Append "cmdline | Uid: line" of a stopped process to /tmp/seen: what the sandbox can learn of it. */
+static void seen(pid_t p) {
+    char path[64], buf[512], line[256] = "";
+    snprintf(path, sizeof path, "/proc/%d/cmdline", (int)p);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n = fd >= 0 ? read(fd, buf, sizeof buf - 1) : -1;
+    if (fd >= 0) close(fd);
+    if (n < 0) n = 0;
+    for (ssize_t i = 0; i < n; i++) if (buf[i] == 0) buf[i] = ' ';
+    buf[n] = 0;
+    snprintf(path, sizeof path, "/proc/%d/status", (int)p);
+    FILE *st = fopen(path, "r");
+    while (st && fgets(line, sizeof line, st)) if (!strncmp(line, "Uid:", 4)) break;
+    if (st) fclose(st);
+    FILE *out = fopen("/tmp/seen", "a");
+    if (out) { fprintf(out, "%s|%s", buf, strncmp(line, "Uid:", 4) ? "\n" : line); fclose(out); }
+}
+
+static void __attribute__((noreturn)) stopper(int hold) {
+    pid_t last = getpid();
+    struct { pid_t pid; time_t at; } held[1 << 14];
+    int n = 0, released = 0;
+    long stopped = 0;
+    FILE *ready = fopen("/tmp/stopper.ready", "w");
+    if (ready) { fprintf(ready, "%d\n", (int)last); fclose(ready); }
+    for (;;) {
+        for (pid_t p = last + 1; p < last + 256; p++) {
+            if (kill(p, SIGSTOP) == 0) {
+                held[n % (1 << 14)].pid = p;
+                held[n % (1 << 14)].at = time(NULL);
+                n++;
+                last = p;
+                stopped++;
+                seen(p);
+                FILE *f = fopen("/tmp/stopped", "w");
+                if (f) { fprintf(f, "%ld\n", stopped); fclose(f); }
+            }
+        }
+        time_t now = time(NULL);
+        while (released < n && held[released % (1 << 14)].at + hold <= now)
+            kill(held[released++ % (1 << 14)].pid, SIGCONT);
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) return 2;
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "stopper") && argc > 2) stopper(atoi(argv[2]));
+    if (!strcmp(cmd, "inotify")) {
+        int n = 0;
+        while (inotify_init1(IN_CLOEXEC) >= 0) n++;
+        printf("%d %d\n", n, errno);
+        fflush(stdout);
+        close(1);
+        pause();
+    }
+    if (!strcmp(cmd, "watches") && argc > 2) {
+        int fd = inotify_init1(IN_CLOEXEC), n = 0;
+        char path[4096];
+        for (;;) {
+            snprintf(path, sizeof path, "%s/%d", argv[2], n);
+            int f = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+            if (f < 0) { printf("%d create-%d\n", n, errno); return 0; }
+            close(f);
+            if (inotify_add_watch(fd, path, IN_MODIFY) < 0) break;
+            n++;
+        }
+        printf("%d %d\n", n, errno);
+        return 0;
+    }
+    if (!strcmp(cmd, "keys")) {
+        int n = 0;
+        char name[32];
+        for (;; n++) {
+            snprintf(name, sizeof name, "k%d", n);
+            if (add_key(name, -3 /* KEY_SPEC_SESSION_KEYRING */) < 0) break;
+        }
+        printf("%d %d\n", n, errno);
+        return 0;
+    }
+    if (!strcmp(cmd, "key") && argc > 2) {
+        long serial = add_key(argv[2], -3);
+        printf("%ld\n", serial);
+        fflush(stdout);
+        close(1);
+        pause();
+    }
+    if (!strcmp(cmd, "persist") && argc > 2) {
+        long ring = syscall(SYS_keyctl, 22 /* KEYCTL_GET_PERSISTENT */, -1, -3);
+        if (ring < 0) { printf("-1 %d\n", errno); return 0; }
+        printf("%ld\n", add_key(argv[2], (int)ring));
+        return 0;
+    }
+    if (!strcmp(cmd, "describe") && argc > 2) {
+        char buf[256];
+        long r = syscall(SYS_keyctl, 6 /* KEYCTL_DESCRIBE */, atol(argv[2]), buf, sizeof buf);
+        if (r < 0) printf("%d\n", errno);
+        else printf("ok %s\n", buf);
+        return 0;
+    }
+    if (!strcmp(cmd, "setcap") && argc > 2) {
+        /* vfs_cap_data v2: magic|flags(effective), permitted lo/hi, inheritable lo/hi */
+        uint32_t cap[5] = {0x02000000 | 1, 1u << 21, 0, 0, 0};
+        if (setxattr(argv[2], "security.capability", cap, sizeof cap, 0)) printf("%d\n", errno);
+        else printf("ok\n");
+        return 0;
+    }
+    return 2;
+}

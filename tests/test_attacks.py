@@ -1,0 +1,195 @@
+"""Attacks from inside a sandbox, run as a hostile tenant would (issue 12, escapes 1-2): each test is
+the attack itself, with tests/attacks/hostile.c (a static binary written into the sandbox), and asserts
+that it fails or stays within the attacker's own sandbox."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+
+import libdsec
+from bus import streams
+from bus.messages import node_decoder
+from edge.backends import idmap
+from edge.backends.cgroups import procs_under
+from tests.conftest import NODE
+
+pytestmark = pytest.mark.timeout(180)
+
+async def armed(sb, hostile: bytes):
+    await sb.write_file("/tmp/hostile", hostile, mode=0o755)
+    return sb
+
+
+async def background(sb, cmd: str, out: str, ready: str | None = None) -> str:
+    """Start cmd in the background (its stdout to out) and return the first line of out (or of ready)
+    once written."""
+    await sb.exec(f"{cmd} > {out} 2>&1 &")
+    for _ in range(200):
+        try:
+            text = (await sb.read_file(ready or out)).decode()
+        except libdsec.FileOpError:   # not made yet
+            text = ""
+        if text.endswith("\n"):
+            return text.strip()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{cmd} printed nothing")
+
+
+def host_uids(stack, sb) -> set[int]:
+    """Host real uids of the sandbox's processes (its init excluded: the platform's, not the tenant's)."""
+    groups = stack.edge.backend._cgroups.sandbox(stack.edge.backend._key(sb.id))
+    init = stack.edge.backend.init_pid(sb.id)
+    return {psutil.Process(p).uids().real for p in procs_under(groups["pids"]) if p != init}
+
+
+async def test_stopping_every_new_pid_cannot_stall_the_node(client, stack, hostile):
+    """Escape 1: a sandbox SIGSTOPs every pid the moment it appears (and holds it 15 s). Before, the first
+    one was the edge's own vfork child, so the edge's event loop stopped with it: every exec on the node
+    waited, and placement declared the node lost. Now only the attacker's own commands are stopped."""
+    lost_seen: list[bool] = []
+
+    async def watch_node() -> None:
+        while True:
+            raw = await stack.bus.kv_get(streams.NODES_KV, NODE)
+            if raw is not None and node_decoder.decode(raw).lost:
+                lost_seen.append(True)
+            await asyncio.sleep(0.25)
+
+    async with await client.create() as attacker, await client.create() as neighbour:
+        await armed(attacker, hostile)
+        await background(attacker, "/tmp/hostile stopper 15", "/tmp/stopper.out", ready="/tmp/stopper.ready")
+        watcher = asyncio.ensure_future(watch_node())
+        try:
+            own = [asyncio.ensure_future(attacker.exec("true", timeout=3)) for _ in range(3)]
+            done = []
+
+            async def neighbour_runs() -> None:
+                for i in range(50):
+                    r = await neighbour.exec(["echo", str(i)], timeout=10)
+                    done.append(r.stdout)
+
+            await asyncio.wait_for(neighbour_runs(), 14)   # all while the attacker holds what it stopped
+            own_results = await asyncio.gather(*own, return_exceptions=True)
+        finally:
+            watcher.cancel()
+        assert done == [f"{i}\n".encode() for i in range(50)]
+        assert int((await attacker.read_file("/tmp/stopped")).decode()) >= 1, "the attack stopped nothing"
+        # What it caught was its own command (or its last step before execve), never the edge's code:
+        # no edge argv, no host path, and the uid of the sandbox's root (host root would show as 65534).
+        for line in (await attacker.read_file("/tmp/seen")).decode().splitlines():
+            cmdline, _, uids = line.partition("|")
+            # (empty: caught as it exited: kill() reaches a zombie too)
+            assert re.fullmatch(r"((dsec-enter \d+ -- )?(/\.dsec/sh -c )?true)?", cmdline.strip()), line
+            assert uids.split()[1:] in (["0", "0", "0", "0"], []), line   # []: gone before it was read
+        assert any(isinstance(r, libdsec.ExecTimeout) for r in own_results), own_results   # its own: yes
+        assert not lost_seen, "the node was declared lost"
+        assert (await neighbour.exec("echo alive")).stdout == b"alive\n"
+
+
+async def test_sandbox_root_is_a_host_uid_range_of_its_own(client, stack, hostile):
+    """Escape 2: root in a sandbox is an unprivileged host uid of its own range (not host uid 0); image
+    files show their owners inside; files made by write_file belong to the sandbox's root."""
+    async with await client.create() as a, await client.create() as b:
+        ids = {}
+        for sb in (a, b):
+            r = await sb.exec("id -u; stat -c %u:%g /bin/busybox /; sleep 30 >/dev/null 2>&1 &")
+            assert r.stdout.decode().split() == ["0", "0:0", "0:0"], r.stdout
+            uids = host_uids(stack, sb)
+            assert len(uids) == 1 and 0 not in uids, uids
+            ids[sb.id] = uids.pop()
+            assert ids[sb.id] >= idmap.BASE and (ids[sb.id] - idmap.BASE) % idmap.SIZE == 0
+        assert ids[a.id] != ids[b.id], "two sandboxes share a host identity"
+        assert abs(ids[a.id] - ids[b.id]) >= idmap.SIZE
+        await a.write_file("/tmp/made", b"x")
+        assert (await a.exec("stat -c %u:%g /tmp/made")).stdout == b"0:0\n"
+        upper = stack.edge.backend._uppers.root / stack.edge.backend._key(a.id) / "upper"
+        assert (upper / "tmp" / "made").stat().st_uid == ids[a.id]
+
+
+async def test_planted_setuid_and_file_capabilities_are_not_privileged_on_the_host(client, stack, hostile):
+    """Escape 2: a setuid-root shell and a cap_sys_admin+ep binary planted in the writable layer. On the
+    host the first is setuid to the sandbox's unprivileged uid, the second's capability is namespaced
+    (valid only where that uid is root: inside the sandbox's own user namespaces)."""
+    async with await client.create() as sb:
+        await armed(sb, hostile)
+        r = await sb.exec("cp /bin/busybox /tmp/rootsh && chmod 4755 /tmp/rootsh && cp /tmp/hostile /tmp/capped"
+                          " && /tmp/hostile setcap /tmp/capped")
+        assert r.exit_code == 0 and r.stdout == b"ok\n", (r.stdout, r.stderr)
+        upper = stack.edge.backend._uppers.root / stack.edge.backend._key(sb.id) / "upper" / "tmp"
+        st = (upper / "rootsh").stat()
+        assert st.st_mode & 0o4000 and st.st_uid != 0, "a setuid-root binary on the host"
+        base = stack.edge.backend._live(sb.id).ids.base
+        assert st.st_uid == base, (st.st_uid, base)
+        cap = os.getxattr(upper / "capped", "security.capability")
+        magic = int.from_bytes(cap[:4], "little")
+        assert magic >> 24 == 3, f"file capability is not namespaced (version {magic >> 24})"
+        assert int.from_bytes(cap[20:24], "little") == base, "its root id is not the sandbox's uid"
+        # Run as an unprivileged host user, the planted shell does not become host root.
+        probe = upper.parent / "probe"
+        shutil.copy2(upper / "rootsh", probe)   # the copy keeps the owner only as root: chown it back
+        os.chown(probe, st.st_uid, st.st_gid)
+        os.chmod(probe, 0o4755)
+        try:
+            out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(probe),
+                                  "id", "-u"], capture_output=True, text=True)
+            if out.returncode == 0:
+                assert out.stdout.strip() != "0"
+        finally:
+            probe.unlink()
+
+
+async def test_inotify_instances_are_counted_per_sandbox(client, stack, hostile):
+    """Escape 2: inotify instances are charged to the sandbox's own uid and bounded by its user
+    namespace: one sandbox takes all it may (exactly 128), a neighbour still gets its full 128, and
+    host root still gets one. Before, every sandbox shared host root's 128."""
+    async with await client.create() as a, await client.create() as b:
+        await armed(a, hostile)
+        await armed(b, hostile)
+        got_a = await background(a, "/tmp/hostile inotify", "/tmp/inotify.out")
+        got_b = await background(b, "/tmp/hostile inotify", "/tmp/inotify.out")
+        assert got_a == f"128 {errno.EMFILE}", got_a
+        assert got_b == f"128 {errno.EMFILE}", got_b
+        import ctypes
+        fd = ctypes.CDLL(None, use_errno=True).inotify_init1(os.O_CLOEXEC)
+        assert fd >= 0, "host root lost inotify"
+        os.close(fd)
+
+
+async def test_inotify_watches_are_counted_per_sandbox(client, stack, hostile):
+    """Escape 2: inotify watches are bounded per sandbox (65536); a neighbour still gets its full count."""
+    async with await client.create() as a, await client.create() as b:
+        for sb in (a, b):
+            await armed(sb, hostile)
+        ra = await a.exec("mkdir /dev/shm/w && /tmp/hostile watches /dev/shm/w", timeout=60)
+        rb = await b.exec("mkdir /dev/shm/w && /tmp/hostile watches /dev/shm/w", timeout=60)
+        assert ra.stdout == f"65536 {errno.ENOSPC}\n".encode(), ra.stdout + ra.stderr
+        assert rb.stdout == f"65536 {errno.ENOSPC}\n".encode(), rb.stdout + rb.stderr
+
+
+async def test_keys_are_per_sandbox(client, stack, hostile):
+    """Escape 2: a sandbox fills its key quota (EDQUOT) while a neighbour still gets its full quota, and
+    cannot describe a neighbour's key by its serial (before: one quota shared with host root, and any
+    key readable by serial)."""
+    maxkeys = int(Path("/proc/sys/kernel/keys/maxkeys").read_text())
+    async with await client.create() as a, await client.create() as b:
+        for sb in (a, b):
+            await armed(sb, hostile)
+        serial = await background(a, "/tmp/hostile key secret-of-a", "/tmp/key.out")
+        assert int(serial) > 0, serial
+        r = await b.exec(f"/tmp/hostile describe {serial}")
+        assert r.stdout.decode().split()[0] in (str(errno.EACCES), str(errno.ENOKEY)), r.stdout
+        fill_a = (await a.exec("/tmp/hostile keys")).stdout.decode().split()
+        fill_b = (await b.exec("/tmp/hostile keys")).stdout.decode().split()
+        for fill in (fill_a, fill_b):
+            assert fill[1] == str(errno.EDQUOT), fill
+        # Each quota is the per-uid maxkeys, less what the sandbox holds already (session keyrings).
+        assert maxkeys - 8 <= int(fill_b[0]) < maxkeys, (fill_b, maxkeys)
+        assert maxkeys - 8 <= int(fill_a[0]) < maxkeys, (fill_a, maxkeys)
