@@ -192,6 +192,18 @@ class KvStore:
             store = await self.admin.object_store(bucket)
             await store.put(name, data)
 
+    async def obj_put_file(self, bucket: str, name: str, path) -> None:
+        """Store a file as an object, read a chunk at a time (a layer is never held whole in memory)."""
+        with mapped_errors(f"object put {bucket}/{name}"), open(path, "rb") as f:
+            store = await self.admin.object_store(bucket)
+            await store.put(name, f)
+
+    async def obj_get_file(self, bucket: str, name: str, path) -> None:
+        """Fetch an object into a file, a chunk at a time (digest verified by the client)."""
+        with mapped_errors(f"object get {bucket}/{name}"), open(path, "wb") as f:
+            store = await self.admin.object_store(bucket)
+            await store.get(name, writeinto=f)
+
     async def obj_has(self, bucket: str, name: str) -> bool:
         """Whether an object is stored."""
         try:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import itertools
 import os
 import time
@@ -14,6 +13,7 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure
 from bus.messages import LayerRef
+from edge.erofs import file_digest
 
 
 KEEP_RECENT = 60.0   # seconds a layer just used is never evicted (a create may be about to mount it)
@@ -122,17 +122,19 @@ class LayerCache:
 
     async def _fetch(self, layer: LayerRef, path: Path) -> None:
         self.misses += 1
-        try:
-            data = await self.bus.obj_get(streams.LAYERS_OBJ, layer.digest)
-        except BusError as exc:
-            raise EnvironmentFailure(f"layer {layer.name}@{layer.version} could not be fetched: {exc}") from exc
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        if digest != layer.digest:
-            raise EnvironmentFailure(f"layer {layer.name}@{layer.version} is corrupt (digest mismatch)")
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        await asyncio.to_thread(tmp.write_bytes, data)
-        os.replace(tmp, path)
-        self.bytes_fetched += len(data)
+        try:
+            try:   # into a file, a chunk at a time: a layer is never held whole in memory
+                await self.bus.obj_get_file(streams.LAYERS_OBJ, layer.digest, tmp)
+            except BusError as exc:
+                raise EnvironmentFailure(f"layer {layer.name}@{layer.version} could not be fetched: {exc}") from exc
+            if await asyncio.to_thread(file_digest, tmp) != layer.digest:
+                raise EnvironmentFailure(f"layer {layer.name}@{layer.version} is corrupt (digest mismatch)")
+            size = tmp.stat().st_size
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.bytes_fetched += size
         self._used(path)
         self._trim()
         self.on_change()

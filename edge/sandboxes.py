@@ -24,7 +24,7 @@ from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
 from chronus.control import Gone, RunFailed
-from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone,
+from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone, SnapshotTooLarge,
                                 SandboxSpec)
 from edge.layercache import LayerCache
 from edge.outbox import Publish
@@ -204,11 +204,13 @@ class Sandboxes:
         snap_id = "snap" + secrets.token_hex(8)
         with tempfile.TemporaryDirectory(dir=self.state_dir) as tmp:
             layer_file = Path(tmp) / "snapshot.erofs"
-            digest = await self.backend.pack_upper(sandbox_id, str(layer_file))
+            try:
+                digest = await self.backend.pack_upper(sandbox_id, str(layer_file))
+            except SnapshotTooLarge as exc:
+                raise InvalidRequest(str(exc)) from exc
             size = layer_file.stat().st_size
-            if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
-                data = await asyncio.to_thread(layer_file.read_bytes)
-                await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
+            if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):   # streamed: never whole in memory
+                await self.bus.obj_put_file(streams.LAYERS_OBJ, digest, layer_file)
             own = LayerRef(name=f"snapshot-{snap_id}", version=1, digest=digest, size=size)
             self.layers.adopt(own, layer_file)   # forks and rollbacks here need no fetch
         rec = running.record

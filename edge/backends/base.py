@@ -41,6 +41,10 @@ class CapacityExhausted(BackendError):
     refused (CapacityUnavailable, naming it); the node stays healthy."""
 
 
+class SnapshotTooLarge(BackendError):
+    """A snapshot would pack more than the sandbox's disk limit (refused: InvalidRequest)."""
+
+
 class SandboxGone(BackendError):
     """The sandbox does not exist (never created, or destroyed)."""
 

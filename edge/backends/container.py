@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,14 +26,14 @@ from pathlib import Path
 
 from edge.backends import cgroups, enter, execio, idmap, kernel, native, rootfiles, zygote
 from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, LayerUnusable, OutputSink,
-                                SandboxGone, SandboxSpec)
+                                SandboxGone, SandboxSpec, SnapshotTooLarge)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.layermounts import LayerError, LayerMounts
-from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
+from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points, mounted_at
 from edge.backends.launcher import Launcher
 from edge.backends.zygote import Launch, LauncherError
 
-__all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
+__all__ = ["ContainerBackend", "ExecFailed", "SnapshotTooLarge", "apparent_size", "leftovers"]
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,8 @@ class ContainerBackend(Backend):
 
     async def start(self) -> None:
         """Reconcile a crashed run's leftovers, then prepare cgroups, the upper pool and the zygote."""
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)   # an older, wider one is tightened: only root walks into it
         await self._reconcile()
         try:
             self._cgroups.setup()
@@ -141,13 +143,16 @@ class ContainerBackend(Backend):
             raise BackendError(f"container backend failed to start: {exc}") from exc
 
     def _prepare_trusted(self) -> None:
-        """state_dir/trusted/sh: a root-owned, read-only copy of the host's static busybox."""
+        """state_dir/trusted/sh: a root-owned, read-only copy of the host's static busybox, on a small
+        tmpfs of its own (bind-mounted into sandboxes, whose mountinfo then shows "/", not a host path)."""
         from edge.erofs import LayerBuildError, find_busybox
         try:
             src = find_busybox()
         except LayerBuildError as exc:   # only a dynamic busybox (or none): no trusted shell
             raise OSError(f"no trusted shell: {exc}") from exc
         self._trusted.mkdir(mode=0o755, exist_ok=True)
+        if not mounted_at(self._trusted):
+            kernel.mount("tmpfs", self._trusted, "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV, "size=8m,mode=755")
         sh = self._trusted / "sh"
         tmp = self._trusted / "sh.tmp"
         shutil.copyfile(src, tmp)
@@ -230,7 +235,8 @@ class ContainerBackend(Backend):
             try:
                 msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
-                             trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty))
+                             trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty),
+                             base=str(self.state_dir))
                 try:
                     init = await self._launcher.request(msg, [ready_w])
                 finally:
@@ -389,14 +395,22 @@ class ContainerBackend(Backend):
 
     async def pack_upper(self, sandbox_id: str, dst: str) -> str:
         """Freeze (unless suspended already), pack upper/ with mkfs.erofs, thaw: the freeze lasts the pack.
-        The layer is read through an idmapped view, so its files are owned relative to the sandbox."""
+        The layer is read through an idmapped view, so its files are owned relative to the sandbox. A
+        layer whose files add up (at their apparent size: sparse files and reflinks count in full, as
+        mkfs.erofs stores them) to more than the sandbox's disk limit is refused (SnapshotTooLarge)."""
         from edge.erofs import LayerBuildError
         sb = self._live(sandbox_id)
         was_frozen = sb.frozen_since is not None
         if not was_frozen:
             await self.freeze(sandbox_id)
         try:
-            return await asyncio.to_thread(_pack_relative, self._uppers.root / sb.key / "upper", Path(dst), sb.ids)
+            upper = self._uppers.root / sb.key / "upper"
+            size = await asyncio.to_thread(apparent_size, upper)
+            if size > sb.spec.limits.disk:
+                raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: its files add up to {size} bytes "
+                                       f"(sparse and reflinked files counted at their apparent size), above "
+                                       f"its disk limit of {sb.spec.limits.disk} bytes")
+            return await asyncio.to_thread(_pack_relative, upper, Path(dst), sb.ids)
         except (LayerBuildError, OSError) as exc:
             raise BackendError(f"snapshot of {sandbox_id} failed: {exc}") from exc
         finally:
@@ -613,6 +627,22 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
         if b"edge.backends.zygote" in cmdline and label in cmdline.split(b"\0"):
             out.append(f"zygote process {proc.name}")
     return out
+
+
+def apparent_size(root: Path) -> int:
+    """Bytes the files under root claim (st_size of every regular file, links counted once each), plus
+    4 KiB per other inode: what packing them as a layer writes."""
+    total, seen = 0, set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        total += 4096 * (len(dirnames) + 1)
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            if st.st_nlink > 1:
+                if st.st_ino in seen:
+                    continue
+                seen.add(st.st_ino)
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 4096
+    return total
 
 
 def _pack_relative(upper: Path, dst: Path, ids: idmap.IdRange) -> str:

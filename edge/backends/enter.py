@@ -18,7 +18,7 @@ import errno
 import os
 import signal
 
-NAMESPACES = ("ipc", "uts", "net", "mnt", "pid", "user")
+NAMESPACES = ("ipc", "uts", "net", "mnt", "pid", "cgroup", "user")
 SIGDEF = (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE,
           signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2)
 SETUP_MAX = 65535       # what dsec-enter reads of its setup (a pipe holds 64 KiB: written before the spawn)
@@ -54,7 +54,7 @@ class Spawner:
                 os.write(setup_w, setup)
             finally:
                 os.close(setup_w)
-            # dsec-enter's layout above BASE: stdio copies, error pipe, ipc/uts/net/mnt/pid/user, root,
+            # dsec-enter's layout above BASE: stdio copies, error pipe, ipc/uts/net/mnt/pid/cgroup/user, root,
             # setup. BASE is above every source fd, so no dup2 clobbers a source; then stdio to 0-2.
             srcs = [*stdio, err_w, *opened]
             base = max(srcs) + 1

@@ -40,7 +40,12 @@ from edge.backends import kernel
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())
 KEEP_MASK = sum(1 << c for c in KEEP_CAPS)
-MASKED_PROC = ("kcore", "keys", "latency_stats", "timer_list", "sched_debug", "sysrq-trigger")
+MASKED_PROC = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "sched_debug", "sysrq-trigger",
+               "kpageflags", "kpagecount", "kpagecgroup", "slabinfo", "vmallocinfo", "program_cpu")
+# What /sys would tell of the host: its block devices (every loop backing file), every sandbox's live disk
+# use (btrfs qgroups), the kernel's memory layout. Empty read-only directories (or /dev/null) instead.
+MASKED_SYS_DIRS = ("block", "class/block", "dev/block", "devices/virtual/block", "fs/btrfs")
+MASKED_SYS_FILES = ("kernel/vmcoreinfo",)
 READONLY_PROC = ("sys", "irq", "bus", "fs")
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
            ("tty", 5, 0))
@@ -61,6 +66,7 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     trusted: str = ""           # host dir holding the trusted shell, bind-mounted read-only at /.dsec
     uid_base: int = 0           # first host uid (and gid) of the sandbox's range: its root
     empty: str = ""             # the lowerdir of a sandbox without layers (a plain dir: not idmapped)
+    base: str = "/"             # the node's state dir: overlay paths are given relative to it
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="kind", frozen=True):
@@ -262,7 +268,8 @@ def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdo
         os.setsid()        # own session, no controlling tty: kill(0) and /dev/tty never reach the edge's
         os.set_inheritable(ready, False)        # EOF on the ready pipe = catatonit is running
         _join(req.cgroups)
-        kernel.unshare(kernel.CLONE_NEWNS | kernel.CLONE_NEWNET | kernel.CLONE_NEWUTS | kernel.CLONE_NEWIPC)
+        kernel.unshare(kernel.CLONE_NEWNS | kernel.CLONE_NEWNET | kernel.CLONE_NEWUTS | kernel.CLONE_NEWIPC
+                       | kernel.CLONE_NEWCGROUP)   # after joining: its cgroups read as "/" inside
         _open_net_privileges()                   # the host's /proc/sys/net: now the new namespace's
         kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
         _mount_root(req, userns)
@@ -309,7 +316,11 @@ def _mount_root(req: Launch, userns: int) -> None:
         if lower != req.empty:
             kernel.idmap_over(lower, userns)
     os.chown(req.upper, req.uid_base, req.uid_base)   # the root directory: the sandbox root's
-    opts = f"lowerdir={':'.join(req.lowers)},upperdir={req.upper},workdir={req.work},volatile"
+    # Paths relative to the node's state dir: the overlay's options, shown in the sandbox's mountinfo,
+    # then name no host directory.
+    os.chdir(req.base)
+    rel = [os.path.relpath(p, req.base) for p in (*req.lowers, req.upper, req.work)]
+    opts = f"lowerdir={':'.join(rel[:-2])},upperdir={rel[-2]},workdir={rel[-1]},volatile"
     kernel.mount("overlay", root, "overlay", kernel.MS_NODEV, opts)
     for name, mode in (("proc", 0o555), ("dev", 0o755), ("sys", 0o555), ("tmp", 0o1777)):
         if not os.path.isdir(f"{root}/{name}"):
@@ -322,6 +333,11 @@ def _mount_root(req: Launch, userns: int) -> None:
     for name in MASKED_PROC:
         _bind("/dev/null", f"{root}/proc/{name}", readonly=False)
     kernel.mount("sysfs", f"{root}/sys", "sysfs", nosuid | kernel.MS_RDONLY)
+    for name in MASKED_SYS_DIRS:
+        if os.path.isdir(f"{root}/sys/{name}"):
+            kernel.mount("tmpfs", f"{root}/sys/{name}", "tmpfs", nosuid | kernel.MS_RDONLY, "size=4k,mode=555")
+    for name in MASKED_SYS_FILES:
+        _bind("/dev/null", f"{root}/sys/{name}", readonly=False)
     _mount_dev(f"{root}/dev", req.uid_base)
     if req.trusted:
         _mount_trusted(req.trusted, f"{root}/.dsec")

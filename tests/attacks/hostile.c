@@ -10,6 +10,10 @@
  *   hostile key NAME            add one key to the session keyring, print its serial, then hold it
  *   hostile persist NAME        add a key to the persistent keyring (outlives the process), print serial
  *   hostile describe SERIAL     describe a key by serial; print "ok" or the errno
+ *   hostile files DIR N         create up to N empty files in DIR; print "made errno"
+ *   hostile uevent              open a netlink socket for the host's hotplug events; print "ok" or errno
+ *   hostile probe FILE          the page-cache probe: mincore of FILE mapped, fadvise DONTNEED; print
+ *                               "mincore=E fadvise=E" (0: allowed)
  *   hostile setcap FILE         give FILE cap_sys_admin+ep (security.capability); print "ok" or errno
  */
 #define _GNU_SOURCE
@@ -21,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/inotify.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
 #include <sys/xattr.h>
 #include <time.h>
@@ -128,6 +134,35 @@ int main(int argc, char **argv) {
         long r = syscall(SYS_keyctl, 6 /* KEYCTL_DESCRIBE */, atol(argv[2]), buf, sizeof buf);
         if (r < 0) printf("%d\n", errno);
         else printf("ok %s\n", buf);
+        return 0;
+    }
+    if (!strcmp(cmd, "files") && argc > 3) {
+        int n = atoi(argv[3]), made = 0, err = 0;
+        char path[4096];
+        for (; made < n; made++) {
+            snprintf(path, sizeof path, "%s/%d", argv[2], made);
+            int f = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+            if (f < 0) { err = errno; break; }
+            close(f);
+        }
+        printf("%d %d\n", made, err);
+        return 0;
+    }
+    if (!strcmp(cmd, "uevent")) {
+        int fd = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, 15 /* NETLINK_KOBJECT_UEVENT */);
+        if (fd < 0) printf("%d\n", errno);
+        else printf("ok\n");
+        return 0;
+    }
+    if (!strcmp(cmd, "probe") && argc > 2) {
+        int fd = open(argv[2], O_RDONLY | O_CLOEXEC);
+        if (fd < 0) { printf("open=%d\n", errno); return 0; }
+        void *map = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+        unsigned char vec[1];
+        int m = map == MAP_FAILED ? -1 : mincore(map, 4096, vec);
+        int me = m < 0 ? errno : 0;
+        int fe = posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        printf("mincore=%d fadvise=%d\n", me, fe);
         return 0;
     }
     if (!strcmp(cmd, "setcap") && argc > 2) {

@@ -6,7 +6,8 @@
  * process, the first one the sandbox can see, which at once execs the command:
  *
  *   1. fork a mapper (still host root, host mount namespace) that joins the sandbox's user namespace S;
- *   2. join the exec's cgroups; setns ipc, uts, net, mnt, and pid (for its children only);
+ *   2. join the exec's cgroups; setns ipc, uts, net, mnt, pid (for its children only) and cgroup (its
+ *      cgroups then read as the sandbox's own, from "/");
  *   3. setns S and become its root (host uid = the sandbox's range base), unshare a user namespace E of
  *      this exec's own inside S; the mapper, root in S, writes E's maps (0..65535 of S);
  *   4. chroot to the sandbox root, cwd, a clean slate (no core dumps, umask, a session keyring),
@@ -25,8 +26,8 @@
  * S's limits, which the sandbox cannot change.
  *
  *   dsec-enter BASE -- ARGV...    (argv shows nothing of the host: the setup comes on a pipe)
- *   fds: 0-2 stdio; BASE+3 error pipe (write end); BASE+4..BASE+8 ns fds (ipc uts net mnt pid);
- *   BASE+9 the sandbox's user namespace; BASE+10 sandbox root; BASE+11 the setup pipe (read end),
+ *   fds: 0-2 stdio; BASE+3 error pipe (write end); BASE+4..BASE+9 ns fds (ipc uts net mnt pid cgroup);
+ *   BASE+10 the sandbox's user namespace; BASE+11 sandbox root; BASE+12 the setup pipe (read end),
  *   holding "CAPMASK\0CWD\0CGROUP_TASKS_FILE\0..."; BASE is above every fd the spawner passes, so
  *   its dup2s never clobber a source.
  * The environment is the command's, exactly. On a failure it writes "stage\0errno\0message" to the
@@ -54,7 +55,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#define NS_COUNT 5
+#define NS_COUNT 6
 #define SETUP_MAX 65536
 static int ERR_FD = 2;
 
@@ -98,36 +99,91 @@ static pid_t start_mapper(int userns_fd, int go_r, int go_w) {
     _exit(0);
 }
 
-/* Commands may not make user namespaces of their own: unshare/clone with CLONE_NEWUSER fail with
- * EPERM; clone3, whose flags a filter cannot read, fails with ENOSYS, so libc falls back to clone (as
- * Docker does). Each exec's own namespace is made here, before the filter. */
-static void no_new_userns(void) {
-    struct sock_filter f[] = {
-        /*  0 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
-        /*  1 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0),
-        /*  2 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_I386, 7, 15),
-        /* x86_64 */
-        /*  3 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
-        /*  4 */ BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1),   /* the x32 ABI: refused */
-        /*  5 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
-        /*  6 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 435 /* clone3 */, 0, 1),
-        /*  7 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
-        /*  8 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 272 /* unshare */, 6, 0),
-        /*  9 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 56 /* clone */, 5, 8),
-        /* i386 */
-        /* 10 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
-        /* 11 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 435 /* clone3 */, 0, 1),
-        /* 12 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
-        /* 13 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 310 /* unshare */, 1, 0),
-        /* 14 */ BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 120 /* clone */, 0, 3),
-        /* flags */
-        /* 15 */ BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),   /* low half */
-        /* 16 */ BPF_JUMP(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER, 0, 1),
-        /* 17 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
-        /* 18 */ BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
-    };
-    struct sock_fprog prog = {sizeof f / sizeof f[0], f};
-    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog, 0, 0)) fail("setup", "seccomp");
+/* The seccomp filter of every command. Refused:
+ *  - user namespaces: unshare/clone with CLONE_NEWUSER fail with EPERM; clone3, whose flags a filter
+ *    cannot read, fails with ENOSYS, so libc falls back to clone (as Docker does). Each exec's own
+ *    namespace is made here, before the filter;
+ *  - netlink uevent sockets (NETLINK_KOBJECT_UEVENT: the host's hotplug events): EPERM;
+ *  - the page-cache probe on shared layers: mincore, and posix_fadvise(POSIX_FADV_DONTNEED): EPERM;
+ *  - sync(2), which would flush every filesystem of the host: a no-op returning success (fsync,
+ *    fdatasync and syncfs of the sandbox's own files still work);
+ *  - the x32 ABI; on i386, socketcall (whose arguments a filter cannot read: ENOSYS, so libc uses the
+ *    direct socket call, checked like x86_64's).
+ * Written with labels, resolved below, so a jump is never counted by hand. */
+enum { L_X86, L_I386, L_FLAGS, L_SOCKET, L_FADV64, L_FADV_ARG4, L_FADV_ARG5, L_ENOSYS, L_EPERM, L_NOOP, L_ALLOW, L_COUNT };
+#define MAX_INS 64
+static struct sock_filter prog[MAX_INS];
+static int n_ins, label_at[L_COUNT], jt_of[MAX_INS], jf_of[MAX_INS];
+static void ins(unsigned short code, unsigned int k) { prog[n_ins].code = code; prog[n_ins].k = k; jt_of[n_ins] = jf_of[n_ins] = -1; n_ins++; }
+/* jump if A == k (or JSET/JGE) to label jt, else to label jf (-1: the next instruction) */
+static void jmp(unsigned short op, unsigned int k, int jt, int jf) { ins(BPF_JMP | op | BPF_K, k); jt_of[n_ins - 1] = jt; jf_of[n_ins - 1] = jf; }
+static void label(int l) { label_at[l] = n_ins; }
+static void ret(unsigned int v) { ins(BPF_RET | BPF_K, v); }
+static void load(unsigned int off) { ins(BPF_LD | BPF_W | BPF_ABS, off); }
+
+static void command_filter(void) {
+    const unsigned int NR = offsetof(struct seccomp_data, nr), ARCH = offsetof(struct seccomp_data, arch);
+    const unsigned int ARG0 = offsetof(struct seccomp_data, args[0]), ARG2 = offsetof(struct seccomp_data, args[2]);
+    const unsigned int ARG3 = offsetof(struct seccomp_data, args[3]), ARG4 = offsetof(struct seccomp_data, args[4]);
+    const unsigned int ARG5 = offsetof(struct seccomp_data, args[5]);
+    load(ARCH);
+    jmp(BPF_JEQ, AUDIT_ARCH_X86_64, L_X86, -1);
+    jmp(BPF_JEQ, AUDIT_ARCH_I386, L_I386, L_ALLOW);
+    label(L_X86);
+    load(NR);
+    jmp(BPF_JGE, 0x40000000, L_ENOSYS, -1);          /* x32 */
+    jmp(BPF_JEQ, 435 /* clone3 */, L_ENOSYS, -1);
+    jmp(BPF_JEQ, 272 /* unshare */, L_FLAGS, -1);
+    jmp(BPF_JEQ, 56 /* clone */, L_FLAGS, -1);
+    jmp(BPF_JEQ, 41 /* socket */, L_SOCKET, -1);
+    jmp(BPF_JEQ, 27 /* mincore */, L_EPERM, -1);
+    jmp(BPF_JEQ, 221 /* fadvise64 */, L_FADV64, -1);
+    jmp(BPF_JEQ, 162 /* sync */, L_NOOP, L_ALLOW);
+    label(L_I386);
+    load(NR);
+    jmp(BPF_JEQ, 435 /* clone3 */, L_ENOSYS, -1);
+    jmp(BPF_JEQ, 102 /* socketcall */, L_ENOSYS, -1);
+    jmp(BPF_JEQ, 310 /* unshare */, L_FLAGS, -1);
+    jmp(BPF_JEQ, 120 /* clone */, L_FLAGS, -1);
+    jmp(BPF_JEQ, 359 /* socket */, L_SOCKET, -1);
+    jmp(BPF_JEQ, 218 /* mincore */, L_EPERM, -1);
+    jmp(BPF_JEQ, 250 /* fadvise64: advice is args[4] */, L_FADV_ARG4, -1);
+    jmp(BPF_JEQ, 272 /* fadvise64_64: advice is args[5] */, L_FADV_ARG5, -1);
+    jmp(BPF_JEQ, 36 /* sync */, L_NOOP, L_ALLOW);
+    label(L_FLAGS);                                   /* clone/unshare flags: low half of args[0] */
+    load(ARG0);
+    jmp(BPF_JSET, CLONE_NEWUSER, L_EPERM, L_ALLOW);
+    label(L_SOCKET);                                  /* socket(AF_NETLINK, *, NETLINK_KOBJECT_UEVENT) */
+    load(ARG0);
+    jmp(BPF_JEQ, 16 /* AF_NETLINK */, -1, L_ALLOW);
+    load(ARG2);
+    jmp(BPF_JEQ, 15 /* NETLINK_KOBJECT_UEVENT */, L_EPERM, L_ALLOW);
+    label(L_FADV64);                                  /* fadvise64(fd, offset, len, advice) */
+    load(ARG3);
+    jmp(BPF_JEQ, 4 /* POSIX_FADV_DONTNEED */, L_EPERM, L_ALLOW);
+    label(L_FADV_ARG4);
+    load(ARG4);
+    jmp(BPF_JEQ, 4, L_EPERM, L_ALLOW);
+    label(L_FADV_ARG5);
+    load(ARG5);
+    jmp(BPF_JEQ, 4, L_EPERM, L_ALLOW);
+    label(L_ENOSYS);
+    ret(SECCOMP_RET_ERRNO | ENOSYS);
+    label(L_EPERM);
+    ret(SECCOMP_RET_ERRNO | EPERM);
+    label(L_NOOP);
+    ret(SECCOMP_RET_ERRNO | 0);
+    label(L_ALLOW);
+    ret(SECCOMP_RET_ALLOW);
+    for (int i = 0; i < n_ins; i++) {
+        if (jt_of[i] == -1 && jf_of[i] == -1) continue;
+        int jt = jt_of[i] < 0 ? i + 1 : label_at[jt_of[i]], jf = jf_of[i] < 0 ? i + 1 : label_at[jf_of[i]];
+        if (jt - i - 1 > 255 || jf - i - 1 > 255 || jt <= i || jf <= i) { errno = EINVAL; fail("setup", "seccomp program"); }
+        prog[i].jt = (unsigned char)(jt - i - 1);
+        prog[i].jf = (unsigned char)(jf - i - 1);
+    }
+    struct sock_fprog fprog = {(unsigned short)n_ins, prog};
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("setup", "seccomp");
 }
 
 static void lockdown(unsigned long long keep) {
@@ -202,14 +258,14 @@ static char stack[64 << 10] __attribute__((aligned(16)));
 int main(int argc, char **argv) {
     if (argc < 4 || strcmp(argv[2], "--") != 0) {
         errno = EINVAL;
-        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+11)");
+        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+12)");
     }
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
     int base = atoi(argv[1]);
     ERR_FD = base + 3;
-    const int NS_FD0 = base + 4, USERNS_FD = base + 9, ROOT_FD = base + 10, SETUP_FD = base + 11;
+    const int NS_FD0 = base + 4, USERNS_FD = base + 10, ROOT_FD = base + 11, SETUP_FD = base + 12;
     size_t got = 0;
     for (ssize_t n; got < sizeof setup - 1 && (n = read(SETUP_FD, setup + got, sizeof setup - 1 - got)) != 0; ) {
         if (n < 0) { if (errno == EINTR) continue; fail("setup", "read setup"); }
@@ -247,7 +303,7 @@ int main(int argc, char **argv) {
     if (chdir(cwd)) fail("cwd", cwd);
     clean_slate();
     lockdown(keep);
-    no_new_userns();   /* after no_new_privs (lockdown): a filter needs it without CAP_SYS_ADMIN */
+    command_filter();   /* after no_new_privs (lockdown): a filter needs it without CAP_SYS_ADMIN */
     fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
     if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 1, ~0U, 0)) {
         long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */

@@ -1,0 +1,110 @@
+"""Disk and snapshot bounds (issue 12, escapes 3-4), each the attack from inside a sandbox: what one
+sandbox can make the host's disk and the edge's memory hold is bounded by its own disk limit."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+import libdsec
+from tests.test_attacks import armed
+
+pytestmark = pytest.mark.timeout(240)
+MIB = 1 << 20
+
+
+def allocated(path) -> int:
+    """Bytes the host really holds for a file (st_blocks, metadata of the filesystem in it included)."""
+    return os.stat(path).st_blocks * 512
+
+
+async def test_empty_files_cannot_grow_the_host_disk_past_the_limit(client, stack, hostile):
+    """50,000 empty files under a 16 MiB disk limit: the pool image on the host grows by at most the limit
+    plus max(8 MiB, 10%), and destroy gives the blocks back within the same slack. Before: about 800 MiB
+    (metadata DUP, never given back)."""
+    image = stack.edge.backend._uppers.image
+    limit, slack = 16 * MIB, max(8 * MIB, int(1.6 * MIB))
+    os.sync()
+    start = allocated(image)
+    sb = await client.create(resources=libdsec.Resources(disk="16Mi"))
+    try:
+        await armed(sb, hostile)
+        r = await sb.exec("mkdir /tmp/f && /tmp/hostile files /tmp/f 50000", timeout=120)
+        made, err = r.stdout.split()
+        os.sync()
+        grown = allocated(image) - start
+        assert int(err) in (0, 122, 28), r.stdout   # EDQUOT / ENOSPC once the cap is reached
+        assert grown <= limit + slack, f"{int(made)} files grew the host image by {grown / MIB:.1f} MiB"
+    finally:
+        await sb.destroy()
+    deadline = time.monotonic() + 30
+    while allocated(image) - start > slack and time.monotonic() < deadline:   # the cleaner drops the subvolume
+        os.sync()
+        await asyncio.sleep(0.5)
+    assert allocated(image) - start <= slack, f"destroy left {(allocated(image) - start) / MIB:.1f} MiB"
+
+
+async def test_a_sparse_file_snapshot_is_refused_naming_both_sizes(client, stack):
+    """A 20 GiB sparse file costs no quota; a snapshot of it would pack 20 GiB (mkfs.erofs stores holes
+    as data) and used to be read into the edge's memory. Refused, naming both sizes; the sandbox and the
+    node stay fine."""
+    async with await client.create(resources=libdsec.Resources(disk="64Mi")) as sb:
+        assert (await sb.exec("truncate -s 20G /tmp/sparse")).exit_code == 0
+        with pytest.raises(libdsec.InvalidRequest, match=r"add up to 214748\d+ bytes.*limit of 67108864 bytes"):
+            await sb.snapshot(tag="sparse")
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"   # thawed
+        assert await client.snapshots(tag="sparse") == []
+
+
+class PeakRss:
+    """The peak RSS of this process (the edge runs in it) while sampling."""
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self.base = self.proc.memory_info().rss
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def test_a_1gib_snapshot_streams_without_holding_it_in_memory(client, stack):
+    """Packing and storing a 1 GiB snapshot grows the edge's RSS by less than 64 MiB (before: the whole
+    layer was read into memory), and a fork on a node that must fetch it streams it to disk too."""
+    sb = await client.create(resources=libdsec.Resources(disk="1200Mi"))
+    snap = None
+    try:
+        assert (await sb.exec("head -c 1073741824 /dev/zero > /tmp/big", timeout=120)).exit_code == 0
+        with PeakRss() as rss:
+            snap = await sb.snapshot(tag="big")
+        assert snap.size >= 1 << 30
+        grew = rss.peak - rss.base
+        assert grew < 64 * MIB, f"the edge's RSS grew by {grew / MIB:.0f} MiB packing and storing 1 GiB"
+        stack.edge.layers.evict([snap.layers[-1]])   # as on another node: the fork fetches it
+        with PeakRss() as rss:
+            fork = (await client.fork(snap, n=1))[0]
+        try:
+            assert (await fork.exec("stat -c %s /tmp/big")).stdout == b"1073741824\n"
+        finally:
+            await fork.destroy()
+        grew = rss.peak - rss.base
+        assert grew < 64 * MIB, f"the edge's RSS grew by {grew / MIB:.0f} MiB fetching 1 GiB"
+    finally:
+        await sb.destroy()
+        if snap is not None:
+            await client.delete_snapshot(snap)
