@@ -432,8 +432,8 @@ async def test_layer_cache_keeps_under_its_cap_and_never_drops_a_layer_in_use(tm
     blobs = {f"sha256:{hashlib.sha256(b * 1000).hexdigest()}": b * 1000 for b in (b"a", b"b", b"c", b"d")}
 
     class Store:
-        async def obj_get(self, bucket, name):
-            return blobs[name]
+        async def obj_get_file(self, bucket, name, path):
+            path.write_bytes(blobs[name])
 
     in_use: set[str] = set()
     cache = layercache.LayerCache(Store(), tmp_path, max_bytes=2500, in_use=lambda: set(in_use))
