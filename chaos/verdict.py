@@ -97,6 +97,9 @@ async def records(bus: Bus) -> list:
     return list(last.values())
 
 
+EVENTS_SETTLE = 20.0   # seconds events may trail their records (the outbox's backoff, with margin)
+
+
 async def settle(bus: Bus, ids: set[str], limit: float = 30.0) -> list:
     """Wait (up to limit) until no record of these sandboxes is ready or starting; the records then."""
     deadline = time.monotonic() + limit
@@ -123,19 +126,29 @@ async def check(bus: Bus, ran: set[str], told: dict[str, str]) -> Streams:
             out.stale.append(f"{sid}={rec.state if rec else 'no record'}")
         elif sid in told and rec.state != told[sid]:
             out.wrong_state.append(f"{sid}: told {told[sid]}, recorded {rec.state}")
-    created: collections.Counter = collections.Counter()
-    ended: collections.Counter = collections.Counter()
-    for m in await _read(bus, streams.EVT_STREAM, "dsec.evt.>"):
-        try:
-            ev = event_decoder.decode(m.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            continue
-        out.events += 1
-        out.seen.setdefault(ev.sandbox_id, []).append((ev.type, ev.node))
-        if ev.type == "created":
-            created[ev.sandbox_id] += 1
-        elif ev.type in TERMINAL_EVENTS:
-            ended[ev.sandbox_id] += 1
+    # An edge publishes a change's events after its record is stored, retrying while the bus is away (its
+    # outbox backs off up to 5 s): a terminal record may precede its event by that much. Read the events
+    # again until each sandbox that ran has both, or EVENTS_SETTLE has passed.
+    deadline = time.monotonic() + EVENTS_SETTLE
+    while True:
+        created: collections.Counter = collections.Counter()
+        ended: collections.Counter = collections.Counter()
+        out.events, out.seen = 0, {}
+        for m in await _read(bus, streams.EVT_STREAM, "dsec.evt.>"):
+            try:
+                ev = event_decoder.decode(m.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            out.events += 1
+            out.seen.setdefault(ev.sandbox_id, []).append((ev.type, ev.node))
+            if ev.type == "created":
+                created[ev.sandbox_id] += 1
+            elif ev.type in TERMINAL_EVENTS:
+                ended[ev.sandbox_id] += 1
+        missing = [sid for sid in ran if created[sid] == 0 or ended[sid] == 0]
+        if not missing or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(1.0)
     for sid in sorted(ran):
         if created[sid] == 0:
             out.created_missing.append(sid)

@@ -7,6 +7,7 @@ import sys
 import click
 
 import libdsec
+from cli.termsafe import Terminal, field
 from cli.main import fail, main, nats_option, run_async
 
 
@@ -52,13 +53,15 @@ async def _create(client: libdsec.AsyncClient, image, workspace, toolkit, cpu, m
 
 
 async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
+    """The command's output on our stdout/stderr: escaped on a terminal, byte-exact otherwise."""
     cmd = argv[0] if len(argv) == 1 and " " in argv[0] else argv
+    outs = {"stdout": Terminal(sys.stdout.buffer), "stderr": Terminal(sys.stderr.buffer)}
     async for ev in sb.stream(cmd, timeout=timeout):
         if isinstance(ev, libdsec.Output):
-            out = sys.stdout.buffer if ev.stream == "stdout" else sys.stderr.buffer
-            out.write(ev.data)
-            out.flush()
+            outs[ev.stream].write(ev.data)
         else:
+            for out in outs.values():
+                out.close()
             if ev.timed_out:
                 click.echo(f"dsec: command timed out after {timeout}s", err=True)
                 return 124
@@ -129,7 +132,8 @@ async def ls(nats_url, all_states) -> None:
     for r in recs:
         created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
         expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") if r.expires_at else "-"
-        click.echo(f"{r.sandbox_id:<20} {r.state:<10} {r.node:<12} {r.image:<14} {created:<20} {expires}")
+        click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.node):<12} {field(r.image):<14} {created:<20} "
+                   f"{expires}")
 
 
 @main.command()

@@ -16,6 +16,7 @@ from bus.conn import Bus
 from bus.errors import DsecError
 from bus.messages import ExitRecord, OutputChunk, TrajRecord, decode_output, encode
 from cli.main import fail, main, nats_option, run_async
+from cli.termsafe import Terminal
 from libdsec.execstream import LineSplitter
 from libdsec.trajectories import consumer_config, read
 
@@ -81,9 +82,15 @@ def parse_since(text: str | None) -> datetime.datetime | None:
     return when if when.tzinfo else when.astimezone()
 
 
+_OUT: Terminal | None = None
+
+
 def _write(data: bytes) -> None:
-    sys.stdout.buffer.write(data)
-    sys.stdout.buffer.flush()
+    """To stdout: escaped on a terminal (sandbox bytes and tenant names are never obeyed), exact otherwise."""
+    global _OUT
+    if _OUT is None:
+        _OUT = Terminal(sys.stdout.buffer)
+    _OUT.write(data)
 
 
 @main.command()

@@ -223,6 +223,46 @@ def test_metrics_port_in_use_is_one_line(up, tmp_path):
     assert str(up["mport"]) in line and "metrics" in line and "in use" in line
 
 
+HOSTILE_OUTPUT = r"printf 'ok\033]52;c;cHduZWQ=\007\033[2A\033[2Kforged\rhide\302\233x\377\n'"
+
+
+def on_a_terminal(*args: str, timeout: float = 60) -> bytes:
+    """Run the CLI with its stdout and stderr on a pseudo-terminal; what it wrote there."""
+    import pty
+    import select
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([DSEC, *args], stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:   # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(10)
+    os.close(master)
+    return out
+
+
+def test_sandbox_bytes_are_escaped_on_a_terminal_and_exact_in_a_pipe(up):
+    """A sandbox printing a clipboard write (OSC 52), cursor moves, a carriage return, a C1 CSI and
+    invalid UTF-8: on a terminal all of it shows as visible escapes; through a pipe, byte for byte."""
+    shown = on_a_terminal("run", "--nats", up["url"], "--", "sh", "-c", HOSTILE_OUTPUT)
+    assert b"\x1b" not in shown and b"\xc2\x9b" not in shown and b"\xff" not in shown, shown
+    assert b"ok\\x1b]52;c;cHduZWQ=\\a\\x1b[2A\\x1b[2Kforged\\rhide\\x9bx\\xff" in shown, shown
+    piped = subprocess.run([DSEC, "run", "--nats", up["url"], "--", "sh", "-c", HOSTILE_OUTPUT],
+                           capture_output=True, timeout=60)
+    assert piped.stdout == b"ok\x1b]52;c;cHduZWQ=\x07\x1b[2A\x1b[2Kforged\rhide\xc2\x9bx\xff\n", piped.stdout
+
+
 def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     """Runs last in this module: SIGINT to the whole process group, with sandboxes running."""
     for _ in range(3):
@@ -238,3 +278,4 @@ def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     servers = [p for p in psutil.process_iter(["cmdline"])
                if p.info["cmdline"] and "nats-server" in p.info["cmdline"][0] and str(up["port"]) in p.info["cmdline"]]
     assert servers == [], "embedded nats-server still running"
+

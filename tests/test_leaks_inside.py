@@ -1,10 +1,12 @@
 """What a sandbox can read of the host and its neighbours (issue 12, leaks), each tried from inside."""
 from __future__ import annotations
 
+import asyncio
 import errno
 
 import pytest
 
+import libdsec
 from tests.test_attacks import armed
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +37,8 @@ async def test_host_block_devices_disk_use_and_kernel_pages_are_masked(client, s
         r = await sb.exec("for d in /sys/block /sys/class/block /sys/fs/btrfs /sys/devices/virtual/block; do "
                           "ls -A $d; done | wc -l; "
                           "cat /sys/kernel/vmcoreinfo /proc/kpageflags /proc/kpagecount /proc/kpagecgroup "
-                          "/proc/slabinfo /proc/vmallocinfo /proc/key-users 2>/dev/null | wc -c")
+                          "/proc/slabinfo /proc/vmallocinfo /proc/key-users /proc/cmdline /proc/partitions "
+                          "2>/dev/null | wc -c")
         assert r.stdout.split() == [b"0", b"0"], r.stdout + r.stderr
 
 
@@ -78,3 +81,59 @@ async def test_sync_from_a_sandbox_does_not_flush_the_host(client, stack, tmp_pa
         assert after >= before - (50 << 20), f"a sandbox's sync flushed the host: {before >> 20} -> {after >> 20} MiB dirty"
     finally:
         host_file.unlink()
+
+
+async def meminfo(sb) -> dict[str, int]:
+    r = await sb.exec("cat /proc/meminfo")
+    assert r.exit_code == 0, r.stderr
+    return {line.split(":")[0]: int(line.split()[1]) for line in r.stdout.decode().splitlines() if line.strip()}
+
+
+async def test_proc_views_follow_the_sandbox_and_survive_an_lxcfs_restart(client, stack):
+    """/proc/meminfo, cpuinfo and uptime are the sandbox's (lxcfs under the edge's state dir): its memory
+    limit, its use as it grows, its cores, its own uptime. When lxcfs is killed the edge starts it again
+    and the running sandbox's views come back."""
+    import os
+    import signal
+    async with await client.create(resources=libdsec.Resources(memory="64Mi", cpu=1)) as sb:
+        before = await meminfo(sb)
+        assert before["MemTotal"] == 65536, before
+        await sb.exec("head -c 20971520 /dev/zero > /dev/shm/fill")
+        after = await meminfo(sb)
+        assert before["MemFree"] - after["MemFree"] >= 15 * 1024, (before, after)   # its own use, live
+        cores = int((await sb.exec("grep -c ^processor /proc/cpuinfo")).stdout)
+        assert cores == 1, f"cpuinfo shows {cores} cores for a 1-core sandbox"
+        up = int((await sb.exec("cut -d. -f1 /proc/uptime")).stdout)
+        with open("/proc/uptime") as f:
+            host_up = float(f.read().split()[0])
+        assert up < min(600, host_up - 1), (up, host_up)   # its own (since its init started), not the host's
+        views = stack.edge.backend._views
+        restarts = views.restarts
+        os.kill(views.proc.pid, signal.SIGKILL)
+        for _ in range(100):
+            r = await sb.exec("head -1 /proc/meminfo")
+            if views.restarts > restarts and r.exit_code == 0 and b"65536" in r.stdout:
+                break
+            await asyncio.sleep(0.1)
+        assert views.restarts > restarts, "lxcfs was not started again"
+        assert r.exit_code == 0 and b"65536" in r.stdout, r.stdout + r.stderr
+        assert (await meminfo(sb))["MemTotal"] == 65536
+
+
+async def test_direct_writes_are_throttled_on_the_pool_device(client, stack):
+    """blkio throttles each sandbox's I/O on the pool's loop device (what cgroup v1 can: direct and
+    synchronous writes); the bytes a direct write makes are charged to the sandbox's own group."""
+    from edge.backends.cgroups import IO_LIMITS
+    backend = stack.edge.backend
+    device = backend._uppers.device()
+    assert device, "the pool has no loop device"
+    async with await client.create() as sb:
+        group = backend._cgroups.sandbox(backend._key(sb.id))["blkio"]
+        for name, value in IO_LIMITS:
+            assert (group / name).read_text().split() == [device, str(value)], name
+        r = await sb.exec("dd if=/dev/zero of=/tmp/d bs=1M count=8 oflag=direct 2>&1")
+        assert r.exit_code == 0, r.stdout
+        served = (group / "blkio.throttle.io_service_bytes").read_text()
+        writes = [int(line.split()[2]) for line in served.splitlines()
+                  if line.startswith(device + " ") and line.split()[1] == "Write"]
+        assert writes and writes[0] >= 8 << 20, served

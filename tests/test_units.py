@@ -523,3 +523,20 @@ async def test_the_reaper_gives_nodes_grace_after_its_own_stall(monkeypatch):
         assert claimed
     finally:
         task.cancel()
+
+
+def test_terminal_escapes_controls_but_keeps_text_and_split_characters():
+    """Controls (C0 but newline and tab, DEL, C1, bidi overrides) and invalid bytes show as escapes on a
+    tty; a UTF-8 character split across chunks is kept whole; not a tty: bytes untouched."""
+    import io
+    from cli.termsafe import Terminal, escape
+    assert escape("a\tb\nc\x1b[31md\x7f\u009b\u202e") == "a\tb\nc\\x1b[31md\\x7f\\x9b\\u202e"
+    buf = io.BytesIO()
+    t = Terminal(buf, tty=True)
+    for chunk in (b"caf\xc3", b"\xa9 \xe2\x9c", b"\x93 \x1b]52;c;x\x07 \xff"):
+        t.write(chunk)
+    t.close()
+    assert buf.getvalue() == "café ✓ \\x1b]52;c;x\\a \\xff".encode()
+    raw = io.BytesIO()
+    Terminal(raw, tty=False).write(b"\x1b[2J\xff")
+    assert raw.getvalue() == b"\x1b[2J\xff"

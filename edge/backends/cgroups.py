@@ -16,11 +16,16 @@ from pathlib import Path
 from edge.backends.base import Limits
 
 ROOT = Path("/sys/fs/cgroup")
-CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices")
+CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices", "blkio", "cpuset")
 # An exec gets its own child group only where it needs one: freezer (kill its tree), cpuacct and
 # memory (its cpu time and peak), pids and memory (its limit events). In cpu and devices it joins
-# the sandbox's group: fewer mkdir/rmdir/attach per exec.
+# the sandbox's group: fewer mkdir/rmdir/attach per exec (and in blkio).
 EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
+# I/O a sandbox may make on the writable-layer pool's loop device (cgroup v1 blkio throttling). v1 throttles
+# what reaches the device in the sandbox's name: direct and synchronous writes (O_DIRECT, O_SYNC, fsync);
+# buffered writes are written back by the kernel's flusher, charged to no sandbox (docs/architecture.md).
+IO_LIMITS = (("blkio.throttle.write_bps_device", 64 << 20), ("blkio.throttle.read_bps_device", 256 << 20),
+             ("blkio.throttle.write_iops_device", 2000), ("blkio.throttle.read_iops_device", 8000))
 # Device nodes a sandbox may open (mknod of anything is allowed, opening it is not):
 # null zero full random urandom tty ptmx, and the devpts ptys. Not 5:1 (the host console).
 DEVICE_RULES = ("c *:* m", "b *:* m", "c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm",
@@ -186,9 +191,17 @@ class NodeCgroups:
         self.base = {c: p / f"dsec-{node_id}" for c, p in own_paths().items()}
 
     def setup(self) -> None:
-        """Create the node groups (existing ones are kept)."""
+        """Create the node groups (existing ones are kept). The cpuset group takes its parent's cpus and
+        memory nodes and hands them to every sandbox group made in it (clone_children): sandboxes get
+        the node's cpus, in a cpuset group of their own, which lxcfs needs to size their cpuinfo."""
         for path in self.base.values():
             path.mkdir(exist_ok=True)
+        if "cpuset" in self.base:
+            node = self.base["cpuset"]
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if not read(node / name).strip():
+                    write(node / name, read(node.parent / name).strip())
+            write(node / "cgroup.clone_children", "1")
 
     def sandbox(self, sandbox_id: str) -> dict[str, Path]:
         """Group directories of one sandbox, per controller."""
@@ -203,8 +216,9 @@ class NodeCgroups:
         own = self.exec_group(sandbox_id, n)
         return [own.get(c, p / sandbox_id) for c, p in self.base.items()]
 
-    def create_sandbox(self, sandbox_id: str, limits: Limits) -> dict[str, Path]:
-        """Create a sandbox's groups with its limits; on failure nothing is left."""
+    def create_sandbox(self, sandbox_id: str, limits: Limits, io_device: str = "") -> dict[str, Path]:
+        """Create a sandbox's groups with its limits (I/O on io_device, "major:minor", throttled); on
+        failure nothing is left."""
         groups = self.sandbox(sandbox_id)
         try:
             for path in groups.values():
@@ -219,6 +233,9 @@ class NodeCgroups:
             write(groups["devices"] / "devices.deny", "a")
             for rule in DEVICE_RULES:
                 write(groups["devices"] / "devices.allow", rule)
+            if io_device and "blkio" in groups:
+                for name, value in IO_LIMITS:
+                    write(groups["blkio"] / name, f"{io_device} {value}")
         except OSError as exc:
             self.remove(groups)
             raise CgroupError(f"cgroup setup for {sandbox_id} failed: {exc}") from exc

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import errno
 import itertools
 import logging
@@ -24,23 +23,22 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import cgroups, enter, execio, idmap, kernel, native, rootfiles, zygote
-from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, LayerUnusable, OutputSink,
-                                SandboxGone, SandboxSpec, SnapshotTooLarge)
+from edge.backends import cgroups, enter, execio, idmap, kernel, native, packing, procviews, rootfiles, zygote
+from edge.backends.base import (Backend, BackendError, CapacityExhausted, ExecControl, ExecResult, LayerUnusable,
+                                OutputSink, SandboxGone, SandboxSpec, SnapshotTooLarge)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.layermounts import LayerError, LayerMounts
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points, mounted_at
 from edge.backends.launcher import Launcher
-from edge.backends.zygote import Launch, LauncherError
+from edge.backends.zygote import Launch, LauncherError, Refresh
 
-__all__ = ["ContainerBackend", "ExecFailed", "SnapshotTooLarge", "apparent_size", "leftovers"]
+__all__ = ["ContainerBackend", "ExecFailed", "leftovers"]
 
 log = logging.getLogger(__name__)
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 LAUNCH_TIMEOUT = 30.0
-KILL_GRACE = 5.0            # after a kill, how long the pipes may take to close
 REAP_TIMEOUT = 10.0
 KEYS_KEPT = 4096            # claimed warm sandboxes whose cgroup/layer names residue() can still tell
 
@@ -79,23 +77,6 @@ class _Sandbox:
         return self.frozen_total + (time.monotonic() - self.frozen_since if self.frozen_since is not None else 0.0)
 
 
-async def _wait_unfrozen(fut: asyncio.Future, timeout: float, frozen_for) -> None:
-    """Wait for fut up to timeout seconds of time not spent frozen (timeout <= 0: forever)."""
-    if timeout <= 0:
-        await asyncio.shield(fut)
-        return
-    start, frozen0 = time.monotonic(), frozen_for()
-    while True:
-        left = timeout - ((time.monotonic() - start) - (frozen_for() - frozen0))
-        if left <= 0:
-            raise asyncio.TimeoutError
-        try:
-            await asyncio.wait_for(asyncio.shield(fut), left)
-            return
-        except asyncio.TimeoutError:
-            continue   # time passed while frozen does not count: look again
-
-
 class ContainerBackend(Backend):
     """Sandboxes made directly of namespaces, cgroups and mounts (crun refuses hybrid cgroups here)."""
 
@@ -118,6 +99,8 @@ class ContainerBackend(Backend):
         self._starting: set[str] = set()
         self._spawner: enter.Spawner | None = None   # exec spawns (dsec-enter, built at start)
         self._ids = idmap.Allocator(node_id)
+        self._views = procviews.ProcViews(self.state_dir, self._refresh_views, serving=lambda: self._launcher.alive)
+        self._io_device = ""                          # the pool's loop device: sandboxes' I/O is throttled on it
 
     # ------------------------------------------------------------ lifecycle
 
@@ -134,13 +117,27 @@ class ContainerBackend(Backend):
                                             "libc6-dev (make setup does)")
             self._spawner = enter.Spawner(helper, zygote.KEEP_MASK)
             await asyncio.to_thread(self._uppers.setup)
+            self._io_device = self._uppers.device()
             await asyncio.to_thread(self._prepare_trusted)
             self._layers.root.mkdir(exist_ok=True)
             self._empty.mkdir(exist_ok=True)
             await self._launcher.start()
+            await self._views.start()
         except (OSError, UpperError, LauncherError) as exc:
             await self._reconcile()
             raise BackendError(f"container backend failed to start: {exc}") from exc
+
+    async def _refresh_views(self) -> None:
+        """lxcfs was started again: fresh /proc views into every running sandbox (through the zygote)."""
+        views = self._views.proc_dir
+        for sb in [sb for sb in self._sandboxes.values() if sb.dying is None and not sb.init_exit.done()]:
+            try:
+                _, done = await self._launcher.request(Refresh(init=sb.init_pid, views=views), [])
+                status = await asyncio.wait_for(done, 10)
+                if status != 0:
+                    log.error("refreshing the /proc views of %s failed (status %s)", sb.spec.id, status)
+            except (LauncherError, asyncio.TimeoutError) as exc:
+                log.error("refreshing the /proc views of %s failed: %s", sb.spec.id, exc)
 
     def _prepare_trusted(self) -> None:
         """state_dir/trusted/sh: a root-owned, read-only copy of the host's static busybox, on a small
@@ -163,6 +160,7 @@ class ContainerBackend(Backend):
         """Kill and remove everything this node id left under its cgroups and state dir; give back its
         uid ranges (those still holding keys stay leased, draining)."""
         problems = await self._cgroups.reconcile()
+        await asyncio.to_thread(self._views.cleanup)
         if not problems:
             self._ids.setup()
             await asyncio.to_thread(self._ids.reclaim)
@@ -181,6 +179,7 @@ class ContainerBackend(Backend):
             results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
                                            return_exceptions=True)
         finally:   # cancelled (a stop budget ran out) or not: the node is left clean
+            await self._views.stop()
             self._layers.unmount_all()
             try:
                 await self._launcher.close()
@@ -229,14 +228,14 @@ class ContainerBackend(Backend):
             ids = self._ids.lease(spec.id)
             layers = self._layers.acquire(spec.layers)
             sub = self._uppers.create(spec.id, spec.limits.disk)
-            groups = self._cgroups.create_sandbox(spec.id, spec.limits)
+            groups = self._cgroups.create_sandbox(spec.id, spec.limits, self._io_device)
             lowers = [str(p) for p in reversed(layers)] or [str(self._empty)]
             ready_r, ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             try:
                 msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
                              trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty),
-                             base=str(self.state_dir))
+                             base=str(self.state_dir), views=self._views.proc_dir)
                 try:
                     init = await self._launcher.request(msg, [ready_w])
                 finally:
@@ -251,6 +250,8 @@ class ContainerBackend(Backend):
             await self._teardown(spec.id, init, groups, sub is not None, layers, ids)
             if isinstance(exc, LayerError):
                 raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
+            if isinstance(exc, LauncherError) and zygote.USERNS_EXHAUSTED in str(exc):
+                raise CapacityExhausted(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, (UpperError, CgroupError, LauncherError, OSError)):
                 raise BackendError(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
@@ -405,12 +406,12 @@ class ContainerBackend(Backend):
             await self.freeze(sandbox_id)
         try:
             upper = self._uppers.root / sb.key / "upper"
-            size = await asyncio.to_thread(apparent_size, upper)
+            size = await asyncio.to_thread(packing.apparent_size, upper)
             if size > sb.spec.limits.disk:
                 raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: its files add up to {size} bytes "
                                        f"(sparse and reflinked files counted at their apparent size), above "
                                        f"its disk limit of {sb.spec.limits.disk} bytes")
-            return await asyncio.to_thread(_pack_relative, upper, Path(dst), sb.ids)
+            return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids)
         except (LayerBuildError, OSError) as exc:
             raise BackendError(f"snapshot of {sandbox_id} failed: {exc}") from exc
         finally:
@@ -463,9 +464,9 @@ class ContainerBackend(Backend):
                 finally:
                     pipes.close_child_ends()    # else our copies of the write ends would hide EOF
                 if control is not None:
-                    control.on_signal(lambda sig: self._signal_exec(groups, sig))
-                status, timed_out = await self._supervise(exited, groups, pipes, stdin, timeout, sink, control,
-                                                          sb.frozen_for)
+                    control.on_signal(lambda sig: execio.signal_exec(groups, sig))
+                status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
+                                                         sb.frozen_for)
             except LauncherError as exc:
                 raise BackendError(str(exc)) from exc
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
@@ -500,63 +501,6 @@ class ContainerBackend(Backend):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             raise BackendError(f"cannot watch {argv[0]}: {exc.strerror}") from exc
-
-    async def _supervise(self, exited: asyncio.Future, groups: dict[str, Path], pipes: "execio.Pipes",
-                         stdin: bytes | None, timeout: float, sink: OutputSink,
-                         control: ExecControl | None, frozen_for=lambda: 0.0) -> tuple[int, bool]:
-        """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree. Time
-        the sandbox spends frozen (suspended) does not count against the timeout."""
-        if control is not None and control.live_stdin:
-            feeder = asyncio.ensure_future(execio.feed_live(pipes.take("stdin_w"), stdin or b"", control))
-        else:
-            feeder = asyncio.ensure_future(execio.feed(pipes.take("stdin_w"), stdin or b""))
-        pumps = [asyncio.ensure_future(execio.pump(pipes.stdout_r, "stdout", sink)),
-                 asyncio.ensure_future(execio.pump(pipes.stderr_r, "stderr", sink))]
-        # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
-        everything = asyncio.gather(asyncio.shield(exited), *pumps)
-        timed_out = False
-        try:
-            try:
-                await _wait_unfrozen(everything, timeout, frozen_for)
-            except asyncio.TimeoutError:
-                timed_out = True
-                await self._kill_exec(groups)
-                try:
-                    await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE)
-                except asyncio.TimeoutError:
-                    raise BackendError("command killed but its output pipes stayed open") from None
-            return exited.result(), timed_out
-        except BaseException:
-            await asyncio.shield(self._kill_exec(groups))
-            raise
-        finally:
-            everything.cancel()
-            if everything.done() and not everything.cancelled():
-                everything.exception()      # retrieved: errors were raised above already
-            for task in (feeder, *pumps):
-                task.cancel()
-            # Wait until they unregistered their fds: the caller closes them next, and a closed
-            # fd number may at once be reused by another exec's pipe.
-            await asyncio.gather(feeder, *pumps, return_exceptions=True)
-
-    async def _signal_exec(self, groups: dict[str, Path], sig: int) -> bool:
-        """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left."""
-        if not groups["freezer"].is_dir():
-            return False
-        if sig == signal.SIGKILL:
-            return await cgroups.kill_tree(groups["freezer"])
-        try:
-            pids = cgroups.procs_under(groups["freezer"])
-        except OSError:
-            return False
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        return bool(pids)
-
-    async def _kill_exec(self, groups: dict[str, Path]) -> None:
-        if not await cgroups.kill_tree(groups["freezer"]):
-            raise BackendError(f"cannot kill the processes of {groups['freezer']}")
 
     # ------------------------------------------------------------ files
 
@@ -618,6 +562,7 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
     out.extend(f"loop device {d}" for d in loop_devices(state_dir / "uppers.btrfs"))
     out.extend(f"uid range lease {i} ({key})" for i, key in idmap.Allocator(node_id).held().items()
                if key != idmap.DRAINING)
+    out.extend(f"lxcfs process {pid}" for pid in procviews.leftover_daemons(str(state_dir / "lxcfs")))
     label = f"{state_dir}:{node_id}".encode()
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -627,38 +572,3 @@ def leftovers(state_dir: Path, node_id: str) -> list[str]:
         if b"edge.backends.zygote" in cmdline and label in cmdline.split(b"\0"):
             out.append(f"zygote process {proc.name}")
     return out
-
-
-def apparent_size(root: Path) -> int:
-    """Bytes the files under root claim (st_size of every regular file, links counted once each), plus
-    4 KiB per other inode: what packing them as a layer writes."""
-    total, seen = 0, set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        total += 4096 * (len(dirnames) + 1)
-        for name in filenames:
-            st = os.lstat(os.path.join(dirpath, name))
-            if st.st_nlink > 1:
-                if st.st_ino in seen:
-                    continue
-                seen.add(st.st_ino)
-            total += st.st_size if stat.S_ISREG(st.st_mode) else 4096
-    return total
-
-
-def _pack_relative(upper: Path, dst: Path, ids: idmap.IdRange) -> str:
-    """mkfs.erofs of upper as the sandbox sees its owners (host base+n packed as n), through an idmapped
-    view mounted beside it for the pack (mkfs.erofs resolves its source path, so a detached view read
-    through /proc/self/fd would be resolved away)."""
-    from edge.erofs import pack_dir
-    view = upper.parent / "packing"
-    view.mkdir(exist_ok=True)
-    userns = idmap.relative_userns(ids)
-    try:
-        kernel.idmap_over(str(upper), userns, at=str(view))
-    finally:
-        os.close(userns)
-    try:
-        return pack_dir(view, dst)
-    finally:
-        kernel.umount2(str(view), kernel.MNT_DETACH)
-        view.rmdir()

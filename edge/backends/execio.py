@@ -1,15 +1,22 @@
 """Exec plumbing of the container backend: the four pipes of a command, pumping output to the sink
-without reading ahead of it, feeding stdin, and turning wait statuses and error reports into results."""
+without reading ahead of it, feeding stdin, supervising it to its end (timeouts that do not count frozen
+time, killing its tree, signals), and turning wait statuses and error reports into results."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
+import signal
+import time
+from pathlib import Path
 
-from edge.backends.base import ExecControl, OutputSink
+from edge.backends import cgroups
+from edge.backends.base import BackendError, ExecControl, OutputSink
 from edge.backends.kernel import USERNS_PER_SANDBOX
 
 CHUNK = 64 << 10   # bytes read from a pipe at once (a pipe holds 64 KiB)
+KILL_GRACE = 5.0   # after a kill, how long the pipes may take to close
 
 class Pipes:
     """The four pipes of one exec: stdin, stdout, stderr, and the execve error pipe."""
@@ -174,3 +181,76 @@ def exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
     return f"cannot execute {argv[0]}: {reason}" if stage == "exec" else f"exec {argv[0]} failed ({stage}): {reason}"
 
 
+async def wait_unfrozen(fut: asyncio.Future, timeout: float, frozen_for) -> None:
+    """Wait for fut up to timeout seconds of time not spent frozen (timeout <= 0: forever)."""
+    if timeout <= 0:
+        await asyncio.shield(fut)
+        return
+    start, frozen0 = time.monotonic(), frozen_for()
+    while True:
+        left = timeout - ((time.monotonic() - start) - (frozen_for() - frozen0))
+        if left <= 0:
+            raise asyncio.TimeoutError
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), left)
+            return
+        except asyncio.TimeoutError:
+            continue   # time passed while frozen does not count: look again
+
+
+async def supervise(exited: asyncio.Future, groups: dict[str, Path], pipes: Pipes,
+                     stdin: bytes | None, timeout: float, sink: OutputSink,
+                     control: ExecControl | None, frozen_for=lambda: 0.0) -> tuple[int, bool]:
+    """Feed stdin, pump output, wait for exit and EOF; on timeout kill the exec's whole tree. Time
+    the sandbox spends frozen (suspended) does not count against the timeout."""
+    if control is not None and control.live_stdin:
+        feeder = asyncio.ensure_future(feed_live(pipes.take("stdin_w"), stdin or b"", control))
+    else:
+        feeder = asyncio.ensure_future(feed(pipes.take("stdin_w"), stdin or b""))
+    pumps = [asyncio.ensure_future(pump(pipes.stdout_r, "stdout", sink)),
+             asyncio.ensure_future(pump(pipes.stderr_r, "stderr", sink))]
+    # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
+    everything = asyncio.gather(asyncio.shield(exited), *pumps)
+    timed_out = False
+    try:
+        try:
+            await wait_unfrozen(everything, timeout, frozen_for)
+        except asyncio.TimeoutError:
+            timed_out = True
+            await kill_exec(groups)
+            try:
+                await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE)
+            except asyncio.TimeoutError:
+                raise BackendError("command killed but its output pipes stayed open") from None
+        return exited.result(), timed_out
+    except BaseException:
+        await asyncio.shield(kill_exec(groups))
+        raise
+    finally:
+        everything.cancel()
+        if everything.done() and not everything.cancelled():
+            everything.exception()      # retrieved: errors were raised above already
+        for task in (feeder, *pumps):
+            task.cancel()
+        # Wait until they unregistered their fds: the caller closes them next, and a closed
+        # fd number may at once be reused by another exec's pipe.
+        await asyncio.gather(feeder, *pumps, return_exceptions=True)
+
+async def signal_exec(groups: dict[str, Path], sig: int) -> bool:
+    """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left."""
+    if not groups["freezer"].is_dir():
+        return False
+    if sig == signal.SIGKILL:
+        return await cgroups.kill_tree(groups["freezer"])
+    try:
+        pids = cgroups.procs_under(groups["freezer"])
+    except OSError:
+        return False
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    return bool(pids)
+
+async def kill_exec(groups: dict[str, Path]) -> None:
+    if not await cgroups.kill_tree(groups["freezer"]):
+        raise BackendError(f"cannot kill the processes of {groups['freezer']}")

@@ -175,11 +175,22 @@ class _MountAttr(ctypes.Structure):
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
 
 
+def open_tree_clone(path: str) -> int:
+    """A detached copy of the mount (or file) at path, as an fd (open_tree OPEN_TREE_CLONE)."""
+    return _check(_libc.syscall(SYS_OPEN_TREE, -100, _b(path), OPEN_TREE_CLONE | os.O_CLOEXEC),
+                  f"open_tree({path})")
+
+
+def move_mount(fd: int, target: str) -> None:
+    """Attach the detached mount fd at target (in the caller's mount namespace)."""
+    _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", -100, _b(target), MOVE_MOUNT_F_EMPTY_PATH),
+           f"move_mount({target})")
+
+
 def idmapped_clone(path: str, userns_fd: int) -> int:
     """A detached copy of the mount at path whose file owners are seen through userns_fd's maps
     (on-disk id n shows as the host id that n maps to); returns its fd (open_tree + mount_setattr)."""
-    fd = _check(_libc.syscall(SYS_OPEN_TREE, -100, _b(path), OPEN_TREE_CLONE | os.O_CLOEXEC),
-                f"open_tree({path})")
+    fd = open_tree_clone(path)
     attr = _MountAttr(MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
     try:
         _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
@@ -194,8 +205,7 @@ def idmap_over(path: str, userns_fd: int, at: str | None = None) -> None:
     """Mount an idmapped copy of path over `at` (default: over path itself, stacked)."""
     fd = idmapped_clone(path, userns_fd)
     try:
-        _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", -100, _b(at or path), MOVE_MOUNT_F_EMPTY_PATH),
-               f"move_mount({path}, {at or path})")
+        move_mount(fd, at or path)
     finally:
         os.close(fd)
 

@@ -88,6 +88,13 @@ class UpperPool:
         _run("btrfs", "quota", "enable", str(self.root))
         self._ioctls = self._probe()
 
+    def device(self) -> str:
+        """"major:minor" of the loop device the pool is mounted from ("" when not mounted)."""
+        for dev in loop_devices(self.image):
+            rdev = os.stat(dev).st_rdev
+            return f"{os.major(rdev)}:{os.minor(rdev)}"
+        return ""
+
     def _probe(self) -> bool:
         """Check the ioctls on a throwaway subvolume; fall back to btrfs commands if one fails."""
         try:

@@ -41,11 +41,14 @@ MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet alw
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())
 KEEP_MASK = sum(1 << c for c in KEEP_CAPS)
 MASKED_PROC = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "sched_debug", "sysrq-trigger",
-               "kpageflags", "kpagecount", "kpagecgroup", "slabinfo", "vmallocinfo", "program_cpu")
+               "kpageflags", "kpagecount", "kpagecgroup", "slabinfo", "vmallocinfo", "program_cpu", "cmdline",
+               "partitions")
 # What /sys would tell of the host: its block devices (every loop backing file), every sandbox's live disk
 # use (btrfs qgroups), the kernel's memory layout. Empty read-only directories (or /dev/null) instead.
 MASKED_SYS_DIRS = ("block", "class/block", "dev/block", "devices/virtual/block", "fs/btrfs")
 MASKED_SYS_FILES = ("kernel/vmcoreinfo",)
+# Files lxcfs computes for the reading sandbox (its memory, cpu quota, uptime): bound over /proc's.
+PROC_VIEWS = ("meminfo", "cpuinfo", "stat", "uptime", "diskstats", "swaps")
 READONLY_PROC = ("sys", "irq", "bus", "fs")
 DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
            ("tty", 5, 0))
@@ -67,6 +70,15 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     uid_base: int = 0           # first host uid (and gid) of the sandbox's range: its root
     empty: str = ""             # the lowerdir of a sandbox without layers (a plain dir: not idmapped)
     base: str = "/"             # the node's state dir: overlay paths are given relative to it
+    views: str = ""             # lxcfs's /proc dir: its files are bound over the sandbox's (procviews.py)
+
+
+class Refresh(msgspec.Struct, tag="refresh", tag_field="kind", frozen=True):
+    """Put fresh /proc views (lxcfs restarted) into a running sandbox; the child exits 0 when done."""
+
+    init: int
+    views: str
+    rid: int = 0
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="kind", frozen=True):
@@ -96,7 +108,7 @@ class Exited(msgspec.Struct, tag="exited", tag_field="kind", frozen=True):
     status: int
 
 
-Request = Launch
+Request = Launch | Refresh
 Reply = Hello | Spawned | Refused | Exited
 
 
@@ -158,7 +170,7 @@ class Zygote:
         try:
             req = self.decoder.decode(data)
             rid = req.rid
-            pid = self._launch(req, fds)
+            pid = self._launch(req, fds) if isinstance(req, Launch) else self._refresh(req)
             self._send(Spawned(rid, pid))
         except (OSError, msgspec.DecodeError, ValueError) as exc:
             self._send(Refused(rid, str(exc)))
@@ -185,12 +197,43 @@ class Zygote:
         self.inits.add(pid)
         return pid
 
+    def _refresh(self, req: Refresh) -> int:
+        if req.init not in self.inits:
+            raise ValueError("sandbox is not running")
+        names = [name for name in PROC_VIEWS if os.path.exists(f"{req.views}/{name}")]
+        clones: list[int] = []
+        mntns = -1
+        try:
+            for name in names:
+                clones.append(kernel.open_tree_clone(f"{req.views}/{name}"))
+            mntns = os.open(f"/proc/{req.init}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    kernel.setns(mntns, kernel.CLONE_NEWNS)
+                    for name, fd in zip(names, clones):
+                        try:
+                            kernel.umount2(f"/proc/{name}", kernel.MNT_DETACH)   # the dead lxcfs's
+                        except OSError:
+                            pass
+                        kernel.move_mount(fd, f"/proc/{name}")
+                    code = 0
+                finally:
+                    os._exit(code)
+            return pid
+        finally:
+            for fd in [mntns, *clones]:
+                if fd >= 0:
+                    os.close(fd)
+
 
 # Per-namespace limits of every sandbox's user namespace S (/proc/sys/user/*, written from inside S
 # before anything of the sandbox runs; commands live in namespaces nested in S and cannot change
 # them). They bound what the sandbox as a whole may hold; the host's per-uid sysctls (charged to the
 # sandbox's own uid) bound it too. Each exec uses one user namespace while any of its processes lives.
 USERNS_LIMITS = kernel.USERNS_LIMITS
+USERNS_EXHAUSTED = "the host's user namespaces are exhausted"   # (user.max_user_namespaces)
 
 
 def sandbox_userns(base: int) -> int:
@@ -219,7 +262,8 @@ def sandbox_userns(base: int) -> int:
             os.write(rep_w, b"u")
             os.read(go_r, 1)
         except BaseException as exc:
-            os.write(rep_w, str(exc).encode()[:500] or b"?")
+            text = USERNS_EXHAUSTED if getattr(exc, "errno", None) == errno.ENOSPC else str(exc)
+            os.write(rep_w, f"{text} ({exc})".encode()[:500])
         finally:
             os._exit(0)
     os.close(go_r)
@@ -338,6 +382,10 @@ def _mount_root(req: Launch, userns: int) -> None:
             kernel.mount("tmpfs", f"{root}/sys/{name}", "tmpfs", nosuid | kernel.MS_RDONLY, "size=4k,mode=555")
     for name in MASKED_SYS_FILES:
         _bind("/dev/null", f"{root}/sys/{name}", readonly=False)
+    if req.views:
+        for name in PROC_VIEWS:
+            if os.path.exists(f"{req.views}/{name}"):
+                _bind(f"{req.views}/{name}", f"{root}/proc/{name}", readonly=False)
     _mount_dev(f"{root}/dev", req.uid_base)
     if req.trusted:
         _mount_trusted(req.trusted, f"{root}/.dsec")
