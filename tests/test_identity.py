@@ -154,7 +154,12 @@ async def test_a_restarted_edge_gives_back_its_ranges(tmp_path_factory, busybox_
     await sbs.create()
     held = backend._ids.held()
     assert len(held) == 1
-    again = ContainerBackend(state, node, upper_pool_size=1 << 30)   # the first one "crashed": never stopped
+    os.kill(backend.launcher_pid, signal.SIGKILL)   # the first one "crashes": its zygote dies, it is never
+    for _ in range(200):                             # stopped, and what it ran (lxcfs too) stays behind
+        if not backend._launcher.alive:
+            break
+        await asyncio.sleep(0.01)
+    again = ContainerBackend(state, node, upper_pool_size=1 << 30)
     with leaks.live(node, state):
         try:
             await again.start()
