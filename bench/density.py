@@ -1,7 +1,8 @@
 """Benchmark: density — how many idle sandboxes one node holds, and the host memory each costs.
 
 Starts its own `dsec up` sized for it (--slots N --cpu-overcommit 1 --capacity slots=N,cpu=1000,
-memory=400Gi), creates N sandboxes of cpu=0.1, memory=64Mi in batches, lets the host settle, and reports
+memory=400Gi and disk for N default writable layers: the pool image is sparse), creates N sandboxes of
+cpu=0.1, memory=64Mi in batches, lets the host settle, and reports
 the drop of MemAvailable divided by the count (beside the same figure for N bare `unshare` + `sleep`
 processes, the raw baseline, measured in the same run). Then destroys them all.
 
@@ -85,7 +86,7 @@ def main() -> None:
     raw = raw_baseline(args.raw)
     n = args.sandboxes
     with dsec_up("--slots", str(n), "--cpu-overcommit", "1",
-                 "--capacity", f"slots={n},cpu=1000,memory=400Gi") as (url, _):
+                 "--capacity", f"slots={n},cpu=1000,memory=400Gi,disk={n * 300}Mi") as (url, _):   # sparse pool
         made, per, took = asyncio.run(fill(url, n, args.batch))
     print(f"raw baseline: {raw / MIB:.2f} MiB per bare namespaced process ({args.raw} of them)")
     print(f"density: {made} idle sandboxes (of {n}) in {took:.1f} s, {per / MIB:.2f} MiB of host memory each "

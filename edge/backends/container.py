@@ -40,6 +40,7 @@ ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 LAUNCH_TIMEOUT = 30.0
 REAP_TIMEOUT = 10.0
+RELEASE_RETRIES = (0.001, 0.004, 0.02, 0.1, 0.5)   # seconds between looks at a draining range
 KEYS_KEPT = 4096            # claimed warm sandboxes whose cgroup/layer names residue() can still tell
 
 
@@ -101,6 +102,7 @@ class ContainerBackend(Backend):
         self._ids = idmap.Allocator(node_id)
         self._views = procviews.ProcViews(self.state_dir, self._refresh_views, serving=lambda: self._launcher.alive)
         self._io_device = ""                          # the pool's loop device: sandboxes' I/O is throttled on it
+        self._drains: set[asyncio.Task] = set()       # ranges looked at again while their keys are collected
 
     # ------------------------------------------------------------ lifecycle
 
@@ -179,6 +181,8 @@ class ContainerBackend(Backend):
             results = await asyncio.gather(*(self.destroy(i) for i in list(self._sandboxes)),
                                            return_exceptions=True)
         finally:   # cancelled (a stop budget ran out) or not: the node is left clean
+            for task in list(self._drains):
+                task.cancel()
             await self._views.stop()
             self._layers.unmount_all()
             try:
@@ -353,9 +357,21 @@ class ContainerBackend(Backend):
                     residue.append(str(exc))
         finally:
             self._layers.release(layers)   # whatever failed above, the layer references go
-            if ids is not None and (gone or not groups):
-                self._ids.release(ids)
+            if ids is not None and (gone or not groups) and not self._ids.release(ids):
+                self._drains.add(asyncio.ensure_future(self._release_later(ids)))
         return residue
+
+    async def _release_later(self, ids: idmap.IdRange) -> None:
+        """Look again at a range left draining: the kernel collects the session keyrings of its last
+        commands just after they end, so it is usually free within milliseconds (and then the next
+        sandbox reuses it and its user namespace, instead of making new ones)."""
+        try:
+            for delay in RELEASE_RETRIES:
+                await asyncio.sleep(delay)
+                if self._ids.release_drained(ids) or not self._ids.held().get(ids.index) == idmap.DRAINING:
+                    return
+        finally:
+            self._drains.discard(asyncio.current_task())
 
     @staticmethod
     async def _reap(pid: int, exited: asyncio.Future) -> None:

@@ -17,7 +17,9 @@ charged to a range anyway.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import random
 import subprocess
@@ -102,16 +104,34 @@ class Allocator:
         return True
 
     def _take_drained(self, i: int, body: bytes) -> bool:
-        """A draining range whose keys are gone: claimed by an atomic rename (one edge wins), then leased."""
-        if charged(IdRange(i)):
-            return False
-        claim = f"{self._path(i)}.claim.{os.getpid()}"
+        """A draining range whose keys are gone, leased to us (under the host-wide drain lock)."""
+        with self._drain_lock():
+            if not self._draining(i) or charged(IdRange(i)):
+                return False
+            self._write(i, body)
+            return True
+
+    def release_drained(self, rng: IdRange) -> bool:
+        """Give back a range this node left draining, once its keys are gone; False if it still holds
+        some, or is no longer ours (another edge took it after its keys went)."""
+        with self._drain_lock():
+            if self._owner(rng.index) != (self.node_id, DRAINING) or charged(rng):
+                return False
+            os.unlink(self._path(rng.index))
+        if rng.index in self._drained:
+            self._drained.remove(rng.index)
+        self._freed.append(rng.index)
+        return True
+
+    @contextlib.contextmanager
+    def _drain_lock(self):
+        """flock on <leases>/.lock: taking a draining range and giving one back never interleave."""
+        fd = os.open(f"{self.dir}/.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            os.rename(self._path(i), claim)
-        except FileNotFoundError:
-            return False
-        os.unlink(claim)
-        return self._take(i, body)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def release(self, rng: IdRange) -> bool:
         """Give a range back once nothing of its sandbox remains (call after its processes are gone).
