@@ -8,7 +8,9 @@ import errno
 import os
 import re
 import shutil
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -120,7 +122,7 @@ async def test_planted_setuid_and_file_capabilities_are_not_privileged_on_the_ho
     (valid only where that uid is root: inside the sandbox's own user namespaces)."""
     async with await client.create() as sb:
         await armed(sb, hostile)
-        r = await sb.exec("cp /bin/busybox /tmp/rootsh && chmod 4755 /tmp/rootsh && cp /tmp/hostile /tmp/capped"
+        r = await sb.exec("cp /tmp/hostile /tmp/rootsh && chmod 4755 /tmp/rootsh && cp /tmp/hostile /tmp/capped"
                           " && /tmp/hostile setcap /tmp/capped")
         assert r.exit_code == 0 and r.stdout == b"ok\n", (r.stdout, r.stderr)
         upper = stack.edge.backend._uppers.root / stack.edge.backend._key(sb.id) / "upper" / "tmp"
@@ -132,18 +134,20 @@ async def test_planted_setuid_and_file_capabilities_are_not_privileged_on_the_ho
         magic = int.from_bytes(cap[:4], "little")
         assert magic >> 24 == 3, f"file capability is not namespaced (version {magic >> 24})"
         assert int.from_bytes(cap[20:24], "little") == base, "its root id is not the sandbox's uid"
-        # Run as an unprivileged host user, the planted shell does not become host root.
-        probe = upper.parent / "probe"
-        shutil.copy2(upper / "rootsh", probe)   # the copy keeps the owner only as root: chown it back
-        os.chown(probe, st.st_uid, st.st_gid)
-        os.chmod(probe, 0o4755)
+        # Run by an unprivileged host user (from a directory anyone may enter: the state dir is 0700),
+        # the planted setuid binary runs as the sandbox's uid, never as host root.
+        where = Path(tempfile.mkdtemp(prefix="dsec-probe-"))
         try:
+            os.chmod(where, 0o755)
+            probe = where / "rootsh"
+            shutil.copyfile(upper / "rootsh", probe)   # the planted bytes, owner and mode
+            os.chown(probe, st.st_uid, st.st_gid)
+            os.chmod(probe, stat.S_IMODE(st.st_mode))
             out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(probe),
-                                  "id", "-u"], capture_output=True, text=True)
-            if out.returncode == 0:
-                assert out.stdout.strip() != "0"
+                                  "euid"], capture_output=True, text=True)
+            assert out.returncode == 0 and out.stdout.strip() == str(base), (out.stdout, out.stderr)
         finally:
-            probe.unlink()
+            shutil.rmtree(where)
 
 
 async def test_inotify_instances_are_counted_per_sandbox(client, stack, hostile):

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -368,8 +367,8 @@ class ContainerBackend(Backend):
         try:
             for delay in RELEASE_RETRIES:
                 await asyncio.sleep(delay)
-                if self._ids.release_drained(ids) or not self._ids.held().get(ids.index) == idmap.DRAINING:
-                    return
+                if self._ids.release_drained(ids) or not self._ids.draining_ours(ids):
+                    return   # given back, or (its keys gone) another edge took it meanwhile
         finally:
             self._drains.discard(asyncio.current_task())
 
@@ -474,17 +473,14 @@ class ContainerBackend(Backend):
         started = time.monotonic()
         try:
             try:
-                try:
-                    exited = self._start_exec(sb, n, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
-                                              pipes)
-                finally:
-                    pipes.close_child_ends()    # else our copies of the write ends would hide EOF
-                if control is not None:
-                    control.on_signal(lambda sig: execio.signal_exec(groups, sig))
-                status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
-                                                         sb.frozen_for)
-            except LauncherError as exc:
-                raise BackendError(str(exc)) from exc
+                exited = self._start_exec(sb, n, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
+                                          pipes)
+            finally:
+                pipes.close_child_ends()    # else our copies of the write ends would hide EOF
+            if control is not None:
+                control.on_signal(lambda sig: execio.signal_exec(groups, sig))
+            status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
+                                                     sb.frozen_for)
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
         finally:
             pipes.close()

@@ -115,13 +115,21 @@ class Allocator:
         """Give back a range this node left draining, once its keys are gone; False if it still holds
         some, or is no longer ours (another edge took it after its keys went)."""
         with self._drain_lock():
-            if self._owner(rng.index) != (self.node_id, DRAINING) or charged(rng):
+            if not self.draining_ours(rng) or charged(rng):
                 return False
             os.unlink(self._path(rng.index))
         if rng.index in self._drained:
             self._drained.remove(rng.index)
-        self._freed.append(rng.index)
+        self._note_freed(rng)
         return True
+
+    def draining_ours(self, rng: IdRange) -> bool:
+        """Whether the range is still leased to this node, draining (one lease file read)."""
+        return self._owner(rng.index) == (self.node_id, DRAINING)
+
+    def _note_freed(self, rng: IdRange) -> None:
+        if len(self._freed) < 4096:
+            self._freed.append(rng.index)
 
     @contextlib.contextmanager
     def _drain_lock(self):
@@ -145,18 +153,13 @@ class Allocator:
             os.unlink(self._path(rng.index))
         except FileNotFoundError:
             pass
-        if len(self._freed) < 4096:
-            self._freed.append(rng.index)
+        self._note_freed(rng)
         return True
 
-    def reclaim(self, keep: set[int] = frozenset()) -> int:
-        """After a restart (this node's processes all killed): release this node's leases except keep.
-        Returns how many stay leased (kept or draining)."""
-        left = 0
-        for i in self.held():
-            if i in keep or not self.release(IdRange(i)):
-                left += 1
-        return left
+    def reclaim(self) -> int:
+        """After a restart (this node's processes all killed): release this node's leases. Returns how
+        many stay leased (draining)."""
+        return sum(not self.release(IdRange(i)) for i in self.held())
 
     def held(self) -> dict[int, str]:
         """This node's leases: range index -> sandbox key (or 'draining')."""

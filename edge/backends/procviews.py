@@ -25,7 +25,7 @@ from typing import Awaitable, Callable
 
 from edge.backends import kernel
 from edge.backends.uppers import mounted_at
-from edge.backends.zygote import PROC_VIEWS as VIEWS   # noqa: F401 (the files bound: re-exported)
+from edge.backends.zygote import PROC_VIEWS
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,10 @@ class ProcViews:
                 self._kill()
                 raise OSError(f"lxcfs did not start (exit {self.proc.returncode})")
             time.sleep(0.01)
+        missing = [name for name in PROC_VIEWS if not os.path.exists(self.mount / "proc" / name)]
+        if missing:   # checked once here: each sandbox's launch binds them all without looking
+            self._kill()
+            raise OSError(f"this lxcfs serves no /proc/{', '.join(missing)}")
 
     async def _supervise(self) -> None:
         while not self._stopping:

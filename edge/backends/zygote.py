@@ -200,11 +200,10 @@ class Zygote:
     def _refresh(self, req: Refresh) -> int:
         if req.init not in self.inits:
             raise ValueError("sandbox is not running")
-        names = [name for name in PROC_VIEWS if os.path.exists(f"{req.views}/{name}")]
-        clones: list[int] = []
+        clones: list[int] = []          # procviews checked that lxcfs serves every one of PROC_VIEWS
         mntns = -1
         try:
-            for name in names:
+            for name in PROC_VIEWS:
                 clones.append(kernel.open_tree_clone(f"{req.views}/{name}"))
             mntns = os.open(f"/proc/{req.init}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
             pid = os.fork()
@@ -212,7 +211,7 @@ class Zygote:
                 code = 1
                 try:
                     kernel.setns(mntns, kernel.CLONE_NEWNS)
-                    for name, fd in zip(names, clones):
+                    for name, fd in zip(PROC_VIEWS, clones):
                         try:
                             kernel.umount2(f"/proc/{name}", kernel.MNT_DETACH)   # the dead lxcfs's
                         except OSError:
@@ -377,15 +376,20 @@ def _mount_root(req: Launch, userns: int) -> None:
     for name in MASKED_PROC:
         _bind("/dev/null", f"{root}/proc/{name}", readonly=False)
     kernel.mount("sysfs", f"{root}/sys", "sysfs", nosuid | kernel.MS_RDONLY)
+    empty_dir = ""                  # one read-only tmpfs, bound over the others: one superblock per sandbox
     for name in MASKED_SYS_DIRS:
-        if os.path.isdir(f"{root}/sys/{name}"):
-            kernel.mount("tmpfs", f"{root}/sys/{name}", "tmpfs", nosuid | kernel.MS_RDONLY, "size=4k,mode=555")
+        if not os.path.isdir(f"{root}/sys/{name}"):
+            continue
+        if empty_dir:
+            _bind(empty_dir, f"{root}/sys/{name}", readonly=True)
+        else:
+            empty_dir = f"{root}/sys/{name}"
+            kernel.mount("tmpfs", empty_dir, "tmpfs", nosuid | kernel.MS_RDONLY, "size=4k,mode=555")
     for name in MASKED_SYS_FILES:
         _bind("/dev/null", f"{root}/sys/{name}", readonly=False)
-    if req.views:
+    if req.views:                   # every one is there (procviews checked when lxcfs started)
         for name in PROC_VIEWS:
-            if os.path.exists(f"{req.views}/{name}"):
-                _bind(f"{req.views}/{name}", f"{root}/proc/{name}", readonly=False)
+            _bind(f"{req.views}/{name}", f"{root}/proc/{name}", readonly=False)
     _mount_dev(f"{root}/dev", req.uid_base)
     if req.trusted:
         _mount_trusted(req.trusted, f"{root}/.dsec")

@@ -14,6 +14,7 @@
  *   hostile uevent              open a netlink socket for the host's hotplug events; print "ok" or errno
  *   hostile probe FILE          the page-cache probe: mincore of FILE mapped, fadvise DONTNEED; print
  *                               "mincore=E fadvise=E" (0: allowed)
+ *   hostile euid                print the effective uid (a planted setuid copy shows whom it runs as)
  *   hostile setcap FILE         give FILE cap_sys_admin+ep (security.capability); print "ok" or errno
  */
 #define _GNU_SOURCE
@@ -146,6 +147,10 @@ int main(int argc, char **argv) {
             close(f);
         }
         printf("%d %d\n", made, err);
+        return 0;
+    }
+    if (!strcmp(cmd, "euid")) {
+        printf("%d\n", (int)geteuid());
         return 0;
     }
     if (!strcmp(cmd, "uevent")) {
