@@ -41,6 +41,7 @@ RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish:
 # election instead of waiting out a long timeout. Provisioning and consumers get the long one.
 JS_TIMEOUT = 1.5
 ADMIN_TIMEOUT = 10.0
+ADMIN_TRIES = 3   # an idempotent admin request (a consumer's create or delete) unanswered in time is sent again
 
 
 class Bus(KvStore, StreamReads):
@@ -250,19 +251,30 @@ class Bus(KvStore, StreamReads):
             info = await self.admin.consumer_info(stream, durable)
         return info.num_ack_pending
 
+    async def _admin(self, what: str, call: Callable[[], Awaitable[object]]) -> object:
+        """An idempotent admin request, sent again while it goes unanswered (a busy meta leader, an
+        election): ADMIN_TRIES tries of ADMIN_TIMEOUT each before the BusError."""
+        for attempt in range(ADMIN_TRIES):
+            try:
+                with mapped_errors(what):
+                    return await call()
+            except BusError as exc:
+                if not timed_out(exc) or attempt == ADMIN_TRIES - 1:
+                    raise
+                log.warning("%s: no answer in %.0fs; asking again", what, ADMIN_TIMEOUT)
+        raise AssertionError("unreachable")
+
     async def delete_consumer(self, stream: str, durable: str) -> None:
         """Delete a durable consumer (absent is fine): its unacked messages go to the next one at once."""
         try:
-            with mapped_errors(f"delete consumer {durable}"):
-                await self.admin.delete_consumer(stream, durable)
+            await self._admin(f"delete consumer {durable}", lambda: self.admin.delete_consumer(stream, durable))
         except BusError as exc:
             if not isinstance(exc.__cause__, nats.js.errors.NotFoundError):
                 raise
 
     async def ensure_consumer(self, stream: str, config: api.ConsumerConfig) -> None:
         """Create a durable consumer (or keep it as it is)."""
-        with mapped_errors(f"consumer {config.durable_name}"):
-            await self.admin.add_consumer(stream, config)
+        await self._admin(f"consumer {config.durable_name}", lambda: self.admin.add_consumer(stream, config))
 
     async def take(self, stream: str, durable: str, handle: Callable[[bytes], Awaitable[bool | None]], *,
                    limit: int = 10_000, wait: float = 0.3) -> int:
@@ -305,8 +317,7 @@ class Bus(KvStore, StreamReads):
                           credit: Callable[[], int]) -> PullWorker:
         """Ensure the durable consumer exists and start a credit-based worker on it."""
         stream, config = stream_and_config
-        with mapped_errors(f"consumer {config.durable_name}"):
-            await self.admin.add_consumer(stream, config)
+        await self.ensure_consumer(stream, config)
         worker = PullWorker(self.nc, stream, config.durable_name, handler, credit)
         await worker.start()
         worker.on_stop = self.on_reconnect(worker.reconnected)

@@ -19,7 +19,8 @@ One verdict line per run:
            pool_lane_peak=N served={node: n} recovery=... -> PASS|FAIL
 PASS: nothing lost, duplicated, wrong, stale, leaked or over capacity; every event and exit record exactly
 once; no node declared lost but the killed edge; no failure at all under a server, engine or pause fault,
-and under an edge fault only SandboxNotFound(node_lost) for sandboxes that were on the killed edge.
+and under an edge fault only SandboxNotFound(node_lost) for sandboxes that were on the killed edge (from an
+exec, or from the create itself when the sandbox was ready there but the edge died before the client heard).
 Recovery (printed, never asserted): after a server kill, the first ready latency create (probed every
 100 ms) beside the servers' elections (streams, their consumers, the meta group); after an edge kill, when
 the probes of its first half second (booked on the dead node, some of them) were all served; for every
@@ -58,6 +59,7 @@ class Run:
     node_of: dict[str, str] = field(default_factory=dict)      # sandbox -> node it ran on
     told: dict[str, str] = field(default_factory=dict)         # sandbox -> final state the client learnt
     lost_on: collections.Counter = field(default_factory=collections.Counter)   # node_lost failures by node
+    lost_creates: list[str] = field(default_factory=list)   # sandboxes whose create ended node_lost
     first_error: dict[str, str] = field(default_factory=dict)
     probes: list[tuple[float, float]] = field(default_factory=list)   # (sent, ready) monotonic, after the fault
 
@@ -104,7 +106,12 @@ async def one(client: libdsec.AsyncClient, burst: bool, run: Run) -> None:
     try:
         sb = await client.create(priority="batch", burst=burst, timeout=150, ttl=300)
     except libdsec.DsecError as exc:
-        run.fail(f"create:{exc.reason if isinstance(exc, libdsec.SandboxNotFound) else exc.code}", exc)
+        lost = isinstance(exc, libdsec.SandboxNotFound)
+        run.fail(f"create:{exc.reason if lost else exc.code}", exc)
+        if lost and exc.reason == "node_lost":   # ready on a node that died before the client heard of it
+            sid = str(exc.details.get("sandbox_id", ""))
+            run.lost_creates.append(sid)
+            run.told[sid] = "node_lost"   # its record and events are checked like every other sandbox's
         return
     run.out["completed"] += 1
     run.node_of[sb.id] = sb.node
@@ -236,7 +243,10 @@ async def scenario(creates: int, fault: str, burst: bool, tmp: Path) -> int:
             lost = len(pending)
             for t in pending:
                 t.cancel()
-        stream_report = await check(bus, set(run.node_of), run.told)
+        stream_report = await check(bus, set(run.node_of) | set(run.lost_creates), run.told)
+        for sid in run.lost_creates:   # which node each was on, from its record ("" when it has none)
+            rec = stream_report.records.get(sid)
+            run.lost_on[rec.node if rec is not None else ""] += 1
         taken_back, sat = 0, 0.0
         for _, raw in await bus.kv_items(streams.ENGINES_KV):
             e = engine_decoder.decode(raw)
@@ -253,14 +263,14 @@ async def scenario(creates: int, fault: str, burst: bool, tmp: Path) -> int:
     leaked = sum(len(leftovers(tmp / node / "edge", node)) for node in h.edges)
     victim_edge = hit if fault == "edge" else ""
     failures = {k: v for k, v in run.out.items() if k != "completed"}
-    allowed = {"exec:node_lost"} if fault == "edge" else set()
+    allowed = {"create:node_lost", "exec:node_lost"} if fault == "edge" else set()
     untyped = sum(v for k, v in failures.items() if k not in allowed)
     strays = sum(n for node, n in run.lost_on.items() if node != victim_edge)   # node_lost off the victim
     declared = sorted(obs.lost - ({victim_edge} if victim_edge else set()))
     served = collections.Counter(run.node_of.values())
     ok = (lost == 0 and untyped == 0 and strays == 0 and leaked == 0 and not obs.over and not declared
           and burst_low == 0 and stream_report is not None and stream_report.bad() == 0
-          and run.out["completed"] == creates and obs.pool_peak <= 2 * h.slots
+          and run.out["completed"] + run.out["create:node_lost"] == creates and obs.pool_peak <= 2 * h.slots
           and (fault != "none" or not burst or served.get("cld0", 0) > 0))
     for key, msg in sorted(run.first_error.items()):
         print(f"  first {key}: {msg[:300]}", file=sys.stderr)

@@ -258,8 +258,8 @@ class AsyncClient:
                         if not queued and on_queued is not None:
                             on_queued(reply.reason)
                         queued = reply.reason or "queued"
-                    case ErrorReply():
-                        raise from_code(reply.code, reply.message, reason=reply.reason)
+                    case ErrorReply():   # (the id tells which sandbox, e.g. one lost with its node)
+                        raise from_code(reply.code, reply.message, reason=reply.reason, sandbox_id=req.sandbox_id)
             await self._abandon(req.sandbox_id)
             why = f" (queued: {queued})" if queued else ""
             raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; "
