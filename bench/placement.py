@@ -112,7 +112,7 @@ async def saturation(client: libdsec.AsyncClient, watch: LaneWatch, n: int) -> d
     """n creates at once: routed/s (lane arrivals) and ready/s."""
     watch.reset()
     t0 = time.time()
-    results = await asyncio.gather(*(client.create(timeout=120, ttl=3600) for _ in range(n)), return_exceptions=True)
+    results = await asyncio.gather(*(client.create(backend="noop", timeout=120, ttl=3600) for _ in range(n)), return_exceptions=True)
     t1 = time.time()
     errors = [r for r in results if isinstance(r, BaseException)]
     span = (max(watch.arrivals) - t0) if watch.arrivals else float("nan")
@@ -130,7 +130,7 @@ async def paced(client: libdsec.AsyncClient, watch: LaneWatch, rate: float, seco
         delay = t0 + i / rate - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(client.create(timeout=60, ttl=3600)))
+        tasks.append(asyncio.create_task(client.create(backend="noop", timeout=60, ttl=3600)))
     results = await asyncio.gather(*tasks, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
     return {"rate": rate, "lat_p50": percentile(watch.latencies, 50), "lat_p99": percentile(watch.latencies, 99),

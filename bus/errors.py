@@ -64,6 +64,23 @@ class RequestExpired(PlacementError, TimeoutError):
     code = "expired"
 
 
+class Unsupported(DsecError):
+    """The sandbox's backend kind lacks the operation (see bus/kinds.py); refused before anything starts.
+    .backend and .operation name them."""
+
+    code = "unsupported"
+
+    @property
+    def backend(self) -> str:
+        """The kind that lacks it."""
+        return str(self.details.get("backend", ""))
+
+    @property
+    def operation(self) -> str:
+        """The operation refused."""
+        return str(self.details.get("operation", ""))
+
+
 class SandboxError(DsecError):
     """A sandbox operation failed."""
 

@@ -257,9 +257,10 @@ ExecControlMsg = Union[ExecInput, ExecSignal]
 class Booking(msgspec.Struct, frozen=True):
     """A placement's reservation on a node, until the edge takes the create (or its deadline passes)."""
 
-    resources: Resources = Resources()
+    resources: Resources = Resources()   # what the create asked for plus its kind's overhead
     deadline: float = 0.0
     tenant: str = ""
+    kind: str = "container"              # counted against the node's slots of this kind
 
 
 class NodeInfo(Wire, tag="node"):
@@ -283,7 +284,9 @@ class NodeInfo(Wire, tag="node"):
     max_pids: int = 0
     draining: bool = False
     heartbeat: float = 0.0           # unix time
-    backends: list[str] = msgspec.field(default_factory=lambda: ["container"])
+    backends: list[str] = msgspec.field(default_factory=lambda: ["container"])   # the kinds it runs
+    kind_slots: dict[str, int] = {}  # kind -> sandboxes of that kind it may hold (within `slots` in all)
+    kind_used: dict[str, int] = {}   # kind -> sandboxes of that kind it runs
     bookings: dict[str, Booking] = {}   # request id -> reservation not yet taken by the edge
     lost: bool = False               # heartbeat stopped: declared lost by a placement engine
     lost_at: float = 0.0
@@ -356,6 +359,7 @@ class SandboxRecord(Wire, tag="sandbox"):
     # starting: claimed by the edge named in `node` (compare-and-set), so one request starts one sandbox
     state: Literal["starting", "ready", "destroyed", "expired", "failed", "node_lost"] = "ready"
     image: str = ""
+    backend: str = "container"       # its kind (bus/kinds.py): what operations it offers
     labels: dict[str, str] = {}
     resources: Resources = Resources()
     created_at: float = 0.0
@@ -422,6 +426,47 @@ class TrajRecord(Wire, tag="traj"):
     detail: str = ""
 
 
+class CallRequest(Wire, tag="call"):
+    """libdsec -> any fncall node (dsec.call.<priority>.<tenant>): run one stateless call. call_id is the
+    Nats-Msg-Id; the node answers reply_to once with a CallReply or an ErrorReply."""
+
+    call_id: str = ""
+    tenant: str = "default"
+    image: str = "busybox"
+    argv: list[str] = []
+    shell: str = ""                  # a string command: run by the trusted shell
+    env: dict[str, str] = {}
+    cwd: str = "/tmp"
+    stdin: bytes = b""
+    files: dict[str, bytes] = {}     # written before the command runs
+    read_back: list[str] = []        # read after it, into CallReply.files
+    timeout: float = 10.0
+    resources: Resources = Resources()
+    labels: dict[str, str] = {}      # `job` names its trajectory timeline
+    max_output: int = 256 << 10      # bytes kept per stream
+    deadline: float = 0.0            # absolute: a call still waiting then is not run (CapacityUnavailable)
+    reply_to: str = ""
+    sent_at: float = 0.0
+
+
+class CallReply(Wire, tag="callresult"):
+    """A fncall node -> the caller: how the call ended."""
+
+    call_id: str = ""
+    exit_code: int = 0
+    stdout: bytes = b""
+    stderr: bytes = b""
+    duration: float = 0.0
+    cpu_time: float = 0.0
+    peak_memory: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+    files: dict[str, bytes] = {}
+    worker: str = ""
+    node: str = ""
+    waited: float = 0.0              # seconds from sent to started on the worker
+
+
 class ImageRecord(Wire, tag="image"):
     """KV dsec-images: one version of a named layer, stored in object store dsec-layers."""
 
@@ -460,6 +505,7 @@ class WarmPool(Wire, tag="warmpool"):
     image: str = "busybox"
     workspace: str = ""
     toolkit: str = ""
+    backend: str = "container"       # the kind of its sandboxes (a create of another kind never claims one)
     resources: Resources = Resources()
     min: int = 0
     max: int = 4
@@ -467,10 +513,10 @@ class WarmPool(Wire, tag="warmpool"):
     updated_at: float = 0.0
 
 
-def pool_key(layers: list[LayerRef], r: Resources) -> str:
-    """What a warm sandbox and a create must share: the layer digests and the resources (a short hash,
-    as edges advertise their warm stock in their node record and placement looks for it there)."""
-    text = ",".join(la.digest for la in layers) + f"|{r.cpu}|{r.memory}|{r.pids}|{r.disk}"
+def pool_key(layers: list[LayerRef], r: Resources, kind: str = "container") -> str:
+    """What a warm sandbox and a create must share: the kind, the layer digests and the resources (a short
+    hash, as edges advertise their warm stock in their node record and placement looks for it there)."""
+    text = f"{kind}|" + ",".join(la.digest for la in layers) + f"|{r.cpu}|{r.memory}|{r.pids}|{r.disk}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -489,6 +535,8 @@ _ENCODER = msgspec.json.Encoder()
 # One typed decoder per family, built once.
 create_decoder = msgspec.json.Decoder(CreateRequest)
 create_reply_decoder = msgspec.json.Decoder(CreateReply)
+call_decoder = msgspec.json.Decoder(CallRequest)
+call_reply_decoder = msgspec.json.Decoder(Union[CallReply, ErrorReply])
 op_decoder = msgspec.json.Decoder(SandboxOp)
 op_reply_decoder = msgspec.json.Decoder(OpReply)
 output_decoder = msgspec.json.Decoder(OutputRecord)

@@ -15,6 +15,7 @@ NODE_STREAM = "DSEC_NODE"
 OUT_STREAM = "DSEC_OUT"
 EVT_STREAM = "DSEC_EVT"
 TRAJ_STREAM = "DSEC_TRAJ"
+CALL_STREAM = "DSEC_CALL"
 
 NODES_KV = "dsec-nodes"
 SANDBOXES_KV = "dsec-sandboxes"
@@ -43,6 +44,7 @@ ACK_WAIT = 30.0            # seconds a consumer waits for an ack; long work exte
 PLACEMENT_ACK_WAIT = 5.0
 PLACEMENT_LEASE_EVERY = 1.5
 POOL_ACK_WAIT = 10.0       # a pool's shared create lane: a dead edge's pulls go to its peers after this
+CALL_ACK_WAIT = 10.0       # a call's lane: a dead node's calls go to another node after this (calls are leased)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
         api.StreamConfig(name=REQ_STREAM, subjects=[subjects.create_requests(p) for p in subjects.PRIORITIES], retention=api.RetentionPolicy.WORK_QUEUE,
                          max_age=HOUR, **common),
         api.StreamConfig(name=NODE_STREAM, subjects=["dsec.node.>", "dsec.pool.>"],
+                         retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, **common),
+        api.StreamConfig(name=CALL_STREAM, subjects=[subjects.call_requests(p) for p in subjects.PRIORITIES],
                          retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, **common),
         api.StreamConfig(name=OUT_STREAM, subjects=["dsec.out.>"], retention=api.RetentionPolicy.LIMITS,
                          max_age=ret.output_max_age, max_bytes=ret.output_max_bytes,
@@ -110,6 +114,11 @@ def placement_consumer(priority: str) -> tuple[str, api.ConsumerConfig]:
 def pool_create_consumer(pool: str) -> tuple[str, api.ConsumerConfig]:
     """A pool's shared create lane: every edge of the pool pulls it (competing consumers)."""
     return NODE_STREAM, _pull(f"pool-{pool}-create", subjects.pool_create(pool), ack_wait=POOL_ACK_WAIT)
+
+
+def call_consumer(priority: str) -> tuple[str, api.ConsumerConfig]:
+    """The calls of one priority: every node running fncall workers pulls it (competing consumers)."""
+    return CALL_STREAM, _pull(f"calls-{priority}", subjects.call_requests(priority), ack_wait=CALL_ACK_WAIT)
 
 
 def edge_create_consumer(node: str) -> tuple[str, api.ConsumerConfig]:

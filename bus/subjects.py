@@ -46,6 +46,17 @@ def create_requests(priority: str) -> str:
     return f"dsec.req.create.{priority}.*"
 
 
+def call_request(tenant: str, priority: str = "latency") -> str:
+    """Where libdsec sends a CallRequest (fncall): one work-queue subject per priority and tenant, pulled
+    by every node with free workers (competing consumers: no placement round trip per call)."""
+    return f"dsec.call.{priority}.{tenant}"
+
+
+def call_requests(priority: str) -> str:
+    """Filter of one priority's calls (one consumer each, shared by the fncall nodes)."""
+    return f"dsec.call.{priority}.*"
+
+
 def pool_create(pool: str) -> str:
     """Where placement routes a create for any edge of a pool (cloud bursting); the pool's edges compete."""
     return f"dsec.pool.{pool}.create"

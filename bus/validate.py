@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import time
 
-from bus import subjects
+from bus import kinds, subjects
 from bus.errors import InvalidRequest
-from bus.messages import CreateRequest, Resources, WarmPool
+from bus.messages import CallRequest, CreateRequest, Resources, WarmPool
 
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20
 MAX_TTL = 7 * 24 * 3600.0
 MAX_WAIT = 1800.0   # a create may wait this long for room; well inside the request streams' max age
-BACKENDS = ("container",)
 MAX_WARM_POOL = 64   # the largest `max` of a warm pool (sandboxes per edge)
+MAX_CALL = Resources(cpu=4.0, memory=4 << 30, pids=4096, disk=1 << 30)   # the most one fncall may ask for
+MAX_CALL_TIMEOUT = 600.0
+MAX_CALL_OUTPUT = 256 << 10     # bytes kept per stream of a call (its reply is one bus message)
+MAX_CALL_FILES = 600_000        # bytes of files given with a call, and again of files read back
 
 
 def check_resources(r: Resources) -> None:
@@ -35,8 +38,7 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
             subjects.token(value, what)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-    if req.backend not in BACKENDS:
-        raise InvalidRequest(f"backend must be one of {', '.join(BACKENDS)}, got {req.backend!r}")
+    kinds.check_create_kind(req.backend, bool(req.snapshot))
     if not req.deadline > 0:
         raise InvalidRequest("deadline must be an absolute unix time")
     if req.deadline > (now or time.time()) + MAX_WAIT:
@@ -65,4 +67,41 @@ def check_warm_pool(spec: WarmPool) -> None:
                              f"got {spec.min} and {spec.max}")
     if not subjects.is_token(spec.node_pool):
         raise InvalidRequest(f"node_pool: {spec.node_pool!r} is not a valid pool name")
+    kinds.check_kind(spec.backend)
+    kinds.require(spec.backend, "warm_pools", "warm pools")
     check_resources(spec.resources)
+
+
+MAX_CALL_OUTPUT = 256 << 10      # bytes kept per stream (a reply is one bus message)
+
+
+def check_call(req: CallRequest) -> None:
+    """Every field of a call the node relies on; InvalidRequest naming the field."""
+    for value, what in ((req.call_id, "call_id"), (req.tenant, "tenant")):
+        try:
+            subjects.token(value, what)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+    if bool(req.shell) == bool(req.argv):
+        raise InvalidRequest("give cmd as a string (trusted shell) or a non-empty argv list, not both or neither")
+    if req.argv and not all(isinstance(a, str) and a and "\0" not in a for a in req.argv):
+        raise InvalidRequest("argv must be non-empty strings without NUL bytes")
+    if "\0" in req.shell:
+        raise InvalidRequest("cmd must not contain NUL bytes")
+    if not 0 < req.timeout <= MAX_CALL_TIMEOUT:
+        raise InvalidRequest(f"timeout must be > 0 and <= {MAX_CALL_TIMEOUT:.0f} seconds, got {req.timeout}")
+    check_resources(req.resources)
+    r, m = req.resources, MAX_CALL
+    if r.cpu > m.cpu or r.memory > m.memory or r.pids > m.pids or r.disk > m.disk:
+        raise InvalidRequest(f"resources: a call may ask for at most cpu={m.cpu:g}, memory={m.memory >> 20}Mi, "
+                             f"pids={m.pids}, disk={m.disk >> 20}Mi")
+    for path in [*req.files, *req.read_back, req.cwd]:
+        if not path.startswith("/") or "\0" in path:
+            raise InvalidRequest(f"paths must be absolute, got {path!r}")
+    if sum(len(d) for d in req.files.values()) > MAX_CALL_FILES:
+        raise InvalidRequest(f"files: at most {MAX_CALL_FILES} bytes with one call")
+    if not 0 < req.max_output <= MAX_CALL_OUTPUT:
+        raise InvalidRequest(f"max_output must be > 0 and <= {MAX_CALL_OUTPUT}, got {req.max_output}")
+    for k in req.env:
+        if not k or "=" in k or "\0" in k:
+            raise InvalidRequest(f"env: invalid variable name {k!r}")

@@ -223,7 +223,7 @@ async def inject(h: Harness, bus, fault: str, obs: Observer, run: Run, client) -
 
 async def scenario(creates: int, fault: str, burst: bool, tmp: Path) -> int:
     """One run; returns the exit code (0 on PASS)."""
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     h = Harness(tmp)
     obs = Observer()
     run = Run()

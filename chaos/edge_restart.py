@@ -35,7 +35,7 @@ TYPED_FAILURES = {"node_lost", "capacity_unavailable", "expired"}
 def start_edge(url: str, state: Path) -> subprocess.Popen:
     """`dsec edge` as a separate process, like a node agent on its own machine."""
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "edge", "--nats", url, "--node-id", NODE,
-                             "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             "--backend", "container", "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=die_with_parent)
     if not proc.stdout.readline().startswith("dsec: edge"):
         raise SystemExit("verdict: edge did not start -> FAIL")
@@ -66,7 +66,7 @@ async def one(client: libdsec.AsyncClient, outcomes: collections.Counter, ids: l
 async def scenario(creates: int, tmp: Path) -> int:
     """Returns the process exit code (0 on PASS)."""
     from cli.stack import Stack
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     srv = NatsServer(tmp / "nats", port=free_port()).start()
     placement = Stack(tmp / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
     await placement.start()

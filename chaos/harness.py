@@ -63,7 +63,8 @@ class Harness:
         i = list(self.edges).index(node)
         self.server_of[node] = i % self.cluster.size
         self._spawn(node, ["edge", "--nats", self.url_for(i), "--node-id", node, "--pool", self.edges[node],
-                           "--capacity", f"slots={self.slots}", "--state-dir", str(self.tmp / node)], "dsec: edge")
+                           "--capacity", f"slots={self.slots}", "--backend", "container",
+                           "--state-dir", str(self.tmp / node)], "dsec: edge")
 
     def start_engine(self, name: str) -> None:
         """`dsec placement`, on its server."""

@@ -55,6 +55,9 @@ class ExecHost(Protocol):
     async def gone(self, sandbox_id: str) -> SandboxNotFound:
         """The typed error for a sandbox this node does not run, with the recorded reason."""
 
+    def trusted_shell(self, sandbox_id: str) -> str:
+        """The shell a sandbox's string commands run with (its backend's own)."""
+
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
                   timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
         """Run a command in the sandbox (the backend's exec): Gone when the sandbox does not run, RunFailed
@@ -264,7 +267,7 @@ class Execs:
         when the platform ended its sandbox under it)."""
         t0 = time.monotonic()
         try:
-            res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
+            res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell, self.host.trusted_shell(op.sandbox_id)), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
                                       timeout=op.timeout, sink=relay.sink, control=control)
         except Gone:
             return self._gone_fields(await self.host.gone(op.sandbox_id), t0)

@@ -9,6 +9,6 @@ TRUSTED_DIR = "/.dsec"
 TRUSTED_SHELL = "/.dsec/sh"
 
 
-def command_argv(argv: list[str], shell: str) -> list[str]:
-    """What runs for an exec request: the trusted shell for a script, else its argv as given."""
-    return [TRUSTED_SHELL, "-c", shell] if shell else argv
+def command_argv(argv: list[str], shell: str, trusted: str = TRUSTED_SHELL) -> list[str]:
+    """What runs for an exec request: the trusted shell (the backend's) for a script, else its argv as given."""
+    return [trusted, "-c", shell] if shell else argv

@@ -15,6 +15,8 @@ def resource_options(fn):
     """--image, --workspace, --toolkit, --cpu, --memory, --pids, --disk, --ttl, --env, --label."""
     for opt in reversed([
         click.option("--image", default="busybox", show_default=True, help="Base image name[@version]."),
+        click.option("--backend", default="container", show_default=True, metavar="KIND",
+                     help="Sandbox kind: container, gvisor, ... (a node must run it; `dsec node ls` lists the kinds)."),
         click.option("--workspace", default=None, metavar="NAME[@VERSION]", help="Workspace layer over the base."),
         click.option("--toolkit", default=None, metavar="NAME[@VERSION]", help="Toolkit layer on top."),
         click.option("--cpu", default=1.0, show_default=True, help="Cores."),
@@ -43,11 +45,11 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
-async def _create(client: libdsec.AsyncClient, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label,
-                  timeout, priority):
+async def _create(client: libdsec.AsyncClient, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env,
+                  label, timeout, priority):
     def queued(reason: str) -> None:
         click.echo(f"dsec: queued ({reason}); waiting up to {timeout:.0f}s", err=True)
-    return await client.create(image=image, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
+    return await client.create(image=image, backend=backend, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
                                ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout,
                                priority=priority, on_queued=queued, workspace=workspace, toolkit=toolkit)
 
@@ -75,15 +77,15 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout, priority, exec_timeout,
-              argv) -> None:
+async def run(nats_url, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout, priority,
+              exec_timeout, argv) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code.
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout,
-                               priority)
+        sb = await _create(client, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label,
+                           timeout, priority)
         try:
             code = await _stream_to_terminal(sb, list(argv), exec_timeout)
         finally:
@@ -98,11 +100,12 @@ async def run(nats_url, image, workspace, toolkit, cpu, memory, pids, disk, ttl,
 @nats_option
 @resource_options
 @run_async
-async def create(nats_url, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout, priority) -> None:
+async def create(nats_url, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout,
+                 priority) -> None:
     """Create a sandbox and print its id."""
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout,
-                               priority)
+        sb = await _create(client, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label,
+                           timeout, priority)
         click.echo(sb.id)
 
 
@@ -128,11 +131,11 @@ async def ls(nats_url, all_states) -> None:
     """List sandboxes."""
     async with libdsec.AsyncClient(nats_url) as client:
         recs = await client.list(all_states)
-    click.echo(f"{'ID':<20} {'STATE':<10} {'NODE':<12} {'IMAGE':<14} {'CREATED':<20} EXPIRES")
+    click.echo(f"{'ID':<20} {'STATE':<10} {'KIND':<10} {'NODE':<12} {'IMAGE':<14} {'CREATED':<20} EXPIRES")
     for r in recs:
         created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
         expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") if r.expires_at else "-"
-        click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.node):<12} {field(r.image):<14} {created:<20} "
+        click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.backend):<10} {field(r.node):<12} {field(r.image):<14} {created:<20} "
                    f"{expires}")
 
 

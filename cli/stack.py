@@ -45,11 +45,14 @@ class Stack:
     def __init__(self, state_dir: Path, *, nats_url: str | None = None, host: str = "127.0.0.1", port: int = 4222,
                  metrics_port: int | None = 9464, edge_config: EdgeConfig | None = None,
                  run_edge: bool = True, run_placement: bool = True, placement_options: dict | None = None,
-                 servers: int = 1, stream_ages: dict[str, float] | None = None) -> None:
+                 servers: int = 1, stream_ages: dict[str, float] | None = None,
+                 backends: list | None = None, optional_kinds: frozenset[str] = frozenset()) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.external_url = nats_url
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.edge_config = edge_config or EdgeConfig()
+        self.backends = backends   # backend configs (edge/backends/registry.py); None: the container one
+        self.optional_kinds = optional_kinds   # found, not asked for: one that fails to start is left out
         self.run_edge, self.run_placement = run_edge, run_placement
         self.placement_options = placement_options or {}
         self.servers = servers       # > 1: an embedded JetStream cluster of that many servers (R3 streams)
@@ -109,8 +112,10 @@ class Stack:
             await self.placement.start()
         if self.run_edge:
             from edge.agent import Edge
-            from edge.backends.container import ContainerBackend
-            backend = ContainerBackend(self.state_dir / "edge", self.edge_config.node_id)
+            from edge.backends.registry import BackendSet, config_for
+            configs = self.backends or [config_for("container")]
+            backend = BackendSet.build(configs, self.state_dir / "edge", self.edge_config.node_id,
+                                       self.optional_kinds)
             self.edge = Edge(self.bus, backend, self.edge_config, self.state_dir / "edge")
             await self.edge.start()
         if self.metrics_port:

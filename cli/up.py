@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from bus.kinds import KINDS
 from cli.main import DEFAULT_URL, main, run_async
 from edge.capacity import EdgeConfig
 
@@ -29,8 +30,20 @@ def edge_options(fn):
         click.option("--slots", default=128, show_default=True, help="Max sandboxes on this node."),
         click.option("--capacity", default="", metavar="K=V,...",
                      help="What this node offers, overriding what is measured: slots=N, cpu=CORES, "
-                          "memory=SIZE, disk=SIZE (e.g. slots=25,cpu=2,memory=4Gi). The overcommit "
+                          "memory=SIZE, disk=SIZE, and per backend kind KIND.slots=N (e.g. "
+                          "slots=25,cpu=2,memory=4Gi,container.slots=20,fncall.slots=64). The overcommit "
                           "and memory fraction below still apply to cpu and memory."),
+        click.option("--backend", "backends", multiple=True, metavar="KIND",
+                     help="A backend kind this node runs (repeat for several: --backend container --backend "
+                          "fncall). Default: every kind this machine has the tools for (container, fncall, "
+                          "gvisor, ...); one of those that fails to start is left out with a warning, while "
+                          "one given here that fails stops the start."),
+        click.option("--fncall-workers", default=None, type=click.IntRange(1, 1024), metavar="N",
+                     help="FnCall workers: exactly N (sets both --fncall-min and --fncall-max)."),
+        click.option("--fncall-min", default=2, show_default=True, type=click.IntRange(0, 1024),
+                     help="FnCall workers kept started when idle."),
+        click.option("--fncall-max", default=32, show_default=True, type=click.IntRange(1, 1024),
+                     help="FnCall workers at most (the pool grows with calls in flight, shrinks when idle)."),
         click.option("--cpu-overcommit", default=16.0, show_default=True, help="Schedulable cores per core."),
         click.option("--memory-fraction", default=0.8, show_default=True, help="Share of RAM sandboxes may book."),
         click.option("--max-output", default="64Mi", show_default=True, metavar="SIZE",
@@ -52,13 +65,14 @@ def edge_options(fn):
 
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
                 memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki",
-                layer_cache: str = "16Gi", warm_max: int = 32) -> EdgeConfig:
+                layer_cache: str = "16Gi", warm_max: int = 32, backends: list[str] | None = None) -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
     from libdsec.resources import parse_size
     from bus.errors import InvalidRequest
     fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
-                    "memory_fraction": memory_fraction, "warm_max": warm_max}
+                    "memory_fraction": memory_fraction, "warm_max": warm_max, "kind_slots": {},
+                    "backends": list(backends or ["container"])}
     if not 0 <= warm_max <= 1024:
         fail(f"--warm-max: between 0 and 1024, got {warm_max}")
     for name, value in (("max_output", max_output), ("traj_output", traj_output), ("layer_cache", layer_cache)):
@@ -71,14 +85,22 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
     for item in filter(None, capacity.split(",")):
         key, _, value = item.partition("=")
         try:
-            if key == "slots":
+            if "." in key:
+                kind, _, dim = key.partition(".")
+                if kind not in KINDS or dim != "slots":
+                    fail(f"--capacity: {key!r}: per-kind capacity is KIND.slots=N with KIND one of "
+                         f"{', '.join(KINDS)}")
+                fields["kind_slots"][kind] = int(value)
+                if fields["kind_slots"][kind] < 0:
+                    fail(f"--capacity: {key} must not be negative")
+            elif key == "slots":
                 fields["slots"] = int(value)
             elif key == "cpu":
                 fields["cpus"] = float(value)
             elif key in ("memory", "disk"):
                 fields[key] = parse_size(value, f"--capacity {key}")
             else:
-                fail(f"--capacity: unknown dimension {key!r} (slots, cpu, memory, disk)")
+                fail(f"--capacity: unknown dimension {key!r} (slots, cpu, memory, disk, KIND.slots)")
         except (ValueError, InvalidRequest) as exc:
             fail(f"--capacity: bad value for {key}: {exc}")
     if fields["slots"] < 1 or fields.get("cpus", 1) <= 0 or cpu_overcommit <= 0 or not 0 < memory_fraction <= 1:
@@ -89,6 +111,32 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
     except ValueError as exc:
         fail(str(exc))
     return EdgeConfig(**fields)
+
+
+def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int,
+                   fncall_max: int) -> tuple[list, list[str], frozenset[str]]:
+    """(backend configs, their kinds, the kinds only found) from --backend and the fncall options: the
+    kinds given, else every kind this machine has the tools for (registry.runnable)."""
+    from cli.main import fail
+    from edge.backends.registry import config_for, runnable
+    for kind in backends:
+        if kind not in KINDS:
+            fail(f"--backend: unknown kind {kind!r}; the kinds are: {', '.join(KINDS)}")
+    if len(set(backends)) != len(backends):
+        fail("--backend: a kind is given twice")
+    if fncall_workers is not None:
+        fncall_min = fncall_max = fncall_workers
+    if fncall_min > fncall_max:
+        fail(f"--fncall-min ({fncall_min}) must not exceed --fncall-max ({fncall_max})")
+    chosen = list(backends) or runnable()
+    if not chosen:
+        fail("no backend can run on this machine (make setup installs the container backend's tools)")
+    options = {"fncall": {"workers_min": fncall_min, "workers_max": fncall_max}}
+    configs = [config_for(kind, **options.get(kind, {})) for kind in chosen]
+    for cfg, kind in zip(configs, chosen):
+        if backends and (why := cfg.available()):
+            fail(f"--backend {kind}: {why}")
+    return configs, chosen, frozenset() if backends else frozenset(chosen)
 
 
 def placement_options(fn):
@@ -163,6 +211,7 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
 @run_async
 async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int,
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
+             backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
              traj_output: str, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
@@ -172,10 +221,11 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from bus.streams import DAY, HOUR, OUT_STREAM, TRAJ_STREAM
+    configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
-                      layer_cache, warm_max)
+                      layer_cache, warm_max, chosen)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
-                  edge_config=cfg, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
+                  edge_config=cfg, backends=configs, optional_kinds=optional, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                                           max_waiting=max_waiting), servers=servers,
                   stream_ages={name: age for name, age in ((TRAJ_STREAM, traj_retention and traj_retention * DAY),
                                                            (OUT_STREAM, output_retention and output_retention * HOUR))
@@ -193,15 +243,18 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
 async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, capacity: str,
+               backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
                traj_output: str, verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
-                      layer_cache, warm_max)
-    stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False)
+                      layer_cache, warm_max, chosen)
+    stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
+                  backends=configs, optional_kinds=optional)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")
 
 

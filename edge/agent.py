@@ -22,6 +22,8 @@ from bus.messages import SandboxRecord
 from bus.nodes import set_flag
 from chronus.execs import ExecLimits, Execs
 from edge.backends.base import Backend, BackendError
+from edge.backends.registry import BackendSet
+from edge.calls import CallLane
 from edge.capacity import Capacity, EdgeConfig
 from edge.creates import CreateLane
 from edge.lanes import replace_creates
@@ -43,11 +45,14 @@ TTL_EVERY = 0.5             # seconds between two looks for expired sandboxes
 
 
 class Edge:
-    """One node agent over one backend."""
+    """One node agent over its backends, held by kind (a BackendSet); it owns none of their details."""
 
-    def __init__(self, bus: Bus, backend: Backend, config: EdgeConfig, state_dir: Path) -> None:
+    def __init__(self, bus: Bus, backend: Backend | BackendSet, config: EdgeConfig, state_dir: Path) -> None:
         self.bus = bus
+        if not isinstance(backend, BackendSet):   # one backend: a set of one
+            backend = BackendSet({backend.kind: backend})
         self.backend = backend
+        config = msgspec.structs.replace(config, backends=backend.kinds)   # it advertises what it runs
         self.config = config
         self.node = subjects.token(config.node_id, "node id")
         self.capacity = Capacity(config)
@@ -65,6 +70,7 @@ class Edge:
         self.execs = Execs(bus, self.node, self.box, ExecLimits(config.max_output, config.traj_output,
                                                                config.max_execs))
         self.ops = OpLane(bus, self.node, config.max_execs, self.execs, self.box)
+        self.calls: CallLane | None = None   # when it runs fncall workers (set up at start)
         self.warm = WarmPools(bus, self.node, pool=config.pool, warm_max=config.warm_max, capacity=self.capacity,
                               layers=self.layers, backend=backend, changed=self.record.changed,
                               busy=lambda: bool(self.creates.creating), draining=lambda: self.draining)
@@ -109,6 +115,9 @@ class Edge:
             await self.backend.start()
         except BackendError as exc:
             raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
+        if self.backend.kinds != self.config.backends:   # a backend it only found did not start: not offered
+            self.config = msgspec.structs.replace(self.config, backends=self.backend.kinds)
+            self.capacity.config = self.config
         replayed = await self.outbox.open()
         await self._report_lost({c.sandbox_id: c.record for c in replayed if c.record is not None})
         # Messages a crashed run of this node had pulled but not acked would wait out the ack wait
@@ -119,6 +128,11 @@ class Edge:
         self.record.start(self.config.heartbeat)
         self._tasks = [asyncio.create_task(self._ttl_loop())]
         await self.ops.start()
+        fncall = self.backend.backends.get("fncall")
+        if fncall is not None:
+            self.calls = CallLane(self.bus, self.node, fncall, self.layers)
+            fncall.on_free = self.calls.poke
+            await self.calls.start()
         await self.warm.start()
         self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
                                                          self.creates.on_node_create, credit=self._create_credit)
@@ -220,6 +234,8 @@ class Edge:
             await step(self.record.stop())
             await step(self.warm.stop())
             await step(self.ops.stop())
+            if self.calls is not None:
+                await step(self.calls.stop())
             for t in [*self._tasks, *self._expiring]:
                 t.cancel()
             await step(asyncio.gather(*self._tasks, *self._expiring, return_exceptions=True))

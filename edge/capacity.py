@@ -1,12 +1,14 @@
 """A node's capacity and what its sandboxes use: the edge's own accounting (heartbeat source)."""
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
 
 import msgspec
 import psutil
 
+from bus import kinds
 from bus.messages import NodeInfo, Resources
 
 
@@ -15,7 +17,9 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     node_id: str = "local"
     pool: str = "local"
-    slots: int = 128                  # max sandboxes at once
+    slots: int = 128                  # max sandboxes at once, all kinds together
+    backends: list[str] = msgspec.field(default_factory=lambda: ["container"])   # the kinds it runs
+    kind_slots: dict[str, int] = {}   # kind -> max sandboxes of it at once (unset: `slots`)
     cpu_overcommit: float = 16.0      # schedulable cores = physical cores x this
     memory_fraction: float = 0.8      # schedulable memory = RAM x this (no overcommit)
     disk: int = 64 << 30              # writable-layer pool size (sparse btrfs image)
@@ -38,6 +42,8 @@ class Capacity:
     cpu: float = 0.0
     memory: int = 0
     used: dict[str, Resources] = field(default_factory=dict)
+    kind_of: dict[str, str] = field(default_factory=dict)
+    per_kind: collections.Counter = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -62,20 +68,34 @@ class Capacity:
         """Sandboxes that may still start."""
         return max(0, self.config.slots - len(self.used))
 
-    def could_ever_fit(self, r: Resources) -> bool:
-        """Whether r fits this node when it is empty."""
-        return (self.config.slots > 0 and r.cpu <= min(self.cores, self.cpu) and r.memory <= self.memory
+    def kind_slots(self, kind: str) -> int:
+        """Sandboxes of this kind the node may hold (0: it does not run the kind)."""
+        c = self.config
+        return min(c.slots, c.kind_slots.get(kind, c.slots)) if kind in c.backends else 0
+
+    def free_kind_slots(self, kind: str) -> int:
+        """Sandboxes of this kind that may still start."""
+        return max(0, min(self.free_slots(), self.kind_slots(kind) - self.per_kind[kind]))
+
+    def could_ever_fit(self, r: Resources, kind: str = "container") -> bool:
+        """Whether r (with its kind's overhead) fits this node when it is empty."""
+        r = kinds.booked(kind, r)
+        return (self.kind_slots(kind) > 0 and r.cpu <= min(self.cores, self.cpu) and r.memory <= self.memory
                 and r.disk <= self.config.disk)
 
-    def fits(self, r: Resources) -> bool:
-        """Whether r fits now on every dimension."""
-        return (self.free_slots() > 0 and self.used_cpu() + r.cpu <= self.cpu + 1e-9
+    def fits(self, r: Resources, kind: str = "container") -> bool:
+        """Whether r (with its kind's overhead) fits now on every dimension."""
+        r = kinds.booked(kind, r)
+        return (self.free_kind_slots(kind) > 0 and self.used_cpu() + r.cpu <= self.cpu + 1e-9
                 and self.used_memory() + r.memory <= self.memory and self.used_disk() + r.disk <= self.config.disk)
 
-    def reserve(self, sandbox_id: str, r: Resources) -> None:
-        """Book r for a sandbox."""
+    def reserve(self, sandbox_id: str, r: Resources, kind: str = "container") -> None:
+        """Book r (with its kind's overhead) for a sandbox."""
         self.release(sandbox_id)
+        r = kinds.booked(kind, r)
         self.used[sandbox_id] = r
+        self.kind_of[sandbox_id] = kind
+        self.per_kind[kind] += 1
         self._cpu += r.cpu
         self._memory += r.memory
         self._disk += r.disk
@@ -84,6 +104,10 @@ class Capacity:
         """Free a sandbox's booking."""
         r = self.used.pop(sandbox_id, None)
         if r is not None:
+            kind = self.kind_of.pop(sandbox_id, "container")
+            self.per_kind[kind] -= 1
+            if self.per_kind[kind] <= 0:
+                del self.per_kind[kind]
             self._cpu -= r.cpu
             self._memory -= r.memory
             self._disk -= r.disk
@@ -96,4 +120,6 @@ class Capacity:
         return NodeInfo(node=c.node_id, pool=c.pool, slots=c.slots, cpu=self.cpu, memory=self.memory, disk=c.disk,
                         used_slots=len(self.used), used_cpu=self.used_cpu(), used_memory=self.used_memory(),
                         used_disk=self.used_disk(), max_cpu=self.cores, max_memory=self.memory,
-                        max_disk=c.disk, max_pids=1 << 22, draining=draining, heartbeat=time.time())
+                        max_disk=c.disk, max_pids=1 << 22, draining=draining, heartbeat=time.time(),
+                        backends=list(c.backends), kind_slots={k: self.kind_slots(k) for k in c.backends},
+                        kind_used=dict(self.per_kind))

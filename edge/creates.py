@@ -80,7 +80,10 @@ class CreateLane:
             return Verdict.NAK
         try:   # this lane is open to any publisher, not only placement: check again, never wait forever
             validate.check_create(req)
-            if not self.capacity.could_ever_fit(req.resources):
+            if self.capacity.kind_slots(req.backend) == 0:
+                raise CapacityUnavailable(f"node {self.node} does not run backend {req.backend!r} (it runs: "
+                                          f"{', '.join(self.capacity.config.backends)})", reason="kind_not_offered")
+            if not self.capacity.could_ever_fit(req.resources, req.backend):
                 raise CapacityUnavailable(f"node {self.node} can never fit these resources")
         except DsecError as err:
             await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
@@ -93,11 +96,11 @@ class CreateLane:
                 request_id=req.request_id, code=InvalidRequest.code, message="sandbox_id is already in use"))
             return self._answered(req)
         expired = time.time() > req.deadline
-        if not expired and not self.capacity.fits(req.resources):
+        if not expired and not self.capacity.fits(req.resources, req.backend):
             d.nak_delay = 0.2    # room may free before its deadline; until then it waits in JetStream
             return Verdict.NAK
         if not expired:   # booked before any await: two deliveries can never share one slot; the booking
-            self.capacity.reserve(req.sandbox_id, req.resources)   # leaves the record as the usage enters it
+            self.capacity.reserve(req.sandbox_id, req.resources, req.backend)   # leaves the record as the usage enters it
             self.node_record.took(req.request_id)
         self.creating.add(req.sandbox_id)
         lease = Lease(d, every=lease_every)   # a third of the lane's ack wait: never redelivered while it runs
@@ -163,7 +166,7 @@ class CreateLane:
         """The started sandbox, registered (serviceable) before its ready record is written."""
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
-                            image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
+                            image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
                             layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch)
         running = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
@@ -205,7 +208,7 @@ class CreateLane:
         this request then always takes, answers)."""
         if time.time() > req.deadline or req.request_id in self._slow_way:
             return False
-        warm = self.warm.take(req.layers, req.resources, req.request_id)
+        warm = self.warm.take(req.layers, req.resources, req.request_id, req.backend)
         if warm is None:
             return False
         try:
@@ -213,7 +216,8 @@ class CreateLane:
         except Exception:   # the usual way meets it again and makes it a typed failure
             self.warm.retire(warm)
             return False
-        spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
+        spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
+                               kind=req.backend)
         if not await self._claim_warm(req, spec, warm):
             return False
         running = self._running(req, spec)
@@ -260,7 +264,7 @@ class CreateLane:
         from the record; WAIT while another node is starting it."""
         now = time.time()
         mine = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="starting",
-                             image=req.image, labels=dict(req.labels), resources=req.resources,
+                             image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources,
                              created_at=now, updated_at=now, request_id=req.request_id, version=1, epoch=self.epoch)
         revision = 0
         for _ in range(4):
@@ -303,7 +307,8 @@ class CreateLane:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
         try:
             paths = await self.layers.ensure(req.layers)
-            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources))
+            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
+                               kind=req.backend)
             if not await self._claim_warm(req, spec):
                 await self.backend.create(spec)
         except DsecError:
@@ -325,7 +330,7 @@ class CreateLane:
 
     async def _claim_warm(self, req: CreateRequest, spec: SandboxSpec, warm: str | None = None) -> bool:
         """Give the create a ready sandbox of a matching warm pool (this one, or one taken now)."""
-        warm = warm or self.warm.take(req.layers, req.resources, req.request_id)
+        warm = warm or self.warm.take(req.layers, req.resources, req.request_id, req.backend)
         if warm is None:
             return False
         try:
@@ -343,7 +348,7 @@ class CreateLane:
         again = msgspec.structs.replace(req, node="", pool="", attempt=req.attempt + 1,
                                         avoid=[*req.avoid, self.node])
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="failed",
-                            image=req.image, labels=dict(req.labels), request_id=req.request_id)
+                            image=req.image, backend=req.backend, labels=dict(req.labels), request_id=req.request_id)
         # first (stored, or at least durable): the next attempt's events come after it
         pending = await self.records.change(None, req.sandbox_id, publishes=lifecycle(
             rec, "retried", node=self.node, request_id=req.request_id, detail=f"placed again elsewhere after: {err}",
@@ -357,7 +362,7 @@ class CreateLane:
         state = "expired" if isinstance(err, RequestExpired) else "failed"
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state=state,
-                            image=req.image, labels=dict(req.labels), resources=req.resources, created_at=now,
+                            image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
                             updated_at=now, reason=str(err), request_id=req.request_id, version=2, epoch=self.epoch)
         try:
             pending = await self.records.change(rec, terminal_event=True, publishes=lifecycle(

@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from bus import streams
+from bus import kinds, streams
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, OkReply, ReadFile, ResumeRequest, RollbackRequest,
@@ -25,6 +25,8 @@ from edge.sandboxes import Sandboxes
 log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
+NEEDS = {"write_file": "files", "read_file": "files", "suspend": "suspend", "resume": "suspend",
+         "snapshot": "snapshot", "rollback": "snapshot"}   # op -> the capability (bus/kinds.py) it needs
 
 
 class OpLane:
@@ -106,9 +108,14 @@ class OpLane:
         await self.bus.reply(op.reply_to, reply)
 
     async def _on(self, sandbox_id: str, what: str, work, failure: type[DsecError] = SandboxError):
-        """Run work() for a sandbox this node runs: typed errors for a gone sandbox or a backend failure."""
+        """Run work() for a sandbox this node runs: typed errors for a gone sandbox, an operation its kind
+        lacks (Unsupported: the SDK refuses it first; this is the guard for any other publisher) or a
+        backend failure."""
         if sandbox_id not in self.sandboxes.running:
             raise await self.sandboxes.gone(sandbox_id)
+        kind = self.sandboxes.backend.kind_of(sandbox_id)
+        if kind and what in NEEDS:
+            kinds.require(kind, NEEDS[what], what)
         try:
             return await work()
         except (KeyError, SandboxGone):
@@ -117,6 +124,7 @@ class OpLane:
             raise failure(str(exc) if failure is FileOpError else f"{what} of {sandbox_id} failed: {exc}") from exc
 
     async def _destroy(self, sandbox_id: str) -> None:
+        """Destroy by request; SandboxNotFound (how it ended) when it had ended otherwise first."""
         if await self.sandboxes.destroy(sandbox_id, "destroyed", "destroyed by request") is Outcome.FINAL:
             rec, _ = await self.sandboxes.records.get(sandbox_id)   # it ended otherwise first: say how
             reason = rec.state if rec is not None else "destroyed"

@@ -24,8 +24,9 @@ from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
 from chronus.control import Gone, RunFailed
-from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone, SnapshotTooLarge,
-                                SandboxSpec)
+from edge.backends.base import (TRUSTED_SHELL, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone,
+                                SnapshotTooLarge, SandboxSpec)
+from edge.backends.registry import BackendSet
 from edge.layercache import LayerCache
 from edge.outbox import Publish
 from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
@@ -60,7 +61,7 @@ class Running:
 class Sandboxes:
     """The running sandboxes of one node and what happens to them after create."""
 
-    def __init__(self, bus: Bus, node: str, backend: Backend, records: SandboxRecords, layers: LayerCache,
+    def __init__(self, bus: Bus, node: str, backend: BackendSet, records: SandboxRecords, layers: LayerCache,
                  state_dir: Path, released: Callable[[str], None], settle: Callable) -> None:
         self.bus = bus
         self.node = node
@@ -123,6 +124,13 @@ class Sandboxes:
                 else:
                     reason = "node_lost" if rec.node == self.node else "not_on_this_node"
         return SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
+
+    def trusted_shell(self, sandbox_id: str) -> str:
+        """The shell string commands run with in this sandbox (its backend's)."""
+        try:
+            return self.backend.trusted_shell_of(sandbox_id)
+        except BackendError:
+            return TRUSTED_SHELL   # gone: the exec fails as gone, whatever it would have run
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
                   timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
@@ -232,7 +240,8 @@ class Sandboxes:
             raise InvalidRequest(f"snapshot {snap.id} not found")
         assert running.spec is not None
         paths = await self.layers.ensure(snap.layers)          # before anything is torn down
-        spec = SandboxSpec(id=sandbox_id, layers=paths, env=dict(running.spec.env), limits=running.spec.limits)
+        spec = SandboxSpec(id=sandbox_id, layers=paths, env=dict(running.spec.env), limits=running.spec.limits,
+                           kind=running.spec.kind)
         await self.backend.destroy(sandbox_id)
         try:
             await self.backend.create(spec)

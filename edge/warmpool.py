@@ -110,12 +110,13 @@ class WarmPools:
 
     # ---- what the edge asks -----------------------------------------------------------------------
 
-    def take(self, layers: list[LayerRef], resources: Resources, request_id: str) -> str | None:
-        """A ready sandbox for a create with these layers and resources. The request's demand (and a
+    def take(self, layers: list[LayerRef], resources: Resources, request_id: str,
+             kind: str = "container") -> str | None:
+        """A ready sandbox for a create of this kind with these layers and resources. The request's demand (and a
         miss) counts once, however often it asks (a redelivery, the short way then the usual one)."""
         if not self._by_key:   # no pool on this node: nothing to hash on the create path
             return None
-        stock = self._by_key.get(pool_key(layers, resources))
+        stock = self._by_key.get(pool_key(layers, resources, kind))
         if stock is None:
             return None
         first = request_id not in self._asked
@@ -237,7 +238,7 @@ class WarmPools:
         spec = stock.spec
         try:
             layers = await ImageRegistry(self.bus).compose(spec.image, spec.workspace, spec.toolkit)
-            key, stock.error = pool_key(layers, spec.resources), ""
+            key, stock.error = pool_key(layers, spec.resources, spec.backend), ""
         except (ImageNotFound, InvalidRequest) as exc:   # gone (or never was): nothing to keep warm
             layers, key, stock.error = [], "", str(exc)
         except DsecError as exc:   # the bus, for now: keep what it has, look again soon
@@ -250,15 +251,17 @@ class WarmPools:
 
     def _room(self, stock: Stock) -> bool:
         cap, held = self.capacity, self.ready() + self.filling
-        return (not self.draining() and held < self.warm_max and cap.free_slots() > held
-                and cap.fits(stock.spec.resources))
+        kind = stock.spec.backend
+        return (not self.draining() and held < self.warm_max and cap.free_kind_slots(kind) > held
+                and cap.fits(stock.spec.resources, kind))
 
     async def _fill_one(self, stock: Stock) -> None:
         warm_id, key = f"warm-{secrets.token_hex(6)}", stock.key
         self.filling += 1
         try:
             paths = await self.layers.ensure(stock.layers)
-            await self.backend.create(SandboxSpec(id=warm_id, layers=paths, limits=limits(stock.spec.resources)))
+            await self.backend.create(SandboxSpec(id=warm_id, layers=paths, limits=limits(stock.spec.resources),
+                                                  kind=stock.spec.backend))
         except (DsecError, BackendError, OSError) as exc:
             self.failures += 1
             stock.error, stock.paused_until = f"warm sandbox did not start: {exc}", time.monotonic() + PAUSE
@@ -284,4 +287,4 @@ class WarmPools:
 
 def _what(spec: WarmPool) -> tuple:
     """What a pool's sandboxes are made of (its bounds aside)."""
-    return spec.image, spec.workspace, spec.toolkit, spec.resources
+    return spec.backend, spec.image, spec.workspace, spec.toolkit, spec.resources

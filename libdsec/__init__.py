@@ -1,8 +1,10 @@
 """libdsec: the DSec SDK. `AsyncClient` and its synchronous twin `Client`."""
+from libdsec.calls import CallResult
 from libdsec.client import AsyncClient
 from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, OutputIncomplete,
-                            PlacementError, QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended)
+                            PlacementError, QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended,
+                            Unsupported)
 from libdsec.resources import Resources
 from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
@@ -12,8 +14,8 @@ from libdsec.trajectories import Trajectory
 from bus.messages import SnapshotRecord as Snapshot
 
 __all__ = [
-    "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
+    "AsyncClient", "AsyncSandbox", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
     "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-    "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory",
+    "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported",
 ]

@@ -7,14 +7,15 @@ from typing import Any
 
 import msgspec
 
-from bus import streams, subjects
+from bus import kinds, streams, subjects
+from bus.kinds import check_create_kind
 from bus.conn import Bus
 from bus.errors import (CapacityUnavailable, DsecError, ImageNotFound, InvalidRequest, SandboxError, SandboxNotFound,
                         from_code)
 from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SnapshotRecord,
                           SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder, sandbox_decoder,
                           snapshot_decoder)
-from libdsec import warmpools
+from libdsec import calls, warmpools
 from libdsec.ids import new_id
 from libdsec.resources import Resources
 from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox
@@ -144,7 +145,12 @@ class AsyncClient:
         When nothing has room the request waits; on_queued(reason) is called once if it does.
         Raises CapacityUnavailable after `timeout` (the request is then cancelled: it never starts later),
         QuotaExceeded at once when the tenant's quota would be passed.
+
+        backend is the kind (container, gvisor, ...; bus/kinds.py): InvalidRequest for one that does not
+        exist, Unsupported for an operation it lacks (e.g. from_snapshot on a kind without fork), both
+        raised before anything is sent; CapacityUnavailable at once when no live node runs it.
         """
+        check_create_kind(backend, from_snapshot is not None)
         if from_snapshot is not None:   # its layers; its env, resources and labels unless given here
             snap = await self.snapshot(from_snapshot)
             env = {**snap.env, **(env or {})}
@@ -159,6 +165,31 @@ class AsyncClient:
     async def fork(self, snapshot: SnapshotRecord | str, n: int = 1, **kwargs: Any) -> list[AsyncSandbox]:
         """n independent sandboxes started from a snapshot, on any nodes (all or none)."""
         return await self.create_many(n, from_snapshot=snapshot, **kwargs)
+
+    # ---- stateless calls (fncall) ---------------------------------------------------------------
+
+    async def call(self, cmd, *, stdin: bytes | str = b"", files: dict | None = None, image: str = "busybox",
+                   timeout: float = 10.0, resources: Resources | None = None, read_back=None,
+                   env: dict[str, str] | None = None, cwd: str = "/tmp", priority: str = "latency",
+                   labels: dict[str, str] | None = None, max_output: int = calls.validate.MAX_CALL_OUTPUT,
+                   wait: float = 30.0) -> calls.CallResult:
+        """Run one stateless call on a pre-started worker (backend kind fncall) and return its CallResult
+        (exit code, stdout, stderr, duration, cpu time, peak memory, timed_out, files read back, worker).
+
+        cmd is a string (run by the trusted shell) or an argv list; files {path: bytes} are written first
+        (under /tmp, the default cwd, or /dev/shm: the image's own files are read-only), read_back
+        [paths] are read after it. Nothing of one call is seen by the next (see docs/backends.md). It
+        waits up to `wait` seconds for a free worker, then raises CapacityUnavailable (it never runs
+        later); bad input raises InvalidRequest before anything is sent; a command that cannot start
+        raises ExecFailed."""
+        return await calls.call(self, cmd, stdin=stdin, files=files, image=image, timeout=timeout,
+                                resources=resources, read_back=read_back, env=env, cwd=cwd, priority=priority,
+                                labels=labels, max_output=max_output, wait=wait)
+
+    async def call_many(self, calls_: list[dict[str, Any]]) -> list[calls.CallResult]:
+        """Many calls at once (dicts of call()'s arguments, each with a 'cmd'); results in input order, a
+        failed call as its own result (.error set), never aborting the batch."""
+        return await calls.call_many(self, calls_)
 
     # ---- snapshots ----------------------------------------------------------------------------
 
@@ -210,12 +241,12 @@ class AsyncClient:
 
     async def set_warm_pool(self, name: str, image: str = "busybox", *, workspace: str | None = None,
                             toolkit: str | None = None, resources: Resources | None = None, min: int = 0,
-                            max: int = 4, node_pool: str = "local") -> WarmPool:
-        """Keep ready sandboxes of these layers and resources on every edge of node_pool: between min and
-        max per edge, sized by the recent rate of matching creates. A create with the same layers and
-        resources then claims one (its own id, hostname, env and labels; nothing of anyone before)."""
+                            max: int = 4, node_pool: str = "local", backend: str = "container") -> WarmPool:
+        """Keep ready sandboxes of this kind, layers and resources on every edge of node_pool: between min
+        and max per edge, sized by the recent rate of matching creates. A create with the same kind, layers
+        and resources then claims one (its own id, hostname, env and labels; nothing of anyone before)."""
         return await warmpools.set_pool(self._need_bus(), name, image, workspace, toolkit, resources, min, max,
-                                        node_pool)
+                                        node_pool, backend)
 
     async def warm_pools(self) -> list[warmpools.WarmPoolStatus]:
         """Every warm pool with its ready sandboxes per node."""
@@ -245,7 +276,7 @@ class AsyncClient:
                     # is gone. The sandbox's record says whether it was served meanwhile.
                     rec = await self._record_quiet(req.sandbox_id)
                     if rec is not None and rec.request_id == req.request_id and rec.state == "ready":
-                        return AsyncSandbox(self, rec.sandbox_id, rec.node)
+                        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend)
                     continue
                 try:
                     reply = create_reply_decoder.decode(data)
@@ -253,7 +284,7 @@ class AsyncClient:
                     continue   # junk on our inbox is skipped
                 match reply:
                     case SandboxReady():
-                        return AsyncSandbox(self, reply.sandbox_id, reply.node)
+                        return AsyncSandbox(self, reply.sandbox_id, reply.node, req.backend)
                     case Queued():
                         if not queued and on_queued is not None:
                             on_queued(reply.reason)
@@ -305,7 +336,7 @@ class AsyncClient:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found (never_existed)", reason="never_existed")
         if rec.state != "ready":
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({rec.state}: {rec.reason})", reason=rec.state)
-        return AsyncSandbox(self, rec.sandbox_id, rec.node)
+        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend)
 
     async def _record(self, sandbox_id: str):
         try:
@@ -344,6 +375,8 @@ class AsyncClient:
                   if rec.suspended != freeze and (not wanted or rec.sandbox_id in wanted)
                   and all(rec.labels.get(k) == v for k, v in (labels or {}).items())]
         make = SuspendRequest if freeze else ResumeRequest
+        for rec in chosen:   # every one of them can, or none is touched
+            kinds.require(rec.backend, "suspend", "suspend" if freeze else "resume")
 
         async def one(rec) -> str | None:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
-from bus import subjects
+from bus import kinds, subjects
 from bus.errors import InvalidRequest
 from bus.messages import (DestroyRequest, ExecRequest, ReadFile, RollbackRequest, SnapshotRecord, SnapshotRequest,
                           WriteFile, encode, snapshot_decoder)
@@ -49,13 +49,17 @@ def command_fields(cmd: Command) -> dict:
 class AsyncSandbox:
     """A handle on one running sandbox; any client may hold one for the same id."""
 
-    def __init__(self, client: "AsyncClient", sandbox_id: str, node: str) -> None:
+    def __init__(self, client: "AsyncClient", sandbox_id: str, node: str, backend: str = "container") -> None:
         self.client = client
         self.id = sandbox_id
         self.node = node
+        self.backend = backend   # its kind: operations the kind lacks are refused here (Unsupported)
 
     def __repr__(self) -> str:
-        return f"AsyncSandbox(id={self.id!r}, node={self.node!r})"
+        return f"AsyncSandbox(id={self.id!r}, node={self.node!r}, backend={self.backend!r})"
+
+    def _needs(self, capability: str, operation: str) -> None:
+        kinds.require(self.backend, capability, operation)
 
     async def __aenter__(self) -> "AsyncSandbox":
         return self
@@ -73,6 +77,9 @@ class AsyncSandbox:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
+        self._needs("exec", "exec")
+        if live:
+            self._needs("live_stdin", "live stdin")
         if live and not hasattr(stdin, "__aiter__"):
             raise InvalidRequest("stdin must be bytes, str or an async iterable of bytes/str")
         first = b"" if live or stdin is None else (stdin.encode() if isinstance(stdin, str) else bytes(stdin))
@@ -128,6 +135,7 @@ class AsyncSandbox:
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Write a file inside the sandbox (paths resolve inside its root)."""
+        self._needs("files", "write_file")
         if isinstance(data, str):
             data = data.encode()
         if len(data) > MAX_FILE_OP:
@@ -137,12 +145,14 @@ class AsyncSandbox:
 
     async def read_file(self, path: str, *, limit: int = MAX_FILE_OP, timeout: float = DEFAULT_OP_TIMEOUT) -> bytes:
         """Read a file inside the sandbox."""
+        self._needs("files", "read_file")
         return await self.client._op(self.node, self.id, lambda rid, to, dl: ReadFile(
             request_id=rid, sandbox_id=self.id, path=path, limit=limit, reply_to=to, deadline=dl), timeout)
 
     async def snapshot(self, *, tag: str = "", timeout: float = 120.0) -> SnapshotRecord:
         """Freeze it briefly, pack its writable layer as a new layer over its own and store it; returns the
         snapshot (`.id`, `.tag`, `.layers`, `.size`...) to create, fork or roll back from."""
+        self._needs("snapshot", "snapshot")
         if not isinstance(tag, str) or len(tag) > 128:
             raise InvalidRequest(f"tag must be a string of at most 128 characters, got {tag!r}")
         data = await self.client._op(self.node, self.id, lambda rid, to, dl: SnapshotRequest(
@@ -152,16 +162,19 @@ class AsyncSandbox:
     async def rollback(self, snapshot: SnapshotRecord | str, *, timeout: float = 120.0) -> None:
         """Return its filesystem to a snapshot: it restarts on the snapshot's layers with a fresh writable
         layer (same id and node; every process, background execs included, starts afresh)."""
+        self._needs("snapshot", "rollback")
         snap_id = snapshot if isinstance(snapshot, str) else snapshot.id
         await self.client._op(self.node, self.id, lambda rid, to, dl: RollbackRequest(
             request_id=rid, sandbox_id=self.id, snapshot_id=snap_id, reply_to=to, deadline=dl), timeout)
 
     async def suspend(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Freeze this sandbox (see AsyncClient.suspend)."""
+        self._needs("suspend", "suspend")
         await self.client.suspend(ids=[self.id], timeout=timeout)
 
     async def resume(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Thaw it (see AsyncClient.resume)."""
+        self._needs("suspend", "resume")
         await self.client.resume(ids=[self.id], timeout=timeout)
 
     async def destroy(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:

@@ -175,6 +175,14 @@ class Client:
         """Create one sandbox and wait until it runs."""
         return Sandbox(self, self._loop.run(self._async.create(image, **kwargs)))
 
+    def call(self, cmd, **kwargs: Any):
+        """One stateless call (see AsyncClient.call)."""
+        return self._loop.run(self._async.call(cmd, **kwargs))
+
+    def call_many(self, calls: list[dict[str, Any]]) -> list:
+        """Many calls, results in input order (see AsyncClient.call_many)."""
+        return self._loop.run(self._async.call_many(calls))
+
     def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[Sandbox]:
         """Create n sandboxes in one round (all or none)."""
         return [Sandbox(self, s) for s in self._loop.run(self._async.create_many(n, image, **kwargs))]

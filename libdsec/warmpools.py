@@ -31,9 +31,11 @@ class WarmPoolStatus:
 
 
 async def set_pool(bus: Bus, name: str, image: str, workspace: str | None, toolkit: str | None,
-                   resources: Resources | None, min: int, max: int, node_pool: str) -> WarmPool:
-    """Create or change a pool; its layers must resolve now (ImageNotFound otherwise)."""
-    spec = WarmPool(name=name, image=image, workspace=workspace or "", toolkit=toolkit or "",
+                   resources: Resources | None, min: int, max: int, node_pool: str,
+                   backend: str = "container") -> WarmPool:
+    """Create or change a pool; its layers must resolve now (ImageNotFound otherwise), its kind must keep
+    warm sandboxes (Unsupported otherwise)."""
+    spec = WarmPool(name=name, image=image, workspace=workspace or "", toolkit=toolkit or "", backend=backend,
                     resources=(resources or Resources()).to_wire(), min=int(min), max=int(max), node_pool=node_pool,
                     updated_at=time.time())
     check_warm_pool(spec)
@@ -65,7 +67,8 @@ async def pools(bus: Bus) -> list[WarmPoolStatus]:
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
         try:
-            key, error = pool_key(await registry.compose(spec.image, spec.workspace, spec.toolkit), spec.resources), ""
+            layers = await registry.compose(spec.image, spec.workspace, spec.toolkit)
+            key, error = pool_key(layers, spec.resources, spec.backend), ""
         except DsecError as exc:
             key, error = "", str(exc)
         ready = {n.node: n.warm.get(key, 0) for n in nodes if n.pool == spec.node_pool and not n.lost}

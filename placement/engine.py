@@ -20,7 +20,7 @@ import time
 
 import msgspec
 
-from bus import streams, subjects
+from bus import kinds, streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
 from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queued, SandboxReady,
@@ -183,7 +183,7 @@ class PlacementEngine:
         if admitted:   # it may hold quota and a client may look it up: record how it ended
             now = time.time()
             state = "expired" if isinstance(err, RequestExpired) else "failed"
-            rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image,
+            rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image, backend=req.backend,
                                 labels=dict(req.labels), resources=req.resources, created_at=now,
                                 updated_at=now, reason=str(err), request_id=req.request_id, version=1)
             # only if no edge claimed it meanwhile (its record is then the truth); a bus error NAKs the
@@ -270,15 +270,25 @@ class PlacementEngine:
         return [i for i in self.ledger.nodes() if scoring.placeable(i, pool, now)]
 
     def _never_fits(self, req: CreateRequest) -> None:
-        """CapacityUnavailable when live nodes exist but none could ever hold the request."""
+        """CapacityUnavailable when live nodes exist but none runs the request's kind (naming the kinds
+        they run), or none could ever hold the request."""
         live = self._live(self.pool) + (self._live(self.burst_pool) if req.may_burst() else [])
-        if live and not any(scoring.can_ever_fit(i, req.resources) for i in live):
-            raise CapacityUnavailable(f"no node can ever fit resources {msgspec.structs.asdict(req.resources)}")
+        if not live:
+            return   # no live node yet: it waits for one
+        offered = scoring.kinds_offered(live)
+        if req.backend not in offered:
+            raise CapacityUnavailable(f"no node runs backend {req.backend!r}; the live nodes run: "
+                                      f"{', '.join(offered) or 'nothing'}", reason="kind_not_offered")
+        r = kinds.booked(req.backend, req.resources)
+        if not any(scoring.can_ever_fit(i, r, req.backend) for i in live):
+            raise CapacityUnavailable(f"no node can ever fit resources (of a {req.backend} sandbox) "
+                                      f"{msgspec.structs.asdict(req.resources)}")
 
     def _burst_ready(self, req: CreateRequest) -> bool:
         if not req.may_burst():
             return False
-        if not any(scoring.can_ever_fit(i, req.resources) for i in self._live(self.burst_pool)):
+        r = kinds.booked(req.backend, req.resources)
+        if not any(scoring.can_ever_fit(i, r, req.backend) for i in self._live(self.burst_pool)):
             return False
         util = self.utilization()
         if util < self.burst_threshold:
@@ -298,23 +308,24 @@ class PlacementEngine:
         if req.priority == "batch" and self.queued["latency"]:
             return False   # strict priority: while a latency request waits here, freed room is its
         tried: set[str] = set(req.avoid)   # nodes where its environment failed: elsewhere if anywhere fits
-        prefer = scoring.affinity(req.layers, req.resources)
+        kind, r = req.backend, kinds.booked(req.backend, req.resources)
+        prefer = scoring.affinity(req.layers, req.resources, kind)
         for _ in range(BOOK_TRIES):
             away = self.ledger.unresponsive()
             nodes = self.ledger.nodes()
-            node, _ever = scoring.choose(nodes, req.resources, pool=self.pool, exclude=frozenset(tried) | away,
-                                         prefer=prefer)
+            node, _ever = scoring.choose(nodes, r, pool=self.pool, exclude=frozenset(tried) | away,
+                                         prefer=prefer, kind=kind)
             if node is None and req.avoid and tried == set(req.avoid):
                 tried = set()   # nowhere else: a fresh environment on the same node is the retry
-                node, _ever = scoring.choose(nodes, req.resources, pool=self.pool, exclude=away)
+                node, _ever = scoring.choose(nodes, r, pool=self.pool, exclude=away, kind=kind)
             burst = False
             if node is None and self._burst_ready(req):   # the excess that does not fit locally
-                node, _ever = scoring.choose(nodes, req.resources, pool=self.burst_pool,
-                                             exclude=frozenset(tried) | away, prefer=prefer)
+                node, _ever = scoring.choose(nodes, r, pool=self.burst_pool,
+                                             exclude=frozenset(tried) | away, prefer=prefer, kind=kind)
                 burst = node is not None
             if node is None:
                 return False
-            booking = Booking(resources=req.resources, deadline=req.deadline, tenant=req.tenant)
+            booking = Booking(resources=r, deadline=req.deadline, tenant=req.tenant, kind=kind)
             if await self.ledger.book(node, req.request_id, booking):
                 # Not stored when an earlier delivery placed it already (then this booking goes unused
                 # until its deadline: erring on the side of room, never of overbooking).

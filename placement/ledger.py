@@ -185,7 +185,9 @@ class NodeLedger:
                     accepted.add(p.request_id)   # booked before (a redelivery): still ours
                     continue
                 trial = msgspec.structs.replace(info, bookings=bookings)
-                if scoring.can_ever_fit(info, p.booking.resources) and scoring.fits(trial, p.booking.resources):
+                kind = p.booking.kind
+                if scoring.can_ever_fit(info, p.booking.resources, kind) and scoring.fits(trial, p.booking.resources,
+                                                                                          kind=kind):
                     bookings[p.request_id] = p.booking
                     accepted.add(p.request_id)
             if len(bookings) == len(info.bookings):

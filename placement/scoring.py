@@ -15,6 +15,11 @@ wins, and one with a warm sandbox for it (no start at all) wins over that. Both 
 off the score (LAYER_BONUS, WARM_BONUS), so they never override a clearly better fit; the edges list
 the layers they hold and their warm stock in their node records.
 
+Kinds: a node lists the backend kinds it runs with slots for each (kind_slots), within its slots in all;
+a request of a kind fits only a node that runs that kind and has a slot of it free. The resources
+placement books are the request's plus its kind's overhead (bus/kinds.py), from the node's one pool of
+cpu, memory and disk, so a node full of containers has no room left for a VM.
+
 Power of k choices: scanning every node costs O(nodes) per request and sends every engine to the same
 best node, where their compare-and-set writes conflict. With more than SCAN_ALL nodes, K random fitting
 candidates are drawn and the best of them is taken: packing stays close to a full scan (the fuller of
@@ -58,21 +63,39 @@ def free_of(i: NodeInfo) -> Free:
                 disk=i.disk - i.used_disk - sum(x.resources.disk for x in b))
 
 
+def kind_slots(i: NodeInfo, kind: str) -> int:
+    """Sandboxes of this kind the node may hold (0: it does not run the kind)."""
+    if kind not in i.backends:
+        return 0
+    return min(i.slots, i.kind_slots.get(kind, i.slots))
+
+
+def kind_free(i: NodeInfo, kind: str) -> int:
+    """Slots of this kind left: its cap minus what runs minus what is booked."""
+    booked = sum(1 for x in i.bookings.values() if x.kind == kind)
+    return kind_slots(i, kind) - i.kind_used.get(kind, 0) - booked
+
+
+def kinds_offered(nodes: list[NodeInfo]) -> list[str]:
+    """Every kind some node of the list runs."""
+    return sorted({k for i in nodes for k in i.backends if kind_slots(i, k) > 0})
+
+
 def alive(i: NodeInfo, now: float) -> bool:
     """Heartbeat recent enough to place on (and not declared lost)."""
     return not i.lost and now - i.heartbeat < streams.NODE_LOST_AFTER
 
 
-def can_ever_fit(i: NodeInfo, r: Resources) -> bool:
-    """Whether the node could hold r when empty (its per-request maximums)."""
-    return (i.slots > 0 and r.cpu <= i.max_cpu and r.cpu <= i.cpu and r.memory <= i.max_memory
+def can_ever_fit(i: NodeInfo, r: Resources, kind: str = "container") -> bool:
+    """Whether the node could hold r of this kind when empty (its kinds, its per-request maximums)."""
+    return (kind_slots(i, kind) > 0 and r.cpu <= i.max_cpu and r.cpu <= i.cpu and r.memory <= i.max_memory
             and r.disk <= i.max_disk and r.pids <= i.max_pids)
 
 
-def fits(i: NodeInfo, r: Resources, f: Free | None = None) -> bool:
-    """Whether r fits now on every dimension."""
+def fits(i: NodeInfo, r: Resources, f: Free | None = None, kind: str = "container") -> bool:
+    """Whether r of this kind fits now on every dimension."""
     f = f or free_of(i)
-    return f.slots >= 1 and r.cpu <= f.cpu + 1e-9 and r.memory <= f.memory and r.disk <= f.disk
+    return f.slots >= 1 and kind_free(i, kind) >= 1 and r.cpu <= f.cpu + 1e-9 and r.memory <= f.memory and r.disk <= f.disk
 
 
 def fragmentation(i: NodeInfo, r: Resources, f: Free | None = None) -> float:
@@ -87,8 +110,8 @@ class Affinity:
     """How much placing a create with these layers and resources on a node saves: a warm sandbox ready
     for it (WARM_BONUS), or its layers already in the node's cache (LAYER_BONUS)."""
 
-    def __init__(self, layers: list[LayerRef], r: Resources) -> None:
-        self.key = pool_key(layers, r)
+    def __init__(self, layers: list[LayerRef], r: Resources, kind: str = "container") -> None:
+        self.key = pool_key(layers, r, kind)
         self.marks = {layer_mark(la.digest) for la in layers}
 
     def warm(self, i: NodeInfo) -> bool:
@@ -101,9 +124,9 @@ class Affinity:
         return LAYER_BONUS if self.marks and self.marks.issubset(i.layers) else 0.0
 
 
-def affinity(layers: list[LayerRef], r: Resources) -> Affinity:
+def affinity(layers: list[LayerRef], r: Resources, kind: str = "container") -> Affinity:
     """The bonus function of a create (see Affinity)."""
-    return Affinity(layers, r)
+    return Affinity(layers, r, kind)
 
 
 def _no_bonus(i: NodeInfo) -> float:
@@ -117,21 +140,25 @@ def placeable(i: NodeInfo, pool: str, now: float) -> bool:
 
 def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude: frozenset[str] = frozenset(),
            k: int = K, rng: random.Random | None = None, now: float | None = None,
-           prefer: Callable[[NodeInfo], float] = _no_bonus) -> tuple[str | None, bool]:
-    """(best node for r, whether any live node of the pool could ever fit r); prefer(node) is a bonus
-    taken off a node's score (see affinity)."""
+           prefer: Callable[[NodeInfo], float] = _no_bonus, kind: str = "container") -> tuple[str | None, bool]:
+    """(best node for r of this kind, whether any live node of the pool could ever fit it); prefer(node) is
+    a bonus taken off a node's score (see affinity). r includes the kind's overhead (kinds.booked)."""
     now = time.time() if now is None else now
     live = [i for i in nodes if placeable(i, pool, now) and i.node not in exclude]
-    ever = any(can_ever_fit(i, r) for i in live)
+    ever = any(can_ever_fit(i, r, kind) for i in live)
+
+    def ok(i: NodeInfo) -> bool:
+        return can_ever_fit(i, r, kind) and fits(i, r, kind=kind)
+
     if len(live) > SCAN_ALL:
         rng = rng or random
         # Random order: k fitting candidates, and when some node has a warm sandbox for the request,
         # until one such node is among them too (met in the same random order: engines still spread).
         warm = getattr(prefer, "warm", None)
-        hunting = warm is not None and any(warm(i) and can_ever_fit(i, r) and fits(i, r) for i in live)
+        hunting = warm is not None and any(warm(i) and ok(i) for i in live)
         sample, found = [], 0
         for i in rng.sample(live, len(live)):
-            if not (can_ever_fit(i, r) and fits(i, r)):
+            if not ok(i):
                 continue
             is_warm = hunting and warm(i)
             if len(sample) < k or is_warm:
@@ -140,7 +167,7 @@ def choose(nodes: list[NodeInfo], r: Resources, *, pool: str = "local", exclude:
             if len(sample) >= k and (not hunting or found):
                 break
         live = sample
-    scored = [(fragmentation(i, r) - prefer(i), i.node) for i in live if can_ever_fit(i, r) and fits(i, r)]
+    scored = [(fragmentation(i, r) - prefer(i), i.node) for i in live if ok(i)]
     if not scored:
         return None, ever
     return min(scored)[1], True

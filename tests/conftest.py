@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from bus.server import NatsServer, free_port
-from edge.backends.layermounts import IDLE_KEEP
 from tests import leaks
 
 NODE = "t1"
@@ -61,22 +60,27 @@ async def stack(nats_server, session_dir):
     from edge.capacity import EdgeConfig
     st = Stack(session_dir / "state", nats_url=nats_server.url, metrics_port=None,
                edge_config=EdgeConfig(node_id=NODE, slots=64))
-    with leaks.live(NODE, session_dir / "state" / "edge"):
+    with leaks.live(NODE, session_dir / "state"):   # its kinds keep state in edge/, edge-fncall/...
         await st.start()
         yield st
         await st.stop()
-    from edge.backends.container import leftovers
-    assert leftovers(session_dir / "state" / "edge", NODE) == []
+    from edge.backends.registry import node_leftovers
+    assert node_leftovers(session_dir / "state" / "edge", NODE) == []
 
 
 @contextlib.asynccontextmanager
-async def extra_edge(stack, state_dir: Path, node: str, slots: int, **config):
-    """Another node on the session's bus (its own edge process part, no placement), stopped after."""
+async def extra_edge(stack, state_dir: Path, node: str, slots: int, backends: list[str] | None = None,
+                     options: dict | None = None, **config):
+    """Another node on the session's bus (its own edge process part, no placement), stopped after; it runs
+    the backend kinds given (default: container), each with its options ({kind: {field: value}})."""
     from cli.stack import Stack
+    from edge.backends.registry import config_for
     from edge.capacity import EdgeConfig
+    kinds = backends or ["container"]
     st = Stack(state_dir, nats_url=stack.url, metrics_port=None, run_placement=False,
-               edge_config=EdgeConfig(node_id=node, slots=slots, **config))
-    with leaks.live(node, state_dir / "edge"):
+               edge_config=EdgeConfig(node_id=node, slots=slots, backends=kinds, **config),
+               backends=[config_for(k, **(options or {}).get(k, {})) for k in kinds])
+    with leaks.live(node, state_dir):
         await st.start()
         try:
             yield st
@@ -128,9 +132,9 @@ async def no_leaks(request):
     st = request.getfixturevalue("stack")
     if st.edge is None:
         return
-    backend = st.edge.backend
+    backend = st.edge.backend   # every kind's, asked through the backend interface (busy, leaks)
     for _ in range(50):   # destroys triggered at the end of a test may still be settling (dying ones too)
-        if not st.edge.sandboxes and not backend._sandboxes and not backend._starting and not st.edge.warm.filling:
+        if not st.edge.sandboxes and not backend.busy() and not st.edge.warm.filling:
             break
         await asyncio.sleep(0.1)
     left = list(st.edge.sandboxes)
@@ -139,17 +143,7 @@ async def no_leaks(request):
     assert left == [], f"test left sandboxes running: {left}"
     assert sandbox_cgroups(NODE) == [], "per-sandbox cgroups left behind"
     assert host_residue(st.state_dir) == [], "host residue left behind"
-    layers = st.edge.backend._layers
-    assert layers.in_use() == {}, "layer references leaked"
-    mounted = {p for p in _mountpoints() if p.startswith(f"{layers.root}/")}
-    assert mounted == {str(p) for p in layers.idle()} and len(mounted) <= IDLE_KEEP, "untracked layer mounts"
-    uppers = st.state_dir / "edge" / "uppers"
-    assert not uppers.is_dir() or list(uppers.iterdir()) == [], "writable layers (subvolumes) left behind"
-
-
-def _mountpoints() -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        return [line.split()[4] for line in f]
+    assert backend.leaks() == [], "the backends hold what no sandbox uses"
 
 
 def host_residue(state_dir: Path) -> list[str]:

@@ -8,6 +8,7 @@ erofs/overlay/btrfs mounts under a temp dir, and uid range leases (not draining 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import psutil
@@ -16,6 +17,11 @@ from edge.backends import idmap
 from edge.backends.cgroups import own_paths
 
 LIVE: dict[str, Path] = {}   # node id -> state dir of the backend (mounts under it are its own)
+# Nodes someone else runs on this host meanwhile (a developer's own `dsec up`, an experiment): theirs,
+# never this session's leaks. DSEC_TEST_FOREIGN="node=/its/state/dir,..." names them.
+for _item in filter(None, os.environ.get("DSEC_TEST_FOREIGN", "").split(",")):
+    _node, _, _dir = _item.partition("=")
+    LIVE[_node] = Path(_dir or "/nonexistent").resolve()
 BEFORE: set[str] = set()     # residue already on the host when the session began (a killed earlier run's)
 
 MOUNT_TYPES = ("erofs", "overlay", "btrfs")
@@ -29,6 +35,11 @@ def live(node: str, state_dir: Path):
         yield
     finally:
         LIVE.pop(node, None)
+
+
+def _live(node: str | None) -> bool:
+    """A node of a live fixture, or a part of one (`t1.fn`: the fncall workers of node t1)."""
+    return node is not None and (node in LIVE or node.split(".", 1)[0] in LIVE)
 
 
 def _node_of_cgroup(pid: int) -> str | None:
@@ -58,15 +69,15 @@ def host_leaks() -> list[str]:
 def _residue() -> list[str]:
     out: list[str] = []
     for base in own_paths().values():
-        out += [f"cgroup {g}" for g in base.glob("dsec-*") if g.name[5:] not in LIVE]
+        out += [f"cgroup {g}" for g in base.glob("dsec-*") if not _live(g.name[5:])]
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if cmd[:1] == ["catatonit"] and _node_of_cgroup(proc.info["pid"]) not in LIVE:
+        if cmd[:1] == ["catatonit"] and not _live(_node_of_cgroup(proc.info["pid"])):
             out.append(f"sandbox init pid {proc.info['pid']}")
-        if "edge.backends.zygote" in cmd and cmd[-1].rsplit(":", 1)[-1] not in LIVE:
+        if "edge.backends.zygote" in cmd and not _live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
     for i, (node, key) in sorted(idmap.leases().items()):
-        if node not in LIVE and key != idmap.DRAINING:
+        if not _live(node) and key != idmap.DRAINING:
             out.append(f"uid range lease {i} of node {node} ({key})")
     owned = [str(p) + "/" for p in LIVE.values()]
     with open("/proc/self/mountinfo") as f:

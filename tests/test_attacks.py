@@ -47,8 +47,8 @@ async def background(sb, cmd: str, out: str, ready: str | None = None) -> str:
 
 def host_uids(stack, sb) -> set[int]:
     """Host real uids of the sandbox's processes (its init excluded: the platform's, not the tenant's)."""
-    groups = stack.edge.backend._cgroups.sandbox(stack.edge.backend._key(sb.id))
-    init = stack.edge.backend.init_pid(sb.id)
+    groups = stack.edge.backend.backends["container"]._cgroups.sandbox(stack.edge.backend.backends["container"]._key(sb.id))
+    init = stack.edge.backend.backends["container"].init_pid(sb.id)
     return {psutil.Process(p).uids().real for p in procs_under(groups["pids"]) if p != init}
 
 
@@ -112,7 +112,7 @@ async def test_sandbox_root_is_a_host_uid_range_of_its_own(client, stack, hostil
         assert abs(ids[a.id] - ids[b.id]) >= idmap.SIZE
         await a.write_file("/tmp/made", b"x")
         assert (await a.exec("stat -c %u:%g /tmp/made")).stdout == b"0:0\n"
-        upper = stack.edge.backend._uppers.root / stack.edge.backend._key(a.id) / "upper"
+        upper = stack.edge.backend.backends["container"]._uppers.root / stack.edge.backend.backends["container"]._key(a.id) / "upper"
         assert (upper / "tmp" / "made").stat().st_uid == ids[a.id]
 
 
@@ -125,10 +125,10 @@ async def test_planted_setuid_and_file_capabilities_are_not_privileged_on_the_ho
         r = await sb.exec("cp /tmp/hostile /tmp/rootsh && chmod 4755 /tmp/rootsh && cp /tmp/hostile /tmp/capped"
                           " && /tmp/hostile setcap /tmp/capped")
         assert r.exit_code == 0 and r.stdout == b"ok\n", (r.stdout, r.stderr)
-        upper = stack.edge.backend._uppers.root / stack.edge.backend._key(sb.id) / "upper" / "tmp"
+        upper = stack.edge.backend.backends["container"]._uppers.root / stack.edge.backend.backends["container"]._key(sb.id) / "upper" / "tmp"
         st = (upper / "rootsh").stat()
         assert st.st_mode & 0o4000 and st.st_uid != 0, "a setuid-root binary on the host"
-        base = stack.edge.backend._live(sb.id).ids.base
+        base = stack.edge.backend.backends["container"]._live(sb.id).ids.base
         assert st.st_uid == base, (st.st_uid, base)
         cap = os.getxattr(upper / "capped", "security.capability")
         magic = int.from_bytes(cap[:4], "little")

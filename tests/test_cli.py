@@ -57,7 +57,7 @@ def up(tmp_path_factory):
     log.close()
     line = proc.stdout.readline().strip()
     assert line == f"dsec: ready nats://127.0.0.1:{port}", (line, (state / "up.log").read_text())
-    with leaks.live(NODE, state / "edge"):
+    with leaks.live(NODE, state):   # every kind it runs keeps its state under it
         yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
     if proc.poll() is None:   # a test failed before the Ctrl-C test: stop it cleanly anyway
         os.killpg(proc.pid, signal.SIGINT)
@@ -185,7 +185,7 @@ def test_demo_main_job_small(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "sandboxes      4 (4 created)" in p.stdout and "failures       0" in p.stdout
     assert "stdout: words=1" in p.stdout and "stderr: warn" in p.stdout
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "demo" / "edge", "local") == []
 
 
@@ -211,7 +211,7 @@ def test_up_on_an_existing_server_stops_on_sigterm(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        from edge.backends.container import leftovers
+        from edge.backends.registry import node_leftovers as leftovers
         assert leftovers(tmp_path / "st" / "edge", "cliterm") == []
     finally:
         srv.stop()
@@ -273,7 +273,7 @@ def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     proc.wait(15)
     assert time.monotonic() - t0 < 10
     assert proc.returncode == 0, (up["state"] / "up.log").read_text()[-3000:]
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(up["state"] / "edge", NODE) == []
     servers = [p for p in psutil.process_iter(["cmdline"])
                if p.info["cmdline"] and "nats-server" in p.info["cmdline"][0] and str(up["port"]) in p.info["cmdline"]]

@@ -18,7 +18,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edge.backends.base import BackendError, Limits, SandboxGone, SandboxSpec  # noqa: E402
-from edge.backends.container import ContainerBackend, ExecFailed, leftovers  # noqa: E402
+from edge.backends.base import CommandNotStarted
+from edge.backends.container import ContainerBackend, leftovers  # noqa: E402
 from edge.erofs import pack_dir  # noqa: E402
 from tests.backend_fixtures import (Sandboxes, busybox_layer, container_backend,  # noqa: E402,F401
                                     container_prerequisites, fixed_state_dir, requires_container, sandboxes,
@@ -55,10 +56,10 @@ async def test_exec_output_and_exit_codes(sandboxes: Sandboxes) -> None:
     assert (run.result.exit_code, run.stdout, run.stderr) == (3, b"", b"err\n")
     run = await sandboxes.run(sid, ["sh", "-c", "kill -TERM $$"])
     assert run.result.exit_code == 128 + signal.SIGTERM
-    with pytest.raises(ExecFailed, match="command not found: nosuchcmd") as failed:
+    with pytest.raises(CommandNotStarted, match="command not found: nosuchcmd") as failed:
         await sandboxes.run(sid, ["nosuchcmd", "x"])
     assert failed.value.result.exit_code == -1
-    with pytest.raises(ExecFailed, match="no such directory: /nowhere"):
+    with pytest.raises(CommandNotStarted, match="no such directory: /nowhere"):
         await sandboxes.run(sid, ["true"], cwd="/nowhere")
 
 
@@ -171,7 +172,7 @@ async def test_sandbox_without_layers(sandboxes: Sandboxes) -> None:
     await sandboxes.backend.create(SandboxSpec("bare", []))
     await sandboxes.backend.write_file("bare", "/tmp/x", b"data")
     assert await sandboxes.backend.read_file("bare", "/tmp/x", limit=10) == b"data"
-    with pytest.raises(ExecFailed, match="command not found: sh"):
+    with pytest.raises(CommandNotStarted, match="command not found: sh"):
         await sandboxes.run("bare", ["sh", "-c", "true"])
 
 

@@ -26,7 +26,7 @@ async def test_empty_files_cannot_grow_the_host_disk_past_the_limit(client, stac
     """50,000 empty files under a 16 MiB disk limit: the pool image on the host grows by at most the limit
     plus max(8 MiB, 10%), and destroy gives the blocks back within the same slack. Before: about 800 MiB
     (metadata DUP, never given back)."""
-    image = stack.edge.backend._uppers.image
+    image = stack.edge.backend.backends["container"]._uppers.image
     limit, slack = 16 * MIB, max(8 * MIB, int(1.6 * MIB))
     os.sync()
     start = allocated(image)

@@ -30,7 +30,7 @@ async def small_stack(tmp_path):
     yield st
     await st.stop()
     srv.stop()
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "state" / "edge", "bp") == []
 
 
@@ -117,7 +117,7 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             edge.wait()
         await st.stop()
         srv.stop()
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "edge" / "edge", "rs") == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
 
@@ -160,7 +160,7 @@ async def test_creates_wait_for_a_node_and_for_cpu(tmp_path):
             await edge.stop()
         await placement.stop()
         srv.stop()
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "edge" / "edge", "cpu1") == []
 
 

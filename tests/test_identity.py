@@ -15,7 +15,8 @@ import pytest
 
 from edge.backends import idmap, kernel
 from edge.backends.base import CapacityExhausted, Limits
-from edge.backends.container import ContainerBackend, ExecFailed, leftovers
+from edge.backends.base import CommandNotStarted
+from edge.backends.container import ContainerBackend, leftovers
 from tests import leaks
 from tests.backend_fixtures import Sandboxes, busybox_layer, fixed_state_dir  # noqa: F401
 
@@ -138,7 +139,7 @@ async def test_user_namespaces_are_bounded_per_sandbox(tmp_path_factory, busybox
             for i in range(1024):
                 r = await sbs.run(hog, ["sh", "-c", "sleep 600 >/dev/null 2>&1 &"])
                 assert r.result.exit_code == 0, (i, r.stderr)
-            with pytest.raises(ExecFailed, match=f"limit of {kernel.USERNS_PER_SANDBOX} user namespaces"):
+            with pytest.raises(CommandNotStarted, match=f"limit of {kernel.USERNS_PER_SANDBOX} user namespaces"):
                 await sbs.run(hog, ["true"])
             assert (await sbs.run(neighbour, ["echo", "fine"])).stdout == b"fine\n"
         finally:
@@ -185,7 +186,7 @@ async def test_snapshots_store_owners_relative_to_the_sandbox(client, stack):
         fork = (await client.fork(snap, n=1))[0]
         made.append(fork)
         assert (await fork.exec("stat -c '%u:%g %n' /data/mine /data/app")).stdout == want
-        assert stack.edge.backend._live(fork.id).ids.base != stack.edge.backend._live(sb.id).ids.base
+        assert stack.edge.backend.backends["container"]._live(fork.id).ids.base != stack.edge.backend.backends["container"]._live(sb.id).ids.base
         layer = stack.edge.layers.path(snap.layers[-1])   # the fork on this node fetched it
         mnt = Path(f"/tmp/dsec-owners-{os.getpid()}")
         mnt.mkdir()

@@ -17,7 +17,7 @@ async def test_mountinfo_and_cgroup_name_no_host_path(client, stack):
     and /proc/self/cgroup shows the sandbox's own cgroups as "/" (a cgroup namespace)."""
     async with await client.create() as sb:
         info = (await sb.exec("cat /proc/self/mountinfo")).stdout.decode()
-        state = str(stack.edge.backend.state_dir)
+        state = str(stack.edge.backend.backends["container"].state_dir)
         assert state not in info and "dsec-" not in info, info
         assert "lowerdir=/" not in info and "upperdir=/" not in info, info
         for line in info.splitlines():   # no host directory bound in (roots within proc or devtmpfs are fine)
@@ -107,7 +107,7 @@ async def test_proc_views_follow_the_sandbox_and_survive_an_lxcfs_restart(client
         with open("/proc/uptime") as f:
             host_up = float(f.read().split()[0])
         assert up < min(600, host_up - 1), (up, host_up)   # its own (since its init started), not the host's
-        views = stack.edge.backend._views
+        views = stack.edge.backend.backends["container"]._views
         restarts = views.restarts
         os.kill(views.proc.pid, signal.SIGKILL)
         for _ in range(100):
@@ -124,7 +124,7 @@ async def test_direct_writes_are_throttled_on_the_pool_device(client, stack):
     """blkio throttles each sandbox's I/O on the pool's loop device (what cgroup v1 can: direct and
     synchronous writes); the bytes a direct write makes are charged to the sandbox's own group."""
     from edge.backends.cgroups import IO_LIMITS
-    backend = stack.edge.backend
+    backend = stack.edge.backend.backends["container"]
     device = backend._uppers.device()
     assert device, "the pool has no loop device"
     async with await client.create() as sb:

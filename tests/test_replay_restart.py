@@ -61,7 +61,7 @@ def stop_up(proc):
 async def test_consumer_killed_mid_job_and_replay_after_a_full_restart(tmp_path):
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    with leaks.live(NODE, tmp_path / "edge"):
+    with leaks.live(NODE, tmp_path):
         up = start_up(tmp_path, port)
         try:
             reader = subprocess.Popen([sys.executable, "-c", READER, url, "jr", "1"], stdout=subprocess.PIPE,

@@ -17,14 +17,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def groups(stack, sb) -> dict[str, Path]:
-    return NodeCgroups(stack.edge.node).sandbox(stack.edge.backend._key(sb.id))   # its name, if it was warm
+    return NodeCgroups(stack.edge.node).sandbox(stack.edge.backend.backends["container"]._key(sb.id))   # its name, if it was warm
 
 
 async def test_fork_bomb_hits_the_pids_limit(client, stack):
     async with await client.create(resources=libdsec.Resources(pids=64)) as sb, await client.create() as bystander:
         with pytest.raises(libdsec.ExecTimeout):
             await sb.exec("bomb(){ bomb | bomb & }; bomb; sleep 30", timeout=4)
-        assert stack.edge.backend.limit_events(sb.id)["pids_max"] > 0, "pids limit never fired"
+        assert stack.edge.backend.backends["container"].limit_events(sb.id)["pids_max"] > 0, "pids limit never fired"
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
         assert (await bystander.exec("echo fine")).stdout == b"fine\n"
 
@@ -34,7 +34,7 @@ async def test_memory_bomb_is_oom_killed_inside(client, stack):
             await client.create() as bystander:
         r = await sb.exec("tail /dev/zero", timeout=60)
         assert r.exit_code == 137
-        assert stack.edge.backend.limit_events(sb.id)["oom_kill"] > 0, "the memory cgroup never OOM-killed"
+        assert stack.edge.backend.backends["container"].limit_events(sb.id)["oom_kill"] > 0, "the memory cgroup never OOM-killed"
         assert r.peak_memory <= (64 << 20) + (1 << 20)
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
         assert (await bystander.exec("echo fine")).stdout == b"fine\n"

@@ -82,7 +82,7 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
     finally:
         await st.stop()
         cluster.stop()
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "state" / "edge", "tq") == []
 
 
@@ -121,7 +121,7 @@ async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path)
         edge.wait(20)
         await placement.stop()
         srv.stop()
-    from edge.backends.container import leftovers
+    from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "edge" / "edge", "tx") == []
 
 

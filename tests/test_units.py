@@ -20,10 +20,10 @@ from placement import scoring
 
 def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
-        "AsyncClient", "AsyncSandbox", "BusError", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
+        "AsyncClient", "AsyncSandbox", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
         "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-        "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory"])
+        "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None
 
@@ -540,3 +540,35 @@ def test_terminal_escapes_controls_but_keeps_text_and_split_characters():
     raw = io.BytesIO()
     Terminal(raw, tty=False).write(b"\x1b[2J\xff")
     assert raw.getvalue() == b"\x1b[2J\xff"
+
+
+def test_scoring_filters_on_the_kind_and_books_its_overhead_from_one_shared_pool():
+    """A node lists the kinds it runs with slots each; all kinds share its memory, and each sandbox costs
+    its kind's overhead on top of what it asks (a node full of containers has no room for a VM)."""
+    from bus import kinds
+    both = msgspec.structs.replace(_node("both"), backends=["container", "microvm"],
+                                   kind_slots={"container": 10, "microvm": 1})
+    only = msgspec.structs.replace(_node("only"), backends=["container"])
+    assert scoring.choose([both, only], kinds.booked("microvm", Resources()), kind="microvm")[0] == "both"
+    assert scoring.choose([only], kinds.booked("gvisor", Resources()), kind="gvisor") == (None, False)
+    assert scoring.kinds_offered([both, only]) == ["container", "microvm"]
+    vm = kinds.booked("microvm", Resources(memory=512 << 20))
+    assert vm.memory == (512 << 20) + kinds.OVERHEAD["microvm"][0]
+    full = msgspec.structs.replace(both, used_memory=both.memory - (520 << 20))   # room for 520 MiB
+    assert scoring.choose([full], vm, kind="microvm")[0] is None           # 512 MiB + its overhead: no
+    assert scoring.choose([full], kinds.booked("container", Resources(memory=512 << 20)))[0] == "both"
+    one_vm = msgspec.structs.replace(both, kind_used={"microvm": 1})        # its microvm slot is taken
+    assert scoring.choose([one_vm], kinds.booked("microvm", Resources()), kind="microvm")[0] is None
+    assert scoring.choose([one_vm], Resources())[0] == "both"
+
+
+def test_backend_configs_are_discriminated_and_strict():
+    from bus.errors import InvalidRequest
+    from edge.backends.registry import FnCallConfig, config_for, kind_of_config
+    cfg = config_for("fncall", workers_min=1, workers_max=4)
+    assert isinstance(cfg, FnCallConfig) and kind_of_config(cfg) == "fncall" and cfg.workers_max == 4
+    with pytest.raises(InvalidRequest, match="unknown field"):
+        config_for("container", workers_max=3)
+    with pytest.raises(InvalidRequest, match="container, fncall, gvisor"):
+        config_for("firecracker")
+    assert "not built" in config_for("microvm").available()

@@ -40,7 +40,7 @@ def warm_ids(stack) -> list[str]:
 
 def all_gone(stack) -> bool:
     """No warm sandbox starting, ready or being destroyed."""
-    backend, pools = stack.edge.backend, stack.edge.warm
+    backend, pools = stack.edge.backend.backends["container"], stack.edge.warm
     names = [*backend._sandboxes, *backend._starting]
     return not pools.filling and not pools._retiring and not [s for s in names if s.startswith("warm-")]
 
@@ -51,7 +51,7 @@ async def test_a_claimed_sandbox_is_clean_and_its_own(stack, client):
         hits = pools.hits
         first = await client.create(env={"WHO": "first"}, labels={"job": "warm-a"})
         assert pools.hits == hits + 1, "the create did not claim a warm sandbox"
-        key_a = stack.edge.backend._key(first.id)
+        key_a = stack.edge.backend.backends["container"]._key(first.id)
         assert key_a.startswith("warm-") and key_a != first.id
         r = await first.exec("hostname; echo $WHO; echo secret-a > /root/secret; echo tmp > /tmp/secret; "
                              "sleep 600 >/dev/null 2>&1 & echo started")
@@ -64,7 +64,7 @@ async def test_a_claimed_sandbox_is_clean_and_its_own(stack, client):
         second = await client.create(env={"WHO": "second"})
         try:
             assert pools.hits == hits + 2
-            assert stack.edge.backend._key(second.id) not in (key_a, second.id)
+            assert stack.edge.backend.backends["container"]._key(second.id) not in (key_a, second.id)
             r = await second.exec("hostname; echo ${WHO}-${WHO_ELSE:-none}; ls -A /root; ls -A /tmp; "
                                   "pidof sleep || echo no-sleep")
             # nothing of the first user: no file, no process; its own hostname and env

@@ -1,4 +1,9 @@
-"""The backend contract: lifecycle (start/stop/reconcile) apart from work (create/exec/files/destroy)."""
+"""The backend contract: lifecycle (start/stop/reconcile) apart from work (create/exec/files/destroy).
+
+Each backend is one kind (bus/kinds.py) and declares what it can do there; the edge holds its backends by
+kind (edge/backends/registry.py) and never reaches into one. A backend lacking an operation raises
+Unsupported-worthy BackendErrors only as a last guard: the SDK, placement and the edge's op lane refuse
+such operations from the capability table first."""
 from __future__ import annotations
 
 import abc
@@ -6,6 +11,7 @@ from dataclasses import dataclass, field
 
 from chronus.control import ExecControl, ExecResult, OutputSink, StreamName  # noqa: F401  (the exec contract)
 from chronus.shell import TRUSTED_DIR, TRUSTED_SHELL  # noqa: F401  (the trusted shell every backend mounts)
+from bus import kinds
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,9 @@ class SandboxSpec:
     layers: list[str]           # local paths of EROFS layer files, lowest first
     limits: Limits = field(default_factory=Limits)
     env: dict[str, str] = field(default_factory=dict)   # default env of every exec
+    kind: str = "container"     # which of the edge's backends runs it
+    scratch: int = 0            # > 0: read-only root, a tmpfs of this size at /tmp, an IPC namespace per
+                                # command (a stateless worker: see edge/backends/fncall/)
 
 
 class BackendError(Exception):
@@ -49,8 +58,24 @@ class SandboxGone(BackendError):
     """The sandbox does not exist (never created, or destroyed)."""
 
 
+class CommandNotStarted(BackendError):
+    """The command never started (not found, bad cwd...); .result carries exit_code -1."""
+
+    def __init__(self, message: str, result: ExecResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 class Backend(abc.ABC):
     """One kind of sandbox. Lifecycle: start/stop/reconcile. Work: create/exec/files/destroy."""
+
+    kind: str = ""                  # its name in bus/kinds.py
+    trusted_shell: str = TRUSTED_SHELL   # the shell string commands run with, inside its sandboxes
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What its sandboxes offer (the shared table: the SDK and placement refuse the rest)."""
+        return kinds.CAPABILITIES.get(self.kind, frozenset())
 
     @abc.abstractmethod
     async def start(self) -> None:
@@ -104,3 +129,21 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def sandboxes(self) -> list[str]:
         """Ids of the sandboxes this backend runs now."""
+
+    def residue(self, sandbox_id: str) -> list[str]:
+        """What a destroyed sandbox left on the host (mounts, cgroups, processes...): [] when nothing.
+        The leak checks of tests and chaos ask this, never a backend's internals."""
+        return []
+
+    def leftovers(self) -> list[str]:
+        """Everything of this backend's sandboxes still on the host (after stop(): [] when nothing leaked)."""
+        return []
+
+    def busy(self) -> bool:
+        """Whether a sandbox runs, starts or is being destroyed now."""
+        return bool(self.sandboxes())
+
+    def leaks(self) -> list[str]:
+        """While it runs and holds no sandbox: what it should not hold any more (layer references, untracked
+        mounts, writable layers...): [] when nothing leaked."""
+        return []

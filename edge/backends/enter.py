@@ -35,10 +35,11 @@ class Spawner:
         """Nothing held (kept for symmetry with start)."""
 
     def spawn(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
-              stdio: list[int], err_w: int) -> int:
+              stdio: list[int], err_w: int, fresh_ipc: bool = False) -> int:
         """Start dsec-enter for argv in the sandbox whose init is init_pid (pinned by pidfd); returns the
-        helper's host pid (its wait status is the command's)."""
-        setup = b"\0".join(s.encode() for s in (hex(self.keep_mask), cwd, *tasks)) + b"\0"
+        helper's host pid (its wait status is the command's). fresh_ipc: an IPC namespace of its own."""
+        mask = hex(self.keep_mask) + (",ipc" if fresh_ipc else "")
+        setup = b"\0".join(s.encode() for s in (mask, cwd, *tasks)) + b"\0"
         if len(setup) > SETUP_MAX:
             raise OSError(errno.E2BIG, "exec setup too large (cwd too long)")
         opened: list[int] = []

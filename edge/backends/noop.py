@@ -8,6 +8,8 @@ from edge.backends.base import Backend, ExecResult, SandboxGone, SandboxSpec
 class NoopBackend(Backend):
     """In-process, no kernel objects, nothing to leak."""
 
+    kind = "noop"
+
     def __init__(self) -> None:
         self._ids: set[str] = set()
 

@@ -13,10 +13,15 @@ from edge.backends import enter, kernel
 from edge.backends.base import BackendError, SandboxGone
 
 
-def _root_fd(sandbox_id: str, init_pid: int, pidfd: int) -> int:
-    """An O_PATH fd of the sandbox's root as its init sees it (checked against, then closing, pidfd)."""
+SCRATCH = ("tmp", "dev/shm")   # the writable mounts of a worker with a read-only root (fncall)
+
+
+def _root_fd(sandbox_id: str, init_pid: int, pidfd: int, sub: str = "") -> int:
+    """An O_PATH fd of the sandbox's root as its init sees it, or of the mount `sub` in it (checked
+    against, then closing, pidfd)."""
     try:
-        fd = os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(f"/proc/{init_pid}/root/{sub}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+                     | (os.O_NOFOLLOW if sub else 0))
         if not enter.alive(pidfd):   # the pid may have been reused: the fd could be anyone's root
             os.close(fd)
             raise ProcessLookupError(init_pid)
@@ -27,22 +32,44 @@ def _root_fd(sandbox_id: str, init_pid: int, pidfd: int) -> int:
         os.close(pidfd)
 
 
-def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int, owner: int) -> None:
+def _where(path: str, scratch: bool) -> tuple[str, str]:
+    """(mount, path inside it): the root for a sandbox, its scratch mount for a worker's /tmp or /dev/shm
+    (symlinks there resolve inside that mount)."""
+    if not scratch:
+        return "", path
+    for sub in SCRATCH:
+        if path.startswith(f"/{sub}/") and len(path) > len(sub) + 2:
+            return sub, path[len(sub) + 2:]
+    raise BackendError(f"{path}: a worker's files live under /tmp or /dev/shm (its root is read-only)")
+
+
+def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int, owner: int,
+          scratch: bool = False) -> None:
     """Create or truncate path with exactly mode; a new file is owned by host uid/gid owner."""
-    root = _root_fd(sandbox_id, init_pid, pidfd)
     try:
-        kernel.write_in_root(root, path, data, mode & 0o7777, owner)
+        sub, rel = _where(path, scratch)
+    except BackendError:
+        os.close(pidfd)
+        raise
+    root = _root_fd(sandbox_id, init_pid, pidfd, sub)
+    try:
+        kernel.write_in_root(root, rel, data, mode & 0o7777, owner)
     except OSError as exc:
         raise _file_error(exc, path, creating=True) from exc
     finally:
         os.close(root)
 
 
-def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int) -> bytes:
+def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int, scratch: bool = False) -> bytes:
     """The bytes of a regular file (at most limit, else EFBIG)."""
-    root = _root_fd(sandbox_id, init_pid, pidfd)
     try:
-        return kernel.read_in_root(root, path, limit)
+        sub, rel = _where(path, scratch)
+    except BackendError:
+        os.close(pidfd)
+        raise
+    root = _root_fd(sandbox_id, init_pid, pidfd, sub)
+    try:
+        return kernel.read_in_root(root, rel, limit)
     except OSError as exc:
         raise _file_error(exc, path, creating=False) from exc
     finally:

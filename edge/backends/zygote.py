@@ -71,6 +71,7 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     empty: str = ""             # the lowerdir of a sandbox without layers (a plain dir: not idmapped)
     base: str = "/"             # the node's state dir: overlay paths are given relative to it
     views: str = ""             # lxcfs's /proc dir: its files are bound over the sandbox's (procviews.py)
+    scratch: int = 0            # > 0: a read-only root with a tmpfs of this many bytes at /tmp (fncall workers)
 
 
 class Refresh(msgspec.Struct, tag="refresh", tag_field="kind", frozen=True):
@@ -393,6 +394,10 @@ def _mount_root(req: Launch, userns: int) -> None:
     _mount_dev(f"{root}/dev", req.uid_base)
     if req.trusted:
         _mount_trusted(req.trusted, f"{root}/.dsec")
+    if req.scratch:   # the image's files stay as they are; what a command writes goes to /tmp (or /dev/shm)
+        kernel.mount("tmpfs", f"{root}/tmp", "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV,
+                     f"size={req.scratch},mode=1777,uid={req.uid_base},gid={req.uid_base}")
+        kernel.mount(None, root, None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY | kernel.MS_NODEV)
 
 
 def _mount_trusted(src: str, target: str) -> None:

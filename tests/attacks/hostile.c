@@ -16,6 +16,10 @@
  *                               "mincore=E fadvise=E" (0: allowed)
  *   hostile euid                print the effective uid (a planted setuid copy shows whom it runs as)
  *   hostile setcap FILE         give FILE cap_sys_admin+ep (security.capability); print "ok" or errno
+ *   hostile sysv KEY            make a SysV shared memory segment, semaphore set and message queue with
+ *                               KEY (they outlive the process); print "ok" or errno
+ *   hostile sysvfind KEY        print how many of the three exist with KEY ("0": none)
+ *   hostile hog MIB             touch MIB MiB of anonymous memory and keep it; print "held" then sleep
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -26,6 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/inotify.h>
+#include <sys/ipc.h>
+#include <sys/msg.h>
+#include <sys/sem.h>
+#include <sys/shm.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -176,6 +184,27 @@ int main(int argc, char **argv) {
         if (setxattr(argv[2], "security.capability", cap, sizeof cap, 0)) printf("%d\n", errno);
         else printf("ok\n");
         return 0;
+    }
+    if (!strcmp(cmd, "sysv") && argc > 2) {
+        key_t key = (key_t)atoi(argv[2]);
+        if (shmget(key, 4096, IPC_CREAT | 0600) < 0 || semget(key, 1, IPC_CREAT | 0600) < 0
+            || msgget(key, IPC_CREAT | 0600) < 0) printf("%d\n", errno);
+        else printf("ok\n");
+        return 0;
+    }
+    if (!strcmp(cmd, "sysvfind") && argc > 2) {
+        key_t key = (key_t)atoi(argv[2]);
+        printf("%d\n", (shmget(key, 0, 0) >= 0) + (semget(key, 0, 0) >= 0) + (msgget(key, 0) >= 0));
+        return 0;
+    }
+    if (!strcmp(cmd, "hog") && argc > 2) {
+        size_t n = (size_t)atoi(argv[2]) << 20;
+        char *m = malloc(n);
+        if (!m) { printf("%d\n", errno); return 1; }
+        memset(m, 1, n);
+        printf("held\n");
+        fflush(stdout);
+        for (;;) pause();
     }
     return 2;
 }

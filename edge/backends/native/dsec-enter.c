@@ -272,9 +272,11 @@ int main(int argc, char **argv) {
         got += (size_t)n;
     }
     setup[got] = 0;
-    /* setup: CAPMASK \0 CWD \0 TASKS... (each \0-terminated) */
-    char *p = setup, *end = setup + got;
-    unsigned long long keep = strtoull(p, NULL, 0);
+    /* setup: CAPMASK[,ipc] \0 CWD \0 TASKS... (each \0-terminated); ",ipc": the command gets an IPC
+       namespace of its own (fncall: no SysV object outlives the call) */
+    char *p = setup, *end = setup + got, *flags = NULL;
+    unsigned long long keep = strtoull(p, &flags, 0);
+    int fresh_ipc = flags && strcmp(flags, ",ipc") == 0;
     p += strlen(p) + 1;
     if (p >= end) { errno = EINVAL; fail("setup", "setup without cwd"); }
     const char *cwd = p;
@@ -291,7 +293,7 @@ int main(int argc, char **argv) {
         if (setns(NS_FD0 + k, 0)) fail("setup", "setns");
     if (setns(USERNS_FD, CLONE_NEWUSER)) fail("setup", "setns user");
     if (setgroups(0, NULL) || setresgid(0, 0, 0) || setresuid(0, 0, 0)) fail("setup", "sandbox root");
-    int unshared = unshare(CLONE_NEWUSER);
+    int unshared = unshare(CLONE_NEWUSER | (fresh_ipc ? CLONE_NEWIPC : 0));
     int e = errno;
     (void)!write(go[1], "u", unshared == 0 ? 1 : 0);
     close(go[1]);

@@ -1,0 +1,174 @@
+"""Benchmark: one row per backend kind, each beside a raw baseline measured in the same run.
+
+Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200]
+     (starts its own `dsec up --backend container --backend fncall` on free ports, in a temp dir)
+
+  container  create -> ready p50 and exec `true` round trip p50 through the SDK; baseline: a raw
+             five-namespace `unshare` of /bin/true.
+  fncall     one `echo hi` call p50/p99 through the SDK, and calls/s with --in-flight at once;
+             baselines: the same pool of workers driven locally (FnCallBackend.call, no bus) and a
+             fresh `unshare` per call (8 at once).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import libdsec
+from bench.cycle import raw_baseline
+from bus.server import die_with_parent, free_port
+from cli.demo import percentile
+
+DSEC = str(Path(sys.executable).with_name("dsec"))
+UNSHARE = ["unshare", "--user", "--map-root-user", "--fork", "--pid", "--mount", "--net", "--uts", "--ipc",
+           "--mount-proc", "/bin/echo", "hi"]
+
+
+def ms(values: list[float], q: float) -> float:
+    return percentile(sorted(values), q)
+
+
+async def sdk_figures(url: str, args) -> dict:
+    """Container create/exec p50 and fncall latency/throughput through the SDK."""
+    out: dict = {}
+    async with libdsec.AsyncClient(url) as client:
+        await (await client.create()).destroy()   # layers fetched, zygote warm
+        creates, execs = [], []
+        for _ in range(args.samples // 10 or 1):
+            t0 = time.perf_counter()
+            sb = await client.create()
+            t1 = time.perf_counter()
+            for _ in range(5):
+                e0 = time.perf_counter()
+                await sb.exec(["true"])
+                execs.append((time.perf_counter() - e0) * 1000)
+            creates.append((t1 - t0) * 1000)
+            await sb.destroy()
+        out["container"] = {"create_p50": ms(creates, 0.5), "exec_p50": ms(execs, 0.5)}
+        for _ in range(20):   # workers started, layers fetched
+            assert (await client.call(["echo", "hi"])).stdout == b"hi\n"
+        one = []
+        for _ in range(args.samples):
+            t0 = time.perf_counter()
+            r = await client.call(["echo", "hi"])
+            one.append((time.perf_counter() - t0) * 1000)
+            assert r.ok
+        sem = asyncio.Semaphore(args.in_flight)
+
+        async def call() -> None:
+            async with sem:
+                r = await client.call(["echo", "hi"], wait=120)
+                assert r.stdout == b"hi\n", r
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(call() for _ in range(args.calls)))
+        out["fncall"] = {"p50": ms(one, 0.5), "p99": ms(one, 0.99),
+                         "rate": args.calls / (time.perf_counter() - t0)}
+    return out
+
+
+async def local_pool(args, state: Path) -> dict:
+    """The same workers without the bus: FnCallBackend.call straight from this process."""
+    from edge.backends.fncall import CallSpec, FnCallBackend
+    from edge.backends.base import Limits
+    from edge.erofs import busybox_rootfs, pack_dir
+    root = state / "bb"
+    root.mkdir()
+    busybox_rootfs(root)
+    layer = state / "bb.erofs"
+    pack_dir(root, layer)
+    backend = FnCallBackend(state / "local", "benchlocal", workers_min=2, workers_max=args.workers)
+    await backend.start()
+    try:
+        spec = CallSpec(layers=[str(layer)], limits=Limits(), argv=["echo", "hi"])
+        for _ in range(20):
+            await backend.call(spec)
+        one = []
+        for _ in range(args.samples):
+            t0 = time.perf_counter()
+            await backend.call(spec)
+            one.append((time.perf_counter() - t0) * 1000)
+        sem = asyncio.Semaphore(args.in_flight)
+
+        async def call() -> None:
+            async with sem:
+                o = await backend.call(spec)
+                assert o.stdout == b"hi\n"
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(call() for _ in range(args.calls)))
+        return {"p50": ms(one, 0.5), "rate": args.calls / (time.perf_counter() - t0)}
+    finally:
+        await backend.stop()
+
+
+def fresh_unshare(n: int) -> dict:
+    """A fresh set of namespaces per call, 8 at once."""
+    t0 = time.perf_counter()
+    running: list[subprocess.Popen] = []
+    done = 0
+    while done < n:
+        while len(running) < 8 and done + len(running) < n:
+            running.append(subprocess.Popen(UNSHARE, stdout=subprocess.DEVNULL))
+        running.pop(0).wait()
+        done += 1
+    return {"rate": n / (time.perf_counter() - t0)}
+
+
+def start_up(state: Path, port: int, workers: int) -> subprocess.Popen:
+    proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", "0",
+                             "--node-id", "bench-kinds", "--backend", "container", "--backend", "fncall",
+                             "--fncall-min", "2", "--fncall-max", str(workers)],
+                            stdout=subprocess.PIPE, stderr=open(state.parent / "up.log", "ab"), text=True,
+                            preexec_fn=die_with_parent)
+    line = proc.stdout.readline()
+    if not line.startswith("dsec: ready"):
+        proc.kill()
+        raise SystemExit(f"dsec up did not start: {line!r}; see {state.parent / 'up.log'}")
+    return proc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=2000, help="calls in the throughput runs")
+    ap.add_argument("--in-flight", type=int, default=64, help="calls at once in the throughput runs")
+    ap.add_argument("--samples", type=int, default=200, help="sequential samples for the latency figures")
+    ap.add_argument("--workers", type=int, default=32, help="fncall workers at most")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-kinds-") as tmp:
+        tmp_path = Path(tmp)
+        port = free_port()
+        up = start_up(tmp_path / "up", port, args.workers)
+        try:
+            sdk = asyncio.run(sdk_figures(f"nats://127.0.0.1:{port}", args))
+        finally:
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=20)
+        local = asyncio.run(local_pool(args, tmp_path))
+        raw = raw_baseline(50)
+        fresh = fresh_unshare(min(args.calls, 500))
+    c, f = sdk["container"], sdk["fncall"]
+    raw50 = ms(raw, 0.5)
+    print(f"{'backend':<10} {'figure':<34} {'DSec':>10} {'baseline':>10} {'ratio':>7}  baseline is")
+    rows = [
+        ("container", "create -> ready p50 (ms)", c["create_p50"], raw50, "raw unshare of /bin/true p50"),
+        ("container", "exec `true` round trip p50 (ms)", c["exec_p50"], raw50, "raw unshare of /bin/true p50"),
+        ("fncall", "one call p50 (ms)", f["p50"], local["p50"], "local pool, no bus, p50"),
+        ("fncall", "one call p99 (ms)", f["p99"], local["p50"], "local pool, no bus, p50"),
+        ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], local["rate"], "local pool, no bus"),
+        ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], fresh["rate"], "fresh unshare per call (8 at once)"),
+    ]
+    for kind, what, ours, base, note in rows:
+        print(f"{kind:<10} {what:<34} {ours:>10.2f} {base:>10.2f} {ours / base:>7.2f}  {note}")
+    print(f"(cores: {os.cpu_count()}; fncall workers at most {args.workers})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Backend kinds: the names, what each can do (capabilities) and what each sandbox of it costs beyond
+what it asks for (overhead). The one table the SDK, placement and the edges share, so an operation a
+kind lacks is refused before anything starts, and every side books the same amount.
+
+Capabilities:
+  exec        run a command in a sandbox (argv or a trusted-shell script)
+  stream      its output as it is produced (exec handles, dsec.out records)
+  live_stdin  write to a running command's stdin, send it signals
+  files       write_file / read_file (for fncall: files given with the call and read back after it)
+  snapshot    pack the writable layer into a layer and start sandboxes from it (fork is a snapshot's use)
+  fork        start sandboxes from a running one's snapshot
+  suspend     freeze a sandbox's processes and thaw them later
+  network     a network policy (Aether)
+  warm_pools  keep ready sandboxes to claim
+  call        stateless function calls (client.call), no sandbox id
+"""
+from __future__ import annotations
+
+from bus.errors import InvalidRequest, Unsupported
+
+CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM, NOOP = "container", "fncall", "gvisor", "microvm", "fullvm", "noop"
+KINDS = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM, NOOP)
+SERVED = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM)   # what `dsec up` may run; noop is for tests/benchmarks
+
+CAPABILITIES: dict[str, frozenset[str]] = {
+    CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools"}),
+    GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
+    FNCALL: frozenset({"call", "files"}),
+    MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "suspend"}),
+    FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "suspend"}),
+    NOOP: frozenset({"exec", "stream", "files", "suspend"}),
+}
+
+# Per-sandbox cost on top of the request, (memory bytes, disk bytes): a node's memory and disk are shared
+# by every kind it runs, so a node full of containers has no room left for a VM.
+OVERHEAD: dict[str, tuple[int, int]] = {
+    CONTAINER: (2 << 20, 0),
+    GVISOR: (24 << 20, 0),        # sentry + gofer of an idle sandbox (~20 MiB PSS measured)
+    FNCALL: (0, 0),               # workers are the node's, booked by its fncall slots
+    MICROVM: (96 << 20, 0),       # QEMU's own RSS beside the guest's memory
+    FULLVM: (160 << 20, 0),
+    NOOP: (0, 0),
+}
+
+
+def check_kind(kind: str) -> str:
+    """The kind, or InvalidRequest naming the kinds that exist."""
+    if kind not in KINDS:
+        raise InvalidRequest(f"backend must be one of {', '.join(KINDS)}, got {kind!r}")
+    return kind
+
+
+def supports(kind: str, capability: str) -> bool:
+    """Whether sandboxes of this kind offer the capability."""
+    return capability in CAPABILITIES.get(kind, frozenset())
+
+
+def require(kind: str, capability: str, operation: str = "") -> None:
+    """Unsupported (naming the kind and the operation) when the kind lacks the capability."""
+    if not supports(kind, capability):
+        raise Unsupported(f"backend {kind!r} does not support {operation or capability} "
+                          f"(it offers: {', '.join(sorted(CAPABILITIES.get(kind, ()))) or 'nothing'})",
+                          backend=kind, operation=operation or capability)
+
+
+def booked(kind: str, r):
+    """What a sandbox of this kind takes from its node: the request plus the kind's overhead."""
+    import msgspec
+    memory, disk = OVERHEAD.get(kind, (0, 0))
+    return msgspec.structs.replace(r, memory=r.memory + memory, disk=r.disk + disk) if memory or disk else r
+
+
+def check_create_kind(kind: str, from_snapshot: bool = False) -> None:
+    """A create of this kind is possible: the kind exists (InvalidRequest), has sandboxes (fncall has
+    calls instead) and, from a snapshot, can fork (Unsupported)."""
+    check_kind(kind)
+    if not supports(kind, "exec"):
+        raise Unsupported(f"backend {kind!r} has no sandboxes to create: use client.call()",
+                          backend=kind, operation="create")
+    if from_snapshot:
+        require(kind, "fork", "create from a snapshot")

@@ -1,0 +1,75 @@
+"""Commands in container sandboxes: dsec-enter spawns each; its cgroups, pipes and timeout are supervised
+here (execio.py)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from edge.backends import enter, execio
+from edge.backends.base import BackendError, CommandNotStarted, ExecControl, ExecResult, OutputSink, SandboxGone
+from edge.backends.cgroups import CgroupError, NodeCgroups
+from edge.backends.container.state import DEFAULT_ENV, Core, Running
+
+
+class Executing(Core):
+    """exec."""
+
+    async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
+                   stdin: bytes | None, timeout: float, sink: OutputSink,
+                   control: ExecControl | None = None) -> ExecResult:
+        """Run argv inside the sandbox (timeout <= 0: none); see ExecFailed for commands that never start."""
+        sb = self._live(sandbox_id)
+        if not argv:
+            raise BackendError("empty command")
+        n = next(sb.execs)
+        try:
+            groups = self._cgroups.create_exec(sb.key, n)
+        except CgroupError as exc:
+            raise BackendError(str(exc)) from exc
+        pipes = execio.Pipes()
+        started = time.monotonic()
+        try:
+            try:
+                exited = self._start_exec(sb, n, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
+                                          pipes)
+            finally:
+                pipes.close_child_ends()    # else our copies of the write ends would hide EOF
+            if control is not None:
+                control.on_signal(lambda sig: execio.signal_exec(groups, sig))
+            status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
+                                                     sb.frozen_for)
+            failure = execio.exec_failure(pipes.read_error(), argv, cwd)
+        finally:
+            pipes.close()
+            cpu, peak = NodeCgroups.exec_stats(groups)
+            events = NodeCgroups.limit_events(groups)
+            if not NodeCgroups.remove(groups):  # stays if background processes remain; destroy removes it
+                sb.events.update(events)
+        result = ExecResult(exit_code=execio.exit_code(status), duration=time.monotonic() - started,
+                            cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
+        if failure and not timed_out:
+            raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
+        return result
+
+    def _start_exec(self, sb: Running, n: int, argv: list[str], env: dict[str, str], cwd: str,
+                    pipes: "execio.Pipes") -> asyncio.Future:
+        """Spawn dsec-enter for the command; a future of the command's wait status (see enter.py)."""
+        if self._spawner is None:
+            raise BackendError("container backend is not started")
+        ends = pipes.child_ends()
+        tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
+        try:
+            pid = self._spawner.spawn(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3],
+                                      fresh_ipc=bool(sb.spec.scratch))
+        except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
+            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
+        except OSError as exc:
+            raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
+        try:
+            return enter.watch_exit(pid)
+        except OSError as exc:   # cannot watch it (out of fds): do not leave it running unwatched
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise BackendError(f"cannot watch {argv[0]}: {exc.strerror}") from exc

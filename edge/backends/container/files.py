@@ -1,0 +1,48 @@
+"""Files of container sandboxes, resolved inside their root (rootfiles.py), and the checks tests read."""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from pathlib import Path
+
+from edge.backends import cgroups, rootfiles
+from edge.backends.cgroups import NodeCgroups
+from edge.backends.container.state import Core
+
+
+class Files(Core):
+    """write_file / read_file, limit events, cgroup paths."""
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create or truncate a file in the sandbox root filesystem (symlinks resolved inside it)."""
+        sb = self._live(sandbox_id)
+        pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
+        await asyncio.to_thread(rootfiles.write, sandbox_id, sb.init_pid, pidfd, path, data, mode, sb.ids.base,
+                                bool(sb.spec.scratch))
+
+    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
+        """Read a file of the sandbox root filesystem, at most limit bytes (else BackendError)."""
+        sb = self._live(sandbox_id)
+        pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
+        return await asyncio.to_thread(rootfiles.read, sandbox_id, sb.init_pid, pidfd, path, limit,
+                                       bool(sb.spec.scratch))
+
+    def cgroup_dir(self, sandbox_id: str, controller: str) -> Path:
+        """The sandbox's group directory in one controller (tests read limit events there)."""
+        return self._cgroups.sandbox(self._key(sandbox_id))[controller]
+
+    def limit_events(self, sandbox_id: str) -> dict[str, int]:
+        """How often each limit fired in a sandbox so far: pids_max, oom_kill, memory/memsw failcnt."""
+        sb = self._live(sandbox_id)
+        total = Counter(sb.events)
+        top = self._cgroups.sandbox(sb.key)
+        total.update(NodeCgroups.limit_events(top))
+        for child in top["pids"].glob("x*"):
+            total.update(NodeCgroups.limit_events({c: p / child.name for c, p in top.items()
+                                                   if c in cgroups.EXEC_CONTROLLERS}))
+        return dict(total)
+
+    def init_pid(self, sandbox_id: str) -> int:
+        """Host pid of the sandbox's init."""
+        return self._live(sandbox_id).init_pid

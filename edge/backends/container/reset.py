@@ -1,0 +1,66 @@
+"""Wiping a worker sandbox between two stateless calls (fncall): every process but its init killed, the
+commands' cgroups removed, /tmp and /dev/shm emptied and given back their modes. Everything else a call
+could change is read-only to it (the root, the trusted shell) or per command (its IPC namespace, its
+user namespace and so its keyrings, its environment): see edge/backends/fncall/__init__.py."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+
+from edge.backends import cgroups
+from edge.backends.base import BackendError
+from edge.backends.cgroups import EXEC_CONTROLLERS, NodeCgroups
+from edge.backends.container.state import Core
+
+SCRATCH_DIRS = (("tmp", 0o1777), ("dev/shm", 0o1777))   # the writable places of a worker, and their modes
+
+
+class Resetting(Core):
+    """reset(): a used worker made as it was when started."""
+
+    async def reset(self, sandbox_id: str) -> None:
+        """Kill what its commands left running, remove their groups, empty its scratch dirs; BackendError
+        when something survives (the caller retires the worker then)."""
+        sb = self._live(sandbox_id)
+        top = self._cgroups.sandbox(sb.key)
+        children = sorted(p.name for p in top["freezer"].glob("x*") if p.is_dir())
+        for name in children:
+            groups = {c: p / name for c, p in top.items() if c in EXEC_CONTROLLERS}
+            if not await cgroups.kill_tree(groups["freezer"], timeout=5.0):
+                raise BackendError(f"worker {sandbox_id}: processes survive in {groups['freezer']}")
+            busy = NodeCgroups.remove(groups)
+            for _ in range(500):
+                if not busy:
+                    break
+                await asyncio.sleep(0.002)
+                busy = NodeCgroups.remove(groups)
+            if busy:
+                raise BackendError(f"worker {sandbox_id}: cannot remove {', '.join(busy)}")
+        await asyncio.to_thread(_empty_scratch, sb.init_pid, sb.ids.base)
+
+
+def _empty_scratch(init_pid: int, owner: int) -> None:
+    """Remove everything under each scratch dir, through fds opened in the sandbox's root (a symlink the
+    call left is removed, never followed); the dirs get their mode and owner back."""
+    for rel, mode in SCRATCH_DIRS:
+        try:
+            fd = os.open(f"/proc/{init_pid}/root/{rel}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise BackendError(f"cannot open the worker's /{rel}: {exc}") from exc
+        try:
+            for entry in os.scandir(fd):
+                st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(entry.name, dir_fd=fd)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+            os.fchmod(fd, mode)
+            os.fchown(fd, owner, owner)
+        except OSError as exc:
+            raise BackendError(f"cannot empty the worker's /{rel}: {exc}") from exc
+        finally:
+            os.close(fd)

@@ -1,0 +1,151 @@
+"""An edge's call lanes (fncall): the shared work queues dsec.call.<priority>.<tenant>, pulled by every
+node with free fncall workers as competing consumers, so a call needs no placement round trip: a node
+pulls only as many calls as it has free workers (the pull is the placement), and a call no node takes
+waits in JetStream until its deadline, when the caller gives up with CapacityUnavailable.
+
+Validation happens twice without a round trip: in the SDK before the call is sent, and here when it is
+pulled (this lane is open to any publisher). Calls are not counted against a tenant's sandbox quota:
+they hold no sandbox, and what one call may use is bounded by MAX_CALL (resources) and the node's
+workers; a tenant's share is bounded by the queue (the work is served in order of arrival per priority).
+
+Each call is answered once (a CallReply or an ErrorReply on its reply subject) and recorded on its
+trajectory timeline (dsec.traj.<tenant>.<job>.<call id>, a TrajRecord of type "call").
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import msgspec
+
+from bus import streams, subjects, validate
+from bus.conn import Bus
+from bus.errors import BusError, DsecError, EnvironmentFailure, ExecFailed, ImageNotFound, InvalidRequest
+from bus.images import ImageRegistry
+from bus.messages import CallReply, CallRequest, ErrorReply, TrajRecord, call_decoder, encode, salvage
+from bus.pull import Delivery, Lease, Verdict
+from chronus.shell import command_argv
+from edge.backends.base import BackendError
+from edge.backends.fncall import CallSpec, FnCallBackend
+from edge.layercache import LayerCache
+from edge.warmpool import limits
+
+log = logging.getLogger(__name__)
+
+DONE_KEPT = 4096            # answered call ids remembered (a redelivery after a lost ack is not run again)
+
+class CallLane:
+    """Pulls calls while the node has free workers; runs, answers and records each."""
+
+    def __init__(self, bus: Bus, node: str, fncall: FnCallBackend, layers: LayerCache) -> None:
+        self.bus, self.node, self.fncall, self.layers = bus, node, fncall, layers
+        self._workers: list = []
+        self._running: set[str] = set()
+        self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.served = 0
+        self.duplicates = 0
+
+    async def start(self) -> None:
+        """Pull both priorities; latency calls first when workers are scarce (batch keeps one back)."""
+        for priority in subjects.PRIORITIES:
+            credit = self.fncall.free if priority == "latency" else lambda: max(0, self.fncall.free() - 1)
+            self._workers.append(await self.bus.pull_worker(streams.call_consumer(priority), self._handle,
+                                                            credit=credit))
+
+    async def stop(self) -> None:
+        for w in self._workers:
+            await w.stop(drain=False)
+        self._workers = []
+
+    def poke(self) -> None:
+        """A worker came free: pull again now."""
+        for w in self._workers:
+            w.poke()
+
+    async def _handle(self, d: Delivery) -> Verdict:
+        try:
+            req = call_decoder.decode(d.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            env = salvage(d.data)
+            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
+                                                       message=f"bad call request: {exc}"))
+            return Verdict.TERM
+        if req.call_id in self._running:   # a redelivery while it runs here: it answers when done
+            d.nak_delay = 1.0
+            return Verdict.NAK
+        if req.call_id in self._done:      # answered before; the ack was lost
+            self.duplicates += 1
+            return Verdict.ACK
+        if req.deadline and time.time() > req.deadline:   # the caller gave up (CapacityUnavailable): not run
+            return Verdict.ACK
+        self._running.add(req.call_id)
+        lease = Lease(d, every=streams.CALL_ACK_WAIT / 3)
+        try:
+            reply = await self._serve(req)
+        except BusError as exc:   # the image could not be read now: another try shortly (here or elsewhere)
+            log.warning("call %s retried: %s", req.call_id, exc)
+            d.nak_delay = 0.5
+            return Verdict.NAK
+        finally:
+            lease.cancel()
+            self._running.discard(req.call_id)
+        self._done[req.call_id] = None
+        while len(self._done) > DONE_KEPT:
+            self._done.popitem(last=False)
+        await self.bus.reply(req.reply_to, reply)
+        self.served += 1
+        if isinstance(reply, CallReply):
+            await self._record(req, reply)
+        return Verdict.ACK
+
+    async def _serve(self, req: CallRequest) -> CallReply | ErrorReply:
+        started = time.time()
+        try:
+            validate.check_call(req)
+            refs = await ImageRegistry(self.bus).compose(req.image)
+            paths = await self.layers.ensure(refs)
+            out = await self.fncall.call(CallSpec(
+                layers=[str(p) for p in paths], limits=limits(req.resources),
+                argv=command_argv(list(req.argv), req.shell, self.fncall.trusted_shell), env=dict(req.env),
+                cwd=req.cwd, stdin=req.stdin, timeout=req.timeout, files=dict(req.files),
+                read_back=list(req.read_back), max_output=req.max_output))
+        except BusError:
+            raise
+        except (InvalidRequest, ImageNotFound) as err:
+            return ErrorReply(request_id=req.call_id, code=err.code, message=str(err))
+        except DsecError as err:
+            return ErrorReply(request_id=req.call_id, code=err.code, message=str(err))
+        except BackendError as exc:
+            return ErrorReply(request_id=req.call_id, code=EnvironmentFailure.code,
+                              message=f"call {req.call_id} on node {self.node}: {exc}")
+        finally:
+            self.poke()
+        if out.error:   # never started: the command's own failure, typed like an exec's
+            return ErrorReply(request_id=req.call_id, code=ExecFailed.code, message=out.error)
+        r = out.result
+        return CallReply(call_id=req.call_id, exit_code=r.exit_code, stdout=out.stdout, stderr=out.stderr,
+                         duration=r.duration, cpu_time=r.cpu_time, peak_memory=r.peak_memory, timed_out=r.timed_out,
+                         truncated=out.truncated, files=out.files, worker=out.worker, node=self.node,
+                         waited=max(0.0, started - req.sent_at) if req.sent_at else 0.0)
+
+    async def _record(self, req: CallRequest, reply: CallReply) -> None:
+        """Its trajectory record (best effort within a short retry: the caller has its answer already)."""
+        job = subjects.job_of(req.labels)
+        now = time.time()
+        traj = TrajRecord(id=req.call_id, type="call", sandbox_id="", tenant=req.tenant, job=job, node=self.node,
+                          at=now, exec_id=req.call_id, argv=list(req.argv), shell=req.shell, cwd=req.cwd,
+                          env_keys=sorted(req.env), started_at=now - reply.duration, ended_at=now,
+                          exit_code=reply.exit_code, timed_out=reply.timed_out, truncated=reply.truncated,
+                          cpu_time=reply.cpu_time, peak_memory=reply.peak_memory,
+                          stdout_bytes=len(reply.stdout), stderr_bytes=len(reply.stderr),
+                          stdout=reply.stdout[:64 << 10], stderr=reply.stderr[:64 << 10],
+                          detail=f"worker {reply.worker}")
+        try:
+            await self.bus.publish(subjects.trajectory(req.tenant, job, req.call_id), encode(traj),
+                                   msg_id=f"{req.call_id}-traj", retries=3, retry_for=5.0)
+        except BusError as exc:
+            log.warning("trajectory of call %s not recorded: %s", req.call_id, exc)
+
+
+__all__ = ["CallLane"]

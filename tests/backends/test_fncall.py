@@ -1,0 +1,138 @@
+"""FnCall (issue 13 B): stateless calls on pooled workers, through the SDK against a node running only
+fncall workers. Isolation between calls is checked the way an attacker would try to pass state: the
+next call on the same worker looks for what the previous one left."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+import libdsec
+from bus import streams
+from tests.conftest import extra_edge
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+async def hostile_image(stack, hostile, tmp_path_factory) -> str:
+    """busybox with the attack toolbox at /hostile (too large to send with each call)."""
+    from bus.images import ImageRegistry
+    from edge.erofs import busybox_rootfs, pack_dir
+    root = tmp_path_factory.mktemp("hostile") / "root"
+    root.mkdir()
+    busybox_rootfs(root)
+    (root / "hostile").write_bytes(hostile)
+    (root / "hostile").chmod(0o755)
+    layer = root.parent / "layer.erofs"
+    digest = pack_dir(root, layer)
+    rec, _ = await ImageRegistry(stack.bus).publish("fn-hostile", layer, digest)
+    return f"{rec.name}@{rec.version}"
+
+
+@contextlib.asynccontextmanager
+async def fncall_node(stack, tmp_path, name: str, workers_min: int, workers_max: int):
+    async with extra_edge(stack, tmp_path / name, name, 8, backends=["fncall"],
+                          options={"fncall": {"workers_min": workers_min, "workers_max": workers_max}}) as st:
+        yield st
+
+
+async def test_a_call_returns_its_result_with_files_and_a_trajectory(stack, client, tmp_path):
+    async with fncall_node(stack, tmp_path, "fn-a", 1, 2) as st:
+        r = await client.call("cat /tmp/in.txt | tr a-z A-Z; echo oops >&2; cp /tmp/in.txt out.txt; exit 3",
+                              files={"/tmp/in.txt": b"hello\n"}, read_back=["/tmp/out.txt"], labels={"job": "fnj"})
+        assert (r.exit_code, r.stdout, r.stderr) == (3, b"HELLO\n", b"oops\n")
+        assert r.files == {"/tmp/out.txt": b"hello\n"} and r.node == st.edge.node and r.worker
+        assert r.error is None and not r.ok and r.duration > 0 and r.peak_memory > 0
+        argv = await client.call(["printf", "%s|", "a b", "c"])
+        assert argv.stdout == b"a b|c|" and argv.ok
+        traj = [t async for t in client.trajectories(job="fnj", follow=False)]
+        calls = [t.record for t in traj if t.record.type == "call" and t.record.id == r.call_id]
+        assert len(calls) == 1 and calls[0].exit_code == 3 and calls[0].stdout == b"HELLO\n"
+        assert calls[0].node == st.edge.node
+
+
+async def test_calls_are_isolated_on_one_reused_worker(stack, client, tmp_path, hostile_image):
+    """One worker: every call reports it, and none sees a file, process, env, IPC object or memory of an
+    earlier one; the root stays read-only."""
+    async with fncall_node(stack, tmp_path, "fn-iso", 1, 1):
+        img, res = hostile_image, libdsec.Resources(memory="256Mi")
+        leave = ("echo s3cret > /tmp/secret; mkdir -p /tmp/d/e; echo x > /dev/shm/shm-secret; chmod 0 /tmp/d; "
+                 "/hostile sysv 4242; export LEAK=1; (sleep 300 &) ; (/hostile hog 64 > /tmp/hog.out &); "
+                 "sleep 0.5; cat /tmp/hog.out; echo pwned > /bin/pwned 2>/dev/null || echo ro")
+        first = await client.call(leave, image=img, resources=res)
+        assert first.stdout.split() == [b"ok", b"held", b"ro"], first
+        look = ("ls -A /tmp /dev/shm | grep -v '^/\\|^$' | tr '\\n' ' '; echo; "
+                "/hostile sysvfind 4242; echo LEAK=${LEAK:-none}; "
+                "n=0; for p in /proc/[0-9]*; do n=$((n+1)); done; echo procs=$n; "
+                "test -e /bin/pwned && echo planted || echo clean")
+        seen = set()
+        for _ in range(100):
+            r = await client.call(look, image=img, resources=res)
+            seen.add(r.worker)
+            lines = r.stdout.decode().split("\n")
+            # /tmp holds only what this call was given; the sysv objects, env, processes of before are gone
+            assert lines[0].strip() == "", r.stdout
+            assert lines[1:5] == ["0", "LEAK=none", "procs=2", "clean"], r.stdout   # the init and this shell
+            assert r.peak_memory < 32 << 20, "the 64 MiB hog of the first call is gone"
+        assert seen == {first.worker}, "the same worker served every call"
+        big = await client.call("/hostile hog 200", image=img, resources=libdsec.Resources(memory="128Mi"),
+                                timeout=20)
+        assert big.exit_code != 0, "the memory limit is intact"
+
+
+async def test_the_pool_grows_under_load_and_shrinks_when_idle(stack, client, tmp_path, monkeypatch):
+    from edge.backends import fncall
+    monkeypatch.setattr(fncall, "IDLE_RETIRE", 1.0)
+    async with fncall_node(stack, tmp_path, "fn-grow", 2, 6) as st:
+        backend = st.edge.backend.backends["fncall"]
+        results = await client.call_many([{"cmd": "sleep 0.5; echo $((6*7))"} for _ in range(64)])
+        assert [r.stdout for r in results] == [b"42\n"] * 64
+        assert len({r.worker for r in results}) == 6 and backend.started >= 6, "grew to its maximum"
+        for _ in range(100):
+            if backend.workers() == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert backend.workers() == 2, "shrank back to its minimum once idle"
+
+
+async def test_bad_calls_fail_typed_and_a_batch_goes_on(stack, client, tmp_path):
+    async with fncall_node(stack, tmp_path, "fn-bad", 1, 2) as st:
+        with pytest.raises(libdsec.InvalidRequest, match="at most cpu"):
+            await client.call("true", resources=libdsec.Resources(cpu=64))
+        with pytest.raises(libdsec.InvalidRequest, match="cmd"):
+            await client.call([])
+        with pytest.raises(libdsec.InvalidRequest, match="absolute"):
+            await client.call("true", read_back=["relative"])
+        with pytest.raises(libdsec.ImageNotFound):
+            await client.call("true", image="no-such-image")
+        with pytest.raises(libdsec.ExecFailed, match="no-such-cmd"):
+            await client.call(["no-such-cmd"])
+        t = await client.call("sleep 30 & sleep 30; echo never", timeout=1)
+        assert t.timed_out and t.stdout == b""
+        batch = await client.call_many([{"cmd": "echo 1"}, {"cmd": "true", "bogus": 1}, {"cmd": ["no-such"]},
+                                        {"cmd": "echo 4"}])
+        assert [r.stdout for r in batch] == [b"1\n", b"", b"", b"4\n"]
+        assert isinstance(batch[1].error, libdsec.InvalidRequest) and isinstance(batch[2].error, libdsec.ExecFailed)
+        assert st.edge.calls.served == 6   # what the SDK refused never reached a node
+        after = await client.call("echo fine")
+        assert after.ok, "the node is healthy after all of it"
+
+
+async def test_a_call_no_node_can_take_fails_after_its_wait_and_never_runs_later(stack, client, tmp_path):
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(libdsec.CapacityUnavailable, match="no fncall worker"):
+        await client.call("echo late > /dev/null", timeout=1, wait=1)
+    assert loop.time() - t0 < 15
+    async with fncall_node(stack, tmp_path, "fn-late", 1, 1) as st:   # a node comes only now
+        await client.call("true")   # served after the stale call was pulled (in order)
+        assert st.edge.calls.served == 1, "the stale call was dropped, not run"
+        info = await stack.bus.js.consumer_info(streams.CALL_STREAM, "calls-latency")
+        assert info.num_pending == 0 and info.num_ack_pending == 0
+
+
+async def test_fncall_has_no_sandboxes(client):
+    with pytest.raises(libdsec.Unsupported, match="client.call"):
+        await client.create(backend="fncall")
