@@ -32,7 +32,7 @@ UNSHARE = ["unshare", "--user", "--map-root-user", "--fork", "--pid", "--mount",
 
 
 def ms(values: list[float], q: float) -> float:
-    return percentile(sorted(values), q)
+    return percentile(values, q * 100)
 
 
 async def sdk_figures(url: str, args) -> dict:

@@ -261,6 +261,13 @@ class NodeCgroups:
         return busy
 
     @staticmethod
+    def reset_stats(groups: dict[str, Path]) -> None:
+        """Start an exec group's CPU and peak-memory counts afresh (a worker's group, reused per call)."""
+        for path, name in ((groups["cpuacct"], "cpuacct.usage"), (groups["memory"], "memory.max_usage_in_bytes")):
+            with open(path / name, "w") as f:
+                f.write("0")
+
+    @staticmethod
     def exec_stats(groups: dict[str, Path]) -> tuple[float, int]:
         """CPU seconds and peak memory bytes used by one exec group."""
         usage = read(groups["cpuacct"] / "cpuacct.usage").strip()

@@ -23,11 +23,18 @@ class Executing(Core):
         sb = self._live(sandbox_id)
         if not argv:
             raise BackendError("empty command")
-        n = next(sb.execs)
+        worker = bool(sb.spec.scratch)   # one command at a time, in one group kept for all of them
+        n = 0 if worker else next(sb.execs)
         try:
-            groups = self._cgroups.create_exec(sb.key, n)
+            groups = self._cgroups.exec_group(sb.key, n)
+            if worker and groups["freezer"].is_dir():
+                NodeCgroups.reset_stats(groups)
+            else:
+                groups = self._cgroups.create_exec(sb.key, n)
         except CgroupError as exc:
             raise BackendError(str(exc)) from exc
+        except OSError as exc:
+            raise BackendError(f"exec group of {sandbox_id}: {exc}") from exc
         pipes = execio.Pipes()
         started = time.monotonic()
         try:
@@ -44,9 +51,10 @@ class Executing(Core):
         finally:
             pipes.close()
             cpu, peak = NodeCgroups.exec_stats(groups)
-            events = NodeCgroups.limit_events(groups)
-            if not NodeCgroups.remove(groups):  # stays if background processes remain; destroy removes it
-                sb.events.update(events)
+            if not worker:   # a worker's group stays for its next call (its reset kills what is left)
+                events = NodeCgroups.limit_events(groups)
+                if not NodeCgroups.remove(groups):   # stays if background processes remain; destroy removes it
+                    sb.events.update(events)
         result = ExecResult(exit_code=execio.exit_code(status), duration=time.monotonic() - started,
                             cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
         if failure and not timed_out:

@@ -88,7 +88,7 @@ class FnCallBackend(Backend):
         self.node_id = f"{node_id}.fn"
         self._workers = ContainerBackend(Path(state_dir), self.node_id, upper_pool_size=1 << 30)
         self._pools: dict[tuple, _Pool] = collections.defaultdict(_Pool)
-        self._freed = asyncio.Event()
+        self._waiters: collections.deque[tuple[tuple, asyncio.Future]] = collections.deque()   # FIFO
         self._names = itertools.count(1)
         self._reaper: asyncio.Task | None = None
         self.on_free = lambda: None   # called when a worker comes free (the call lane pulls again)
@@ -149,6 +149,8 @@ class FnCallBackend(Backend):
             asyncio.ensure_future(self._give_back(key, worker, ok))
 
     async def _take(self, key: tuple, spec: CallSpec) -> str:
+        """A worker for key: an idle one, a new one while there is room, an idle one of another key
+        retired for room, else the first one handed back (waiters are served in order, one each)."""
         pool = self._pools[key]
         while True:
             if pool.idle:
@@ -157,9 +159,33 @@ class FnCallBackend(Backend):
                 return worker
             if self.workers() < self.workers_max:
                 return await self._start_worker(key, pool, spec)
-            if not self._evict_idle(key):   # room held by idle workers of other keys: retire one
-                self._freed.clear()
-                await self._freed.wait()
+            if self._evict_idle(key):   # room held by an idle worker of another key: retired, start ours
+                continue
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append((key, fut))
+            try:
+                handed = await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled() and fut.result():   # handed a worker as we left
+                    asyncio.ensure_future(self._give_back(key, fut.result(), True))
+                raise
+            if handed:
+                return handed
+
+    def _hand_over(self, key: tuple, worker: str | None) -> bool:
+        """A worker of key came free (or, None, room did): to the first waiter of key (True: taken), else
+        wake the first waiter of any key to look again."""
+        for i, (k, fut) in enumerate(self._waiters):
+            if k == key and worker is not None and not fut.done():
+                del self._waiters[i]
+                fut.set_result(worker)
+                return True
+        while self._waiters:
+            _, fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                break
+        return False
 
     async def _start_worker(self, key: tuple, pool: _Pool, spec: CallSpec) -> str:
         worker = f"fn-{next(self._names)}"
@@ -167,9 +193,11 @@ class FnCallBackend(Backend):
         try:
             await self._workers.create(SandboxSpec(id=worker, layers=list(spec.layers), limits=spec.limits,
                                                    kind=kinds.CONTAINER, scratch=self.scratch))
-        finally:
+        except BaseException:
             pool.starting -= 1
-            self._freed.set()
+            self._hand_over(key, None)   # its room is free again
+            raise
+        pool.starting -= 1
         self.started += 1
         pool.busy.add(worker)
         return worker
@@ -217,6 +245,7 @@ class FnCallBackend(Backend):
         return CallOutcome(result, bytes(out["stdout"]), bytes(out["stderr"]), dropped, files, worker, error)
 
     async def _give_back(self, key: tuple, worker: str, ran: bool) -> None:
+        """Wipe a used worker; to the next call of its key (or idle), retired when the wipe fails."""
         pool = self._pools.get(key)
         try:
             await self._workers.reset(worker)
@@ -226,14 +255,12 @@ class FnCallBackend(Backend):
                 pool.busy.discard(worker)
             await self._retire(worker)
             return
-        finally:
-            self._freed.set()
         if pool is None or self._pools.get(key) is not pool:
             await self._retire(worker)
             return
-        pool.busy.discard(worker)
-        pool.idle.append((worker, time.monotonic()))
-        self._freed.set()
+        if not self._hand_over(key, worker):
+            pool.busy.discard(worker)
+            pool.idle.append((worker, time.monotonic()))
         self.on_free()
 
     async def _retire(self, worker: str) -> None:
@@ -241,7 +268,7 @@ class FnCallBackend(Backend):
             await self._workers.destroy(worker)
         except BackendError as exc:
             log.error("fncall worker %s not destroyed: %s", worker, exc)
-        self._freed.set()
+        self._hand_over((), None)   # room for a waiter of any key
 
     async def _retire_idle(self) -> None:
         """Every second: idle workers beyond workers_min (per key), idle for IDLE_RETIRE s, go."""
