@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs
+SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc
 
 .PHONY: setup system venv demo test bench up clean
 
@@ -11,7 +11,8 @@ setup: system venv
 # Debian packages: erofs-utils (mkfs.erofs), busybox-static (the busybox image), catatonit (sandbox init),
 # btrfs-progs (writable layers with a size cap), util-linux, iproute2, gcc + libc6-dev (the static
 # dsec-enter helper), debootstrap (`dsec image build --debootstrap`), lxcfs (per-sandbox /proc views; each
-# edge runs its own, so Debian's service, which the package starts, is stopped and disabled).
+# edge runs its own, so Debian's service, which the package starts, is stopped and disabled), runsc (gVisor:
+# the gvisor backend kind).
 # `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
@@ -21,7 +22,7 @@ system:
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
-	    python3-venv procps debootstrap lxcfs >/dev/null && { \
+	    python3-venv procps debootstrap lxcfs runsc >/dev/null && { \
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \
 	  pkill -f '^/usr/bin/lxcfs /var/lib/lxcfs' 2>/dev/null; umount -l /var/lib/lxcfs 2>/dev/null; true; }; \
 	fi

@@ -1,10 +1,13 @@
 """Benchmark: one row per backend kind, each beside a raw baseline measured in the same run.
 
 Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200]
-     (starts its own `dsec up --backend container --backend fncall` on free ports, in a temp dir)
+     (starts its own `dsec up --backend container --backend fncall --backend gvisor` on free ports, in a
+     temp dir)
 
   container  create -> ready p50 and exec `true` round trip p50 through the SDK; baseline: a raw
              five-namespace `unshare` of /bin/true.
+  gvisor     create -> ready p50 and exec `true` round trip p50 through the SDK; baselines: a bare
+             `runsc run` of /bin/true and a bare `runsc exec` of /bin/true (same platform and flags).
   fncall     one `echo hi` call p50/p99 through the SDK, and calls/s with --in-flight at once;
              baselines: the same pool of workers driven locally (FnCallBackend.call, no bus) and a
              fresh `unshare` per call (8 at once).
@@ -35,23 +38,28 @@ def ms(values: list[float], q: float) -> float:
     return percentile(values, q * 100)
 
 
+async def sandbox_figures(client: libdsec.AsyncClient, kind: str, n: int) -> dict:
+    """create -> ready and exec `true` p50 (ms) of one kind."""
+    await (await client.create(backend=kind)).destroy()   # layers fetched, helpers warm
+    creates, execs = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = await client.create(backend=kind)
+        creates.append((time.perf_counter() - t0) * 1000)
+        for _ in range(5):
+            e0 = time.perf_counter()
+            await sb.exec(["true"])
+            execs.append((time.perf_counter() - e0) * 1000)
+        await sb.destroy()
+    return {"create_p50": ms(creates, 0.5), "exec_p50": ms(execs, 0.5)}
+
+
 async def sdk_figures(url: str, args) -> dict:
-    """Container create/exec p50 and fncall latency/throughput through the SDK."""
+    """Container and gVisor create/exec p50, and fncall latency/throughput, through the SDK."""
     out: dict = {}
     async with libdsec.AsyncClient(url) as client:
-        await (await client.create()).destroy()   # layers fetched, zygote warm
-        creates, execs = [], []
-        for _ in range(args.samples // 10 or 1):
-            t0 = time.perf_counter()
-            sb = await client.create()
-            t1 = time.perf_counter()
-            for _ in range(5):
-                e0 = time.perf_counter()
-                await sb.exec(["true"])
-                execs.append((time.perf_counter() - e0) * 1000)
-            creates.append((t1 - t0) * 1000)
-            await sb.destroy()
-        out["container"] = {"create_p50": ms(creates, 0.5), "exec_p50": ms(execs, 0.5)}
+        out["container"] = await sandbox_figures(client, "container", args.samples // 10 or 1)
+        out["gvisor"] = await sandbox_figures(client, "gvisor", args.samples // 10 or 1)
         for _ in range(20):   # workers started, layers fetched
             assert (await client.call(["echo", "hi"])).stdout == b"hi\n"
         one = []
@@ -122,9 +130,44 @@ def fresh_unshare(n: int) -> dict:
     return {"rate": n / (time.perf_counter() - t0)}
 
 
+def bare_runsc(tmp: Path, n: int) -> dict:
+    """p50 (ms) of a bare `runsc run` of /bin/true and of a bare `runsc exec` of /bin/true into a running
+    container, over a plain busybox root dir, with the gvisor backend's platform and network flags."""
+    import json
+    from edge.erofs import busybox_rootfs
+    root, bundle = tmp / "bare-root", tmp / "bare-bundle"
+    root.mkdir()
+    busybox_rootfs(root)
+    bundle.mkdir()
+    flags = ["runsc", f"--root={tmp / 'bare-state'}", "--platform=ptrace", "--network=none", "--ignore-cgroups"]
+    spec = {"ociVersion": "1.0.2", "root": {"path": str(root), "readonly": True}, "hostname": "bare",
+            "process": {"user": {"uid": 0, "gid": 0}, "args": ["/bin/true"], "cwd": "/", "env": ["PATH=/bin"]},
+            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+            "linux": {"namespaces": [{"type": t} for t in ("pid", "mount", "ipc", "uts", "network")]}}
+    quiet = dict(stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    (bundle / "config.json").write_text(json.dumps(spec))
+    runs, execs = [], []
+    for i in range(n):
+        t0 = time.perf_counter()
+        subprocess.run([*flags, "run", "--bundle", str(bundle), f"run{i}"], **quiet)
+        runs.append((time.perf_counter() - t0) * 1000)
+    spec["process"]["args"] = ["/bin/sleep", "600"]
+    (bundle / "config.json").write_text(json.dumps(spec))
+    subprocess.run([*flags, "run", "--detach", "--bundle", str(bundle), "held"], **quiet)
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            subprocess.run([*flags, "exec", "held", "/bin/true"], **quiet)
+            execs.append((time.perf_counter() - t0) * 1000)
+    finally:
+        subprocess.run([*flags, "delete", "--force", "held"], capture_output=True)
+    return {"run_p50": ms(runs, 0.5), "exec_p50": ms(execs, 0.5)}
+
+
 def start_up(state: Path, port: int, workers: int) -> subprocess.Popen:
     proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", "0",
                              "--node-id", "bench-kinds", "--backend", "container", "--backend", "fncall",
+                             "--backend", "gvisor",
                              "--fncall-min", "2", "--fncall-max", str(workers)],
                             stdout=subprocess.PIPE, stderr=open(state.parent / "up.log", "ab"), text=True,
                             preexec_fn=die_with_parent)
@@ -154,12 +197,15 @@ def main() -> None:
         local = asyncio.run(local_pool(args, tmp_path))
         raw = raw_baseline(50)
         fresh = fresh_unshare(min(args.calls, 500))
-    c, f = sdk["container"], sdk["fncall"]
+        bare = bare_runsc(tmp_path, 20)
+    c, g, f = sdk["container"], sdk["gvisor"], sdk["fncall"]
     raw50 = ms(raw, 0.5)
     print(f"{'backend':<10} {'figure':<34} {'DSec':>10} {'baseline':>10} {'ratio':>7}  baseline is")
     rows = [
         ("container", "create -> ready p50 (ms)", c["create_p50"], raw50, "raw unshare of /bin/true p50"),
         ("container", "exec `true` round trip p50 (ms)", c["exec_p50"], raw50, "raw unshare of /bin/true p50"),
+        ("gvisor", "create -> ready p50 (ms)", g["create_p50"], bare["run_p50"], "bare runsc run of /bin/true p50"),
+        ("gvisor", "exec `true` round trip p50 (ms)", g["exec_p50"], bare["exec_p50"], "bare runsc exec p50"),
         ("fncall", "one call p50 (ms)", f["p50"], local["p50"], "local pool, no bus, p50"),
         ("fncall", "one call p99 (ms)", f["p99"], local["p50"], "local pool, no bus, p50"),
         ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], local["rate"], "local pool, no bus"),

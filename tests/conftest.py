@@ -161,6 +161,9 @@ def host_residue(state_dir: Path) -> list[str]:
             point = fields[4]
             if fstype == "erofs" and point.startswith(layer_cache):
                 continue
+            parts = point.split("/")   # a gVisor root of a live node (/run/dsec/gvisor/<node>.gvisor/...) is its own
+            if point.startswith("/run/dsec/gvisor/") and len(parts) > 4 and leaks.is_live(parts[4]):
+                continue
             if fstype in ("overlay", "erofs") and (str(state_dir) in point or "dsec" in point):
                 out.append(f"{fstype} mount {point}")
     netns = Path("/run/netns")

@@ -37,7 +37,7 @@ def live(node: str, state_dir: Path):
         LIVE.pop(node, None)
 
 
-def _live(node: str | None) -> bool:
+def is_live(node: str | None) -> bool:
     """A node of a live fixture, or a part of one (`t1.fn`: the fncall workers of node t1)."""
     return node is not None and (node in LIVE or node.split(".", 1)[0] in LIVE)
 
@@ -69,15 +69,15 @@ def host_leaks() -> list[str]:
 def _residue() -> list[str]:
     out: list[str] = []
     for base in own_paths().values():
-        out += [f"cgroup {g}" for g in base.glob("dsec-*") if not _live(g.name[5:])]
+        out += [f"cgroup {g}" for g in base.glob("dsec-*") if not is_live(g.name[5:])]
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if cmd[:1] == ["catatonit"] and not _live(_node_of_cgroup(proc.info["pid"])):
+        if cmd[:1] == ["catatonit"] and not is_live(_node_of_cgroup(proc.info["pid"])):
             out.append(f"sandbox init pid {proc.info['pid']}")
-        if "edge.backends.zygote" in cmd and not _live(cmd[-1].rsplit(":", 1)[-1]):
+        if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
     for i, (node, key) in sorted(idmap.leases().items()):
-        if not _live(node) and key != idmap.DRAINING:
+        if not is_live(node) and key != idmap.DRAINING:
             out.append(f"uid range lease {i} of node {node} ({key})")
     owned = [str(p) + "/" for p in LIVE.values()]
     with open("/proc/self/mountinfo") as f:
@@ -85,5 +85,8 @@ def _residue() -> list[str]:
             fields = line.split()
             fstype, point = fields[fields.index("-") + 1], fields[4]
             if fstype in MOUNT_TYPES and point.startswith("/tmp/") and not any(point.startswith(o) for o in owned):
+                out.append(f"{fstype} mount {point}")
+            parts = point.split("/")   # a gVisor sandbox's root: /run/dsec/gvisor/<node>.gvisor/<sandbox>
+            if point.startswith("/run/dsec/gvisor/") and len(parts) > 4 and not is_live(parts[4]):
                 out.append(f"{fstype} mount {point}")
     return out

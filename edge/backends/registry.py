@@ -22,7 +22,6 @@ from bus.errors import InvalidRequest
 from edge.backends.base import Backend, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone, SandboxSpec
 
 log = logging.getLogger(__name__)
-_BUILT_GVISOR = False   # set when edge/backends/gvisor.py passes the contract suite
 
 
 class _Config(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", frozen=True):
@@ -68,15 +67,13 @@ class FnCallConfig(_Config, tag=kinds.FNCALL):
 
 
 class GvisorConfig(_Config, tag=kinds.GVISOR):
-    """The same layered rootfs under gVisor's runsc (edge/backends/gvisor.py)."""
+    """The same layered rootfs under gVisor's runsc (edge/backends/gvisor/)."""
 
     runsc: str = "runsc"
     platform: str = "ptrace"
 
     def available(self) -> str:
-        if not _BUILT_GVISOR:
-            return "the gvisor backend is not wired in yet"
-        return "" if shutil.which(self.runsc) else f"{self.runsc} not found (apt-get install runsc)"
+        return "" if shutil.which(self.runsc) else f"{self.runsc} not found (make setup installs Debian's runsc)"
 
     def build(self, state_dir: Path, node_id: str) -> Backend:
         from edge.backends.gvisor import GvisorBackend
@@ -154,7 +151,7 @@ def node_leftovers(state_dir: Path, node_id: str) -> list[str]:
     state_dir = Path(state_dir)
     if kind_dir(state_dir, kinds.FNCALL).exists():   # the fncall workers' own container backend
         out += leftovers(kind_dir(state_dir, kinds.FNCALL), f"{node_id}.fn")
-    if kind_dir(state_dir, kinds.GVISOR).exists() and _BUILT_GVISOR:
+    if kind_dir(state_dir, kinds.GVISOR).exists():
         from edge.backends.gvisor import leftovers as gvisor_leftovers
         out += gvisor_leftovers(kind_dir(state_dir, kinds.GVISOR), node_id)
     return out

@@ -55,7 +55,7 @@ def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mo
     try:
         kernel.write_in_root(root, rel, data, mode & 0o7777, owner)
     except OSError as exc:
-        raise _file_error(exc, path, creating=True) from exc
+        raise file_error(exc, path, creating=True) from exc
     finally:
         os.close(root)
 
@@ -71,12 +71,12 @@ def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int, scra
     try:
         return kernel.read_in_root(root, rel, limit)
     except OSError as exc:
-        raise _file_error(exc, path, creating=False) from exc
+        raise file_error(exc, path, creating=False) from exc
     finally:
         os.close(root)
 
 
-def _file_error(exc: OSError, path: str, creating: bool) -> BackendError:
+def file_error(exc: OSError, path: str, creating: bool) -> BackendError:
     """One clear line for a failed sandbox file operation."""
     if exc.errno == errno.ENOENT:
         return BackendError(f"no such directory: {os.path.dirname(path) or '/'}" if creating

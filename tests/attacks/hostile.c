@@ -20,6 +20,8 @@
  *                               KEY (they outlive the process); print "ok" or errno
  *   hostile sysvfind KEY        print how many of the three exist with KEY ("0": none)
  *   hostile hog MIB             touch MIB MiB of anonymous memory and keep it; print "held" then sleep
+ *   hostile syscall NAME        try one syscall on this process itself (pidfd_getfd, landlock, fsopen);
+ *                               print "ok" or the errno
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -195,6 +197,22 @@ int main(int argc, char **argv) {
     if (!strcmp(cmd, "sysvfind") && argc > 2) {
         key_t key = (key_t)atoi(argv[2]);
         printf("%d\n", (shmget(key, 0, 0) >= 0) + (semget(key, 0, 0) >= 0) + (msgget(key, 0) >= 0));
+        return 0;
+    }
+    if (!strcmp(cmd, "syscall") && argc > 2) {
+        long r = -1;
+        if (!strcmp(argv[2], "pidfd_getfd")) {      /* a copy of our own stdout, through a pidfd of ourselves */
+            long pidfd = syscall(SYS_pidfd_open, getpid(), 0);
+            r = pidfd < 0 ? -1 : syscall(SYS_pidfd_getfd, (int)pidfd, 1, 0);
+        } else if (!strcmp(argv[2], "landlock")) {  /* the ABI version: no privilege needed */
+            r = syscall(SYS_landlock_create_ruleset, NULL, 0, 1);
+        } else if (!strcmp(argv[2], "fsopen")) {
+            r = syscall(SYS_fsopen, "tmpfs", 0);
+        } else {
+            errno = EINVAL;
+        }
+        if (r < 0) printf("%d\n", errno);
+        else printf("ok\n");
         return 0;
     }
     if (!strcmp(cmd, "hog") && argc > 2) {

@@ -1,0 +1,409 @@
+/* dsec-agent: the process a gVisor sandbox starts with (its pid 1), which runs the sandbox's execs.
+ *
+ * It talks to the edge over its stdin (requests) and stdout (replies), two host pipes the sentry
+ * hands the container as its stdio; its stderr is a log file. Every frame is
+ *     u32 length (of what follows), u8 type, u32 exec id, payload        (little-endian)
+ * Requests:  'E' exec: u32 argc, u32 envc, then cwd, argv..., env... each NUL-terminated
+ *            'I' stdin bytes for the exec (empty payload: close its stdin)
+ *            'S' u32 signal to the exec's process group      'K' kill the exec's whole tree
+ *            'G' u32 output bytes the edge has consumed (flow-control credit)
+ *            'H' set the hostname to the payload (answered 'H' u32 errno, with the same id)
+ * Replies:   'R' ready (id 0, once)    'P' u32 pid: started    'F' stage\0errno\0text: never started
+ *            'O' / 'e' stdout / stderr bytes    'A' one 'I' frame written    'C' its stdin is gone
+ *            'X' i32 wait status, u64 cpu microseconds, u64 peak rss KiB: exited, pipes at EOF
+ * Each exec is a session leader (setsid) of its own, in a pids group of its own (/dev/.pids/sandbox/x<id>,
+ * below the sandbox's limit): its tree is that group's members (a double fork or setsid does not leave
+ * it), plus its session, process group and their descendants; it runs without CAP_SYS_ADMIN (nothing can be mounted over /.dsec, nor the
+ * hostname changed), which the agent keeps. An exec stops being read once WINDOW bytes of its output are not yet consumed.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAXEXEC 256
+#define WINDOW (1 << 20)
+#define CHUNK (64 << 10)
+
+struct exec {
+    uint32_t id;
+    pid_t pid;                  /* 0: free slot */
+    int out[2];                 /* stdout, stderr read ends; -1 at EOF */
+    int in;                     /* stdin write end; -1 closed */
+    char *pend; size_t plen, poff;   /* one 'I' frame being written */
+    int status_known, status;
+    struct rusage ru;
+    long inflight;              /* output bytes sent, not yet credited */
+};
+
+static struct exec execs[MAXEXEC];
+static int groups_ok;           /* the pids cgroup is mounted: execs get groups of their own */
+static uint32_t stale[MAXEXEC]; /* groups of finished execs whose background processes still live */
+static int nstale;
+static void group_path(char *buf, size_t n, uint32_t id, const char *file);
+static void sweep_groups(void);
+static int kill_group(uint32_t id);
+static void write_file(const char *path, const char *text);
+static int sigpipe[2];
+static char *rbuf; static size_t rlen, rcap;
+
+static void die(const char *what) { fprintf(stderr, "dsec-agent: %s: %s\n", what, strerror(errno)); _exit(111); }
+
+static void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+static uint32_t get32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static void writeall(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) { if (errno == EINTR) continue; die("write to edge"); }
+        p += w; n -= (size_t)w;
+    }
+}
+
+static void reply(char type, uint32_t id, const void *a, size_t alen, const void *b, size_t blen) {
+    char head[9];
+    put32(head, (uint32_t)(5 + alen + blen)); head[4] = type; put32(head + 5, id);
+    writeall(1, head, 9);
+    if (alen) writeall(1, a, alen);
+    if (blen) writeall(1, b, blen);
+}
+
+static struct exec *find(uint32_t id) {
+    for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid && execs[i].id == id) return &execs[i];
+    return NULL;
+}
+
+static void on_sigchld(int sig) { (void)sig; int e = errno; (void)!write(sigpipe[1], "c", 1); errno = e; }
+
+static void fail_child(int fd, const char *stage) {
+    char msg[512];
+    int e = errno;
+    int n = snprintf(msg, sizeof msg, "%s%c%d%c%s", stage, 0, e, 0, strerror(e));
+    (void)!write(fd, msg, (size_t)n);
+    _exit(127);
+}
+
+/* execvpe over the exec's own PATH (not the agent's). */
+static void run(char **argv, char **envp, int errfd) {
+    if (strchr(argv[0], '/')) { execve(argv[0], argv, envp); fail_child(errfd, "exec"); }
+    const char *path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+    for (char **e = envp; *e; e++) if (!strncmp(*e, "PATH=", 5)) path = *e + 5;
+    int saved = ENOENT;
+    char buf[4096];
+    for (const char *p = path; ; ) {
+        const char *end = strchrnul(p, ':');
+        int n = snprintf(buf, sizeof buf, "%.*s/%s", (int)(end - p), p, argv[0]);
+        if (n > 0 && (size_t)n < sizeof buf) {
+            execve(buf, argv, envp);
+            if (errno != ENOENT && errno != ENOTDIR) saved = errno;
+        }
+        if (!*end) break;
+        p = end + 1;
+    }
+    errno = saved;
+    fail_child(errfd, "exec");
+}
+
+static void start_exec(uint32_t id, const char *p, size_t n) {
+    struct exec *x = NULL;
+    for (int i = 0; i < MAXEXEC; i++) if (!execs[i].pid) { x = &execs[i]; break; }
+    if (!x || n < 8) { char m[] = "setup\0" "11\0too many execs"; reply('F', id, m, sizeof m - 1, NULL, 0); return; }
+    uint32_t argc = get32(p), envc = get32(p + 4);
+    char **vec = calloc(argc + envc + 3, sizeof(char *));
+    const char *s = p + 8, *end = p + n;
+    const char *cwd = s;
+    s += strnlen(s, (size_t)(end - s)) + 1;
+    for (uint32_t i = 0; i < argc + envc && s < end; i++) { vec[i + (i >= argc)] = (char *)s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    char **argv = vec, **envp = vec + argc + 1;
+    char group[96];
+    group_path(group, sizeof group, id, NULL);
+    if (groups_ok && mkdir(group, 0700) && errno != EEXIST) fprintf(stderr, "dsec-agent: %s: %s\n", group, strerror(errno));
+    if (groups_ok) {        /* the sentry charges a fork to its task's own group only: each one gets the limit */
+        group_path(group, sizeof group, id, "pids.max");
+        write_file(group, getenv("DSEC_PIDS_MAX"));
+    }
+    group_path(group, sizeof group, id, "cgroup.procs");
+    int in[2], out[2], err[2], rep[2];
+    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(rep, O_CLOEXEC)) die("pipe");
+    pid_t pid = fork();
+    if (pid < 0) {
+        int e = errno; char m[64]; int k = snprintf(m, sizeof m, "fork%c%d%c", 0, e, 0);
+        reply('F', id, m, (size_t)k, strerror(e), strlen(strerror(e)));
+        close(in[0]); close(in[1]); close(out[0]); close(out[1]); close(err[0]); close(err[1]);
+        close(rep[0]); close(rep[1]); free(vec); return;
+    }
+    if (pid == 0) {
+        sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
+        setsid();
+        if (groups_ok) {
+            int fd = open(group, O_WRONLY | O_CLOEXEC);
+            if (fd < 0 || write(fd, "0", 1) != 1) fail_child(rep[1], "setup");
+            close(fd);
+        }
+        prctl(PR_CAPBSET_DROP, 21 /* CAP_SYS_ADMIN */, 0, 0, 0);
+        if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
+        if (chdir(cwd)) fail_child(rep[1], "cwd");
+        run(argv, envp, rep[1]);
+    }
+    close(in[0]); close(out[1]); close(err[1]); close(rep[1]);
+    char msg[512]; ssize_t k;
+    while ((k = read(rep[0], msg, sizeof msg)) < 0 && errno == EINTR) {}
+    close(rep[0]); free(vec);
+    memset(x, 0, sizeof *x);
+    x->id = id; x->pid = pid; x->out[0] = out[0]; x->out[1] = err[0]; x->in = in[1];
+    fcntl(in[1], F_SETFL, O_NONBLOCK);
+    if (k > 0) reply('F', id, msg, (size_t)k, NULL, 0);
+    else { uint32_t v = (uint32_t)pid; reply('P', id, &v, 4, NULL, 0); }
+}
+
+static int proc_stat(pid_t pid, pid_t *ppid, pid_t *pgrp, pid_t *sid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    buf[n] = 0;
+    char *r = strrchr(buf, ')');
+    char state;
+    if (!r || sscanf(r + 2, "%c %d %d %d", &state, ppid, pgrp, sid) != 4) return -1;
+    return state == 'Z' ? 1 : 0;
+}
+
+/* SIGKILL the exec's session, group and descendants, pass after pass until none is left alive. */
+static void kill_tree(struct exec *x) {
+    kill(-x->pid, SIGKILL);
+    if (groups_ok) kill_group(x->id);
+    for (int pass = 0; pass < 200; pass++) {
+        pid_t pids[4096], parents[4096]; int live[4096]; int n = 0, found = 0;
+        DIR *d = opendir("/proc");
+        if (!d) return;
+        struct dirent *de;
+        while ((de = readdir(d)) && n < 4096) {
+            pid_t pid = atoi(de->d_name), pp, pg, sd;
+            if (pid <= 1) continue;
+            int z = proc_stat(pid, &pp, &pg, &sd);
+            if (z < 0) continue;
+            pids[n] = pid; parents[n] = pp; live[n] = !z && (pg == x->pid || sd == x->pid || pid == x->pid); n++;
+        }
+        closedir(d);
+        for (int changed = 1; changed; ) {      /* descendants of a member are members */
+            changed = 0;
+            for (int i = 0; i < n; i++) for (int j = 0; j < n && !live[i]; j++)
+                if (live[j] && parents[i] == pids[j]) { live[i] = 1; changed = 1; }
+        }
+        for (int i = 0; i < n; i++) if (live[i]) {
+            int z; pid_t pp, pg, sd;
+            if ((z = proc_stat(pids[i], &pp, &pg, &sd)) == 0) { kill(pids[i], SIGKILL); found = 1; }
+        }
+        if (!found) return;
+        usleep(1000);
+    }
+}
+
+static void finish_if_done(struct exec *x) {
+    if (!x->pid || !x->status_known || x->out[0] >= 0 || x->out[1] >= 0) return;
+    char p[20];
+    uint64_t cpu = (uint64_t)(x->ru.ru_utime.tv_sec + x->ru.ru_stime.tv_sec) * 1000000u
+                   + (uint64_t)(x->ru.ru_utime.tv_usec + x->ru.ru_stime.tv_usec);
+    uint64_t rss = (uint64_t)x->ru.ru_maxrss;
+    int32_t st = x->status;
+    memcpy(p, &st, 4); memcpy(p + 4, &cpu, 8); memcpy(p + 12, &rss, 8);
+    reply('X', x->id, p, 20, NULL, 0);
+    if (groups_ok && nstale < MAXEXEC) { stale[nstale++] = x->id; sweep_groups(); }
+    if (x->in >= 0) close(x->in);
+    free(x->pend);
+    memset(x, 0, sizeof *x);
+}
+
+static void reap(void) {
+    int status; struct rusage ru; pid_t pid;
+    if (nstale) sweep_groups();
+    while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0)
+        for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
+            execs[i].status_known = 1; execs[i].status = status; execs[i].ru = ru;
+            finish_if_done(&execs[i]);
+        }
+}
+
+static void stdin_gone(struct exec *x) {
+    if (x->in >= 0) close(x->in);
+    x->in = -1;
+    if (x->pend) { free(x->pend); x->pend = NULL; reply('C', x->id, NULL, 0, NULL, 0); }
+}
+
+static void pump_stdin(struct exec *x) {
+    while (x->pend && x->poff < x->plen) {
+        ssize_t w = write(x->in, x->pend + x->poff, x->plen - x->poff);
+        if (w < 0) { if (errno == EAGAIN || errno == EINTR) return; stdin_gone(x); return; }
+        x->poff += (size_t)w;
+    }
+    if (x->pend) { free(x->pend); x->pend = NULL; reply('A', x->id, NULL, 0, NULL, 0); }
+}
+
+static void request(char type, uint32_t id, const char *p, size_t n) {
+    if (type == 'E') { start_exec(id, p, n); return; }
+    if (type == 'H') {
+        uint32_t e = sethostname(p, n) ? (uint32_t)errno : 0;
+        reply('H', id, &e, 4, NULL, 0);
+        return;
+    }
+    struct exec *x = find(id);
+    if (!x) { if (type == 'I') reply('C', id, NULL, 0, NULL, 0); return; }
+    if (type == 'I') {
+        if (x->in < 0 || x->pend) { reply('C', id, NULL, 0, NULL, 0); return; }
+        if (n == 0) { close(x->in); x->in = -1; reply('A', id, NULL, 0, NULL, 0); return; }
+        x->pend = malloc(n); memcpy(x->pend, p, n); x->plen = n; x->poff = 0;
+        pump_stdin(x);
+    } else if (type == 'S' && n >= 4) {
+        kill(-x->pid, (int)get32(p));
+    } else if (type == 'K') {
+        kill_tree(x);
+    } else if (type == 'G' && n >= 4) {
+        x->inflight -= get32(p);
+    }
+}
+
+static void read_requests(void) {
+    if (rcap - rlen < CHUNK) { rcap = rcap * 2 + CHUNK; rbuf = realloc(rbuf, rcap); }
+    ssize_t n = read(0, rbuf + rlen, rcap - rlen);
+    if (n == 0) _exit(0);                       /* the edge closed our stdin: the sandbox ends */
+    if (n < 0) { if (errno == EINTR || errno == EAGAIN) return; die("read from edge"); }
+    rlen += (size_t)n;
+    size_t off = 0;
+    while (rlen - off >= 4) {
+        uint32_t len = get32(rbuf + off);
+        if (len < 5) { errno = EPROTO; die("bad frame"); }
+        if (rlen - off - 4 < len) break;
+        request(rbuf[off + 4], get32(rbuf + off + 5), rbuf + off + 9, len - 5);
+        off += 4 + len;
+    }
+    memmove(rbuf, rbuf + off, rlen - off);
+    rlen -= off;
+}
+
+static void read_output(struct exec *x, int s) {
+    char buf[CHUNK];
+    ssize_t n = read(x->out[s], buf, sizeof buf);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (n <= 0) { close(x->out[s]); x->out[s] = -1; finish_if_done(x); return; }
+    x->inflight += n;
+    reply(s ? 'e' : 'O', x->id, buf, (size_t)n, NULL, 0);
+}
+
+static void write_file(const char *path, const char *text) {
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, text, strlen(text)) < 0) fprintf(stderr, "dsec-agent: %s: %s\n", path, strerror(errno));
+    if (fd >= 0) close(fd);
+}
+
+/* The sandbox's pids limit, enforced by the sentry's own pids controller (fork fails with EAGAIN): the
+ * agent and so every exec join a group limited to $DSEC_PIDS_MAX, mounted at /dev/.pids (it must stay
+ * mounted for the limit to hold). The host cgroup's pids limit is only a backstop for the sentry. */
+static void limit_pids(void) {
+    const char *max = getenv("DSEC_PIDS_MAX");
+    char pid[32];
+    if (!max) return;
+    mkdir("/dev/.pids", 0700);
+    if (mount("none", "/dev/.pids", "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "pids")) {
+        fprintf(stderr, "dsec-agent: mount pids cgroup: %s\n", strerror(errno));
+        return;
+    }
+    mkdir("/dev/.pids/sandbox", 0700);
+    write_file("/dev/.pids/sandbox/pids.max", max);
+    snprintf(pid, sizeof pid, "%d", getpid());
+    write_file("/dev/.pids/sandbox/cgroup.procs", pid);
+    groups_ok = 1;
+}
+
+static void group_path(char *buf, size_t n, uint32_t id, const char *file) {
+    snprintf(buf, n, "/dev/.pids/sandbox/x%u%s%s", id, file ? "/" : "", file ? file : "");
+}
+
+/* Remove the groups of finished execs that have emptied (rmdir fails while a member lives). */
+static void sweep_groups(void) {
+    char path[96];
+    for (int i = 0; i < nstale; ) {
+        group_path(path, sizeof path, stale[i], NULL);
+        if (rmdir(path) == 0 || errno == ENOENT) stale[i] = stale[--nstale]; else i++;
+    }
+}
+
+/* SIGKILL every member of an exec's group, again and again until it is empty; 1 if it had members. */
+static int kill_group(uint32_t id) {
+    char path[96], buf[8192];
+    int any = 0;
+    group_path(path, sizeof path, id, "cgroup.procs");
+    for (int pass = 0; pass < 500; pass++) {
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return any;
+        ssize_t n = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (n <= 0) return any;
+        buf[n] = 0;
+        int found = 0;
+        for (char *p = buf, *end; *p; p = end) {
+            long pid = strtol(p, &end, 10);
+            if (end == p) break;
+            if (pid > 1 && kill((pid_t)pid, SIGKILL) == 0) found = 1;
+        }
+        if (!found) return any;
+        any = 1;
+        usleep(1000);
+    }
+    return any;
+}
+
+int main(void) {
+    if (pipe2(sigpipe, O_CLOEXEC | O_NONBLOCK)) die("pipe");
+    struct sigaction sa = {0};
+    sa.sa_handler = on_sigchld; sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    sigaction(SIGCHLD, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    limit_pids();
+    reply('R', 0, NULL, 0, NULL, 0);
+    struct pollfd fds[1 + 1 + 3 * MAXEXEC];
+    struct { struct exec *x; int what; } who[3 * MAXEXEC];
+    for (;;) {
+        int n = 0, k = 0;
+        fds[n++] = (struct pollfd){ .fd = 0, .events = POLLIN };
+        fds[n++] = (struct pollfd){ .fd = sigpipe[0], .events = POLLIN };
+        for (int i = 0; i < MAXEXEC; i++) {
+            struct exec *x = &execs[i];
+            if (!x->pid) continue;
+            for (int s = 0; s < 2; s++) if (x->out[s] >= 0 && x->inflight < WINDOW) {
+                fds[n++] = (struct pollfd){ .fd = x->out[s], .events = POLLIN };
+                who[k].x = x; who[k++].what = s;
+            }
+            if (x->pend) { fds[n++] = (struct pollfd){ .fd = x->in, .events = POLLOUT }; who[k].x = x; who[k++].what = 2; }
+        }
+        if (poll(fds, (nfds_t)n, -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+        if (fds[1].revents) { char b[64]; while (read(sigpipe[0], b, sizeof b) > 0) {} reap(); }
+        for (int i = 2; i < n; i++) {
+            if (!fds[i].revents) continue;
+            struct exec *x = who[i - 2].x;
+            if (!x->pid) continue;
+            if (who[i - 2].what == 2) {
+                if (fds[i].revents & (POLLERR | POLLHUP)) stdin_gone(x); else pump_stdin(x);
+            } else if (x->out[who[i - 2].what] == fds[i].fd) {
+                read_output(x, who[i - 2].what);
+            }
+        }
+        if (fds[0].revents) read_requests();
+    }
+}
