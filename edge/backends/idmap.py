@@ -205,7 +205,18 @@ def _read_owner(path: str) -> tuple[str, str] | None:
 def relative_userns(rng: IdRange) -> int:
     """An fd of a user namespace mapping the range back onto 0..65535 (host base+n shows as n), for an
     idmapped view of a writable layer: what a snapshot packs is then owned relative to the sandbox (its
-    root is 0), whatever range or node it is later unpacked into. Made by a stub `unshare --user`
+    root is 0), whatever range or node it is later unpacked into."""
+    return userns_with_map(f"{rng.base} 0 {SIZE}")
+
+
+def forward_userns(base: int) -> int:
+    """An fd of a user namespace mapping 0..65535 onto base.. (an idmapped view showing host root's files
+    as the sandbox root's: gVisor's layer views)."""
+    return userns_with_map(f"0 {base} {SIZE}")
+
+
+def userns_with_map(line: str) -> int:
+    """An fd of a new user namespace whose uid and gid maps are `line`: made by a stub `unshare --user`
     process whose maps we write (the stub runs nothing; it exits when its stdin closes)."""
     stub = subprocess.Popen(["unshare", "--user", "--", "cat"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -218,7 +229,7 @@ def relative_userns(rng: IdRange) -> int:
             time.sleep(0.0005)
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{stub.pid}/{name}", "w") as f:
-                f.write(f"{rng.base} 0 {SIZE}")
+                f.write(line)
         return os.open(f"/proc/{stub.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         stub.stdin.close()

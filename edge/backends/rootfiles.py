@@ -43,15 +43,20 @@ def _where(path: str, scratch: bool) -> tuple[str, str]:
     raise BackendError(f"{path}: a worker's files live under /tmp or /dev/shm (its root is read-only)")
 
 
-def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int, owner: int,
-          scratch: bool = False) -> None:
-    """Create or truncate path with exactly mode; a new file is owned by host uid/gid owner."""
+def _opened(sandbox_id: str, init_pid: int, pidfd: int, path: str, scratch: bool) -> tuple[int, str]:
+    """(an fd of the root path resolves in, path relative to it); pidfd is closed either way."""
     try:
         sub, rel = _where(path, scratch)
     except BackendError:
         os.close(pidfd)
         raise
-    root = _root_fd(sandbox_id, init_pid, pidfd, sub)
+    return _root_fd(sandbox_id, init_pid, pidfd, sub), rel
+
+
+def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mode: int, owner: int,
+          scratch: bool = False) -> None:
+    """Create or truncate path with exactly mode; a new file is owned by host uid/gid owner."""
+    root, rel = _opened(sandbox_id, init_pid, pidfd, path, scratch)
     try:
         kernel.write_in_root(root, rel, data, mode & 0o7777, owner)
     except OSError as exc:
@@ -62,12 +67,7 @@ def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mo
 
 def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int, scratch: bool = False) -> bytes:
     """The bytes of a regular file (at most limit, else EFBIG)."""
-    try:
-        sub, rel = _where(path, scratch)
-    except BackendError:
-        os.close(pidfd)
-        raise
-    root = _root_fd(sandbox_id, init_pid, pidfd, sub)
+    root, rel = _opened(sandbox_id, init_pid, pidfd, path, scratch)
     try:
         return kernel.read_in_root(root, rel, limit)
     except OSError as exc:

@@ -29,7 +29,7 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
                                 SandboxGone, SandboxSpec, TRUSTED_DIR)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.agent import AgentChannel
-from edge.backends.gvisor.host import (_forward_userns, _join, _remove_groups, _tail, host_limits,
+from edge.backends.gvisor.host import (_join, _remove_groups, _tail, host_limits,
                                         runsc_processes, valid_id)
 from edge.backends.layermounts import LayerError, LayerMounts
 from edge.backends.rootfiles import file_error
@@ -250,7 +250,7 @@ class GvisorBackend(Backend):
     def _userns_fd(self, base: int) -> int:
         """A user namespace whose maps put 0..65535 onto base.. (kept per range: the views' idmap)."""
         if base not in self._userns:
-            self._userns[base] = _forward_userns(base)
+            self._userns[base] = idmap.forward_userns(base)
         return self._userns[base]
 
     def _oci_spec(self, sb: _Sandbox, rootfs: Path) -> dict:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
-from edge.backends import idmap
 from edge.backends.base import Limits
 from edge.backends.cgroups import NodeCgroups
 
@@ -40,26 +38,6 @@ def _join(tasks: list[str]) -> None:
             os.write(fd, pid)
         finally:
             os.close(fd)
-
-
-def _forward_userns(base: int) -> int:
-    """An fd of a user namespace mapping 0..65535 onto base.. (a stub `unshare --user`, maps written by us)."""
-    stub = subprocess.Popen(["unshare", "--user", "--", "cat"], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        own = os.stat("/proc/self/ns/user").st_ino
-        deadline = time.monotonic() + 5
-        while os.stat(f"/proc/{stub.pid}/ns/user").st_ino == own:
-            if stub.poll() is not None or time.monotonic() > deadline:
-                raise OSError("unshare --user did not start")
-            time.sleep(0.0005)
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{stub.pid}/{name}", "w") as f:
-                f.write(f"0 {base} {idmap.SIZE}")
-        return os.open(f"/proc/{stub.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        stub.stdin.close()
-        stub.wait()
 
 
 async def _remove_groups(groups: dict[str, Path], timeout: float = 5.0) -> list[str]:
