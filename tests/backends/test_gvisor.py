@@ -74,3 +74,35 @@ async def test_stopping_every_new_pid_inside_stalls_nothing_outside(client, gvis
         assert int((await attacker.read_file("/tmp/stopped")).decode()) >= 1, "the attack stopped nothing"
         raw = await client._need_bus().kv_get(streams.NODES_KV, gvisor.edge.node)
         assert not node_decoder.decode(raw).lost
+
+
+async def test_planted_setuid_and_capabilities_are_not_privileged_on_the_host(client, gvisor, hostile):
+    """The setuid plant from inside a gVisor sandbox: on the host the file is setuid to the sandbox's own
+    unprivileged uid, and a file capability set inside is either kept by the sentry alone or namespaced
+    to that uid."""
+    async with await client.create(backend="gvisor") as sb:
+        await armed(sb, hostile)
+        r = await sb.exec("cp /tmp/hostile /tmp/rootsh && chmod 4755 /tmp/rootsh && cp /tmp/hostile /tmp/capped"
+                          " && /tmp/hostile setcap /tmp/capped")
+        assert r.exit_code == 0, (r.stdout, r.stderr)
+        backend = gvisor.edge.backend.backends["gvisor"]
+        key = backend._sandboxes[sb.id].key
+        base = backend._sandboxes[sb.id].ids.base
+        st = (backend._rootfs(key) / "tmp" / "rootsh").stat()
+        assert st.st_mode & 0o4000 and st.st_uid == base != 0, (oct(st.st_mode), st.st_uid, base)
+        try:
+            cap = os.getxattr(backend._rootfs(key) / "tmp" / "capped", "security.capability")
+        except OSError:
+            cap = b""   # the sentry keeps it (if at all): nothing the host kernel would honour
+        if cap:
+            assert int.from_bytes(cap[:4], "little") >> 24 == 3 and int.from_bytes(cap[20:24], "little") == base
+
+
+async def test_proc_inside_shows_nothing_of_the_host(client, gvisor):
+    async with await client.create(backend="gvisor") as sb:
+        r = await sb.exec("cat /proc/self/mountinfo /proc/mounts; ls /proc; cat /proc/cmdline 2>&1")
+        text = r.stdout.decode()
+        for host_thing in ("/run/dsec", "edge-gvisor", "uppers", "/tmp/pytest", "nats"):
+            assert host_thing not in text, host_thing
+        pids = [p for p in (await sb.exec("ls /proc")).stdout.decode().split() if p.isdigit()]
+        assert 1 < len(pids) < 8, pids   # its own processes only (the agent, this exec)
