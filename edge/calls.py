@@ -40,6 +40,7 @@ class CallLane:
 
     def __init__(self, bus: Bus, node: str, fncall: FnCallBackend, layers: LayerCache) -> None:
         self.bus, self.node, self.fncall, self.layers = bus, node, fncall, layers
+        self.images = ImageRegistry(bus)   # one for the lane: names resolve from its cache (5 s), not per call
         self._workers: list = []
         self._running: set[str] = set()
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -103,7 +104,7 @@ class CallLane:
         started = time.time()
         try:
             validate.check_call(req)
-            refs = await ImageRegistry(self.bus).compose(req.image)
+            refs = await self.images.compose(req.image)
             paths = await self.layers.ensure(refs)
             out = await self.fncall.call(CallSpec(
                 layers=[str(p) for p in paths], limits=limits(req.resources),
