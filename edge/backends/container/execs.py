@@ -26,11 +26,14 @@ class Executing(Core):
         worker = bool(sb.spec.scratch)   # one command at a time, in one group kept for all of them
         n = 0 if worker else next(sb.execs)
         try:
-            groups = self._cgroups.exec_group(sb.key, n)
-            if worker and groups["freezer"].is_dir():
+            if worker and sb.call_groups is not None:
+                groups = sb.call_groups
                 NodeCgroups.reset_stats(groups)
             else:
                 groups = self._cgroups.create_exec(sb.key, n)
+                if worker:
+                    sb.call_groups = groups
+                    sb.call_tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
         except CgroupError as exc:
             raise BackendError(str(exc)) from exc
         except OSError as exc:
@@ -67,7 +70,7 @@ class Executing(Core):
         if self._spawner is None:
             raise BackendError("container backend is not started")
         ends = pipes.child_ends()
-        tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
+        tasks = sb.call_tasks or [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
         try:
             pid = self._spawner.spawn(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3],
                                       fresh_ipc=bool(sb.spec.scratch))

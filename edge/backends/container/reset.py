@@ -11,7 +11,6 @@ import stat
 
 from edge.backends import cgroups
 from edge.backends.base import BackendError
-from edge.backends.cgroups import EXEC_CONTROLLERS, NodeCgroups
 from edge.backends.container.state import Core
 
 SCRATCH_DIRS = (("tmp", 0o1777), ("dev/shm", 0o1777))   # the writable places of a worker, and their modes
@@ -24,35 +23,50 @@ class Resetting(Core):
         """Kill what its commands left running, remove their groups, empty its scratch dirs; BackendError
         when something survives (the caller retires the worker then)."""
         sb = self._live(sandbox_id)
-        top = self._cgroups.sandbox(sb.key)
-        children = sorted(p.name for p in top["freezer"].glob("x*") if p.is_dir())
-        for name in children:
-            groups = {c: p / name for c, p in top.items() if c in EXEC_CONTROLLERS}
-            if cgroups.procs_under(groups["freezer"]) and not await cgroups.kill_tree(groups["freezer"], timeout=5.0):
+        if not sb.spec.scratch:
+            raise BackendError(f"{sandbox_id} is not a worker (only a worker's calls can be wiped)")
+        groups = sb.call_groups   # a worker's commands all run in its one exec group (x0); none: no call yet
+        if groups is not None and cgroups.procs(groups["freezer"]):
+            if not await cgroups.kill_tree(groups["freezer"], timeout=5.0):
                 raise BackendError(f"worker {sandbox_id}: processes survive in {groups['freezer']}")
-            if name == "x0":
-                continue   # the calls' group, kept (its counts start afresh with the next call)
-            busy = NodeCgroups.remove(groups)
-            for _ in range(500):
-                if not busy:
-                    break
-                await asyncio.sleep(0.002)
-                busy = NodeCgroups.remove(groups)
-            if busy:
-                raise BackendError(f"worker {sandbox_id}: cannot remove {', '.join(busy)}")
-        await asyncio.to_thread(_empty_scratch, sb.init_pid, sb.ids.base)
+        if _reset_scratch(sb.init_pid, sb.ids.base):   # something to remove: off the event loop
+            await asyncio.to_thread(_empty_scratch, sb.init_pid, sb.ids.base)
+
+
+def _reset_scratch(init_pid: int, owner: int) -> bool:
+    """Give each scratch dir its mode and owner back; whether any holds something to remove."""
+    dirty = False
+    for rel, mode in SCRATCH_DIRS:
+        fd = _open_scratch(init_pid, rel)
+        if fd is None:
+            continue
+        try:
+            os.fchmod(fd, mode)
+            os.fchown(fd, owner, owner)
+            dirty = dirty or bool(os.listdir(fd))
+        except OSError as exc:
+            raise BackendError(f"cannot reset the worker's /{rel}: {exc}") from exc
+        finally:
+            os.close(fd)
+    return dirty
+
+
+def _open_scratch(init_pid: int, rel: str) -> int | None:
+    try:
+        return os.open(f"/proc/{init_pid}/root/{rel}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise BackendError(f"cannot open the worker's /{rel}: {exc}") from exc
 
 
 def _empty_scratch(init_pid: int, owner: int) -> None:
     """Remove everything under each scratch dir, through fds opened in the sandbox's root (a symlink the
     call left is removed, never followed); the dirs get their mode and owner back."""
     for rel, mode in SCRATCH_DIRS:
-        try:
-            fd = os.open(f"/proc/{init_pid}/root/{rel}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
+        fd = _open_scratch(init_pid, rel)
+        if fd is None:
             continue
-        except OSError as exc:
-            raise BackendError(f"cannot open the worker's /{rel}: {exc}") from exc
         try:
             for entry in os.scandir(fd):
                 st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)

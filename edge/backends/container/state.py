@@ -38,6 +38,8 @@ class Running:
     frozen_total: float = 0.0           # seconds spent frozen before that
     key: str = ""                       # names its cgroups and writable layer: its first id (a warm
                                         # sandbox keeps its pool name when a create claims it)
+    call_groups: dict | None = None     # a worker's one exec group (its x0), made at its first call
+    call_tasks: list | None = None      # the tasks files its commands join
 
     def __post_init__(self) -> None:
         self.key = self.key or self.spec.id
