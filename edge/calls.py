@@ -4,9 +4,11 @@ pulls only as many calls as it has free workers (the pull is the placement), and
 waits in JetStream until its deadline, when the caller gives up with CapacityUnavailable.
 
 Validation happens twice without a round trip: in the SDK before the call is sent, and here when it is
-pulled (this lane is open to any publisher). Calls are not counted against a tenant's sandbox quota:
-they hold no sandbox, and what one call may use is bounded by MAX_CALL (resources) and the node's
-workers; a tenant's share is bounded by the queue (the work is served in order of arrival per priority).
+pulled (this lane is open to any publisher). The tenant's quota (KV dsec-quotas, watched here) is checked
+here too: a tenant's calls running on this node at once may hold at most its max_cpu cores and
+max_memory bytes (the call's resources); one past that waits in the queue (NAK, tried again shortly)
+while other tenants' calls run. It is a per-node bound, with no round trip: a tenant's calls on N nodes
+may hold N times it. Calls hold no sandbox and are not counted in its max_sandboxes.
 
 Each call is answered once (a CallReply or an ErrorReply on its reply subject) and recorded on its
 trajectory timeline (dsec.traj.<tenant>.<job>.<call id>, a TrajRecord of type "call").
@@ -20,10 +22,11 @@ import time
 import msgspec
 
 from bus import streams, subjects, validate
-from bus.conn import Bus
+from bus.conn import Bus, kv_watch
 from bus.errors import BusError, DsecError, EnvironmentFailure, ExecFailed, ImageNotFound, InvalidRequest
 from bus.images import ImageRegistry
-from bus.messages import CallReply, CallRequest, ErrorReply, TrajRecord, call_decoder, encode, salvage
+from bus.messages import (CallReply, CallRequest, ErrorReply, Quota, Resources, TrajRecord, call_decoder, encode,
+                          quota_decoder, salvage)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.shell import command_argv
 from edge.backends.base import BackendError
@@ -41,6 +44,10 @@ class CallLane:
     def __init__(self, bus: Bus, node: str, fncall: FnCallBackend, layers: LayerCache) -> None:
         self.bus, self.node, self.fncall, self.layers = bus, node, fncall, layers
         self.images = ImageRegistry(bus)   # one for the lane: names resolve from its cache (5 s), not per call
+        self.quotas: dict[str, Quota] = {}   # tenant -> its quota (watched)
+        self._held: dict[str, list[Resources]] = collections.defaultdict(list)   # tenant -> its running calls
+        self._quota_watch = None
+        self.held_back = 0   # calls left in the queue for a while because their tenant was at its quota
         self._workers: list = []
         self._running: set[str] = set()
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -49,6 +56,7 @@ class CallLane:
 
     async def start(self) -> None:
         """Pull both priorities; latency calls first when workers are scarce (batch keeps one back)."""
+        self._quota_watch = await kv_watch(self.bus, streams.QUOTAS_KV, self._on_quota)
         for priority in subjects.PRIORITIES:
             credit = self.fncall.free if priority == "latency" else lambda: max(0, self.fncall.free() - 1)
             self._workers.append(await self.bus.pull_worker(streams.call_consumer(priority), self._handle,
@@ -58,6 +66,28 @@ class CallLane:
         for w in self._workers:
             await w.stop(drain=False)
         self._workers = []
+        if self._quota_watch is not None:
+            self._quota_watch.cancel()
+
+    def _on_quota(self, key: str, raw: bytes | None, _revision: int) -> None:
+        try:
+            quota = quota_decoder.decode(raw) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            quota = None
+        if quota is None:
+            self.quotas.pop(key, None)
+        else:
+            self.quotas[key] = quota
+
+    def _within_quota(self, req: CallRequest) -> bool:
+        """Whether the tenant's running calls here plus this one stay within its max_cpu / max_memory."""
+        q = self.quotas.get(req.tenant)
+        if q is None:
+            return True
+        held = self._held[req.tenant]
+        cpu = sum(r.cpu for r in held) + req.resources.cpu
+        memory = sum(r.memory for r in held) + req.resources.memory
+        return (not q.max_cpu or cpu <= q.max_cpu + 1e-9) and (not q.max_memory or memory <= q.max_memory)
 
     def poke(self) -> None:
         """A worker came free: pull again now."""
@@ -80,7 +110,12 @@ class CallLane:
             return Verdict.ACK
         if req.deadline and time.time() > req.deadline:   # the caller gave up (CapacityUnavailable): not run
             return Verdict.ACK
+        if not self._within_quota(req):   # its tenant holds its share here: it waits, others run
+            self.held_back += 1
+            d.nak_delay = 0.05
+            return Verdict.NAK
         self._running.add(req.call_id)
+        self._held[req.tenant].append(req.resources)
         lease = Lease(d, every=streams.CALL_ACK_WAIT / 3)
         try:
             reply = await self._serve(req)
@@ -91,6 +126,9 @@ class CallLane:
         finally:
             lease.cancel()
             self._running.discard(req.call_id)
+            self._held[req.tenant].remove(req.resources)
+            if not self._held[req.tenant]:
+                del self._held[req.tenant]
         self._done[req.call_id] = None
         while len(self._done) > DONE_KEPT:
             self._done.popitem(last=False)

@@ -136,3 +136,26 @@ async def test_a_call_no_node_can_take_fails_after_its_wait_and_never_runs_later
 async def test_fncall_has_no_sandboxes(client):
     with pytest.raises(libdsec.Unsupported, match="client.call"):
         await client.create(backend="fncall")
+
+
+async def test_a_tenants_quota_bounds_its_calls_on_a_node_while_others_run(stack, tmp_path):
+    from bus.messages import Quota
+    await stack.bus.kv_put(streams.QUOTAS_KV, "fnq", Quota(tenant="fnq", max_cpu=1.0))
+    try:
+        async with fncall_node(stack, tmp_path, "fn-q", 4, 4) as st, \
+                libdsec.AsyncClient(stack.url, tenant="fnq") as capped, \
+                libdsec.AsyncClient(stack.url, tenant="fnfree") as free:
+            await asyncio.gather(capped.call("true"), free.call("true"))   # workers started, quota seen
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            one = [{"cmd": "sleep 0.4", "resources": libdsec.Resources(cpu=1)}]
+            slow = asyncio.ensure_future(capped.call_many(one * 3))
+            fast = await free.call_many(one * 3)
+            fast_done = loop.time() - t0
+            assert all(r.ok for r in fast) and all(r.ok for r in await slow)
+            slow_done = loop.time() - t0
+            assert slow_done >= 1.2, "one core at a time: the capped tenant's calls ran one after another"
+            assert fast_done < slow_done, (fast_done, slow_done)   # the other tenant was not held back
+            assert st.edge.calls.held_back > 0
+    finally:
+        await stack.bus.kv_delete(streams.QUOTAS_KV, "fnq")
