@@ -6,7 +6,8 @@ import time
 
 from bus import kinds, subjects
 from bus.errors import InvalidRequest
-from bus.messages import CallRequest, CreateRequest, Resources, WarmPool
+from bus.callwire import CallRequest
+from bus.messages import CreateRequest, Resources, WarmPool
 
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20

@@ -25,8 +25,8 @@ from bus import streams, subjects, validate
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, DsecError, EnvironmentFailure, ExecFailed, ImageNotFound, InvalidRequest
 from bus.images import ImageRegistry
-from bus.messages import (CallReply, CallRequest, ErrorReply, Quota, Resources, TrajRecord, call_decoder, encode,
-                          quota_decoder, salvage)
+from bus.callwire import CallReply, CallRequest, call_decoder
+from bus.messages import ErrorReply, Quota, Resources, TrajRecord, encode, quota_decoder, salvage
 from bus.pull import Delivery, Lease, Verdict
 from chronus.shell import command_argv
 from edge.backends.base import BackendError

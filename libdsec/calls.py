@@ -12,7 +12,8 @@ import msgspec
 
 from bus import subjects, validate
 from bus.errors import CapacityUnavailable, DsecError, InvalidRequest, from_code
-from bus.messages import CallReply, CallRequest, ErrorReply, call_reply_decoder, encode
+from bus.callwire import CallReply, CallRequest, call_reply_decoder
+from bus.messages import ErrorReply, encode
 from libdsec.ids import new_id
 from libdsec.resources import Resources
 
