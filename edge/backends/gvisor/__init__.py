@@ -164,6 +164,8 @@ class GvisorBackend(Backend):
                                            return_exceptions=True)
         finally:
             await self._reconcile()
+            if not any(p.startswith(f"{self._public}/") for p in mount_points()):   # never into a mount
+                shutil.rmtree(self._public, ignore_errors=True)   # its run dir goes with the node
         errors = [str(r) for r in results if isinstance(r, Exception) and not isinstance(r, SandboxGone)]
         if errors:
             raise BackendError(f"stop: {'; '.join(errors)}")
