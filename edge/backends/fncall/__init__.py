@@ -139,14 +139,11 @@ class FnCallBackend(Backend):
         else the first one freed); the worker is wiped before it serves again."""
         key = (tuple(spec.layers), spec.limits)
         worker = await self._take(key, spec)
-        ok = False
         try:
-            outcome = await self._run(worker, spec)
-            ok = True
-            return outcome
+            return await self._run(worker, spec)
         finally:
             self.calls += 1
-            asyncio.ensure_future(self._give_back(key, worker, ok))
+            asyncio.ensure_future(self._give_back(key, worker))
 
     async def _take(self, key: tuple, spec: CallSpec) -> str:
         """A worker for key: an idle one, a new one while there is room, an idle one of another key
@@ -167,7 +164,7 @@ class FnCallBackend(Backend):
                 handed = await fut
             except asyncio.CancelledError:
                 if fut.done() and not fut.cancelled() and fut.result():   # handed a worker as we left
-                    asyncio.ensure_future(self._give_back(key, fut.result(), True))
+                    asyncio.ensure_future(self._give_back(key, fut.result()))
                 raise
             if handed:
                 return handed
@@ -244,7 +241,7 @@ class FnCallBackend(Backend):
             room -= len(data)
         return CallOutcome(result, bytes(out["stdout"]), bytes(out["stderr"]), dropped, files, worker, error)
 
-    async def _give_back(self, key: tuple, worker: str, ran: bool) -> None:
+    async def _give_back(self, key: tuple, worker: str) -> None:
         """Wipe a used worker; to the next call of its key (or idle), retired when the wipe fails."""
         pool = self._pools.get(key)
         try:
