@@ -53,14 +53,30 @@ class CallLane:
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.served = 0
         self.duplicates = 0
+        self._unplaced = 0   # calls in flight here that have no worker yet
 
     async def start(self) -> None:
         """Pull both priorities; latency calls first when workers are scarce (batch keeps one back)."""
         self._quota_watch = await kv_watch(self.bus, streams.QUOTAS_KV, self._on_quota)
         for priority in subjects.PRIORITIES:
-            credit = self.fncall.free if priority == "latency" else lambda: max(0, self.fncall.free() - 1)
-            self._workers.append(await self.bus.pull_worker(streams.call_consumer(priority), self._handle,
-                                                            credit=credit))
+            credit = self._credit(priority)
+            worker = await self.bus.pull_worker(streams.call_consumer(priority), self._handle, credit=credit)
+            credit.holder.append(worker)
+            self._workers.append(worker)
+
+    def _credit(self, priority: str):
+        """What a consumer may have in flight: its calls in flight plus the workers free for more, less the
+        calls here that hold none yet (they take the next ones). The pull worker subtracts what it has in
+        flight, so it asks for exactly the free workers nobody waits for (batch leaves one of them)."""
+        keep = 0 if priority == "latency" else 1
+        mine: list = []
+
+        def credit() -> int:
+            held = mine[0].in_flight if mine else 0
+            return held + max(0, self.fncall.free() - keep - self._unplaced)
+
+        credit.holder = mine   # the consumer's pull worker, once made
+        return credit
 
     async def stop(self) -> None:
         for w in self._workers:
@@ -117,13 +133,23 @@ class CallLane:
         self._running.add(req.call_id)
         self._held[req.tenant].append(req.resources)
         lease = Lease(d, every=streams.CALL_ACK_WAIT / 3)
+        placed = False
+
+        def on_worker() -> None:
+            nonlocal placed
+            placed = True
+            self._unplaced -= 1
+
+        self._unplaced += 1
         try:
-            reply = await self._serve(req)
+            reply = await self._serve(req, on_worker)
         except BusError as exc:   # the image could not be read now: another try shortly (here or elsewhere)
             log.warning("call %s retried: %s", req.call_id, exc)
             d.nak_delay = 0.5
             return Verdict.NAK
         finally:
+            if not placed:
+                self._unplaced -= 1
             lease.cancel()
             self._running.discard(req.call_id)
             self._held[req.tenant].remove(req.resources)
@@ -138,7 +164,7 @@ class CallLane:
             await self._record(req, reply)
         return Verdict.ACK
 
-    async def _serve(self, req: CallRequest) -> CallReply | ErrorReply:
+    async def _serve(self, req: CallRequest, on_worker=lambda: None) -> CallReply | ErrorReply:
         started = time.time()
         try:
             validate.check_call(req)
@@ -148,7 +174,7 @@ class CallLane:
                 layers=[str(p) for p in paths], limits=limits(req.resources),
                 argv=command_argv(list(req.argv), req.shell, self.fncall.trusted_shell), env=dict(req.env),
                 cwd=req.cwd, stdin=req.stdin, timeout=req.timeout, files=dict(req.files),
-                read_back=list(req.read_back), max_output=req.max_output))
+                read_back=list(req.read_back), max_output=req.max_output), on_worker=on_worker)
         except BusError:
             raise
         except (InvalidRequest, ImageNotFound) as err:

@@ -134,11 +134,13 @@ class FnCallBackend(Backend):
 
     # ---- work ---------------------------------------------------------------------------------
 
-    async def call(self, spec: CallSpec) -> CallOutcome:
+    async def call(self, spec: CallSpec, on_worker=lambda: None) -> CallOutcome:
         """Run one call on a worker of its image and limits (started if none is free and there is room,
-        else the first one freed); the worker is wiped before it serves again."""
+        else the first one freed); the worker is wiped before it serves again. on_worker: called once the
+        call has its worker."""
         key = (tuple(spec.layers), spec.limits)
         worker = await self._take(key, spec)
+        on_worker()
         try:
             return await self._run(worker, spec)
         finally:
