@@ -70,8 +70,10 @@ def _residue() -> list[str]:
     out: list[str] = []
     for base in own_paths().values():
         out += [f"cgroup {g}" for g in base.glob("dsec-*") if not is_live(g.name[5:])]
-    for proc in psutil.process_iter(["pid", "cmdline"]):
+    for proc in psutil.process_iter(["pid", "ppid", "cmdline"]):
         cmd = proc.info["cmdline"] or []
+        if cmd[:1] == ["dsec-enter"] and proc.info["ppid"] == 1:   # its edge is gone: a helper left behind
+            out.append(f"exec helper pid {proc.info['pid']} ({' '.join(cmd[:3])})")
         if cmd[:1] == ["catatonit"] and not is_live(_node_of_cgroup(proc.info["pid"])):
             out.append(f"sandbox init pid {proc.info['pid']}")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):

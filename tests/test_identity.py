@@ -202,3 +202,27 @@ async def test_snapshots_store_owners_relative_to_the_sandbox(client, stack):
     finally:
         await asyncio.gather(*(s.destroy() for s in [sb, *made]), return_exceptions=True)
     await client.delete_snapshot(snap)
+
+
+async def test_the_images_setuid_programs_work_inside(client, hostile):
+    """Setuid programs of the image work inside as in any container (su, ping, sudo): a setuid-root file
+    of an image layer, run by uid 1000, runs as euid 0, the sandbox's root (a host uid of its range, so
+    nothing is privileged on the host), and so does one made in the writable layer (the host's views of
+    both stay nosuid: test_attacks). Before, no_new_privs and nosuid layer views made both run as 1000."""
+    sb = await client.create()
+    made = []
+    try:
+        await sb.exec("mkdir -p /opt")
+        await sb.write_file("/opt/suid", hostile, mode=0o755)
+        r = await sb.exec("chmod 4755 /opt/suid && stat -c '%u:%g %a' /opt/suid && /opt/suid drop 1000 /opt/suid euid")
+        assert r.stdout == b"0:0 4755\n0\n", r.stdout + r.stderr
+        snap = await sb.snapshot(tag="suid")
+        image = (await client.fork(snap, n=1))[0]    # /opt/suid now lies in an image layer
+        made.append(image)
+        r = await image.exec("stat -c '%u:%g %a' /opt/suid && /opt/suid drop 1000 /opt/suid euid && "
+                             "/opt/suid drop 1000 /bin/busybox id -u")
+        assert r.stdout == b"0:0 4755\n0\n1000\n", r.stdout + r.stderr
+    finally:
+        for s in made:
+            await s.destroy()
+        await sb.destroy()

@@ -69,18 +69,27 @@ def write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def read(path: Path) -> str:
-    """Read one cgroup control file ('' if the group is gone)."""
+def read(path: Path | str) -> str:
+    """Read one cgroup control file ('' if the group is gone). Plain fd calls: an exec reads several
+    per command, and io.open's layers cost more than the read."""
     try:
-        with open(path) as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except (FileNotFoundError, ProcessLookupError):
         return ""
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks).decode()
+    except ProcessLookupError:
+        return ""
+    finally:
+        os.close(fd)
 
 
 def procs(group: Path) -> list[int]:
     """Pids directly in one group."""
-    return [int(p) for p in read(group / "cgroup.procs").split()]
+    return [int(p) for p in read(f"{group}/cgroup.procs").split()]
 
 
 def procs_under(group: Path) -> list[int]:
@@ -264,14 +273,17 @@ class NodeCgroups:
     def reset_stats(groups: dict[str, Path]) -> None:
         """Start an exec group's CPU and peak-memory counts afresh (a worker's group, reused per call)."""
         for path, name in ((groups["cpuacct"], "cpuacct.usage"), (groups["memory"], "memory.max_usage_in_bytes")):
-            with open(path / name, "w") as f:
-                f.write("0")
+            fd = os.open(f"{path}/{name}", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, b"0")
+            finally:
+                os.close(fd)
 
     @staticmethod
     def exec_stats(groups: dict[str, Path]) -> tuple[float, int]:
         """CPU seconds and peak memory bytes used by one exec group."""
-        usage = read(groups["cpuacct"] / "cpuacct.usage").strip()
-        peak = read(groups["memory"] / "memory.max_usage_in_bytes").strip()
+        usage = read(f"{groups['cpuacct']}/cpuacct.usage").strip()
+        peak = read(f"{groups['memory']}/memory.max_usage_in_bytes").strip()
         return (int(usage) / 1e9 if usage else 0.0), (int(peak) if peak else 0)
 
     @staticmethod

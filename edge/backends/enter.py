@@ -13,15 +13,22 @@ so the helper's command line shows nothing of the host.
 """
 from __future__ import annotations
 
+import array
 import asyncio
+import contextlib
 import errno
+import itertools
 import os
 import signal
+import socket
+import struct
+
+from edge.backends.base import BackendError
 
 NAMESPACES = ("ipc", "uts", "net", "mnt", "pid", "cgroup", "user")
 SIGDEF = (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE,
           signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2)
-SETUP_MAX = 65535       # what dsec-enter reads of its setup (a pipe holds 64 KiB: written before the spawn)
+SETUP_MAX = 65535       # the most a setup may hold (a pipe holds 64 KiB: written before the command starts)
 
 
 class Spawner:
@@ -34,21 +41,26 @@ class Spawner:
     def close(self) -> None:
         """Nothing held (kept for symmetry with start)."""
 
+    def start(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
+              stdio: list[int], err_w: int, fresh_ipc: bool = False) -> asyncio.Future:
+        """spawn(), and a future of the command's raw wait status (the helper is reaped by it)."""
+        pid = self.spawn(init_pid, pidfd, tasks, argv, env, cwd, stdio, err_w, fresh_ipc)
+        try:
+            return watch_exit(pid)
+        except OSError:   # cannot watch it (out of fds): do not leave it running unwatched
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise
+
     def spawn(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
               stdio: list[int], err_w: int, fresh_ipc: bool = False) -> int:
         """Start dsec-enter for argv in the sandbox whose init is init_pid (pinned by pidfd); returns the
         helper's host pid (its wait status is the command's). fresh_ipc: an IPC namespace of its own."""
-        mask = hex(self.keep_mask) + (",ipc" if fresh_ipc else "")
-        setup = b"\0".join(s.encode() for s in (mask, cwd, *tasks)) + b"\0"
+        setup = setup_bytes(self.keep_mask, fresh_ipc, cwd, tasks)
         if len(setup) > SETUP_MAX:
             raise OSError(errno.E2BIG, "exec setup too large (cwd too long)")
-        opened: list[int] = []
+        opened = open_sandbox(init_pid, pidfd)
         try:
-            for ns in NAMESPACES:
-                opened.append(os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
-            opened.append(os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            if not alive(pidfd):   # the pid was reused after the init died: these are not its namespaces
-                raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
             setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
             opened.append(setup_r)
             try:
@@ -67,6 +79,150 @@ class Spawner:
         finally:
             for fd in opened:
                 os.close(fd)
+
+
+class Resident:
+    """One sandbox's own dsec-enter server (`dsec-enter --serve`, see dsec-enter.c), for fncall workers: a
+    command costs the server a fork instead of the edge a posix_spawn of the helper (the event loop's
+    largest cost per call). The server lives in the host's pid namespace like any helper and holds the
+    sandbox's namespace fds; each command's process goes the one-shot way from there. Started with a
+    running loop; close() ends it (the server exits when its socket closes, and is reaped here)."""
+
+    def __init__(self, helper: str, keep_mask: int, init_pid: int, pidfd: int) -> None:
+        self.keep_mask = keep_mask
+        self.pidfd = pidfd
+        self._loop = asyncio.get_running_loop()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self.closed = False
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        opened = open_sandbox(init_pid, pidfd)
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            srcs = [theirs.fileno(), *opened]
+            base = max(*srcs, null) + 1 - 3    # the socket at BASE+3, the namespaces and root above it
+            actions = [(os.POSIX_SPAWN_DUP2, src, base + 3 + i) for i, src in enumerate(srcs)]
+            actions += [(os.POSIX_SPAWN_DUP2, null, i) for i in range(3)]
+            self.pid = os.posix_spawn(helper, ["dsec-enter", "--serve", str(base)], {},
+                                      file_actions=actions, setsigmask=(), setsigdef=SIGDEF, setsid=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(null)
+            for fd in opened:
+                os.close(fd)
+        self._sock = ours
+        ours.setblocking(False)
+        self.exited = watch_exit(self.pid)
+        self._loop.add_reader(ours.fileno(), self._on_answer)
+
+    def start(self, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
+              err_w: int, fresh_ipc: bool = False) -> asyncio.Future:
+        """Run argv through the server; a future of its raw wait status (BackendError if the server dies
+        first). OSError: E2BIG when the command does not fit a pipe (the caller spawns it the one-shot
+        way), EPIPE when the server is gone (a new one may take it), ESRCH when the sandbox is gone."""
+        if self.closed:
+            raise OSError(errno.EPIPE, "the sandbox's exec server is gone")
+        if not alive(self.pidfd):
+            raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
+        setup = (setup_bytes(self.keep_mask, fresh_ipc, cwd, tasks) + b"\0" + str(len(argv)).encode() + b"\0"
+                 + b"".join(a.encode() + b"\0" for a in argv)
+                 + b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+        if len(setup) > SETUP_MAX:
+            raise OSError(errno.E2BIG, "command too large for the exec server")
+        setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            try:
+                os.write(setup_w, setup)
+            finally:
+                os.close(setup_w)
+            n = next(self._ids)
+            fds = array.array("i", [*stdio, err_w, setup_r])
+            try:
+                self._sock.sendmsg([struct.pack("<Q", n)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+            except OSError as exc:   # the server died (its EOF not seen yet)
+                self._lost()
+                raise OSError(errno.EPIPE, f"the sandbox's exec server is gone: {exc.strerror}") from exc
+        finally:
+            os.close(setup_r)
+        fut = self._loop.create_future()
+        self._waiting[n] = fut
+        return fut
+
+    def _on_answer(self) -> None:
+        while True:
+            try:
+                msg = self._sock.recv(16)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg = b""
+            if len(msg) != 16:
+                self._lost()
+                return
+            n, status = struct.unpack("<Qq", msg)
+            fut = self._waiting.pop(n, None)
+            if fut is None or fut.done():
+                continue
+            if status < 0:
+                fut.set_exception(BackendError(f"exec server could not start the command: {os.strerror(-status)}"))
+            else:
+                fut.set_result(status)
+
+    def _lost(self) -> None:
+        """The server is gone (killed): what was waiting fails; the next command gets a new server."""
+        if not self.closed:
+            self.close()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(BackendError("the sandbox's exec server died while the command ran"))
+        self._waiting.clear()
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """close(), and wait until the server is gone (killed after grace seconds): only then are the
+        sandbox's namespaces no longer held by it."""
+        self.close()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exited), grace)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            await self.exited
+
+    def close(self) -> None:
+        """End the server (it exits at its socket's EOF; reaped through self.exited)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        if self._waiting:
+            self._lost()
+
+
+def setup_bytes(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str]) -> bytes:
+    """dsec-enter's setup: "CAPMASK[,ipc]\0CWD\0TASKS...\0" (its cgroup tasks files)."""
+    mask = hex(keep_mask) + (",ipc" if fresh_ipc else "")
+    return b"\0".join(s.encode() for s in (mask, cwd, *tasks)) + b"\0"
+
+
+def open_sandbox(init_pid: int, pidfd: int) -> list[int]:
+    """The namespace fds (NAMESPACES' order) and root of the sandbox whose init is init_pid, checked
+    against its pidfd (a reused pid's are not its); ProcessLookupError when it is gone."""
+    opened: list[int] = []
+    try:
+        for ns in NAMESPACES:
+            opened.append(os.open(f"/proc/{init_pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
+        opened.append(os.open(f"/proc/{init_pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+        if not alive(pidfd):
+            raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        raise
+    return opened
 
 
 def alive(pidfd: int) -> bool:

@@ -358,7 +358,7 @@ def _mount_root(req: Launch, userns: int) -> None:
     root = req.merged
     for lower in req.lowers:        # in this (private) mount namespace only: the host sees none of it
         if lower != req.empty:
-            kernel.idmap_over(lower, userns)
+            kernel.idmap_over(lower, userns, suid=True)   # the image's setuid programs work inside
     os.chown(req.upper, req.uid_base, req.uid_base)   # the root directory: the sandbox root's
     # Paths relative to the node's state dir: the overlay's options, shown in the sandbox's mountinfo,
     # then name no host directory.

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
+import psutil
 import pytest
 
 import libdsec
@@ -163,3 +166,34 @@ async def test_a_tenants_quota_bounds_its_calls_on_a_node_while_others_run(stack
             assert st.edge.calls.held_back > 0
     finally:
         await stack.bus.kv_delete(streams.QUOTAS_KV, "fnq")
+
+
+def _servers() -> list[psutil.Process]:
+    return [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:2] == ["dsec-enter", "--serve"]]
+
+
+async def test_a_worker_runs_its_calls_through_its_own_exec_server(stack, client, tmp_path):
+    """A worker's calls go through its resident exec server, with no spawn of the helper per call; a
+    command too large for the server's pipe goes the one-shot way with the same result; a killed server
+    is replaced at the next call, which is answered; a stopped node leaves no server."""
+    async with fncall_node(stack, tmp_path, "fn-srv", 1, 1) as st:
+        workers = st.edge.backend.backends["fncall"]._workers
+        assert (await client.call(["echo", "one"])).stdout == b"one\n"
+        (worker,) = workers._sandboxes.values()
+        server = worker.resident
+        assert server is not None and not server.closed and server.pid in [p.pid for p in _servers()]
+        spawned = []
+        one_shot = workers._spawner.spawn
+        workers._spawner.spawn = lambda *a, **k: (spawned.append(a[3]), one_shot(*a, **k))[1]
+        for i in range(5):
+            assert (await client.call(["echo", str(i)])).stdout == f"{i}\n".encode()
+        assert spawned == [] and worker.resident is server
+        big = await client.call(["sh", "-c", 'printf %s "$BIG" | wc -c'], env={"BIG": "x" * 70_000})
+        assert (big.exit_code, big.stdout.strip()) == (0, b"70000") and len(spawned) == 1
+        os.kill(server.pid, signal.SIGKILL)
+        await server.exited
+        again = await client.call(["echo", "again"])
+        assert (again.exit_code, again.stdout) == (0, b"again\n"), again
+        assert worker.resident is not server and not worker.resident.closed and server.closed
+        last = worker.resident
+    assert last.closed and last.exited.done() and _servers() == []

@@ -3,8 +3,7 @@ here (execio.py)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import errno
 import time
 
 from edge.backends import enter, execio
@@ -71,16 +70,20 @@ class Executing(Core):
             raise BackendError("container backend is not started")
         ends = pipes.child_ends()
         tasks = sb.call_tasks or [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
+        fresh_ipc = bool(sb.spec.scratch)
         try:
-            pid = self._spawner.spawn(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3],
-                                      fresh_ipc=bool(sb.spec.scratch))
+            for again in (True, False) if sb.spec.scratch else ():   # a worker: through its own exec server
+                if sb.resident is None or sb.resident.closed:
+                    sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd)
+                try:
+                    return sb.resident.start(tasks, argv, env, cwd, ends[:3], ends[3], fresh_ipc)
+                except OSError as exc:
+                    if exc.errno == errno.E2BIG:     # too large for its pipe: the one-shot way
+                        break
+                    if exc.errno != errno.EPIPE or not again:   # died: once more with a new one
+                        raise
+            return self._spawner.start(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3], fresh_ipc)
         except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
             raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
         except OSError as exc:
             raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
-        try:
-            return enter.watch_exit(pid)
-        except OSError as exc:   # cannot watch it (out of fds): do not leave it running unwatched
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise BackendError(f"cannot watch {argv[0]}: {exc.strerror}") from exc

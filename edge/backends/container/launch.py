@@ -133,6 +133,8 @@ class Launching(Core):
 
     async def _destroy(self, sb: Running) -> None:
         try:
+            if sb.resident is not None:   # first: it holds the sandbox's namespaces
+                await sb.resident.stop()
             groups = self._cgroups.sandbox(sb.key)
             residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers, sb.ids)
         finally:

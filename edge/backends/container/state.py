@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import idmap
+from edge.backends import enter, idmap
 from edge.backends.base import BackendError, SandboxGone, SandboxSpec
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -40,6 +40,7 @@ class Running:
                                         # sandbox keeps its pool name when a create claims it)
     call_groups: dict | None = None     # a worker's one exec group (its x0), made at its first call
     call_tasks: list | None = None      # the tasks files its commands join
+    resident: enter.Resident | None = None   # a worker's own exec server (started at its first call)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.spec.id

@@ -5,19 +5,21 @@
  * it holds nothing but the sandbox's namespaces, cgroups and credentials does it make the command's
  * process, the first one the sandbox can see, which at once execs the command:
  *
- *   1. fork a mapper (still host root, host mount namespace) that joins the sandbox's user namespace S;
- *   2. join the exec's cgroups; setns ipc, uts, net, mnt, pid (for its children only) and cgroup (its
+ *   1. join the exec's cgroups; setns ipc, uts, net, mnt, pid (for its children only) and cgroup (its
  *      cgroups then read as the sandbox's own, from "/");
- *   3. setns S and become its root (host uid = the sandbox's range base), unshare a user namespace E of
- *      this exec's own inside S; the mapper, root in S, writes E's maps (0..65535 of S);
- *   4. chroot to the sandbox root, cwd, a clean slate (no core dumps, umask, a session keyring),
- *      capabilities, no_new_privs, the seccomp filter; every other fd closed;
- *   5. clone(CLONE_VM | CLONE_VFORK) into the pid namespace: the child runs setsid and execve only. This
- *      helper stays the command's parent, out of sight, with every signal blocked (a signal the edge
- *      sends to the exec's processes reaches the command, not it), waits for it and exits the same way
- *      (its exit code, or killed by the same signal), so the edge watches one child of its own. If
- *      execve failed, it reports that on the error pipe and exits 127. If the helper is killed (a
- *      timeout kills the exec's whole cgroup), the sandbox's init reaps the command.
+ *   2. setns the sandbox's user namespace S and become its root (host uid = the sandbox's range base);
+ *      chroot to the sandbox root, cwd; every fd but stdio, the error pipe and a go pipe closed;
+ *   3. clone the command's process into the pid namespace with a user namespace E of its own inside S
+ *      (and, for fncall, an IPC namespace of its own). Still root in S, this helper writes E's maps
+ *      (0..65535 of S) and says go. The command's process, holding only the sandbox's namespaces,
+ *      cgroups and credentials, takes a clean slate (no core dumps, umask, a session keyring),
+ *      the seccomp filter, capabilities, its own session, and execs the command;
+ *   4. this helper stays the command's parent, out of sight, with every signal blocked (a signal the
+ *      edge sends to the exec's processes reaches the command, not it), waits for it and exits the same
+ *      way (its exit code, or killed by the same signal), so the edge watches one child of its own. If
+ *      anything in the command's process failed, it reports that on the error pipe and exits 127. If
+ *      the helper is killed (a timeout kills the exec's whole cgroup), the sandbox's init reaps the
+ *      command.
  *
  * The user namespace E owned by the sandbox's uid is what keeps one exec's leftovers from reading or
  * tracing another's processes (the kernel lets a process ptrace, read /proc/<pid>/fd, mem or environ of
@@ -32,6 +34,15 @@
  *   its dup2s never clobber a source.
  * The environment is the command's, exactly. On a failure it writes "stage\0errno\0message" to the
  * error pipe and exits 127.
+ *
+ *   dsec-enter --serve BASE     (resident: one per fncall worker, so a call costs no spawn)
+ *   fds: 0-2 /dev/null; BASE+3 a SOCK_SEQPACKET control socket; BASE+4..BASE+11 as above. Each request
+ *   is an 8-byte id with 5 fds (stdin, stdout, stderr, error pipe, setup pipe); the setup then also
+ *   holds the command: "...TASKS\0\0ARGC\0ARGV...\0ENV...\0". For each request it forks a child,
+ *   still in the host's pid namespace, which takes those fds in place and goes the one-shot way above
+ *   (step 1 on). The server never waits on anyone: child exits come through a signalfd and are sent
+ *   back as (id, wait status), 16 bytes; a request it cannot fork for is answered (id, -errno). It
+ *   exits when the socket closes (the edge's end: the worker's destroy, or the edge's death).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -49,14 +60,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <poll.h>
 #include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #define NS_COUNT 6
-#define SETUP_MAX 65536
+#define SETUP_MAX (1 << 20)   /* what a setup may hold (serve mode: with argv and env) */
+#define ARGS_MAX 65536
 static int ERR_FD = 2;
 
 static void fail(const char *stage, const char *what) {
@@ -79,24 +94,6 @@ static int write_file(const char *path, const char *text) {
     ssize_t n = write(fd, text, strlen(text));
     close(fd);
     return n == (ssize_t)strlen(text) ? 0 : -1;
-}
-
-/* The mapper: joins S (where it has every capability: host root owns S's parent), waits until the
- * helper has unshared E, then writes E's maps. Stays in the host's mount and pid namespaces, so the
- * helper's /proc entry is the host one. */
-static pid_t start_mapper(int userns_fd, int go_r, int go_w) {
-    pid_t helper = getpid();
-    pid_t pid = fork();
-    if (pid != 0) return pid;
-    char c, path[64];
-    close(go_w);
-    if (setns(userns_fd, CLONE_NEWUSER)) _exit(2);
-    if (read(go_r, &c, 1) != 1) _exit(1);          /* the helper failed before unsharing */
-    snprintf(path, sizeof path, "/proc/%d/uid_map", (int)helper);
-    if (write_file(path, "0 0 65536")) _exit(3);
-    snprintf(path, sizeof path, "/proc/%d/gid_map", (int)helper);
-    if (write_file(path, "0 0 65536")) _exit(4);
-    _exit(0);
 }
 
 /* The seccomp filter of every command. Refused:
@@ -186,8 +183,11 @@ static void command_filter(void) {
     if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("setup", "seccomp");
 }
 
+/* Capabilities down to keep (bounding, ambient, and the sets). No no_new_privs: the image's setuid
+ * programs (su, ping, sudo) work as they do in any container, within the bounding set, and as the
+ * sandbox's own ids only (a setuid-root file inside is owned by the sandbox's root, a host uid of its
+ * range: nothing it gains is privileged on the host). */
 static void lockdown(unsigned long long keep) {
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("setup", "no_new_privs");
     for (int cap = 0; cap <= 63; cap++) {
         if (keep & (1ULL << cap)) continue;
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) && errno != EINVAL) fail("setup", "capbset");
@@ -237,43 +237,63 @@ static void clean_slate(void) {
     syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
 }
 
-/* The command's process. It shares this helper's memory (CLONE_VM; the helper waits, CLONE_VFORK), so
- * it touches nothing but its own stack and `exec_errno`: own session, close the error pipe, execve. */
+/* The command's process (step 3): a copy of the helper in E. It tells the helper its pid in the
+ * sandbox's pid namespace (the helper, chrooted, writes its maps through the sandbox's /proc) and waits
+ * for them. */
 static char **child_cmd;
 static sigset_t child_mask;
-static volatile int exec_errno;
+static int go_fd, go_other;
+static unsigned long long keep_caps;
 static int command(void *unused) {
     (void)unused;
-    setsid();                       /* own session: kill(0) or /dev/tty never reach anyone else's */
-    close(ERR_FD);
-    sigprocmask(SIG_SETMASK, &child_mask, NULL);   /* this thread only: the helper keeps all blocked */
+    char c;
+    close(go_other);
+    pid_t me = getpid();
+    if (write(go_fd, &me, sizeof me) != sizeof me || read(go_fd, &c, 1) != 1)
+        _exit(127);                              /* the helper died, or could not write the maps */
+    close(go_fd);
+    clean_slate();
+    command_filter();   /* while root of E with CAP_SYS_ADMIN there: no no_new_privs needed for it */
+    lockdown(keep_caps);
+    setsid();           /* own session: kill(0) or /dev/tty never reach anyone else's */
+    fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
+    sigprocmask(SIG_SETMASK, &child_mask, NULL);
     exec_path(child_cmd, environ);
-    exec_errno = errno ? errno : ENOEXEC;
-    _exit(127);
+    if (!errno) errno = ENOEXEC;
+    fail("exec", child_cmd[0]);
+    return 127;
+}
+
+static int write_map(pid_t ns_pid, const char *which) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/%s", (int)ns_pid, which);
+    return write_file(path, "0 0 65536");
 }
 
 static char setup[SETUP_MAX];
 static char stack[64 << 10] __attribute__((aligned(16)));
+static char *served_argv[ARGS_MAX + 1], *served_env[ARGS_MAX + 1];
 
-int main(int argc, char **argv) {
-    if (argc < 4 || strcmp(argv[2], "--") != 0) {
-        errno = EINVAL;
-        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+12)");
-    }
-    sigset_t all;
-    sigfillset(&all);
-    sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
-    int base = atoi(argv[1]);
-    ERR_FD = base + 3;
-    const int NS_FD0 = base + 4, USERNS_FD = base + 10, ROOT_FD = base + 11, SETUP_FD = base + 12;
+/* Read the setup pipe whole (until EOF), NUL-terminated. */
+static size_t read_setup(int fd) {
     size_t got = 0;
-    for (ssize_t n; got < sizeof setup - 1 && (n = read(SETUP_FD, setup + got, sizeof setup - 1 - got)) != 0; ) {
+    for (ssize_t n; got < sizeof setup - 1 && (n = read(fd, setup + got, sizeof setup - 1 - got)) != 0; ) {
         if (n < 0) { if (errno == EINTR) continue; fail("setup", "read setup"); }
         got += (size_t)n;
     }
     setup[got] = 0;
-    /* setup: CAPMASK[,ipc] \0 CWD \0 TASKS... (each \0-terminated); ",ipc": the command gets an IPC
-       namespace of its own (fncall: no SysV object outlives the call) */
+    return got;
+}
+
+/* Steps 1-5 for one command, in a process of the host's pid namespace holding (at BASE+3..BASE+12) the
+ * error pipe, the namespace fds, the root and the setup pipe; cmd NULL: the command is in the setup
+ * (serve mode). Never returns: exits the way the command did. */
+static void enter_and_run(int base, char **cmd, char **envp) {
+    ERR_FD = base + 3;
+    const int NS_FD0 = base + 4, USERNS_FD = base + 10, ROOT_FD = base + 11, SETUP_FD = base + 12;
+    size_t got = read_setup(SETUP_FD);
+    /* setup: CAPMASK[,ipc] \0 CWD \0 TASKS... (each \0-terminated, an empty one ends them); ",ipc": the
+       command gets an IPC namespace of its own (fncall: no SysV object outlives the call) */
     char *p = setup, *end = setup + got, *flags = NULL;
     unsigned long long keep = strtoull(p, &flags, 0);
     int fresh_ipc = flags && strcmp(flags, ",ipc") == 0;
@@ -281,44 +301,75 @@ int main(int argc, char **argv) {
     if (p >= end) { errno = EINVAL; fail("setup", "setup without cwd"); }
     const char *cwd = p;
     p += strlen(p) + 1;
+    char *tasks = p;
+    while (p < end && *p) p += strlen(p) + 1;
+    char *tasks_end = p;
+    if (cmd == NULL) {            /* serve mode: ARGC, the arguments, then the environment */
+        if (p >= end) { errno = EINVAL; fail("setup", "setup without a command"); }
+        p++;
+        long argc = strtol(p, NULL, 10);
+        p += strlen(p) + 1;
+        if (argc < 1 || argc > ARGS_MAX) { errno = EINVAL; fail("setup", "setup: bad argument count"); }
+        for (long i = 0; i < argc; i++) {
+            if (p >= end) { errno = EINVAL; fail("setup", "setup: arguments cut short"); }
+            served_argv[i] = p;
+            p += strlen(p) + 1;
+        }
+        served_argv[argc] = NULL;
+        int n = 0;
+        for (; p < end && n < ARGS_MAX; p += strlen(p) + 1) served_env[n++] = p;
+        served_env[n] = NULL;
+        cmd = served_argv;
+        envp = served_env;
+    }
+    environ = envp;
 
-    int go[2];
-    if (pipe2(go, O_CLOEXEC)) fail("setup", "pipe");
-    pid_t mapper = start_mapper(USERNS_FD, go[0], go[1]);
-    if (mapper < 0) fail("setup", "fork");
-    close(go[0]);
-
-    for (; p < end; p += strlen(p) + 1) join(p);
+    for (p = tasks; p < tasks_end; p += strlen(p) + 1) join(p);
     for (int k = 0; k < NS_COUNT; k++)
         if (setns(NS_FD0 + k, 0)) fail("setup", "setns");
     if (setns(USERNS_FD, CLONE_NEWUSER)) fail("setup", "setns user");
     if (setgroups(0, NULL) || setresgid(0, 0, 0) || setresuid(0, 0, 0)) fail("setup", "sandbox root");
-    int unshared = unshare(CLONE_NEWUSER | (fresh_ipc ? CLONE_NEWIPC : 0));
-    int e = errno;
-    (void)!write(go[1], "u", unshared == 0 ? 1 : 0);
-    close(go[1]);
-    int status = 0;
-    while (waitpid(mapper, &status, 0) < 0 && errno == EINTR) {}
-    if (unshared) { errno = e; fail("setup", "unshare user namespace"); }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { errno = EPERM; fail("setup", "user namespace map"); }
+    /* the uid change made this helper non-dumpable, and so would be the command's process, whose /proc
+       files would then belong to host root, out of this helper's reach for its maps. This helper is out
+       of every sandbox process's sight (host pid namespace) either way. */
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)) fail("setup", "dumpable");
     if (fchdir(ROOT_FD) || chroot(".")) fail("setup", "chroot");
     if (chdir(cwd)) fail("cwd", cwd);
-    clean_slate();
-    lockdown(keep);
-    command_filter();   /* after no_new_privs (lockdown): a filter needs it without CAP_SYS_ADMIN */
-    fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
-    if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 1, ~0U, 0)) {
+    int go[2];   /* [0] the helper's end, [1] the command process's end */
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, go)) fail("setup", "socketpair");
+    /* keep 0-2, the error pipe and the go pair (moved just above it): close everything else */
+    if (dup2(go[0], ERR_FD + 1) < 0 || dup2(go[1], ERR_FD + 2) < 0) fail("setup", "dup2");
+    go[0] = ERR_FD + 1;
+    go[1] = ERR_FD + 2;
+    if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 3, ~0U, 0)) {
         long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */
         for (long fd = 3; fd < (max > 0 ? max : 65536); fd++)
-            if (fd != ERR_FD) close((int)fd);
+            if (fd < ERR_FD || fd > ERR_FD + 2) close((int)fd);
     }
-    child_cmd = argv + 3;
-    pid_t pid = clone(command, stack + sizeof stack, CLONE_VM | CLONE_VFORK | SIGCHLD, NULL);
-    if (pid < 0) fail("setup", "clone");
+    child_cmd = cmd;
+    go_fd = go[1];
+    go_other = go[0];
+    keep_caps = keep;
+    pid_t pid = clone(command, stack + sizeof stack,
+                      CLONE_NEWUSER | (fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
+    if (pid < 0) fail("setup", errno == ENOSPC ? "clone: a new user namespace" : "clone");
+    close(go[1]);
+    int status = 0;
+    pid_t ns_pid = 0;
+    ssize_t n;
+    while ((n = read(go[0], &ns_pid, sizeof ns_pid)) < 0 && errno == EINTR) {}
+    if (n != sizeof ns_pid || ns_pid <= 0 || write_map(ns_pid, "uid_map") || write_map(ns_pid, "gid_map")) {
+        int e = n == sizeof ns_pid ? errno : EPIPE;
+        kill(pid, SIGKILL);
+        while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+        errno = e;
+        fail("setup", "user namespace map");
+    }
+    (void)!write(go[0], "g", 1);
+    close(go[0]);
+    close(ERR_FD);                                  /* the command's process holds it until it execs */
     for (int fd = 0; fd < 3; fd++) close(fd);       /* the command's stdio is the command's alone */
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-    if (exec_errno) { errno = exec_errno; fail("exec", child_cmd[0]); }
-    close(ERR_FD);
     if (WIFSIGNALED(status)) {                      /* die the way it died */
         int sig = WTERMSIG(status);
         struct sigaction dfl = {.sa_handler = SIG_DFL};
@@ -331,4 +382,100 @@ int main(int argc, char **argv) {
         _exit(128 + sig);                            /* a signal that does not kill (none here) */
     }
     _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 127);
+}
+
+/* ---- serve mode ---------------------------------------------------------------------------------- */
+
+#define SERVE_FDS 5          /* stdin, stdout, stderr, error pipe, setup pipe */
+#define SERVE_SLOTS 256      /* commands in flight at once */
+static struct { pid_t pid; uint64_t id; } running[SERVE_SLOTS];
+
+static void answer(int sock, uint64_t id, int64_t status) {
+    uint64_t msg[2] = {id, (uint64_t)status};
+    (void)!send(sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+/* One request: the child takes the fds in place (through copies above every target, so no dup2
+ * clobbers a source) and enters; the server keeps nothing of them. */
+static void start_one(int base, int sock, uint64_t id, int *fds) {
+    int slot = 0;
+    while (slot < SERVE_SLOTS && running[slot].pid) slot++;
+    pid_t pid = slot < SERVE_SLOTS ? fork() : (errno = EAGAIN, -1);
+    if (pid == 0) {
+        int high[SERVE_FDS];
+        for (int i = 0; i < SERVE_FDS; i++)
+            if ((high[i] = fcntl(fds[i], F_DUPFD, base + 16)) < 0) _exit(127);
+        const int target[SERVE_FDS] = {0, 1, 2, base + 3, base + 12};
+        for (int i = 0; i < SERVE_FDS; i++)
+            if (dup2(high[i], target[i]) < 0) _exit(127);
+        enter_and_run(base, NULL, NULL);   /* closes every other fd (the socket's copy went with dup2) */
+    }
+    int e = errno;
+    for (int i = 0; i < SERVE_FDS; i++) close(fds[i]);
+    if (pid < 0) { answer(sock, id, -(int64_t)e); return; }
+    running[slot].pid = pid;
+    running[slot].id = id;
+}
+
+static int serve(int base) {
+    const int sock = base + 3;
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0) return 2;
+    struct pollfd pfd[2] = {{sock, POLLIN, 0}, {sfd, POLLIN, 0}};
+    for (;;) {
+        if (poll(pfd, 2, -1) < 0) { if (errno == EINTR) continue; return 2; }
+        if (pfd[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) == sizeof si) {}
+            int status;
+            for (pid_t pid; (pid = waitpid(-1, &status, WNOHANG)) > 0; )
+                for (int i = 0; i < SERVE_SLOTS; i++)
+                    if (running[i].pid == pid) {
+                        answer(sock, running[i].id, status);
+                        running[i].pid = 0;
+                        break;
+                    }
+        }
+        if (pfd[0].revents) {
+            uint64_t id = 0;
+            char ctl[CMSG_SPACE(sizeof(int) * SERVE_FDS)];
+            struct iovec iov = {&id, sizeof id};
+            struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+            ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+            if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+            if (n <= 0) return 0;                      /* the edge's end closed: the worker is gone */
+            int fds[SERVE_FDS], got = 0;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
+                if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                    int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+                    for (int i = 0; i < k; i++) {
+                        int fd;
+                        memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                        if (got < SERVE_FDS) fds[got++] = fd; else close(fd);
+                    }
+                }
+            if (n != sizeof id || got != SERVE_FDS || (mh.msg_flags & MSG_CTRUNC)) {
+                for (int i = 0; i < got; i++) close(fds[i]);
+                answer(sock, id, -(int64_t)EINVAL);
+                continue;
+            }
+            start_one(base, sock, id, fds);
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
+    if (argc == 3 && strcmp(argv[1], "--serve") == 0)
+        return serve(atoi(argv[2]));
+    if (argc < 4 || strcmp(argv[2], "--") != 0) {
+        errno = EINVAL;
+        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+12) | dsec-enter --serve BASE");
+    }
+    enter_and_run(atoi(argv[1]), argv + 3, environ);
 }
