@@ -40,7 +40,9 @@ async def test_the_trusted_shell_cannot_be_replaced_moved_or_covered(client):
             r = await sb.exec(argv)
             assert r.exit_code != 0, (argv, r)
         assert (await sb.exec("echo still")).stdout == b"still\n"
-        assert (await sb.exec(["/bin/busybox", "ls", "/.dsec"])).stdout == b"sh\n"
+        # the shell, and the empty dir the masked /sys dirs bind (read-only, as all of it)
+        assert (await sb.exec(["/bin/busybox", "ls", "/.dsec"])).stdout == b"empty\nsh\n"
+        assert (await sb.exec(["/bin/busybox", "touch", "/.dsec/empty/x"])).exit_code != 0
 
 
 async def test_ld_preload_and_profile_do_not_reach_the_trusted_shell(client):

@@ -45,6 +45,7 @@ MASKED_PROC = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "sch
                "partitions")
 # What /sys would tell of the host: its block devices (every loop backing file), every sandbox's live disk
 # use (btrfs qgroups), the kernel's memory layout. Empty read-only directories (or /dev/null) instead.
+TRUSTED_EMPTY = "empty"   # an empty dir in the trusted tmpfs: the source of masked dirs
 MASKED_SYS_DIRS = ("block", "class/block", "dev/block", "devices/virtual/block", "fs/btrfs")
 MASKED_SYS_FILES = ("kernel/vmcoreinfo",)
 # Files lxcfs computes for the reading sandbox (its memory, cpu quota, uptime): bound over /proc's.
@@ -377,7 +378,10 @@ def _mount_root(req: Launch, userns: int) -> None:
     for name in MASKED_PROC:
         _bind("/dev/null", f"{root}/proc/{name}", readonly=False)
     kernel.mount("sysfs", f"{root}/sys", "sysfs", nosuid | kernel.MS_RDONLY)
-    empty_dir = ""                  # one read-only tmpfs, bound over the others: one superblock per sandbox
+    # Masked dirs: read-only binds of the trusted tmpfs's empty dir (shared by the node's sandboxes), or,
+    # without one, of one tmpfs of this sandbox's. Every superblock a sandbox adds costs each memory
+    # cgroup on the host a slot in its shrinker map, for as long as the host runs (docs/architecture.md).
+    empty_dir = f"{req.trusted}/{TRUSTED_EMPTY}" if req.trusted and os.path.isdir(f"{req.trusted}/{TRUSTED_EMPTY}") else ""
     for name in MASKED_SYS_DIRS:
         if not os.path.isdir(f"{root}/sys/{name}"):
             continue
@@ -423,7 +427,8 @@ def _bind(src: str, target: str, readonly: bool) -> None:
 
 def _mount_dev(dev: str, base: int) -> None:
     """A minimal /dev on tmpfs (the sandbox root's): a few char devices, a private devpts, /dev/shm."""
-    kernel.mount("tmpfs", dev, "tmpfs", kernel.MS_NOSUID | kernel.MS_NOEXEC, f"mode=755,size=64k,uid={base},gid={base}")
+    # One tmpfs for /dev and /dev/shm (a bind of its shm dir, nodev): one superblock fewer per sandbox.
+    kernel.mount("tmpfs", dev, "tmpfs", kernel.MS_NOSUID | kernel.MS_NOEXEC, f"mode=755,size=64m,uid={base},gid={base}")
     for name, major, minor in DEVICES:
         os.mknod(f"{dev}/{name}", 0o666 | 0o020000, os.makedev(major, minor))
         os.chmod(f"{dev}/{name}", 0o666)
@@ -433,8 +438,11 @@ def _mount_dev(dev: str, base: int) -> None:
     kernel.mount("devpts", f"{dev}/pts", "devpts", kernel.MS_NOSUID | kernel.MS_NOEXEC,
                  f"newinstance,ptmxmode=0666,mode=0620,gid={base + 5}")   # tty: gid 5 inside
     os.mkdir(f"{dev}/shm")
-    kernel.mount("tmpfs", f"{dev}/shm", "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC,
-                 f"mode=1777,size=64m,uid={base},gid={base}")
+    os.chmod(f"{dev}/shm", 0o1777)
+    os.chown(f"{dev}/shm", base, base)
+    kernel.mount(f"{dev}/shm", f"{dev}/shm", None, kernel.MS_BIND)
+    kernel.mount(None, f"{dev}/shm", None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_NOSUID | kernel.MS_NODEV
+                 | kernel.MS_NOEXEC)
 
 
 def main(argv: list[str]) -> None:

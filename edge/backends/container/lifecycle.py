@@ -68,6 +68,8 @@ class Lifecycle(Core):
         self._trusted.mkdir(mode=0o755, exist_ok=True)
         if not mounted_at(self._trusted):
             kernel.mount("tmpfs", self._trusted, "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV, "size=8m,mode=755")
+        empty = self._trusted / zygote.TRUSTED_EMPTY   # masked dirs are read-only binds of it
+        empty.mkdir(mode=0o555, exist_ok=True)
         sh = self._trusted / "sh"
         tmp = self._trusted / "sh.tmp"
         shutil.copyfile(src, tmp)
