@@ -73,9 +73,6 @@ def check_warm_pool(spec: WarmPool) -> None:
     check_resources(spec.resources)
 
 
-MAX_CALL_OUTPUT = 256 << 10      # bytes kept per stream (a reply is one bus message)
-
-
 def check_call(req: CallRequest) -> None:
     """Every field of a call the node relies on; InvalidRequest naming the field."""
     for value, what in ((req.call_id, "call_id"), (req.tenant, "tenant")):
