@@ -115,7 +115,13 @@ class Resident:
                 os.close(fd)
         self._sock = ours
         ours.setblocking(False)
-        self.exited = watch_exit(self.pid)
+        try:
+            self.exited = watch_exit(self.pid)
+        except OSError:   # cannot watch it (out of fds): not left running unwatched
+            ours.close()
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            raise
         self._loop.add_reader(ours.fileno(), self._on_answer)
 
     def start(self, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
@@ -142,6 +148,8 @@ class Resident:
             fds = array.array("i", [*stdio, err_w, setup_r])
             try:
                 self._sock.sendmsg([struct.pack("<Q", n)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds.tobytes())])
+            except BlockingIOError as exc:   # alive but not reading: this command fails, the others go on
+                raise OSError(errno.EAGAIN, "the sandbox's exec server is busy") from exc
             except OSError as exc:   # the server died (its EOF not seen yet)
                 self._lost()
                 raise OSError(errno.EPIPE, f"the sandbox's exec server is gone: {exc.strerror}") from exc

@@ -194,7 +194,8 @@ def idmapped_clone(path: str, userns_fd: int, suid: bool = False) -> int:
     suid: the copy honours setuid bits (the host's mount stays nosuid: the copy's owners are the
     sandbox's range, so a setuid-root file there is setuid to the sandbox's root only)."""
     fd = open_tree_clone(path)
-    attr = _MountAttr(MOUNT_ATTR_IDMAP, MOUNT_ATTR_NOSUID if suid else 0, 0, userns_fd)
+    attr = _MountAttr(MOUNT_ATTR_IDMAP | (0 if suid else MOUNT_ATTR_NOSUID), MOUNT_ATTR_NOSUID if suid else 0, 0,
+                      userns_fd)
     try:
         _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
                f"mount_setattr({path}, idmap)")

@@ -402,6 +402,9 @@ def _mount_root(req: Launch, userns: int) -> None:
         kernel.mount("tmpfs", f"{root}/tmp", "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV,
                      f"size={req.scratch},mode=1777,uid={req.uid_base},gid={req.uid_base}")
         kernel.mount(None, root, None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY | kernel.MS_NODEV)
+        # /dev too (its nodes are the same for every call; /dev/shm, a bind of its own, stays writable)
+        kernel.mount(None, f"{root}/dev", None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY
+                     | kernel.MS_NOSUID | kernel.MS_NOEXEC)
 
 
 def _mount_trusted(src: str, target: str) -> None:

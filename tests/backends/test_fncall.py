@@ -58,18 +58,19 @@ async def test_a_call_returns_its_result_with_files_and_a_trajectory(stack, clie
 
 async def test_calls_are_isolated_on_one_reused_worker(stack, client, tmp_path, hostile_image):
     """One worker: every call reports it, and none sees a file, process, env, IPC object or memory of an
-    earlier one; the root stays read-only."""
+    earlier one; the root and /dev stay read-only (a call cannot replace /dev/null for the next)."""
     async with fncall_node(stack, tmp_path, "fn-iso", 1, 1):
         img, res = hostile_image, libdsec.Resources(memory="256Mi")
         leave = ("echo s3cret > /tmp/secret; mkdir -p /tmp/d/e; echo x > /dev/shm/shm-secret; chmod 0 /tmp/d; "
                  "/hostile sysv 4242; export LEAK=1; (sleep 300 &) ; (/hostile hog 64 > /tmp/hog.out &); "
-                 "sleep 0.5; cat /tmp/hog.out; echo pwned > /bin/pwned 2>/dev/null || echo ro")
+                 "sleep 0.5; cat /tmp/hog.out; echo pwned > /bin/pwned 2>/dev/null || echo ro; "
+                 "rm -f /dev/null 2>/dev/null; echo x > /dev/planted 2>/dev/null || echo devro")
         first = await client.call(leave, image=img, resources=res)
-        assert first.stdout.split() == [b"ok", b"held", b"ro"], first
+        assert first.stdout.split() == [b"ok", b"held", b"ro", b"devro"], first
         look = ("ls -A /tmp /dev/shm | grep -v '^/\\|^$' | tr '\\n' ' '; echo; "
                 "/hostile sysvfind 4242; echo LEAK=${LEAK:-none}; "
                 "n=0; for p in /proc/[0-9]*; do n=$((n+1)); done; echo procs=$n; "
-                "test -e /bin/pwned && echo planted || echo clean")
+                "test -e /bin/pwned -o -e /dev/planted -o ! -c /dev/null && echo planted || echo clean")
         seen = set()
         for _ in range(100):
             r = await client.call(look, image=img, resources=res)

@@ -248,6 +248,7 @@ static int command(void *unused) {
     (void)unused;
     char c;
     close(go_other);
+    setsid();           /* own session (and autogroup) at once: kill(0) or /dev/tty never reach anyone else's */
     pid_t me = getpid();
     if (write(go_fd, &me, sizeof me) != sizeof me || read(go_fd, &c, 1) != 1)
         _exit(127);                              /* the helper died, or could not write the maps */
@@ -255,7 +256,6 @@ static int command(void *unused) {
     clean_slate();
     command_filter();   /* while root of E with CAP_SYS_ADMIN there: no no_new_privs needed for it */
     lockdown(keep_caps);
-    setsid();           /* own session: kill(0) or /dev/tty never reach anyone else's */
     fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
     sigprocmask(SIG_SETMASK, &child_mask, NULL);
     exec_path(child_cmd, environ);
