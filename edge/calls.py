@@ -48,7 +48,7 @@ class CallLane:
         self._held: dict[str, list[Resources]] = collections.defaultdict(list)   # tenant -> its running calls
         self._quota_watch = None
         self.held_back = 0   # calls left in the queue for a while because their tenant was at its quota
-        self._workers: list = []
+        self._workers: dict = {}   # priority -> its pull worker
         self._running: set[str] = set()
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.served = 0
@@ -59,29 +59,21 @@ class CallLane:
         """Pull both priorities; latency calls first when workers are scarce (batch keeps one back)."""
         self._quota_watch = await kv_watch(self.bus, streams.QUOTAS_KV, self._on_quota)
         for priority in subjects.PRIORITIES:
-            credit = self._credit(priority)
-            worker = await self.bus.pull_worker(streams.call_consumer(priority), self._handle, credit=credit)
-            credit.holder.append(worker)
-            self._workers.append(worker)
+            self._workers[priority] = await self.bus.pull_worker(
+                streams.call_consumer(priority), self._handle, credit=lambda p=priority: self._credit(p))
 
-    def _credit(self, priority: str):
+    def _credit(self, priority: str) -> int:
         """What a consumer may have in flight: its calls in flight plus the workers free for more, less the
         calls here that hold none yet (they take the next ones). The pull worker subtracts what it has in
-        flight, so it asks for exactly the free workers nobody waits for (batch leaves one of them)."""
+        flight, so it asks for the free workers nobody here waits for (batch leaves one of them)."""
+        worker = self._workers.get(priority)
         keep = 0 if priority == "latency" else 1
-        mine: list = []
-
-        def credit() -> int:
-            held = mine[0].in_flight if mine else 0
-            return held + max(0, self.fncall.free() - keep - self._unplaced)
-
-        credit.holder = mine   # the consumer's pull worker, once made
-        return credit
+        return (worker.in_flight if worker else 0) + max(0, self.fncall.free() - keep - self._unplaced)
 
     async def stop(self) -> None:
-        for w in self._workers:
+        for w in self._workers.values():
             await w.stop(drain=False)
-        self._workers = []
+        self._workers = {}
         if self._quota_watch is not None:
             self._quota_watch.cancel()
 
@@ -107,7 +99,7 @@ class CallLane:
 
     def poke(self) -> None:
         """A worker came free: pull again now."""
-        for w in self._workers:
+        for w in self._workers.values():
             w.poke()
 
     async def _handle(self, d: Delivery) -> Verdict:

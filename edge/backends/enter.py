@@ -44,13 +44,7 @@ class Spawner:
     def start(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
               stdio: list[int], err_w: int, fresh_ipc: bool = False) -> asyncio.Future:
         """spawn(), and a future of the command's raw wait status (the helper is reaped by it)."""
-        pid = self.spawn(init_pid, pidfd, tasks, argv, env, cwd, stdio, err_w, fresh_ipc)
-        try:
-            return watch_exit(pid)
-        except OSError:   # cannot watch it (out of fds): do not leave it running unwatched
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise
+        return watch_or_kill(self.spawn(init_pid, pidfd, tasks, argv, env, cwd, stdio, err_w, fresh_ipc))
 
     def spawn(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
               stdio: list[int], err_w: int, fresh_ipc: bool = False) -> int:
@@ -116,11 +110,9 @@ class Resident:
         self._sock = ours
         ours.setblocking(False)
         try:
-            self.exited = watch_exit(self.pid)
-        except OSError:   # cannot watch it (out of fds): not left running unwatched
+            self.exited = watch_or_kill(self.pid)
+        except OSError:
             ours.close()
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
             raise
         self._loop.add_reader(ours.fileno(), self._on_answer)
 
@@ -151,7 +143,7 @@ class Resident:
             except BlockingIOError as exc:   # alive but not reading: this command fails, the others go on
                 raise OSError(errno.EAGAIN, "the sandbox's exec server is busy") from exc
             except OSError as exc:   # the server died (its EOF not seen yet)
-                self._lost()
+                self.close()
                 raise OSError(errno.EPIPE, f"the sandbox's exec server is gone: {exc.strerror}") from exc
         finally:
             os.close(setup_r)
@@ -167,8 +159,8 @@ class Resident:
                 return
             except OSError:
                 msg = b""
-            if len(msg) != 16:
-                self._lost()
+            if len(msg) != 16:   # EOF: the server is gone (killed); the next command gets a new one
+                self.close()
                 return
             n, status = struct.unpack("<Qq", msg)
             fut = self._waiting.pop(n, None)
@@ -178,15 +170,6 @@ class Resident:
                 fut.set_exception(BackendError(f"exec server could not start the command: {os.strerror(-status)}"))
             else:
                 fut.set_result(status)
-
-    def _lost(self) -> None:
-        """The server is gone (killed): what was waiting fails; the next command gets a new server."""
-        if not self.closed:
-            self.close()
-        for fut in self._waiting.values():
-            if not fut.done():
-                fut.set_exception(BackendError("the sandbox's exec server died while the command ran"))
-        self._waiting.clear()
 
     async def stop(self, grace: float = 2.0) -> None:
         """close(), and wait until the server is gone (killed after grace seconds): only then are the
@@ -200,14 +183,17 @@ class Resident:
             await self.exited
 
     def close(self) -> None:
-        """End the server (it exits at its socket's EOF; reaped through self.exited)."""
+        """End the server (it exits at its socket's EOF; reaped through self.exited); what still waits
+        for an answer fails."""
         if self.closed:
             return
         self.closed = True
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
-        if self._waiting:
-            self._lost()
+        for fut in self._waiting.values():   # no answer can come any more
+            if not fut.done():
+                fut.set_exception(BackendError("the sandbox's exec server ended while the command ran"))
+        self._waiting.clear()
 
 
 def setup_bytes(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str]) -> bytes:
@@ -240,6 +226,17 @@ def alive(pidfd: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def watch_or_kill(pid: int) -> asyncio.Future:
+    """watch_exit(pid); if it cannot be watched (out of fds), the child is killed and reaped, not left
+    running unwatched, and the OSError raised."""
+    try:
+        return watch_exit(pid)
+    except OSError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
 
 
 def watch_exit(pid: int) -> asyncio.Future:
