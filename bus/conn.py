@@ -192,9 +192,10 @@ class Bus(KvStore, StreamReads):
             return await self.nc.subscribe(subject, cb=_cb, pending_msgs_limit=1_000_000,
                                            pending_bytes_limit=256 << 20)
 
-    async def serve(self, subject: str, handle: Callable[[bytes, str], Awaitable[Wire | None]]):
+    async def serve(self, subject: str, handle: Callable[[bytes, str], Awaitable[Wire | None]], *, queue: str = ""):
         """Answer core requests on subject: handle(data, subject) runs in a task of its own per request
-        (one slow answer holds up no other) and its result, when not None, is the reply."""
+        (one slow answer holds up no other) and its result, when not None, is the reply. With a queue
+        group, one of its members answers each request."""
         tasks: set[asyncio.Task] = set()
 
         async def _answer(m) -> None:
@@ -213,7 +214,7 @@ class Bus(KvStore, StreamReads):
             task.add_done_callback(tasks.discard)
 
         with mapped_errors(f"subscribe {subject}"):
-            return await self.nc.subscribe(subject, cb=_cb)
+            return await self.nc.subscribe(subject, queue=queue, cb=_cb)
 
     async def request(self, subject: str, msg: Wire, timeout: float) -> bytes | None:
         """A core request; its reply, or None when nobody serves the subject (now)."""

@@ -58,6 +58,12 @@ class QuotaExceeded(PlacementError):
     code = "quota_exceeded"
 
 
+class RateLimited(QuotaExceeded):
+    """The tenant sent more control requests than its rate allows; try again shortly."""
+
+    code = "rate_limited"
+
+
 class RequestExpired(PlacementError, TimeoutError):
     """The request's deadline passed before it was served; it was not started."""
 

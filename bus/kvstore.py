@@ -162,6 +162,11 @@ class KvStore:
             await asyncio.sleep(0.2 * (attempt + 1))
         raise BusError(f"kv list {bucket}: every pass read a replica behind the stream's leader")
 
+    async def kv_last_revision(self, bucket: str) -> int:
+        """The bucket's last revision now (what a watch must have seen to be as new as a read now)."""
+        with mapped_errors(f"kv info {bucket}"):
+            return (await self.js.stream_info(f"KV_{bucket}")).state.last_seq
+
     async def _kv_stream(self, bucket: str):
         with mapped_errors(f"kv list {bucket}"):
             sub = await self.js.subscribe(f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,

@@ -314,6 +314,7 @@ class Quota(Wire, tag="quota"):
     max_sandboxes: int = 0
     max_cpu: float = 0.0
     max_memory: int = 0
+    rate: float = 0.0                # control API requests/s (0: the engines' default)
 
 
 class Hold(msgspec.Struct, frozen=True):
@@ -470,6 +471,7 @@ class WarmPool(Wire, tag="warmpool"):
     max: int = 4
     node_pool: str = "local"         # the edges of this node pool keep it
     updated_at: float = 0.0
+    owner: str = ""                  # the tenant that set it (only it changes or removes it; "" = default)
 
 
 def pool_key(layers: list[LayerRef], r: Resources, kind: str = "container") -> str:

@@ -57,6 +57,16 @@ def call_requests(priority: str) -> str:
     return f"dsec.call.{priority}.*"
 
 
+def api(tenant: str, verb: str) -> str:
+    """The control API (core request/reply, served by the placement engines): reads and settings of one
+    tenant, which the server learns from this subject, never from the payload (bus/apiwire.py)."""
+    return f"dsec.api.{tenant}.{verb}"
+
+
+def api_all() -> str:
+    return "dsec.api.*.*"
+
+
 def pool_create(pool: str) -> str:
     """Where placement routes a create for any edge of a pool (cloud bursting); the pool's edges compete."""
     return f"dsec.pool.{pool}.create"

@@ -127,23 +127,27 @@ def quota() -> None:
 @click.option("--sandboxes", default=0, show_default=True, help="Max concurrent sandboxes (0: no limit).")
 @click.option("--cpu", default=0.0, show_default=True, help="Max cores in total (0: no limit).")
 @click.option("--memory", default="0", show_default=True, help="Max memory in total, e.g. 64Gi (0: no limit).")
+@click.option("--rate", default=0.0, show_default=True,
+              help="Control API requests/s per engine (0: the default, 200); past it requests get RateLimited.")
 @run_async
-async def quota_set(tenant: str, nats_url: str, sandboxes: int, cpu: float, memory: str) -> None:
+async def quota_set(tenant: str, nats_url: str, sandboxes: int, cpu: float, memory: str, rate: float) -> None:
     """Set TENANT's quota."""
     from libdsec.resources import parse_size
     try:
         subjects.token(tenant, "tenant")
     except ValueError as exc:
         fail(str(exc))
-    if sandboxes < 0 or cpu < 0:
-        fail("--sandboxes and --cpu must not be negative")
+    if sandboxes < 0 or cpu < 0 or rate < 0:
+        fail("--sandboxes, --cpu and --rate must not be negative")
     mem = 0 if memory.strip() == "0" else parse_size(memory, "--memory")
     bus = await _bus(nats_url)
     try:
-        await quotas.set_quota(bus, Quota(tenant=tenant, max_sandboxes=sandboxes, max_cpu=cpu, max_memory=mem))
+        await quotas.set_quota(bus, Quota(tenant=tenant, max_sandboxes=sandboxes, max_cpu=cpu, max_memory=mem,
+                                          rate=rate))
     finally:
         await bus.close()
-    click.echo(f"dsec: quota of {tenant}: sandboxes={sandboxes or '-'} cpu={cpu or '-'} memory={memory}")
+    click.echo(f"dsec: quota of {tenant}: sandboxes={sandboxes or '-'} cpu={cpu or '-'} memory={memory} "
+               f"rate={rate or 'default'}")
 
 
 @quota.command("ls")

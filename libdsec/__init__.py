@@ -3,7 +3,7 @@ from libdsec.calls import CallResult
 from libdsec.client import AsyncClient
 from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, OutputIncomplete,
-                            PlacementError, QuotaExceeded, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended,
+                            PlacementError, QuotaExceeded, RateLimited, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended,
                             Unsupported)
 from libdsec.resources import Resources
 from libdsec.exechandle import ExecHandle
@@ -16,6 +16,6 @@ from bus.messages import SnapshotRecord as Snapshot
 __all__ = [
     "AsyncClient", "AsyncSandbox", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-    "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+    "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
     "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported",
 ]

@@ -7,15 +7,15 @@ from typing import Any
 
 import msgspec
 
-from bus import kinds, streams, subjects
+from bus import kinds, subjects
+from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetSandbox, GetSnapshot, ListSandboxes, ListSnapshots,
+                         ListWarmPools, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
-from bus.errors import (CapacityUnavailable, DsecError, ImageNotFound, InvalidRequest, SandboxError, SandboxNotFound,
-                        from_code)
-from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SnapshotRecord,
-                          SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder, sandbox_decoder,
-                          snapshot_decoder)
-from libdsec import calls, warmpools
+from bus.errors import CapacityUnavailable, DsecError, InvalidRequest, SandboxError, SandboxNotFound, from_code
+from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SandboxRecord, SnapshotRecord,
+                          SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder)
+from libdsec import calls, control, warmpools
 from libdsec.ids import new_id
 from libdsec.resources import Resources
 from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox
@@ -194,48 +194,19 @@ class AsyncClient:
     # ---- snapshots ----------------------------------------------------------------------------
 
     async def snapshot(self, ref: SnapshotRecord | str) -> SnapshotRecord:
-        """A snapshot of this tenant by id (or by tag: the newest with it); SandboxError if none."""
+        """A snapshot of this tenant by id (or by tag: the newest with it); ImageNotFound if none."""
         if isinstance(ref, SnapshotRecord):
             return ref
-        if subjects.is_token(ref):
-            raw = await self._need_bus().kv_get(streams.SNAPSHOTS_KV, ref)
-            if raw is not None:
-                rec = snapshot_decoder.decode(raw)
-                if rec.tenant == self.tenant:
-                    return rec
-        tagged = [s for s in await self.snapshots() if s.tag == ref]
-        if not tagged:
-            raise ImageNotFound(f"snapshot {ref!r} not found")
-        return tagged[-1]
+        return await self._ask(GetSnapshot(ref=ref), SnapshotRecord)
 
     async def snapshots(self, tag: str | None = None) -> list[SnapshotRecord]:
         """This tenant's snapshots, oldest first (only those with `tag` when given)."""
-        out = []
-        for _, raw in await self._need_bus().kv_items(streams.SNAPSHOTS_KV):
-            try:
-                rec = snapshot_decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if rec.tenant == self.tenant and (tag is None or rec.tag == tag):
-                out.append(rec)
-        return sorted(out, key=lambda r: r.created_at)
+        return (await self._ask(ListSnapshots(tag=tag or ""), SnapshotList)).snapshots
 
     async def delete_snapshot(self, ref: SnapshotRecord | str) -> None:
         """Delete a snapshot (by id, tag or record); refused (InvalidRequest) while another snapshot is
         built on it or a running sandbox uses its layer. Its bytes go when nothing else holds them."""
-        snap = await self.snapshot(ref)
-        own = snap.layers[-1].digest
-        others = [s for s in await self.snapshots() if s.id != snap.id and any(la.digest == own for la in s.layers)]
-        children = [s.id for s in others if s.layers[-1].digest != own]   # the rest: twins (same bytes)
-        if children:
-            raise InvalidRequest(f"snapshot {snap.id} has snapshots built on it ({', '.join(children)}): delete them first")
-        users = [r.sandbox_id for r in await self.list() if own in r.layers]
-        if users:
-            raise InvalidRequest(f"snapshot {snap.id} is in use by running sandboxes ({', '.join(users)})")
-        bus = self._need_bus()
-        await bus.kv_delete(streams.SNAPSHOTS_KV, snap.id)
-        if not others:
-            await bus.obj_delete(streams.LAYERS_OBJ, own)
+        await self._ask(DeleteSnapshot(ref=ref.id if isinstance(ref, SnapshotRecord) else ref), Done)
 
     # ---- warm pools --------------------------------------------------------------------------
 
@@ -244,17 +215,23 @@ class AsyncClient:
                             max: int = 4, node_pool: str = "local", backend: str = "container") -> WarmPool:
         """Keep ready sandboxes of this kind, layers and resources on every edge of node_pool: between min
         and max per edge, sized by the recent rate of matching creates. A create with the same kind, layers
-        and resources then claims one (its own id, hostname, env and labels; nothing of anyone before)."""
-        return await warmpools.set_pool(self._need_bus(), name, image, workspace, toolkit, resources, min, max,
-                                        node_pool, backend)
+        and resources then claims one (its own id, hostname, env and labels; nothing of anyone before).
+        The pool is this tenant's: another tenant can neither see nor change it."""
+        spec = warmpools.spec(name, image, workspace, toolkit, resources, min, max, node_pool, backend)
+        return await self._ask(SetWarmPool(pool=spec), WarmPool)
 
     async def warm_pools(self) -> list[warmpools.WarmPoolStatus]:
-        """Every warm pool with its ready sandboxes per node."""
-        return await warmpools.pools(self._need_bus())
+        """This tenant's warm pools with their ready sandboxes per node."""
+        return [warmpools.WarmPoolStatus(p.spec, dict(p.ready), p.error)
+                for p in (await self._ask(ListWarmPools(), WarmPoolList)).pools]
 
     async def delete_warm_pool(self, name: str) -> None:
         """Remove a warm pool; its ready sandboxes are destroyed (claimed ones live on)."""
-        await warmpools.delete_pool(self._need_bus(), name)
+        await self._ask(DeleteWarmPool(name=name), Done)
+
+    async def _ask(self, request, expect: type, timeout: float = control.ASK_TIMEOUT):
+        """One control API request of this tenant (libdsec/control.py)."""
+        return await control.ask(self._need_bus(), self.tenant, request, expect, timeout)
 
     async def _create(self, req: CreateRequest, timeout: float, on_queued=None) -> AsyncSandbox:
         bus, replies = self._need_bus(), self._replies
@@ -339,16 +316,14 @@ class AsyncClient:
         return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend)
 
     async def _record(self, sandbox_id: str):
+        """This tenant's record of a sandbox (any state), or None when it has none."""
         try:
             subjects.token(sandbox_id, "sandbox_id")
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        raw = await self._need_bus().kv_get(streams.SANDBOXES_KV, sandbox_id)
-        if raw is None:
-            return None
         try:
-            return sandbox_decoder.decode(raw)
-        except msgspec.DecodeError:
+            return await self._ask(GetSandbox(sandbox_id=sandbox_id), SandboxRecord)
+        except SandboxNotFound:
             return None
 
     # ---- suspend and resume by group ------------------------------------------------------------
@@ -371,9 +346,8 @@ class AsyncClient:
         if not labels and not ids:
             raise InvalidRequest("give labels={...} or ids=[...]: suspend/resume never applies to every sandbox")
         wanted = set(ids or [])
-        chosen = [rec for rec in await self.list()
-                  if rec.suspended != freeze and (not wanted or rec.sandbox_id in wanted)
-                  and all(rec.labels.get(k) == v for k, v in (labels or {}).items())]
+        chosen = [rec for rec in await self.list(labels=labels)
+                  if rec.suspended != freeze and (not wanted or rec.sandbox_id in wanted)]
         make = SuspendRequest if freeze else ResumeRequest
         for rec in chosen:   # every one of them can, or none is touched
             kinds.require(rec.backend, "suspend", "suspend" if freeze else "resume")
@@ -392,17 +366,20 @@ class AsyncClient:
             raise errors[0]
         return [d for d in done if d]
 
-    async def list(self, all_states: bool = False) -> list:
-        """Sandbox records of this tenant (running only unless all_states)."""
-        out = []
-        for _, raw in await self._need_bus().kv_items(streams.SANDBOXES_KV):
-            try:
-                rec = sandbox_decoder.decode(raw)
-            except msgspec.DecodeError:
-                continue
-            if rec.tenant == self.tenant and (all_states or rec.state == "ready"):
-                out.append(rec)
-        return sorted(out, key=lambda r: r.created_at)
+    async def list(self, all_states: bool = False, *, labels: dict[str, str] | None = None) -> list[SandboxRecord]:
+        """Sandbox records of this tenant, oldest first (running only unless all_states; with all these
+        labels when given), filtered on the server and read page by page."""
+        if labels is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise InvalidRequest("labels must map str to str")
+        out: list[SandboxRecord] = []
+        token = ""
+        while True:
+            page = await self._ask(ListSandboxes(states=[] if all_states else ["ready"], labels=dict(labels or {}),
+                                                 next_token=token), SandboxPage)
+            out.extend(page.records)
+            if not page.next_token:
+                return out
+            token = page.next_token
 
     # ---- trajectories -----------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
-from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder, sandbox_decoder
+from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
@@ -33,8 +33,9 @@ _WAKE = object()    # queued on reconnect: look at the stream
 class ExecStream:
     """Subscribes before the exec is sent, so no record is missed; yields records in seq order."""
 
-    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, tenant: str = "") -> None:
+    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, tenant: str = "", record=None) -> None:
         self.bus = bus
+        self._record = record    # () -> the sandbox's record or None (asked of the control API)
         self.sandbox_id = sandbox_id
         self.subject = subjects.output(sandbox_id, exec_id)
         self.events = subjects.event(tenant, sandbox_id) if tenant else ""
@@ -213,8 +214,7 @@ class ExecStream:
             last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject, with_headers=True)
             if last is not None and decode_output(*last).seq >= self._next:
                 return True
-            raw = await self.bus.kv_get(streams.SANDBOXES_KV, self.sandbox_id)
-            rec = sandbox_decoder.decode(raw) if raw is not None else None
+            rec = await self._record() if self._record is not None else None
         except (BusError, msgspec.DecodeError, msgspec.ValidationError):
             return False   # asked again after the next quiet spell
         if rec is not None and rec.state in TERMINAL:

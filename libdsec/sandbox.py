@@ -90,7 +90,8 @@ class AsyncSandbox:
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **command_fields(cmd), env=dict(env or {}),
                           cwd=cwd, stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
                           max_output=max_output, live_stdin=live, background=background)
-        stream = ExecStream(bus, self.id, req.exec_id, self.client.tenant)
+        stream = ExecStream(bus, self.id, req.exec_id, self.client.tenant,
+                            record=lambda: self.client._record_quiet(self.id))
         await stream.open()
         try:
             await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id,

@@ -28,6 +28,7 @@ from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queue
 from bus.pull import Delivery, Lease, Verdict
 from bus import validate
 from placement import scoring
+from placement.api import ControlApi
 from bus.images import ImageRegistry
 from placement.ledger import NodeLedger
 from placement.quota import Quotas
@@ -70,6 +71,7 @@ class PlacementEngine:
         self.watch = BookingWatch(bus, self.ledger, self._place_again)
         self.ledger.hears_itself = self.reaper.hears_itself
         self.records = SandboxRecords(bus, "")
+        self.api = ControlApi(bus, self.images, self.quotas)
         self.max_waiting = max_waiting
         self.burst_threshold = burst_threshold
         self.burst_pool, self.pool = burst_pool, pool
@@ -94,12 +96,14 @@ class PlacementEngine:
                        await kv_watch(self.bus, streams.IMAGES_KV, self.images.on_change),   # drops stale resolves
                        *await self.reaper.start(), asyncio.create_task(self.watch.run()),
                        asyncio.create_task(self._stats_loop())]
+        await self.api.start()
         for prio in subjects.PRIORITIES:
             self._workers.append(await self.bus.pull_worker(
                 streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting))
 
     async def stop(self) -> None:
         """Stop pulling; requests in flight are dropped unacked (another engine gets them)."""
+        await self.api.stop()
         await asyncio.gather(*(w.stop(drain=False) for w in self._workers), return_exceptions=True)
         for t in self._tasks:
             t.cancel()

@@ -22,7 +22,7 @@ def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
         "AsyncClient", "AsyncSandbox", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-        "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+        "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
         "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None

@@ -1,0 +1,103 @@
+"""The control API's wire messages: libdsec -> `dsec.api.<tenant>.<verb>` (core request/reply, served by every
+placement engine in one queue group) -> one reply. The tenant is the subject's token, never a payload field.
+
+Creates and sandbox ops do not go through here: they stay on their work-queue lanes (DSEC_REQ, DSEC_NODE),
+where JetStream acks, de-duplicates and keeps them. These are the reads and the settings around them."""
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from bus.messages import ErrorReply, SandboxRecord, SnapshotRecord, WarmPool, Wire
+
+MAX_PAGE = 500             # records per reply (a reply stays well under the server's 1 MiB max payload)
+
+
+class GetSandbox(Wire, tag="get_sandbox"):
+    """The record of one of the caller's sandboxes (any state); SandboxNotFound when there is none."""
+
+    sandbox_id: str = ""
+
+
+class ListSandboxes(Wire, tag="list_sandboxes"):
+    """The caller's sandbox records, oldest first, filtered on the server: `states` (empty: every state),
+    every label in `labels`; `limit` per page, `next_token` from the previous page."""
+
+    states: list[str] = []
+    labels: dict[str, str] = {}
+    limit: int = MAX_PAGE
+    next_token: str = ""
+
+
+class SandboxPage(Wire, tag="sandbox_page"):
+    """One page of records; `next_token` is empty on the last page."""
+
+    records: list[SandboxRecord] = []
+    next_token: str = ""
+
+
+class GetSnapshot(Wire, tag="get_snapshot"):
+    """One of the caller's snapshots by id, or the newest with this tag; ImageNotFound when none."""
+
+    ref: str = ""
+
+
+class ListSnapshots(Wire, tag="list_snapshots"):
+    """The caller's snapshots, oldest first (only those with `tag` when given)."""
+
+    tag: str = ""
+
+
+class DeleteSnapshot(Wire, tag="delete_snapshot"):
+    """Delete one of the caller's snapshots (refused while another is built on it or a sandbox uses it)."""
+
+    ref: str = ""
+
+
+class SnapshotList(Wire, tag="snapshot_list"):
+    snapshots: list[SnapshotRecord] = []
+
+
+class SetWarmPool(Wire, tag="set_warm_pool"):
+    """Create or change one of the caller's warm pools (a name another tenant holds is refused)."""
+
+    pool: WarmPool = WarmPool()
+
+
+class ListWarmPools(Wire, tag="list_warm_pools"):
+    """The caller's warm pools with their ready sandboxes per node."""
+
+
+class DeleteWarmPool(Wire, tag="delete_warm_pool"):
+    name: str = ""
+
+
+class WarmPoolState(msgspec.Struct, frozen=True):
+    spec: WarmPool
+    ready: dict[str, int] = {}       # node -> ready warm sandboxes
+    error: str = ""                  # why its layers do not resolve now, if they do not
+
+
+class WarmPoolList(Wire, tag="warm_pool_list"):
+    pools: list[WarmPoolState] = []
+
+
+class Done(Wire, tag="done"):
+    """A request that changed something and returns nothing."""
+
+
+ApiRequest = Union[GetSandbox, ListSandboxes, GetSnapshot, ListSnapshots, DeleteSnapshot, SetWarmPool,
+                   ListWarmPools, DeleteWarmPool]
+
+# verb (the subject's last token) -> the one request type it takes
+VERBS: dict[str, type] = {
+    "sandbox-get": GetSandbox, "sandbox-list": ListSandboxes,
+    "snapshot-get": GetSnapshot, "snapshot-list": ListSnapshots, "snapshot-delete": DeleteSnapshot,
+    "pool-set": SetWarmPool, "pool-list": ListWarmPools, "pool-delete": DeleteWarmPool,
+}
+VERB_OF = {cls: verb for verb, cls in VERBS.items()}
+
+api_request_decoder = msgspec.json.Decoder(ApiRequest)
+api_reply_decoder = msgspec.json.Decoder(Union[SandboxRecord, SandboxPage, SnapshotRecord, SnapshotList,
+                                               WarmPool, WarmPoolList, Done, ErrorReply])

@@ -1,0 +1,192 @@
+"""The control API: `dsec.api.<tenant>.<verb>`, answered by every placement engine (one queue group, so one
+engine answers each request). Everything the SDK reads or sets besides creates and sandbox ops goes
+through here: a tenant's sandbox records, snapshots and warm pools, filtered on the server. No client
+reads a KV bucket or an object store itself.
+
+One chain of steps runs around every handler (`STEPS`): the tenant from the subject (never from the
+payload), the tenant's rate, decoding into the verb's one request type, the answer's outcome counted, and
+every error turned into one typed ErrorReply. A handler only does its own work.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import msgspec
+
+from bus import streams, subjects
+from bus.apiwire import (MAX_PAGE, VERBS, GetSandbox, ListSandboxes, SandboxPage, api_request_decoder)
+from bus.conn import Bus
+from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
+from bus.messages import ErrorReply, SandboxRecord, Wire, sandbox_decoder
+from placement.snapshots import Snapshots
+from placement.view import SandboxView
+from placement.warmpools import WarmPools
+
+log = logging.getLogger(__name__)
+
+QUEUE = "dsec-api"
+DEFAULT_RATE = 200.0       # control requests per second per tenant (and engine); a burst of twice that passes
+STATES = ("starting", "ready", "destroyed", "expired", "failed", "node_lost")
+
+
+@dataclass
+class Call:
+    """One control request as it goes down the chain."""
+
+    subject: str
+    data: bytes
+    tenant: str = ""
+    verb: str = ""
+    request: Wire | None = None
+
+
+Next = Callable[[Call], Awaitable[Wire]]
+Step = Callable[[Call, Next], Awaitable[Wire]]
+
+
+@dataclass
+class Bucket:
+    """A tenant's token bucket."""
+
+    tokens: float
+    at: float = field(default_factory=time.monotonic)
+
+
+class ControlApi:
+    """The service: the chain, then one handler per request type."""
+
+    def __init__(self, bus: Bus, images, quotas=None, rate: float = DEFAULT_RATE) -> None:
+        self.bus = bus
+        self.quotas = quotas
+        self.rate = rate
+        self.view = SandboxView(bus)
+        self.snapshots = Snapshots(bus, self.records)
+        self.pools = WarmPools(bus, images)
+        self.outcomes: collections.Counter = collections.Counter()   # (verb, code) -> answers
+        self._buckets: dict[str, Bucket] = {}
+        self._sub = None
+        self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
+            GetSandbox: self._get, ListSandboxes: self._list, **self.snapshots.handlers(), **self.pools.handlers()}
+        self.steps: list[Step] = [self._answer_errors, self._count, self._authorise, self._limit, self._decode]
+
+    async def start(self) -> None:
+        await self.view.start()
+        self._sub = await self.bus.serve(subjects.api_all(), self.handle, queue=QUEUE)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:   # the connection is going anyway
+                pass
+            self._sub = None
+        await self.view.stop()
+
+    async def handle(self, data: bytes, subject: str) -> Wire:
+        """Run one request down the chain to its handler."""
+        call = Call(subject=subject, data=data)
+
+        async def run(i: int, c: Call) -> Wire:
+            if i == len(self.steps):
+                assert c.request is not None
+                return await self._handlers[type(c.request)](c.tenant, c.request)
+            return await self.steps[i](c, lambda c2: run(i + 1, c2))
+        return await run(0, call)
+
+    # ---- the chain ------------------------------------------------------------------------------
+
+    async def _answer_errors(self, call: Call, nxt: Next) -> Wire:
+        try:
+            return await nxt(call)
+        except DsecError as exc:
+            return ErrorReply(code=exc.code, message=str(exc), reason=str(exc.details.get("reason", "")))
+
+    async def _count(self, call: Call, nxt: Next) -> Wire:
+        reply = await nxt(call)
+        self.outcomes[(call.verb or "?", reply.code if isinstance(reply, ErrorReply) else "ok")] += 1
+        return reply
+
+    async def _authorise(self, call: Call, nxt: Next) -> Wire:
+        """The tenant is the subject's token: dsec.api.<tenant>.<verb>."""
+        parts = call.subject.split(".")
+        if len(parts) != 4 or not subjects.is_token(parts[2]):
+            raise InvalidRequest(f"not a control API subject: {call.subject!r}")
+        call.tenant, call.verb = parts[2], parts[3]
+        return await nxt(call)
+
+    async def _limit(self, call: Call, nxt: Next) -> Wire:
+        rate = self._rate_of(call.tenant)
+        now = time.monotonic()
+        b = self._buckets.get(call.tenant)
+        if b is None:
+            b = self._buckets[call.tenant] = Bucket(tokens=2 * rate, at=now)
+        b.tokens = min(2 * rate, b.tokens + (now - b.at) * rate)
+        b.at = now
+        if b.tokens < 1:
+            raise RateLimited(f"tenant {call.tenant} passed its rate of {rate:g} control requests/s: try again shortly")
+        b.tokens -= 1
+        return await nxt(call)
+
+    def _rate_of(self, tenant: str) -> float:
+        quota = self.quotas.table.get(tenant) if self.quotas is not None else None
+        return quota.rate if quota is not None and quota.rate > 0 else self.rate
+
+    async def _decode(self, call: Call, nxt: Next) -> Wire:
+        want = VERBS.get(call.verb)
+        if want is None:
+            raise InvalidRequest(f"unknown control verb {call.verb!r} (one of {', '.join(VERBS)})")
+        try:
+            req = api_request_decoder.decode(call.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidRequest(f"{call.verb}: undecodable request: {exc}") from None
+        if not isinstance(req, want):
+            raise InvalidRequest(f"{call.verb} takes a {want.__name__} request, got {type(req).__name__}")
+        call.request = req
+        return await nxt(call)
+
+    # ---- sandboxes ------------------------------------------------------------------------------
+
+    async def records(self, tenant: str) -> list[SandboxRecord]:
+        """Every record of one tenant (any state), oldest first."""
+        return await self.view.records(tenant)
+
+    async def _get(self, tenant: str, req: GetSandbox) -> Wire:
+        if not subjects.is_token(req.sandbox_id):
+            raise InvalidRequest(f"sandbox_id must be 1-128 characters of [A-Za-z0-9_-], got {req.sandbox_id!r}")
+        raw = await self.bus.kv_get(streams.SANDBOXES_KV, req.sandbox_id)
+        try:
+            rec = sandbox_decoder.decode(raw) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            rec = None
+        if rec is None or rec.tenant != tenant:   # another tenant's sandbox is one that does not exist
+            raise SandboxNotFound(f"sandbox {req.sandbox_id} not found (never_existed)", reason="never_existed")
+        return rec
+
+    async def _list(self, tenant: str, req: ListSandboxes) -> Wire:
+        bad = [s for s in req.states if s not in STATES]
+        if bad:
+            raise InvalidRequest(f"states: unknown {', '.join(map(repr, bad))} (one of {', '.join(STATES)})")
+        if not 1 <= req.limit <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be 1..{MAX_PAGE}, got {req.limit}")
+        after = _token(req.next_token)
+        chosen = [r for r in await self.records(tenant)
+                  if (not req.states or r.state in req.states)
+                  and all(r.labels.get(k) == v for k, v in req.labels.items())
+                  and (after is None or (r.created_at, r.sandbox_id) > after)]
+        page = chosen[:req.limit]
+        more = len(chosen) > req.limit
+        return SandboxPage(records=page, next_token=f"{page[-1].created_at!r}|{page[-1].sandbox_id}" if more else "")
+
+
+def _token(text: str) -> tuple[float, str] | None:
+    if not text:
+        return None
+    at, _, sid = text.partition("|")
+    try:
+        return float(at), sid
+    except ValueError:
+        raise InvalidRequest(f"next_token {text!r} is not one this API gave") from None

@@ -1,0 +1,81 @@
+"""The control API's warm pool handlers: set, list and remove the settings in KV dsec-warm-pools (every
+edge of the node pool watches them) and count the ready sandboxes the edges report in their node records.
+A pool belongs to the tenant that set it: another tenant can neither see, change nor remove it."""
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from bus import streams
+from bus.apiwire import DeleteWarmPool, Done, ListWarmPools, SetWarmPool, WarmPoolList, WarmPoolState
+from bus.conn import Bus
+from bus.errors import DsecError, InvalidRequest
+from bus.messages import WarmPool, node_decoder, pool_key, warm_pool_decoder
+from bus.validate import check_warm_pool
+
+DEFAULT_OWNER = "default"   # the owner of a pool written before pools had owners
+
+
+def owner_of(spec: WarmPool) -> str:
+    return spec.owner or DEFAULT_OWNER
+
+
+class WarmPools:
+    def __init__(self, bus: Bus, images) -> None:
+        self.bus = bus
+        self.images = images
+
+    def handlers(self) -> dict:
+        return {SetWarmPool: self._set, ListWarmPools: self._list, DeleteWarmPool: self._delete}
+
+    async def _spec(self, name: str) -> WarmPool | None:
+        raw = await self.bus.kv_get(streams.WARM_POOLS_KV, name)
+        try:
+            return warm_pool_decoder.decode(raw) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+
+    async def _set(self, tenant: str, req: SetWarmPool) -> WarmPool:
+        """Create or change a pool; its layers must resolve now (ImageNotFound), its kind must keep warm
+        sandboxes (Unsupported)."""
+        spec = msgspec.structs.replace(req.pool, owner=tenant, updated_at=time.time())
+        check_warm_pool(spec)
+        prior = await self._spec(spec.name)
+        if prior is not None and owner_of(prior) != tenant:
+            raise InvalidRequest(f"warm pool name {spec.name!r} is taken by another tenant: choose another")
+        await self.images.compose(spec.image, spec.workspace, spec.toolkit)
+        await self.bus.kv_put(streams.WARM_POOLS_KV, spec.name, spec)
+        return spec
+
+    async def _delete(self, tenant: str, req: DeleteWarmPool) -> Done:
+        """Every edge then destroys the pool's ready sandboxes (claimed ones live on)."""
+        prior = await self._spec(req.name) if isinstance(req.name, str) and req.name else None
+        if prior is None or owner_of(prior) != tenant:
+            raise InvalidRequest(f"no warm pool named {req.name!r}")
+        await self.bus.kv_delete(streams.WARM_POOLS_KV, req.name)
+        return Done()
+
+    async def _list(self, tenant: str, _req: ListWarmPools) -> WarmPoolList:
+        nodes = []
+        for _, raw in await self.bus.kv_items(streams.NODES_KV):
+            try:
+                nodes.append(node_decoder.decode(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        out = []
+        for _, raw in await self.bus.kv_items(streams.WARM_POOLS_KV):
+            try:
+                spec = warm_pool_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if owner_of(spec) != tenant:
+                continue
+            try:
+                layers = await self.images.compose(spec.image, spec.workspace, spec.toolkit)
+                key, error = pool_key(layers, spec.resources, spec.backend), ""
+            except DsecError as exc:
+                key, error = "", str(exc)
+            ready = {n.node: n.warm.get(key, 0) for n in nodes if n.pool == spec.node_pool and not n.lost}
+            out.append(WarmPoolState(spec=spec, ready=ready, error=error))
+        return WarmPoolList(pools=sorted(out, key=lambda s: s.spec.name))

@@ -1,0 +1,146 @@
+"""The control API: the SDK reads records, snapshots and warm pools only through `dsec.api.<tenant>.<verb>`,
+each tenant sees only its own (filtered on the server), bad requests get one typed error, and a tenant
+past its rate gets RateLimited while others are served."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import libdsec
+from bus import streams, subjects
+from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage, api_reply_decoder
+from bus.messages import ErrorReply, Quota, SandboxRecord
+from placement import quota as quotas
+
+
+@pytest.fixture
+async def other(stack):
+    """A second tenant's client."""
+    async with libdsec.AsyncClient(stack.url, tenant="tenant-b") as c:
+        yield c
+
+
+def no_store_access(client) -> None:
+    """Make every KV and object-store call of this client's connection fail the test."""
+    def refuse(name):
+        def _refused(*a, **k):
+            raise AssertionError(f"the SDK called {name}{a[:2]}: it must use the control API")
+        return _refused
+    for name in dir(client.bus):
+        if name.startswith(("kv_", "obj_")) or name in ("kv",):
+            setattr(client.bus, name, refuse(name))
+
+
+async def test_a_tenant_sees_only_its_own_sandboxes_snapshots_and_pools(stack, client, other):
+    no_store_access(client), no_store_access(other)
+    sb = await client.create(labels={"job": "api-a"})
+    try:
+        snap = await sb.snapshot(tag="api-a-snap")
+        await client.set_warm_pool("api-a-pool", min=0, max=0)
+        try:
+            assert sb.id in [r.sandbox_id for r in await client.list()]
+            assert (await client.get(sb.id)).id == sb.id
+            assert sb.id not in [r.sandbox_id for r in await other.list(all_states=True)]
+            with pytest.raises(libdsec.SandboxNotFound) as err:
+                await other.get(sb.id)
+            assert err.value.reason == "never_existed"     # the same answer as for an id nobody has
+            assert [s.id for s in await client.snapshots(tag="api-a-snap")] == [snap.id]
+            assert await other.snapshots() == [] or snap.id not in [s.id for s in await other.snapshots()]
+            for ref in (snap.id, "api-a-snap"):
+                with pytest.raises(libdsec.ImageNotFound):
+                    await other.snapshot(ref)
+                with pytest.raises(libdsec.ImageNotFound):
+                    await other.delete_snapshot(ref)
+            with pytest.raises(libdsec.ImageNotFound):   # nor start from A's snapshot, record in hand
+                await other.create(from_snapshot=snap, timeout=5)
+            assert "api-a-pool" in [p.spec.name for p in await client.warm_pools()]
+            assert "api-a-pool" not in [p.spec.name for p in await other.warm_pools()]
+            with pytest.raises(libdsec.InvalidRequest, match="taken by another tenant"):
+                await other.set_warm_pool("api-a-pool", min=0, max=1)
+            with pytest.raises(libdsec.InvalidRequest, match="no warm pool"):
+                await other.delete_warm_pool("api-a-pool")
+            assert [p.spec.max for p in await client.warm_pools() if p.spec.name == "api-a-pool"] == [0]
+            assert await client.snapshot(snap.id) == snap        # A's own still are
+        finally:
+            await client.delete_warm_pool("api-a-pool")
+    finally:
+        await sb.destroy()
+    await client.delete_snapshot(snap.id)
+    assert await client.snapshots(tag="api-a-snap") == []
+
+
+async def test_list_pages_and_filters_on_the_server(stack, client):
+    """1,200 records of one tenant come back complete and in order through pages of at most MAX_PAGE;
+    states and labels are filtered by the server."""
+    tenant = "paged"
+    now = time.time()
+    recs = [SandboxRecord(sandbox_id=f"sb-page-{i:04d}", tenant=tenant, state="destroyed" if i % 3 else "failed",
+                          labels={"n": str(i % 2)}, created_at=now + i * 1e-3) for i in range(1200)]
+    await asyncio.gather(*(stack.bus.kv_put(streams.SANDBOXES_KV, r.sandbox_id, r) for r in recs))
+    try:
+        async with libdsec.AsyncClient(stack.url, tenant=tenant) as c:
+            no_store_access(c)
+            got = await c.list(all_states=True)
+            assert [r.sandbox_id for r in got] == [r.sandbox_id for r in recs]
+            assert await c.list() == []                           # none is ready
+            odd = await c.list(all_states=True, labels={"n": "1"})
+            assert [r.sandbox_id for r in odd] == [r.sandbox_id for r in recs if r.labels["n"] == "1"]
+            data = await stack.bus.request(subjects.api(tenant, "sandbox-list"), ListSandboxes(states=["failed"]), 5)
+            page = api_reply_decoder.decode(data)
+            assert isinstance(page, SandboxPage) and len(page.records) == 400 and not page.next_token
+            assert all(r.state == "failed" for r in page.records)
+            data = await stack.bus.request(subjects.api(tenant, "sandbox-list"), ListSandboxes(), 5)
+            page = api_reply_decoder.decode(data)
+            assert len(page.records) == MAX_PAGE and page.next_token
+    finally:
+        await asyncio.gather(*(stack.bus.kv_delete(streams.SANDBOXES_KV, r.sandbox_id) for r in recs))
+
+
+@pytest.mark.parametrize("subject,payload,code,says", [
+    ("dsec.api.t1.bogus", b"{}", "invalid_request", "unknown control verb"),
+    ("dsec.api.t1.sandbox-get", b"not json", "invalid_request", "undecodable"),
+    ("dsec.api.t1.sandbox-get", b'{"kind":"list_sandboxes"}', "invalid_request", "takes a GetSandbox"),
+    ("dsec.api.t1.sandbox-get", b'{"kind":"get_sandbox","sandbox_id":"../x"}', "invalid_request", "sandbox_id"),
+    ("dsec.api.t1.sandbox-list", b'{"kind":"list_sandboxes","limit":100000}', "invalid_request", "limit"),
+    ("dsec.api.t1.sandbox-list", b'{"kind":"list_sandboxes","states":["zombie"]}', "invalid_request", "states"),
+    ("dsec.api.t1.sandbox-list", b'{"kind":"list_sandboxes","next_token":"x|y"}', "invalid_request", "next_token"),
+    ("dsec.api.t1.snapshot-get", b'{"kind":"get_snapshot","ref":""}', "invalid_request", "snapshot"),
+])
+async def test_bad_control_requests_get_one_typed_error(stack, subject, payload, code, says):
+    m = await stack.bus.nc.request(subject, payload, timeout=5)
+    reply = api_reply_decoder.decode(m.data)
+    assert isinstance(reply, ErrorReply) and reply.code == code and says in reply.message, reply
+    # and the service still answers
+    data = await stack.bus.request(subjects.api("t1", "sandbox-list"), ListSandboxes(), 5)
+    assert isinstance(api_reply_decoder.decode(data), SandboxPage)
+
+
+async def test_a_tenant_past_its_rate_is_refused_and_others_are_served(stack, client):
+    await quotas.set_quota(stack.bus, Quota(tenant="flooder", rate=20))
+    try:
+        await asyncio.sleep(0.3)   # the engines' quota watch
+        async with libdsec.AsyncClient(stack.url, tenant="flooder") as flood:
+            results = await asyncio.gather(*(flood.list() for _ in range(300)), return_exceptions=True)
+            limited = [r for r in results if isinstance(r, libdsec.RateLimited)]
+            assert limited and isinstance(limited[0], libdsec.QuotaExceeded), results[:3]
+            assert "rate of 20" in str(limited[0])
+            assert all(isinstance(r, (list, libdsec.RateLimited)) for r in results), results
+            sb = await client.create()         # the other tenant meanwhile
+            assert sb.id in [r.sandbox_id for r in await client.list()]
+            await sb.destroy()
+    finally:
+        await stack.bus.kv_delete(streams.QUOTAS_KV, "flooder")
+
+
+def test_the_sdk_uses_no_bucket_store_or_server_package():
+    """Static half of the check above: libdsec names no KV bucket or object store and imports no server
+    package (it must run with only the control API and the lanes)."""
+    import pathlib
+    root = pathlib.Path(libdsec.__file__).parent
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        for bad in ("kv_get", "kv_put", "kv_items", "kv_delete", "obj_", "_KV", "LAYERS_OBJ", "import placement",
+                    "from placement", "from edge", "import edge"):
+            assert bad not in text, f"{path.name} uses {bad}"
