@@ -93,13 +93,14 @@ class ErrorReply(Wire, tag="error"):
 CreateReply = Union[SandboxReady, Queued, ErrorReply]
 
 
-# ---- sandbox op lane (dsec.node.<node>.exec.<sandbox>) ----------------------------------------
+# ---- sandbox op lane (dsec.node.<node>.exec.<tenant>.<sandbox>) -------------------------------
 
 class ExecRequest(Wire, tag="exec"):
-    """libdsec -> edge: run a command; output goes to dsec.out.<sandbox>.<exec_id>."""
+    """libdsec -> edge: run a command; output goes to dsec.out.<tenant>.<node>.<sandbox>.<exec_id>."""
 
     exec_id: str = ""
     sandbox_id: str = ""
+    tenant: str = ""                 # set by the node from the lane's subject (whatever a sender put here)
     argv: list[str] = []             # run as is (resolved inside the sandbox)...
     shell: str = ""                  # ...or a script for the edge's trusted shell (never the image's /bin/sh)
     env: dict[str, str] = {}
@@ -108,7 +109,7 @@ class ExecRequest(Wire, tag="exec"):
     timeout: float = 30.0
     deadline: float = 0.0
     max_output: int = 16 << 20
-    live_stdin: bool = False         # more stdin comes on dsec.in.<node>.<sandbox>.<exec_id> (ExecInput)
+    live_stdin: bool = False         # more stdin comes on dsec.in.<node>.<tenant>.<sandbox>.<exec_id> (ExecInput)
     background: bool = False         # the client does not wait for it: the node acks it once started
 
 
@@ -194,7 +195,7 @@ SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendReque
 OpReply = Union[OkReply, ErrorReply]
 
 
-# ---- output (dsec.out.<sandbox>.<exec>) --------------------------------------------------------
+# ---- output (dsec.out.<tenant>.<node>.<sandbox>.<exec>) ----------------------------------------
 
 class OutputChunk(Wire, tag="out"):
     """edge -> anyone: a chunk of one stream of one exec, whole lines where it can.

@@ -77,9 +77,10 @@ def node_create(node: str) -> str:
     return f"dsec.node.{node}.create"
 
 
-def node_ops(node: str, sandbox: str = "*") -> str:
-    """Where libdsec sends ops (exec, destroy, files) for a sandbox on a node."""
-    return f"dsec.node.{node}.exec.{sandbox}"
+def node_ops(node: str, tenant: str = "*", sandbox: str = "*") -> str:
+    """Where libdsec sends ops (exec, destroy, files) for a sandbox on a node. The tenant token is whose
+    sandbox it must be: the node refuses an op whose sandbox is another tenant's (as never existing)."""
+    return f"dsec.node.{node}.exec.{tenant}.{sandbox}"
 
 
 def node_ops_all(node: str) -> str:
@@ -87,14 +88,26 @@ def node_ops_all(node: str) -> str:
     return f"dsec.node.{node}.exec.>"
 
 
-def exec_input(node: str, sandbox: str = "*", exec_id: str = "*") -> str:
+def op_target(subject: str) -> tuple[str, str] | None:
+    """(tenant, sandbox) of an op lane subject; None when it is not one. A subject of before the tenant
+    token (dsec.node.<node>.exec.<sandbox>, still on a lane at an upgrade) gives tenant ""."""
+    parts = subject.split(".")
+    if len(parts) == 6 and parts[3] == "exec":
+        return parts[4], parts[5]
+    if len(parts) == 5 and parts[3] == "exec":
+        return "", parts[4]
+    return None
+
+
+def exec_input(node: str, tenant: str = "*", sandbox: str = "*", exec_id: str = "*") -> str:
     """Core request/reply to a running exec on its node: live stdin and signals (no stream keeps them)."""
-    return f"dsec.in.{node}.{sandbox}.{exec_id}"
+    return f"dsec.in.{node}.{tenant}.{sandbox}.{exec_id}"
 
 
-def output(sandbox: str, exec_id: str = "*") -> str:
-    """Where an exec's output records go."""
-    return f"dsec.out.{sandbox}.{exec_id}"
+def output(tenant: str, node: str, sandbox: str, exec_id: str = "*") -> str:
+    """Where an exec's output records go: the tenant and node tokens are what a server permission scopes
+    on (a tenant reads only its own; a node publishes only its own)."""
+    return f"dsec.out.{tenant}.{node}.{sandbox}.{exec_id}"
 
 
 def heartbeat(node: str = "*") -> str:

@@ -2,9 +2,9 @@
 
 An exec request runs at most once per exec id (redeliveries, client retries and restarts are
 recognised), its output is relayed in order and stored (chronus/relay.py), and it ends in exactly
-one exit record on dsec.out.<sandbox>.<exec> (msg id <exec>-exit, whoever publishes it). A string
+one exit record on dsec.out.<tenant>.<node>.<sandbox>.<exec> (msg id <exec>-exit, whoever publishes it). A string
 command runs under the trusted shell, never a binary of the sandbox. While it runs, live stdin and
-signals reach it on dsec.in.<node>.<sandbox>.<exec>. Its trajectory record is recorded durably (the
+signals reach it on dsec.in.<node>.<tenant>.<sandbox>.<exec>. Its trajectory record is recorded durably (the
 edge's outbox) as soon as the command ended, so the sandbox's `destroyed` comes after it on the
 timeline, and goes out once its exit record is stored. An exec whose sandbox the platform destroyed
 under it (a destroy, its TTL, its node declared lost) ends SandboxNotFound(reason), never as a bare kill.
@@ -52,7 +52,7 @@ class ExecHost(Protocol):
     def ending(self, sandbox_id: str) -> str:
         """Why the platform is ending the sandbox (destroyed, expired, node_lost, failed), '' while it runs."""
 
-    async def gone(self, sandbox_id: str) -> SandboxNotFound:
+    async def gone(self, sandbox_id: str, tenant: str = "") -> SandboxNotFound:
         """The typed error for a sandbox this node does not run, with the recorded reason."""
 
     def trusted_shell(self, sandbox_id: str) -> str:
@@ -63,9 +63,10 @@ class ExecHost(Protocol):
         """Run a command in the sandbox (the backend's exec): Gone when the sandbox does not run, RunFailed
         when the command could not be run."""
 
-    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str) -> None:
+    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str,
+                       exit_subject: str) -> None:
         """Publish (subject, data, msg id) messages on the sandbox's timeline, durably and in its order,
-        once the exit record of exec `after_exit` is stored."""
+        once the exit record of exec `after_exit` (on `exit_subject`) is stored."""
 
     def exit_stored(self, exec_id: str) -> None:
         """An exec's exit record is stored."""
@@ -83,8 +84,9 @@ class ExecLimits:
 class LiveExec:
     """A running exec as its control subject sees it: the backend's controls and the stdin seq."""
 
-    def __init__(self, sandbox_id: str, control: ExecControl) -> None:
+    def __init__(self, sandbox_id: str, control: ExecControl, tenant: str = "") -> None:
         self.sandbox_id = sandbox_id
+        self.tenant = tenant
         self.control = control
         self.next_seq = 1
         self.last: tuple[int, asyncio.Future] | None = None   # the latest stdin write, for a repeated seq
@@ -141,7 +143,8 @@ class Execs:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return ErrorReply(code=InvalidRequest.code, message=f"bad exec control message: {exc}")
         live = self._live.get(msg.exec_id)
-        if live is None or subject.rsplit(".", 1)[-1] != msg.exec_id:
+        parts = subject.split(".")   # dsec.in.<node>.<tenant>.<sandbox>.<exec>: only its own tenant reaches it
+        if live is None or parts[3:] != [live.tenant, live.sandbox_id, msg.exec_id]:
             return ErrorReply(code="exec_not_running", message=f"exec {msg.exec_id} is not running on this node")
         if isinstance(msg, ExecSignal):
             if not 0 < msg.signal <= MAX_SIGNAL:
@@ -185,39 +188,42 @@ class Execs:
             self._seen.popitem(last=False)
         return True
 
-    async def reject(self, sandbox_id: str, exec_id: str, err: DsecError) -> None:
+    async def reject(self, tenant: str, sandbox_id: str, exec_id: str, err: DsecError) -> None:
         """The exit record of an exec that cannot run (best effort: no valid subject, nothing to answer on)."""
         with contextlib.suppress(ValueError):
-            relay = OutputRelay(self.bus, subjects.token(sandbox_id, "sandbox_id"),
-                                subjects.token(exec_id, "exec_id"), 0)
+            subject = subjects.output(subjects.token(tenant, "tenant"), self.node,
+                                      subjects.token(sandbox_id, "sandbox_id"), subjects.token(exec_id, "exec_id"))
+            relay = OutputRelay(self.bus, subject, exec_id, 0)
             await relay.finish(exit_code=-1, error_code=err.code, error=str(err),
                                reason=str(err.details.get("reason", "")))
 
     async def handle(self, op: ExecRequest, d: Delivery) -> Verdict:
-        """An exec request from the node's op lane (the lane acks by the verdict)."""
+        """An exec request from the node's op lane (the lane acks by the verdict); op.tenant is the lane
+        subject's tenant, and a sandbox of another tenant is one this node does not run."""
         try:
             subjects.token(op.exec_id, "exec_id"), subjects.token(op.sandbox_id, "sandbox_id")
         except ValueError as exc:
-            await self.reject(op.sandbox_id, op.exec_id, InvalidRequest(str(exc)))
+            await self.reject(op.tenant, op.sandbox_id, op.exec_id, InvalidRequest(str(exc)))
             return Verdict.ACK
         if not self._first_time(op.exec_id) or await self._already_ran(op, d):
             self.duplicates += 1
             return Verdict.ACK   # a redelivered exec never runs twice (its exit record is stored)
         try:
             self._check(op)
-            if self.host.record_of(op.sandbox_id) is None:
-                raise await self.host.gone(op.sandbox_id)
+            rec = self.host.record_of(op.sandbox_id)
+            if rec is None or rec.tenant != op.tenant:
+                raise await self.host.gone(op.sandbox_id, op.tenant)
             if self.host.suspended(op.sandbox_id):
                 raise SandboxSuspended(f"sandbox {op.sandbox_id} is suspended: resume it to run commands",
                                        reason="suspended")
             if op.background and len(self._background) >= MAX_BACKGROUND_PER_EXEC_SLOT * self.limits.max_execs:
                 raise ExecFailed(f"too many background execs on node {self.node} ({len(self._background)})")
         except DsecError as err:
-            await self.reject(op.sandbox_id, op.exec_id, err)
+            await self.reject(op.tenant, op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
-        relay = OutputRelay(self.bus, op.sandbox_id, op.exec_id, min(op.max_output, self.limits.max_output),
-                            self.limits.traj_output)
-        live = LiveExec(op.sandbox_id, ExecControl(live_stdin=op.live_stdin))
+        relay = OutputRelay(self.bus, subjects.output(op.tenant, self.node, op.sandbox_id, op.exec_id), op.exec_id,
+                            min(op.max_output, self.limits.max_output), self.limits.traj_output)
+        live = LiveExec(op.sandbox_id, ExecControl(live_stdin=op.live_stdin), op.tenant)
         self._live[op.exec_id] = live
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
             task = asyncio.ensure_future(self._execute(op, relay, None))
@@ -240,7 +246,8 @@ class Execs:
             traj = None
             if rec is not None:   # on the timeline (durably) before anything ends the sandbox; meanwhile the
                 traj = asyncio.ensure_future(self.host.timeline(   # exit record goes out
-                    op.sandbox_id, self._trajectory(op, relay, fields, rec, started), after_exit=op.exec_id))
+                    op.sandbox_id, self._trajectory(op, relay, fields, rec, started), after_exit=op.exec_id,
+                    exit_subject=relay.subject))
                 traj.add_done_callback(lambda _t: live.recorded.set())
             else:
                 live.recorded.set()
@@ -342,7 +349,7 @@ class Execs:
         if d.num_delivered <= 1 and self.host.record_of(op.sandbox_id) is not None:
             return False
         with contextlib.suppress(DsecError, msgspec.DecodeError):
-            last = await self.bus.last_on_subject(streams.OUT_STREAM, subjects.output(op.sandbox_id, op.exec_id),
-                                                  with_headers=True)
+            last = await self.bus.last_on_subject(
+                streams.OUT_STREAM, subjects.output(op.tenant, self.node, op.sandbox_id, op.exec_id), with_headers=True)
             return last is not None and isinstance(decode_output(*last), ExitRecord)
         return False

@@ -1,4 +1,4 @@
-"""The output relay: a command's stdout/stderr become ordered chunks on dsec.out.<sandbox>.<exec>.
+"""The output relay: a command's stdout/stderr become ordered chunks on dsec.out.<tenant>.<node>.<sandbox>.<exec>.
 
 Output that follows a quiet spell (nothing sent for FLUSH_AFTER) goes out at once: an interactive
 line costs no wait. Output that keeps coming is batched: flushed when FLUSH_BYTES are buffered or
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from bus import subjects
+
 from bus.streams import OUT_STREAM
 from bus.conn import Bus
 from bus.errors import BusError
@@ -66,10 +66,10 @@ class _Unacked:
 class OutputRelay:
     """Collects one exec's output and publishes it in order; finish() publishes the exit record."""
 
-    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, max_output: int,
+    def __init__(self, bus: Bus, subject: str, exec_id: str, max_output: int,
                  traj_output: int = TRAJ_OUTPUT) -> None:
         self.bus = bus
-        self.subject = subjects.output(sandbox_id, exec_id)
+        self.subject = subject   # subjects.output(...)
         self.exec_id = exec_id
         self.max_output = max(0, max_output)
         self.seq = 0

@@ -31,16 +31,19 @@ async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRec
     SDK saw); when that has aged out, the part kept in the trajectory record, no exit record, and True."""
     chunks: dict[int, OutputChunk] = {}
     exit_rec = None
-    async for data, headers in bus.read_subject(streams.OUT_STREAM, subjects.output(rec.sandbox_id, rec.exec_id),
-                                                with_headers=True):
-        try:
-            r = decode_output(data, headers)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            continue
-        if isinstance(r, OutputChunk):
-            chunks.setdefault(r.seq, r)
-        else:
-            exit_rec = r
+    for subject in (subjects.output(rec.tenant, rec.node, rec.sandbox_id, rec.exec_id),
+                    f"dsec.out.{rec.sandbox_id}.{rec.exec_id}"):   # (stored before the subject named tenant and node)
+        async for data, headers in bus.read_subject(streams.OUT_STREAM, subject, with_headers=True):
+            try:
+                r = decode_output(data, headers)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if isinstance(r, OutputChunk):
+                chunks.setdefault(r.seq, r)
+            else:
+                exit_rec = r
+        if chunks or exit_rec is not None:
+            break
     if chunks or exit_rec is not None or not (rec.stdout or rec.stderr):
         return [chunks[k] for k in sorted(chunks)], exit_rec, False
     return [c for c in (OutputChunk(exec_id=rec.exec_id, seq=1, stream="stdout", data=rec.stdout, stream_seq=1),

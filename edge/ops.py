@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from bus import kinds, streams
+from bus import kinds, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, OkReply, ReadFile, ResumeRequest, RollbackRequest,
@@ -65,12 +65,26 @@ class OpLane:
             await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
                                                        message=f"bad request: {exc}"))
             if env.exec_id and env.sandbox_id:
-                await self.execs.reject(env.sandbox_id, env.exec_id, InvalidRequest(f"bad exec request: {exc}"))
+                await self.execs.reject(self._tenant(d.subject, env.sandbox_id), env.sandbox_id, env.exec_id,
+                                        InvalidRequest(f"bad exec request: {exc}"))
             return Verdict.TERM
+        tenant = self._tenant(d.subject, op.sandbox_id)
+        target = subjects.op_target(d.subject)
+        if target is not None and target[1] != op.sandbox_id:
+            err = InvalidRequest(f"the op names sandbox {op.sandbox_id!r} on the lane of {target[1]!r}")
+            if isinstance(op, ExecRequest):
+                await self.execs.reject(tenant, op.sandbox_id, op.exec_id, err)
+            else:
+                await self._answer(op, _raise(err))
+            return Verdict.ACK
         sb = self.sandboxes
+        if not isinstance(op, ExecRequest) and (op.sandbox_id not in sb.running
+                                                or sb.running[op.sandbox_id].record.tenant != tenant):
+            await self._answer(op, _raise(await sb.gone(op.sandbox_id, tenant)))   # (another tenant's: never existed)
+            return Verdict.ACK
         match op:
             case ExecRequest():
-                return await self.execs.handle(op, d)
+                return await self.execs.handle(msgspec.structs.replace(op, tenant=tenant), d)
             case DestroyRequest():
                 await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(op.sandbox_id)))
             case WriteFile():
@@ -87,8 +101,17 @@ class OpLane:
                     return encode(await sb.snapshot(op.sandbox_id, op.tag))
                 await self._answer(op, self._on(op.sandbox_id, "snapshot", snap))
             case RollbackRequest():
-                await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op)))
+                await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op, tenant)))
         return Verdict.ACK
+
+    def _tenant(self, subject: str, sandbox_id: str) -> str:
+        """Whose sandbox an op is for: its lane subject's tenant token (a subject of before that token: the
+        tenant of the sandbox running here)."""
+        target = subjects.op_target(subject)
+        if target is not None and target[0]:
+            return target[0]
+        running = self.sandboxes.running.get(sandbox_id)
+        return running.record.tenant if running is not None else "default"
 
     async def _answer(self, op, work) -> None:
         """Run work (unless the op expired) and answer the op once, whatever happens."""
@@ -136,12 +159,17 @@ class OpLane:
         return await self._on(op.sandbox_id, "read_file", lambda: self.sandboxes.backend.read_file(
             op.sandbox_id, op.path, op.limit), FileOpError)
 
-    async def _rollback(self, op: RollbackRequest) -> None:
+    async def _rollback(self, op: RollbackRequest, tenant: str) -> None:
         raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, op.snapshot_id)
         try:
             snap = snapshot_decoder.decode(raw) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             snap = None
-        if snap is None:
+        if snap is None or snap.tenant != tenant:
             raise InvalidRequest(f"snapshot {op.snapshot_id} not found")
         await self.sandboxes.rollback(op.sandbox_id, snap)
+
+
+async def _raise(err: Exception):
+    """A coroutine that fails with err (an answer through _answer, for a check made before any work)."""
+    raise err

@@ -61,6 +61,8 @@ class Change(msgspec.Struct, frozen=True):
     publishes: list[Publish] = []
     at: float = 0.0
     after_exit: str = ""                  # an exec id: its exit record must be stored before the publishes
+    exit_subject: str = ""                # where that exit record goes ("": a change logged before the subject had
+                                          # its tenant and node tokens: dsec.out.<sandbox>.<exec>)
 
 
 class _Frame(msgspec.Struct, array_like=True):

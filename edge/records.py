@@ -174,7 +174,7 @@ class SandboxRecords:
 
     async def change(self, rec: SandboxRecord | None, sandbox_id: str = "", *, publishes: list[Publish] = (),
                      revision: int = -1, over_claim: bool = False, terminal_event: bool = False,
-                     after_exit: str = "") -> Pending:
+                     after_exit: str = "", exit_subject: str = "") -> Pending:
         """Record a change durably (fsynced before this returns; OSError if the disk fails) and have it
         applied, however long the bus takes. rec None: only publishes (an exec's trajectory record, an
         event); after_exit: an exec id whose exit record must be stored before they go out."""
@@ -182,7 +182,8 @@ class SandboxRecords:
         if revision < 0 and rec is not None:
             revision = self.revisions.get(sid, -1)
         c = Change(sandbox_id=sid, record=rec, revision=revision, over_claim=over_claim,
-                   terminal_event=terminal_event, publishes=list(publishes), at=time.time(), after_exit=after_exit)
+                   terminal_event=terminal_event, publishes=list(publishes), at=time.time(), after_exit=after_exit,
+                   exit_subject=exit_subject)
         assert self.outbox is not None, "changes go through an outbox"
         early = asyncio.get_running_loop().create_future()
         done = await self.outbox.put(c, early)
@@ -214,7 +215,7 @@ class SandboxRecords:
         return outcome
 
     async def _exit_stored(self, c: Change) -> bool:
-        subject = subjects.output(c.sandbox_id, c.after_exit)
+        subject = c.exit_subject or f"dsec.out.{c.sandbox_id}.{c.after_exit}"
         last = await self.bus.last_on_subject(streams.OUT_STREAM, subject, with_headers=True)
         try:
             return last is not None and isinstance(decode_output(*last), ExitRecord)

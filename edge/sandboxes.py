@@ -107,19 +107,26 @@ class Sandboxes:
         running = self.running.get(sandbox_id)
         return running.ending if running is not None else self.ended.get(sandbox_id, "")
 
-    async def gone(self, sandbox_id: str) -> SandboxNotFound:
+    async def gone(self, sandbox_id: str, tenant: str = "") -> SandboxNotFound:
         """The typed error for a sandbox this node does not run, with the reason: how it ended here, else
-        what its record says (a `ready` of this node that it does not run was lost with an earlier run)."""
+        what its record says (a `ready` of this node that it does not run was lost with an earlier run).
+        Asked for `tenant`, another tenant's sandbox is one that never existed."""
+        unknown = SandboxNotFound(f"sandbox {sandbox_id} not found (never_existed)", reason="never_existed")
+        running = self.running.get(sandbox_id)
+        if tenant and running is not None and running.record.tenant != tenant:
+            return unknown
         reason = self.ending(sandbox_id)   # ending here now, or ended here
-        if not reason:
-            reason = "never_existed"
+        if not reason or (tenant and running is None):
             try:
                 rec, _ = await self.records.get(sandbox_id)
             except BusError:
-                rec = None
-                reason = "unknown"
-            if rec is not None:
-                if rec.state in TERMINAL or rec.state == "starting":
+                rec, reason = None, reason or "unknown"
+            if rec is not None and tenant and rec.tenant != tenant:
+                return unknown
+            if not reason:
+                if rec is None:
+                    reason = "never_existed"
+                elif rec.state in TERMINAL or rec.state == "starting":
                     reason = rec.state
                 else:
                     reason = "node_lost" if rec.node == self.node else "not_on_this_node"
@@ -142,11 +149,12 @@ class Sandboxes:
         except BackendError as exc:
             raise RunFailed(str(exc)) from exc
 
-    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str = "") -> None:
+    async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str = "",
+                       exit_subject: str = "") -> None:
         """Messages on a sandbox's timeline (an exec's trajectory record): durable now, published in its order
-        (and, with after_exit, once that exec's exit record is stored)."""
+        (and, with after_exit, once that exec's exit record, on exit_subject, is stored)."""
         await self.records.change(None, sandbox_id, publishes=[Publish(s, d, m) for s, d, m in messages],
-                                  after_exit=after_exit)
+                                  after_exit=after_exit, exit_subject=exit_subject)
 
     def exit_stored(self, exec_id: str) -> None:
         self.records.exit_stored(exec_id)

@@ -408,7 +408,7 @@ class AsyncClient:
         reply_to, q = replies.register(rid)
         try:
             op = make(rid, reply_to, time.time() + timeout)
-            await bus.publish(subjects.node_ops(node, sandbox_id), encode(op), msg_id=rid, timeout=PUBLISH_TRY,
+            await bus.publish(subjects.node_ops(node, self.tenant, sandbox_id), encode(op), msg_id=rid, timeout=PUBLISH_TRY,
                               retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
             give_up = time.monotonic() + timeout
             while True:

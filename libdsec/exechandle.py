@@ -15,7 +15,6 @@ from typing import AsyncIterable, AsyncIterator
 
 import msgspec
 
-from bus import subjects
 from bus.conn import Bus
 from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError, from_code
 from bus.messages import ErrorReply, ExecInput, ExecSignal, ExitRecord, op_reply_decoder
@@ -33,12 +32,12 @@ class ExecHandle:
     `kill(signal)` signals its processes. stream() may be left early and taken up again (it goes on
     where it stopped), and wait() may follow it; after the end both give the same outcome again."""
 
-    def __init__(self, bus: Bus, node: str, sandbox_id: str, exec_id: str, stream: ExecStream,
+    def __init__(self, bus: Bus, control: str, sandbox_id: str, exec_id: str, stream: ExecStream,
                  timeout: float, keep_output: bool = True) -> None:
         self.id = exec_id
         self.sandbox_id = sandbox_id
         self._bus = bus
-        self._control = subjects.exec_input(node, sandbox_id, exec_id)
+        self._control = control      # its dsec.in subject (live stdin, signals)
         self._stream = stream
         self._timeout = timeout
         self._give_up = time.monotonic() + timeout + EXIT_GRACE

@@ -33,11 +33,11 @@ _WAKE = object()    # queued on reconnect: look at the stream
 class ExecStream:
     """Subscribes before the exec is sent, so no record is missed; yields records in seq order."""
 
-    def __init__(self, bus: Bus, sandbox_id: str, exec_id: str, tenant: str = "", record=None) -> None:
+    def __init__(self, bus: Bus, node: str, sandbox_id: str, exec_id: str, tenant: str, record=None) -> None:
         self.bus = bus
         self._record = record    # () -> the sandbox's record or None (asked of the control API)
         self.sandbox_id = sandbox_id
-        self.subject = subjects.output(sandbox_id, exec_id)
+        self.subject = subjects.output(tenant, node, sandbox_id, exec_id)
         self.events = subjects.event(tenant, sandbox_id) if tenant else ""
         self._queue: asyncio.Queue = asyncio.Queue()
         self._lost = ("", "")

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import kinds, subjects
 from bus.errors import InvalidRequest
-from bus.messages import (DestroyRequest, ExecRequest, ReadFile, RollbackRequest, SnapshotRecord, SnapshotRequest,
-                          WriteFile, encode, snapshot_decoder)
+from bus.messages import (DestroyRequest, ExecRequest, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
+                          SnapshotRequest, SuspendRequest, WriteFile, encode, snapshot_decoder)
 from libdsec.exechandle import ExecHandle
 from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
@@ -90,16 +90,17 @@ class AsyncSandbox:
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **command_fields(cmd), env=dict(env or {}),
                           cwd=cwd, stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
                           max_output=max_output, live_stdin=live, background=background)
-        stream = ExecStream(bus, self.id, req.exec_id, self.client.tenant,
+        stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()
         try:
-            await bus.publish(subjects.node_ops(self.node, self.id), encode(req), msg_id=req.exec_id,
+            await bus.publish(subjects.node_ops(self.node, self.client.tenant, self.id), encode(req), msg_id=req.exec_id,
                               timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
         except BaseException:
             await stream.close()
             raise
-        handle = ExecHandle(bus, self.node, self.id, req.exec_id, stream, timeout, keep_output)
+        handle = ExecHandle(bus, subjects.exec_input(self.node, self.client.tenant, self.id, req.exec_id), self.id,
+                            req.exec_id, stream, timeout, keep_output)
         if live:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle
@@ -169,14 +170,17 @@ class AsyncSandbox:
             request_id=rid, sandbox_id=self.id, snapshot_id=snap_id, reply_to=to, deadline=dl), timeout)
 
     async def suspend(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
-        """Freeze this sandbox (see AsyncClient.suspend)."""
+        """Freeze this sandbox (see AsyncClient.suspend; a suspended one stays so); SandboxNotFound if it
+        does not run."""
         self._needs("suspend", "suspend")
-        await self.client.suspend(ids=[self.id], timeout=timeout)
+        await self.client._op(self.node, self.id, lambda rid, to, dl: SuspendRequest(
+            request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout)
 
     async def resume(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
-        """Thaw it (see AsyncClient.resume)."""
+        """Thaw it (see AsyncClient.resume); SandboxNotFound if it does not run."""
         self._needs("suspend", "resume")
-        await self.client.resume(ids=[self.id], timeout=timeout)
+        await self.client._op(self.node, self.id, lambda rid, to, dl: ResumeRequest(
+            request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout)
 
     async def destroy(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Destroy it; SandboxNotFound if it is already gone."""

@@ -20,7 +20,7 @@ JUNK = [b"", b"not json", b"\xff\xfe\x00binary", b"[1,2,3]", b'{"kind":"nope"}',
 def junk_subjects(node: str) -> list[str]:
     return [
         "dsec.req.create.default", "dsec.req.create.latency.default", "dsec.req.create.batch.other",
-        f"dsec.node.{node}.create", f"dsec.node.{node}.exec.sbjunk", "dsec.pool.cloud.create", "dsec.pool.local.create", "dsec.out.sbjunk.xjunk", "dsec.evt.default.sbjunk",
+        f"dsec.node.{node}.create", f"dsec.node.{node}.exec.sbjunk", f"dsec.node.{node}.exec.default.sbjunk", "dsec.pool.cloud.create", "dsec.pool.local.create", "dsec.out.sbjunk.xjunk", f"dsec.out.default.{node}.sbjunk.xjunk", "dsec.evt.default.sbjunk",
         f"$KV.{streams.NODES_KV}.junk", f"$KV.{streams.NODES_KV}.{node}x", f"$KV.{streams.SANDBOXES_KV}.sbjunk",
         f"$KV.{streams.IMAGES_KV}.junk", f"$KV.{streams.IMAGES_KV}.junk.1", f"$O.{streams.LAYERS_OBJ}.C.junk",
         f"$O.{streams.LAYERS_OBJ}.M.anVuaw==",
@@ -102,7 +102,7 @@ async def test_wrong_typed_create_gets_a_reply_naming_the_field(stack):
 async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
     async with await client.create() as sb:
         from libdsec.execstream import ExecStream, exit_of
-        es = ExecStream(stack.bus, sb.id, "xbadexec1")
+        es = ExecStream(stack.bus, sb.node, sb.id, "xbadexec1", client.tenant)
         await es.open()
         nc = await nats.connect(stack.url)
         try:

@@ -133,7 +133,7 @@ async def test_output_readable_later_from_stream(client, stack):
         await sb.exec("echo later")
         node = sb.node
     recs = []
-    async for data, headers in stack.bus.read_subject(streams.OUT_STREAM, subjects.output(sb.id, "*"),
+    async for data, headers in stack.bus.read_subject(streams.OUT_STREAM, subjects.output(client.tenant, node, sb.id, "*"),
                                                       with_headers=True):
         recs.append(decode_output(data, headers))
     assert any(isinstance(r, OutputChunk) and r.data == b"later\n" for r in recs)
@@ -149,17 +149,17 @@ async def test_redelivered_exec_never_runs_twice(client, stack):
                           timeout=10)
         before = stack.edge.ops.duplicates
         for msg_id in ("first", "second"):   # distinct Nats-Msg-Ids: JetStream's dedupe does not catch it
-            await stack.bus.publish(subjects.node_ops(sb.node, sb.id), encode(req), msg_id=msg_id)
+            await stack.bus.publish(subjects.node_ops(sb.node, client.tenant, sb.id), encode(req), msg_id=msg_id)
         for _ in range(200):   # the second delivery was seen and refused
             if stack.edge.ops.duplicates > before:
                 break
             await asyncio.sleep(0.02)
         assert stack.edge.ops.duplicates == before + 1
         for _ in range(200):   # and the first delivery finished: its exit record is stored
-            if await stack.bus.last_on_subject(streams.OUT_STREAM, subjects.output(sb.id, "xonce1")):
+            if await stack.bus.last_on_subject(streams.OUT_STREAM, subjects.output(client.tenant, sb.node, sb.id, "xonce1")):
                 break
             await asyncio.sleep(0.02)
         assert (await sb.read_file("/tmp/count")) == b"run\n"
         recs = [output_decoder.decode(d) async for d in stack.bus.read_subject(
-            streams.OUT_STREAM, subjects.output(sb.id, "xonce1"))]
+            streams.OUT_STREAM, subjects.output(client.tenant, sb.node, sb.id, "xonce1"))]
         assert sum(isinstance(r, ExitRecord) for r in recs) == 1

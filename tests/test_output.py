@@ -28,12 +28,12 @@ def streams_of(chunks: list[dict]) -> dict[str, bytes]:
     return out
 
 
-async def read_plain(url: str, sandbox: str, exec_id: str) -> list[dict]:
-    """dsec.out.<sandbox>.<exec> read back with plain nats-py: raw chunks framed by headers, then the JSON
+async def read_plain(url: str, node: str, sandbox: str, exec_id: str) -> list[dict]:
+    """dsec.out.<tenant>.<node>.<sandbox>.<exec> read back with plain nats-py: raw chunks framed by headers, then the JSON
     exit record (docs/streams.md); as dicts."""
     nc = await nats.connect(url)
     try:
-        sub = await nc.jetstream().subscribe(subjects.output(sandbox, exec_id), ordered_consumer=True)
+        sub = await nc.jetstream().subscribe(subjects.output("default", node, sandbox, exec_id), ordered_consumer=True)
         records = []
         while not records or records[-1]["kind"] != "exit":
             m = await sub.next_msg(timeout=10)
@@ -101,11 +101,11 @@ async def test_every_reader_gets_exactly_the_bytes_written(stack, client):
         assert (seen["stdout"], seen["stderr"]) == (stdout, stderr), cmd
         assert len(lines) == stdout.count(b"\n") + stderr.count(b"\n") + (not stdout.endswith(b"\n") and bool(stdout)) \
             + (not stderr.endswith(b"\n") and bool(stderr))
-        plain = await read_plain(stack.url, sb.id, r.exec_id)
+        plain = await read_plain(stack.url, sb.node, sb.id, r.exec_id)
         check_framing(plain)
         assert streams_of([c for c in plain if c["kind"] == "out"]) == {"stdout": stdout, "stderr": stderr}
         exec_ids.append(r.exec_id)
-    long_line = await read_plain(stack.url, sb.id, exec_ids[1])
+    long_line = await read_plain(stack.url, sb.node, sb.id, exec_ids[1])
     assert sum(c.get("partial", False) for c in long_line) >= 4   # 1 MiB line: cut, flagged, rejoined
     await sb.destroy()
     text = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", sb.id, "--nats", stack.url],

@@ -196,13 +196,13 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
         await bus.publish(subjects.node_create(node), encode(waiting))
         exec_req = ExecRequest(exec_id=f"x{node}", sandbox_id=sid, argv=["true"])
         exits, events, replaced = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
-        subs = [await bus.subscribe(subjects.output(sid, exec_req.exec_id), lambda d, s: exits.put(d)),
+        subs = [await bus.subscribe(subjects.output("default", node, sid, exec_req.exec_id), lambda d, s: exits.put(d)),
                 await bus.subscribe(subjects.event("default", sid), lambda d, s: events.put(d))]
         watcher = await Bus.connect(nats_server.url)
         # the replaced create goes back to placement: read it where placement would
         subs.append(await watcher.subscribe(subjects.create_request("default", "latency"),
                                             lambda d, s: replaced.put(d)))
-        await bus.publish(subjects.node_ops(node, sid), encode(exec_req))
+        await bus.publish(subjects.node_ops(node, "default", sid), encode(exec_req))
         reapers = [Reaper(bus, ledger_mod.NodeLedger(bus)) for _ in range(2)]
         claims = await asyncio.gather(*(r.claim(node) for r in reapers))
         assert sorted(claims) == [False, True], "exactly one engine handles a lost node"

@@ -195,7 +195,7 @@ class _FakeBus:
 
 async def test_relay_batches_orders_and_caps():
     bus = _FakeBus()
-    r = relay_mod.OutputRelay(bus, "sb", "x1", max_output=100_000)
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x1", "x1", max_output=100_000)
     for i in range(1000):
         await r.sink("stdout", b"line %d\n" % i)
     await r.sink("stderr", b"err\n")
@@ -216,7 +216,7 @@ async def test_relay_publishes_an_unacked_chunk_again_and_the_exit_record_only_a
     stores it once), and the exit record goes out only once every chunk before it is acked."""
     monkeypatch.setattr(relay_mod, "ACK_WAIT", 0.05)
     bus = _FakeBus(drop_acks=2)
-    r = relay_mod.OutputRelay(bus, "sb", "x9", max_output=1 << 20)
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x9", "x9", max_output=1 << 20)
     await r.sink("stdout", b"sb-x9\n")
     rec = await r.finish(exit_code=0)
     assert [type(m).__name__ for m in bus.sent] == ["OutputChunk", "ExitRecord"]
@@ -227,7 +227,7 @@ async def test_relay_publishes_an_unacked_chunk_again_and_the_exit_record_only_a
 
 async def test_relay_flushes_after_a_few_ms():
     bus = _FakeBus()
-    r = relay_mod.OutputRelay(bus, "sb", "x2", max_output=1000)
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x2", "x2", max_output=1000)
     await r.sink("stdout", b"hello\n")
     import asyncio
     await asyncio.sleep(0.05)
@@ -238,7 +238,7 @@ async def test_relay_flushes_after_a_few_ms():
 async def test_relay_cuts_chunks_at_newlines_and_flags_continued_lines():
     bus = _FakeBus()
     size = relay_mod.FLUSH_BYTES
-    r = relay_mod.OutputRelay(bus, "sb", "x3", max_output=64 << 20)
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x3", "x3", max_output=64 << 20)
     await r.sink("stdout", b"short\n" + b"L" * (3 * size) + b"\nend")   # a line longer than a chunk
     await r.sink("stderr", b"e" * 10)
     await r.sink("stdout", b"\n")
@@ -260,7 +260,7 @@ async def test_relay_cuts_chunks_at_newlines_and_flags_continued_lines():
 async def test_relay_drains_past_the_cap_at_a_paced_rate():
     import time
     bus = _FakeBus()
-    r = relay_mod.OutputRelay(bus, "sb", "x4", max_output=10)
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x4", "x4", max_output=10)
     await r.sink("stdout", b"x" * 10)
     t0 = time.monotonic()
     for _ in range(8):
@@ -337,7 +337,7 @@ async def test_exec_stream_reads_a_lasting_gap_back_from_the_stream():
 
     stored = _out("x", 3)
     bus = _OutBus(stored[:3])
-    es = ExecStream(bus, "sb", "x")
+    es = ExecStream(bus, "n", "sb", "x", "")
     await es.open()
     for data, headers in (stored[0], stored[2]):        # seq 2 was dropped on the way
         await bus.cb(data, "s", headers)
@@ -361,7 +361,7 @@ async def test_exec_stream_retries_a_failing_read_back_and_never_fills_gaps_with
 
     stored = _out("x", 2)
     bus = _OutBus(stored, failures=3)
-    es = ExecStream(bus, "sb", "x")
+    es = ExecStream(bus, "n", "sb", "x", "")
     await es.open()
     await bus.cb(*stored[0][:1], "s", stored[0][1])
     await bus.cb(stored[2][0], "s", stored[2][1])       # the exit record arrives, chunk 2 did not
@@ -378,7 +378,7 @@ async def test_exec_stream_raises_output_incomplete_when_the_stream_lacks_a_reco
 
     stored = _out("x", 3)
     bus = _OutBus([stored[0], stored[2], stored[3]])    # chunk 2 is not in the stream
-    es = ExecStream(bus, "sb", "x")
+    es = ExecStream(bus, "n", "sb", "x", "")
     await es.open()
     for m in (stored[0], stored[2], stored[3]):
         await bus.cb(m[0], "s", m[1])
@@ -398,7 +398,7 @@ async def test_exec_stream_finds_a_result_stored_while_nothing_was_delivered(mon
 
     monkeypatch.setattr(execstream, "QUIET_CHECK", 0.1)
     bus = _OutBus(_out("x", 2))
-    es = ExecStream(bus, "sb", "x")
+    es = ExecStream(bus, "n", "sb", "x", "")
     await es.open()
     t0 = time.monotonic()
     got, end = await asyncio.wait_for(_read_all(es, wait=30), 5)
@@ -412,7 +412,7 @@ async def test_exec_stream_reads_back_after_a_reconnect():
     from libdsec.execstream import ExecStream
 
     bus = _OutBus(_out("x", 1))
-    es = ExecStream(bus, "sb", "x")
+    es = ExecStream(bus, "n", "sb", "x", "")
     await es.open()
     reader = asyncio.ensure_future(_read_all(es, wait=30))
     await asyncio.sleep(0.05)

@@ -1,0 +1,89 @@
+"""The tenant tokens on the subjects (docs/streams.md, "Renamed subjects"): a sandbox's output goes to its own
+tenant's and node's subject, and a node serves an op or a control only for the tenant whose sandbox it
+is. Here tenant B addresses tenant A's sandbox through its own tenant's subjects, as its SDK would. (With
+credentials, the NATS server also refuses B's use of A's subjects; that is the auth layer's test.)"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import libdsec
+from bus import subjects
+from bus.messages import ErrorReply, ExecSignal, op_reply_decoder
+from libdsec.sandbox import AsyncSandbox
+
+
+@pytest.fixture
+async def other(stack):
+    async with libdsec.AsyncClient(stack.url, tenant="tenant-b") as c:
+        yield c
+
+
+async def test_another_tenant_cannot_touch_a_sandbox_even_knowing_its_id_and_node(stack, client, other):
+    async with await client.create() as sb:
+        await sb.write_file("/root/mine", b"a's data")
+        theirs = AsyncSandbox(other, sb.id, sb.node, sb.backend)   # B knows A's id and node
+        attempts = {
+            "exec": lambda: theirs.exec("echo pwned > /root/mine", timeout=10),
+            "read_file": lambda: theirs.read_file("/root/mine"),
+            "write_file": lambda: theirs.write_file("/root/mine", b"forged"),
+            "snapshot": lambda: theirs.snapshot(tag="stolen"),
+            "suspend": lambda: theirs.suspend(),
+            "destroy": lambda: theirs.destroy(),
+        }
+        outcomes = {}
+        for what, attempt in attempts.items():
+            try:
+                outcomes[what] = f"returned {await attempt()!r}"
+            except libdsec.DsecError as exc:
+                outcomes[what] = f"{type(exc).__name__}: {exc.details.get('reason', '')}"
+        assert outcomes == {what: "SandboxNotFound: never_existed" for what in attempts}, outcomes
+        assert await sb.read_file("/root/mine") == b"a's data"        # untouched, and still running
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+        assert await other.snapshots(tag="stolen") == [] and await client.snapshots(tag="stolen") == []
+
+
+async def test_output_goes_to_its_tenants_and_nodes_subject_only(stack, client, other):
+    seen_a: list[str] = []
+    seen_b: list[str] = []
+
+    async def on_a(_data, subject):
+        seen_a.append(subject)
+
+    async def on_b(_data, subject):
+        seen_b.append(subject)
+    subs = [await stack.bus.subscribe(f"dsec.out.{client.tenant}.>", on_a),
+            await stack.bus.subscribe(f"dsec.out.{other.tenant}.>", on_b)]
+    try:
+        async with await client.create() as sb:
+            r = await sb.exec("echo to-a")
+            assert r.stdout == b"to-a\n"
+            await stack.bus.flush()
+        want = subjects.output(client.tenant, sb.node, sb.id, r.exec_id)
+        assert want in seen_a and set(seen_a) == {want}, seen_a
+        assert seen_b == []
+    finally:
+        for s in subs:
+            await s.unsubscribe()
+
+
+async def test_a_running_exec_takes_controls_only_on_its_tenants_subject(stack, client, other):
+    async with await client.create() as sb:
+        h = await sb.exec("sleep 30", background=True)
+        try:
+            forged = subjects.exec_input(sb.node, other.tenant, sb.id, h.id)
+            for _ in range(50):
+                data = await stack.bus.request(forged, ExecSignal(exec_id=h.id, signal=9), 5)
+                reply = op_reply_decoder.decode(data)
+                assert isinstance(reply, ErrorReply) and reply.code == "exec_not_running", reply
+                own = await stack.bus.request(subjects.exec_input(sb.node, client.tenant, sb.id, h.id),
+                                              ExecSignal(exec_id=h.id, signal=0 + 18), 5)   # SIGCONT: harmless
+                if not isinstance(op_reply_decoder.decode(own), ErrorReply):
+                    break
+                await asyncio.sleep(0.1)   # not started yet
+            else:
+                raise AssertionError("the exec never took a control on its own subject")
+            assert not h.done
+        finally:
+            await h.kill()
