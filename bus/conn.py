@@ -17,7 +17,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from bus import streams, subjects
+from bus import lanes, migrations, streams, subjects
 from bus.acks import AckedPublisher
 from bus.errors import BusError, BusUnavailable
 from bus.kvstore import CasResult, KvStore, kv_watch
@@ -315,11 +315,12 @@ class Bus(KvStore, StreamReads):
         return taken
 
     async def pull_worker(self, stream_and_config: tuple[str, api.ConsumerConfig], handler: Handler,
-                          credit: Callable[[], int]) -> PullWorker:
-        """Ensure the durable consumer exists and start a credit-based worker on it."""
+                          credit: Callable[[], int], steps: list | None = None) -> PullWorker:
+        """Ensure the durable consumer exists and start a credit-based worker on it; handler runs inside
+        `steps` (bus/lanes.py: decode, tenant, lease, retries, counts), the first outermost."""
         stream, config = stream_and_config
         await self.ensure_consumer(stream, config)
-        worker = PullWorker(self.nc, stream, config.durable_name, handler, credit)
+        worker = PullWorker(self.nc, stream, config.durable_name, lanes.chain(handler, steps or []), credit)
         await worker.start()
         worker.on_stop = self.on_reconnect(worker.reconnected)
         return worker
@@ -371,3 +372,4 @@ class Bus(KvStore, StreamReads):
                     await self.admin.create_object_store(ocfg.bucket, config=ocfg)
                 except nats.js.errors.BadRequestError:
                     await self.admin.object_store(ocfg.bucket)
+        await migrations.record_keys(self)

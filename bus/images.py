@@ -69,7 +69,8 @@ class ImageRegistry:
 
     async def snapshot_layers(self, snapshot_id: str, tenant: str) -> list[LayerRef]:
         """The layers of a tenant's snapshot (its parents', then its own); ImageNotFound when absent."""
-        raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, snapshot_id) if subjects.is_token(snapshot_id) else None
+        raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, snapshot_id))
+               if subjects.is_token(snapshot_id) and subjects.is_token(tenant) else None)
         try:
             rec = snapshot_decoder.decode(raw) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -440,7 +440,7 @@ class ImageRecord(Wire, tag="image"):
 
 
 class SnapshotRecord(Wire, tag="snapshot"):
-    """KV dsec-snapshots/<id>: a sandbox's filesystem at one point, as layers (its own on top)."""
+    """KV dsec-snapshots/<tenant>.<id>: a sandbox's filesystem at one point, as layers (its own on top)."""
 
     id: str = ""
     tag: str = ""

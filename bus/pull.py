@@ -44,6 +44,8 @@ class Delivery:
     num_delivered: int
     _msg: Msg
     nak_delay: float = 1.0
+    msg: object = None          # the message decoded (bus/lanes.py `decoded`)
+    tenant: str = ""            # whose it is, from the subject (bus/lanes.py `tenant_from_subject`)
 
     async def in_progress(self) -> None:
         """Tell the server the work goes on (resets the ack wait)."""

@@ -130,6 +130,12 @@ def trajectory(tenant: str, job: str, sandbox: str) -> str:
     return f"dsec.traj.{tenant}.{job}.{sandbox}"
 
 
+def record_key(tenant: str, id_: str) -> str:
+    """A sandbox's key in KV dsec-sandboxes, or a snapshot's in dsec-snapshots: <tenant>.<id>, so a reader
+    (and a server permission) can take one tenant's records by subject, $KV.<bucket>.<tenant>.>."""
+    return f"{tenant}.{id_}"
+
+
 def job_of(labels: dict[str, str]) -> str:
     """The job a sandbox belongs to: its `job` label when that is a valid token, else `default`."""
     job = labels.get("job", "")

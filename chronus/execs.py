@@ -277,7 +277,7 @@ class Execs:
             res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell, self.host.trusted_shell(op.sandbox_id)), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
                                       timeout=op.timeout, sink=relay.sink, control=control)
         except Gone:
-            return self._gone_fields(await self.host.gone(op.sandbox_id), t0)
+            return self._gone_fields(await self.host.gone(op.sandbox_id, op.tenant), t0)
         except RunFailed as exc:
             if self.host.ending(op.sandbox_id):
                 return self._ended_fields(op.sandbox_id, t0)

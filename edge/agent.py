@@ -15,10 +15,10 @@ from pathlib import Path
 
 import msgspec
 
-from bus import streams, subjects
+from bus import lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import EnvironmentFailure
-from bus.messages import SandboxRecord
+from bus.messages import SandboxRecord, create_decoder
 from bus.nodes import set_flag
 from chronus.execs import ExecLimits, Execs
 from edge.backends.base import Backend, BackendError
@@ -31,7 +31,7 @@ from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
 from edge.ops import OpLane
 from edge.outbox import Outbox
-from edge.records import SandboxRecords, decode_record, lifecycle
+from edge.records import SandboxRecords, decode_record, key_of, lifecycle
 from edge.sandboxes import Running, Sandboxes
 from edge.warmpool import WarmPools
 
@@ -134,11 +134,14 @@ class Edge:
             fncall.on_free = self.calls.poke
             await self.calls.start()
         await self.warm.start()
+        steps = [lanes.counted(self.creates.outcomes), lanes.decoded(self.bus, create_decoder, "create")]
         self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
-                                                         self.creates.on_node_create, credit=self._create_credit)
+                                                         self.creates.on_node_create, credit=self._create_credit,
+                                                         steps=steps)
         # The pool's shared lane (cloud bursting): every edge of the pool competes for it.
         self._pool_worker = await self.bus.pull_worker(streams.pool_create_consumer(self.config.pool),
-                                                       self.creates.on_pool_create, credit=self._pool_credit)
+                                                       self.creates.on_pool_create, credit=self._pool_credit,
+                                                       steps=steps)
 
     async def _report_lost(self, pending: dict[str, SandboxRecord]) -> None:
         """Sandboxes KV (or the outbox a crashed run left) says run here that the reconcile just removed:
@@ -148,16 +151,16 @@ class Edge:
         seen: set[str] = set()
         for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
             rec = decode_record(raw)
-            if rec is None or rec.node != self.node or rec.sandbox_id != key:
+            if rec is None or rec.node != self.node or key_of(rec) != key:
                 continue
-            seen.add(key)
-            base = pending.get(key)
+            seen.add(rec.sandbox_id)
+            base = pending.get(rec.sandbox_id)
             if base is not None and base.version > rec.version:
                 rec = base   # the outbox holds a newer state of it: node_lost follows that one
             if rec.state == "ready":
                 changes.append(self._lost(rec))
             elif rec.state == "starting" and base is None:
-                await self.records.free_claim(key)
+                await self.records.free_claim(rec.tenant, rec.sandbox_id)
         for key, rec in pending.items():   # only in the log (a warm claim's ready never stored)
             if key not in seen and rec.state == "ready":
                 changes.append(self._lost(rec))
@@ -214,7 +217,7 @@ class Edge:
         bookings) and the lanes stop within STOP_BUS_BUDGET; the backend's clean-up comes next, whatever
         happened before; records (through the outbox: what the bus does not take now is applied at the
         next start), bus bookkeeping and the hand-back come last, each bounded."""
-        claims = set(self.creates.claims)   # creates cut short below: their ids are freed at the end
+        claims = dict(self.creates.claims)   # creates cut short below: their ids are freed at the end
         loop = asyncio.get_running_loop()
         until = loop.time() + STOP_BUS_BUDGET
 
@@ -250,11 +253,11 @@ class Edge:
         await self._best_effort(self.bus.kv_delete(streams.NODES_KV, self.node))
         await self._best_effort(self._hand_back(claims), HAND_BACK_BUDGET)
 
-    async def _hand_back(self, claims: set[str]) -> None:
+    async def _hand_back(self, claims: dict[str, str]) -> None:
         """At a stop, after the node record is gone (nothing books it any more): free the ids of creates
         cut short, and send the creates waiting on this node's lane back to placement."""
-        for sid in claims:
-            await self.records.free_claim(sid)
+        for sid, tenant in claims.items():
+            await self.records.free_claim(tenant, sid)
         handed = await replace_creates(self.bus, self.node)
         if handed:
             log.warning("node %s stopping: %d waiting creates handed back to placement", self.node, handed)

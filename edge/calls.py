@@ -21,12 +21,12 @@ import time
 
 import msgspec
 
-from bus import streams, subjects, validate
+from bus import lanes, streams, subjects, validate
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, DsecError, EnvironmentFailure, ExecFailed, ImageNotFound, InvalidRequest
 from bus.images import ImageRegistry
 from bus.callwire import CallReply, CallRequest, call_decoder
-from bus.messages import ErrorReply, Quota, Resources, TrajRecord, encode, quota_decoder, salvage
+from bus.messages import ErrorReply, Quota, Resources, TrajRecord, encode, quota_decoder
 from bus.pull import Delivery, Lease, Verdict
 from chronus.shell import command_argv
 from edge.backends.base import BackendError
@@ -53,6 +53,7 @@ class CallLane:
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.served = 0
         self.duplicates = 0
+        self.outcomes: collections.Counter = collections.Counter()   # (message kind, verdict) -> calls handled
         self._unplaced = 0   # calls in flight here that have no worker yet
 
     async def start(self) -> None:
@@ -60,7 +61,9 @@ class CallLane:
         self._quota_watch = await kv_watch(self.bus, streams.QUOTAS_KV, self._on_quota)
         for priority in subjects.PRIORITIES:
             self._workers[priority] = await self.bus.pull_worker(
-                streams.call_consumer(priority), self._handle, credit=lambda p=priority: self._credit(p))
+                streams.call_consumer(priority), self._handle, credit=lambda p=priority: self._credit(p),
+                steps=[lanes.counted(self.outcomes), lanes.decoded(self.bus, call_decoder, "call"),
+                       lanes.tenant_from_subject(3, 4)])   # dsec.call.<priority>.<tenant>
 
     def _credit(self, priority: str) -> int:
         """What a consumer may have in flight: its calls in flight plus the workers free for more, less the
@@ -103,13 +106,7 @@ class CallLane:
             w.poke()
 
     async def _handle(self, d: Delivery) -> Verdict:
-        try:
-            req = call_decoder.decode(d.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            env = salvage(d.data)
-            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
-                                                       message=f"bad call request: {exc}"))
-            return Verdict.TERM
+        req: CallRequest = d.msg   # (decoded, its tenant from the subject: the lane's chain, bus/lanes.py)
         if req.call_id in self._running:   # a redelivery while it runs here: it answers when done
             d.nak_delay = 1.0
             return Verdict.NAK

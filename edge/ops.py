@@ -6,16 +6,17 @@ typed error for a sandbox this node does not run (with the recorded reason) or a
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
 import msgspec
 
-from bus import kinds, streams, subjects
+from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, OkReply, ReadFile, ResumeRequest, RollbackRequest,
-                          SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder, salvage, snapshot_decoder)
+                          SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder, snapshot_decoder)
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
 from edge.backends.base import BackendError, SandboxGone
@@ -38,6 +39,7 @@ class OpLane:
         self.max_execs = max_execs
         self.execs = execs
         self.sandboxes = sandboxes
+        self.outcomes: collections.Counter = collections.Counter()   # (message kind, verdict) -> ops handled
         self._worker = None
 
     @property
@@ -49,7 +51,9 @@ class OpLane:
         """Start pulling ops (and answering running execs' controls)."""
         await self.execs.start()
         self._worker = await self.bus.pull_worker(streams.edge_ops_consumer(self.node), self._handle,
-                                                  credit=lambda: self.max_execs)
+                                                  credit=lambda: self.max_execs,
+                                                  steps=[lanes.counted(self.outcomes),
+                                                         lanes.decoded(self.bus, op_decoder, "op", self._bad_op)])
 
     async def stop(self) -> None:
         """Stop pulling; cancel ops in flight (their sandboxes are about to be destroyed)."""
@@ -57,17 +61,14 @@ class OpLane:
             await self._worker.stop(drain=False)
         await self.execs.stop()
 
+    async def _bad_op(self, d: Delivery, env, exc: Exception) -> None:
+        """An undecodable exec still ends in one exit record (its waiter reads the stream, not a reply)."""
+        if env.exec_id and env.sandbox_id:
+            await self.execs.reject(self._tenant(d.subject, env.sandbox_id), env.sandbox_id, env.exec_id,
+                                    InvalidRequest(f"bad exec request: {exc}"))
+
     async def _handle(self, d: Delivery) -> Verdict:
-        try:
-            op = op_decoder.decode(d.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            env = salvage(d.data)
-            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
-                                                       message=f"bad request: {exc}"))
-            if env.exec_id and env.sandbox_id:
-                await self.execs.reject(self._tenant(d.subject, env.sandbox_id), env.sandbox_id, env.exec_id,
-                                        InvalidRequest(f"bad exec request: {exc}"))
-            return Verdict.TERM
+        op = d.msg   # (decoded by the lane's chain: bus/lanes.py)
         tenant = self._tenant(d.subject, op.sandbox_id)
         target = subjects.op_target(d.subject)
         if target is not None and target[1] != op.sandbox_id:
@@ -86,7 +87,7 @@ class OpLane:
             case ExecRequest():
                 return await self.execs.handle(msgspec.structs.replace(op, tenant=tenant), d)
             case DestroyRequest():
-                await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(op.sandbox_id)))
+                await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(tenant, op.sandbox_id)))
             case WriteFile():
                 await self._answer(op, self._on(op.sandbox_id, "write_file", lambda: sb.backend.write_file(
                     op.sandbox_id, op.path, op.data, op.mode), FileOpError))
@@ -146,10 +147,10 @@ class OpLane:
         except BackendError as exc:   # a destroy is recorded anyway; what the kernel kept is reconciled at restart
             raise failure(str(exc) if failure is FileOpError else f"{what} of {sandbox_id} failed: {exc}") from exc
 
-    async def _destroy(self, sandbox_id: str) -> None:
+    async def _destroy(self, tenant: str, sandbox_id: str) -> None:
         """Destroy by request; SandboxNotFound (how it ended) when it had ended otherwise first."""
         if await self.sandboxes.destroy(sandbox_id, "destroyed", "destroyed by request") is Outcome.FINAL:
-            rec, _ = await self.sandboxes.records.get(sandbox_id)   # it ended otherwise first: say how
+            rec, _ = await self.sandboxes.records.get(tenant, sandbox_id)   # it ended otherwise first: say how
             reason = rec.state if rec is not None else "destroyed"
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
 
@@ -160,7 +161,8 @@ class OpLane:
             op.sandbox_id, op.path, op.limit), FileOpError)
 
     async def _rollback(self, op: RollbackRequest, tenant: str) -> None:
-        raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, op.snapshot_id)
+        raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, op.snapshot_id))
+               if subjects.is_token(op.snapshot_id) else None)
         try:
             snap = snapshot_decoder.decode(raw) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -34,6 +34,11 @@ TERMINAL = frozenset({"destroyed", "expired", "failed", "node_lost"})
 CONFLICTS = 8   # compare-and-set conflicts one change meets before it reads and decides again
 
 
+
+def key_of(rec: SandboxRecord) -> str:
+    """The record's key in dsec-sandboxes: <tenant>.<sandbox>."""
+    return subjects.record_key(rec.tenant, rec.sandbox_id)
+
 class Outcome(enum.Enum):
     """What applying a change did."""
 
@@ -148,26 +153,27 @@ class SandboxRecords:
     async def claim(self, rec: SandboxRecord, revision: int = 0) -> tuple[int | None, SandboxRecord | None, int]:
         """Write a `starting` claim over `revision` (0: the id has no record). Returns (new revision or
         None, the record found instead, its revision)."""
-        claimed = await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec), revision)
+        claimed = await self.bus.kv_cas(streams.SANDBOXES_KV, key_of(rec), encode(rec), revision)
         if claimed is not None:
             self.revisions[rec.sandbox_id] = claimed
             return claimed, None, 0
-        raw, latest = await self.bus.kv_entry(streams.SANDBOXES_KV, rec.sandbox_id)
+        raw, latest = await self.bus.kv_entry(streams.SANDBOXES_KV, key_of(rec))
         return None, decode_record(raw), latest
 
-    async def get(self, sandbox_id: str) -> tuple[SandboxRecord | None, int]:
+    async def get(self, tenant: str, sandbox_id: str) -> tuple[SandboxRecord | None, int]:
         """A sandbox's record and its revision (None, revision of its tombstone or 0)."""
-        raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, sandbox_id)
+        raw, revision = await self.bus.kv_entry(streams.SANDBOXES_KV, subjects.record_key(tenant, sandbox_id))
         return decode_record(raw), revision
 
-    async def free_claim(self, sandbox_id: str, node: str | None = None, revision: int = 0) -> bool:
+    async def free_claim(self, tenant: str, sandbox_id: str, node: str | None = None, revision: int = 0) -> bool:
         """Delete a `starting` claim of this node (never someone else's, never a later state); with a
         revision, only the claim at that revision (the one the caller checked)."""
+        key = subjects.record_key(tenant, sandbox_id)
         if revision:
-            return await self.bus.kv_cas_delete(streams.SANDBOXES_KV, sandbox_id, revision)
-        rec, revision = await self.get(sandbox_id)
+            return await self.bus.kv_cas_delete(streams.SANDBOXES_KV, key, revision)
+        rec, revision = await self.get(tenant, sandbox_id)
         if rec is not None and rec.node == (node or self.node) and rec.state == "starting":
-            return await self.bus.kv_cas_delete(streams.SANDBOXES_KV, sandbox_id, revision)
+            return await self.bus.kv_cas_delete(streams.SANDBOXES_KV, key, revision)
         return False
 
     # ---- changes through the outbox -----------------------------------------------------------------
@@ -226,11 +232,11 @@ class SandboxRecords:
         data = encode(rec)
         for _ in range(CONFLICTS):
             if revision >= 0:
-                written = await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, data, revision)
+                written = await self.bus.kv_cas(streams.SANDBOXES_KV, key_of(rec), data, revision)
                 if written is not None:
                     self._stored_revision(rec, written)
                     return Outcome.WRITTEN
-            prior, revision = await self.get(rec.sandbox_id)
+            prior, revision = await self.get(rec.tenant, rec.sandbox_id)
             why = decide(prior, rec, over_claim)
             if why is not None:
                 if why is Outcome.ALREADY:
@@ -273,10 +279,10 @@ class SandboxRecords:
     async def reject(self, rec: SandboxRecord, publishes: list[Publish]) -> bool:
         """A request that ended before any node took it (placement: no room before its deadline): its final
         record, only if the id has none (a node's claim is then the truth), and its event."""
-        prior, revision = await self.get(rec.sandbox_id)
+        prior, revision = await self.get(rec.tenant, rec.sandbox_id)
         if prior is not None and not (prior.request_id == rec.request_id and not prior.node):
             return False   # a node's record: the truth
-        if prior is None and await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(rec),
+        if prior is None and await self.bus.kv_cas(streams.SANDBOXES_KV, key_of(rec), encode(rec),
                                                    revision) is None:
             return False
         for p in publishes:   # (again, for a rejection recorded before: the msg ids keep one of each)
@@ -288,7 +294,7 @@ class SandboxRecords:
         record (published again by whoever finishes a lost node's job, so a crash midway loses none)."""
         gone = msgspec.structs.replace(rec, state="node_lost", reason=why, updated_at=time.time(),
                                        version=rec.version + 1, suspended=False)
-        written = await self.bus.kv_cas(streams.SANDBOXES_KV, rec.sandbox_id, encode(gone), revision)
+        written = await self.bus.kv_cas(streams.SANDBOXES_KV, key_of(rec), encode(gone), revision)
         if written is None:
             return Outcome.FINAL
         await self.announce_lost(gone)

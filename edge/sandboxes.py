@@ -19,7 +19,7 @@ from typing import Callable
 
 import msgspec
 
-from bus import streams
+from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
@@ -116,20 +116,20 @@ class Sandboxes:
         if tenant and running is not None and running.record.tenant != tenant:
             return unknown
         reason = self.ending(sandbox_id)   # ending here now, or ended here
-        if not reason or (tenant and running is None):
+        whose = tenant or (running.record.tenant if running is not None else "")
+        rec = None
+        if whose and (not reason or (tenant and running is None)):   # (its record is keyed by its tenant)
             try:
-                rec, _ = await self.records.get(sandbox_id)
+                rec, _ = await self.records.get(whose, sandbox_id)
             except BusError:
-                rec, reason = None, reason or "unknown"
-            if rec is not None and tenant and rec.tenant != tenant:
-                return unknown
-            if not reason:
-                if rec is None:
-                    reason = "never_existed"
-                elif rec.state in TERMINAL or rec.state == "starting":
-                    reason = rec.state
-                else:
-                    reason = "node_lost" if rec.node == self.node else "not_on_this_node"
+                reason = reason or "unknown"
+        if not reason:
+            if rec is None:
+                reason = "never_existed"
+            elif rec.state in TERMINAL or rec.state == "starting":
+                reason = rec.state
+            else:
+                reason = "node_lost" if rec.node == self.node else "not_on_this_node"
         return SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
 
     def trusted_shell(self, sandbox_id: str) -> str:
@@ -234,7 +234,7 @@ class Sandboxes:
                               layers=[*running.layers, own],
                               image=rec.image, env=dict(running.spec.env) if running.spec else {},
                               resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time())
-        await self.bus.kv_put(streams.SNAPSHOTS_KV, snap_id, snap, retry_for=RECORD_WAIT)
+        await self.bus.kv_put(streams.SNAPSHOTS_KV, subjects.record_key(rec.tenant, snap_id), snap, retry_for=RECORD_WAIT)
         running.snapshots += 1
         await self.records.change(None, sandbox_id, publishes=lifecycle(
             rec, "snapshot", node=self.node, detail=f"{snap_id} {tag}".strip(), nth=running.snapshots))

@@ -157,7 +157,7 @@ class ControlApi:
     async def _get(self, tenant: str, req: GetSandbox) -> Wire:
         if not subjects.is_token(req.sandbox_id):
             raise InvalidRequest(f"sandbox_id must be 1-128 characters of [A-Za-z0-9_-], got {req.sandbox_id!r}")
-        raw = await self.bus.kv_get(streams.SANDBOXES_KV, req.sandbox_id)
+        raw = await self.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(tenant, req.sandbox_id))
         try:
             rec = sandbox_decoder.decode(raw) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):

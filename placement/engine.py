@@ -20,12 +20,12 @@ import time
 
 import msgspec
 
-from bus import kinds, streams, subjects
+from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
 from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queued, SandboxReady,
-                          SandboxRecord, create_decoder, encode, heartbeat_decoder, salvage)
-from bus.pull import Delivery, Lease, Verdict
+                          SandboxRecord, create_decoder, encode, heartbeat_decoder)
+from bus.pull import Delivery, Verdict
 from bus import validate
 from placement import scoring
 from placement.api import ControlApi
@@ -72,6 +72,7 @@ class PlacementEngine:
         self.ledger.hears_itself = self.reaper.hears_itself
         self.records = SandboxRecords(bus, "")
         self.api = ControlApi(bus, self.images, self.quotas)
+        self.outcomes: collections.Counter = collections.Counter()   # (message kind, verdict) -> creates handled
         self.max_waiting = max_waiting
         self.burst_threshold = burst_threshold
         self.burst_pool, self.pool = burst_pool, pool
@@ -99,7 +100,10 @@ class PlacementEngine:
         await self.api.start()
         for prio in subjects.PRIORITIES:
             self._workers.append(await self.bus.pull_worker(
-                streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting))
+                streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting,
+                steps=[lanes.counted(self.outcomes), lanes.retried_on_bus_errors(0.5, "create request"),
+                       lanes.leased(streams.PLACEMENT_LEASE_EVERY), lanes.decoded(self.bus, create_decoder, "create"),
+                       lanes.tenant_from_subject(4, 5)]))   # dsec.req.create.<priority>.<tenant>
 
     async def stop(self) -> None:
         """Stop pulling; requests in flight are dropped unacked (another engine gets them)."""
@@ -168,15 +172,7 @@ class PlacementEngine:
 
     def _handler(self, priority: str):
         async def handle(d: Delivery) -> Verdict:
-            lease = Lease(d, every=streams.PLACEMENT_LEASE_EVERY)
-            try:
-                return await self._handle(d, priority)
-            except BusError as exc:   # a hiccup (a leader election), not an answer: try again shortly
-                log.warning("create request retried: %s", exc)
-                d.nak_delay = 0.5
-                return Verdict.NAK
-            finally:
-                lease.cancel()
+            return await self._handle(d, priority)
         return handle
 
     async def _event(self, req: CreateRequest, type_: str, detail: str) -> None:
@@ -200,14 +196,7 @@ class PlacementEngine:
         return Verdict.ACK
 
     async def _handle(self, d: Delivery, priority: str) -> Verdict:
-        try:
-            req = create_decoder.decode(d.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            env = salvage(d.data)
-            await self.bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code="invalid_request",
-                                                       message=f"bad create request: {exc}"))
-            return Verdict.TERM
-        req = msgspec.structs.replace(req, priority=priority)   # the subject it came on decides
+        req = msgspec.structs.replace(d.msg, priority=priority)   # the subject it came on decides (and its tenant)
         try:
             validate.check_create(req)
             if validate.expired(req.deadline):
@@ -251,7 +240,7 @@ class PlacementEngine:
         """Whether a request delivered again already has a sandbox (ready) or an outcome: then it is answered
         from its record and booked nowhere again. A `starting` one is placed as usual (its node may have
         died: the claim decides who starts it)."""
-        rec, _ = await self.records.get(req.sandbox_id)
+        rec, _ = await self.records.get(req.tenant, req.sandbox_id)
         if rec is None or rec.request_id != req.request_id:
             return False
         if rec.state == "starting":   # a live node is on it (it answers; if it dies, the reaper places it again)

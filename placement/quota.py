@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from bus import streams
+from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import QuotaExceeded
 from bus.messages import (CreateRequest, Hold, Quota, TenantUsage, encode, quota_decoder, sandbox_decoder,
@@ -82,7 +82,8 @@ class Quotas:
     async def _live(self, usage: TenantUsage) -> set[str]:
         """The held sandbox ids that still count: running, or not yet recorded and within their deadline."""
         ids = list(usage.holds)
-        raws = await asyncio.gather(*(self.bus.kv_get(streams.SANDBOXES_KV, i) for i in ids))
+        raws = await asyncio.gather(*(self.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(usage.tenant, i))
+                                      for i in ids))
         now = time.time()
         live = set()
         for sid, raw in zip(ids, raws):

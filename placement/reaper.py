@@ -27,7 +27,7 @@ from bus.conn import Bus
 from bus.errors import DsecError
 from bus.nodes import decode_node, set_flag
 from edge.lanes import replace_creates
-from edge.records import Outcome, SandboxRecords, decode_record
+from edge.records import Outcome, SandboxRecords, decode_record, key_of
 from placement.ledger import NodeLedger
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Reaper:
         checked = 0
         for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
             rec = decode_record(raw)
-            if rec is None or rec.node != node or rec.sandbox_id != key or rec.epoch > epoch:
+            if rec is None or rec.node != node or key_of(rec) != key or rec.epoch > epoch:
                 continue
             if rec.state == "node_lost" and again:   # marked by an engine that died before announcing it
                 await self.records.announce_lost(rec)
@@ -153,11 +153,11 @@ class Reaper:
             checked += 1
             if checked % STILL_LOST_EVERY == 1 and not await self._still_lost(node, epoch):
                 return False   # it came back: its own records win from here on
-            now_rec, revision = await self.records.get(key)
+            now_rec, revision = await self.records.get(rec.tenant, rec.sandbox_id)
             if now_rec != rec:
                 continue   # changed since the listing: its writer knows better
             if rec.state == "starting":   # never started: free the id (that claim only), placed again below
-                await self.records.free_claim(key, node, revision)
+                await self.records.free_claim(rec.tenant, rec.sandbox_id, node, revision)
                 continue
             if await self.records.mark_lost(rec, revision, f"node {node} stopped heartbeating") is Outcome.WRITTEN:
                 self.lost_sandboxes += 1

@@ -37,7 +37,7 @@ class Snapshots:
         if not isinstance(ref, str) or not ref:
             raise InvalidRequest(f"snapshot: give an id or a tag, got {ref!r}")
         if subjects.is_token(ref):
-            raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, ref)
+            raw = await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, ref))
             try:
                 rec = snapshot_decoder.decode(raw) if raw is not None else None
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -67,7 +67,7 @@ class Snapshots:
         users = [r.sandbox_id for r in await self.records(tenant) if r.state in ("starting", "ready") and own in r.layers]
         if users:
             raise InvalidRequest(f"snapshot {snap.id} is in use by running sandboxes ({', '.join(users)})")
-        await self.bus.kv_delete(streams.SNAPSHOTS_KV, snap.id)
+        await self.bus.kv_delete(streams.SNAPSHOTS_KV, subjects.record_key(snap.tenant, snap.id))
         if not others and not await self._held_elsewhere(own, tenant):
             await self.bus.obj_delete(streams.LAYERS_OBJ, own)
         return Done()

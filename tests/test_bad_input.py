@@ -21,7 +21,7 @@ def junk_subjects(node: str) -> list[str]:
     return [
         "dsec.req.create.default", "dsec.req.create.latency.default", "dsec.req.create.batch.other",
         f"dsec.node.{node}.create", f"dsec.node.{node}.exec.sbjunk", f"dsec.node.{node}.exec.default.sbjunk", "dsec.pool.cloud.create", "dsec.pool.local.create", "dsec.out.sbjunk.xjunk", f"dsec.out.default.{node}.sbjunk.xjunk", "dsec.evt.default.sbjunk",
-        f"$KV.{streams.NODES_KV}.junk", f"$KV.{streams.NODES_KV}.{node}x", f"$KV.{streams.SANDBOXES_KV}.sbjunk",
+        f"$KV.{streams.NODES_KV}.junk", f"$KV.{streams.NODES_KV}.{node}x", f"$KV.{streams.SANDBOXES_KV}.sbjunk", f"$KV.{streams.SANDBOXES_KV}.default.sbjunk",
         f"$KV.{streams.IMAGES_KV}.junk", f"$KV.{streams.IMAGES_KV}.junk.1", f"$O.{streams.LAYERS_OBJ}.C.junk",
         f"$O.{streams.LAYERS_OBJ}.M.anVuaw==",
     ]

@@ -78,7 +78,7 @@ async def test_list_pages_and_filters_on_the_server(stack, client):
     now = time.time()
     recs = [SandboxRecord(sandbox_id=f"sb-page-{i:04d}", tenant=tenant, state="destroyed" if i % 3 else "failed",
                           labels={"n": str(i % 2)}, created_at=now + i * 1e-3) for i in range(1200)]
-    await asyncio.gather(*(stack.bus.kv_put(streams.SANDBOXES_KV, r.sandbox_id, r) for r in recs))
+    await asyncio.gather(*(stack.bus.kv_put(streams.SANDBOXES_KV, subjects.record_key(tenant, r.sandbox_id), r) for r in recs))
     try:
         async with libdsec.AsyncClient(stack.url, tenant=tenant) as c:
             no_store_access(c)
@@ -95,7 +95,7 @@ async def test_list_pages_and_filters_on_the_server(stack, client):
             page = api_reply_decoder.decode(data)
             assert len(page.records) == MAX_PAGE and page.next_token
     finally:
-        await asyncio.gather(*(stack.bus.kv_delete(streams.SANDBOXES_KV, r.sandbox_id) for r in recs))
+        await asyncio.gather(*(stack.bus.kv_delete(streams.SANDBOXES_KV, subjects.record_key(tenant, r.sandbox_id)) for r in recs))
 
 
 @pytest.mark.parametrize("subject,payload,code,says", [
@@ -144,3 +144,26 @@ def test_the_sdk_uses_no_bucket_store_or_server_package():
         for bad in ("kv_get", "kv_put", "kv_items", "kv_delete", "obj_", "_KV", "LAYERS_OBJ", "import placement",
                     "from placement", "from edge", "import edge"):
             assert bad not in text, f"{path.name} uses {bad}"
+
+
+async def test_records_of_the_earlier_layout_move_to_tenant_keys(stack):
+    """A sandbox and a snapshot record stored under their bare ids (before <tenant>.<id>) are moved at
+    provisioning, and read through the API afterwards; running it again changes nothing."""
+    from bus import migrations
+    from bus.messages import SnapshotRecord
+    rec = SandboxRecord(sandbox_id="sb-legacy-1", tenant="legacy", state="destroyed", created_at=time.time())
+    snap = SnapshotRecord(id="snap-legacy-1", tenant="legacy", created_at=time.time())
+    await stack.bus.kv_put(streams.SANDBOXES_KV, rec.sandbox_id, rec)
+    await stack.bus.kv_put(streams.SNAPSHOTS_KV, snap.id, snap)
+    try:
+        assert await migrations.record_keys(stack.bus) == 2
+        assert await migrations.record_keys(stack.bus) == 0
+        assert await stack.bus.kv_get(streams.SANDBOXES_KV, rec.sandbox_id) is None
+        async with libdsec.AsyncClient(stack.url, tenant="legacy") as c:
+            assert [r.sandbox_id for r in await c.list(all_states=True)] == [rec.sandbox_id]
+            assert (await c._record(rec.sandbox_id)).state == "destroyed"
+            assert (await c.snapshot(snap.id)).id == snap.id
+    finally:
+        for bucket, key in ((streams.SANDBOXES_KV, rec.sandbox_id), (streams.SNAPSHOTS_KV, snap.id)):
+            await stack.bus.kv_delete(bucket, key)
+            await stack.bus.kv_delete(bucket, subjects.record_key("legacy", key))

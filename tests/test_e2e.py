@@ -119,7 +119,7 @@ async def test_events_and_kv_record(client, stack):
     from bus import streams, subjects
     from bus.messages import event_decoder, sandbox_decoder
     async with await client.create(labels={"job": "jx"}) as sb:
-        rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, sb.id))
+        rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(client.tenant, sb.id)))
         assert rec.state == "ready" and rec.labels == {"job": "jx"} and rec.node == sb.node
     evs = [event_decoder.decode(d) async for d in stack.bus.read_subject(streams.EVT_STREAM,
                                                                          subjects.event("default", sb.id))]

@@ -187,7 +187,7 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
         await bus.kv_put(streams.NODES_KV, node, fake_node(node, age=streams.NODE_LOST_AFTER + 5, bookings={
             f"rw{node}": Booking(Resources(), time.time() + 60)}))
         sid = f"sb{node}"
-        await bus.kv_put(streams.SANDBOXES_KV, sid, SandboxRecord(sandbox_id=sid, node=node, state="ready",
+        await bus.kv_put(streams.SANDBOXES_KV, f"default.{sid}", SandboxRecord(sandbox_id=sid, node=node, state="ready",
                                                                   request_id="rq"))
         for config in (streams.edge_create_consumer(node), streams.edge_ops_consumer(node)):
             await bus.ensure_consumer(*config)
@@ -206,7 +206,7 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
         reapers = [Reaper(bus, ledger_mod.NodeLedger(bus)) for _ in range(2)]
         claims = await asyncio.gather(*(r.claim(node) for r in reapers))
         assert sorted(claims) == [False, True], "exactly one engine handles a lost node"
-        rec = sandbox_decoder.decode(await bus.kv_get(streams.SANDBOXES_KV, sid))
+        rec = sandbox_decoder.decode(await bus.kv_get(streams.SANDBOXES_KV, f"default.{sid}"))
         assert rec.state == "node_lost"
         assert event_decoder.decode(await asyncio.wait_for(events.get(), 5)).type == "node_lost"
         assert exits.empty(), "the reaper must not answer a node's ops: a node that comes back serves them"

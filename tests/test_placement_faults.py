@@ -178,11 +178,11 @@ async def test_the_reaper_marks_only_the_lost_run_and_leaves_a_returned_node_its
     try:
         await bus.kv_put(streams.NODES_KV, "back", fake_node("back", age=60, started_at=1.0))
         for sid, epoch in (("old1", 1.0), ("new2", 2.0)):
-            await bus.kv_put(streams.SANDBOXES_KV, sid, SandboxRecord(sandbox_id=sid, node="back", state="ready",
+            await bus.kv_put(streams.SANDBOXES_KV, f"default.{sid}", SandboxRecord(sandbox_id=sid, node="back", state="ready",
                                                                       request_id=f"r{sid}", epoch=epoch, version=2))
         reaper = Reaper(bus, ledger_mod.NodeLedger(bus))
         assert await reaper.claim("back")
-        states = {sid: sandbox_decoder.decode(await bus.kv_get(streams.SANDBOXES_KV, sid)).state
+        states = {sid: sandbox_decoder.decode(await bus.kv_get(streams.SANDBOXES_KV, f"default.{sid}")).state
                   for sid in ("old1", "new2")}
         assert states == {"old1": "node_lost", "new2": "ready"}
         # it comes back (a new run), a create waits on its lane: a reaper finishing late takes nothing
@@ -193,7 +193,7 @@ async def test_the_reaper_marks_only_the_lost_run_and_leaves_a_returned_node_its
         assert await bus.consumer_pending(streams.NODE_STREAM, "edge-back-create") == 1
     finally:
         for key in ("old1", "new2"):
-            await bus.kv_delete(streams.SANDBOXES_KV, key)
+            await bus.kv_delete(streams.SANDBOXES_KV, f"default.{key}")
         await bus.delete_consumer(*[streams.NODE_STREAM, "edge-back-create"])
         await bus.kv_delete(streams.NODES_KV, "back")
         await bus.close()

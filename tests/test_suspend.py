@@ -35,7 +35,7 @@ async def test_a_group_of_20_on_2_edges_freezes_and_goes_on_where_it_was(stack, 
         assert (await counts([other]))[0] > other_before, "only the job's sandboxes are suspended"
         with pytest.raises(libdsec.SandboxSuspended):
             await boxes[0].exec("echo hi")
-        rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, boxes[0].id))
+        rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, f"{client.tenant}.{boxes[0].id}"))
         assert rec.state == "ready" and rec.suspended
         assert await client.suspend(labels={"job": "js"}) == []        # already suspended: nothing to do
         assert sorted(await client.resume(labels={"job": "js"})) == sorted(suspended)

@@ -87,3 +87,27 @@ async def test_a_running_exec_takes_controls_only_on_its_tenants_subject(stack, 
             assert not h.done
         finally:
             await h.kill()
+
+
+async def test_a_create_is_the_tenant_of_its_subject_whatever_its_payload_says(stack, client, other):
+    """A create sent on tenant B's subject naming tenant A in its payload makes B's sandbox, never A's
+    (the tenant is learnt from the subject, which the server's permissions scope on)."""
+    import time
+    from bus.messages import CreateRequest, Resources, create_reply_decoder, encode
+    from libdsec.ids import new_id
+    sid = new_id("sb")
+    replies: asyncio.Queue = asyncio.Queue()
+    inbox = stack.bus.inbox() + ".forged"
+    sub = await stack.bus.subscribe(inbox, lambda data, _s: replies.put(data))
+    try:
+        req = CreateRequest(request_id=new_id("r"), sandbox_id=sid, tenant=client.tenant, image="busybox",
+                            resources=Resources(cpu=0.1, memory=64 << 20), ttl=60, deadline=time.time() + 30,
+                            sent_at=time.time(), reply_to=inbox)
+        await stack.bus.publish(subjects.create_request(other.tenant), encode(req), msg_id=req.request_id)
+        reply = create_reply_decoder.decode(await asyncio.wait_for(replies.get(), 30))
+        assert type(reply).__name__ == "SandboxReady", reply
+        assert sid in [r.sandbox_id for r in await other.list()]
+        assert sid not in [r.sandbox_id for r in await client.list(all_states=True)]
+        await (await other.get(sid)).destroy()
+    finally:
+        await sub.unsubscribe()

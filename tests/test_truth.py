@@ -29,7 +29,7 @@ async def _events(bus: Bus, sandbox_id: str) -> list[str]:
 
 
 async def _record(bus: Bus, sandbox_id: str):
-    raw = await bus.kv_get(streams.SANDBOXES_KV, sandbox_id)
+    raw = await bus.kv_get(streams.SANDBOXES_KV, f"default.{sandbox_id}")
     return sandbox_decoder.decode(raw) if raw is not None else None
 
 
