@@ -135,11 +135,14 @@ class KvStore:
         with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
-    async def kv_items(self, bucket: str, tries: int = 5) -> list[tuple[str, bytes]]:
-        """Every live (key, value) of a bucket, read through one ordered pass over its stream. The pass runs
-        on whichever replica the server picks for it; one still catching up (a server just back) would list
-        an old state, so a pass that ends short of the last sequence the stream's leader reported before it
-        started is done again (BusError after `tries`)."""
+    async def kv_items(self, bucket: str, tries: int = 5, *, prefix: str = "") -> list[tuple[str, bytes]]:
+        """Every live (key, value) of a bucket (with `prefix`: only the keys `<prefix>.*`, read by subject,
+        at the cost of those alone), read through one ordered pass over its stream. The pass runs on
+        whichever replica the server picks for it; one still catching up (a server just back) would list an
+        old state, so a whole-bucket pass that ends short of the last sequence the stream's leader reported
+        before it started is done again (BusError after `tries`)."""
+        if prefix:
+            return await self._kv_prefixed(bucket, prefix)
         for attempt in range(tries):
             out: dict[str, bytes] = {}
             prefix = f"$KV.{bucket}."
@@ -162,14 +165,22 @@ class KvStore:
             await asyncio.sleep(0.2 * (attempt + 1))
         raise BusError(f"kv list {bucket}: every pass read a replica behind the stream's leader")
 
-    async def kv_last_revision(self, bucket: str) -> int:
-        """The bucket's last revision now (what a watch must have seen to be as new as a read now)."""
-        with mapped_errors(f"kv info {bucket}"):
-            return (await self.js.stream_info(f"KV_{bucket}")).state.last_seq
+    async def _kv_prefixed(self, bucket: str, prefix: str) -> list[tuple[str, bytes]]:
+        subject = f"$KV.{bucket}.{prefix}.>"
+        if not await self._has_messages(f"KV_{bucket}", subject):
+            return []
+        out: dict[str, bytes] = {}
+        head = f"$KV.{bucket}."
+        async for subj, data, op, _seq in self._kv_stream(bucket, subject):
+            if op in ("DEL", "PURGE"):
+                out.pop(subj[len(head):], None)
+            else:
+                out[subj[len(head):]] = data
+        return list(out.items())
 
-    async def _kv_stream(self, bucket: str):
+    async def _kv_stream(self, bucket: str, subject: str = ""):
         with mapped_errors(f"kv list {bucket}"):
-            sub = await self.js.subscribe(f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,
+            sub = await self.js.subscribe(subject or f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,
                                           deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
         try:
             while True:

@@ -3,7 +3,7 @@ engine answers each request). Everything the SDK reads or sets besides creates a
 through here: a tenant's sandbox records, snapshots and warm pools, filtered on the server. No client
 reads a KV bucket or an object store itself.
 
-One chain of steps runs around every handler (`STEPS`): the tenant from the subject (never from the
+One chain of steps runs around every handler (`self.steps`): the tenant from the subject (never from the
 payload), the tenant's rate, decoding into the verb's one request type, the answer's outcome counted, and
 every error turned into one typed ErrorReply. A handler only does its own work.
 """
@@ -23,7 +23,6 @@ from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
 from bus.messages import ErrorReply, SandboxRecord, Wire, sandbox_decoder
 from placement.snapshots import Snapshots
-from placement.view import SandboxView
 from placement.warmpools import WarmPools
 
 log = logging.getLogger(__name__)
@@ -63,7 +62,6 @@ class ControlApi:
         self.bus = bus
         self.quotas = quotas
         self.rate = rate
-        self.view = SandboxView(bus)
         self.snapshots = Snapshots(bus, self.records)
         self.pools = WarmPools(bus, images)
         self.outcomes: collections.Counter = collections.Counter()   # (verb, code) -> answers
@@ -74,7 +72,6 @@ class ControlApi:
         self.steps: list[Step] = [self._answer_errors, self._count, self._authorise, self._limit, self._decode]
 
     async def start(self) -> None:
-        await self.view.start()
         self._sub = await self.bus.serve(subjects.api_all(), self.handle, queue=QUEUE)
 
     async def stop(self) -> None:
@@ -84,7 +81,6 @@ class ControlApi:
             except Exception:   # the connection is going anyway
                 pass
             self._sub = None
-        await self.view.stop()
 
     async def handle(self, data: bytes, subject: str) -> Wire:
         """Run one request down the chain to its handler."""
@@ -151,8 +147,17 @@ class ControlApi:
     # ---- sandboxes ------------------------------------------------------------------------------
 
     async def records(self, tenant: str) -> list[SandboxRecord]:
-        """Every record of one tenant (any state), oldest first."""
-        return await self.view.records(tenant)
+        """Every record of one tenant (any state), oldest first: a read of its keys alone (<tenant>.*),
+        so a list costs the tenant's records, and nothing is watched between lists."""
+        out = []
+        for _, raw in await self.bus.kv_items(streams.SANDBOXES_KV, prefix=tenant):
+            try:
+                rec = sandbox_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if rec.tenant == tenant:
+                out.append(rec)
+        return sorted(out, key=lambda r: (r.created_at, r.sandbox_id))
 
     async def _get(self, tenant: str, req: GetSandbox) -> Wire:
         if not subjects.is_token(req.sandbox_id):

@@ -23,7 +23,7 @@ class Snapshots:
 
     async def all_of(self, tenant: str) -> list[SnapshotRecord]:
         out = []
-        for _, raw in await self.bus.kv_items(streams.SNAPSHOTS_KV):
+        for _, raw in await self.bus.kv_items(streams.SNAPSHOTS_KV, prefix=tenant):
             try:
                 rec = snapshot_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
