@@ -21,8 +21,8 @@ class GetSandbox(Wire, tag="get_sandbox"):
 
 
 class ListSandboxes(Wire, tag="list_sandboxes"):
-    """The caller's sandbox records, oldest first, filtered on the server: `states` (empty: every state),
-    every label in `labels`; `limit` per page, `next_token` from the previous page."""
+    """The caller's sandbox records by id, filtered on the server: `states` (empty: every state), every
+    label in `labels`; at most `limit` (and about 768 KiB) per page, `next_token` from the previous page."""
 
     states: list[str] = []
     labels: dict[str, str] = {}

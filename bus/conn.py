@@ -205,8 +205,12 @@ class Bus(KvStore, StreamReads):
                 log.exception("serving %s", m.subject)
                 reply = ErrorReply(code="internal", message=f"{exc.__class__.__name__}: {exc}")
             if reply is not None and m.reply:
-                with contextlib.suppress(Exception):
+                try:
                     await self.nc.publish(m.reply, encode(reply))
+                except Exception as exc:   # (e.g. larger than the server's max payload): still one answer
+                    with contextlib.suppress(Exception):
+                        await self.nc.publish(m.reply, encode(ErrorReply(
+                            code="internal", message=f"the answer could not be sent: {exc.__class__.__name__}: {exc}")))
 
         async def _cb(m) -> None:
             task = asyncio.ensure_future(_answer(m))

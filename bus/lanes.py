@@ -50,17 +50,23 @@ def decoded(bus, decoder, what: str, on_bad: Callable | None = None) -> Step:
     return step
 
 
-def tenant_from_subject(position: int, tokens: int) -> Step:
+def tenant_from_subject(bus, position: int, tokens: int) -> Step:
     """d.tenant is the subject's token at `position` of a `tokens`-token subject (the server's permissions
     scope on it); the message's own `tenant` field, if it has one, is overwritten with it. A subject of
-    another length (an older layout) leaves the message's field as it came."""
+    another shape (another length, a token that is no tenant name) is never served on the payload's word:
+    it is answered `invalid_request` (when the message names a reply subject) and terminated."""
     async def step(d: Delivery, nxt: Handler) -> Verdict:
         parts = d.subject.split(".")
         tenant = parts[position] if len(parts) == tokens else ""
-        if subjects.is_token(tenant):
-            d.tenant = tenant
-            if getattr(d.msg, "tenant", tenant) != tenant:
-                d.msg = msgspec.structs.replace(d.msg, tenant=tenant)
+        if not subjects.is_token(tenant):
+            log.warning("refused a message on %r: no tenant token where one must be", d.subject)
+            await bus.reply(getattr(d.msg, "reply_to", ""), ErrorReply(
+                request_id=getattr(d.msg, "request_id", ""), code=InvalidRequest.code,
+                message=f"subject {d.subject!r} does not name a tenant where it must (token {position + 1} of {tokens})"))
+            return Verdict.TERM
+        d.tenant = tenant
+        if getattr(d.msg, "tenant", tenant) != tenant:
+            d.msg = msgspec.structs.replace(d.msg, tenant=tenant)
         return await nxt(d)
     return step
 

@@ -231,7 +231,7 @@ class ExitRecord(Wire, tag="exit"):
 OutputRecord = Union[OutputChunk, ExitRecord]
 
 
-# ---- a running exec's input (core request/reply on dsec.in.<node>.<sandbox>.<exec>) -------------
+# ---- a running exec's input (core request/reply on dsec.in.<node>.<tenant>.<sandbox>.<exec>) -------------
 
 class ExecInput(Wire, tag="stdin"):
     """libdsec -> edge: the next piece of a live stdin (seq from 1, in order); eof closes it. Answered
@@ -475,10 +475,11 @@ class WarmPool(Wire, tag="warmpool"):
     owner: str = ""                  # the tenant that set it (only it changes or removes it; "" = default)
 
 
-def pool_key(layers: list[LayerRef], r: Resources, kind: str = "container") -> str:
-    """What a warm sandbox and a create must share: the kind, the layer digests and the resources (a short
-    hash, as edges advertise their warm stock in their node record and placement looks for it there)."""
-    text = f"{kind}|" + ",".join(la.digest for la in layers) + f"|{r.cpu}|{r.memory}|{r.pids}|{r.disk}"
+def pool_key(layers: list[LayerRef], r: Resources, kind: str = "container", owner: str = "default") -> str:
+    """What a warm sandbox and a create must share: the pool's owner (a create claims only its own tenant's
+    stock), the kind, the layer digests and the resources (a short hash, as edges advertise their warm
+    stock in their node record and placement looks for it there)."""
+    text = f"{owner}|{kind}|" + ",".join(la.digest for la in layers) + f"|{r.cpu}|{r.memory}|{r.pids}|{r.disk}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

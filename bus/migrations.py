@@ -26,10 +26,15 @@ async def record_keys(bus) -> int:
                 continue   # junk stays where it is (readers skip it)
             if not subjects.is_token(tenant):
                 continue
+            new = subjects.record_key(tenant, key)
             try:
-                await bus.kv_cas(bucket, subjects.record_key(tenant, key), raw, 0)   # (absent: a newer write wins)
-                await bus.kv_delete(bucket, key)
-                moved += 1
+                value, revision = await bus.kv_entry(bucket, new)
+                if value is None:   # absent, or a tombstone (a claim freed under the new key): take its place
+                    await bus.kv_cas(bucket, new, raw, revision)
+                value, _ = await bus.kv_entry(bucket, new)
+                if value is not None:   # the new key holds a live record (this one, or a newer write): done
+                    await bus.kv_delete(bucket, key)
+                    moved += 1
             except BusError as exc:
                 log.warning("moving %s/%s to its tenant's key failed: %s", bucket, key, exc)
     if moved:

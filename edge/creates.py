@@ -208,7 +208,7 @@ class CreateLane:
         this request then always takes, answers)."""
         if time.time() > req.deadline or req.request_id in self._slow_way:
             return False
-        warm = self.warm.take(req.layers, req.resources, req.request_id, req.backend)
+        warm = self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
         if warm is None:
             return False
         try:
@@ -330,7 +330,7 @@ class CreateLane:
 
     async def _claim_warm(self, req: CreateRequest, spec: SandboxSpec, warm: str | None = None) -> bool:
         """Give the create a ready sandbox of a matching warm pool (this one, or one taken now)."""
-        warm = warm or self.warm.take(req.layers, req.resources, req.request_id, req.backend)
+        warm = warm or self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
         if warm is None:
             return False
         try:

@@ -53,7 +53,10 @@ class OpLane:
         self._worker = await self.bus.pull_worker(streams.edge_ops_consumer(self.node), self._handle,
                                                   credit=lambda: self.max_execs,
                                                   steps=[lanes.counted(self.outcomes),
-                                                         lanes.decoded(self.bus, op_decoder, "op", self._bad_op)])
+                                                         lanes.decoded(self.bus, op_decoder, "op", self._bad_op),
+                                                         lanes.tenant_from_subject(self.bus, 4, 6)])
+        # (dsec.node.<node>.exec.<tenant>.<sandbox>: an op of any other shape is refused, never served as the
+        # sandbox's owner)
 
     async def stop(self) -> None:
         """Stop pulling; cancel ops in flight (their sandboxes are about to be destroyed)."""
@@ -62,14 +65,14 @@ class OpLane:
         await self.execs.stop()
 
     async def _bad_op(self, d: Delivery, env, exc: Exception) -> None:
-        """An undecodable exec still ends in one exit record (its waiter reads the stream, not a reply)."""
-        if env.exec_id and env.sandbox_id:
-            await self.execs.reject(self._tenant(d.subject, env.sandbox_id), env.sandbox_id, env.exec_id,
-                                    InvalidRequest(f"bad exec request: {exc}"))
+        """An undecodable exec still ends in one exit record (its waiter reads the stream, not a reply), on
+        its subject's tenant's output (none when the subject names no tenant)."""
+        target = subjects.op_target(d.subject)
+        if env.exec_id and env.sandbox_id and target is not None and target[0]:
+            await self.execs.reject(target[0], env.sandbox_id, env.exec_id, InvalidRequest(f"bad exec request: {exc}"))
 
     async def _handle(self, d: Delivery) -> Verdict:
-        op = d.msg   # (decoded by the lane's chain: bus/lanes.py)
-        tenant = self._tenant(d.subject, op.sandbox_id)
+        op, tenant = d.msg, d.tenant   # (decoded, the tenant from the subject: the lane's chain, bus/lanes.py)
         target = subjects.op_target(d.subject)
         if target is not None and target[1] != op.sandbox_id:
             err = InvalidRequest(f"the op names sandbox {op.sandbox_id!r} on the lane of {target[1]!r}")
@@ -87,32 +90,24 @@ class OpLane:
             case ExecRequest():
                 return await self.execs.handle(msgspec.structs.replace(op, tenant=tenant), d)
             case DestroyRequest():
-                await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(tenant, op.sandbox_id)))
+                await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(tenant, op.sandbox_id),
+                                                tenant=tenant))
             case WriteFile():
                 await self._answer(op, self._on(op.sandbox_id, "write_file", lambda: sb.backend.write_file(
-                    op.sandbox_id, op.path, op.data, op.mode), FileOpError))
+                    op.sandbox_id, op.path, op.data, op.mode), FileOpError, tenant))
             case ReadFile():
-                await self._answer(op, self._read(op))
+                await self._answer(op, self._read(op, tenant))
             case SuspendRequest():
-                await self._answer(op, self._on(op.sandbox_id, "suspend", lambda: sb.suspend(op.sandbox_id)))
+                await self._answer(op, self._on(op.sandbox_id, "suspend", lambda: sb.suspend(op.sandbox_id), tenant=tenant))
             case ResumeRequest():
-                await self._answer(op, self._on(op.sandbox_id, "resume", lambda: sb.resume(op.sandbox_id)))
+                await self._answer(op, self._on(op.sandbox_id, "resume", lambda: sb.resume(op.sandbox_id), tenant=tenant))
             case SnapshotRequest():
                 async def snap() -> bytes:
                     return encode(await sb.snapshot(op.sandbox_id, op.tag))
-                await self._answer(op, self._on(op.sandbox_id, "snapshot", snap))
+                await self._answer(op, self._on(op.sandbox_id, "snapshot", snap, tenant=tenant))
             case RollbackRequest():
-                await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op, tenant)))
+                await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op, tenant), tenant=tenant))
         return Verdict.ACK
-
-    def _tenant(self, subject: str, sandbox_id: str) -> str:
-        """Whose sandbox an op is for: its lane subject's tenant token (a subject of before that token: the
-        tenant of the sandbox running here)."""
-        target = subjects.op_target(subject)
-        if target is not None and target[0]:
-            return target[0]
-        running = self.sandboxes.running.get(sandbox_id)
-        return running.record.tenant if running is not None else "default"
 
     async def _answer(self, op, work) -> None:
         """Run work (unless the op expired) and answer the op once, whatever happens."""
@@ -131,19 +126,19 @@ class OpLane:
                                message=f"{type(op).__name__} failed on the node: {exc.__class__.__name__}: {exc}")
         await self.bus.reply(op.reply_to, reply)
 
-    async def _on(self, sandbox_id: str, what: str, work, failure: type[DsecError] = SandboxError):
+    async def _on(self, sandbox_id: str, what: str, work, failure: type[DsecError] = SandboxError, tenant: str = ""):
         """Run work() for a sandbox this node runs: typed errors for a gone sandbox, an operation its kind
         lacks (Unsupported: the SDK refuses it first; this is the guard for any other publisher) or a
         backend failure."""
         if sandbox_id not in self.sandboxes.running:
-            raise await self.sandboxes.gone(sandbox_id)
+            raise await self.sandboxes.gone(sandbox_id, tenant)
         kind = self.sandboxes.backend.kind_of(sandbox_id)
         if kind and what in NEEDS:
             kinds.require(kind, NEEDS[what], what)
         try:
             return await work()
         except (KeyError, SandboxGone):
-            raise await self.sandboxes.gone(sandbox_id) from None
+            raise await self.sandboxes.gone(sandbox_id, tenant) from None
         except BackendError as exc:   # a destroy is recorded anyway; what the kernel kept is reconciled at restart
             raise failure(str(exc) if failure is FileOpError else f"{what} of {sandbox_id} failed: {exc}") from exc
 
@@ -154,11 +149,11 @@ class OpLane:
             reason = rec.state if rec is not None else "destroyed"
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
 
-    async def _read(self, op: ReadFile) -> bytes:
+    async def _read(self, op: ReadFile, tenant: str) -> bytes:
         if op.limit > MAX_READ:
             raise InvalidRequest(f"limit: read_file returns at most {MAX_READ} bytes per call, got {op.limit}")
         return await self._on(op.sandbox_id, "read_file", lambda: self.sandboxes.backend.read_file(
-            op.sandbox_id, op.path, op.limit), FileOpError)
+            op.sandbox_id, op.path, op.limit), FileOpError, tenant)
 
     async def _rollback(self, op: RollbackRequest, tenant: str) -> None:
         raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, op.snapshot_id))

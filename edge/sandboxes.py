@@ -122,7 +122,11 @@ class Sandboxes:
             try:
                 rec, _ = await self.records.get(whose, sandbox_id)
             except BusError:
+                if tenant and running is None:
+                    return unknown   # (how an id ended here is told only to a tenant whose record it is)
                 reason = reason or "unknown"
+            if tenant and running is None and rec is None:
+                return unknown       # ended here, but not as this tenant's
         if not reason:
             if rec is None:
                 reason = "never_existed"

@@ -111,12 +111,12 @@ class WarmPools:
     # ---- what the edge asks -----------------------------------------------------------------------
 
     def take(self, layers: list[LayerRef], resources: Resources, request_id: str,
-             kind: str = "container") -> str | None:
+             kind: str = "container", tenant: str = "default") -> str | None:
         """A ready sandbox for a create of this kind with these layers and resources. The request's demand (and a
         miss) counts once, however often it asks (a redelivery, the short way then the usual one)."""
         if not self._by_key:   # no pool on this node: nothing to hash on the create path
             return None
-        stock = self._by_key.get(pool_key(layers, resources, kind))
+        stock = self._by_key.get(pool_key(layers, resources, kind, tenant))   # only its own tenant's pools
         if stock is None:
             return None
         first = request_id not in self._asked
@@ -238,7 +238,7 @@ class WarmPools:
         spec = stock.spec
         try:
             layers = await ImageRegistry(self.bus).compose(spec.image, spec.workspace, spec.toolkit)
-            key, stock.error = pool_key(layers, spec.resources, spec.backend), ""
+            key, stock.error = pool_key(layers, spec.resources, spec.backend, spec.owner or "default"), ""
         except (ImageNotFound, InvalidRequest) as exc:   # gone (or never was): nothing to keep warm
             layers, key, stock.error = [], "", str(exc)
         except DsecError as exc:   # the bus, for now: keep what it has, look again soon

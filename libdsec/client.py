@@ -378,7 +378,7 @@ class AsyncClient:
                                                  next_token=token), SandboxPage)
             out.extend(page.records)
             if not page.next_token:
-                return out
+                return sorted(out, key=lambda r: (r.created_at, r.sandbox_id))
             token = page.next_token
 
     # ---- trajectories -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ class Exit:
     peak_memory: int = 0
     timed_out: bool = False
     truncated: bool = False
-    exec_id: str = ""           # its output is on dsec.out.<sandbox>.<exec_id>, its record in the trajectory
+    exec_id: str = ""           # its output is on dsec.out.<tenant>.<node>.<sandbox>.<exec_id>, its record in the trajectory
 
 
 @dataclass(frozen=True)

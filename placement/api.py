@@ -21,7 +21,7 @@ from bus import streams, subjects
 from bus.apiwire import (MAX_PAGE, VERBS, GetSandbox, ListSandboxes, SandboxPage, api_request_decoder)
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
-from bus.messages import ErrorReply, SandboxRecord, Wire, sandbox_decoder
+from bus.messages import ErrorReply, SandboxRecord, Wire, encode, sandbox_decoder
 from placement.snapshots import Snapshots
 from placement.warmpools import WarmPools
 
@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 QUEUE = "dsec-api"
 DEFAULT_RATE = 200.0       # control requests per second per tenant (and engine); a burst of twice that passes
+MAX_BUCKETS = 10_000       # tenants' rate buckets kept before the full ones are dropped
+MAX_REPLY = 768 << 10      # bytes of records per page (a reply stays under the server's 1 MiB max payload)
 STATES = ("starting", "ready", "destroyed", "expired", "failed", "node_lost")
 
 
@@ -69,7 +71,7 @@ class ControlApi:
         self._sub = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
             GetSandbox: self._get, ListSandboxes: self._list, **self.snapshots.handlers(), **self.pools.handlers()}
-        self.steps: list[Step] = [self._answer_errors, self._count, self._authorise, self._limit, self._decode]
+        self.steps: list[Step] = [self._count, self._answer_errors, self._authorise, self._limit, self._decode]
 
     async def start(self) -> None:
         self._sub = await self.bus.serve(subjects.api_all(), self.handle, queue=QUEUE)
@@ -117,10 +119,14 @@ class ControlApi:
     async def _limit(self, call: Call, nxt: Next) -> Wire:
         rate = self._rate_of(call.tenant)
         now = time.monotonic()
+        cap = max(1.0, 2 * rate)   # (a burst of twice the rate; at least one request)
         b = self._buckets.get(call.tenant)
         if b is None:
-            b = self._buckets[call.tenant] = Bucket(tokens=2 * rate, at=now)
-        b.tokens = min(2 * rate, b.tokens + (now - b.at) * rate)
+            if len(self._buckets) >= MAX_BUCKETS:   # drop the full ones: a full bucket is a new one
+                self._buckets = {t: x for t, x in self._buckets.items()
+                                 if x.tokens + (now - x.at) * self._rate_of(t) < max(1.0, 2 * self._rate_of(t))}
+            b = self._buckets[call.tenant] = Bucket(tokens=cap, at=now)
+        b.tokens = min(cap, b.tokens + (now - b.at) * rate)
         b.at = now
         if b.tokens < 1:
             raise RateLimited(f"tenant {call.tenant} passed its rate of {rate:g} control requests/s: try again shortly")
@@ -157,7 +163,7 @@ class ControlApi:
                 continue
             if rec.tenant == tenant:
                 out.append(rec)
-        return sorted(out, key=lambda r: (r.created_at, r.sandbox_id))
+        return sorted(out, key=lambda r: r.sandbox_id)
 
     async def _get(self, tenant: str, req: GetSandbox) -> Wire:
         if not subjects.is_token(req.sandbox_id):
@@ -177,21 +183,17 @@ class ControlApi:
             raise InvalidRequest(f"states: unknown {', '.join(map(repr, bad))} (one of {', '.join(STATES)})")
         if not 1 <= req.limit <= MAX_PAGE:
             raise InvalidRequest(f"limit must be 1..{MAX_PAGE}, got {req.limit}")
-        after = _token(req.next_token)
-        chosen = [r for r in await self.records(tenant)
+        if req.next_token and not subjects.is_token(req.next_token):
+            raise InvalidRequest(f"next_token {req.next_token!r} is not one this API gave")
+        chosen = [r for r in await self.records(tenant)   # by id: an order no state change moves a record in
                   if (not req.states or r.state in req.states)
                   and all(r.labels.get(k) == v for k, v in req.labels.items())
-                  and (after is None or (r.created_at, r.sandbox_id) > after)]
-        page = chosen[:req.limit]
-        more = len(chosen) > req.limit
-        return SandboxPage(records=page, next_token=f"{page[-1].created_at!r}|{page[-1].sandbox_id}" if more else "")
-
-
-def _token(text: str) -> tuple[float, str] | None:
-    if not text:
-        return None
-    at, _, sid = text.partition("|")
-    try:
-        return float(at), sid
-    except ValueError:
-        raise InvalidRequest(f"next_token {text!r} is not one this API gave") from None
+                  and r.sandbox_id > req.next_token]
+        page, size = [], 0
+        for r in chosen[:req.limit]:
+            size += len(encode(r))
+            if page and size > MAX_REPLY:
+                break
+            page.append(r)
+        more = len(page) < len(chosen)
+        return SandboxPage(records=page, next_token=page[-1].sandbox_id if more else "")

@@ -103,7 +103,7 @@ class PlacementEngine:
                 streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting,
                 steps=[lanes.counted(self.outcomes), lanes.retried_on_bus_errors(0.5, "create request"),
                        lanes.leased(streams.PLACEMENT_LEASE_EVERY), lanes.decoded(self.bus, create_decoder, "create"),
-                       lanes.tenant_from_subject(4, 5)]))   # dsec.req.create.<priority>.<tenant>
+                       lanes.tenant_from_subject(self.bus, 4, 5)]))   # dsec.req.create.<priority>.<tenant>
 
     async def stop(self) -> None:
         """Stop pulling; requests in flight are dropped unacked (another engine gets them)."""
@@ -302,7 +302,7 @@ class PlacementEngine:
             return False   # strict priority: while a latency request waits here, freed room is its
         tried: set[str] = set(req.avoid)   # nodes where its environment failed: elsewhere if anywhere fits
         kind, r = req.backend, kinds.booked(req.backend, req.resources)
-        prefer = scoring.affinity(req.layers, req.resources, kind)
+        prefer = scoring.affinity(req.layers, req.resources, kind, req.tenant)
         for _ in range(BOOK_TRIES):
             away = self.ledger.unresponsive()
             nodes = self.ledger.nodes()

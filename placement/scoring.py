@@ -110,8 +110,8 @@ class Affinity:
     """How much placing a create with these layers and resources on a node saves: a warm sandbox ready
     for it (WARM_BONUS), or its layers already in the node's cache (LAYER_BONUS)."""
 
-    def __init__(self, layers: list[LayerRef], r: Resources, kind: str = "container") -> None:
-        self.key = pool_key(layers, r, kind)
+    def __init__(self, layers: list[LayerRef], r: Resources, kind: str = "container", tenant: str = "default") -> None:
+        self.key = pool_key(layers, r, kind, tenant)
         self.marks = {layer_mark(la.digest) for la in layers}
 
     def warm(self, i: NodeInfo) -> bool:
@@ -124,9 +124,9 @@ class Affinity:
         return LAYER_BONUS if self.marks and self.marks.issubset(i.layers) else 0.0
 
 
-def affinity(layers: list[LayerRef], r: Resources, kind: str = "container") -> Affinity:
+def affinity(layers: list[LayerRef], r: Resources, kind: str = "container", tenant: str = "default") -> Affinity:
     """The bonus function of a create (see Affinity)."""
-    return Affinity(layers, r, kind)
+    return Affinity(layers, r, kind, tenant)
 
 
 def _no_bonus(i: NodeInfo) -> float:

@@ -11,7 +11,7 @@ from bus import streams
 from bus.apiwire import DeleteWarmPool, Done, ListWarmPools, SetWarmPool, WarmPoolList, WarmPoolState
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest
-from bus.messages import WarmPool, node_decoder, pool_key, warm_pool_decoder
+from bus.messages import WarmPool, encode, node_decoder, pool_key, warm_pool_decoder
 from bus.validate import check_warm_pool
 
 DEFAULT_OWNER = "default"   # the owner of a pool written before pools had owners
@@ -41,12 +41,18 @@ class WarmPools:
         sandboxes (Unsupported)."""
         spec = msgspec.structs.replace(req.pool, owner=tenant, updated_at=time.time())
         check_warm_pool(spec)
-        prior = await self._spec(spec.name)
-        if prior is not None and owner_of(prior) != tenant:
-            raise InvalidRequest(f"warm pool name {spec.name!r} is taken by another tenant: choose another")
         await self.images.compose(spec.image, spec.workspace, spec.toolkit)
-        await self.bus.kv_put(streams.WARM_POOLS_KV, spec.name, spec)
-        return spec
+        for _ in range(3):
+            raw, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, spec.name)
+            try:
+                prior = warm_pool_decoder.decode(raw) if raw is not None else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                prior = None
+            if prior is not None and owner_of(prior) != tenant:
+                raise InvalidRequest(f"warm pool name {spec.name!r} is taken by another tenant: choose another")
+            if await self.bus.kv_cas(streams.WARM_POOLS_KV, spec.name, encode(spec), revision) is not None:
+                return spec   # (over exactly what was checked: two tenants taking one new name, one wins)
+        raise InvalidRequest(f"warm pool {spec.name!r} is being changed by someone else: try again")
 
     async def _delete(self, tenant: str, req: DeleteWarmPool) -> Done:
         """Every edge then destroys the pool's ready sandboxes (claimed ones live on)."""
@@ -73,7 +79,7 @@ class WarmPools:
                 continue
             try:
                 layers = await self.images.compose(spec.image, spec.workspace, spec.toolkit)
-                key, error = pool_key(layers, spec.resources, spec.backend), ""
+                key, error = pool_key(layers, spec.resources, spec.backend, owner_of(spec)), ""
             except DsecError as exc:
                 key, error = "", str(exc)
             ready = {n.node: n.warm.get(key, 0) for n in nodes if n.pool == spec.node_pool and not n.lost}

@@ -106,7 +106,7 @@ async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
         await es.open()
         nc = await nats.connect(stack.url)
         try:
-            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{sb.id}", (
+            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", (
                 b'{"kind":"exec","exec_id":"xbadexec1","sandbox_id":"%s","argv":"ls","timeout":"soon"}'
                 % sb.id.encode()))
         finally:

@@ -167,3 +167,37 @@ async def test_records_of_the_earlier_layout_move_to_tenant_keys(stack):
         for bucket, key in ((streams.SANDBOXES_KV, rec.sandbox_id), (streams.SNAPSHOTS_KV, snap.id)):
             await stack.bus.kv_delete(bucket, key)
             await stack.bus.kv_delete(bucket, subjects.record_key("legacy", key))
+
+
+async def test_the_move_to_tenant_keys_takes_the_place_of_a_tombstone(stack):
+    """A freed claim leaves a tombstone under the new key: the move still happens, and the bare key is
+    deleted only once the new key holds the record."""
+    from bus import migrations
+    rec = SandboxRecord(sandbox_id="sb-legacy-2", tenant="legacy", state="destroyed", created_at=time.time())
+    new = subjects.record_key("legacy", rec.sandbox_id)
+    await stack.bus.kv_put(streams.SANDBOXES_KV, new, rec)
+    await stack.bus.kv_delete(streams.SANDBOXES_KV, new)           # the tombstone
+    await stack.bus.kv_put(streams.SANDBOXES_KV, rec.sandbox_id, rec)
+    try:
+        assert await migrations.record_keys(stack.bus) == 1
+        assert await stack.bus.kv_get(streams.SANDBOXES_KV, new) is not None
+        assert await stack.bus.kv_get(streams.SANDBOXES_KV, rec.sandbox_id) is None
+    finally:
+        for key in (rec.sandbox_id, new):
+            await stack.bus.kv_delete(streams.SANDBOXES_KV, key)
+
+
+async def test_a_rate_below_one_a_second_still_lets_requests_through_and_errors_are_counted(stack, client):
+    await quotas.set_quota(stack.bus, Quota(tenant="slow", rate=0.2))
+    try:
+        await asyncio.sleep(0.3)
+        async with libdsec.AsyncClient(stack.url, tenant="slow") as slow:
+            assert await slow.list() == []
+            with pytest.raises(libdsec.RateLimited):
+                await slow.list()
+    finally:
+        await stack.bus.kv_delete(streams.QUOTAS_KV, "slow")
+    before = stack.placement.api.outcomes[("sandbox-get", "sandbox_not_found")]
+    with pytest.raises(libdsec.SandboxNotFound):
+        await client.get("sb-nobody-has-this")
+    assert stack.placement.api.outcomes[("sandbox-get", "sandbox_not_found")] == before + 1

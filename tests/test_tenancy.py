@@ -5,6 +5,7 @@ credentials, the NATS server also refuses B's use of A's subjects; that is the a
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -92,7 +93,6 @@ async def test_a_running_exec_takes_controls_only_on_its_tenants_subject(stack, 
 async def test_a_create_is_the_tenant_of_its_subject_whatever_its_payload_says(stack, client, other):
     """A create sent on tenant B's subject naming tenant A in its payload makes B's sandbox, never A's
     (the tenant is learnt from the subject, which the server's permissions scope on)."""
-    import time
     from bus.messages import CreateRequest, Resources, create_reply_decoder, encode
     from libdsec.ids import new_id
     sid = new_id("sb")
@@ -111,3 +111,67 @@ async def test_a_create_is_the_tenant_of_its_subject_whatever_its_payload_says(s
         await (await other.get(sid)).destroy()
     finally:
         await sub.unsubscribe()
+
+
+async def test_an_op_whose_subject_names_no_tenant_is_refused_not_served_as_the_owner(stack, client):
+    """The lane's subject of before the tenant token (dsec.node.<node>.exec.<sandbox>), or one with a token
+    that is no tenant name, is never served on the payload's word."""
+    from bus.messages import DestroyRequest, ErrorReply, encode, op_reply_decoder
+    from libdsec.ids import new_id
+    async with await client.create() as sb:
+        for subject in (f"dsec.node.{sb.node}.exec.{sb.id}", f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}.x",
+                        f"dsec.node.{sb.node}.exec.a+b.{sb.id}"):
+            replies: asyncio.Queue = asyncio.Queue()
+            inbox = stack.bus.inbox()
+            sub = await stack.bus.subscribe(inbox, lambda data, _s: replies.put(data))
+            try:
+                rid = new_id("o")
+                await stack.bus.publish(subject, encode(DestroyRequest(request_id=rid, sandbox_id=sb.id, reply_to=inbox,
+                                                                       deadline=time.time() + 10)), msg_id=rid)
+                reply = op_reply_decoder.decode(await asyncio.wait_for(replies.get(), 10))
+                assert isinstance(reply, ErrorReply) and reply.code == "invalid_request", (subject, reply)
+            finally:
+                await sub.unsubscribe()
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
+async def test_a_create_whose_subject_names_no_tenant_is_refused(stack, client):
+    from bus.messages import CreateRequest, ErrorReply, Resources, create_reply_decoder, encode
+    from libdsec.ids import new_id
+    replies: asyncio.Queue = asyncio.Queue()
+    inbox = stack.bus.inbox()
+    sub = await stack.bus.subscribe(inbox, lambda data, _s: replies.put(data))
+    try:
+        sid = new_id("sb")
+        req = CreateRequest(request_id=new_id("r"), sandbox_id=sid, tenant=client.tenant, image="busybox",
+                            resources=Resources(cpu=0.1, memory=64 << 20), ttl=60, deadline=time.time() + 30,
+                            sent_at=time.time(), reply_to=inbox)
+        await stack.bus.publish("dsec.req.create.latency.a+b", encode(req), msg_id=req.request_id)
+        reply = create_reply_decoder.decode(await asyncio.wait_for(replies.get(), 10))
+        assert isinstance(reply, ErrorReply) and reply.code == "invalid_request", reply
+        assert sid not in [r.sandbox_id for r in await client.list(all_states=True)]
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_how_a_sandbox_ended_is_told_only_to_its_tenant(stack, client, other):
+    sb = await client.create()
+    await sb.destroy()
+    with pytest.raises(libdsec.SandboxNotFound) as own:
+        await sb.exec("true", timeout=5)
+    assert own.value.reason == "destroyed"
+    for attempt in (lambda t: t.exec("true", timeout=5), lambda t: t.read_file("/etc/hostname")):
+        with pytest.raises(libdsec.SandboxNotFound) as theirs:
+            await attempt(AsyncSandbox(other, sb.id, sb.node, sb.backend))
+        assert theirs.value.reason == "never_existed", theirs.value
+
+
+async def test_a_tenants_warm_sandboxes_are_claimed_only_by_its_own_creates(stack, client, other):
+    from tests.test_warm_pools import wait_for, warm_pool
+    async with warm_pool(stack, client, "owned", min=1, max=1) as pools:
+        await wait_for(lambda: pools.ready() == 1, what="pool filled")
+        hits = pools.hits
+        async with await other.create():
+            assert pools.hits == hits and pools.ready() == 1, "another tenant's create took the pool's sandbox"
+        async with await client.create():
+            assert pools.hits == hits + 1
