@@ -9,7 +9,7 @@ from typing import Union
 
 import msgspec
 
-from bus.messages import ErrorReply, SandboxRecord, SnapshotRecord, WarmPool, Wire
+from bus.messages import ErrorReply, Quota, SandboxRecord, SnapshotRecord, WarmPool, Wire
 
 MAX_PAGE = 500             # records per reply (a reply stays well under the server's 1 MiB max payload)
 
@@ -83,21 +83,35 @@ class WarmPoolList(Wire, tag="warm_pool_list"):
     pools: list[WarmPoolState] = []
 
 
+class GetQuota(Wire, tag="get_quota"):
+    """The caller's quota and what it holds now."""
+
+
+class QuotaState(Wire, tag="quota_state"):
+    """A tenant's limits (0: none) and what its live sandboxes (starting or ready) hold."""
+
+    quota: Quota = Quota()
+    sandboxes: int = 0
+    cpu: float = 0.0
+    memory: int = 0
+
+
 class Done(Wire, tag="done"):
     """A request that changed something and returns nothing."""
 
 
 ApiRequest = Union[GetSandbox, ListSandboxes, GetSnapshot, ListSnapshots, DeleteSnapshot, SetWarmPool,
-                   ListWarmPools, DeleteWarmPool]
+                   ListWarmPools, DeleteWarmPool, GetQuota]
 
 # verb (the subject's last token) -> the one request type it takes
 VERBS: dict[str, type] = {
     "sandbox-get": GetSandbox, "sandbox-list": ListSandboxes,
     "snapshot-get": GetSnapshot, "snapshot-list": ListSnapshots, "snapshot-delete": DeleteSnapshot,
     "pool-set": SetWarmPool, "pool-list": ListWarmPools, "pool-delete": DeleteWarmPool,
+    "quota-get": GetQuota,
 }
 VERB_OF = {cls: verb for verb, cls in VERBS.items()}
 
 api_request_decoder = msgspec.json.Decoder(ApiRequest)
 api_reply_decoder = msgspec.json.Decoder(Union[SandboxRecord, SandboxPage, SnapshotRecord, SnapshotList,
-                                               WarmPool, WarmPoolList, Done, ErrorReply])
+                                               WarmPool, WarmPoolList, QuotaState, Done, ErrorReply])

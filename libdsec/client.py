@@ -8,8 +8,8 @@ from typing import Any
 import msgspec
 
 from bus import kinds, subjects
-from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetSandbox, GetSnapshot, ListSandboxes, ListSnapshots,
-                         ListWarmPools, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
+from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSandbox, GetSnapshot, ListSandboxes,
+                         ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
 from bus.errors import CapacityUnavailable, DsecError, InvalidRequest, SandboxError, SandboxNotFound, from_code
@@ -228,6 +228,11 @@ class AsyncClient:
     async def delete_warm_pool(self, name: str) -> None:
         """Remove a warm pool; its ready sandboxes are destroyed (claimed ones live on)."""
         await self._ask(DeleteWarmPool(name=name), Done)
+
+    async def quota(self) -> QuotaState:
+        """This tenant's quota (`.quota`: max_sandboxes, max_cpu, max_memory, rate; 0 is no limit) and what
+        its live sandboxes hold now (`.sandboxes`, `.cpu`, `.memory`)."""
+        return await self._ask(GetQuota(), QuotaState)
 
     async def _ask(self, request, expect: type, timeout: float = control.ASK_TIMEOUT):
         """One control API request of this tenant (libdsec/control.py)."""

@@ -16,7 +16,7 @@ from bus.messages import ErrorReply, Wire
 
 ASK_TIMEOUT = 10.0
 TRY_FOR = 2.0          # seconds one try of a read waits for its reply
-READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list")
+READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list", "quota-get")
 
 
 async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float = ASK_TIMEOUT) -> Wire:

@@ -18,10 +18,11 @@ from typing import Awaitable, Callable
 import msgspec
 
 from bus import streams, subjects
-from bus.apiwire import (MAX_PAGE, VERBS, GetSandbox, ListSandboxes, SandboxPage, api_request_decoder)
+from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, QuotaState, SandboxPage,
+                         api_request_decoder)
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
-from bus.messages import ErrorReply, SandboxRecord, Wire, encode, sandbox_decoder
+from bus.messages import ErrorReply, Quota, SandboxRecord, Wire, encode, sandbox_decoder
 from placement.snapshots import Snapshots
 from placement.warmpools import WarmPools
 
@@ -70,7 +71,7 @@ class ControlApi:
         self._buckets: dict[str, Bucket] = {}
         self._sub = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
-            GetSandbox: self._get, ListSandboxes: self._list, **self.snapshots.handlers(), **self.pools.handlers()}
+            GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(), **self.pools.handlers()}
         self.steps: list[Step] = [self._count, self._answer_errors, self._authorise, self._limit, self._decode]
 
     async def start(self) -> None:
@@ -197,3 +198,9 @@ class ControlApi:
             page.append(r)
         more = len(page) < len(chosen)
         return SandboxPage(records=page, next_token=page[-1].sandbox_id if more else "")
+
+    async def _quota(self, tenant: str, _req: GetQuota) -> Wire:
+        quota = self.quotas.table.get(tenant) if self.quotas is not None else None
+        live = [r for r in await self.records(tenant) if r.state in ("starting", "ready")]
+        return QuotaState(quota=quota or Quota(tenant=tenant), sandboxes=len(live),
+                          cpu=sum(r.resources.cpu for r in live), memory=sum(r.resources.memory for r in live))

@@ -201,3 +201,20 @@ async def test_a_rate_below_one_a_second_still_lets_requests_through_and_errors_
     with pytest.raises(libdsec.SandboxNotFound):
         await client.get("sb-nobody-has-this")
     assert stack.placement.api.outcomes[("sandbox-get", "sandbox_not_found")] == before + 1
+
+
+async def test_a_tenant_reads_its_own_quota_and_what_it_holds(stack):
+    await quotas.set_quota(stack.bus, Quota(tenant="quota-t", max_sandboxes=3, rate=50))
+    try:
+        await asyncio.sleep(0.3)
+        async with libdsec.AsyncClient(stack.url, tenant="quota-t") as c, \
+                libdsec.AsyncClient(stack.url, tenant="quota-u") as u:
+            no_store_access(c)
+            async with await c.create(resources=libdsec.Resources(cpu=0.5, memory="128Mi")):
+                q = await c.quota()
+                assert (q.quota.max_sandboxes, q.quota.rate, q.sandboxes, q.cpu, q.memory) == (3, 50, 1, 0.5, 128 << 20)
+                theirs = await u.quota()
+                assert (theirs.quota.max_sandboxes, theirs.sandboxes) == (0, 0)
+            assert (await c.quota()).sandboxes == 0
+    finally:
+        await stack.bus.kv_delete(streams.QUOTAS_KV, "quota-t")
