@@ -167,9 +167,9 @@ class Bus(KvStore, StreamReads):
             await self.nc.publish(subject, data, headers=headers)
 
     async def reply(self, reply_to: str, msg: Wire) -> bool:
-        """Answer a requester on its inbox (only ever an _INBOX subject: a request can never make a
-        service publish on a system subject); False when it was not an inbox or the bus refused (a reply
-        is a core message: the requester reads the outcome from the records if it misses it)."""
+        """Answer a requester on its inbox (only ever a reply subject, subjects.is_reply_subject: a request
+        can never make a service publish on a system subject); False when it was not an inbox or the bus
+        refused (a reply is a core message: the requester reads the outcome from the records if it misses it)."""
         if not subjects.is_reply_subject(reply_to):
             return False
         try:

@@ -54,7 +54,8 @@ def tenant_from_subject(bus, position: int, tokens: int) -> Step:
     """d.tenant is the subject's token at `position` of a `tokens`-token subject (the server's permissions
     scope on it); the message's own `tenant` field, if it has one, is overwritten with it. A subject of
     another shape (another length, a token that is no tenant name) is never served on the payload's word:
-    it is answered `invalid_request` (when the message names a reply subject) and terminated."""
+    it is answered `invalid_request` (when the message names a reply subject) and terminated. A message
+    whose reply subject is in another tenant's reply space (dsec.reply.<other>.>) is terminated unanswered."""
     async def step(d: Delivery, nxt: Handler) -> Verdict:
         parts = d.subject.split(".")
         tenant = parts[position] if len(parts) == tokens else ""
@@ -63,6 +64,10 @@ def tenant_from_subject(bus, position: int, tokens: int) -> Step:
             await bus.reply(getattr(d.msg, "reply_to", ""), ErrorReply(
                 request_id=getattr(d.msg, "request_id", ""), code=InvalidRequest.code,
                 message=f"subject {d.subject!r} does not name a tenant where it must (token {position + 1} of {tokens})"))
+            return Verdict.TERM
+        owner = subjects.reply_tenant(getattr(d.msg, "reply_to", ""))
+        if owner and owner != tenant:   # answers sent into another tenant's reply space: never
+            log.warning("refused a message on %r: its reply subject is tenant %s's", d.subject, owner)
             return Verdict.TERM
         d.tenant = tenant
         if getattr(d.msg, "tenant", tenant) != tenant:

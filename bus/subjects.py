@@ -13,7 +13,7 @@ def token(value: str, what: str) -> str:
     return value
 
 
-_REPLY = re.compile(r"^_INBOX\.[A-Za-z0-9_.-]{1,200}$")
+_REPLY = re.compile(r"^(_INBOX|dsec\.reply\.[A-Za-z0-9_-]{1,128})\.[A-Za-z0-9_.-]{1,200}$")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
@@ -23,8 +23,21 @@ def is_token(value: str) -> bool:
 
 
 def is_reply_subject(subject: str) -> bool:
-    """Replies go only to inboxes: a request can never make a service publish on a system subject."""
-    return bool(_REPLY.match(subject))
+    """Replies go only to inboxes (a tenant's dsec.reply.<tenant>.>, or a core _INBOX): a request can never
+    make a service publish on a system subject."""
+    return isinstance(subject, str) and bool(_REPLY.match(subject))
+
+
+def replies(tenant: str) -> str:
+    """The prefix of a tenant's reply subjects: where the platform answers its creates, ops and calls (a
+    subject space a server permission can give to that tenant alone)."""
+    return f"dsec.reply.{tenant}"
+
+
+def reply_tenant(subject: str) -> str:
+    """The tenant whose reply space a reply subject is in ("" for a core _INBOX or anything else)."""
+    parts = subject.split(".") if isinstance(subject, str) else []
+    return parts[2] if len(parts) > 3 and parts[0] == "dsec" and parts[1] == "reply" else ""
 
 
 def is_digest(value: str) -> bool:

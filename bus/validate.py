@@ -47,7 +47,7 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
     if not 0 < req.ttl <= MAX_TTL:
         raise InvalidRequest(f"ttl must be > 0 and <= {int(MAX_TTL)} seconds, got {req.ttl}")
     if not subjects.is_reply_subject(req.reply_to):
-        raise InvalidRequest("reply_to must be an _INBOX subject")
+        raise InvalidRequest("reply_to must be a reply subject (dsec.reply.<tenant>.<...> or _INBOX.<...>)")
     for k in req.env:
         if not k or "=" in k or "\0" in k:
             raise InvalidRequest(f"env: invalid variable name {k!r}")

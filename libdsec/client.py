@@ -39,9 +39,9 @@ async def _next(q: asyncio.Queue[bytes], timeout: float) -> bytes | None:
 class _Replies:
     """One wildcard inbox subscription; replies are routed to waiters by request id."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, tenant: str) -> None:
         self.bus = bus
-        self.prefix = bus.inbox()
+        self.prefix = f"{subjects.replies(tenant)}.{bus.inbox().rsplit('.', 1)[-1]}"   # dsec.reply.<tenant>.<nuid>
         self._waiters: dict[str, asyncio.Queue[bytes]] = {}
         self._sub = None
 
@@ -85,7 +85,7 @@ class AsyncClient:
     async def connect(self) -> None:
         """Connect to the bus (BusUnavailable if nobody answers)."""
         self.bus = await Bus.connect(self.url, name="libdsec", timeout=self.connect_timeout)
-        self._replies = _Replies(self.bus)
+        self._replies = _Replies(self.bus, self.tenant)
         await self._replies.open()
 
     async def close(self) -> None:

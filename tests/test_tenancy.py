@@ -175,3 +175,38 @@ async def test_a_tenants_warm_sandboxes_are_claimed_only_by_its_own_creates(stac
             assert pools.hits == hits and pools.ready() == 1, "another tenant's create took the pool's sandbox"
         async with await client.create():
             assert pools.hits == hits + 1
+
+
+async def test_replies_go_to_the_tenants_own_reply_space_and_never_into_anothers(stack, client, other):
+    """The SDK's replies come on dsec.reply.<tenant>.>; a request that names another tenant's reply subject is
+    terminated unanswered (a tenant cannot make the platform publish into another's answers)."""
+    from bus.messages import CreateRequest, Resources, encode
+    from libdsec.ids import new_id
+    assert client._replies.prefix.startswith(f"dsec.reply.{client.tenant}.")
+    seen: list[str] = []
+
+    async def on_reply(_data, subject):
+        seen.append(subject)
+    sub = await stack.bus.subscribe(f"dsec.reply.{client.tenant}.>", on_reply)
+    try:
+        sb = await client.create()        # its own replies arrive in its own space
+        await sb.destroy()
+        assert seen, "no reply came on the tenant's own reply subjects"
+        seen.clear()
+        sid = new_id("sb")
+        req = CreateRequest(request_id=new_id("r"), sandbox_id=sid, tenant=other.tenant, image="busybox",
+                            resources=Resources(cpu=0.1, memory=64 << 20), ttl=60, deadline=time.time() + 30,
+                            sent_at=time.time(), reply_to=f"dsec.reply.{client.tenant}.forged.x")
+        terminated = stack.placement.outcomes[("CreateRequest", "term")]
+        await stack.bus.publish(subjects.create_request(other.tenant), encode(req), msg_id=req.request_id)
+        for _ in range(100):   # placement terminates it (within milliseconds)
+            if stack.placement.outcomes[("CreateRequest", "term")] > terminated:
+                break
+            await asyncio.sleep(0.05)
+        assert stack.placement.outcomes[("CreateRequest", "term")] == terminated + 1
+        await asyncio.sleep(0.5)
+        assert sid not in [r.sandbox_id for r in await other.list(all_states=True)]
+        await stack.bus.flush()
+        assert seen == []
+    finally:
+        await sub.unsubscribe()
