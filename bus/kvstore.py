@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js import api
@@ -164,6 +165,16 @@ class KvStore:
                      info.state.last_seq)
             await asyncio.sleep(0.2 * (attempt + 1))
         raise BusError(f"kv list {bucket}: every pass read a replica behind the stream's leader")
+
+    async def kv_values(self, bucket: str, decoder, *, prefix: str = "") -> list:
+        """Every live value of a bucket (or of its keys `<prefix>.*`) decoded; junk is skipped, never fatal."""
+        out = []
+        for _, raw in await self.kv_items(bucket, prefix=prefix):
+            try:
+                out.append(decoder.decode(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+        return out
 
     async def _kv_prefixed(self, bucket: str, prefix: str) -> list[tuple[str, bytes]]:
         subject = f"$KV.{bucket}.{prefix}.>"

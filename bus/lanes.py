@@ -20,16 +20,17 @@ log = logging.getLogger(__name__)
 Step = Callable[[Delivery, Handler], Awaitable[Verdict]]
 
 
-def chain(handler: Handler, steps: list[Step]) -> Handler:
-    """handler inside steps (the first is outermost)."""
+def chain(handler, steps: list):
+    """handler inside steps (the first is outermost), each step(item, next): a lane's Delivery -> Verdict
+    here, a control request -> its reply in placement/api.py."""
     for step in reversed(steps):
         handler = _link(step, handler)
     return handler
 
 
-def _link(step: Step, nxt: Handler) -> Handler:
-    async def run(d: Delivery) -> Verdict:
-        return await step(d, nxt)
+def _link(step, nxt):
+    async def run(item):
+        return await step(item, nxt)
     return run
 
 

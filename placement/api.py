@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import msgspec
 
-from bus import streams, subjects
+from bus import lanes, streams, subjects
 from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, QuotaState, SandboxPage,
                          api_request_decoder)
 from bus.conn import Bus
@@ -73,6 +73,7 @@ class ControlApi:
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
             GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(), **self.pools.handlers()}
         self.steps: list[Step] = [self._count, self._answer_errors, self._authorise, self._limit, self._decode]
+        self._run = lanes.chain(self._dispatch, self.steps)
 
     async def start(self) -> None:
         self._sub = await self.bus.serve(subjects.api_all(), self.handle, queue=QUEUE)
@@ -87,14 +88,11 @@ class ControlApi:
 
     async def handle(self, data: bytes, subject: str) -> Wire:
         """Run one request down the chain to its handler."""
-        call = Call(subject=subject, data=data)
+        return await self._run(Call(subject=subject, data=data))
 
-        async def run(i: int, c: Call) -> Wire:
-            if i == len(self.steps):
-                assert c.request is not None
-                return await self._handlers[type(c.request)](c.tenant, c.request)
-            return await self.steps[i](c, lambda c2: run(i + 1, c2))
-        return await run(0, call)
+    async def _dispatch(self, call: Call) -> Wire:
+        assert call.request is not None
+        return await self._handlers[type(call.request)](call.tenant, call.request)
 
     # ---- the chain ------------------------------------------------------------------------------
 
@@ -154,17 +152,10 @@ class ControlApi:
     # ---- sandboxes ------------------------------------------------------------------------------
 
     async def records(self, tenant: str) -> list[SandboxRecord]:
-        """Every record of one tenant (any state), oldest first: a read of its keys alone (<tenant>.*),
-        so a list costs the tenant's records, and nothing is watched between lists."""
-        out = []
-        for _, raw in await self.bus.kv_items(streams.SANDBOXES_KV, prefix=tenant):
-            try:
-                rec = sandbox_decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if rec.tenant == tenant:
-                out.append(rec)
-        return sorted(out, key=lambda r: r.sandbox_id)
+        """Every record of one tenant (any state), by id: a read of its keys alone (<tenant>.*), so a list
+        costs the tenant's records, and nothing is watched between lists."""
+        recs = await self.bus.kv_values(streams.SANDBOXES_KV, sandbox_decoder, prefix=tenant)
+        return sorted((r for r in recs if r.tenant == tenant), key=lambda r: r.sandbox_id)
 
     async def _get(self, tenant: str, req: GetSandbox) -> Wire:
         if not subjects.is_token(req.sandbox_id):

@@ -22,15 +22,8 @@ class Snapshots:
         return {GetSnapshot: self._get, ListSnapshots: self._list, DeleteSnapshot: self._delete}
 
     async def all_of(self, tenant: str) -> list[SnapshotRecord]:
-        out = []
-        for _, raw in await self.bus.kv_items(streams.SNAPSHOTS_KV, prefix=tenant):
-            try:
-                rec = snapshot_decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if rec.tenant == tenant:
-                out.append(rec)
-        return sorted(out, key=lambda r: (r.created_at, r.id))
+        recs = await self.bus.kv_values(streams.SNAPSHOTS_KV, snapshot_decoder, prefix=tenant)
+        return sorted((r for r in recs if r.tenant == tenant), key=lambda r: (r.created_at, r.id))
 
     async def find(self, tenant: str, ref: str) -> SnapshotRecord:
         """By id, else the newest with that tag; ImageNotFound (another tenant's is one that does not exist)."""
@@ -74,11 +67,5 @@ class Snapshots:
 
     async def _held_elsewhere(self, digest: str, tenant: str) -> bool:
         """Whether another tenant's snapshot holds the same bytes (content-addressed: the same object)."""
-        for _, raw in await self.bus.kv_items(streams.SNAPSHOTS_KV):
-            try:
-                rec = snapshot_decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if rec.tenant != tenant and any(la.digest == digest for la in rec.layers):
-                return True
-        return False
+        return any(rec.tenant != tenant and any(la.digest == digest for la in rec.layers)
+                   for rec in await self.bus.kv_values(streams.SNAPSHOTS_KV, snapshot_decoder))

@@ -63,18 +63,9 @@ class WarmPools:
         return Done()
 
     async def _list(self, tenant: str, _req: ListWarmPools) -> WarmPoolList:
-        nodes = []
-        for _, raw in await self.bus.kv_items(streams.NODES_KV):
-            try:
-                nodes.append(node_decoder.decode(raw))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
+        nodes = await self.bus.kv_values(streams.NODES_KV, node_decoder)
         out = []
-        for _, raw in await self.bus.kv_items(streams.WARM_POOLS_KV):
-            try:
-                spec = warm_pool_decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
+        for spec in await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder):
             if owner_of(spec) != tenant:
                 continue
             try:
