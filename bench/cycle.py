@@ -72,12 +72,14 @@ def line(name: str, values: list[float], raw_p50: float) -> str:
 
 
 @contextlib.contextmanager
-def dsec_up():
-    """`dsec up` (the embedded default) in its own process group on free ports; yields its URL."""
+def dsec_up(*extra: str):
+    """`dsec up` (the embedded default: identities on) in its own process group on free ports; yields its URL.
+    The SDK finds the default tenant's credential under its state dir."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
+        os.environ["DSEC_STATE_DIR"] = tmp
         proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "up", "--state-dir", tmp, "--port",
-                                 str(port), "--metrics-port", str(free_port()), "--node-id", "bench"],
+                                 str(port), "--metrics-port", str(free_port()), "--node-id", "bench", *extra],
                                 stdout=subprocess.PIPE, text=True, start_new_session=True,
                                 preexec_fn=die_with_parent)   # a killed bench leaves no `dsec up` behind
         try:
@@ -104,7 +106,7 @@ async def measure(url: str, cycles: int, raw_p50: float) -> None:
                 print(line(name, figures[name], raw_p50))
 
 
-def main(cycles: int, raw_n: int, url: str | None) -> None:
+def main(cycles: int, raw_n: int, url: str | None, auth: bool = True) -> None:
     """Raw baseline, then the dsec figures."""
     raw = raw_baseline(raw_n)
     raw_p50 = statistics.median(raw)
@@ -113,7 +115,8 @@ def main(cycles: int, raw_n: int, url: str | None) -> None:
     if url:
         asyncio.run(measure(url, cycles, raw_p50))
         return
-    with dsec_up() as started:
+    print(f"dsec up: identities {'on (the default tenant credential)' if auth else 'off (--no-auth)'}")
+    with dsec_up(*([] if auth else ["--no-auth"])) as started:
         asyncio.run(measure(started, cycles, raw_p50))
 
 
@@ -122,5 +125,6 @@ if __name__ == "__main__":
     ap.add_argument("--cycles", type=int, default=100, help="cycles per level (default 100)")
     ap.add_argument("--raw", type=int, default=100, help="raw baseline launches (default 100)")
     ap.add_argument("--nats", default=None, help="measure an already running `dsec up` at this URL")
+    ap.add_argument("--no-auth", action="store_true", help="start `dsec up --no-auth` (no identities)")
     args = ap.parse_args()
-    main(args.cycles, args.raw, args.nats)
+    main(args.cycles, args.raw, args.nats, auth=not args.no_auth)

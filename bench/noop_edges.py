@@ -16,13 +16,13 @@ from edge.backends.noop import NoopBackend
 from edge.capacity import EdgeConfig
 
 
-async def run(url: str, count: int, state: Path) -> None:
+async def run(url: str, count: int, state: Path, creds: str | None = None) -> None:
     """Start the edges, serve until a stop signal."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    bus = await Bus.connect(url, name="noop-edges")
+    bus = await Bus.connect(url, name="noop-edges", creds=creds)
     edges = []
     for i in range(count):   # room never runs out: only placement and the bus are measured
         cfg = EdgeConfig(node_id=f"noop{i}", slots=1_000_000, cpus=1_000_000, cpu_overcommit=1.0,
@@ -42,8 +42,9 @@ def main() -> None:
     ap.add_argument("--nats", required=True)
     ap.add_argument("--count", type=int, default=8)
     ap.add_argument("--state-dir", type=Path, required=True)
+    ap.add_argument("--creds", default=None, help="credential file (a server with identities)")
     args = ap.parse_args()
-    asyncio.run(run(args.nats, args.count, args.state_dir))
+    asyncio.run(run(args.nats, args.count, args.state_dir, args.creds))
 
 
 if __name__ == "__main__":

@@ -137,26 +137,34 @@ async def paced(client: libdsec.AsyncClient, watch: LaneWatch, rate: float, seco
             "errors": len(errors)}
 
 
-async def placement_only(tmp: Path, creates: int, rate: float) -> None:
-    """Section 1."""
+async def placement_only(tmp: Path, creates: int, rate: float, auth: bool = True) -> None:
+    """Section 1. With auth, the server enforces identities as `dsec up` does: the engines connect as
+    placement, the client as the default tenant (through its account's imports); the no-op edges, a
+    bench fake, as admin."""
+    from bus import iam
     from cli.stack import ensure_busybox
-    srv = NatsServer(tmp / "nats", port=free_port()).start()
-    bus = await Bus.connect(srv.url, name="bench")
+    ids = iam.bootstrap(tmp / "iam", tenants=["default"]) if auth else None
+    creds = (lambda who: str(ids.creds_path(who))) if ids else (lambda who: None)
+    srv = NatsServer(tmp / "nats", port=free_port(), iam=ids).start()
+    print(f"identities: {'on' if auth else 'off (--no-auth)'}")
+    bus = await Bus.connect(srv.url, name="bench", creds=creds("admin"))
     await bus.provision()
     await ensure_busybox(bus, tmp / "img")
     base = await baseline(bus)
     edges = spawn([sys.executable, "-m", "bench.noop_edges", "--nats", srv.url, "--count", "8",
-                   "--state-dir", str(tmp / "edges")], "ready", tmp / "edges.log")
+                   "--state-dir", str(tmp / "edges"), *(["--creds", creds("admin")] if auth else [])],
+                  "ready", tmp / "edges.log")
     engines: list[subprocess.Popen] = []
     watch = LaneWatch()
     await watch.open(bus)
     print(f"raw baseline: JetStream publish-with-ack p50 {base:.3f} ms")
     try:
-        async with libdsec.AsyncClient(srv.url) as client:
+        async with libdsec.AsyncClient(srv.url, creds=creds("tenant:default")) as client:
             for n_engines in (1, 2):
                 while len(engines) < n_engines:
                     engines.append(spawn([DSEC, "placement", "--nats", srv.url, "--state-dir",
-                                          str(tmp / f"p{len(engines)}"), "--max-waiting", "256"],
+                                          str(tmp / f"p{len(engines)}"), "--max-waiting", "256",
+                                          *(["--creds", creds("placement")] if auth else [])],
                                          "dsec: placement", tmp / f"placement{len(engines)}.log"))
                 await saturation(client, watch, 200)   # warm-up
                 sat = await saturation(client, watch, creates)
@@ -189,16 +197,18 @@ def rss(proc: psutil.Process) -> dict[str, int]:
     return out
 
 
-async def burst(tmp: Path, n: int) -> None:
+async def burst(tmp: Path, n: int, auth: bool = True) -> None:
     """Section 2."""
     port = free_port()
     up = spawn([DSEC, "up", "--port", str(port), "--metrics-port", "0", "--node-id", "bench-burst",
-                "--slots", "128", "--state-dir", str(tmp / "up")], "dsec: ready", tmp / "up.log")
+                "--slots", "128", "--state-dir", str(tmp / "up"), *([] if auth else ["--no-auth"])],
+               "dsec: ready", tmp / "up.log")
     url = f"nats://127.0.0.1:{port}"
     proc = psutil.Process(up.pid)
+    creds = (lambda p: str(tmp / "up" / "creds" / p)) if auth else (lambda p: None)
     try:
-        bus = await Bus.connect(url, name="bench-burst")
-        async with libdsec.AsyncClient(url) as client:
+        bus = await Bus.connect(url, name="bench-burst", creds=creds("admin.creds"))
+        async with libdsec.AsyncClient(url, creds=creds("tenants/default.creds")) as client:
             warm = await client.create_many(8)
             await asyncio.gather(*(s.destroy() for s in warm))
             await asyncio.sleep(1)
@@ -243,11 +253,12 @@ def main() -> None:
     ap.add_argument("--creates", type=int, default=3000, help="requests submitted at once for saturation")
     ap.add_argument("--rate", type=float, default=400.0, help="requests/s for the latency run")
     ap.add_argument("--burst", type=int, default=1000, help="real sandboxes in the burst (0: skip)")
+    ap.add_argument("--no-auth", action="store_true", help="run the server without identities")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="dsec-bench-") as tmp:
-        asyncio.run(placement_only(Path(tmp), args.creates, args.rate))
+        asyncio.run(placement_only(Path(tmp), args.creates, args.rate, auth=not args.no_auth))
         if args.burst:
-            asyncio.run(burst(Path(tmp), args.burst))
+            asyncio.run(burst(Path(tmp), args.burst, auth=not args.no_auth))
 
 
 if __name__ == "__main__":

@@ -360,7 +360,9 @@ def dsec_up(*extra: str):
         line = proc.stdout.readline().strip()
         if not line.startswith("dsec: ready "):
             raise SystemExit(f"dsec up did not start: {line!r}")
-        print(f"dsec up: node {node}, state dir {tmp}", flush=True)
+        print(f"dsec up: node {node}, state dir {tmp}" + (" (no auth)" if "--no-auth" in extra else
+                                                          " (identities on: the default tenant's credential)"), flush=True)
+        os.environ["DSEC_STATE_DIR"] = str(tmp)   # where the SDK finds the credential `dsec up` wrote
         yield line.split()[-1], lambda: procs.extend(psutil.Process(proc.pid).children(recursive=True))
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -397,7 +399,7 @@ def main(args: argparse.Namespace) -> int:
     if args.nats:
         dsec = asyncio.run(measure_dsec(args.nats, plan))
     else:
-        with dsec_up() as (url, note_procs):
+        with dsec_up(*(["--no-auth"] if args.no_auth else [])) as (url, note_procs):
             note_procs()   # the stack's processes, to check after the stop that none survived
             dsec = asyncio.run(measure_dsec(url, plan))
             note_procs()
@@ -417,6 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the edge's per-exec output cap in bytes: bigger workloads are split into execs of at most "
                          "this (default %(default)s, EdgeConfig.max_output)")
     ap.add_argument("--nats", default=None, metavar="URL", help="measure an already running `dsec up` at this URL")
+    ap.add_argument("--no-auth", action="store_true", help="start `dsec up --no-auth` (no identities)")
     args = ap.parse_args(argv)
     if min(args.lines, args.chunk_mib, args.ticks, args.interval_ms) < 1 or args.cpu <= 0:
         ap.error("--lines, --chunk-mib, --ticks, --interval-ms and --cpu must be positive")

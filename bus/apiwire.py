@@ -2,7 +2,9 @@
 placement engine in one queue group) -> one reply. The tenant is the subject's token, never a payload field.
 
 Creates and sandbox ops do not go through here: they stay on their work-queue lanes (DSEC_REQ, DSEC_NODE),
-where JetStream acks, de-duplicates and keeps them. These are the reads and the settings around them."""
+where JetStream acks, de-duplicates and keeps them. These are the reads and the settings around them, and
+the reads of what streams keep for a tenant (an exec's stored output, its trajectory records): a tenant
+account has no JetStream rights of its own in DSEC."""
 from __future__ import annotations
 
 from typing import Union
@@ -96,12 +98,71 @@ class QuotaState(Wire, tag="quota_state"):
     memory: int = 0
 
 
+class ReadOutput(Wire, tag="read_output"):
+    """One stored record of one of the caller's execs (DSEC_OUT): the first after stream seq `after`, or
+    with `last` the last one; `found` False in the reply when there is none."""
+
+    node: str = ""
+    sandbox_id: str = ""
+    exec_id: str = ""
+    after: int = 0
+    last: bool = False
+
+
+class StoredOutput(Wire, tag="stored_output"):
+    found: bool = False
+    seq: int = 0
+    data: bytes = b""
+    headers: dict[str, str] = {}
+
+
+class FetchTrajectories(Wire, tag="fetch_trajectories"):
+    """A batch of the caller's trajectory records from its reader `reader` (a consumer the server keeps
+    for it: `durable` ones resume after any restart, others are dropped a minute after their last read).
+    The first fetch sets where it starts (`since_seq` or `since_time`) and what it takes (job, sandbox)."""
+
+    reader: str = ""
+    durable: bool = False
+    job: str = ""
+    sandbox_id: str = ""
+    since_seq: int = 0
+    since_time: float = 0.0
+    ack_wait: float = 30.0
+    batch: int = 256
+    wait: float = 1.0
+
+
+class PulledRecord(msgspec.Struct, frozen=True):
+    seq: int
+    at: float
+    data: bytes
+    ack: str          # the token AckTrajectories takes back
+
+
+class TrajectoryBatch(Wire, tag="trajectory_batch"):
+    records: list[PulledRecord] = []
+    pending: int = 0       # records still after the last one
+    ack_pending: int = 0   # records handed out and not acked (any reader of this consumer)
+
+
+class AckTrajectories(Wire, tag="ack_trajectories"):
+    reader: str = ""
+    acks: list[str] = []
+
+
+class CloseTrajectories(Wire, tag="close_trajectories"):
+    """Drop a reader now (with its position; one that is not durable would go a minute later anyway)."""
+
+    reader: str = ""
+
+
 class Done(Wire, tag="done"):
     """A request that changed something and returns nothing."""
 
 
 ApiRequest = Union[GetSandbox, ListSandboxes, GetSnapshot, ListSnapshots, DeleteSnapshot, SetWarmPool,
-                   ListWarmPools, DeleteWarmPool, GetQuota]
+                   ListWarmPools, DeleteWarmPool, GetQuota, ReadOutput, FetchTrajectories, AckTrajectories,
+                   CloseTrajectories]
 
 # verb (the subject's last token) -> the one request type it takes
 VERBS: dict[str, type] = {
@@ -109,9 +170,12 @@ VERBS: dict[str, type] = {
     "snapshot-get": GetSnapshot, "snapshot-list": ListSnapshots, "snapshot-delete": DeleteSnapshot,
     "pool-set": SetWarmPool, "pool-list": ListWarmPools, "pool-delete": DeleteWarmPool,
     "quota-get": GetQuota,
+    "output-read": ReadOutput,
+    "traj-fetch": FetchTrajectories, "traj-ack": AckTrajectories, "traj-close": CloseTrajectories,
 }
 VERB_OF = {cls: verb for verb, cls in VERBS.items()}
 
 api_request_decoder = msgspec.json.Decoder(ApiRequest)
 api_reply_decoder = msgspec.json.Decoder(Union[SandboxRecord, SandboxPage, SnapshotRecord, SnapshotList,
-                                               WarmPool, WarmPoolList, QuotaState, Done, ErrorReply])
+                                               WarmPool, WarmPoolList, QuotaState, StoredOutput,
+                                               TrajectoryBatch, Done, ErrorReply])

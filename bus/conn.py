@@ -6,6 +6,7 @@ the mapping of nats errors to ours in bus/nats_errors.py.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
@@ -19,7 +20,8 @@ from nats.js import api
 
 from bus import lanes, migrations, streams, subjects
 from bus.acks import AckedPublisher
-from bus.errors import BusError, BusUnavailable
+from bus.creds import credential_options
+from bus.errors import AuthenticationFailed, BusError, BusUnavailable
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
 from bus.nats_errors import mapped_errors, not_found, timed_out
@@ -55,12 +57,24 @@ class Bus(KvStore, StreamReads):
         self._kv: dict[str, object] = {}
         self._obj: dict[str, object] = {}
         self._acks = AckedPublisher(nc)
+        self.denied: collections.deque = collections.deque(maxlen=64)   # the server's permission refusals
+        self.refused: list[str] = []   # the server's refusals of this credential (revoked: reconnects fail)
 
     @classmethod
     async def connect(cls, url: str, name: str = "dsec", *, timeout: float = 3.0,
-                      reconnect: bool = True) -> "Bus":
-        """Connect (fails with BusUnavailable within `timeout` when nobody answers)."""
-        async def _quiet(exc: Exception) -> None:
+                      reconnect: bool = True, creds: str | None = None) -> "Bus":
+        """Connect (fails with BusUnavailable within `timeout` when nobody answers). creds: a credential
+        file (DSec's or nsc's .creds: an nkey seed, or a user JWT with its seed) for a server with auth;
+        AuthenticationFailed, naming the file and why, when the server refuses it or it is unreadable."""
+        refused: list[str] = []
+        denied = collections.deque(maxlen=64)
+
+        async def _errors(exc: Exception) -> None:
+            text = str(exc)
+            if "authorization violation" in text.lower() or "authentication" in text.lower():
+                refused.append(text)
+            elif "permissions violation" in text.lower():
+                denied.append(text)
             log.debug("nats: %s", exc)
 
         listeners: list[Callable[[], None]] = []
@@ -71,16 +85,25 @@ class Bus(KvStore, StreamReads):
                 fn()
 
         servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
+        auth = credential_options(creds)
         try:
             nc = await asyncio.wait_for(
                 nats.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
-                             allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_quiet,
+                             allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_errors,
                              reconnected_cb=_reconnected, ping_interval=PING_INTERVAL,
-                             max_outstanding_pings=MAX_PINGS, pending_size=64 << 20),
+                             max_outstanding_pings=MAX_PINGS, pending_size=64 << 20, **auth),
                 timeout=timeout + 1)
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
+            if refused or "authorization violation" in str(exc).lower():
+                raise AuthenticationFailed(
+                    f"NATS at {url} refused the credential {creds}: unknown, revoked or expired" if creds else
+                    f"NATS at {url} requires a credential: pass creds= (the SDK), --creds or $DSEC_CREDS "
+                    f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
-        return cls(nc, listeners)
+        bus = cls(nc, listeners)
+        bus.denied = denied
+        bus.refused = refused
+        return bus
 
     def on_reconnect(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Call fn() after every reconnect (to another server of a cluster, or the same one restarted).

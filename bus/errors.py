@@ -28,6 +28,19 @@ class BusUnavailable(BusError, ConnectionError):
     code = "bus_unavailable"
 
 
+class AuthenticationFailed(BusError, PermissionError):
+    """The NATS server refused the credential: missing, malformed, expired, revoked or unknown (the message
+    says which and names the file)."""
+
+    code = "authentication_failed"
+
+
+class PermissionDenied(BusError, PermissionError):
+    """The NATS server refused an operation this credential is not allowed (its account or permissions)."""
+
+    code = "permission_denied"
+
+
 class InvalidRequest(DsecError, ValueError):
     """A request is malformed or asks for something impossible; the message names the field."""
 

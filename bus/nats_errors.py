@@ -7,7 +7,7 @@ import contextlib
 import nats.errors
 import nats.js.errors
 
-from bus.errors import BusError, BusUnavailable
+from bus.errors import BusError, BusUnavailable, PermissionDenied
 
 
 @contextlib.contextmanager
@@ -19,6 +19,10 @@ def mapped_errors(what: str):
         raise BusError(f"{what}: NATS did not answer in time") from exc   # (TimeoutError is an OSError too)
     except (nats.errors.NoServersError, nats.errors.ConnectionClosedError, OSError) as exc:
         raise BusUnavailable(f"{what}: NATS unavailable ({exc.__class__.__name__})") from exc
+    except nats.js.errors.APIError as exc:
+        if getattr(exc, "err_code", None) == 10039 or getattr(exc, "code", None) == 403:   # no JetStream in this account / not permitted
+            raise PermissionDenied(f"{what}: the NATS server refused it ({exc.description})") from exc
+        raise BusError(f"{what}: {exc}") from exc
     except nats.errors.Error as exc:
         raise BusError(f"{what}: {exc}") from exc
 

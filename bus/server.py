@@ -59,14 +59,17 @@ class NatsServer:
     """One nats-server process with JetStream, in its own session so Ctrl-C reaches it last."""
 
     def __init__(self, store_dir: Path, host: str = "127.0.0.1", port: int = 4222,
-                 conf: Path | None = REPO_CONF, log_file: Path | None = None, full_conf: bool = False) -> None:
+                 conf: Path | None = REPO_CONF, log_file: Path | None = None, full_conf: bool = False,
+                 iam=None) -> None:
         """full_conf: the conf already sets listen address, port, JetStream and store_dir (a rendered
-        nats-cluster.conf); run `nats-server -c conf` alone (host, port and store_dir must match it)."""
+        nats-cluster.conf); run `nats-server -c conf` alone (host, port and store_dir must match it).
+        iam: a bus.iam.Iam whose accounts and users the server enforces (auth on); `iam.reload` reaches it."""
         self.store_dir = Path(store_dir)
         self.host, self.port = host, port
         self.conf = conf
         self.full_conf = full_conf
         self.log_file = log_file or self.store_dir.parent / "nats-server.log"
+        self.iam = iam
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -81,6 +84,9 @@ class NatsServer:
         args = [server_binary(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.store_dir)]
         if self.full_conf:
             args = [server_binary(), "-c", str(self.conf)]
+        elif self.iam is not None:
+            from bus.iam import server_conf
+            args[1:1] = ["-c", str(server_conf(self.iam, self.conf or REPO_CONF))]
         elif self.conf is not None and self.conf.exists():
             args[1:1] = ["-c", str(self.conf)]
         log = open(self.log_file, "ab")
@@ -93,6 +99,9 @@ class NatsServer:
                 raise BusUnavailable(f"nats-server exited at start (see {self.log_file})")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
+                    if self.iam is not None:
+                        from bus.iam import register_server
+                        register_server(self.iam, self.proc.pid, self.log_file)
                     return self
             except OSError:
                 time.sleep(0.02)

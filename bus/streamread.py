@@ -26,6 +26,11 @@ class Pulled:
     _msg: object
     pending: int = 0     # messages of the consumer still after this one when it was delivered
 
+    @property
+    def reply(self) -> str:
+        """Its ack subject (what a reader acks it on)."""
+        return self._msg.reply or ""
+
     async def ack(self) -> None:
         """Done with it: a durable consumer will not hand it out again."""
         with mapped_errors("ack"):

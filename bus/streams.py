@@ -26,6 +26,7 @@ TENANTS_KV = "dsec-tenants"
 ENGINES_KV = "dsec-engines"
 WARM_POOLS_KV = "dsec-warm-pools"
 LAYERS_OBJ = "dsec-layers"
+KV_BUCKETS = (NODES_KV, SANDBOXES_KV, IMAGES_KV, SNAPSHOTS_KV, QUOTAS_KV, TENANTS_KV, ENGINES_KV, WARM_POOLS_KV)
 
 PLACEMENT_CONSUMER = "placement"
 LEGACY_CONSUMERS = [(REQ_STREAM, "placement")]   # removed at provisioning (its filter overlaps the new ones)
@@ -99,7 +100,9 @@ def object_configs(replicas: int = 1) -> list[api.ObjectStoreConfig]:
 
 
 def _pull(durable: str, filter_subject: str, ack_wait: float) -> api.ConsumerConfig:
-    return api.ConsumerConfig(durable_name=durable, filter_subject=filter_subject,
+    # name set: created on $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>, a subject that names the
+    # filter (the server refuses a body whose filter differs), so a permission can scope who creates what
+    return api.ConsumerConfig(name=durable, durable_name=durable, filter_subject=filter_subject,
                               ack_policy=api.AckPolicy.EXPLICIT, ack_wait=ack_wait,
                               max_deliver=MAX_DELIVER, max_ack_pending=10_000, max_waiting=512,
                               deliver_policy=api.DeliverPolicy.ALL)

@@ -9,13 +9,13 @@ import click
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.messages import Quota, quota_decoder
-from cli.main import fail, main, nats_option, run_async
+from cli.main import connect, fail, main, nats_option, run_async
 from bus import nodes
 from placement import quota as quotas
 
 
 async def _bus(url: str) -> Bus:
-    return await Bus.connect(url, name="dsec-admin", reconnect=False)
+    return await connect(url, "dsec-admin", "admin", reconnect=False)
 
 
 def _size(n: float) -> str:

@@ -56,12 +56,12 @@ async def one_episode(client: libdsec.AsyncClient, i: int, stats: dict, tick) ->
         tick()   # one step per finished episode
 
 
-async def rollout(url: str, n: int) -> dict:
+async def rollout(url: str, n: int, creds: str | None = None) -> dict:
     """Run n episodes in parallel, with a progress bar on stderr."""
     stats: dict = {"create_ms": [], "commands": 0, "lines": 0, "failures": [], "sample": []}
     with click.progressbar(length=n, label=f"demo rollout: {n} sandboxes in parallel",
                            file=click.get_text_stream("stderr"), show_pos=True) as bar:
-        async with libdsec.AsyncClient(url) as client:
+        async with libdsec.AsyncClient(url, creds=creds) as client:
             t0 = time.perf_counter()
             await asyncio.gather(*(one_episode(client, i, stats, lambda: bar.update(1)) for i in range(n)))
             stats["total_s"] = time.perf_counter() - t0
@@ -98,11 +98,11 @@ async def demo(state_dir: Path, sandboxes: int, port: int) -> None:
         check_port_free("127.0.0.1", port, "NATS")
     except PortInUse:
         port = free_port()
-    stack = Stack(Path(state_dir) / "demo", port=port, metrics_port=None)
+    stack = Stack(Path(state_dir) / "demo", port=port, metrics_port=None, auth=True)
     click.echo(f"dsec demo: starting NATS, placement and an edge on {stack.url}", err=True)
     await stack.start()
     try:
-        stats = await rollout(stack.url, sandboxes)
+        stats = await rollout(stack.url, sandboxes, creds=stack.tenant_creds())
     finally:
         await stack.stop()
     click.echo(summary(sandboxes, stats))

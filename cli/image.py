@@ -11,10 +11,9 @@ import click
 import msgspec
 
 from bus import streams
-from bus.conn import Bus
 from bus.messages import sandbox_decoder, snapshot_decoder
 from cli import debootstrap
-from cli.main import main, nats_option, run_async
+from cli.main import connect, main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
@@ -73,7 +72,7 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
             digest = await asyncio.to_thread(pack_dir, from_dir, layer)
         except (LayerBuildError, tarfile.TarError, OSError) as exc:
             raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
-        bus = await Bus.connect(nats_url, name="dsec-image")
+        bus = await connect(nats_url, "dsec-image", "admin")
         try:
             rec, new = await ImageRegistry(bus).publish(name_only, layer, digest, kind)
         finally:
@@ -95,7 +94,7 @@ def unpack_tar(archive: Path, root: Path) -> None:
 @run_async
 async def rm_image(nats_url: str, ref: str) -> None:
     """Remove one version of a layer; refused while a running sandbox or a snapshot uses it."""
-    bus = await Bus.connect(nats_url, name="dsec-image")
+    bus = await connect(nats_url, "dsec-image", "admin")
     try:
         in_use = set()
         for _, raw in await bus.kv_items(streams.SANDBOXES_KV):
@@ -121,7 +120,7 @@ async def rm_image(nats_url: str, ref: str) -> None:
 @run_async
 async def ls_images(nats_url: str) -> None:
     """List images and their versions."""
-    bus = await Bus.connect(nats_url, name="dsec-image")
+    bus = await connect(nats_url, "dsec-image", "admin")
     try:
         recs = await ImageRegistry(bus).list()
     finally:

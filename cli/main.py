@@ -11,8 +11,33 @@ import click
 from bus.errors import DsecError
 
 DEFAULT_URL = os.environ.get("DSEC_NATS", "nats://127.0.0.1:4222")
-nats_option = click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL",
-                           help="NATS server to talk to (env DSEC_NATS).")
+
+
+def _set_creds(_ctx, _param, value):
+    if value:
+        os.environ["DSEC_CREDS"] = value   # what every connection of this command then uses (bus/iam.py)
+    return value
+
+
+creds_option = click.option("--creds", metavar="FILE", default=None, expose_value=False, callback=_set_creds,
+                            is_eager=True,
+                            help="Credential file (env DSEC_CREDS; default the one `dsec up` wrote under "
+                                 "$DSEC_STATE_DIR, .dsec/creds/: the default tenant's, or admin's for admin commands).")
+
+
+def nats_option(fn):
+    """--nats URL and --creds FILE: where to connect, and as whom."""
+    fn = creds_option(fn)
+    return click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL",
+                        help="NATS server to talk to (env DSEC_NATS).")(fn)
+
+
+async def connect(url: str, name: str, principal: str = "admin", reconnect: bool = True):
+    """A connection for an operator command, as `principal` (admin, ops) unless --creds / $DSEC_CREDS
+    says otherwise."""
+    from bus.conn import Bus
+    from bus.creds import default_creds
+    return await Bus.connect(url, name=name, reconnect=reconnect, creds=default_creds(principal))
 
 
 def fail(message: str, code: int = 1):
@@ -50,7 +75,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from cli import admin, commands, demo, image, replay, top, up, warm  # noqa: F401  (commands attach themselves to `main`)
+    from cli import admin, commands, demo, iam, image, replay, top, up, warm  # noqa: F401  (commands attach themselves to `main`)
 
 
 _register()

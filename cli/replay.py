@@ -15,10 +15,10 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
 from bus.messages import ExitRecord, OutputChunk, TrajRecord, decode_output, encode
-from cli.main import fail, main, nats_option, run_async
+from cli.main import connect, fail, main, nats_option, run_async
 from cli.termsafe import Terminal
 from libdsec.execstream import LineSplitter
-from libdsec.trajectories import consumer_config, read
+from chronus.trajreader import consumer_config, read
 
 ENDS = ("destroyed", "expired", "failed", "node_lost")   # records after which a sandbox's episode is over
 MARK = {"stdout": b"1| ", "stderr": b"2| "}
@@ -127,7 +127,7 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
         config = consumer_config("*", job, sandbox_id, seq if seq is not None else parse_since(since), None, 30.0)
     except DsecError as exc:
         fail(str(exc))
-    bus = await Bus.connect(nats_url, name="dsec-replay", reconnect=follow)
+    bus = await connect(nats_url, "dsec-replay", "ops", reconnect=follow)
     try:
         previous = None
         count = 0

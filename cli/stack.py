@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -46,7 +47,11 @@ class Stack:
                  metrics_port: int | None = 9464, edge_config: EdgeConfig | None = None,
                  run_edge: bool = True, run_placement: bool = True, placement_options: dict | None = None,
                  servers: int = 1, stream_ages: dict[str, float] | None = None,
-                 backends: list | None = None, optional_kinds: frozenset[str] = frozenset()) -> None:
+                 backends: list | None = None, optional_kinds: frozenset[str] = frozenset(),
+                 auth: bool = False, creds: str | None = None) -> None:
+        """auth: an embedded server enforces identities (`dsec up` turns it on) (bus/iam.py: `dsec up` makes them under the state
+        dir); creds: the credential of the part this stack runs against an external server (an edge's or
+        a placement engine's), default the one under the state dir, else $DSEC_CREDS."""
         self.state_dir = Path(state_dir).resolve()
         self.external_url = nats_url
         self.host, self.port, self.metrics_port = host, port, metrics_port
@@ -57,9 +62,12 @@ class Stack:
         self.placement_options = placement_options or {}
         self.servers = servers       # > 1: an embedded JetStream cluster of that many servers (R3 streams)
         self.stream_ages = stream_ages or {}   # stream -> max age (s) the operator set; others keep theirs
+        self.auth, self.creds = auth and servers == 1, creds
+        self.iam = None
         self.cluster = None
         self.server: NatsServer | None = None
-        self.bus: Bus | None = None
+        self.bus: Bus | None = None      # the stack's own connection: provisioning, metrics (admin with auth)
+        self._buses: list[Bus] = []      # each part's own connection, as its own principal (auth on)
         self.edge = None
         self.placement = None
         self._metrics = None
@@ -99,16 +107,22 @@ class Stack:
                                        ports=[self.port + i for i in range(self.servers)])
             self.cluster.start()   # from this thread (parent-death signal); blocks about a second
         elif self.external_url is None:
-            self.server = NatsServer(self.state_dir / "nats", self.host, self.port)
+            if self.auth:
+                from bus import iam
+                self.iam = iam.bootstrap(self.state_dir, nodes=[self.edge_config.node_id] if self.run_edge else [],
+                                          pool=self.edge_config.pool)
+            self.server = NatsServer(self.state_dir / "nats", self.host, self.port, iam=self.iam)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
-        self.bus = await Bus.connect(self.url, name="dsec-up")
-        await self.bus.provision(replicas=min(3, self.servers))
-        for name, age in self.stream_ages.items():
-            await self.bus.set_stream_age(name, age)
-        await ensure_busybox(self.bus, self.state_dir / "tmp")
+        main, principal = self._main_creds()
+        self.bus = await Bus.connect(self.url, name="dsec-up", creds=main)
+        if principal in ("", "admin", "placement"):   # an edge's credential cannot (and need not) provision
+            await self.bus.provision(replicas=min(3, self.servers))
+            for name, age in self.stream_ages.items():
+                await self.bus.set_stream_age(name, age)
+            await ensure_busybox(self.bus, self.state_dir / "tmp")
         if self.run_placement:
             from placement.engine import PlacementEngine
-            self.placement = PlacementEngine(self.bus, **self.placement_options)
+            self.placement = PlacementEngine(await self._bus_as("placement"), **self.placement_options)
             await self.placement.start()
         if self.run_edge:
             from edge.agent import Edge
@@ -116,11 +130,45 @@ class Stack:
             configs = self.backends or [config_for("container")]
             backend = BackendSet.build(configs, self.state_dir / "edge", self.edge_config.node_id,
                                        self.optional_kinds)
-            self.edge = Edge(self.bus, backend, self.edge_config, self.state_dir / "edge")
+            self.edge = Edge(await self._bus_as(f"edge-{self.edge_config.node_id}"), backend, self.edge_config,
+                             self.state_dir / "edge")
             await self.edge.start()
         if self.metrics_port:
             from cli.metrics import serve
             self._metrics = serve(self, self.host, self.metrics_port)
+
+    def tenant_creds(self, tenant: str = "default") -> str | None:
+        """A tenant's credential under the state dir (None without auth)."""
+        path = self.state_dir / "creds" / "tenants" / f"{tenant}.creds"
+        return str(path) if path.exists() else None
+
+    def _creds(self, role: str) -> str | None:
+        """The credential of a platform role under the state dir, if there is one."""
+        path = self.state_dir / "creds" / f"{role}.creds"
+        return str(path) if path.exists() else None
+
+    def _main_creds(self) -> tuple[str | None, str]:
+        """The stack's own connection's credential and principal: admin where this state dir has it, else
+        the part it runs (--creds, the state dir's, $DSEC_CREDS); (None, "") without auth."""
+        from bus.creds import creds_principal
+        own = f"edge-{self.edge_config.node_id}" if self.run_edge and not self.run_placement else "placement"
+        found = self.creds or self._creds("admin") or self._creds(own) or os.environ.get("DSEC_CREDS")
+        if not found:
+            return None, ""
+        try:
+            return found, creds_principal(open(found).read()) or "admin"
+        except OSError:
+            return found, ""   # connecting says what is wrong with it
+
+    async def _bus_as(self, role: str) -> Bus:
+        """A connection as one part's own principal when the state dir (or --creds) has its credential;
+        else the stack's own connection."""
+        creds = self._creds(role) if self.creds is None else self.creds
+        if creds is None or self.bus is None or creds == self._main_creds()[0]:
+            return self.bus
+        bus = await Bus.connect(self.url, name=f"dsec-{role}", creds=creds)
+        self._buses.append(bus)
+        return bus
 
     async def stop(self) -> None:
         """Destroy every sandbox, stop every part; the NATS server stops last. Never raises."""
@@ -139,6 +187,9 @@ class Stack:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.placement.stop(), 0.5)
             self.placement = None
+        for bus in self._buses:
+            await bus.close()
+        self._buses.clear()
         if self.bus is not None:
             await self.bus.close()
             self.bus = None

@@ -12,7 +12,7 @@ from bus.conn import Bus
 from bus.errors import BusError
 from bus.messages import engine_decoder
 from cli.admin import node_rows, read_nodes
-from cli.main import main, nats_option, run_async
+from cli.main import connect, main, nats_option, run_async
 
 
 @dataclass
@@ -77,7 +77,7 @@ async def frame(bus: Bus, prev: Frame | None) -> Frame:
 async def top(nats_url: str, interval: float, once: bool) -> None:
     """Live view: nodes (pool, used/capacity per dimension, heartbeat age), queue depth, creates/s,
     placement latency p50/p99 and burst share. Ctrl-C quits."""
-    bus = await Bus.connect(nats_url, name="dsec-top")
+    bus = await connect(nats_url, "dsec-top", "ops")
     prev = None
     try:
         while True:

@@ -199,6 +199,9 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
               help="Embedded NATS servers: 3 runs a local JetStream cluster with R3 streams (route ports are "
                    "chosen free); edges and placement elsewhere connect with the comma-separated URL list printed.")
 @click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
+@click.option("--auth/--no-auth", default=True, show_default=True,
+              help="The embedded server enforces identities: credentials under STATE_DIR/creds (made if missing); "
+                   "--no-auth lets any client act as any tenant (development only).")
 @click.option("--traj-retention", default=None, type=click.FloatRange(min=0, max=36500, min_open=True),
               metavar="DAYS", help="How long DSEC_TRAJ keeps trajectory records (new streams: 30; unset: keep "
                                    "what the stream has).")
@@ -209,7 +212,7 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
 @placement_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int,
+async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int, auth: bool,
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
@@ -225,7 +228,7 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
-                  edge_config=cfg, backends=configs, optional_kinds=optional, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
+                  edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                                           max_waiting=max_waiting), servers=servers,
                   stream_ages={name: age for name, age in ((TRAJ_STREAM, traj_retention and traj_retention * DAY),
                                                            (OUT_STREAM, output_retention and output_retention * HOUR))
@@ -236,13 +239,15 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
 @main.command()
 @state_dir_option
 @click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL", help="NATS server.")
+@click.option("--creds", default=None, metavar="FILE", envvar="DSEC_CREDS",
+              help="This part's credential (env DSEC_CREDS; default STATE_DIR/creds/edge-<node>.creds when there).")
 @click.option("--pool", default="local", show_default=True,
               help="Pool this node serves: `local` nodes are booked by placement one by one; the edges of any "
                    "other pool (e.g. `cloud`) share its lane dsec.pool.<pool>.create and take what they have room for.")
 @edge_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: int, capacity: str,
+async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, node_id: str, slots: int, capacity: str,
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
                traj_output: str, verbose: bool) -> None:
@@ -254,24 +259,26 @@ async def edge(state_dir: Path, nats_url: str, pool: str, node_id: str, slots: i
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen)
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
-                  backends=configs, optional_kinds=optional)
+                  backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")
 
 
 @main.command()
 @click.option("--nats", "nats_url", default=DEFAULT_URL, show_default=True, metavar="URL", help="NATS server.")
+@click.option("--creds", default=None, metavar="FILE", envvar="DSEC_CREDS",
+              help="This part's credential (env DSEC_CREDS; default STATE_DIR/creds/placement.creds when there).")
 @state_dir_option
 @placement_options
 @click.option("--metrics-port", default=0, show_default=True, help="Prometheus endpoint port (0: off).")
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def placement(nats_url: str, state_dir: Path, burst_threshold: float, burst_pool: str, max_waiting: int,
+async def placement(nats_url: str, creds: str | None, state_dir: Path, burst_threshold: float, burst_pool: str, max_waiting: int,
                     metrics_port: int, verbose: bool) -> None:
     """Run one placement engine against an existing NATS server (any number may run at once, on any machine:
     they share the create consumers and book nodes by compare-and-set, so each request is placed once)."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    stack = Stack(state_dir, nats_url=nats_url, metrics_port=metrics_port or None, run_edge=False,
+    stack = Stack(state_dir, nats_url=nats_url, metrics_port=metrics_port or None, run_edge=False, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                          max_waiting=max_waiting))
     await _serve_until_signal(stack, f"dsec: placement ready on {nats_url}")

@@ -1,10 +1,10 @@
 """libdsec: the DSec SDK. `AsyncClient` and its synchronous twin `Client`."""
 from libdsec.calls import CallResult
 from libdsec.client import AsyncClient
-from libdsec.errors import (BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
+from libdsec.errors import (AuthenticationFailed, BusError, BusUnavailable, CapacityUnavailable, DsecError, EnvironmentFailure,
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, OutputIncomplete,
                             PlacementError, QuotaExceeded, RateLimited, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended,
-                            Unsupported)
+                            PermissionDenied, Unsupported)
 from libdsec.resources import Resources
 from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
@@ -14,7 +14,7 @@ from libdsec.trajectories import Trajectory
 from bus.messages import SnapshotRecord as Snapshot
 
 __all__ = [
-    "AsyncClient", "AsyncSandbox", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
+    "AsyncClient", "AsyncSandbox", "AuthenticationFailed", "PermissionDenied", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
     "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
     "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported",

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from bus import kinds, subjects
+from bus import creds as credentials, kinds, subjects
 from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSandbox, GetSnapshot, ListSandboxes,
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
@@ -64,11 +64,17 @@ class _Replies:
 class AsyncClient:
     """The asynchronous SDK entry point; use as `async with AsyncClient(url) as client`."""
 
-    def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str = "default",
+    def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str | None = None, creds: str | None = None,
                  connect_timeout: float = 5.0) -> None:
+        """creds: the tenant's credential file; default $DSEC_CREDS, else the one `dsec up` wrote for the
+        tenant under $DSEC_STATE_DIR (.dsec/creds/tenants/<tenant>.creds), else none (a server without
+        auth). tenant: default the one the credential names, else `default`."""
         self.url = url
+        self.creds = creds or credentials.default_creds(f"tenant:{tenant or 'default'}")
+        if tenant is None and self.creds:
+            tenant = credentials.tenant_of_creds(self.creds)
         try:
-            self.tenant = subjects.token(tenant, "tenant")
+            self.tenant = subjects.token(tenant or "default", "tenant")
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self.connect_timeout = connect_timeout
@@ -84,7 +90,7 @@ class AsyncClient:
 
     async def connect(self) -> None:
         """Connect to the bus (BusUnavailable if nobody answers)."""
-        self.bus = await Bus.connect(self.url, name="libdsec", timeout=self.connect_timeout)
+        self.bus = await Bus.connect(self.url, name="libdsec", timeout=self.connect_timeout, creds=self.creds)
         self._replies = _Replies(self.bus, self.tenant)
         await self._replies.open()
 
@@ -397,9 +403,9 @@ class AsyncClient:
         With durable="name" the position is kept on the server: a consumer restarted later resumes
         after the last record it acked (at-least-once: records not acked within ack_wait come again;
         de-duplicate on record.id). follow=False stops when caught up."""
-        from libdsec.trajectories import consumer_config, read
-        config = consumer_config(self.tenant, job, sandbox, since, durable, ack_wait)
-        return read(self._need_bus(), config, follow)
+        from libdsec.trajectories import fetch_request, read
+        request = fetch_request(job, sandbox, since, durable, ack_wait)
+        return read(self._need_bus(), self.tenant, request, follow)
 
     # ---- ops (used by AsyncSandbox) -------------------------------------------------------------
 

@@ -16,7 +16,10 @@ from bus.messages import ErrorReply, Wire
 
 ASK_TIMEOUT = 10.0
 TRY_FOR = 2.0          # seconds one try of a read waits for its reply
-READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list", "quota-get")
+# asked again when a reply is lost: reads, and what is harmless twice (an ack; a fetch, whose records
+# are handed out again after the reader's ack wait)
+READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list", "quota-get", "output-read",
+         "traj-fetch", "traj-ack")
 
 
 async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float = ASK_TIMEOUT) -> Wire:

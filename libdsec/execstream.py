@@ -15,10 +15,12 @@ from typing import AsyncIterator
 
 import msgspec
 
-from bus import streams, subjects
+from bus import subjects
 from bus.conn import Bus
-from bus.errors import BusError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
+from bus.apiwire import ReadOutput, StoredOutput
+from bus.errors import BusError, DsecError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
 from bus.messages import ExitRecord, OutputChunk, decode_output, event_decoder
+from libdsec import control
 from libdsec.results import Exit, Output
 
 EXIT_GRACE = 15.0   # seconds past the exec timeout before the SDK stops waiting for the node
@@ -27,6 +29,7 @@ GONE_GRACE = 3.0    # seconds after its sandbox's destroyed/expired event an exi
 QUIET_CHECK = 1.0   # seconds without a record before the stream is asked whether one was missed...
 QUIET_CHECK_MAX = 8.0   # ...doubling up to this while the exec stays quiet
 TERMINAL = ("destroyed", "expired", "failed", "node_lost")
+READ_TIMEOUT = 3.0  # seconds one read of the stream (through the control API) may take before it is an error
 _WAKE = object()    # queued on reconnect: look at the stream
 
 
@@ -37,6 +40,7 @@ class ExecStream:
         self.bus = bus
         self._record = record    # () -> the sandbox's record or None (asked of the control API)
         self.sandbox_id = sandbox_id
+        self.tenant, self.node, self.exec_id = tenant, node, exec_id
         self.subject = subjects.output(tenant, node, sandbox_id, exec_id)
         self.events = subjects.event(tenant, sandbox_id) if tenant else ""
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -211,8 +215,8 @@ class ExecStream:
         """After a quiet spell: whether the stream holds a record not delivered here. If not, the sandbox
         record tells whether the exec can still end (a destroyed or lost sandbox sends nothing more)."""
         try:
-            last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject, with_headers=True)
-            if last is not None and decode_output(*last).seq >= self._next:
+            last = await self._stored(last=True)
+            if last is not None and decode_output(last.data, last.headers).seq >= self._next:
                 return True
             rec = await self._record() if self._record is not None else None
         except (BusError, msgspec.DecodeError, msgspec.ValidationError):
@@ -247,7 +251,7 @@ class ExecStream:
 
     async def _read_back(self) -> None:
         seq, consumed = self._resume_at, True
-        while (m := await self.bus.stored_after(streams.OUT_STREAM, self.subject, seq)) is not None:
+        while (m := await self._stored(after=seq)) is not None:
             seq = m.seq
             try:
                 rec = decode_output(m.data, m.headers)
@@ -261,6 +265,21 @@ class ExecStream:
             else:
                 consumed = False
                 self._held.setdefault(rec.seq, rec)
+
+    async def _stored(self, after: int = 0, last: bool = False) -> StoredOutput | None:
+        """A record DSEC_OUT keeps on this exec's subject (the first after stream seq `after`, or the
+        last), read through the control API; BusError when it cannot say now."""
+        try:
+            got = await control.ask(self.bus, self.tenant, ReadOutput(node=self.node, sandbox_id=self.sandbox_id,
+                                                                      exec_id=self.exec_id, after=after, last=last),
+                                    StoredOutput, timeout=READ_TIMEOUT)
+        except BusError:
+            raise
+        except DsecError as exc:   # rate limited, or refused: this read cannot say now
+            raise BusError(f"output read of {self.subject}: {exc}") from None
+        if not got.found:
+            return None
+        return StoredOutput(found=True, seq=got.seq, data=got.data, headers=got.headers or None)
 
     def _exit_held(self) -> ExitRecord | None:
         exits = [r for r in self._held.values() if isinstance(r, ExitRecord)]
@@ -279,8 +298,8 @@ class ExecStream:
         if self.finished:
             return True
         try:
-            last = await self.bus.last_on_subject(streams.OUT_STREAM, self.subject, with_headers=True)
-            self.finished = last is not None and isinstance(decode_output(*last), ExitRecord)
+            last = await self._stored(last=True)
+            self.finished = last is not None and isinstance(decode_output(last.data, last.headers), ExitRecord)
         except (BusError, msgspec.DecodeError, msgspec.ValidationError):
             pass
         return self.finished

@@ -148,10 +148,11 @@ class Sandbox:
 class Client:
     """Synchronous SDK entry point; use as `with Client(url) as client`."""
 
-    def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str = "default",
+    def __init__(self, url: str = "nats://127.0.0.1:4222", *, tenant: str | None = None, creds: str | None = None,
                  connect_timeout: float = 5.0) -> None:
+        """creds and tenant as AsyncClient's."""
         self._loop = _Loop()
-        self._async = AsyncClient(url, tenant=tenant, connect_timeout=connect_timeout)
+        self._async = AsyncClient(url, tenant=tenant, creds=creds, connect_timeout=connect_timeout)
         try:
             self._loop.run(self._async.connect())
         except BaseException:

@@ -24,6 +24,7 @@ from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
 from bus.messages import ErrorReply, Quota, SandboxRecord, Wire, encode, sandbox_decoder
 from placement.snapshots import Snapshots
+from placement.streamapi import StreamReadsApi
 from placement.warmpools import WarmPools
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class ControlApi:
         self._buckets: dict[str, Bucket] = {}
         self._sub = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
-            GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(), **self.pools.handlers()}
+            GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(),
+            **self.pools.handlers(), **StreamReadsApi(bus).handlers()}
         self.steps: list[Step] = [self._count, self._answer_errors, self._authorise, self._limit, self._decode]
         self._run = lanes.chain(self._dispatch, self.steps)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -15,6 +16,9 @@ from bus.server import NatsServer, free_port
 from tests import leaks
 
 NODE = "t1"
+# The tenants the suite acts as (each its own NATS account, with its credential under the session state dir).
+TENANTS = ["default", "tenant-b", "t", "quota-t", "quota-u", "quota-n", "quota-c", "slow", "legacy", "fnfree", "fnq",
+           "flooder", "paged", "alice", "mallory"]
 
 
 def pytest_sessionstart(session):
@@ -47,10 +51,41 @@ def hostile(session_dir) -> bytes:
 
 @pytest.fixture(scope="session")
 def nats_server(session_dir):
-    """A real nats-server with JetStream on a free port."""
-    srv = NatsServer(session_dir / "nats", port=free_port()).start()
+    """A real nats-server with JetStream on a free port, enforcing identities (bus/iam.py) as `dsec up` does:
+    the SDK finds its tenant's credential under $DSEC_STATE_DIR (set to the session's state dir), tests'
+    own connections use `srv.admin`."""
+    from bus import iam
+    state = session_dir / "state"
+    ids = iam.bootstrap(state, nodes=[NODE], tenants=TENANTS)
+    srv = NatsServer(session_dir / "nats", port=free_port(), iam=ids).start()
+    srv.iam, srv.admin = ids, str(ids.creds_path("admin"))
+    os.environ["DSEC_STATE_DIR"] = str(state)
     yield srv
     srv.stop()
+    refused = sorted({line.split(" - ", 2)[-1] for line in srv.log_file.read_text(errors="replace").splitlines()
+                      if "Violation" in line})
+    if refused:   # what the server refused this session (the attack tests' attempts among them)
+        print(f"\nnats-server refused {len(refused)} distinct operations this session:")
+        for line in refused[:60]:
+            print(f"  {line[:200]}")
+
+
+async def raw_nats(url: str, **options):
+    """A plain nats-py connection as admin (the credential under $DSEC_STATE_DIR), for tests that speak
+    the wire themselves."""
+    import nats
+    from bus.creds import credential_options, default_creds
+    return await nats.connect(url, **credential_options(default_creds("admin")), **options)
+
+
+def edge_creds(srv, node: str) -> str:
+    """An edge credential for one more node (the server reloaded with it)."""
+    from bus import iam
+    if f"edge-{node}" not in srv.iam.platform:
+        srv.iam.issue_platform(f"edge-{node}")
+        srv.iam.save()
+        iam.reload(srv.iam)
+    return str(srv.iam.creds_path(f"edge-{node}"))
 
 
 @pytest.fixture(scope="session")
@@ -60,6 +95,8 @@ async def stack(nats_server, session_dir):
     from edge.capacity import EdgeConfig
     st = Stack(session_dir / "state", nats_url=nats_server.url, metrics_port=None,
                edge_config=EdgeConfig(node_id=NODE, slots=64))
+    st.edge_creds = lambda node: edge_creds(nats_server, node)
+    st.nats_server = nats_server
     with leaks.live(NODE, session_dir / "state"):   # its kinds keep state in edge/, edge-fncall/...
         await st.start()
         yield st
@@ -70,7 +107,7 @@ async def stack(nats_server, session_dir):
 
 @contextlib.asynccontextmanager
 async def extra_edge(stack, state_dir: Path, node: str, slots: int, backends: list[str] | None = None,
-                     options: dict | None = None, **config):
+                     options: dict | None = None, creds: str | None = None, **config):
     """Another node on the session's bus (its own edge process part, no placement), stopped after; it runs
     the backend kinds given (default: container), each with its options ({kind: {field: value}})."""
     from cli.stack import Stack
@@ -79,7 +116,8 @@ async def extra_edge(stack, state_dir: Path, node: str, slots: int, backends: li
     kinds = backends or ["container"]
     st = Stack(state_dir, nats_url=stack.url, metrics_port=None, run_placement=False,
                edge_config=EdgeConfig(node_id=node, slots=slots, backends=kinds, **config),
-               backends=[config_for(k, **(options or {}).get(k, {})) for k in kinds])
+               backends=[config_for(k, **(options or {}).get(k, {})) for k in kinds],
+               creds=creds or stack.edge_creds(node))
     with leaks.live(node, state_dir):
         await st.start()
         try:

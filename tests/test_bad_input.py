@@ -6,6 +6,8 @@ import asyncio
 import nats
 import pytest
 
+from tests.conftest import raw_nats
+
 import libdsec
 from bus import streams
 
@@ -28,7 +30,7 @@ def junk_subjects(node: str) -> list[str]:
 
 
 async def test_junk_everywhere_never_blocks_startup_listing_or_serving(stack, client):
-    nc = await nats.connect(stack.url)
+    nc = await raw_nats(stack.url)
     js = nc.jetstream()
     try:
         for subject in junk_subjects(stack.edge.node):
@@ -49,7 +51,7 @@ async def test_junk_everywhere_never_blocks_startup_listing_or_serving(stack, cl
     from edge.capacity import EdgeConfig
     from tests import leaks
     fresh = Stack(stack.state_dir.parent / "fresh-edge", nats_url=stack.url, metrics_port=None, run_placement=False,
-                  edge_config=EdgeConfig(node_id="tjunk"))
+                  edge_config=EdgeConfig(node_id="tjunk"), creds=stack.edge_creds("tjunk"))
     with leaks.live("tjunk", fresh.state_dir / "edge"):
         await fresh.start()
         assert await stack.bus.kv_get(streams.NODES_KV, "tjunk") is not None
@@ -87,7 +89,7 @@ async def _ack_pending(stack) -> int:
 
 
 async def test_wrong_typed_create_gets_a_reply_naming_the_field(stack):
-    nc = await nats.connect(stack.url)
+    nc = await raw_nats(stack.url)
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
@@ -104,7 +106,7 @@ async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
         from libdsec.execstream import ExecStream, exit_of
         es = ExecStream(stack.bus, sb.node, sb.id, "xbadexec1", client.tenant)
         await es.open()
-        nc = await nats.connect(stack.url)
+        nc = await raw_nats(stack.url)
         try:
             await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", (
                 b'{"kind":"exec","exec_id":"xbadexec1","sandbox_id":"%s","argv":"ls","timeout":"soon"}'
@@ -171,7 +173,7 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
     """The node lane is open to any publisher: a request that skipped placement is still validated."""
     import time as _time
     from bus.messages import CreateRequest, Resources, create_reply_decoder, encode
-    nc = await nats.connect(stack.url)
+    nc = await raw_nats(stack.url)
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox + ".*")

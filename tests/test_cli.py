@@ -12,6 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import raw_nats
+
 from bus.server import free_port
 from tests import leaks
 
@@ -57,8 +59,13 @@ def up(tmp_path_factory):
     log.close()
     line = proc.stdout.readline().strip()
     assert line == f"dsec: ready nats://127.0.0.1:{port}", (line, (state / "up.log").read_text())
-    with leaks.live(NODE, state):   # every kind it runs keeps its state under it
-        yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
+    before = os.environ.get("DSEC_STATE_DIR")
+    os.environ["DSEC_STATE_DIR"] = str(state)   # the client commands find the credentials `dsec up` wrote there
+    try:
+        with leaks.live(NODE, state):   # every kind it runs keeps its state under it
+            yield {"proc": proc, "url": f"nats://127.0.0.1:{port}", "state": state, "port": port, "mport": mport}
+    finally:
+        os.environ["DSEC_STATE_DIR"] = before or ""
     if proc.poll() is None:   # a test failed before the Ctrl-C test: stop it cleanly anyway
         os.killpg(proc.pid, signal.SIGINT)
         try:
@@ -113,10 +120,8 @@ def test_retention_and_output_sizes_are_settable(up):
     import asyncio
     import json
 
-    import nats
-
     async def check():
-        nc = await nats.connect(up["url"])
+        nc = await raw_nats(up["url"])
         try:
             js = nc.jetstream()
             assert (await js.stream_info("DSEC_TRAJ")).config.max_age == 2 * 86400

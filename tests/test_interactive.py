@@ -6,8 +6,10 @@ import asyncio
 import json
 import signal
 
-import nats
+
 import pytest
+
+from tests.conftest import raw_nats
 
 import libdsec
 from bus import subjects
@@ -84,7 +86,7 @@ async def test_a_background_exec_can_be_streamed_waited_for_and_killed(stack, cl
             await sleepers[1].kill(0)
         for h in sleepers[1:]:
             await h.close()      # stop listening; the sandbox's destroy ends them
-    nc = await nats.connect(stack.url)
+    nc = await raw_nats(stack.url)
     try:
         sub = await nc.jetstream().subscribe(subjects.trajectory("default", "bg", sb.id), ordered_consumer=True)
         records = []

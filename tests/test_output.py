@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nats
+
 import psutil
 
 import libdsec
 from bus import subjects
+from tests.conftest import raw_nats
 
 DSEC = str(Path(sys.executable).parent / "dsec")
 MIB = 1 << 20
@@ -31,7 +32,7 @@ def streams_of(chunks: list[dict]) -> dict[str, bytes]:
 async def read_plain(url: str, node: str, sandbox: str, exec_id: str) -> list[dict]:
     """dsec.out.<tenant>.<node>.<sandbox>.<exec> read back with plain nats-py: raw chunks framed by headers, then the JSON
     exit record (docs/streams.md); as dicts."""
-    nc = await nats.connect(url)
+    nc = await raw_nats(url)
     try:
         sub = await nc.jetstream().subscribe(subjects.output("default", node, sandbox, exec_id), ordered_consumer=True)
         records = []

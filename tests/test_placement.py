@@ -71,7 +71,7 @@ async def test_two_engines_booking_at_once_never_pass_a_nodes_capacity(bare_serv
 
 
 async def test_quota_exceeded_at_once_and_released_when_sandboxes_end(stack):
-    tenant = f"q{free_port()}"
+    tenant = "quota-n"
     await set_quota(stack.bus, Quota(tenant=tenant, max_sandboxes=2))
     for _ in range(50):   # the engine learns quotas from its watch
         if tenant in stack.placement.quotas.table:

@@ -58,7 +58,8 @@ def stop_up(proc):
         raise
 
 
-async def test_consumer_killed_mid_job_and_replay_after_a_full_restart(tmp_path):
+async def test_consumer_killed_mid_job_and_replay_after_a_full_restart(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSEC_STATE_DIR", str(tmp_path))   # the credentials `dsec up` writes there
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
     with leaks.live(NODE, tmp_path):

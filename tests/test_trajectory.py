@@ -11,8 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nats
+
 import pytest
+
+from tests.conftest import raw_nats
 
 import libdsec
 from bus import subjects
@@ -30,7 +32,7 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     await sb.destroy()
     assert (r1.exit_code, r2.stdout) == (4, BINARY)
     # any NATS client reads the timeline: plain nats-py, JSON
-    nc = await nats.connect(stack.url)
+    nc = await raw_nats(stack.url)
     try:
         sub = await nc.jetstream().subscribe(subjects.trajectory("default", "jt1", sb.id), ordered_consumer=True)
         records = []

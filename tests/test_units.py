@@ -20,10 +20,10 @@ from placement import scoring
 
 def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
-        "AsyncClient", "AsyncSandbox", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
+        "AsyncClient", "AsyncSandbox", "AuthenticationFailed", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
         "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
-        "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported"])
+        "PermissionDenied", "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None
 
@@ -310,6 +310,18 @@ class _OutBus:
 
     async def kv_get(self, bucket, key):
         return None
+
+    async def request(self, subject, msg, timeout):
+        """The control API's output-read, answered from what the fake stream stores (as placement would)."""
+        from bus.apiwire import ReadOutput, StoredOutput
+        from bus.messages import encode
+        assert subject.endswith(".output-read") and isinstance(msg, ReadOutput)
+        if msg.last:
+            last = await self.last_on_subject("DSEC_OUT", subject, with_headers=True)
+            return encode(StoredOutput(found=True, data=last[0], headers=dict(last[1] or {})) if last else StoredOutput())
+        m = await self.stored_after("DSEC_OUT", subject, msg.after)
+        return encode(StoredOutput(found=True, seq=m.seq, data=m.data, headers=dict(m.headers or {}))
+                      if m else StoredOutput())
 
 
 def _out(exec_id, n, exit_code=0):

@@ -57,7 +57,7 @@ async def test_a_gvisor_image_that_cannot_boot_fails_typed_and_leaves_nothing(cl
     assert gvisor.edge.backend.leaks() == []
 
 
-async def test_stopping_every_new_pid_inside_stalls_nothing_outside(client, gvisor, hostile):
+async def test_stopping_every_new_pid_inside_stalls_nothing_outside(stack, client, gvisor, hostile):
     """The spawner-stop attack from inside a gVisor sandbox: it stops only its own commands; a neighbour
     (gVisor and container) runs on, and its node is never declared lost."""
     async with await client.create(backend="gvisor") as attacker, \
@@ -72,7 +72,7 @@ async def test_stopping_every_new_pid_inside_stalls_nothing_outside(client, gvis
         assert done == [f"{i}\n".encode() for i in range(20) for _ in range(2)]
         await asyncio.gather(*own, return_exceptions=True)   # its own commands: stopped (timed out) or not
         assert int((await attacker.read_file("/tmp/stopped")).decode()) >= 1, "the attack stopped nothing"
-        raw = await client._need_bus().kv_get(streams.NODES_KV, gvisor.edge.node)
+        raw = await stack.bus.kv_get(streams.NODES_KV, gvisor.edge.node)
         assert not node_decoder.decode(raw).lost
 
 

@@ -1,0 +1,110 @@
+"""The control API's stream reads: what DSEC_OUT and DSEC_TRAJ keep for one tenant, read for it by the
+server (a tenant account has no JetStream rights in DSEC). The subjects read are built here from the
+tenant the request's subject names, so no request can reach another tenant's records.
+
+Trajectory readers are pull consumers kept on the server, one per (tenant, reader name), named by a
+digest of both; the acks a batch carries are the consumer's own ack subjects, taken back only from the
+tenant that owns the consumer."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+
+from nats.js import api
+
+from bus import streams, subjects
+from bus.apiwire import (AckTrajectories, CloseTrajectories, Done, FetchTrajectories, PulledRecord, ReadOutput,
+                         StoredOutput, TrajectoryBatch)
+from bus.conn import Bus
+from bus.errors import InvalidRequest
+from bus.messages import Wire
+
+MAX_BATCH = 1000
+MAX_WAIT = 5.0
+IDLE_READER = 60.0     # seconds after its last read a reader that is not durable is dropped
+MAX_REPLY = 768 << 10
+
+
+def _token(value: str, what: str) -> str:
+    try:
+        return subjects.token(value, what)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def reader_consumer(tenant: str, reader: str) -> str:
+    """The consumer on DSEC_TRAJ of one tenant's reader (a digest: no name of one tenant's can be another's)."""
+    return "traj-" + hashlib.sha256(f"{tenant}/{reader}".encode()).hexdigest()[:24]
+
+
+class StreamReadsApi:
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    def handlers(self) -> dict:
+        return {ReadOutput: self._output, FetchTrajectories: self._fetch, AckTrajectories: self._ack,
+                CloseTrajectories: self._close}
+
+    async def _output(self, tenant: str, req: ReadOutput) -> Wire:
+        subject = subjects.output(tenant, _token(req.node, "node"), _token(req.sandbox_id, "sandbox_id"),
+                                  _token(req.exec_id, "exec_id"))
+        if req.last:
+            last = await self.bus.last_on_subject(streams.OUT_STREAM, subject, with_headers=True)
+            if last is None:
+                return StoredOutput()
+            return StoredOutput(found=True, data=last[0] or b"", headers=dict(last[1] or {}))
+        m = await self.bus.stored_after(streams.OUT_STREAM, subject, max(0, req.after))
+        if m is None:
+            return StoredOutput()
+        return StoredOutput(found=True, seq=m.seq, data=m.data, headers=dict(m.headers or {}))
+
+    def _config(self, tenant: str, req: FetchTrajectories) -> api.ConsumerConfig:
+        name = reader_consumer(tenant, _token(req.reader, "reader"))
+        subject = subjects.trajectory(tenant, _token(req.job, "job") if req.job else "*",
+                                      _token(req.sandbox_id, "sandbox_id") if req.sandbox_id else "*")
+        start: dict = {"deliver_policy": api.DeliverPolicy.ALL}
+        if req.since_seq > 0:
+            start = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": req.since_seq}
+        elif req.since_time > 0:
+            at = datetime.datetime.fromtimestamp(req.since_time, datetime.timezone.utc)
+            start = {"deliver_policy": api.DeliverPolicy.BY_START_TIME, "opt_start_time": at.isoformat()}
+        if not 0 < req.ack_wait <= 3600:
+            raise InvalidRequest(f"ack_wait must be 0-3600 s, got {req.ack_wait}")
+        return api.ConsumerConfig(name=name, durable_name=name, filter_subject=subject,
+                                  ack_policy=api.AckPolicy.EXPLICIT, ack_wait=req.ack_wait, max_ack_pending=10_000,
+                                  inactive_threshold=None if req.durable else IDLE_READER,
+                                  description=f"trajectory reader {req.reader} of tenant {tenant}", **start)
+
+    async def _fetch(self, tenant: str, req: FetchTrajectories) -> Wire:
+        if not 1 <= req.batch <= MAX_BATCH or not 0 <= req.wait <= MAX_WAIT:
+            raise InvalidRequest(f"batch must be 1..{MAX_BATCH} and wait 0..{MAX_WAIT:g} s")
+        config = self._config(tenant, req)
+        reader = await self.bus.durable_reader(streams.TRAJ_STREAM, config)
+        try:
+            pulled = await reader.fetch(req.batch, max(0.05, req.wait))
+        finally:
+            await reader.close()
+        out, size = [], 0
+        for p in pulled:
+            size += len(p.data) + 200
+            if out and size > MAX_REPLY:
+                break   # the rest comes again after the ack wait (never acked here)
+            out.append(PulledRecord(seq=p.seq, at=p.at, data=p.data, ack=p.reply))
+        pending = pulled[-1].pending if pulled else 0
+        ack_pending = 0
+        if len(pulled) < req.batch or pending == 0:
+            ack_pending = await self.bus.consumer_ack_pending(streams.TRAJ_STREAM, config.durable_name)
+        return TrajectoryBatch(records=out, pending=pending, ack_pending=ack_pending)
+
+    async def _ack(self, tenant: str, req: AckTrajectories) -> Wire:
+        prefix = f"$JS.ACK.{streams.TRAJ_STREAM}.{reader_consumer(tenant, _token(req.reader, 'reader'))}."
+        bad = [a for a in req.acks if not a.startswith(prefix) or " " in a or len(a) > 300]
+        if bad:
+            raise InvalidRequest(f"traj-ack: {len(bad)} ack(s) are not this reader's (first: {bad[0][:80]!r})")
+        for a in req.acks:
+            await self.bus.send(a, b"+ACK")
+        return Done()
+
+    async def _close(self, tenant: str, req: CloseTrajectories) -> Wire:
+        await self.bus.delete_consumer(streams.TRAJ_STREAM, reader_consumer(tenant, _token(req.reader, "reader")))
+        return Done()

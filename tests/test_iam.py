@@ -1,0 +1,350 @@
+"""Identities enforced by the NATS server (bus/iam.py): a tenant B client with its own credential attacks
+tenant A ("alice"); an edge's, an ops and a revoked credential try what they may not. Every attempt is
+asserted from what the server answers (no responders, JetStream not enabled for the account, a
+permissions violation, an authorization violation), and A's own view is checked to be intact after."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+
+import libdsec
+from bus import iam, streams, subjects
+from bus.conn import Bus
+from bus.creds import seed_of
+from bus.messages import ExitRecord, decode_output, encode
+from tests.conftest import NODE
+
+DSEC = str(Path(sys.executable).parent / "dsec")
+
+
+class Raw:
+    """A plain nats-py connection with a credential, recording what the server says asynchronously."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc = None
+
+    async def connect(self, url: str, creds: str) -> "Raw":
+        async def _err(exc):
+            self.errors.append(str(exc).lower())
+        seed = seed_of(open(creds).read())
+        self.nc = await nats.connect(url, nkeys_seed_str=seed, error_cb=_err, allow_reconnect=False,
+                                     connect_timeout=2)
+        return self
+
+    async def violation(self, subject: str, timeout: float = 2.0) -> bool:
+        """Whether the server reported a permissions violation on `subject` (it says so asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any("permissions violation" in e and subject.lower() in e for e in self.errors):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+def creds_of(stack, principal: str) -> str:
+    return str(stack.nats_server.iam.creds_path(principal))
+
+
+@pytest.fixture
+async def alice(stack):
+    async with libdsec.AsyncClient(stack.url, creds=creds_of(stack, "tenant:alice")) as c:
+        yield c
+
+
+@pytest.fixture
+async def mallory(stack):
+    raw = await Raw().connect(stack.url, creds_of(stack, "tenant:mallory"))
+    yield raw
+    await raw.close()
+
+
+async def test_the_sdk_takes_its_tenant_from_the_credential(stack, alice):
+    assert alice.tenant == "alice" and alice.creds.endswith("tenants/alice.creds")
+    async with await alice.create() as sb:
+        assert (await alice.get(sb.id)).id == sb.id
+        rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key("alice", sb.id))
+        assert rec is not None   # stored under alice's key, by the platform
+
+
+async def test_tenant_b_cannot_reach_tenant_a_through_the_platforms_subjects(stack, alice, mallory):
+    js = mallory.nc.jetstream(timeout=1.5)
+    async with await alice.create(labels={"job": "iam-a"}) as sb:
+        r = await sb.exec("echo secret-a")
+        assert r.stdout == b"secret-a\n"
+        out_subject = subjects.output("alice", sb.node, sb.id, r.exec_id)
+        # requests in alice's name: nothing in mallory's account answers them
+        for subject, payload in [
+                (subjects.create_request("alice"), b"{}"),
+                (subjects.node_ops(sb.node, "alice", sb.id), b"{}"),
+                (subjects.api("alice", "sandbox-list"), b'{"kind":"list_sandboxes"}'),
+                (subjects.api("alice", "output-read"), encode_read(sb, r.exec_id)),
+                (subjects.exec_input(sb.node, "alice", sb.id, r.exec_id), b"{}"),
+                (subjects.call_request("alice"), b"{}")]:
+            with pytest.raises(nats.errors.NoRespondersError):
+                await mallory.nc.request(subject, payload, timeout=1.5)
+
+        # forged exit records and lane messages go nowhere (mallory's account exports nothing to DSEC)
+        forged = encode(ExitRecord(exec_id=r.exec_id, seq=2, exit_code=0))
+        await mallory.nc.publish(out_subject, forged)
+        await mallory.nc.publish(subjects.node_ops(sb.node, "mallory", sb.id), b"{}")
+        await mallory.nc.publish(f"dsec.node.{sb.node}.create", b"{}")
+        await mallory.nc.flush()
+
+        # JetStream: mallory's account has none, and none of DSEC's: stream reads, consumers of any kind,
+        # direct gets, KV and object writes, purges and deletes are all refused by the server
+        refusals = {}
+        attempts = {
+            "stream info": lambda: js.stream_info(streams.OUT_STREAM),
+            "stream list": lambda: js.streams_info(),
+            "msg get": lambda: js.get_msg(streams.OUT_STREAM, seq=1),
+            "direct get": lambda: js.get_last_msg(streams.OUT_STREAM, out_subject, direct=True),
+            "pull consumer": lambda: js.pull_subscribe(out_subject, "steal", stream=streams.OUT_STREAM),
+            "push consumer": lambda: js.add_consumer(streams.OUT_STREAM, durable_name="push", deliver_subject="dsec.x"),
+            "traj consumer": lambda: js.add_consumer(streams.TRAJ_STREAM, durable_name="t", filter_subject="dsec.traj.alice.>"),
+            "kv write": lambda: js.publish(f"$KV.{streams.IMAGES_KV}.busybox", b"{}"),
+            "kv bind": lambda: js.key_value(streams.SANDBOXES_KV),
+            "object store": lambda: js.object_store(streams.LAYERS_OBJ),
+            "purge": lambda: js.purge_stream(streams.OUT_STREAM),
+            "delete": lambda: js.delete_stream(streams.TRAJ_STREAM),
+        }
+        for what, attempt in attempts.items():
+            try:
+                await attempt()
+                refusals[what] = "allowed"
+            except nats.js.errors.ServiceUnavailableError as exc:
+                refusals[what] = "no JetStream" if exc.err_code == 10039 else f"503 {exc.err_code}"
+            except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+                refusals[what] = "no JetStream"   # (a publish: nothing in the account stores it)
+            except Exception as exc:
+                refusals[what] = f"{type(exc).__name__}: {exc}"
+        assert refusals == {what: "no JetStream" for what in attempts}, refusals
+
+        seen: list[str] = []   # (subscribed after the attempts: it would answer them)
+
+        async def _cb(m):
+            seen.append(m.subject)
+        await mallory.nc.subscribe("dsec.>", cb=_cb)     # everything mallory's account can see
+        await mallory.nc.subscribe(">", cb=_cb)
+        await mallory.nc.flush()
+
+        r2 = await sb.exec("echo while-b-listens")   # A's output, events and replies while B listens to everything
+        assert r2.stdout == b"while-b-listens\n"
+
+        # A's view is intact: the stream holds the real exit record only, A's sandbox answers as before
+        stored = [decode_output(d, h) async for d, h in stack.bus.read_subject(streams.OUT_STREAM, out_subject,
+                                                                                with_headers=True)]
+        assert [type(x).__name__ for x in stored] == ["OutputChunk", "ExitRecord"]
+        assert stored[-1].exit_code == 0 and stored[-1].seq == 2
+        await asyncio.sleep(0.2)
+        assert not [s for s in seen if ".alice." in s], seen   # none of A's output, events or replies
+
+
+def encode_read(sb, exec_id: str) -> bytes:
+    from bus.apiwire import ReadOutput
+    return encode(ReadOutput(node=sb.node, sandbox_id=sb.id, exec_id=exec_id))
+
+
+async def test_tenant_b_through_its_own_subjects_finds_nothing_of_a(stack, alice):
+    """B's SDK addresses A's sandbox through B's own subjects (which the server lets it use): the platform
+    answers from B's tenant, so A's sandbox is one that does not exist, its list is B's, its
+    trajectories are B's."""
+    async with await alice.create(labels={"job": "iam-b"}) as sb, \
+            libdsec.AsyncClient(stack.url, creds=creds_of(stack, "tenant:mallory")) as b:
+        assert b.tenant == "mallory"
+        r = await sb.exec("echo for-alice")
+        theirs = libdsec.AsyncSandbox(b, sb.id, sb.node, sb.backend)
+        with pytest.raises(libdsec.SandboxNotFound):
+            await theirs.exec("echo pwned")
+        with pytest.raises(libdsec.SandboxNotFound):
+            await b.get(sb.id)
+        assert sb.id not in {rec.sandbox_id for rec in await b.list(all_states=True)}
+        got = [t async for t in b.trajectories(sandbox=sb.id, follow=False)]
+        assert got == []
+        mine = [t async for t in alice.trajectories(sandbox=sb.id, follow=False)]
+        assert any(t.record.type == "exec" and t.record.exec_id == r.exec_id for t in mine)
+        # a create whose payload names A is A's in nothing: the tenant is the subject's (B's)
+        theirs_create = await b.create(labels={"job": "iam-b"})
+        try:
+            assert (await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key("alice", theirs_create.id))) is None
+        finally:
+            await theirs_create.destroy()
+
+
+async def test_dsec_replay_with_b_credentials_is_refused(stack, alice):
+    async with await alice.create(labels={"job": "iam-replay"}) as sb:
+        await sb.exec("echo replay-me")
+    env = {"DSEC_CREDS": creds_of(stack, "tenant:mallory"), "PATH": "/usr/bin:/bin"}
+    p = subprocess.run([DSEC, "replay", "--nats", stack.url, "--sandbox", sb.id], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.returncode == 1 and "replay-me" not in p.stdout, (p.stdout, p.stderr)
+    assert p.stderr.startswith("dsec: error: ") and "refused" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    # the ops credential replays it
+    env["DSEC_CREDS"] = creds_of(stack, "ops")
+    p = subprocess.run([DSEC, "replay", "--nats", stack.url, "--sandbox", sb.id], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.returncode == 0 and "1| replay-me" in p.stdout, p.stderr
+
+
+async def test_an_edge_credential_is_held_to_its_own_node(stack):
+    raw = await Raw().connect(stack.url, creds_of(stack, f"edge-{NODE}"))
+    try:
+        js = raw.nc.jetstream(timeout=1.0)
+        own = subjects.output("alice", NODE, "sbx", "ex1")
+        other = subjects.output("alice", "t9", "sbx", "ex1")
+        await raw.nc.publish(other, encode(ExitRecord(exec_id="ex1", seq=1, exit_code=0)))
+        assert await raw.violation(other)
+        for subject in ("dsec.node.t9.create", "dsec.node.t9.exec.alice.sbx", f"$KV.{streams.NODES_KV}.t9",
+                        f"$KV.{streams.IMAGES_KV}.busybox", f"$JS.API.STREAM.PURGE.{streams.OUT_STREAM}",
+                        f"$JS.API.CONSUMER.CREATE.{streams.NODE_STREAM}.edge-t9-ops.dsec.node.t9.exec.>",
+                        f"$JS.API.CONSUMER.MSG.NEXT.{streams.NODE_STREAM}.edge-t9-ops"):
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await raw.nc.request(subject, b"{}", timeout=0.5)
+            assert await raw.violation(subject), (subject, raw.errors[-3:])
+        # its own node's output subject is its to publish (stored in DSEC_OUT)
+        ack = await js.publish(own, encode(ExitRecord(exec_id="ex1", seq=1, exit_code=0)))
+        assert ack.stream == streams.OUT_STREAM
+        assert not await raw.violation(own, timeout=0.2)
+    finally:
+        await raw.close()
+
+
+async def test_ops_can_read_but_not_delete_purge_or_publish(stack):
+    raw = await Raw().connect(stack.url, creds_of(stack, "ops"))
+    try:
+        js = raw.nc.jetstream(timeout=1.0)
+        info = await js.stream_info(streams.TRAJ_STREAM)      # reads: allowed
+        assert info.config.name == streams.TRAJ_STREAM
+        for subject in (f"$JS.API.STREAM.PURGE.{streams.OUT_STREAM}", f"$JS.API.STREAM.DELETE.{streams.TRAJ_STREAM}",
+                        f"$JS.API.STREAM.MSG.DELETE.{streams.OUT_STREAM}", f"$KV.{streams.IMAGES_KV}.x",
+                        subjects.create_request("alice"), f"$JS.API.CONSUMER.MSG.NEXT.{streams.REQ_STREAM}.placement-latency"):
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await raw.nc.request(subject, b"{}", timeout=0.5)
+            assert await raw.violation(subject), (subject, raw.errors[-3:])
+        assert (await js.stream_info(streams.OUT_STREAM)).state.messages > 0   # nothing was purged
+    finally:
+        await raw.close()
+
+
+async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path):
+    with pytest.raises(libdsec.AuthenticationFailed, match="cannot be read"):
+        await libdsec.AsyncClient(stack.url, creds=str(tmp_path / "nope.creds")).connect()
+    (tmp_path / "bad.creds").write_text("not a credential\n")
+    with pytest.raises(libdsec.AuthenticationFailed, match="malformed"):
+        await libdsec.AsyncClient(stack.url, creds=str(tmp_path / "bad.creds")).connect()
+    seed, _ = iam.new_seed()
+    (tmp_path / "unknown.creds").write_text(iam.creds_text(seed, "tenant:nobody"))
+    t0 = time.monotonic()
+    with pytest.raises(libdsec.AuthenticationFailed, match="refused the credential"):
+        await libdsec.AsyncClient(stack.url, creds=str(tmp_path / "unknown.creds"), connect_timeout=2).connect()
+    assert time.monotonic() - t0 < 5, "a refused credential is an error at once, never a hang"
+    with pytest.raises(libdsec.AuthenticationFailed, match="requires a credential"):
+        await Bus.connect(stack.url, timeout=2)
+
+    ids = stack.nats_server.iam
+    ids.add_tenant("revokee")
+    ids.save()
+    iam.reload(ids)
+    creds = str(ids.creds_path("tenant:revokee"))
+    client = libdsec.AsyncClient(stack.url, creds=creds)
+    await client.connect()
+    try:
+        assert await client.list() == []
+        ids.revoke("tenant:revokee")
+        ids.save()
+        iam.reload(ids)
+        deadline = time.monotonic() + 5
+        while client.bus.connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not client.bus.connected, "the server closed the revoked credential's connection"
+    finally:
+        await client.close()
+        ids.remove_tenant("revokee")
+        ids.save()
+        iam.reload(ids)
+    with pytest.raises(libdsec.AuthenticationFailed):
+        await libdsec.AsyncClient(stack.url, creds=creds, connect_timeout=2).connect()
+
+
+async def test_a_flooding_tenant_is_rate_limited_while_another_creates(stack, alice):
+    """10,000 control requests from mallory (past its rate of 200/s) while alice's 100 creates all succeed:
+    the flooder gets RateLimited, the cluster keeps serving. Alice's latency is reported, not asserted."""
+    async def creates() -> list[float]:
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            sbs = await asyncio.gather(*(alice.create() for _ in range(10)))
+            times.append((time.perf_counter() - t0) * 1000)
+            await asyncio.gather(*(s.destroy() for s in sbs))
+        return times
+
+    quiet = await creates()
+    async with libdsec.AsyncClient(stack.url, creds=creds_of(stack, "tenant:mallory")) as flooder:
+        async def flood() -> dict:
+            outcomes: dict = {}
+            for i in range(0, 10_000, 500):
+                got = await asyncio.gather(*(flooder.quota() for _ in range(500)), return_exceptions=True)
+                for g in got:
+                    key = type(g).__name__
+                    outcomes[key] = outcomes.get(key, 0) + 1
+            return outcomes
+        flooding = asyncio.ensure_future(flood())
+        loud = await creates()
+        outcomes = await flooding
+    assert sum(outcomes.values()) == 10_000
+    assert outcomes.get("RateLimited", 0) > 0, outcomes
+    assert set(outcomes) <= {"RateLimited", "QuotaState"}, outcomes
+    print(f"\nalice's 10x10 creates: p50 {sorted(quiet)[5]:.0f} ms alone, {sorted(loud)[5]:.0f} ms under the flood; "
+          f"mallory's 10,000: {outcomes}")
+    assert len(loud) == 10
+
+
+def run_dsec(*args: str, creds: str | None = None) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", **({"DSEC_CREDS": creds} if creds else {})}
+    return subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+async def test_dsec_iam_adds_limits_refuses_removal_with_live_sandboxes_and_revokes(stack, tmp_path):
+    state = str(stack.nats_server.iam.root)
+    url = stack.url
+    try:
+        p = await asyncio.to_thread(run_dsec, "iam", "tenant", "add", "cli-t", "--state-dir", state)
+        assert p.returncode == 0 and "server reloaded" in p.stdout, p.stderr
+        creds = str(Path(state) / "creds" / "tenants" / "cli-t.creds")
+        p = await asyncio.to_thread(run_dsec, "run", "--nats", url, "--", "echo", "as-cli-t", creds=creds)
+        assert p.returncode == 0 and p.stdout == "as-cli-t\n", p.stderr
+        p = await asyncio.to_thread(run_dsec, "iam", "set", "cli-t", "--rate", "7", "--sandboxes", "3",
+                                    "--state-dir", state, "--nats", url, creds=str(Path(state) / "creds" / "admin.creds"))
+        assert p.returncode == 0 and "sandboxes=3" in p.stdout and "rate=7" in p.stdout, p.stderr
+        p = await asyncio.to_thread(run_dsec, "iam", "ls", "--state-dir", state)
+        assert any(line.split()[:3] == ["cli-t", "tenant", "7.0"] for line in p.stdout.splitlines()), p.stdout
+        kept = tmp_path / "kept.creds"   # a copy the holder kept: refused once the tenant is gone
+        kept.write_text(Path(creds).read_text())
+        async with libdsec.AsyncClient(url, creds=creds) as c:
+            sb = await c.create()
+            p = await asyncio.to_thread(run_dsec, "iam", "tenant", "rm", "cli-t", "--state-dir", state, "--nats", url)
+            assert p.returncode == 1 and p.stderr.startswith("dsec: error: tenant cli-t has 1 live sandbox") \
+                and "--force" in p.stderr, p.stderr
+            assert (await sb.exec("echo still-here")).stdout == b"still-here\n"
+            p = await asyncio.to_thread(run_dsec, "iam", "tenant", "rm", "cli-t", "--force", "--state-dir", state,
+                                        "--nats", url)
+            assert p.returncode == 0 and "removed" in p.stdout, p.stderr
+            rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key("cli-t", sb.id))
+            assert b'"destroyed"' in rec   # destroyed first, then the account went
+        p = await asyncio.to_thread(run_dsec, "ls", "--nats", url, creds=str(kept))
+        assert p.returncode == 1 and "AuthenticationFailed" not in p.stderr and "refused the credential" in p.stderr, \
+            p.stderr
+    finally:
+        stack.nats_server.iam = iam.Iam.load(Path(state))   # what the commands wrote
+        await stack.bus.kv_delete(streams.QUOTAS_KV, "cli-t")
