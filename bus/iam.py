@@ -204,7 +204,8 @@ class Iam:
         lines = ["accounts {", f"  {PLATFORM_ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
         for role, public in sorted(self.platform.items()):
             perms = permissions(role, self.pools.get(role[5:], "local"))
-            lines.append(f"      {{nkey: {public}, permissions: {json.dumps(perms)}}}")
+            # (no permissions at all for admin and placement: the server then checks nothing per message)
+            lines.append(f"      {{nkey: {public}" + (f", permissions: {json.dumps(perms)}}}" if perms else "}"))
         lines += ["    ]", "    exports: ["]
         for kind, subject, position, _ in EXPORTS:
             lines.append(f'      {{{kind}: "{subject}", account_token_position: {position}}}')
@@ -227,10 +228,11 @@ class Iam:
         return self.conf_path
 
 
-def permissions(role: str, pool: str = "local") -> dict:
-    """What one platform principal may publish and subscribe to in DSEC (admin and placement: all)."""
+def permissions(role: str, pool: str = "local") -> dict | None:
+    """What one platform principal may publish and subscribe to in DSEC; None for admin and placement
+    (everything)."""
     if role in ("admin", "placement"):
-        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+        return None
     if role == "ops":   # watch and replay: read-only JetStream, no publish of its own
         return {"publish": {"allow": ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "_INBOX.>"],
                             "deny": _JS_ADMIN + ["$JS.API.CONSUMER.DELETE.>"] + _WORK_QUEUES},
