@@ -59,6 +59,7 @@ class Bus(KvStore, StreamReads):
         self._acks = AckedPublisher(nc)
         self.denied: collections.deque = collections.deque(maxlen=64)   # the server's permission refusals
         self.refused: list[str] = []   # the server's refusals of this credential (revoked: reconnects fail)
+        self.creds: str | None = None
 
     @classmethod
     async def connect(cls, url: str, name: str = "dsec", *, timeout: float = 3.0,
@@ -81,6 +82,7 @@ class Bus(KvStore, StreamReads):
 
         async def _reconnected() -> None:   # pull requests and push consumers died with the old server
             log.info("nats: reconnected")
+            refused.clear()   # (a server that refused the credential took it back)
             for fn in list(listeners):
                 fn()
 
@@ -101,8 +103,7 @@ class Bus(KvStore, StreamReads):
                     f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
         bus = cls(nc, listeners)
-        bus.denied = denied
-        bus.refused = refused
+        bus.denied, bus.refused, bus.creds = denied, refused, creds
         return bus
 
     def on_reconnect(self, fn: Callable[[], None]) -> Callable[[], None]:
@@ -154,10 +155,12 @@ class Bus(KvStore, StreamReads):
         give_up = time.monotonic() + retry_for
         attempt = 0
         while True:
+            self.check_credential()
             try:
                 with mapped_errors(f"publish to {subject}"):
                     return await self.js.publish(subject, data, timeout=timeout, headers=headers)
             except BusError:
+                self.check_credential()
                 if not msg_id or (attempt >= retries and time.monotonic() >= give_up):
                     raise
             await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt) * (0.5 + random.random()))
@@ -243,14 +246,23 @@ class Bus(KvStore, StreamReads):
         with mapped_errors(f"subscribe {subject}"):
             return await self.nc.subscribe(subject, queue=queue, cb=_cb)
 
+    def check_credential(self) -> None:
+        """AuthenticationFailed when the server dropped this connection and refuses its credential now
+        (revoked while connected): said at once, not as a timeout."""
+        if self.refused and not self.nc.is_connected:
+            raise AuthenticationFailed(f"NATS refuses the credential {self.creds or '(none)'} now (revoked or "
+                                       f"removed while connected): {self.refused[-1]}")
+
     async def request(self, subject: str, msg: Wire, timeout: float) -> bytes | None:
         """A core request; its reply, or None when nobody serves the subject (now)."""
+        self.check_credential()
         try:
             with mapped_errors(f"request {subject}"):
                 m = await self.nc.request(subject, encode(msg), timeout=timeout)
         except BusError as exc:
             if isinstance(exc.__cause__, nats.errors.NoRespondersError):
                 return None
+            self.check_credential()
             raise
         return m.data
 

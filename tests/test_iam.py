@@ -268,6 +268,14 @@ async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path
         while client.bus.connected and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert not client.bus.connected, "the server closed the revoked credential's connection"
+        while not client.bus.refused and time.monotonic() < deadline + 5:   # its reconnect is refused
+            await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.AuthenticationFailed, match="revoked or removed while connected"):
+            await client.list()   # said at once, not as a 10 s "no answer"
+        with pytest.raises(libdsec.AuthenticationFailed):
+            await client.create(timeout=5)
+        assert time.monotonic() - t0 < 2
     finally:
         await client.close()
         ids.remove_tenant("revokee")
