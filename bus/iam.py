@@ -316,7 +316,7 @@ def reload(iam: Iam, timeout: float = 10.0) -> int:
     """Make every live server of these identities re-read them (SIGHUP); wait until each logs that it
     did. Returns how many were reloaded; IamError when one refuses the configuration.
 
-    Each server is reloaded twice: nats-server (2.16 here) leaves the service imports of an account that
+    Each server is reloaded twice: nats-server (2.15.1 here) leaves the service imports of an account that
     a reload adds unwired until the next reload (its stream imports work at once); a second reload of
     the same configuration wires them (tests/test_iam.py adds a tenant at run time and uses it)."""
     done = 0
