@@ -6,7 +6,6 @@ the mapping of nats errors to ours in bus/nats_errors.py.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import random
@@ -57,7 +56,6 @@ class Bus(KvStore, StreamReads):
         self._kv: dict[str, object] = {}
         self._obj: dict[str, object] = {}
         self._acks = AckedPublisher(nc)
-        self.denied: collections.deque = collections.deque(maxlen=64)   # the server's permission refusals
         self.refused: list[str] = []   # the server's refusals of this credential (revoked: reconnects fail)
         self.creds: str | None = None
 
@@ -68,14 +66,11 @@ class Bus(KvStore, StreamReads):
         file (DSec's or nsc's .creds: an nkey seed, or a user JWT with its seed) for a server with auth;
         AuthenticationFailed, naming the file and why, when the server refuses it or it is unreadable."""
         refused: list[str] = []
-        denied = collections.deque(maxlen=64)
 
         async def _errors(exc: Exception) -> None:
             text = str(exc)
             if "authorization violation" in text.lower() or "authentication" in text.lower():
                 refused.append(text)
-            elif "permissions violation" in text.lower():
-                denied.append(text)
             log.debug("nats: %s", exc)
 
         listeners: list[Callable[[], None]] = []
@@ -103,7 +98,7 @@ class Bus(KvStore, StreamReads):
                     f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
         bus = cls(nc, listeners)
-        bus.denied, bus.refused, bus.creds = denied, refused, creds
+        bus.refused, bus.creds = refused, creds
         return bus
 
     def on_reconnect(self, fn: Callable[[], None]) -> Callable[[], None]:

@@ -20,8 +20,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from bus import creds, streams
 from bus.errors import DsecError, InvalidRequest
@@ -105,10 +109,6 @@ class Iam:
     @property
     def path(self) -> Path:
         return self.root / "iam" / "iam.json"
-
-    @property
-    def creds_dir(self) -> Path:
-        return self.root / "creds"
 
     @property
     def conf_path(self) -> Path:
@@ -267,8 +267,6 @@ def edge_permissions(node: str, pool: str = "local") -> dict:
             "subscribe": {"allow": ["_INBOX.>", f"dsec.in.{node}.>", "dsec.hb.*", "dsec.evt.>", "dsec.probe.>"]}}
 
 
-
-
 # ---- the server's side: its configuration file, and reloads ------------------------------------------
 
 def server_conf(iam: Iam, base: Path) -> Path:
@@ -289,7 +287,7 @@ def _servers_file(iam: Iam) -> Path:
 def register_server(iam: Iam, pid: int, log: Path) -> None:
     """Remember a running server of these identities (pid, log) so `dsec iam` can reload it."""
     path = _servers_file(iam)
-    known = [s for s in _servers(iam) if _alive(s["pid"]) and s["pid"] != pid]
+    known = [s for s in _servers(iam) if psutil.pid_exists(s["pid"]) and s["pid"] != pid]
     known.append({"pid": pid, "log": str(log)})
     path.write_text(json.dumps(known))
 
@@ -299,14 +297,6 @@ def _servers(iam: Iam) -> list[dict]:
         return list(json.loads(_servers_file(iam).read_text()))
     except (OSError, ValueError):
         return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
 
 
 RELOADED = "Reloaded server configuration"
@@ -321,7 +311,7 @@ def reload(iam: Iam, timeout: float = 10.0) -> int:
     the same configuration wires them (tests/test_iam.py adds a tenant at run time and uses it)."""
     done = 0
     for s in _servers(iam):
-        if not _alive(s["pid"]):
+        if not psutil.pid_exists(s["pid"]):
             continue
         _reload_one(s, timeout)
         _reload_one(s, timeout)
@@ -331,18 +321,17 @@ def reload(iam: Iam, timeout: float = 10.0) -> int:
 
 def _reload_one(s: dict, timeout: float) -> None:
     """SIGHUP one server; wait until its log says it reloaded (IamError if it refused or said nothing)."""
-    import signal
-    import time
     log = Path(s["log"])
-    before = log.read_text(errors="replace").count(RELOADED) if log.exists() else 0
     mark = log.stat().st_size if log.exists() else 0
     os.kill(s["pid"], signal.SIGHUP)
     deadline = time.monotonic() + timeout
     while True:
-        text = log.read_text(errors="replace") if log.exists() else ""
-        if text.count(RELOADED) > before:
+        with open(log, "rb") as f:   # only what the server wrote since the signal
+            f.seek(mark)
+            text = f.read().decode(errors="replace")
+        if RELOADED in text:
             break
-        failed = [line for line in text[mark:].splitlines() if "Failed to reload" in line or "[FTL]" in line]
+        failed = [line for line in text.splitlines() if "Failed to reload" in line or "[FTL]" in line]
         if failed:
             raise IamError(f"the NATS server refused the new identities: {failed[-1]}")
         if time.monotonic() > deadline:

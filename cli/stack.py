@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from bus.conn import Bus
+from bus.creds import creds_path, creds_principal
 from bus.errors import EnvironmentFailure, ImageNotFound
 from bus.server import NatsServer, check_port_free
 from edge.capacity import EdgeConfig
@@ -49,8 +50,8 @@ class Stack:
                  servers: int = 1, stream_ages: dict[str, float] | None = None,
                  backends: list | None = None, optional_kinds: frozenset[str] = frozenset(),
                  auth: bool = False, creds: str | None = None) -> None:
-        """auth: an embedded server enforces identities (`dsec up` turns it on) (bus/iam.py: `dsec up` makes them under the state
-        dir); creds: the credential of the part this stack runs against an external server (an edge's or
+        """auth: an embedded server enforces identities (bus/iam.py; `dsec up` turns it on and makes them
+        under the state dir); creds: the credential of the part this stack runs against an external server (an edge's or
         a placement engine's), default the one under the state dir, else $DSEC_CREDS."""
         self.state_dir = Path(state_dir).resolve()
         self.external_url = nats_url
@@ -68,6 +69,7 @@ class Stack:
         self.server: NatsServer | None = None
         self.bus: Bus | None = None      # the stack's own connection: provisioning, metrics (admin with auth)
         self._buses: list[Bus] = []      # each part's own connection, as its own principal (auth on)
+        self._main: tuple[str | None, str] = (None, "")   # the stack's own connection's credential, principal
         self.edge = None
         self.placement = None
         self._metrics = None
@@ -113,7 +115,7 @@ class Stack:
                                           pool=self.edge_config.pool)
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port, iam=self.iam)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
-        main, principal = self._main_creds()
+        main, principal = self._main = self._main_creds()
         self.bus = await Bus.connect(self.url, name="dsec-up", creds=main)
         if principal in ("", "admin", "placement"):   # an edge's credential cannot (and need not) provision
             await self.bus.provision(replicas=min(3, self.servers))
@@ -139,24 +141,22 @@ class Stack:
 
     def tenant_creds(self, tenant: str = "default") -> str | None:
         """A tenant's credential under the state dir (None without auth)."""
-        path = self.state_dir / "creds" / "tenants" / f"{tenant}.creds"
-        return str(path) if path.exists() else None
+        return self._creds(f"tenant:{tenant}")
 
-    def _creds(self, role: str) -> str | None:
-        """The credential of a platform role under the state dir, if there is one."""
-        path = self.state_dir / "creds" / f"{role}.creds"
+    def _creds(self, principal: str) -> str | None:
+        """A principal's credential under the state dir, if there is one."""
+        path = creds_path(self.state_dir, principal)
         return str(path) if path.exists() else None
 
     def _main_creds(self) -> tuple[str | None, str]:
         """The stack's own connection's credential and principal: admin where this state dir has it, else
         the part it runs (--creds, the state dir's, $DSEC_CREDS); (None, "") without auth."""
-        from bus.creds import creds_principal
         own = f"edge-{self.edge_config.node_id}" if self.run_edge and not self.run_placement else "placement"
         found = self.creds or self._creds("admin") or self._creds(own) or os.environ.get("DSEC_CREDS")
         if not found:
             return None, ""
         try:
-            return found, creds_principal(open(found).read()) or "admin"
+            return found, creds_principal(Path(found).read_text()) or "admin"
         except OSError:
             return found, ""   # connecting says what is wrong with it
 
@@ -164,7 +164,7 @@ class Stack:
         """A connection as one part's own principal when the state dir (or --creds) has its credential;
         else the stack's own connection."""
         creds = self._creds(role) if self.creds is None else self.creds
-        if creds is None or self.bus is None or creds == self._main_creds()[0]:
+        if creds is None or self.bus is None or creds == self._main[0]:
             return self.bus
         bus = await Bus.connect(self.url, name=f"dsec-{role}", creds=creds)
         self._buses.append(bus)

@@ -277,9 +277,7 @@ class ExecStream:
             raise
         except DsecError as exc:   # rate limited, or refused: this read cannot say now
             raise BusError(f"output read of {self.subject}: {exc}") from None
-        if not got.found:
-            return None
-        return StoredOutput(found=True, seq=got.seq, data=got.data, headers=got.headers or None)
+        return got if got.found else None
 
     def _exit_held(self) -> ExitRecord | None:
         exits = [r for r in self._held.values() if isinstance(r, ExitRecord)]

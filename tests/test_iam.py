@@ -315,7 +315,6 @@ async def test_a_flooding_tenant_is_rate_limited_while_another_creates(stack, al
     assert set(outcomes) <= {"RateLimited", "QuotaState"}, outcomes
     print(f"\nalice's 10x10 creates: p50 {sorted(quiet)[5]:.0f} ms alone, {sorted(loud)[5]:.0f} ms under the flood; "
           f"mallory's 10,000: {outcomes}")
-    assert len(loud) == 10
 
 
 def run_dsec(*args: str, creds: str | None = None) -> subprocess.CompletedProcess:
