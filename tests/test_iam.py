@@ -312,7 +312,9 @@ async def test_a_flooding_tenant_is_rate_limited_while_another_creates(stack, al
         outcomes = await flooding
     assert sum(outcomes.values()) == 10_000
     assert outcomes.get("RateLimited", 0) > 0, outcomes
-    assert set(outcomes) <= {"RateLimited", "QuotaState"}, outcomes
+    # the flooder's own requests may also time out (BusError) under its own flood; nothing else
+    assert set(outcomes) <= {"RateLimited", "QuotaState", "BusError"}, outcomes
+    assert outcomes.get("BusError", 0) < 500, outcomes
     print(f"\nalice's 10x10 creates: p50 {sorted(quiet)[5]:.0f} ms alone, {sorted(loud)[5]:.0f} ms under the flood; "
           f"mallory's 10,000: {outcomes}")
 
