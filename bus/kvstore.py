@@ -136,14 +136,16 @@ class KvStore:
         with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
-    async def kv_items(self, bucket: str, tries: int = 5, *, prefix: str = "") -> list[tuple[str, bytes]]:
+    async def kv_items(self, bucket: str, tries: int = 5, *, prefix: str = "",
+                       keys: str = "") -> list[tuple[str, bytes]]:
         """Every live (key, value) of a bucket (with `prefix`: only the keys `<prefix>.*`, read by subject,
         at the cost of those alone), read through one ordered pass over its stream. The pass runs on
         whichever replica the server picks for it; one still catching up (a server just back) would list an
         old state, so a whole-bucket pass that ends short of the last sequence the stream's leader reported
-        before it started is done again (BusError after `tries`)."""
-        if prefix:
-            return await self._kv_prefixed(bucket, prefix)
+        before it started is done again (BusError after `tries`). `keys`: only the keys a filter with
+        wildcards matches (`acme.*.sb-1`), read the same way as a prefix."""
+        if prefix or keys:
+            return await self._kv_filtered(bucket, keys or f"{prefix}.>")
         for attempt in range(tries):
             out: dict[str, bytes] = {}
             prefix = f"$KV.{bucket}."
@@ -166,18 +168,19 @@ class KvStore:
             await asyncio.sleep(0.2 * (attempt + 1))
         raise BusError(f"kv list {bucket}: every pass read a replica behind the stream's leader")
 
-    async def kv_values(self, bucket: str, decoder, *, prefix: str = "") -> list:
-        """Every live value of a bucket (or of its keys `<prefix>.*`) decoded; junk is skipped, never fatal."""
+    async def kv_values(self, bucket: str, decoder, *, prefix: str = "", keys: str = "") -> list:
+        """Every live value of a bucket (or of its keys `<prefix>.*`, or those `keys` matches) decoded; junk
+        is skipped, never fatal."""
         out = []
-        for _, raw in await self.kv_items(bucket, prefix=prefix):
+        for _, raw in await self.kv_items(bucket, prefix=prefix, keys=keys):
             try:
                 out.append(decoder.decode(raw))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
         return out
 
-    async def _kv_prefixed(self, bucket: str, prefix: str) -> list[tuple[str, bytes]]:
-        subject = f"$KV.{bucket}.{prefix}.>"
+    async def _kv_filtered(self, bucket: str, keys: str) -> list[tuple[str, bytes]]:
+        subject = f"$KV.{bucket}.{keys}"
         if not await self._has_messages(f"KV_{bucket}", subject):
             return []
         out: dict[str, bytes] = {}
@@ -212,6 +215,10 @@ class KvStore:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+                # and the consumer deleted now, without waiting for the answer: left to the server's
+                # inactivity timer (5 s), a pass per request at a few hundred a second reaches the server's
+                # limit of consumers on the stream (1,000 here), and every later list fails
+                await self.nc.publish(f"$JS.API.CONSUMER.DELETE.KV_{bucket}.{sub._consumer}", b"")
 
     async def obj_put(self, bucket: str, name: str, data: bytes) -> None:
         """Store an object."""

@@ -218,3 +218,23 @@ async def test_a_tenant_reads_its_own_quota_and_what_it_holds(stack):
             assert (await c.quota()).sandboxes == 0
     finally:
         await stack.bus.kv_delete(streams.QUOTAS_KV, "quota-t")
+
+
+async def test_lists_at_the_rate_the_api_allows_leave_no_consumers_behind(stack):
+    """Each list is an ordered pass over the bucket (an ephemeral consumer): 1,500 of them in a few seconds
+    (several tenants at their rate) must all answer, and leave the stream's consumers as they were
+    (left to the server's inactivity timer, they reached its limit of 1,000 and every list failed)."""
+    stream = f"KV_{streams.SANDBOXES_KV}"
+    await stack.bus.kv_put(streams.SANDBOXES_KV, "lister.sb-probe", b"{}")
+    before = (await stack.bus.js.stream_info(stream)).state.consumer_count
+    try:
+        for _ in range(1500):
+            assert len(await stack.bus.kv_items(streams.SANDBOXES_KV, prefix="lister")) == 1
+    finally:
+        await stack.bus.kv_delete(streams.SANDBOXES_KV, "lister.sb-probe")
+    for _ in range(50):   # the deletes are sent without waiting for their answers
+        left = (await stack.bus.js.stream_info(stream)).state.consumer_count
+        if left <= before:
+            break
+        await asyncio.sleep(0.05)
+    assert left <= before, f"{left - before} listing consumers left on {stream}"
