@@ -19,7 +19,7 @@ from nats.js import api
 
 from bus import lanes, migrations, streams, subjects
 from bus.acks import AckedPublisher
-from bus.creds import credential_options
+from bus.creds import credential_options, expired
 from bus.errors import AuthenticationFailed, BusError, BusUnavailable
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
@@ -93,7 +93,8 @@ class Bus(KvStore, StreamReads):
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             if refused or "authorization violation" in str(exc).lower():
                 raise AuthenticationFailed(
-                    f"NATS at {url} refused the credential {creds}: unknown, revoked or expired" if creds else
+                    f"NATS at {url} refused the credential {creds}: {expired(creds) or 'unknown, revoked or expired'}"
+                    if creds else
                     f"NATS at {url} requires a credential: pass creds= (the SDK), --creds or $DSEC_CREDS "
                     f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
@@ -245,8 +246,9 @@ class Bus(KvStore, StreamReads):
         """AuthenticationFailed when the server dropped this connection and refuses its credential now
         (revoked while connected): said at once, not as a timeout."""
         if self.refused and not self.nc.is_connected:
-            raise AuthenticationFailed(f"NATS refuses the credential {self.creds or '(none)'} now (revoked or "
-                                       f"removed while connected): {self.refused[-1]}")
+            why = expired(self.creds) or "revoked or removed while connected"
+            raise AuthenticationFailed(f"NATS refuses the credential {self.creds or '(none)'} now ({why}): "
+                                       f"{self.refused[-1]}")
 
     async def request(self, subject: str, msg: Wire, timeout: float) -> bytes | None:
         """A core request; its reply, or None when nobody serves the subject (now)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 from bus.errors import AuthenticationFailed
@@ -25,15 +26,41 @@ def seed_of(text: str) -> str | None:
     return None
 
 
+_EXPIRES = re.compile(r"^# Expires: (\S+) \(unix (\d+(?:\.\d+)?)\)", re.M)
+
+
+def expires_line(at: float) -> str:
+    """The header line a credential with an expiry carries (the server stops accepting it then: bus/iam.py)."""
+    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+    return f"# Expires: {iso} (unix {at:.0f})\n"
+
+
+def expiry_of(text: str) -> tuple[float, str] | None:
+    """(unix time, ISO time) a DSec credential expires at, or None when it does not."""
+    m = _EXPIRES.search(text)
+    return (float(m.group(2)), m.group(1)) if m else None
+
+
+def expired(creds: str | None) -> str:
+    """'' while a credential file is valid (or cannot be read); else 'expired at <ISO time>'."""
+    try:
+        found = expiry_of(open(creds).read()) if creds else None
+    except OSError:
+        return ""
+    return f"expired at {found[1]}" if found and found[0] <= time.time() else ""
+
+
 def credential_options(creds: str | None) -> dict:
-    """nats.connect's options for a credential file; AuthenticationFailed when it is missing or holds
-    neither an nkey seed nor a user JWT."""
+    """nats.connect's options for a credential file; AuthenticationFailed when it is missing, expired or
+    holds neither an nkey seed nor a user JWT."""
     if not creds:
         return {}
     try:
         text = open(creds).read()
     except OSError as exc:
         raise AuthenticationFailed(f"credential {creds} cannot be read: {exc.strerror or exc}") from None
+    if expired(creds):
+        raise AuthenticationFailed(f"credential {creds} {expired(creds)}: ask for a new one (`dsec iam creds issue`)")
     if "BEGIN NATS USER JWT" in text:
         return {"user_credentials": creds}
     seed = seed_of(text)

@@ -9,7 +9,10 @@ scheme of ours):
 - one account per tenant, named as the tenant, with no JetStream of its own and no rights in DSEC but
   what DSEC exports to it. Every export carries the importer's account in a subject token
   (`account_token_position`), so the server itself refuses tenant B an import of tenant A's subjects and
-  the platform learns the tenant from the subject, never from the payload.
+  the platform learns the tenant from the subject, never from the payload;
+- one account per IAM project under a tenant, named `<tenant>__<project>`: scoped by the server as a
+  tenant is, its sandbox records keyed under its tenant's (`<tenant>.<project>.<id>`), so the tenant's
+  own credential lists them, and its quota counted against its tenant's too (placement/quota.py).
 
 The state is `<state>/iam/iam.json` (public keys only); each credential's seed is a `.creds` file under
 `<state>/creds/` (mode 0600) that only its holder should keep. Revoking removes the user and reloads the
@@ -17,22 +20,29 @@ server, which closes the user's open connections and refuses its next ones.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from bus import creds, streams
+from bus import creds, streams, subjects
 from bus.errors import DsecError, InvalidRequest
+
+log = logging.getLogger(__name__)
 
 PLATFORM_ACCOUNT = "DSEC"
 RESERVED = {PLATFORM_ACCOUNT, "SYS", "$G", "$SYS", "GLOBAL"}
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# a tenant, project or node name: no "__" (it joins a project to its tenant) and no "_" at the end
+_NAME = re.compile(r"^(?=.{1,63}$)[a-z0-9](?:[a-z0-9-]|_(?=[a-z0-9-]))*$")
 ROLES = ("admin", "placement", "ops")   # and edge-<node>, and tenants
 
 # What a tenant account imports from DSEC: (kind, export subject, token position of the account, import
@@ -64,6 +74,14 @@ _WORK_QUEUES = [f"{api}.{s}{tail}" for s in (streams.REQ_STREAM, streams.NODE_ST
                                   ("$JS.ACK", ".>"))]
 
 
+def principal_name(principal: str) -> str:
+    """A principal as the model keys it: `project:acme/p1` and `tenant:acme/p1` are `tenant:acme__p1`."""
+    for kind in ("project:", "tenant:"):
+        if principal.startswith(kind):
+            return "tenant:" + subjects.account_name(principal[len(kind):])
+    return principal
+
+
 class IamError(DsecError):
     """An IAM change was refused (unknown or duplicate name, live sandboxes without --force, ...)."""
 
@@ -74,7 +92,8 @@ def check_name(name: str, what: str = "tenant") -> str:
     """A tenant, project or node name: an account name and a subject token at once."""
     if not isinstance(name, str) or not _NAME.match(name) or name.upper() in RESERVED:
         raise InvalidRequest(f"{what} name must be 1-63 characters of [a-z0-9_-] starting with a letter or "
-                             f"digit, and not {', '.join(sorted(RESERVED))}; got {name!r}")
+                             f"digit, with no '__' and no '_' at the end, and not {', '.join(sorted(RESERVED))}; "
+                             f"got {name!r}")
     return name
 
 
@@ -85,16 +104,20 @@ def new_seed() -> tuple[bytes, str]:
     return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
 
 
-def creds_text(seed: bytes, who: str) -> str:
-    """A credential file: the user's nkey seed, decorated as nsc decorates one."""
+def creds_text(seed: bytes, who: str, expires: float = 0.0) -> str:
+    """A credential file: the user's nkey seed, decorated as nsc decorates one (and its expiry, if any)."""
     return (f"# DSec credential for {who}. Keep it secret: it is the identity.\n"
-            f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n")
+            + (creds.expires_line(expires) if expires else "")
+            + f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n")
 
 
 @dataclass
 class Tenant:
+    """A tenant's account, or a project's (`<tenant>__<project>`, `parent` naming its tenant)."""
+
     users: dict[str, str] = field(default_factory=dict)   # user name -> public key
     rate: float = 0.0     # control API requests/s (0: the default), mirrored into the quota record
+    parent: str = ""      # the tenant a project is under ("" for a tenant)
 
 
 @dataclass
@@ -105,6 +128,7 @@ class Iam:
     platform: dict[str, str] = field(default_factory=dict)   # admin/placement/ops/edge-<node> -> public key
     tenants: dict[str, Tenant] = field(default_factory=dict)
     pools: dict[str, str] = field(default_factory=dict)   # node -> the pool its edge serves (default local)
+    expires: dict[str, float] = field(default_factory=dict)   # principal -> when its credential stops working
 
     @property
     def path(self) -> Path:
@@ -121,7 +145,8 @@ class Iam:
             data = json.loads(iam.path.read_text())
             iam.platform = dict(data.get("platform", {}))
             iam.pools = dict(data.get("pools", {}))
-            iam.tenants = {n: Tenant(dict(t.get("users", {})), float(t.get("rate", 0.0)))
+            iam.expires = {k: float(v) for k, v in data.get("expires", {}).items()}
+            iam.tenants = {n: Tenant(dict(t.get("users", {})), float(t.get("rate", 0.0)), t.get("parent", ""))
                            for n, t in data.get("tenants", {}).items()}
         return iam
 
@@ -130,9 +155,14 @@ class Iam:
         return self.path.exists()
 
     def save(self) -> None:
+        with _locked(self.root):
+            self._save()
+
+    def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = {"version": 1, "platform": self.platform, "pools": self.pools,
-                "tenants": {n: {"users": t.users, "rate": t.rate} for n, t in sorted(self.tenants.items())}}
+        data = {"version": 1, "platform": self.platform, "pools": self.pools, "expires": self.expires,
+                "tenants": {n: {"users": t.users, "rate": t.rate, **({"parent": t.parent} if t.parent else {})}
+                            for n, t in sorted(self.tenants.items())}}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(self.path)
@@ -144,22 +174,35 @@ class Iam:
         """Where a principal's credential is written: creds/<role>.creds, creds/tenants/<tenant>.creds."""
         return creds.creds_path(self.root, principal)
 
-    def _mint(self, principal: str) -> tuple[str, Path]:
+    def _mint(self, principal: str, ttl: float = 0.0) -> tuple[str, Path]:
+        """A new key pair written as the principal's credential; with ttl (seconds) it expires: the server
+        stops accepting it then (its user leaves the rendered configuration, see sweep)."""
+        if ttl < 0:
+            raise InvalidRequest(f"ttl must be positive seconds, got {ttl}")
         seed, public = new_seed()
         path = self.creds_path(principal)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        at = round(time.time() + ttl) if ttl else 0.0
         with os.fdopen(fd, "w") as f:
-            f.write(creds_text(seed, principal))
+            f.write(creds_text(seed, principal, at))
         tmp.replace(path)
+        if at:
+            self.expires[principal] = at
+        else:
+            self.expires.pop(principal, None)
         return public, path
 
-    def issue_platform(self, role: str) -> Path:
+    def live(self, principal: str) -> bool:
+        """Whether a principal's credential has not expired."""
+        return not (0 < self.expires.get(principal, 0.0) <= time.time())
+
+    def issue_platform(self, role: str, ttl: float = 0.0) -> Path:
         """Mint (or mint anew, revoking the old key) a platform principal's credential."""
         if role not in ROLES and not (role.startswith("edge-") and check_name(role[5:], "node")):
             raise InvalidRequest(f"platform role must be one of {', '.join(ROLES)} or edge-<node>, got {role!r}")
-        public, path = self._mint(role)
+        public, path = self._mint(role, ttl)
         self.platform[role] = public
         return path
 
@@ -170,32 +213,57 @@ class Iam:
         self.tenants[name] = Tenant(rate=rate)
         return self.issue_tenant(name)
 
-    def issue_tenant(self, name: str) -> Path:
-        """A new credential for a tenant; its earlier one stops working (at the next reload)."""
-        tenant = self.tenant(name)
-        public, path = self._mint(f"tenant:{name}")
-        tenant.users = {name: public}
+    def add_project(self, tenant: str, project: str, rate: float = 0.0) -> Path:
+        """A project under a tenant: an account of its own (`<tenant>__<project>`), so the server scopes it
+        as it scopes a tenant; its sandboxes count against its own quota and its tenant's."""
+        if self.tenant(tenant).parent:
+            raise IamError(f"{tenant!r} is a project: projects are made under a tenant")
+        account = subjects.project_account(tenant, check_name(project, "project"))
+        if account in self.tenants:
+            raise IamError(f"project {tenant}/{project} exists already")
+        self.tenants[account] = Tenant(rate=rate, parent=tenant)
+        return self.issue_tenant(account)
+
+    def projects(self, tenant: str) -> list[str]:
+        """The accounts of a tenant's projects."""
+        return sorted(a for a, t in self.tenants.items() if t.parent == tenant)
+
+    def issue_tenant(self, name: str, ttl: float = 0.0) -> Path:
+        """A new credential for a tenant or project; its earlier one stops working (at the next reload)."""
+        account = subjects.account_name(name)
+        tenant = self.tenant(account)
+        public, path = self._mint(f"tenant:{account}", ttl)
+        tenant.users = {account: public}
         return path
 
     def revoke(self, principal: str) -> None:
-        """Remove a credential: a tenant's (`tenant:<name>`) or a platform role's."""
+        """Remove a credential: a tenant's or project's (`tenant:<name>`, `project:<tenant>/<project>`) or a
+        platform role's."""
+        principal = principal_name(principal)
         if principal.startswith("tenant:"):
             self.tenant(principal[7:]).users.clear()
         elif principal in self.platform:
             del self.platform[principal]
         else:
             raise IamError(f"no credential {principal!r} (see `dsec iam ls`)")
+        self.expires.pop(principal, None)
         self.creds_path(principal).unlink(missing_ok=True)
 
     def remove_tenant(self, name: str) -> None:
-        self.tenant(name)
-        del self.tenants[name]
-        self.creds_path(f"tenant:{name}").unlink(missing_ok=True)
+        """Remove a tenant (with its projects) or one project."""
+        account = subjects.account_name(name)
+        self.tenant(account)
+        for gone in (*self.projects(account), account):
+            del self.tenants[gone]
+            self.expires.pop(f"tenant:{gone}", None)
+            self.creds_path(f"tenant:{gone}").unlink(missing_ok=True)
 
     def tenant(self, name: str) -> Tenant:
-        if name not in self.tenants:
-            raise IamError(f"no tenant {name!r} (see `dsec iam ls`)")
-        return self.tenants[name]
+        account = subjects.account_name(name)
+        if account not in self.tenants:
+            what = "project" if subjects.PROJECT_SEP in account else "tenant"
+            raise IamError(f"no {what} {subjects.display_name(account)!r} (see `dsec iam ls`)")
+        return self.tenants[account]
 
     # ---- the server's configuration -----------------------------------------------------------
 
@@ -203,6 +271,8 @@ class Iam:
         """The `accounts { ... }` block: DSEC with the platform's users and exports, one account per tenant."""
         lines = ["accounts {", f"  {PLATFORM_ACCOUNT} {{", "    jetstream: enabled", "    users: ["]
         for role, public in sorted(self.platform.items()):
+            if not self.live(role):
+                continue
             perms = permissions(role, self.pools.get(role[5:], "local"))
             # (no permissions at all for admin and placement: the server then checks nothing per message)
             lines.append(f"      {{nkey: {public}" + (f", permissions: {json.dumps(perms)}}}" if perms else "}"))
@@ -212,7 +282,8 @@ class Iam:
         lines += ["    ]", "  }"]
         for name, tenant in sorted(self.tenants.items()):
             lines.append(f"  {name} {{")
-            lines.append("    users: [" + ", ".join(f"{{nkey: {k}}}" for k in sorted(tenant.users.values())) + "]")
+            users = sorted(tenant.users.values()) if self.live(f"tenant:{name}") else []
+            lines.append("    users: [" + ", ".join(f"{{nkey: {k}}}" for k in users) + "]")
             lines.append("    imports: [")
             for kind, _, _, imported in EXPORTS:
                 lines.append(f'      {{{kind}: {{account: {PLATFORM_ACCOUNT}, subject: "{imported.format(t=name)}"}}}}')
@@ -339,6 +410,68 @@ def _reload_one(s: dict, timeout: float) -> None:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def _locked(root: Path):
+    """One writer of a state dir's identities at a time (`dsec iam` and the expiry sweep)."""
+    lock = Path(root) / "iam" / ".lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _key_of(iam: Iam, principal: str) -> str:
+    if principal.startswith("tenant:"):
+        t = iam.tenants.get(principal[7:])
+        return next(iter(t.users.values()), "") if t else ""
+    return iam.platform.get(principal, "")
+
+
+def sweep(root: Path) -> int:
+    """Take the credentials that expired out of the servers' configuration and reload them: the server
+    closes their connections and refuses their next ones. Returns how many were taken out. `dsec up`'s
+    server runs it every second; a server of our own runs `dsec iam sweep` (cron, a systemd timer)."""
+    with _locked(root):
+        iam = Iam.load(root)
+        try:
+            conf = iam.conf_path.read_text()
+        except OSError:
+            return 0
+        now = time.time()
+        stale = [p for p, at in iam.expires.items() if at <= now and (key := _key_of(iam, p)) and key in conf]
+        if not stale:
+            return 0
+        iam.write_conf()
+        reload(iam)
+    log.info("credentials expired: %s", ", ".join(stale))
+    return len(stale)
+
+
+class ExpirySweeper:
+    """A thread running sweep() every `every` seconds beside a server (bus/server.py) until stopped."""
+
+    def __init__(self, root: Path, every: float = 1.0) -> None:
+        self.root, self.every = Path(root), every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsec-iam-sweep", daemon=True)
+
+    def start(self) -> "ExpirySweeper":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                sweep(self.root)
+            except Exception as exc:   # (a server gone meanwhile, a refused reload): said, tried again
+                log.warning("expiry sweep of %s: %s", self.root, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=15)
+
+
 def bootstrap(root: Path, nodes: list[str] = (), tenants: list[str] = ("default",), pool: str = "local") -> Iam:
     """The identities `dsec up` needs, made where missing: admin, placement, ops, an edge per node and
     the given tenants, each with its credential under <root>/creds."""
@@ -346,12 +479,13 @@ def bootstrap(root: Path, nodes: list[str] = (), tenants: list[str] = ("default"
     for n in nodes:
         iam.pools[n] = pool
     for role in (*ROLES, *(f"edge-{n}" for n in nodes)):
-        if role not in iam.platform or not iam.creds_path(role).exists():
+        if role not in iam.platform or not iam.creds_path(role).exists() or not iam.live(role):
             iam.issue_platform(role)
     for name in tenants:
         if name not in iam.tenants:
             iam.add_tenant(name)
-        elif not iam.tenants[name].users or not iam.creds_path(f"tenant:{name}").exists():
+        elif (not iam.tenants[name].users or not iam.creds_path(f"tenant:{name}").exists()
+              or not iam.live(f"tenant:{name}")):
             iam.issue_tenant(name)
     iam.save()
     return iam

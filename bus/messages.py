@@ -319,15 +319,17 @@ class Quota(Wire, tag="quota"):
 
 
 class Hold(msgspec.Struct, frozen=True):
-    """One sandbox counted against its tenant's quota."""
+    """One sandbox counted against its tenant's quota (and its project's, when `account` names one)."""
 
     request_id: str = ""
     resources: Resources = Resources()
     deadline: float = 0.0
+    account: str = ""     # the project account whose sandbox it is ("": the tenant's own)
 
 
 class TenantUsage(Wire, tag="usage"):
-    """KV dsec-tenants: what a tenant with a quota holds (sandbox id -> hold), updated by compare-and-set."""
+    """KV dsec-tenants: what a tenant with a quota holds, its projects' sandboxes with it (sandbox id ->
+    hold), updated by compare-and-set."""
 
     tenant: str = ""
     holds: dict[str, Hold] = {}

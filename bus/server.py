@@ -71,6 +71,7 @@ class NatsServer:
         self.log_file = log_file or self.store_dir.parent / "nats-server.log"
         self.iam = iam
         self.proc: subprocess.Popen | None = None
+        self._sweeper = None
 
     @property
     def url(self) -> str:
@@ -100,8 +101,10 @@ class NatsServer:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
                     if self.iam is not None:
-                        from bus.iam import register_server
+                        from bus.iam import ExpirySweeper, register_server
                         register_server(self.iam, self.proc.pid, self.log_file)
+                        if self._sweeper is None:   # expired credentials leave its configuration
+                            self._sweeper = ExpirySweeper(self.iam.root).start()
                     return self
             except OSError:
                 time.sleep(0.02)
@@ -110,6 +113,9 @@ class NatsServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop it (SIGTERM, then SIGKILL); never raises."""
+        if self._sweeper is not None:
+            self._sweeper.stop()
+            self._sweeper = None
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

@@ -143,10 +143,44 @@ def trajectory(tenant: str, job: str, sandbox: str) -> str:
     return f"dsec.traj.{tenant}.{job}.{sandbox}"
 
 
+PROJECT_SEP = "__"   # an IAM project's account: <tenant>__<project> (no tenant or project name holds "__")
+
+
+def project_account(tenant: str, project: str) -> str:
+    """The account (and subject token) of a project under a tenant: the server scopes it as any tenant."""
+    return f"{tenant}{PROJECT_SEP}{project}"
+
+
+def account_name(name: str) -> str:
+    """A tenant or project as a user writes it (`acme`, `acme/p1`) as its account name (`acme`, `acme__p1`)."""
+    return project_account(*name.split("/", 1)) if "/" in name else name
+
+
+def tenant_root(account: str) -> str:
+    """The tenant an account belongs to: itself, or the tenant a project account is under."""
+    return account.split(PROJECT_SEP, 1)[0]
+
+
+def sees(viewer: str, owner: str) -> bool:
+    """Whether an account sees another's records: its own, and a tenant its projects'."""
+    return owner == viewer or (PROJECT_SEP not in viewer and owner.startswith(viewer + PROJECT_SEP))
+
+
+def display_name(account: str) -> str:
+    """An account as a user writes it: `acme`, or `acme/p1` for a project."""
+    return account.replace(PROJECT_SEP, "/", 1)
+
+
 def record_key(tenant: str, id_: str) -> str:
     """A sandbox's key in KV dsec-sandboxes, or a snapshot's in dsec-snapshots: <tenant>.<id>, so a reader
-    (and a server permission) can take one tenant's records by subject, $KV.<bucket>.<tenant>.>."""
-    return f"{tenant}.{id_}"
+    (and a server permission) can take one tenant's records by subject, $KV.<bucket>.<tenant>.>. A
+    project's are <tenant>.<project>.<id>: under its tenant's, so the tenant's read takes them too."""
+    return f"{tenant.replace(PROJECT_SEP, '.', 1)}.{id_}"
+
+
+def record_prefix(tenant: str) -> str:
+    """The key prefix of one account's records (a tenant's takes its projects' too)."""
+    return tenant.replace(PROJECT_SEP, ".", 1)
 
 
 def job_of(labels: dict[str, str]) -> str:

@@ -128,7 +128,7 @@ def quota() -> None:
 @click.option("--cpu", default=0.0, show_default=True, help="Max cores in total (0: no limit).")
 @click.option("--memory", default="0", show_default=True, help="Max memory in total, e.g. 64Gi (0: no limit).")
 @click.option("--rate", default=0.0, show_default=True,
-              help="Control API requests/s per engine (0: the default, 200); past it requests get RateLimited.")
+              help="Control API requests/s over all engines (0: the default, 200); past it requests get RateLimited.")
 @run_async
 async def quota_set(tenant: str, nats_url: str, sandboxes: int, cpu: float, memory: str, rate: float) -> None:
     """Set TENANT's quota."""

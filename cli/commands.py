@@ -7,6 +7,7 @@ import sys
 import click
 
 import libdsec
+from bus import subjects
 from cli.termsafe import Terminal, field
 from cli.main import fail, main, nats_option, run_async
 
@@ -128,15 +129,18 @@ async def exec_(nats_url, timeout, sandbox_id, argv) -> None:
 @click.option("--all", "all_states", is_flag=True, help="Include destroyed, expired and failed sandboxes.")
 @run_async
 async def ls(nats_url, all_states) -> None:
-    """List sandboxes."""
+    """List sandboxes (with a tenant's credential, its projects' too, in a PROJECT column)."""
     async with libdsec.AsyncClient(nats_url) as client:
         recs = await client.list(all_states)
-    click.echo(f"{'ID':<20} {'STATE':<10} {'KIND':<10} {'NODE':<12} {'IMAGE':<14} {'CREATED':<20} EXPIRES")
+    projects = any(r.tenant != client.tenant for r in recs)
+    click.echo(f"{'ID':<20} {'STATE':<10} {'KIND':<10} {'NODE':<12} {'IMAGE':<14} {'CREATED':<20} "
+               + ("EXPIRES  PROJECT" if projects else "EXPIRES"))
     for r in recs:
         created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
         expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") if r.expires_at else "-"
+        owner = field(subjects.display_name(r.tenant)) if r.tenant != client.tenant else "-"
         click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.backend):<10} {field(r.node):<12} {field(r.image):<14} {created:<20} "
-                   f"{expires}")
+                   + (f"{expires:<8} {owner}" if projects else expires))
 
 
 @main.command()

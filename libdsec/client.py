@@ -12,7 +12,8 @@ from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSand
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
-from bus.errors import CapacityUnavailable, DsecError, InvalidRequest, SandboxError, SandboxNotFound, from_code
+from bus.errors import (CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
+                         from_code)
 from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SandboxRecord, SnapshotRecord,
                           SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder)
 from libdsec import calls, control, warmpools
@@ -68,8 +69,10 @@ class AsyncClient:
                  connect_timeout: float = 5.0) -> None:
         """creds: the tenant's credential file; default $DSEC_CREDS, else the one `dsec up` wrote for the
         tenant under $DSEC_STATE_DIR (.dsec/creds/tenants/<tenant>.creds), else none (a server without
-        auth). tenant: default the one the credential names, else `default`."""
+        auth). tenant: default the one the credential names, else `default`; a project under a tenant is
+        `tenant/project` (it sees its own sandboxes; the tenant's credential sees its projects' too)."""
         self.url = url
+        tenant = subjects.account_name(tenant) if tenant else tenant
         self.creds = creds or credentials.default_creds(f"tenant:{tenant or 'default'}")
         if tenant is None and self.creds:
             tenant = credentials.tenant_of_creds(self.creds)
@@ -324,6 +327,9 @@ class AsyncClient:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found (never_existed)", reason="never_existed")
         if rec.state != "ready":
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({rec.state}: {rec.reason})", reason=rec.state)
+        if rec.tenant != self.tenant:   # a tenant sees its projects' sandboxes; each project acts on its own
+            raise PermissionDenied(f"sandbox {sandbox_id} is project {subjects.display_name(rec.tenant)}'s: act on "
+                                   f"it with that project's credential")
         return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend)
 
     async def _record(self, sandbox_id: str):
@@ -358,7 +364,7 @@ class AsyncClient:
             raise InvalidRequest("give labels={...} or ids=[...]: suspend/resume never applies to every sandbox")
         wanted = set(ids or [])
         chosen = [rec for rec in await self.list(labels=labels)
-                  if rec.suspended != freeze and (not wanted or rec.sandbox_id in wanted)]
+                  if rec.tenant == self.tenant and rec.suspended != freeze and (not wanted or rec.sandbox_id in wanted)]
         make = SuspendRequest if freeze else ResumeRequest
         for rec in chosen:   # every one of them can, or none is touched
             kinds.require(rec.backend, "suspend", "suspend" if freeze else "resume")
@@ -379,7 +385,8 @@ class AsyncClient:
 
     async def list(self, all_states: bool = False, *, labels: dict[str, str] | None = None) -> list[SandboxRecord]:
         """Sandbox records of this tenant, oldest first (running only unless all_states; with all these
-        labels when given), filtered on the server and read page by page."""
+        labels when given), filtered on the server and read page by page. A tenant's credential lists its
+        projects' sandboxes too (`.tenant` names the project's account, `<tenant>__<project>`)."""
         if labels is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
             raise InvalidRequest("labels must map str to str")
         out: list[SandboxRecord] = []

@@ -22,7 +22,7 @@ from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, Q
                          api_request_decoder)
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
-from bus.messages import ErrorReply, Quota, SandboxRecord, Wire, encode, sandbox_decoder
+from bus.messages import ErrorReply, Quota, SandboxRecord, Wire, encode, engine_decoder, sandbox_decoder
 from placement.snapshots import Snapshots
 from placement.streamapi import StreamReadsApi
 from placement.warmpools import WarmPools
@@ -30,8 +30,9 @@ from placement.warmpools import WarmPools
 log = logging.getLogger(__name__)
 
 QUEUE = "dsec-api"
-DEFAULT_RATE = 200.0       # control requests per second per tenant (and engine); a burst of twice that passes
+DEFAULT_RATE = 200.0       # control requests per second per tenant (over all engines); a burst of twice that passes
 MAX_BUCKETS = 10_000       # tenants' rate buckets kept before the full ones are dropped
+ENGINE_ALIVE = 5.0         # seconds an engine's figures count it as answering (it puts them every second)
 MAX_REPLY = 768 << 10      # bytes of records per page (a reply stays under the server's 1 MiB max payload)
 STATES = ("starting", "ready", "destroyed", "expired", "failed", "node_lost")
 
@@ -70,6 +71,7 @@ class ControlApi:
         self.pools = WarmPools(bus, images)
         self.outcomes: collections.Counter = collections.Counter()   # (verb, code) -> answers
         self._buckets: dict[str, Bucket] = {}
+        self._engines: dict[str, float] = {}   # engine -> when its figures were last heard (KV dsec-engines)
         self._sub = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
             GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(),
@@ -118,25 +120,55 @@ class ControlApi:
         return await nxt(call)
 
     async def _limit(self, call: Call, nxt: Next) -> Wire:
-        rate = self._rate_of(call.tenant)
+        """A token bucket per account; a project's requests take from its tenant's bucket too."""
         now = time.monotonic()
-        cap = max(1.0, 2 * rate)   # (a burst of twice the rate; at least one request)
-        b = self._buckets.get(call.tenant)
+        root = subjects.tenant_root(call.tenant)
+        buckets = [(a, self._bucket(a, now)) for a in dict.fromkeys((call.tenant, root))]
+        for account, b in buckets:
+            if b.tokens < 1:
+                what = "project" if subjects.PROJECT_SEP in account else "tenant"
+                raise RateLimited(f"{what} {subjects.display_name(account)} passed its rate of "
+                                  f"{self._rate_of(account):g} control requests/s: try again shortly")
+        for _, b in buckets:
+            b.tokens -= 1
+        return await nxt(call)
+
+    def _bucket(self, account: str, now: float) -> Bucket:
+        """One account's bucket, refilled to now (a burst of twice the rate; at least one request)."""
+        rate = self._rate_of(account)
+        cap = max(1.0, 2 * rate)
+        b = self._buckets.get(account)
         if b is None:
             if len(self._buckets) >= MAX_BUCKETS:   # drop the full ones: a full bucket is a new one
                 self._buckets = {t: x for t, x in self._buckets.items()
                                  if x.tokens + (now - x.at) * self._rate_of(t) < max(1.0, 2 * self._rate_of(t))}
-            b = self._buckets[call.tenant] = Bucket(tokens=cap, at=now)
+            b = self._buckets[account] = Bucket(tokens=cap, at=now)
         b.tokens = min(cap, b.tokens + (now - b.at) * rate)
         b.at = now
-        if b.tokens < 1:
-            raise RateLimited(f"tenant {call.tenant} passed its rate of {rate:g} control requests/s: try again shortly")
-        b.tokens -= 1
-        return await nxt(call)
+        return b
 
     def _rate_of(self, tenant: str) -> float:
+        """This engine's share of a tenant's rate: the engines answer in one queue group, which spreads
+        requests evenly, so each admits rate / (engines alive) and all together the tenant's rate."""
         quota = self.quotas.table.get(tenant) if self.quotas is not None else None
-        return quota.rate if quota is not None and quota.rate > 0 else self.rate
+        rate = quota.rate if quota is not None and quota.rate > 0 else self.rate
+        return rate / self.engines()
+
+    def engines(self) -> int:
+        """Engines heard from in the last ENGINE_ALIVE seconds (at least this one)."""
+        cutoff = time.time() - ENGINE_ALIVE
+        return max(1, sum(1 for at in self._engines.values() if at >= cutoff))
+
+    def on_engine(self, key: str, raw: bytes | None, _revision: int) -> None:
+        """KV watch callback of dsec-engines (every engine puts its figures there every second)."""
+        try:
+            stats = engine_decoder.decode(raw) if raw is not None else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            stats = None
+        if stats is None:
+            self._engines.pop(key, None)
+        else:
+            self._engines[key] = stats.at
 
     async def _decode(self, call: Call, nxt: Next) -> Wire:
         want = VERBS.get(call.verb)
@@ -154,10 +186,11 @@ class ControlApi:
     # ---- sandboxes ------------------------------------------------------------------------------
 
     async def records(self, tenant: str) -> list[SandboxRecord]:
-        """Every record of one tenant (any state), by id: a read of its keys alone (<tenant>.*), so a list
-        costs the tenant's records, and nothing is watched between lists."""
-        recs = await self.bus.kv_values(streams.SANDBOXES_KV, sandbox_decoder, prefix=tenant)
-        return sorted((r for r in recs if r.tenant == tenant), key=lambda r: r.sandbox_id)
+        """Every record one account sees (any state), by id: a read of its keys alone (<tenant>.>), so a
+        list costs the tenant's records, and nothing is watched between lists. A tenant's read takes its
+        projects' records too (keyed <tenant>.<project>.<id>); a project's, its own alone."""
+        recs = await self.bus.kv_values(streams.SANDBOXES_KV, sandbox_decoder, prefix=subjects.record_prefix(tenant))
+        return sorted((r for r in recs if subjects.sees(tenant, r.tenant)), key=lambda r: r.sandbox_id)
 
     async def _get(self, tenant: str, req: GetSandbox) -> Wire:
         if not subjects.is_token(req.sandbox_id):
@@ -167,7 +200,11 @@ class ControlApi:
             rec = sandbox_decoder.decode(raw) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             rec = None
-        if rec is None or rec.tenant != tenant:   # another tenant's sandbox is one that does not exist
+        if rec is None and subjects.PROJECT_SEP not in tenant:   # a tenant sees its projects' sandboxes
+            found = await self.bus.kv_values(streams.SANDBOXES_KV, sandbox_decoder,
+                                             keys=f"{tenant}.*.{req.sandbox_id}")
+            rec = next((r for r in found if r.sandbox_id == req.sandbox_id), None)
+        if rec is None or not subjects.sees(tenant, rec.tenant):   # another tenant's is one that does not exist
             raise SandboxNotFound(f"sandbox {req.sandbox_id} not found (never_existed)", reason="never_existed")
         return rec
 

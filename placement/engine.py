@@ -95,6 +95,7 @@ class PlacementEngine:
         self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0),
                        await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
                        await kv_watch(self.bus, streams.IMAGES_KV, self.images.on_change),   # drops stale resolves
+                       await kv_watch(self.bus, streams.ENGINES_KV, self.api.on_engine),   # the rate's share
                        *await self.reaper.start(), asyncio.create_task(self.watch.run()),
                        asyncio.create_task(self._stats_loop())]
         await self.api.start()

@@ -1,4 +1,5 @@
 """Per-tenant quotas, configured in one place (KV dsec-quotas, `dsec quota set`), checked at admission.
+A project's sandboxes count against its own quota and its tenant's.
 
 A tenant with a quota has a usage record in KV dsec-tenants: the sandboxes it holds (sandbox id ->
 resources, request deadline). Admission adds a hold by compare-and-set, so two engines admitting at
@@ -47,42 +48,59 @@ class Quotas:
         else:
             self.table[key] = quota
 
+    def _limits(self, account: str) -> list[tuple[str, Quota]]:
+        """The quotas a create of this account must fit: its own, and its tenant's for a project."""
+        out = []
+        for a in dict.fromkeys((account, subjects.tenant_root(account))):
+            q = self.table.get(a)
+            if q is not None and (q.max_sandboxes or q.max_cpu or q.max_memory):
+                out.append((a, q))
+        return out
+
     async def admit(self, req: CreateRequest) -> None:
-        """Hold the request's share of its tenant's quota, or raise QuotaExceeded. Idempotent."""
-        quota = self.table.get(req.tenant)
-        if quota is None or not (quota.max_sandboxes or quota.max_cpu or quota.max_memory):
+        """Hold the request's share of its tenant's quota (and its project's), or raise QuotaExceeded.
+        Idempotent. A tenant's usage record holds its projects' sandboxes too, so one compare-and-set
+        checks both limits at once."""
+        limits = self._limits(req.tenant)
+        if not limits:
             return
-        hold = Hold(request_id=req.request_id, resources=req.resources, deadline=req.deadline)
+        root = subjects.tenant_root(req.tenant)
+        hold = Hold(request_id=req.request_id, resources=req.resources, deadline=req.deadline,
+                    account="" if req.tenant == root else req.tenant)
         refused: list[str] = []
 
         def mutate(raw: bytes | None, dead: frozenset[str] = frozenset()) -> bytes | None:
             refused.clear()
-            usage = _decode(raw, req.tenant)
+            usage = _decode(raw, root)
             holds = {k: v for k, v in usage.holds.items() if k not in dead}   # holds added meanwhile stay
             if req.sandbox_id in holds:
                 return None if len(holds) == len(usage.holds) else encode(msgspec.structs.replace(usage, holds=holds))
-            why = over(quota, holds.values(), req.resources)
-            if why:
-                refused.append(why)
-                return None if len(holds) == len(usage.holds) else encode(msgspec.structs.replace(usage, holds=holds))
+            for account, quota in limits:
+                counted = holds.values() if account == root else [h for h in holds.values() if h.account == account]
+                why = over(quota, counted, req.resources)
+                if why:
+                    what = "project" if account != root else "tenant"
+                    refused.append(f"{what} {subjects.display_name(account)}: {why}")
+                    return None if len(holds) == len(usage.holds) else encode(msgspec.structs.replace(usage, holds=holds))
             return encode(msgspec.structs.replace(usage, holds={**holds, req.sandbox_id: hold}))
 
-        result = await self.bus.kv_update(streams.TENANTS_KV, req.tenant, mutate)
-        usage = _decode(result.value, req.tenant)
+        result = await self.bus.kv_update(streams.TENANTS_KV, root, mutate)
+        usage = _decode(result.value, root)
         if not refused and (len(usage.holds) < PRUNE_ABOVE
-                            or time.monotonic() - self._pruned.get(req.tenant, 0.0) < PRUNE_EVERY):
+                            or time.monotonic() - self._pruned.get(root, 0.0) < PRUNE_EVERY):
             return
-        self._pruned[req.tenant] = time.monotonic()
+        self._pruned[root] = time.monotonic()
         # at the limit (or holding many): release what has ended, then decide again
         dead = frozenset(usage.holds) - await self._live(usage)
-        await self.bus.kv_update(streams.TENANTS_KV, req.tenant, lambda raw: mutate(raw, dead))
+        await self.bus.kv_update(streams.TENANTS_KV, root, lambda raw: mutate(raw, dead))
         if refused:
-            raise QuotaExceeded(f"tenant {req.tenant}: {refused[0]}")
+            raise QuotaExceeded(refused[0])
 
     async def _live(self, usage: TenantUsage) -> set[str]:
         """The held sandbox ids that still count: running, or not yet recorded and within their deadline."""
         ids = list(usage.holds)
-        raws = await asyncio.gather(*(self.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(usage.tenant, i))
+        raws = await asyncio.gather(*(self.bus.kv_get(streams.SANDBOXES_KV,
+                                                      subjects.record_key(usage.holds[i].account or usage.tenant, i))
                                       for i in ids))
         now = time.time()
         live = set()

@@ -22,7 +22,7 @@ class Snapshots:
         return {GetSnapshot: self._get, ListSnapshots: self._list, DeleteSnapshot: self._delete}
 
     async def all_of(self, tenant: str) -> list[SnapshotRecord]:
-        recs = await self.bus.kv_values(streams.SNAPSHOTS_KV, snapshot_decoder, prefix=tenant)
+        recs = await self.bus.kv_values(streams.SNAPSHOTS_KV, snapshot_decoder, prefix=subjects.record_prefix(tenant))
         return sorted((r for r in recs if r.tenant == tenant), key=lambda r: (r.created_at, r.id))
 
     async def find(self, tenant: str, ref: str) -> SnapshotRecord:

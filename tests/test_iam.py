@@ -19,7 +19,8 @@ import libdsec
 from bus import iam, streams, subjects
 from bus.conn import Bus
 from bus.creds import seed_of
-from bus.messages import ExitRecord, decode_output, encode
+from bus.messages import EngineStats, ExitRecord, Quota, decode_output, encode
+from placement.quota import set_quota
 from tests.conftest import NODE
 
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -285,6 +286,44 @@ async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path
         await libdsec.AsyncClient(stack.url, creds=creds, connect_timeout=2).connect()
 
 
+async def test_an_expired_credential_is_refused_by_the_server_and_its_connection_closed(stack):
+    """A credential issued with a 3 s ttl: it works, then the server (swept by its ExpirySweeper) closes its
+    connection and refuses it; the SDK says `expired` at once, and a raw connection that ignores the
+    header is refused by the server itself."""
+    ids = stack.nats_server.iam
+    ids.add_tenant("expiree")
+    path = str(ids.issue_tenant("expiree", ttl=3))
+    ids.save()
+    iam.reload(ids)
+    try:
+        assert "# Expires: " in Path(path).read_text()
+        client = libdsec.AsyncClient(stack.url, creds=path)
+        await client.connect()
+        try:
+            assert await client.list() == []
+            deadline = time.monotonic() + 15
+            while client.bus.connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not client.bus.connected, "the server closed the expired credential's connection"
+            while not client.bus.refused and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            with pytest.raises(libdsec.AuthenticationFailed, match="expired at "):
+                await client.list()
+        finally:
+            await client.close()
+        with pytest.raises(libdsec.AuthenticationFailed, match=r"expiree.creds expired at \d{4}-"):
+            await libdsec.AsyncClient(stack.url, creds=path, connect_timeout=2).connect()
+        raw = Raw()   # a client that ignores the header: the server's own refusal
+        with pytest.raises(Exception):
+            await raw.connect(stack.url, path)
+        assert any("authorization violation" in e for e in raw.errors), raw.errors
+        assert not iam.Iam.load(ids.root).live("tenant:expiree")
+    finally:
+        ids.remove_tenant("expiree")
+        ids.save()
+        iam.reload(ids)
+
+
 async def test_a_flooding_tenant_is_rate_limited_while_another_creates(stack, alice):
     """10,000 control requests from mallory (past its rate of 200/s) while alice's 100 creates all succeed:
     the flooder gets RateLimited, the cluster keeps serving. Alice's latency is reported, not asserted."""
@@ -319,6 +358,153 @@ async def test_a_flooding_tenant_is_rate_limited_while_another_creates(stack, al
           f"mallory's 10,000: {outcomes}")
 
 
+async def _quotas_seen(stack, *quotas) -> None:
+    for q in quotas:
+        await set_quota(stack.bus, q)
+    for _ in range(100):   # the engine learns quotas from its watch
+        if all(stack.placement.quotas.table.get(q.tenant) == q for q in quotas):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("placement never saw the quotas")
+
+
+async def test_a_project_sees_its_own_its_tenant_sees_all_and_quotas_nest(stack, alice):
+    """Projects alice/p1 and alice/p2: each its own account and credential; a project lists and reaches only
+    its own sandboxes, alice's credential lists all of them; a project's creates count against its own
+    quota and alice's."""
+    ids = stack.nats_server.iam
+    made: list = []
+    try:
+        c1_creds, c2_creds = str(ids.add_project("alice", "p1")), str(ids.add_project("alice", "p2"))
+        ids.save()
+        iam.reload(ids)
+        async with libdsec.AsyncClient(stack.url, creds=c1_creds) as p1, \
+                libdsec.AsyncClient(stack.url, creds=c2_creds) as p2:
+            assert p1.tenant == "alice__p1" and p2.tenant == "alice__p2"
+            # nested quotas: p1 at most 1, alice (with all its projects) at most 3
+            await _quotas_seen(stack, Quota(tenant="alice__p1", max_sandboxes=1), Quota(tenant="alice", max_sandboxes=3))
+            own = await alice.create()
+            s1 = await p1.create()
+            made += [own, s1]
+            assert (await s1.exec("echo in-p1")).stdout == b"in-p1\n"
+            assert await stack.bus.kv_get(streams.SANDBOXES_KV, f"alice.p1.{s1.id}") is not None   # under alice's keys
+
+            # a project sees its own alone; a sibling and the tenant's own sandboxes do not exist for it
+            assert [r.sandbox_id for r in await p1.list()] == [s1.id]
+            assert await p2.list() == []
+            for client, sid in ((p2, s1.id), (p1, own.id)):
+                with pytest.raises(libdsec.SandboxNotFound):
+                    await client.get(sid)
+            forged = libdsec.AsyncSandbox(p2, s1.id, s1.node)   # a handle made up by the sibling
+            with pytest.raises(libdsec.SandboxNotFound):
+                await forged.exec("echo stolen", timeout=10)
+
+            # the tenant's credential sees every project's sandboxes, and acts only on its own
+            seen = {r.sandbox_id: r.tenant for r in await alice.list()}
+            assert seen[s1.id] == "alice__p1" and seen[own.id] == "alice", seen
+            with pytest.raises(libdsec.PermissionDenied, match="project alice/p1"):
+                await alice.get(s1.id)
+            assert (await alice.quota()).sandboxes == len([t for t in seen.values()])
+
+            live = len(await alice.list())
+            assert live == 2, "only this test's sandboxes of alice are running"
+            with pytest.raises(libdsec.QuotaExceeded, match="project alice/p1: at most 1 concurrent"):
+                await p1.create(timeout=10)
+            s2 = await p2.create()   # alice holds 3 now: own, p1's, p2's
+            made.append(s2)
+            with pytest.raises(libdsec.QuotaExceeded, match="tenant alice: at most 3 concurrent"):
+                await p2.create(timeout=10)
+            with pytest.raises(libdsec.QuotaExceeded, match="tenant alice: at most 3 concurrent"):
+                await alice.create(timeout=10)
+            await s2.destroy()
+            made.remove(s2)
+            made.append(await alice.create(timeout=10))   # p2's ended sandbox no longer counts against alice
+            for sb in made:
+                await sb.destroy()
+            made.clear()
+    finally:
+        for sb in made:
+            try:
+                await sb.destroy()
+            except libdsec.DsecError:
+                pass
+        for tenant in ("alice", "alice__p1"):
+            await stack.bus.kv_delete(streams.QUOTAS_KV, tenant)
+        for account in ids.projects("alice"):
+            ids.remove_tenant(account)
+        ids.save()
+        iam.reload(ids)
+
+
+async def test_a_projects_requests_take_from_its_tenants_rate(stack):
+    """The control API's rate step: a project's own rate, and its tenant's, which its siblings share."""
+    from placement.api import Call, ControlApi
+    api = ControlApi(stack.bus, images=None, quotas=stack.placement.quotas)
+    table = stack.placement.quotas.table
+    saved = {k: table.get(k) for k in ("rt", "rt__a", "rt__b")}
+    table.update({"rt": Quota(tenant="rt", rate=2.0), "rt__a": Quota(tenant="rt__a", rate=100.0)})
+    table.pop("rt__b", None)
+
+    async def nxt(call):
+        return "passed"
+    try:
+        calls = [Call(subject="dsec.api.rt__a.quota", data=b"", tenant="rt__a") for _ in range(4)]
+        assert [await api._limit(c, nxt) for c in calls] == ["passed"] * 4   # rt's burst: twice its rate
+        for account in ("rt__a", "rt__b", "rt"):
+            with pytest.raises(libdsec.RateLimited, match="tenant rt passed its rate of 2 "):
+                await api._limit(Call(subject=f"dsec.api.{account}.quota", data=b"", tenant=account), nxt)
+        table["rt"] = Quota(tenant="rt", rate=1000.0)
+        table["rt__a"] = Quota(tenant="rt__a", rate=1.0)
+        api._buckets.clear()
+        assert await api._limit(Call(subject="", data=b"", tenant="rt__a"), nxt) == "passed"
+        assert await api._limit(Call(subject="", data=b"", tenant="rt__a"), nxt) == "passed"
+        with pytest.raises(libdsec.RateLimited, match="project rt/a passed its rate of 1 "):
+            await api._limit(Call(subject="", data=b"", tenant="rt__a"), nxt)
+        assert await api._limit(Call(subject="", data=b"", tenant="rt__b"), nxt) == "passed"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                table.pop(k, None)
+            else:
+                table[k] = v
+
+
+async def test_a_tenants_rate_is_shared_by_the_engines_alive(stack):
+    """Each engine admits rate / (engines heard from lately): a second engine's figures halve the share, its
+    silence gives it back."""
+    from placement.api import DEFAULT_RATE
+    api = stack.placement.api
+
+    async def engines_become(n: int) -> None:
+        for _ in range(100):
+            if api.engines() == n:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"engines {api.engines()}, not {n}")
+    try:
+        await engines_become(1)
+        assert api._rate_of("nobody-special") == DEFAULT_RATE
+        await stack.bus.kv_put(streams.ENGINES_KV, "ghost", EngineStats(engine="ghost", at=time.time()))
+        await engines_become(2)
+        assert api._rate_of("nobody-special") == DEFAULT_RATE / 2
+        await stack.bus.kv_put(streams.ENGINES_KV, "ghost", EngineStats(engine="ghost", at=time.time() - 60))
+        await engines_become(1)
+    finally:
+        await stack.bus.kv_delete(streams.ENGINES_KV, "ghost")
+
+
+def test_tenant_and_project_names_cannot_collide():
+    for bad in ("a__b", "a_", "_a", "A", "a.b", "", "x" * 64):
+        with pytest.raises(libdsec.InvalidRequest):
+            iam.check_name(bad)
+    assert iam.check_name("a_b-c") == "a_b-c"
+    assert subjects.account_name("acme/p1") == "acme__p1" and subjects.tenant_root("acme__p1") == "acme"
+    assert subjects.record_key("acme__p1", "sb-1") == "acme.p1.sb-1" and subjects.record_key("acme", "sb-1") == "acme.sb-1"
+    assert subjects.sees("acme", "acme__p1") and not subjects.sees("acme__p1", "acme")
+    assert not subjects.sees("acme__p1", "acme__p2") and not subjects.sees("acm", "acme__p1")
+    assert iam.principal_name("project:acme/p1") == "tenant:acme__p1"
+
+
 def run_dsec(*args: str, creds: str | None = None) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", **({"DSEC_CREDS": creds} if creds else {})}
     return subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=60, env=env)
@@ -336,24 +522,37 @@ async def test_dsec_iam_adds_limits_refuses_removal_with_live_sandboxes_and_revo
         p = await asyncio.to_thread(run_dsec, "iam", "set", "cli-t", "--rate", "7", "--sandboxes", "3",
                                     "--state-dir", state, "--nats", url, creds=str(Path(state) / "creds" / "admin.creds"))
         assert p.returncode == 0 and "sandboxes=3" in p.stdout and "rate=7" in p.stdout, p.stderr
+        p = await asyncio.to_thread(run_dsec, "iam", "project", "add", "cli-t/p1", "--state-dir", state)
+        assert p.returncode == 0 and "server reloaded" in p.stdout, p.stderr
+        pcreds = str(Path(state) / "creds" / "tenants" / "cli-t__p1.creds")
+        p = await asyncio.to_thread(run_dsec, "iam", "set", "cli-t/p1", "--sandboxes", "1", "--state-dir", state,
+                                    "--nats", url, creds=str(Path(state) / "creds" / "admin.creds"))
+        assert p.returncode == 0 and "limits of cli-t/p1: sandboxes=1" in p.stdout, p.stderr
         p = await asyncio.to_thread(run_dsec, "iam", "ls", "--state-dir", state)
-        assert any(line.split()[:3] == ["cli-t", "tenant", "7.0"] for line in p.stdout.splitlines()), p.stdout
+        rows = [line.split()[:3] for line in p.stdout.splitlines()]
+        assert ["cli-t", "tenant", "7.0"] in rows and ["cli-t/p1", "project", "default"] in rows, p.stdout
         kept = tmp_path / "kept.creds"   # a copy the holder kept: refused once the tenant is gone
         kept.write_text(Path(creds).read_text())
-        async with libdsec.AsyncClient(url, creds=creds) as c:
-            sb = await c.create()
+        async with libdsec.AsyncClient(url, creds=creds) as c, libdsec.AsyncClient(url, creds=pcreds) as pc:
+            sb, psb = await c.create(), await pc.create()
+            p = await asyncio.to_thread(run_dsec, "ls", "--nats", url, creds=pcreds)   # the project's own alone
+            assert p.returncode == 0 and psb.id in p.stdout and sb.id not in p.stdout, (p.stdout, p.stderr)
             p = await asyncio.to_thread(run_dsec, "iam", "tenant", "rm", "cli-t", "--state-dir", state, "--nats", url)
-            assert p.returncode == 1 and p.stderr.startswith("dsec: error: tenant cli-t has 1 live sandbox") \
+            assert p.returncode == 1 and p.stderr.startswith("dsec: error: project cli-t/p1 has 1 live sandbox") \
                 and "--force" in p.stderr, p.stderr
             assert (await sb.exec("echo still-here")).stdout == b"still-here\n"
+            assert (await psb.exec("echo p-still-here")).stdout == b"p-still-here\n"
             p = await asyncio.to_thread(run_dsec, "iam", "tenant", "rm", "cli-t", "--force", "--state-dir", state,
                                         "--nats", url)
             assert p.returncode == 0 and "removed" in p.stdout, p.stderr
-            rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key("cli-t", sb.id))
-            assert b'"destroyed"' in rec   # destroyed first, then the account went
+            for account, sid in (("cli-t", sb.id), ("cli-t__p1", psb.id)):
+                rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(account, sid))
+                assert b'"destroyed"' in rec   # destroyed first, then the accounts went
+            assert not Path(pcreds).exists() and "cli-t__p1" not in iam.Iam.load(Path(state)).tenants
         p = await asyncio.to_thread(run_dsec, "ls", "--nats", url, creds=str(kept))
         assert p.returncode == 1 and "AuthenticationFailed" not in p.stderr and "refused the credential" in p.stderr, \
             p.stderr
     finally:
         stack.nats_server.iam = iam.Iam.load(Path(state))   # what the commands wrote
-        await stack.bus.kv_delete(streams.QUOTAS_KV, "cli-t")
+        for account in ("cli-t", "cli-t__p1"):
+            await stack.bus.kv_delete(streams.QUOTAS_KV, account)
