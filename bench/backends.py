@@ -171,6 +171,7 @@ def start_up(state: Path, port: int, workers: int) -> subprocess.Popen:
                              "--fncall-min", "2", "--fncall-max", str(workers)],
                             stdout=subprocess.PIPE, stderr=open(state.parent / "up.log", "ab"), text=True,
                             preexec_fn=die_with_parent)
+    os.environ["DSEC_STATE_DIR"] = str(state)   # where the SDK finds the credential `dsec up` wrote
     line = proc.stdout.readline()
     if not line.startswith("dsec: ready"):
         proc.kill()

@@ -318,6 +318,11 @@ async def test_an_expired_credential_is_refused_by_the_server_and_its_connection
             await raw.connect(stack.url, path)
         assert any("authorization violation" in e for e in raw.errors), raw.errors
         assert not iam.Iam.load(ids.root).live("tenant:expiree")
+        p = await asyncio.to_thread(run_dsec, "iam", "sweep", "--state-dir", str(ids.root))   # swept already
+        assert p.returncode == 0 and "0 expired credential(s) taken out" in p.stdout, p.stderr
+        p = await asyncio.to_thread(run_dsec, "iam", "ls", "--state-dir", str(ids.root))
+        assert any(line.split()[:4] == ["expiree", "tenant", "default", "expired"] for line in p.stdout.splitlines()), \
+            p.stdout
     finally:
         ids.remove_tenant("expiree")
         ids.save()
