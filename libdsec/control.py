@@ -15,7 +15,8 @@ from bus.errors import AuthenticationFailed, BusError, BusUnavailable, from_code
 from bus.messages import ErrorReply, Wire
 
 ASK_TIMEOUT = 10.0
-TRY_FOR = 2.0          # seconds one try of a read waits for its reply
+TRY_FOR = 2.0          # seconds the first try of a read waits for its reply; each later try twice the one before
+                       # (a lost reply is asked again soon, an engine slow under load is not asked 5 times over)
 # asked again when a reply is lost: reads, and what is harmless twice (an ack; a fetch, whose records
 # are handed out again after the reader's ack wait)
 READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list", "quota-get", "output-read",
@@ -29,15 +30,17 @@ async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float
     subject = subjects.api(tenant, verb)
     give_up = time.monotonic() + timeout
     once = verb not in READS
+    wait = TRY_FOR
     while True:
         left = give_up - time.monotonic()
         try:
-            data = await bus.request(subject, request, timeout=max(0.05, left if once else min(TRY_FOR, left)))
+            data = await bus.request(subject, request, timeout=max(0.05, left if once else min(wait, left)))
         except (BusUnavailable, AuthenticationFailed):
             raise
         except BusError as exc:
             if once or time.monotonic() >= give_up:
                 raise BusError(f"control API {verb}: no answer within {timeout:g}s ({exc})") from None
+            wait *= 2
             await asyncio.sleep(0.05)
             continue
         if data is None:

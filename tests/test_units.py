@@ -584,3 +584,24 @@ def test_backend_configs_are_discriminated_and_strict():
     with pytest.raises(InvalidRequest, match="container, fncall, gvisor"):
         config_for("firecracker")
     assert "not built" in config_for("microvm").available()
+
+
+async def test_an_unanswered_read_is_asked_again_less_and_less_often(monkeypatch):
+    """A control API read with no answer is asked again after TRY_FOR, then after twice that, and so on:
+    an engine slow under load is not sent the same read every TRY_FOR seconds (retry amplification)."""
+    from bus.apiwire import GetQuota, QuotaState
+    from libdsec import control
+    monkeypatch.setattr(control, "TRY_FOR", 0.1)
+    tries: list[float] = []
+
+    class Silent:   # a bus whose requests are never answered
+        async def request(self, subject, msg, timeout):
+            tries.append(timeout)
+            await asyncio.sleep(timeout)
+            raise errors.BusError("timeout")
+
+    t0 = time.monotonic()
+    with pytest.raises(errors.BusError, match="no answer within 1.5s"):
+        await control.ask(Silent(), "t", GetQuota(), QuotaState, timeout=1.5)
+    assert 1.4 < time.monotonic() - t0 < 2.0
+    assert [round(t, 1) for t in tries[:3]] == [0.1, 0.2, 0.4] and len(tries) == 4, tries   # then what is left
