@@ -63,7 +63,7 @@ class NatsServer:
                  iam=None) -> None:
         """full_conf: the conf already sets listen address, port, JetStream and store_dir (a rendered
         nats-cluster.conf); run `nats-server -c conf` alone (host, port and store_dir must match it).
-        iam: a bus.iam.Iam whose accounts and users the server enforces (auth on); `iam.reload` reaches it."""
+        iam: a bus.iam.Iam whose accounts and users the server enforces (auth on); `bus.iamserver.reload` reaches it."""
         self.store_dir = Path(store_dir)
         self.host, self.port = host, port
         self.conf = conf
@@ -86,7 +86,7 @@ class NatsServer:
         if self.full_conf:
             args = [server_binary(), "-c", str(self.conf)]
         elif self.iam is not None:
-            from bus.iam import server_conf
+            from bus.iamserver import server_conf
             args[1:1] = ["-c", str(server_conf(self.iam, self.conf or REPO_CONF))]
         elif self.conf is not None and self.conf.exists():
             args[1:1] = ["-c", str(self.conf)]
@@ -101,7 +101,7 @@ class NatsServer:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2):
                     if self.iam is not None:
-                        from bus.iam import ExpirySweeper, register_server
+                        from bus.iamserver import ExpirySweeper, register_server
                         register_server(self.iam, self.proc.pid, self.log_file)
                         if self._sweeper is None:   # expired credentials leave its configuration
                             self._sweeper = ExpirySweeper(self.iam.root).start()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from bus import iam as identities, subjects
+from bus import iam as identities, iamserver, subjects
 from cli.main import connect, fail, main, nats_option, run_async
 from cli.up import state_dir_option
 
@@ -46,7 +46,7 @@ def _load(state_dir: Path) -> identities.Iam:
 def _apply(found: identities.Iam, what: str) -> None:
     """Save, reload every running server of this state dir, and say so."""
     found.save()
-    n = identities.reload(found)
+    n = iamserver.reload(found)
     click.echo(f"dsec: {what}" + (" (server reloaded)" if n else " (no server running: the next `dsec up` uses it)"))
 
 
@@ -216,7 +216,7 @@ def iam_sweep(state_dir: Path) -> None:
     """Take expired credentials out of the server's configuration and reload it (the server `dsec up`
     runs does this every second; run it from a timer beside a server of your own)."""
     _load(state_dir)
-    n = identities.sweep(state_dir)
+    n = iamserver.sweep(state_dir)
     click.echo(f"dsec: {n} expired credential(s) taken out" + (" (server reloaded)" if n else ""))
 
 

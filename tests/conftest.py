@@ -80,11 +80,11 @@ async def raw_nats(url: str, **options):
 
 def edge_creds(srv, node: str) -> str:
     """An edge credential for one more node (the server reloaded with it)."""
-    from bus import iam
+    from bus import iamserver
     if f"edge-{node}" not in srv.iam.platform:
         srv.iam.issue_platform(f"edge-{node}")
         srv.iam.save()
-        iam.reload(srv.iam)
+        iamserver.reload(srv.iam)
     return str(srv.iam.creds_path(f"edge-{node}"))
 
 

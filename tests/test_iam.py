@@ -16,7 +16,7 @@ import nats.js.errors
 import pytest
 
 import libdsec
-from bus import iam, streams, subjects
+from bus import iam, iamserver, streams, subjects
 from bus.conn import Bus
 from bus.creds import seed_of
 from bus.messages import EngineStats, ExitRecord, Quota, decode_output, encode
@@ -256,7 +256,7 @@ async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path
     ids = stack.nats_server.iam
     ids.add_tenant("revokee")
     ids.save()
-    iam.reload(ids)
+    iamserver.reload(ids)
     creds = str(ids.creds_path("tenant:revokee"))
     client = libdsec.AsyncClient(stack.url, creds=creds)
     await client.connect()
@@ -264,7 +264,7 @@ async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path
         assert await client.list() == []
         ids.revoke("tenant:revokee")
         ids.save()
-        iam.reload(ids)
+        iamserver.reload(ids)
         deadline = time.monotonic() + 5
         while client.bus.connected and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -281,7 +281,7 @@ async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path
         await client.close()
         ids.remove_tenant("revokee")
         ids.save()
-        iam.reload(ids)
+        iamserver.reload(ids)
     with pytest.raises(libdsec.AuthenticationFailed):
         await libdsec.AsyncClient(stack.url, creds=creds, connect_timeout=2).connect()
 
@@ -294,7 +294,7 @@ async def test_an_expired_credential_is_refused_by_the_server_and_its_connection
     ids.add_tenant("expiree")
     path = str(ids.issue_tenant("expiree", ttl=3))
     ids.save()
-    iam.reload(ids)
+    iamserver.reload(ids)
     try:
         assert "# Expires: " in Path(path).read_text()
         client = libdsec.AsyncClient(stack.url, creds=path)
@@ -326,7 +326,7 @@ async def test_an_expired_credential_is_refused_by_the_server_and_its_connection
     finally:
         ids.remove_tenant("expiree")
         ids.save()
-        iam.reload(ids)
+        iamserver.reload(ids)
 
 
 async def test_a_flooding_tenant_is_rate_limited_while_another_creates(stack, alice):
@@ -382,7 +382,7 @@ async def test_a_project_sees_its_own_its_tenant_sees_all_and_quotas_nest(stack,
     try:
         c1_creds, c2_creds = str(ids.add_project("alice", "p1")), str(ids.add_project("alice", "p2"))
         ids.save()
-        iam.reload(ids)
+        iamserver.reload(ids)
         async with libdsec.AsyncClient(stack.url, creds=c1_creds) as p1, \
                 libdsec.AsyncClient(stack.url, creds=c2_creds) as p2:
             assert p1.tenant == "alice__p1" and p2.tenant == "alice__p2"
@@ -438,7 +438,7 @@ async def test_a_project_sees_its_own_its_tenant_sees_all_and_quotas_nest(stack,
         for account in ids.projects("alice"):
             ids.remove_tenant(account)
         ids.save()
-        iam.reload(ids)
+        iamserver.reload(ids)
 
 
 async def test_a_projects_requests_take_from_its_tenants_rate(stack):
