@@ -29,10 +29,14 @@ def seed_of(text: str) -> str | None:
 _EXPIRES = re.compile(r"^# Expires: (\S+) \(unix (\d+(?:\.\d+)?)\)", re.M)
 
 
+def iso_time(at: float) -> str:
+    """A unix time as the credentials and `dsec iam ls` write it (UTC, to the second)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
 def expires_line(at: float) -> str:
     """The header line a credential with an expiry carries (the server stops accepting it then: bus/iam.py)."""
-    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
-    return f"# Expires: {iso} (unix {at:.0f})\n"
+    return f"# Expires: {iso_time(at)} (unix {at:.0f})\n"
 
 
 def expiry_of(text: str) -> tuple[float, str] | None:
@@ -41,13 +45,17 @@ def expiry_of(text: str) -> tuple[float, str] | None:
     return (float(m.group(2)), m.group(1)) if m else None
 
 
+def _expired_text(text: str) -> str:
+    found = expiry_of(text)
+    return f"expired at {found[1]}" if found and found[0] <= time.time() else ""
+
+
 def expired(creds: str | None) -> str:
     """'' while a credential file is valid (or cannot be read); else 'expired at <ISO time>'."""
     try:
-        found = expiry_of(open(creds).read()) if creds else None
+        return _expired_text(open(creds).read()) if creds else ""
     except OSError:
         return ""
-    return f"expired at {found[1]}" if found and found[0] <= time.time() else ""
 
 
 def credential_options(creds: str | None) -> dict:
@@ -59,8 +67,9 @@ def credential_options(creds: str | None) -> dict:
         text = open(creds).read()
     except OSError as exc:
         raise AuthenticationFailed(f"credential {creds} cannot be read: {exc.strerror or exc}") from None
-    if expired(creds):
-        raise AuthenticationFailed(f"credential {creds} {expired(creds)}: ask for a new one (`dsec iam creds issue`)")
+    why = _expired_text(text)
+    if why:
+        raise AuthenticationFailed(f"credential {creds} {why}: ask for a new one (`dsec iam creds issue`)")
     if "BEGIN NATS USER JWT" in text:
         return {"user_credentials": creds}
     seed = seed_of(text)

@@ -148,18 +148,16 @@ class Iam:
         return self.path.exists()
 
     def save(self) -> None:
-        with state_lock(self.root):
-            self._save()
-
-    def _save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """iam.json and the accounts.conf rendered from it, under the state dir's lock."""
         data = {"version": 1, "platform": self.platform, "pools": self.pools, "expires": self.expires,
                 "tenants": {n: {"users": t.users, "rate": t.rate, **({"parent": t.parent} if t.parent else {})}
                             for n, t in sorted(self.tenants.items())}}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(self.path)
-        self.write_conf()
+        with state_lock(self.root):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=2))
+            tmp.replace(self.path)
+            self.write_conf()
 
     # ---- credentials --------------------------------------------------------------------------
 
@@ -199,14 +197,14 @@ class Iam:
         self.platform[role] = public
         return path
 
-    def add_tenant(self, name: str, rate: float = 0.0) -> Path:
+    def add_tenant(self, name: str, rate: float = 0.0, ttl: float = 0.0) -> Path:
         check_name(name)
         if name in self.tenants:
             raise IamError(f"tenant {name!r} exists already")
         self.tenants[name] = Tenant(rate=rate)
-        return self.issue_tenant(name)
+        return self.issue_tenant(name, ttl)
 
-    def add_project(self, tenant: str, project: str, rate: float = 0.0) -> Path:
+    def add_project(self, tenant: str, project: str, rate: float = 0.0, ttl: float = 0.0) -> Path:
         """A project under a tenant: an account of its own (`<tenant>__<project>`), so the server scopes it
         as it scopes a tenant; its sandboxes count against its own quota and its tenant's."""
         if self.tenant(tenant).parent:
@@ -215,7 +213,7 @@ class Iam:
         if account in self.tenants:
             raise IamError(f"project {tenant}/{project} exists already")
         self.tenants[account] = Tenant(rate=rate, parent=tenant)
-        return self.issue_tenant(account)
+        return self.issue_tenant(account, ttl)
 
     def projects(self, tenant: str) -> list[str]:
         """The accounts of a tenant's projects."""
@@ -254,8 +252,8 @@ class Iam:
     def tenant(self, name: str) -> Tenant:
         account = subjects.account_name(name)
         if account not in self.tenants:
-            what = "project" if subjects.PROJECT_SEP in account else "tenant"
-            raise IamError(f"no {what} {subjects.display_name(account)!r} (see `dsec iam ls`)")
+            what, _, shown = subjects.describe(account).partition(" ")
+            raise IamError(f"no {what} {shown!r} (see `dsec iam ls`)")
         return self.tenants[account]
 
     # ---- the server's configuration -----------------------------------------------------------

@@ -171,11 +171,16 @@ def display_name(account: str) -> str:
     return account.replace(PROJECT_SEP, "/", 1)
 
 
+def describe(account: str) -> str:
+    """An account named for a message: `tenant acme`, `project acme/p1`."""
+    return f"{'project' if PROJECT_SEP in account else 'tenant'} {display_name(account)}"
+
+
 def record_key(tenant: str, id_: str) -> str:
     """A sandbox's key in KV dsec-sandboxes, or a snapshot's in dsec-snapshots: <tenant>.<id>, so a reader
     (and a server permission) can take one tenant's records by subject, $KV.<bucket>.<tenant>.>. A
     project's are <tenant>.<project>.<id>: under its tenant's, so the tenant's read takes them too."""
-    return f"{tenant.replace(PROJECT_SEP, '.', 1)}.{id_}"
+    return f"{record_prefix(tenant)}.{id_}"
 
 
 def record_prefix(tenant: str) -> str:

@@ -1,12 +1,12 @@
 """`dsec iam`: tenants, their projects, credentials and their limits (bus/iam.py), with the server reloaded after each change."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import click
 
 from bus import iam as identities, iamserver, subjects
+from bus.creds import iso_time
 from cli.main import connect, fail, main, nats_option, run_async
 from cli.up import state_dir_option
 
@@ -71,7 +71,7 @@ def iam_ls(state_dir: Path) -> None:
         at = found.expires.get(principal)
         if not at:
             return "-"
-        return ("expired " if not found.live(principal) else "") + time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+        return ("expired " if not found.live(principal) else "") + iso_time(at)
     for role in sorted(found.platform):
         click.echo(f"{role:<28} {'platform':<9} {'-':>8}  {expires(role):<20}  {found.creds_path(role)}")
     for name, tenant in sorted(found.tenants.items()):
@@ -92,8 +92,7 @@ async def _clear(found: identities.Iam, accounts: list[str], nats_url: str, forc
         async with libdsec.AsyncClient(nats_url, tenant=account, creds=str(creds)) as client:
             live = [r for r in await client.list() if r.tenant == account]
             if live and not force:
-                what = "project" if found.tenants[account].parent else "tenant"
-                fail(f"{what} {subjects.display_name(account)} has {len(live)} live sandbox(es) "
+                fail(f"{subjects.describe(account)} has {len(live)} live sandbox(es) "
                      f"({', '.join(r.sandbox_id for r in live[:5])}{' ...' if len(live) > 5 else ''}): "
                      f"destroy them, or pass --force")
             for rec in live:
@@ -114,9 +113,7 @@ def tenant() -> None:
 def tenant_add(name: str, state_dir: Path, rate: float, ttl: float | None) -> None:
     """Add tenant NAME (its own NATS account) and write its credential."""
     found = _load(state_dir)
-    path = found.add_tenant(name, rate=rate)
-    if ttl:
-        path = found.issue_tenant(name, ttl)
+    path = found.add_tenant(name, rate=rate, ttl=ttl or 0.0)
     _apply(found, f"tenant {name} added; its credential: {path}")
 
 
@@ -153,9 +150,7 @@ def project_add(name: str, state_dir: Path, rate: float, ttl: float | None) -> N
     if name.count("/") != 1:
         fail(f"a project is named TENANT/PROJECT, got {name!r}")
     found = _load(state_dir)
-    path = found.add_project(*name.split("/"), rate=rate)
-    if ttl:
-        path = found.issue_tenant(name, ttl)
+    path = found.add_project(*name.split("/"), rate=rate, ttl=ttl or 0.0)
     _apply(found, f"project {name} added; its credential: {path}")
 
 

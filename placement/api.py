@@ -126,8 +126,7 @@ class ControlApi:
         buckets = [(a, self._bucket(a, now)) for a in dict.fromkeys((call.tenant, root))]
         for account, b in buckets:
             if b.tokens < 1:
-                what = "project" if subjects.PROJECT_SEP in account else "tenant"
-                raise RateLimited(f"{what} {subjects.display_name(account)} passed its rate of "
+                raise RateLimited(f"{subjects.describe(account)} passed its rate of "
                                   f"{self._rate_of(account):g} control requests/s: try again shortly")
         for _, b in buckets:
             b.tokens -= 1

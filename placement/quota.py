@@ -79,8 +79,7 @@ class Quotas:
                 counted = holds.values() if account == root else [h for h in holds.values() if h.account == account]
                 why = over(quota, counted, req.resources)
                 if why:
-                    what = "project" if account != root else "tenant"
-                    refused.append(f"{what} {subjects.display_name(account)}: {why}")
+                    refused.append(f"{subjects.describe(account)}: {why}")
                     return None if len(holds) == len(usage.holds) else encode(msgspec.structs.replace(usage, holds=holds))
             return encode(msgspec.structs.replace(usage, holds={**holds, req.sandbox_id: hold}))
 
