@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import struct
+from typing import NamedTuple
 
 from edge.backends.base import BackendError
 
@@ -29,6 +30,22 @@ NAMESPACES = ("ipc", "uts", "net", "mnt", "pid", "cgroup", "user")
 SIGDEF = (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE,
           signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2)
 SETUP_MAX = 65535       # the most a setup may hold (a pipe holds 64 KiB: written before the command starts)
+COLLECT_MAX = 128 << 10   # the most one collect request may hold (dsec-enter.c's COLLECT_MAX)
+COLLECT_HEAD = 24
+ANSWER_HEAD = 16          # an answer's header: id u64, kind u32, value i32
+ANSWER_MAX = 1 << 17      # the largest answer (a 64 KiB piece of output and its header)
+ANS_EXIT, ANS_STDOUT, ANS_STDERR, ANS_END = range(4)
+
+
+class Collected(NamedTuple):
+    """How a collected command ended: its raw wait status, the output kept, whether any was cut at
+    the limit, and the error report (empty once execve succeeded)."""
+
+    status: int
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    report: bytes
 
 
 class Spawner:
@@ -87,6 +104,7 @@ class Resident:
         self.pidfd = pidfd
         self._loop = asyncio.get_running_loop()
         self._waiting: dict[int, asyncio.Future] = {}
+        self._collected: dict[int, tuple[bytearray, bytearray]] = {}   # collect id -> stdout, stderr so far
         self._ids = itertools.count(1)
         self.closed = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -125,9 +143,7 @@ class Resident:
             raise OSError(errno.EPIPE, "the sandbox's exec server is gone")
         if not alive(self.pidfd):
             raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
-        setup = (setup_bytes(self.keep_mask, fresh_ipc, cwd, tasks) + b"\0" + str(len(argv)).encode() + b"\0"
-                 + b"".join(a.encode() + b"\0" for a in argv)
-                 + b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
+        setup = _command_setup(self.keep_mask, fresh_ipc, cwd, tasks, argv, env)
         if len(setup) > SETUP_MAX:
             raise OSError(errno.E2BIG, "command too large for the exec server")
         setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
@@ -151,25 +167,64 @@ class Resident:
         self._waiting[n] = fut
         return fut
 
+    def collect(self, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str, stdin: bytes,
+                max_output: int, fresh_ipc: bool = False) -> asyncio.Future:
+        """Run argv through the server's collect mode (see dsec-enter.c): the server makes the pipes, feeds
+        stdin and keeps up to max_output bytes of each stream; a future of its Collected. OSError as for
+        start(); E2BIG when the request does not fit one packet (the caller goes the way with pipes)."""
+        if self.closed:
+            raise OSError(errno.EPIPE, "the sandbox's exec server is gone")
+        if not alive(self.pidfd):
+            raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
+        setup = _command_setup(self.keep_mask, fresh_ipc, cwd, tasks, argv, env)
+        if COLLECT_HEAD + len(setup) + len(stdin) > COLLECT_MAX:
+            raise OSError(errno.E2BIG, "command too large for one collect request")
+        n = next(self._ids)
+        try:
+            self._sock.sendmsg([struct.pack("<QIIIxxxx", n, 1, max_output, len(stdin)), setup, stdin])
+        except BlockingIOError as exc:
+            raise OSError(errno.EAGAIN, "the sandbox's exec server is busy") from exc
+        except OSError as exc:
+            self.close()
+            raise OSError(errno.EPIPE, f"the sandbox's exec server is gone: {exc.strerror}") from exc
+        fut = self._loop.create_future()
+        self._waiting[n] = fut
+        self._collected[n] = (bytearray(), bytearray())
+        return fut
+
     def _on_answer(self) -> None:
         while True:
             try:
-                msg = self._sock.recv(16)
+                msg = self._sock.recv(ANSWER_MAX)
             except BlockingIOError:
                 return
             except OSError:
                 msg = b""
-            if len(msg) != 16:   # EOF: the server is gone (killed); the next command gets a new one
+            if len(msg) < ANSWER_HEAD:   # EOF: the server is gone (killed); the next command gets a new one
                 self.close()
                 return
-            n, status = struct.unpack("<Qq", msg)
+            n, kind, value = struct.unpack_from("<QIi", msg)
+            if kind in (ANS_STDOUT, ANS_STDERR):
+                bufs = self._collected.get(n)
+                if bufs is not None:
+                    bufs[kind - ANS_STDOUT].extend(memoryview(msg)[ANSWER_HEAD:])
+                continue
             fut = self._waiting.pop(n, None)
+            bufs = self._collected.pop(n, None)
             if fut is None or fut.done():
                 continue
-            if status < 0:
-                fut.set_exception(BackendError(f"exec server could not start the command: {os.strerror(-status)}"))
+            if kind == ANS_END and bufs is not None:
+                flags, out_len, err_len, report_len = struct.unpack_from("<IIII", msg, ANSWER_HEAD)
+                at = ANSWER_HEAD + 16
+                bufs[0].extend(msg[at:at + out_len])
+                bufs[1].extend(msg[at + out_len:at + out_len + err_len])
+                at += out_len + err_len
+                fut.set_result(Collected(value, bytes(bufs[0]), bytes(bufs[1]), bool(flags & 3),
+                                         msg[at:at + report_len]))
+            elif value < 0:
+                fut.set_exception(BackendError(f"exec server could not start the command: {os.strerror(-value)}"))
             else:
-                fut.set_result(status)
+                fut.set_result(value)
 
     async def stop(self, grace: float = 2.0) -> None:
         """close(), and wait until the server is gone (killed after grace seconds): only then are the
@@ -194,6 +249,15 @@ class Resident:
             if not fut.done():
                 fut.set_exception(BackendError("the sandbox's exec server ended while the command ran"))
         self._waiting.clear()
+        self._collected.clear()
+
+
+def _command_setup(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str], argv: list[str],
+                   env: dict[str, str]) -> bytes:
+    """The serve mode's setup: setup_bytes, then "\0ARGC\0ARGV...\0ENV...\0"."""
+    return (setup_bytes(keep_mask, fresh_ipc, cwd, tasks) + b"\0" + str(len(argv)).encode() + b"\0"
+            + b"".join(a.encode() + b"\0" for a in argv)
+            + b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
 
 
 def setup_bytes(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str]) -> bytes:

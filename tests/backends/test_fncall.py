@@ -174,8 +174,9 @@ def _servers() -> list[psutil.Process]:
 
 
 async def test_a_worker_runs_its_calls_through_its_own_exec_server(stack, client, tmp_path):
-    """A worker's calls go through its resident exec server, with no spawn of the helper per call; a
-    command too large for the server's pipe goes the one-shot way with the same result; a killed server
+    """A worker's calls go through its resident exec server, which collects their output itself, with
+    no spawn of the helper per call; a command too large for one request goes the one-shot way with the
+    same result; a killed server
     is replaced at the next call, which is answered; a stopped node leaves no server."""
     async with fncall_node(stack, tmp_path, "fn-srv", 1, 1) as st:
         workers = st.edge.backend.backends["fncall"]._workers
@@ -188,9 +189,22 @@ async def test_a_worker_runs_its_calls_through_its_own_exec_server(stack, client
         workers._spawner.spawn = lambda *a, **k: (spawned.append(a[3]), one_shot(*a, **k))[1]
         for i in range(5):
             assert (await client.call(["echo", str(i)])).stdout == f"{i}\n".encode()
+        # the server collects the output itself: stdin fed, pieces past what it holds back sent ahead,
+        # each stream cut at max_output and the cut reported, a bigger piece of env still in one request
+        data = bytes(range(256)) * 240
+        fed = await client.call(["sh", "-c", "cat; echo e1 >&2; head -c 190000 /dev/zero | tr '\\0' z"],
+                                stdin=data)
+        assert (fed.exit_code, fed.stdout, fed.stderr, fed.truncated) == (0, data + b"z" * 190000, b"e1\n", False)
+        cut = await client.call(["sh", "-c", "head -c 500000 /dev/zero | tr '\\0' y; echo short >&2"],
+                                max_output=1000)
+        assert (cut.stdout, cut.stderr, cut.truncated) == (b"y" * 1000, b"short\n", True)
+        mid = await client.call(["sh", "-c", 'printf %s "$BIG" | wc -c'], env={"BIG": "x" * 70_000})
+        assert (mid.exit_code, mid.stdout.strip()) == (0, b"70000")
         assert spawned == [] and worker.resident is server
-        big = await client.call(["sh", "-c", 'printf %s "$BIG" | wc -c'], env={"BIG": "x" * 70_000})
-        assert (big.exit_code, big.stdout.strip()) == (0, b"70000") and len(spawned) == 1
+        # more than one request holds (128 KiB): the one-shot way, with the same result
+        env = {f"BIG{i}": "x" * 60_000 for i in range(3)}
+        big = await client.call(["sh", "-c", 'printf %s "$BIG0$BIG1$BIG2" | wc -c'], env=env)
+        assert (big.exit_code, big.stdout.strip()) == (0, b"180000") and len(spawned) == 1
         os.kill(server.pid, signal.SIGKILL)
         await server.exited
         again = await client.call(["echo", "again"])

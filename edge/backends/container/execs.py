@@ -5,11 +5,21 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
+from typing import NamedTuple
 
 from edge.backends import enter, execio
 from edge.backends.base import BackendError, CommandNotStarted, ExecControl, ExecResult, OutputSink, SandboxGone
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.container.state import DEFAULT_ENV, Core, Running
+
+
+class Collected(NamedTuple):
+    """A collected command's end (see Executing.collect)."""
+
+    result: ExecResult
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
 
 
 class Executing(Core):
@@ -24,19 +34,7 @@ class Executing(Core):
             raise BackendError("empty command")
         worker = bool(sb.spec.scratch)   # one command at a time, in one group kept for all of them
         n = 0 if worker else next(sb.execs)
-        try:
-            if worker and sb.call_groups is not None:
-                groups = sb.call_groups
-                NodeCgroups.reset_stats(groups)
-            else:
-                groups = self._cgroups.create_exec(sb.key, n)
-                if worker:
-                    sb.call_groups = groups
-                    sb.call_tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
-        except CgroupError as exc:
-            raise BackendError(str(exc)) from exc
-        except OSError as exc:
-            raise BackendError(f"exec group of {sandbox_id}: {exc}") from exc
+        groups = self._exec_groups(sb, n)
         pipes = execio.Pipes()
         started = time.monotonic()
         try:
@@ -62,6 +60,84 @@ class Executing(Core):
         if failure and not timed_out:
             raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
+
+    def _exec_groups(self, sb: Running, n: int) -> dict:
+        """The cgroups of exec n; a worker's one group, kept for all its calls, made at its first."""
+        worker = bool(sb.spec.scratch)
+        try:
+            if worker and sb.call_groups is not None:
+                NodeCgroups.reset_stats(sb.call_groups)
+                return sb.call_groups
+            groups = self._cgroups.create_exec(sb.key, n)
+            if worker:
+                sb.call_groups = groups
+                sb.call_tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
+            return groups
+        except CgroupError as exc:
+            raise BackendError(str(exc)) from exc
+        except OSError as exc:
+            raise BackendError(f"exec group of {sb.spec.id}: {exc}") from exc
+
+    async def collect(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes,
+                      timeout: float, max_output: int) -> Collected | None:
+        """A worker's command run whole by its exec server, which keeps up to max_output bytes of each
+        stream (the rest read and dropped): (ExecResult, stdout, stderr, truncated); None when the command
+        does not fit one request (the caller runs it with exec). The same cgroups, timeout (its whole tree
+        killed) and CommandNotStarted as exec."""
+        sb = self._live(sandbox_id)
+        if not sb.spec.scratch:
+            raise BackendError(f"{sandbox_id} is not a worker (only a worker's calls are collected)")
+        if not argv:
+            raise BackendError("empty command")
+        groups = self._exec_groups(sb, 0)
+        started = time.monotonic()
+        try:
+            done = self._start_collect(sb, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
+                                       stdin, max_output)
+            if done is None:
+                return None
+            timed_out = False
+            try:
+                out = await asyncio.wait_for(asyncio.shield(done), timeout if timeout > 0 else None)
+            except asyncio.TimeoutError:
+                timed_out = True
+                await execio.kill_exec(groups)
+                try:
+                    out = await asyncio.wait_for(asyncio.shield(done), execio.KILL_GRACE)
+                except asyncio.TimeoutError:
+                    raise BackendError("command killed but its output pipes stayed open") from None
+            except BaseException:
+                await asyncio.shield(execio.kill_exec(groups))
+                raise
+        finally:
+            cpu, peak = NodeCgroups.exec_stats(groups)
+        result = ExecResult(exit_code=execio.exit_code(out.status), duration=time.monotonic() - started,
+                            cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
+        failure = execio.exec_failure(out.report, argv, cwd)
+        if failure and not timed_out:
+            raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
+        return Collected(result, out.stdout, out.stderr, out.truncated)
+
+    def _start_collect(self, sb: Running, argv: list[str], env: dict[str, str], cwd: str, stdin: bytes,
+                       max_output: int) -> asyncio.Future | None:
+        if self._spawner is None:
+            raise BackendError("container backend is not started")
+        try:
+            for again in (True, False):
+                if sb.resident is None or sb.resident.closed:
+                    sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd)
+                try:
+                    return sb.resident.collect(sb.call_tasks, argv, env, cwd, stdin, max_output, fresh_ipc=True)
+                except OSError as exc:
+                    if exc.errno == errno.E2BIG:
+                        return None
+                    if exc.errno != errno.EPIPE or not again:   # died: once more with a new one
+                        raise
+        except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
+            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
+        except OSError as exc:
+            raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
+        return None
 
     def _start_exec(self, sb: Running, n: int, argv: list[str], env: dict[str, str], cwd: str,
                     pipes: "execio.Pipes") -> asyncio.Future:

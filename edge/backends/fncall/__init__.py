@@ -218,6 +218,25 @@ class FnCallBackend(Backend):
             raise BackendError(f"files: at most {MAX_FILES_BYTES} bytes with a call, got {total}")
         for path, data in spec.files.items():
             await self._workers.write_file(worker, path, data, 0o644)
+        error = ""
+        try:
+            whole = await self._workers.collect(worker, spec.argv, env=spec.env, cwd=spec.cwd, stdin=spec.stdin,
+                                                timeout=spec.timeout, max_output=spec.max_output)
+        except CommandNotStarted as exc:
+            whole, error = (exc.result, b"", b"", False), str(exc)
+        if whole is None:   # too large for one request to the worker's exec server: with pipes here
+            whole, error = await self._piped(worker, spec)
+        result, stdout, stderr, dropped = whole
+        files: dict[str, bytes] = {}
+        room = MAX_FILES_BYTES
+        for path in spec.read_back:
+            data = await self._workers.read_file(worker, path, room)   # BackendError past what is left
+            files[path] = data
+            room -= len(data)
+        return CallOutcome(result, stdout, stderr, dropped, files, worker, error)
+
+    async def _piped(self, worker: str, spec: CallSpec) -> tuple[tuple, str]:
+        """The command through exec, its output pumped here (a command too large to be collected)."""
         out = {"stdout": bytearray(), "stderr": bytearray()}
         dropped = False
 
@@ -235,13 +254,7 @@ class FnCallBackend(Backend):
                                               timeout=spec.timeout, sink=sink)
         except CommandNotStarted as exc:
             result, error = exc.result, str(exc)
-        files: dict[str, bytes] = {}
-        room = MAX_FILES_BYTES
-        for path in spec.read_back:
-            data = await self._workers.read_file(worker, path, room)   # BackendError past what is left
-            files[path] = data
-            room -= len(data)
-        return CallOutcome(result, bytes(out["stdout"]), bytes(out["stderr"]), dropped, files, worker, error)
+        return (result, bytes(out["stdout"]), bytes(out["stderr"]), dropped), error
 
     async def _give_back(self, key: tuple, worker: str) -> None:
         """Wipe a used worker; to the next call of its key (or idle), retired when the wipe fails."""

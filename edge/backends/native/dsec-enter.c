@@ -41,8 +41,17 @@
  *   holds the command: "...TASKS\0\0ARGC\0ARGV...\0ENV...\0". For each request it forks a child,
  *   still in the host's pid namespace, which takes those fds in place and goes the one-shot way above
  *   (step 1 on). The server never waits on anyone: child exits come through a signalfd and are sent
- *   back as (id, wait status), 16 bytes; a request it cannot fork for is answered (id, -errno). It
- *   exits when the socket closes (the edge's end: the worker's destroy, or the edge's death).
+ *   back as (id, wait status); a request it cannot fork for is answered (id, -errno). It exits when
+ *   the socket closes (the edge's end: the worker's destroy, or the edge's death).
+ *   A collect request (fncall: one packet, no fds) holds a 24-byte header (id, kind 1, the bytes kept
+ *   per stream, the stdin length, 8 reserved), the setup, then stdin. The server makes the command's
+ *   pipes itself, feeds stdin, keeps at most that many bytes of stdout and stderr each (reading and
+ *   dropping the rest), and answers once the command exited and both streams reached EOF: a call
+ *   costs the edge one packet out and, for small outputs, one back, instead of pipes, fds and a
+ *   reader per stream. Answers are packets of a 16-byte header (id u64, kind u32, value i32) and a
+ *   payload: kind 0 the exit status (value; -errno if it could not start), 1/2 a piece of stdout/
+ *   stderr, 3 the end of a collect (value the status; payload: flags u32 (bit 0/1: stdout/stderr cut
+ *   at the limit), the lengths u32 of the stdout, stderr and error report that follow, then them).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -286,12 +295,13 @@ static size_t read_setup(int fd) {
 }
 
 /* Steps 1-5 for one command, in a process of the host's pid namespace holding (at BASE+3..BASE+12) the
- * error pipe, the namespace fds, the root and the setup pipe; cmd NULL: the command is in the setup
- * (serve mode). Never returns: exits the way the command did. */
-static void enter_and_run(int base, char **cmd, char **envp) {
+ * error pipe, the namespace fds, the root and the setup pipe (none when given >= 0: the setup's length,
+ * already in setup[]); cmd NULL: the command is in the setup (serve mode). Never returns: exits the way
+ * the command did. */
+static void enter_and_run(int base, char **cmd, char **envp, long given) {
     ERR_FD = base + 3;
     const int NS_FD0 = base + 4, USERNS_FD = base + 10, ROOT_FD = base + 11, SETUP_FD = base + 12;
-    size_t got = read_setup(SETUP_FD);
+    size_t got = given >= 0 ? (size_t)given : read_setup(SETUP_FD);   /* given: already in setup[] */
     /* setup: CAPMASK[,ipc] \0 CWD \0 TASKS... (each \0-terminated, an empty one ends them); ",ipc": the
        command gets an IPC namespace of its own (fncall: no SysV object outlives the call) */
     char *p = setup, *end = setup + got, *flags = NULL;
@@ -388,33 +398,201 @@ static void enter_and_run(int base, char **cmd, char **envp) {
 
 #define SERVE_FDS 5          /* stdin, stdout, stderr, error pipe, setup pipe */
 #define SERVE_SLOTS 256      /* commands in flight at once */
-static struct { pid_t pid; uint64_t id; } running[SERVE_SLOTS];
+#define COLLECT_MAX (128 << 10)   /* the most a collect request may hold (header, setup, stdin) */
+#define COLLECT_HEAD 24
+#define CHUNK (64 << 10)
+#define PEND (16 << 10)      /* output held back per stream, to go with the end (one packet for small calls) */
+#define REPORT_MAX 4096
+enum { ANS_EXIT = 0, ANS_STDOUT = 1, ANS_STDERR = 2, ANS_END = 3 };
+static struct slot {
+    pid_t pid;
+    uint64_t id;
+    int collect, reaped, status;
+    int in_fd, out_fd[2], err_fd;        /* the server's ends (-1: closed); out_fd: stdout, stderr */
+    char *in_buf;
+    size_t in_len, in_off, max_output, kept[2], pend_len[2];
+    int cut[2];
+    char pend[2][PEND];
+} *running[SERVE_SLOTS];
+static char request[COLLECT_MAX];
+static char chunk[CHUNK];
 
-static void answer(int sock, uint64_t id, int64_t status) {
-    uint64_t msg[2] = {id, (uint64_t)status};
-    (void)!send(sock, msg, sizeof msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+static void packet(int sock, uint64_t id, uint32_t kind, int32_t value, const struct iovec *body, int nbody) {
+    struct { uint64_t id; uint32_t kind; int32_t value; } head = {id, kind, value};
+    struct iovec iov[6] = {{&head, sizeof head}};
+    for (int i = 0; i < nbody && i < 5; i++) iov[1 + i] = body[i];
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)(1 + (nbody < 5 ? nbody : 5))};
+    while (sendmsg(sock, &mh, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
 }
 
-/* One request: the child takes the fds in place (through copies above every target, so no dup2
- * clobbers a source) and enters; the server keeps nothing of them. */
-static void start_one(int base, int sock, uint64_t id, int *fds) {
-    int slot = 0;
-    while (slot < SERVE_SLOTS && running[slot].pid) slot++;
-    pid_t pid = slot < SERVE_SLOTS ? fork() : (errno = EAGAIN, -1);
+static void answer(int sock, uint64_t id, int32_t status) { packet(sock, id, ANS_EXIT, status, NULL, 0); }
+
+static void close_fd(int *fd) { if (*fd >= 0) close(*fd); *fd = -1; }
+
+/* A piece of a stream: kept up to the limit (held back while it fits, else sent on), the rest dropped. */
+static void take_output(int sock, struct slot *sl, int s, const char *data, size_t n) {
+    size_t room = sl->max_output - sl->kept[s], take = n < room ? n : room;
+    if (take < n) sl->cut[s] = 1;
+    sl->kept[s] += take;
+    if (sl->pend_len[s] + take > PEND && sl->pend_len[s]) {
+        struct iovec b = {sl->pend[s], sl->pend_len[s]};
+        packet(sock, sl->id, ANS_STDOUT + s, 0, &b, 1);
+        sl->pend_len[s] = 0;
+    }
+    if (take > PEND) {
+        struct iovec b = {(void *)data, take};
+        packet(sock, sl->id, ANS_STDOUT + s, 0, &b, 1);
+    } else if (take) {
+        memcpy(sl->pend[s] + sl->pend_len[s], data, take);
+        sl->pend_len[s] += take;
+    }
+}
+
+/* A collect whose command exited and whose streams ended: its end, with what was held back. */
+static void finish(int sock, int i) {
+    struct slot *sl = running[i];
+    char report[REPORT_MAX];
+    ssize_t r = read(sl->err_fd, report, sizeof report);
+    close_fd(&sl->err_fd);
+    close_fd(&sl->in_fd);
+    uint32_t meta[4] = {(uint32_t)(sl->cut[0] | sl->cut[1] << 1), (uint32_t)sl->pend_len[0],
+                        (uint32_t)sl->pend_len[1], (uint32_t)(r > 0 ? r : 0)};
+    struct iovec body[4] = {{meta, sizeof meta}, {sl->pend[0], sl->pend_len[0]}, {sl->pend[1], sl->pend_len[1]},
+                            {report, (size_t)(r > 0 ? r : 0)}};
+    packet(sock, sl->id, ANS_END, sl->status, body, 4);
+    free(sl->in_buf);
+    free(sl);
+    running[i] = NULL;
+}
+
+static int free_slot(void) {
+    for (int i = 0; i < SERVE_SLOTS; i++)
+        if (!running[i]) return i;
+    return -1;
+}
+
+/* Fork the command's process: it takes fds (stdin, stdout, stderr, error pipe[, setup pipe]) in place,
+ * through copies above every target so no dup2 clobbers a source, and enters; given: the setup's length
+ * when it is in setup[] (collect), else -1. The server closes its copies of fds. */
+static pid_t fork_one(int base, int *fds, int nfds, long given) {
+    pid_t pid = fork();
     if (pid == 0) {
         int high[SERVE_FDS];
-        for (int i = 0; i < SERVE_FDS; i++)
+        for (int i = 0; i < nfds; i++)
             if ((high[i] = fcntl(fds[i], F_DUPFD, base + 16)) < 0) _exit(127);
         const int target[SERVE_FDS] = {0, 1, 2, base + 3, base + 12};
-        for (int i = 0; i < SERVE_FDS; i++)
+        for (int i = 0; i < nfds; i++)
             if (dup2(high[i], target[i]) < 0) _exit(127);
-        enter_and_run(base, NULL, NULL);   /* closes every other fd (the socket's copy went with dup2) */
+        enter_and_run(base, NULL, NULL, given);   /* closes every other fd (the socket's copy went with dup2) */
     }
     int e = errno;
-    for (int i = 0; i < SERVE_FDS; i++) close(fds[i]);
-    if (pid < 0) { answer(sock, id, -(int64_t)e); return; }
-    running[slot].pid = pid;
-    running[slot].id = id;
+    for (int i = 0; i < nfds; i++) close(fds[i]);
+    errno = e;
+    return pid;
+}
+
+static void start_one(int base, int sock, uint64_t id, int *fds) {
+    int i = free_slot();
+    struct slot *sl = i < 0 ? NULL : calloc(1, sizeof *sl);
+    if (!sl) {
+        for (int k = 0; k < SERVE_FDS; k++) close(fds[k]);
+        answer(sock, id, -EAGAIN);
+        return;
+    }
+    pid_t pid = fork_one(base, fds, SERVE_FDS, -1);
+    if (pid < 0) { int e = errno; free(sl); answer(sock, id, -e); return; }
+    sl->pid = pid;
+    sl->id = id;
+    sl->in_fd = sl->out_fd[0] = sl->out_fd[1] = sl->err_fd = -1;
+    running[i] = sl;
+}
+
+/* A collect request (see the top): the pipes made here, the setup handed to the child in memory. */
+static void start_collect(int base, int sock, uint64_t id, size_t n) {
+    uint32_t max_output, in_len;
+    memcpy(&max_output, request + 12, 4);
+    memcpy(&in_len, request + 16, 4);
+    if (n < COLLECT_HEAD || in_len > n - COLLECT_HEAD || n - COLLECT_HEAD - in_len >= sizeof setup) {
+        answer(sock, id, -EINVAL);
+        return;
+    }
+    size_t setup_len = n - COLLECT_HEAD - in_len;
+    int i = free_slot();
+    struct slot *sl = i < 0 ? NULL : calloc(1, sizeof *sl);
+    if (!sl) { answer(sock, id, -EAGAIN); return; }
+    sl->in_fd = sl->out_fd[0] = sl->out_fd[1] = sl->err_fd = -1;
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, err[2] = {-1, -1}, rep[2] = {-1, -1};
+    if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(rep, O_CLOEXEC)) {
+        int e = errno;
+        close_fd(&in[0]); close_fd(&in[1]); close_fd(&out[0]); close_fd(&out[1]);
+        close_fd(&err[0]); close_fd(&err[1]); close_fd(&rep[0]); close_fd(&rep[1]);
+        free(sl);
+        answer(sock, id, -e);
+        return;
+    }
+    memcpy(setup, request + COLLECT_HEAD, setup_len);
+    setup[setup_len] = 0;
+    int child[4] = {in[0], out[1], err[1], rep[1]};
+    pid_t pid = fork_one(base, child, 4, (long)setup_len);
+    if (pid < 0) {
+        int e = errno;
+        close(in[1]); close(out[0]); close(err[0]); close(rep[0]);
+        free(sl);
+        answer(sock, id, -e);
+        return;
+    }
+    sl->pid = pid;
+    sl->id = id;
+    sl->collect = 1;
+    sl->max_output = max_output;
+    sl->out_fd[0] = out[0];
+    sl->out_fd[1] = err[0];
+    sl->err_fd = rep[0];
+    fcntl(out[0], F_SETFL, O_NONBLOCK);
+    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    fcntl(rep[0], F_SETFL, O_NONBLOCK);
+    sl->in_fd = in[1];
+    if (in_len && (sl->in_buf = malloc(in_len))) {
+        memcpy(sl->in_buf, request + COLLECT_HEAD + setup_len, in_len);
+        sl->in_len = in_len;
+        fcntl(in[1], F_SETFL, O_NONBLOCK);
+    } else {
+        close_fd(&sl->in_fd);          /* no stdin: EOF at once */
+    }
+    running[i] = sl;
+}
+
+static void feed(struct slot *sl) {
+    ssize_t w = write(sl->in_fd, sl->in_buf + sl->in_off, sl->in_len - sl->in_off);
+    if (w > 0) sl->in_off += (size_t)w;
+    if ((w < 0 && errno != EAGAIN && errno != EINTR) || sl->in_off == sl->in_len) {   /* done, or EPIPE */
+        close_fd(&sl->in_fd);
+        free(sl->in_buf);
+        sl->in_buf = NULL;
+    }
+}
+
+static void drain(int sock, int i, int s) {
+    struct slot *sl = running[i];
+    ssize_t r = read(sl->out_fd[s], chunk, sizeof chunk);
+    if (r > 0) take_output(sock, sl, s, chunk, (size_t)r);
+    else if (r == 0 || (errno != EAGAIN && errno != EINTR)) close_fd(&sl->out_fd[s]);
+}
+
+static void on_exit_of(int sock, pid_t pid, int status) {
+    for (int i = 0; i < SERVE_SLOTS; i++) {
+        struct slot *sl = running[i];
+        if (!sl || sl->pid != pid) continue;
+        if (!sl->collect) {
+            answer(sock, sl->id, status);
+            free(sl);
+            running[i] = NULL;
+        } else {
+            sl->reaped = 1;
+            sl->status = status;
+        }
+        return;
+    }
 }
 
 static int serve(int base) {
@@ -424,25 +602,39 @@ static int serve(int base) {
     sigaddset(&chld, SIGCHLD);
     int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0) return 2;
-    struct pollfd pfd[2] = {{sock, POLLIN, 0}, {sfd, POLLIN, 0}};
+    static struct pollfd pfd[2 + 3 * SERVE_SLOTS];
+    static int who[2 + 3 * SERVE_SLOTS];           /* slot * 4 + (0 stdin, 1 stdout, 2 stderr) */
     for (;;) {
-        if (poll(pfd, 2, -1) < 0) { if (errno == EINTR) continue; return 2; }
+        int np = 2;
+        pfd[0] = (struct pollfd){sock, POLLIN, 0};
+        pfd[1] = (struct pollfd){sfd, POLLIN, 0};
+        for (int i = 0; i < SERVE_SLOTS; i++) {
+            struct slot *sl = running[i];
+            if (!sl || !sl->collect) continue;
+            if (sl->in_fd >= 0) { who[np] = i * 4; pfd[np++] = (struct pollfd){sl->in_fd, POLLOUT, 0}; }
+            for (int s = 0; s < 2; s++)
+                if (sl->out_fd[s] >= 0) { who[np] = i * 4 + 1 + s; pfd[np++] = (struct pollfd){sl->out_fd[s], POLLIN, 0}; }
+        }
+        if (poll(pfd, (nfds_t)np, -1) < 0) { if (errno == EINTR) continue; return 2; }
+        for (int k = 2; k < np; k++) {
+            if (!pfd[k].revents) continue;
+            int i = who[k] / 4, what = who[k] % 4;
+            if (what == 0) feed(running[i]); else drain(sock, i, what - 1);
+        }
         if (pfd[1].revents) {
             struct signalfd_siginfo si;
             while (read(sfd, &si, sizeof si) == sizeof si) {}
             int status;
-            for (pid_t pid; (pid = waitpid(-1, &status, WNOHANG)) > 0; )
-                for (int i = 0; i < SERVE_SLOTS; i++)
-                    if (running[i].pid == pid) {
-                        answer(sock, running[i].id, status);
-                        running[i].pid = 0;
-                        break;
-                    }
+            for (pid_t pid; (pid = waitpid(-1, &status, WNOHANG)) > 0; ) on_exit_of(sock, pid, status);
+        }
+        for (int i = 0; i < SERVE_SLOTS; i++) {        /* collects whose command and streams ended */
+            struct slot *sl = running[i];
+            if (sl && sl->collect && sl->reaped && sl->out_fd[0] < 0 && sl->out_fd[1] < 0) finish(sock, i);
         }
         if (pfd[0].revents) {
             uint64_t id = 0;
             char ctl[CMSG_SPACE(sizeof(int) * SERVE_FDS)];
-            struct iovec iov = {&id, sizeof id};
+            struct iovec iov = {request, sizeof request};
             struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
             ssize_t n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
             if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
@@ -451,18 +643,23 @@ static int serve(int base) {
             for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c))
                 if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
                     int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-                    for (int i = 0; i < k; i++) {
+                    for (int j = 0; j < k; j++) {
                         int fd;
-                        memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+                        memcpy(&fd, CMSG_DATA(c) + j * sizeof(int), sizeof fd);
                         if (got < SERVE_FDS) fds[got++] = fd; else close(fd);
                     }
                 }
-            if (n != sizeof id || got != SERVE_FDS || (mh.msg_flags & MSG_CTRUNC)) {
-                for (int i = 0; i < got; i++) close(fds[i]);
-                answer(sock, id, -(int64_t)EINVAL);
-                continue;
+            if (n >= 8) memcpy(&id, request, sizeof id);
+            uint32_t kind = 0;
+            if (n >= 12) memcpy(&kind, request + 8, sizeof kind);
+            if (n == sizeof id && got == SERVE_FDS && !(mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
+                start_one(base, sock, id, fds);
+            } else if (n >= COLLECT_HEAD && kind == 1 && got == 0 && !(mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
+                start_collect(base, sock, id, (size_t)n);
+            } else {
+                for (int j = 0; j < got; j++) close(fds[j]);
+                answer(sock, id, -EINVAL);
             }
-            start_one(base, sock, id, fds);
         }
     }
 }
@@ -477,5 +674,5 @@ int main(int argc, char **argv) {
         errno = EINVAL;
         fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+12) | dsec-enter --serve BASE");
     }
-    enter_and_run(atoi(argv[1]), argv + 3, environ);
+    enter_and_run(atoi(argv[1]), argv + 3, environ, -1);
 }
