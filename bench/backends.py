@@ -1,8 +1,8 @@
 """Benchmark: one row per backend kind, each beside a raw baseline measured in the same run.
 
-Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200]
-     (starts its own `dsec up --backend container --backend fncall --backend gvisor` on free ports, in a
-     temp dir)
+Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200] [--kinds fncall,...]
+     (starts its own `dsec up --backend container --backend fncall --backend gvisor`, or only the
+     --kinds given, on free ports, in a temp dir)
 
   container  create -> ready p50 and exec `true` round trip p50 through the SDK; baseline: a raw
              five-namespace `unshare` of /bin/true.
@@ -30,6 +30,7 @@ from bus.server import die_with_parent, free_port
 from cli.demo import percentile
 
 DSEC = str(Path(sys.executable).with_name("dsec"))
+KINDS = ("container", "fncall", "gvisor")
 UNSHARE = ["unshare", "--user", "--map-root-user", "--fork", "--pid", "--mount", "--net", "--uts", "--ipc",
            "--mount-proc", "/bin/echo", "hi"]
 
@@ -58,8 +59,11 @@ async def sdk_figures(url: str, args) -> dict:
     """Container and gVisor create/exec p50, and fncall latency/throughput, through the SDK."""
     out: dict = {}
     async with libdsec.AsyncClient(url) as client:
-        out["container"] = await sandbox_figures(client, "container", args.samples // 10 or 1)
-        out["gvisor"] = await sandbox_figures(client, "gvisor", args.samples // 10 or 1)
+        for kind in ("container", "gvisor"):
+            if kind in args.kinds:
+                out[kind] = await sandbox_figures(client, kind, args.samples // 10 or 1)
+        if "fncall" not in args.kinds:
+            return out
         for _ in range(20):   # workers started, layers fetched
             assert (await client.call(["echo", "hi"])).stdout == b"hi\n"
         one = []
@@ -164,10 +168,9 @@ def bare_runsc(tmp: Path, n: int) -> dict:
     return {"run_p50": ms(runs, 0.5), "exec_p50": ms(execs, 0.5)}
 
 
-def start_up(state: Path, port: int, workers: int) -> subprocess.Popen:
+def start_up(state: Path, port: int, workers: int, kinds: list[str]) -> subprocess.Popen:
     proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", "0",
-                             "--node-id", "bench-kinds", "--backend", "container", "--backend", "fncall",
-                             "--backend", "gvisor",
+                             "--node-id", "bench-kinds", *(a for k in kinds for a in ("--backend", k)),
                              "--fncall-min", "2", "--fncall-max", str(workers)],
                             stdout=subprocess.PIPE, stderr=open(state.parent / "up.log", "ab"), text=True,
                             preexec_fn=die_with_parent)
@@ -185,33 +188,40 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=64, help="calls at once in the throughput runs")
     ap.add_argument("--samples", type=int, default=200, help="sequential samples for the latency figures")
     ap.add_argument("--workers", type=int, default=32, help="fncall workers at most")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the backends to run and measure, comma-separated")
     args = ap.parse_args()
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if not args.kinds or set(args.kinds) - set(KINDS):
+        ap.error(f"--kinds: one or more of {', '.join(KINDS)}")
     with tempfile.TemporaryDirectory(prefix="dsec-bench-kinds-") as tmp:
         tmp_path = Path(tmp)
         port = free_port()
-        up = start_up(tmp_path / "up", port, args.workers)
+        up = start_up(tmp_path / "up", port, args.workers, args.kinds)
         try:
             sdk = asyncio.run(sdk_figures(f"nats://127.0.0.1:{port}", args))
         finally:
             up.send_signal(signal.SIGINT)
             up.wait(timeout=20)
-        local = asyncio.run(local_pool(args, tmp_path))
-        raw = raw_baseline(50)
-        fresh = fresh_unshare(min(args.calls, 500))
-        bare = bare_runsc(tmp_path, 20)
-    c, g, f = sdk["container"], sdk["gvisor"], sdk["fncall"]
-    raw50 = ms(raw, 0.5)
+        rows = []
+        if "container" in args.kinds:
+            c, raw50 = sdk["container"], ms(raw_baseline(50), 0.5)
+            rows += [("container", "create -> ready p50 (ms)", c["create_p50"], raw50, "raw unshare of /bin/true p50"),
+                     ("container", "exec `true` round trip p50 (ms)", c["exec_p50"], raw50,
+                      "raw unshare of /bin/true p50")]
+        if "gvisor" in args.kinds:
+            g, bare = sdk["gvisor"], bare_runsc(tmp_path, 20)
+            rows += [("gvisor", "create -> ready p50 (ms)", g["create_p50"], bare["run_p50"],
+                      "bare runsc run of /bin/true p50"),
+                     ("gvisor", "exec `true` round trip p50 (ms)", g["exec_p50"], bare["exec_p50"],
+                      "bare runsc exec p50")]
+        if "fncall" in args.kinds:
+            f, local, fresh = sdk["fncall"], asyncio.run(local_pool(args, tmp_path)), fresh_unshare(min(args.calls, 500))
+            rows += [("fncall", "one call p50 (ms)", f["p50"], local["p50"], "local pool, no bus, p50"),
+                     ("fncall", "one call p99 (ms)", f["p99"], local["p50"], "local pool, no bus, p50"),
+                     ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], local["rate"], "local pool, no bus"),
+                     ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], fresh["rate"],
+                      "fresh unshare per call (8 at once)")]
     print(f"{'backend':<10} {'figure':<34} {'DSec':>10} {'baseline':>10} {'ratio':>7}  baseline is")
-    rows = [
-        ("container", "create -> ready p50 (ms)", c["create_p50"], raw50, "raw unshare of /bin/true p50"),
-        ("container", "exec `true` round trip p50 (ms)", c["exec_p50"], raw50, "raw unshare of /bin/true p50"),
-        ("gvisor", "create -> ready p50 (ms)", g["create_p50"], bare["run_p50"], "bare runsc run of /bin/true p50"),
-        ("gvisor", "exec `true` round trip p50 (ms)", g["exec_p50"], bare["exec_p50"], "bare runsc exec p50"),
-        ("fncall", "one call p50 (ms)", f["p50"], local["p50"], "local pool, no bus, p50"),
-        ("fncall", "one call p99 (ms)", f["p99"], local["p50"], "local pool, no bus, p50"),
-        ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], local["rate"], "local pool, no bus"),
-        ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], fresh["rate"], "fresh unshare per call (8 at once)"),
-    ]
     for kind, what, ours, base, note in rows:
         print(f"{kind:<10} {what:<34} {ours:>10.2f} {base:>10.2f} {ours / base:>7.2f}  {note}")
     print(f"(cores: {os.cpu_count()}; fncall workers at most {args.workers})")
