@@ -198,6 +198,26 @@ async def wait_unfrozen(fut: asyncio.Future, timeout: float, frozen_for) -> None
             continue   # time passed while frozen does not count: look again
 
 
+async def wait_or_kill(fut: asyncio.Future, groups: dict[str, Path], timeout: float, frozen_for=lambda: 0.0) -> bool:
+    """Wait for an exec's fut up to timeout seconds not spent frozen; at the timeout kill its whole tree
+    and give fut KILL_GRACE more (BackendError if the pipes stay open); whether it timed out. Any other
+    way out (cancelled, an error) kills the tree too."""
+    try:
+        try:
+            await wait_unfrozen(fut, timeout, frozen_for)
+            return False
+        except asyncio.TimeoutError:
+            await kill_exec(groups)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), KILL_GRACE)
+            except asyncio.TimeoutError:
+                raise BackendError("command killed but its output pipes stayed open") from None
+            return True
+    except BaseException:
+        await asyncio.shield(kill_exec(groups))
+        raise
+
+
 async def supervise(exited: asyncio.Future, groups: dict[str, Path], pipes: Pipes,
                      stdin: bytes | None, timeout: float, sink: OutputSink,
                      control: ExecControl | None, frozen_for=lambda: 0.0) -> tuple[int, bool]:
@@ -211,21 +231,9 @@ async def supervise(exited: asyncio.Future, groups: dict[str, Path], pipes: Pipe
              asyncio.ensure_future(pump(pipes.stderr_r, "stderr", sink))]
     # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
     everything = asyncio.gather(asyncio.shield(exited), *pumps)
-    timed_out = False
     try:
-        try:
-            await wait_unfrozen(everything, timeout, frozen_for)
-        except asyncio.TimeoutError:
-            timed_out = True
-            await kill_exec(groups)
-            try:
-                await asyncio.wait_for(asyncio.shield(everything), KILL_GRACE)
-            except asyncio.TimeoutError:
-                raise BackendError("command killed but its output pipes stayed open") from None
+        timed_out = await wait_or_kill(everything, groups, timeout, frozen_for)
         return exited.result(), timed_out
-    except BaseException:
-        await asyncio.shield(kill_exec(groups))
-        raise
     finally:
         everything.cancel()
         if everything.done() and not everything.cancelled():

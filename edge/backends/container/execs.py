@@ -3,6 +3,7 @@ here (execio.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import time
 from typing import NamedTuple
@@ -96,19 +97,8 @@ class Executing(Core):
                                        stdin, max_output)
             if done is None:
                 return None
-            timed_out = False
-            try:
-                out = await asyncio.wait_for(asyncio.shield(done), timeout if timeout > 0 else None)
-            except asyncio.TimeoutError:
-                timed_out = True
-                await execio.kill_exec(groups)
-                try:
-                    out = await asyncio.wait_for(asyncio.shield(done), execio.KILL_GRACE)
-                except asyncio.TimeoutError:
-                    raise BackendError("command killed but its output pipes stayed open") from None
-            except BaseException:
-                await asyncio.shield(execio.kill_exec(groups))
-                raise
+            timed_out = await execio.wait_or_kill(done, groups, timeout, sb.frozen_for)
+            out = done.result()
         finally:
             cpu, peak = NodeCgroups.exec_stats(groups)
         result = ExecResult(exit_code=execio.exit_code(out.status), duration=time.monotonic() - started,
@@ -122,21 +112,23 @@ class Executing(Core):
                        max_output: int) -> asyncio.Future | None:
         if self._spawner is None:
             raise BackendError("container backend is not started")
-        try:
-            for again in (True, False):
-                if sb.resident is None or sb.resident.closed:
-                    sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd)
-                try:
-                    return sb.resident.collect(sb.call_tasks, argv, env, cwd, stdin, max_output, fresh_ipc=True)
-                except OSError as exc:
-                    if exc.errno == errno.E2BIG:
-                        return None
-                    if exc.errno != errno.EPIPE or not again:   # died: once more with a new one
-                        raise
-        except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
-            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
-        except OSError as exc:
-            raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
+        with _starting(sb, argv):
+            return self._via_server(sb, lambda server: server.collect(sb.call_tasks, argv, env, cwd, stdin,
+                                                                      max_output, fresh_ipc=True))
+
+    def _via_server(self, sb: Running, send) -> asyncio.Future | None:
+        """send(server) to the worker's exec server, a new one if it is gone (once more if it died under
+        us); None when the request is too large for it (E2BIG: the caller goes another way)."""
+        for again in (True, False):
+            if sb.resident is None or sb.resident.closed:
+                sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd)
+            try:
+                return send(sb.resident)
+            except OSError as exc:
+                if exc.errno == errno.E2BIG:
+                    return None
+                if exc.errno != errno.EPIPE or not again:
+                    raise
         return None
 
     def _start_exec(self, sb: Running, n: int, argv: list[str], env: dict[str, str], cwd: str,
@@ -147,19 +139,21 @@ class Executing(Core):
         ends = pipes.child_ends()
         tasks = sb.call_tasks or [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
         fresh_ipc = bool(sb.spec.scratch)
-        try:
-            for again in (True, False) if sb.spec.scratch else ():   # a worker: through its own exec server
-                if sb.resident is None or sb.resident.closed:
-                    sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd)
-                try:
-                    return sb.resident.start(tasks, argv, env, cwd, ends[:3], ends[3], fresh_ipc)
-                except OSError as exc:
-                    if exc.errno == errno.E2BIG:     # too large for its pipe: the one-shot way
-                        break
-                    if exc.errno != errno.EPIPE or not again:   # died: once more with a new one
-                        raise
+        with _starting(sb, argv):
+            if sb.spec.scratch:   # a worker: through its own exec server (too large for its pipe: one-shot)
+                started = self._via_server(sb, lambda server: server.start(tasks, argv, env, cwd, ends[:3], ends[3],
+                                                                           fresh_ipc))
+                if started is not None:
+                    return started
             return self._spawner.start(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3], fresh_ipc)
-        except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
-            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
-        except OSError as exc:
-            raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
+
+
+@contextlib.contextmanager
+def _starting(sb: Running, argv: list[str]):
+    """A command's start: OS errors as the backend's (the init gone: SandboxGone)."""
+    try:
+        yield
+    except (ProcessLookupError, FileNotFoundError) as exc:   # the init is gone (or a zombie)
+        raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
+    except OSError as exc:
+        raise BackendError(f"cannot start {argv[0]}: {exc.strerror}") from exc
