@@ -94,12 +94,13 @@ class Spawner:
 
 class Resident:
     """One sandbox's own dsec-enter server (`dsec-enter --serve`, see dsec-enter.c), for fncall workers: a
-    command costs the server a fork instead of the edge a posix_spawn of the helper (the event loop's
-    largest cost per call). The server lives in the host's pid namespace like any helper and holds the
-    sandbox's namespace fds; each command's process goes the one-shot way from there. Started with a
+    command costs the server one clone instead of the edge a posix_spawn of the helper (the event loop's
+    largest cost per call) and the helper its way in. The server lives in the host's pid namespace like
+    any helper and enters the sandbox once, at its start; every command joins the cgroups of tasks (the
+    worker's one exec group, whose tasks files are opened here and held by the server). Started with a
     running loop; close() ends it (the server exits when its socket closes, and is reaped here)."""
 
-    def __init__(self, helper: str, keep_mask: int, init_pid: int, pidfd: int) -> None:
+    def __init__(self, helper: str, keep_mask: int, init_pid: int, pidfd: int, tasks: list[str]) -> None:
         self.keep_mask = keep_mask
         self.pidfd = pidfd
         self._loop = asyncio.get_running_loop()
@@ -109,20 +110,24 @@ class Resident:
         self.closed = False
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         opened = open_sandbox(init_pid, pidfd)
-        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        null = -1
         try:
+            for path in tasks:   # opened as host root: a pid written there joins (cgroup v1 checks the opener)
+                opened.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
             srcs = [theirs.fileno(), *opened]
-            base = max(*srcs, null) + 1 - 3    # the socket at BASE+3, the namespaces and root above it
+            base = max(*srcs, null) + 1 - 3    # the socket at BASE+3; the namespaces, root and tasks above it
             actions = [(os.POSIX_SPAWN_DUP2, src, base + 3 + i) for i, src in enumerate(srcs)]
             actions += [(os.POSIX_SPAWN_DUP2, null, i) for i in range(3)]
-            self.pid = os.posix_spawn(helper, ["dsec-enter", "--serve", str(base)], {},
+            self.pid = os.posix_spawn(helper, ["dsec-enter", "--serve", str(base), str(len(tasks))], {},
                                       file_actions=actions, setsigmask=(), setsigdef=SIGDEF, setsid=True)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-            os.close(null)
+            if null >= 0:
+                os.close(null)
             for fd in opened:
                 os.close(fd)
         self._sock = ours
@@ -134,8 +139,8 @@ class Resident:
             raise
         self._loop.add_reader(ours.fileno(), self._on_answer)
 
-    def start(self, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str, stdio: list[int],
-              err_w: int, fresh_ipc: bool = False) -> asyncio.Future:
+    def start(self, argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], err_w: int,
+              fresh_ipc: bool = False) -> asyncio.Future:
         """Run argv through the server; a future of its raw wait status (BackendError if the server dies
         first). OSError: E2BIG when the command does not fit a pipe (the caller spawns it the one-shot
         way), EPIPE when the server is gone (a new one may take it), ESRCH when the sandbox is gone."""
@@ -143,7 +148,7 @@ class Resident:
             raise OSError(errno.EPIPE, "the sandbox's exec server is gone")
         if not alive(self.pidfd):
             raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
-        setup = _command_setup(self.keep_mask, fresh_ipc, cwd, tasks, argv, env)
+        setup = _command_setup(self.keep_mask, fresh_ipc, cwd, argv, env)
         if len(setup) > SETUP_MAX:
             raise OSError(errno.E2BIG, "command too large for the exec server")
         setup_r, setup_w = os.pipe2(os.O_CLOEXEC)
@@ -167,8 +172,8 @@ class Resident:
         self._waiting[n] = fut
         return fut
 
-    def collect(self, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str, stdin: bytes,
-                max_output: int, fresh_ipc: bool = False) -> asyncio.Future:
+    def collect(self, argv: list[str], env: dict[str, str], cwd: str, stdin: bytes, max_output: int,
+                fresh_ipc: bool = False) -> asyncio.Future:
         """Run argv through the server's collect mode (see dsec-enter.c): the server makes the pipes, feeds
         stdin and keeps up to max_output bytes of each stream; a future of its Collected. OSError as for
         start(); E2BIG when the request does not fit one packet (the caller goes the way with pipes)."""
@@ -176,7 +181,7 @@ class Resident:
             raise OSError(errno.EPIPE, "the sandbox's exec server is gone")
         if not alive(self.pidfd):
             raise ProcessLookupError(errno.ESRCH, "sandbox init is gone")
-        setup = _command_setup(self.keep_mask, fresh_ipc, cwd, tasks, argv, env)
+        setup = _command_setup(self.keep_mask, fresh_ipc, cwd, argv, env)
         if COLLECT_HEAD + len(setup) + len(stdin) > COLLECT_MAX:
             raise OSError(errno.E2BIG, "command too large for one collect request")
         n = next(self._ids)
@@ -252,10 +257,9 @@ class Resident:
         self._collected.clear()
 
 
-def _command_setup(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str], argv: list[str],
-                   env: dict[str, str]) -> bytes:
-    """The serve mode's setup: setup_bytes, then "\0ARGC\0ARGV...\0ENV...\0"."""
-    return (setup_bytes(keep_mask, fresh_ipc, cwd, tasks) + b"\0" + str(len(argv)).encode() + b"\0"
+def _command_setup(keep_mask: int, fresh_ipc: bool, cwd: str, argv: list[str], env: dict[str, str]) -> bytes:
+    """The serve mode's setup: setup_bytes without tasks (the server's own), then "\0ARGC\0ARGV...\0ENV...\0"."""
+    return (setup_bytes(keep_mask, fresh_ipc, cwd, []) + b"\0" + str(len(argv)).encode() + b"\0"
             + b"".join(a.encode() + b"\0" for a in argv)
             + b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
 

@@ -13,6 +13,7 @@ import pytest
 
 import libdsec
 from bus import streams
+from edge.backends import cgroups
 from tests.conftest import extra_edge
 
 pytestmark = pytest.mark.timeout(180)
@@ -174,16 +175,30 @@ def _servers() -> list[psutil.Process]:
 
 
 async def test_a_worker_runs_its_calls_through_its_own_exec_server(stack, client, tmp_path):
-    """A worker's calls go through its resident exec server, which collects their output itself, with
-    no spawn of the helper per call; a command too large for one request goes the one-shot way with the
-    same result; a killed server
-    is replaced at the next call, which is answered; a stopped node leaves no server."""
+    """A worker's calls go through its resident exec server, which entered the worker once and collects
+    their output itself, with no spawn of the helper per call; a command too large for one request goes
+    the one-shot way with the same result; a killed server is replaced at the next call, which is
+    answered; a stopped node leaves no server."""
     async with fncall_node(stack, tmp_path, "fn-srv", 1, 1) as st:
         workers = st.edge.backend.backends["fncall"]._workers
         assert (await client.call(["echo", "one"])).stdout == b"one\n"
         (worker,) = workers._sandboxes.values()
         server = worker.resident
         assert server is not None and not server.closed and server.pid in [p.pid for p in _servers()]
+        # entered once: in the worker's namespaces itself, each command its own child (no helper between),
+        # the command in the worker's group and the server out of it (a timeout kills that group)
+        for ns in ("mnt", "ipc", "net", "user"):
+            assert os.readlink(f"/proc/{server.pid}/ns/{ns}") == os.readlink(f"/proc/{worker.init_pid}/ns/{ns}")
+        slow = asyncio.ensure_future(client.call(["sleep", "3"]))
+        pids: list[int] = []
+        for _ in range(200):
+            pids = cgroups.procs(worker.call_groups["freezer"])
+            if pids:
+                break
+            await asyncio.sleep(0.01)
+        (pid,) = pids
+        assert psutil.Process(pid).ppid() == server.pid and psutil.Process(pid).name() == "sleep"
+        assert (await slow).exit_code == 0
         spawned = []
         one_shot = workers._spawner.spawn
         workers._spawner.spawn = lambda *a, **k: (spawned.append(a[3]), one_shot(*a, **k))[1]

@@ -113,15 +113,16 @@ class Executing(Core):
         if self._spawner is None:
             raise BackendError("container backend is not started")
         with _starting(sb, argv):
-            return self._via_server(sb, lambda server: server.collect(sb.call_tasks, argv, env, cwd, stdin,
-                                                                      max_output, fresh_ipc=True))
+            return self._via_server(sb, lambda server: server.collect(argv, env, cwd, stdin, max_output,
+                                                                      fresh_ipc=True))
 
     def _via_server(self, sb: Running, send) -> asyncio.Future | None:
         """send(server) to the worker's exec server, a new one if it is gone (once more if it died under
         us); None when the request is too large for it (E2BIG: the caller goes another way)."""
         for again in (True, False):
             if sb.resident is None or sb.resident.closed:
-                sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd)
+                sb.resident = enter.Resident(self._spawner.helper, self._spawner.keep_mask, sb.init_pid, sb.pidfd,
+                                             sb.call_tasks)
             try:
                 return send(sb.resident)
             except OSError as exc:
@@ -141,8 +142,7 @@ class Executing(Core):
         fresh_ipc = bool(sb.spec.scratch)
         with _starting(sb, argv):
             if sb.spec.scratch:   # a worker: through its own exec server (too large for its pipe: one-shot)
-                started = self._via_server(sb, lambda server: server.start(tasks, argv, env, cwd, ends[:3], ends[3],
-                                                                           fresh_ipc))
+                started = self._via_server(sb, lambda server: server.start(argv, env, cwd, ends[:3], ends[3], fresh_ipc))
                 if started is not None:
                     return started
             return self._spawner.start(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3], fresh_ipc)

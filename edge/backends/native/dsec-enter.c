@@ -8,12 +8,13 @@
  *   1. join the exec's cgroups; setns ipc, uts, net, mnt, pid (for its children only) and cgroup (its
  *      cgroups then read as the sandbox's own, from "/");
  *   2. setns the sandbox's user namespace S and become its root (host uid = the sandbox's range base);
- *      chroot to the sandbox root, cwd; every fd but stdio, the error pipe and a go pipe closed;
+ *      chroot to the sandbox root;
  *   3. clone the command's process into the pid namespace with a user namespace E of its own inside S
  *      (and, for fncall, an IPC namespace of its own). Still root in S, this helper writes E's maps
- *      (0..65535 of S) and says go. The command's process, holding only the sandbox's namespaces,
- *      cgroups and credentials, takes a clean slate (no core dumps, umask, a session keyring),
- *      the seccomp filter, capabilities, its own session, and execs the command;
+ *      (0..65535 of S, through the host's /proc) and says go. The command's process closes every fd
+ *      but its stdio and the error pipe, and, holding only the sandbox's namespaces, cgroups and
+ *      credentials, takes its cwd, a clean slate (no core dumps, umask, a session keyring), the
+ *      seccomp filter, capabilities, its own session, and execs the command;
  *   4. this helper stays the command's parent, out of sight, with every signal blocked (a signal the
  *      edge sends to the exec's processes reaches the command, not it), waits for it and exits the same
  *      way (its exit code, or killed by the same signal), so the edge watches one child of its own. If
@@ -35,14 +36,20 @@
  * The environment is the command's, exactly. On a failure it writes "stage\0errno\0message" to the
  * error pipe and exits 127.
  *
- *   dsec-enter --serve BASE     (resident: one per fncall worker, so a call costs no spawn)
- *   fds: 0-2 /dev/null; BASE+3 a SOCK_SEQPACKET control socket; BASE+4..BASE+11 as above. Each request
- *   is an 8-byte id with 5 fds (stdin, stdout, stderr, error pipe, setup pipe); the setup then also
- *   holds the command: "...TASKS\0\0ARGC\0ARGV...\0ENV...\0". For each request it forks a child,
- *   still in the host's pid namespace, which takes those fds in place and goes the one-shot way above
- *   (step 1 on). The server never waits on anyone: child exits come through a signalfd and are sent
- *   back as (id, wait status); a request it cannot fork for is answered (id, -errno). It exits when
- *   the socket closes (the edge's end: the worker's destroy, or the edge's death).
+ *   dsec-enter --serve BASE NTASKS   (resident: one per fncall worker, so a call costs one clone)
+ *   fds: 0-2 /dev/null; BASE+3 a SOCK_SEQPACKET control socket; BASE+4..BASE+11 as above; BASE+12..
+ *   the NTASKS cgroup tasks files every command joins (the worker's x0, opened by the edge). The
+ *   server does step 2 once, at its start: it stays in the host's pid namespace (out of every sandbox
+ *   process's sight) and in the edge's cgroups (not killed with the commands), and keeps only the
+ *   socket, the tasks files and the host's /proc. Per command it only does step 3, writing the
+ *   command's host pid into the tasks files before it goes (cgroup v1 checks the credentials the
+ *   files were opened with: host root's), and is the command's parent. Each request with fds is an
+ *   8-byte id with 5 fds (stdin, stdout, stderr, error pipe, setup pipe); the setup then also holds
+ *   the command: "...TASKS\0\0ARGC\0ARGV...\0ENV...\0" (its tasks files are ignored). The server never
+ *   waits on anyone: exits come through a signalfd and are sent back as (id, wait status); a command
+ *   that could not start is answered as the one-shot helper would exit, 127 with the report on its
+ *   error pipe, and a request it has no room for (id, -errno). It exits when the socket closes (the
+ *   edge's end: the worker's destroy, or the edge's death).
  *   A collect request (fncall: one packet, no fds) holds a 24-byte header (id, kind 1, the bytes kept
  *   per stream, the stdin length, 8 reserved), the setup, then stdin. The server makes the command's
  *   pipes itself, feeds stdin, keeps at most that many bytes of stdout and stderr each (reading and
@@ -89,20 +96,6 @@ static void fail(const char *stage, const char *what) {
     int n = snprintf(buf, sizeof buf, "%s%c%d%c%s: %s", stage, 0, e, 0, what, strerror(e));
     if (n > 0) (void)!write(ERR_FD, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf);
     _exit(127);
-}
-
-static void join(const char *tasks) {
-    int fd = open(tasks, O_WRONLY | O_CLOEXEC);
-    if (fd < 0 || write(fd, "0", 1) != 1) fail("setup", tasks);
-    close(fd);
-}
-
-static int write_file(const char *path, const char *text) {
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
-    if (fd < 0) return -1;
-    ssize_t n = write(fd, text, strlen(text));
-    close(fd);
-    return n == (ssize_t)strlen(text) ? 0 : -1;
 }
 
 /* The seccomp filter of every command. Refused:
@@ -246,139 +239,196 @@ static void clean_slate(void) {
     syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
 }
 
-/* The command's process (step 3): a copy of the helper in E. It tells the helper its pid in the
- * sandbox's pid namespace (the helper, chrooted, writes its maps through the sandbox's /proc) and waits
- * for them. */
-static char **child_cmd;
-static sigset_t child_mask;
-static int go_fd, go_other;
-static unsigned long long keep_caps;
-static int command(void *unused) {
-    (void)unused;
-    char c;
-    close(go_other);
-    setsid();           /* own session (and autogroup) at once: kill(0) or /dev/tty never reach anyone else's */
-    pid_t me = getpid();
-    if (write(go_fd, &me, sizeof me) != sizeof me || read(go_fd, &c, 1) != 1)
-        _exit(127);                              /* the helper died, or could not write the maps */
-    close(go_fd);
-    clean_slate();
-    command_filter();   /* while root of E with CAP_SYS_ADMIN there: no no_new_privs needed for it */
-    lockdown(keep_caps);
-    fcntl(ERR_FD, F_SETFD, FD_CLOEXEC);
-    sigprocmask(SIG_SETMASK, &child_mask, NULL);
-    exec_path(child_cmd, environ);
-    if (!errno) errno = ENOEXEC;
-    fail("exec", child_cmd[0]);
-    return 127;
-}
-
-static int write_map(pid_t ns_pid, const char *which) {
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/%s", (int)ns_pid, which);
-    return write_file(path, "0 0 65536");
-}
+/* What one command is: "CAPMASK[,ipc]\0CWD\0TASKS...\0" (each \0-terminated, an empty one ends the
+ * tasks files; ",ipc": an IPC namespace of its own, so no SysV object outlives a fncall call), and in
+ * serve mode "\0ARGC\0ARGV...\0ENV...\0" after it. */
+struct command_line {
+    unsigned long long keep;
+    int fresh_ipc;
+    const char *cwd;
+    char *tasks, *tasks_end;
+    char **argv, **envp;
+};
 
 static char setup[SETUP_MAX];
 static char stack[64 << 10] __attribute__((aligned(16)));
 static char *served_argv[ARGS_MAX + 1], *served_env[ARGS_MAX + 1];
 
-/* Read the setup pipe whole (until EOF), NUL-terminated. */
-static size_t read_setup(int fd) {
+/* Read the setup pipe whole (until EOF), NUL-terminated; its length, or -1 (errno). */
+static long read_setup(int fd) {
     size_t got = 0;
     for (ssize_t n; got < sizeof setup - 1 && (n = read(fd, setup + got, sizeof setup - 1 - got)) != 0; ) {
-        if (n < 0) { if (errno == EINTR) continue; fail("setup", "read setup"); }
+        if (n < 0) { if (errno == EINTR) continue; return -1; }
         got += (size_t)n;
     }
     setup[got] = 0;
-    return got;
+    return (long)got;
 }
 
-/* Steps 1-5 for one command, in a process of the host's pid namespace holding (at BASE+3..BASE+12) the
- * error pipe, the namespace fds, the root and the setup pipe (none when given >= 0: the setup's length,
- * already in setup[]); cmd NULL: the command is in the setup (serve mode). Never returns: exits the way
- * the command did. */
-static void enter_and_run(int base, char **cmd, char **envp, long given) {
+/* Parse setup[0..got] into c (with_command: serve mode, argv and env in it); NULL, or what is wrong. */
+static const char *parse_setup(size_t got, int with_command, struct command_line *c) {
+    char *p = setup, *end = setup + got, *flags = NULL;
+    c->keep = strtoull(p, &flags, 0);
+    c->fresh_ipc = flags && strcmp(flags, ",ipc") == 0;
+    p += strlen(p) + 1;
+    if (p >= end) return "setup without cwd";
+    c->cwd = p;
+    p += strlen(p) + 1;
+    c->tasks = p;
+    while (p < end && *p) p += strlen(p) + 1;
+    c->tasks_end = p;
+    if (!with_command) return NULL;
+    if (p >= end) return "setup without a command";
+    p++;
+    long argc = strtol(p, NULL, 10);
+    p += strlen(p) + 1;
+    if (argc < 1 || argc > ARGS_MAX) return "setup: bad argument count";
+    for (long i = 0; i < argc; i++) {
+        if (p >= end) return "setup: arguments cut short";
+        served_argv[i] = p;
+        p += strlen(p) + 1;
+    }
+    served_argv[argc] = NULL;
+    int n = 0;
+    for (; p < end && n < ARGS_MAX; p += strlen(p) + 1) served_env[n++] = p;
+    served_env[n] = NULL;
+    c->argv = served_argv;
+    c->envp = served_env;
+    return NULL;
+}
+
+/* Steps 1-2: join the cgroups of the tasks files, the sandbox's namespaces (fds at ns_fd0.., its user
+ * namespace at userns_fd) as its root, chrooted to root_fd. NULL, or the stage that failed (errno). */
+static const char *enter_sandbox(const char *tasks, const char *tasks_end, int ns_fd0, int userns_fd, int root_fd) {
+    for (const char *p = tasks; p < tasks_end; p += strlen(p) + 1) {
+        int fd = open(p, O_WRONLY | O_CLOEXEC);
+        int ok = fd >= 0 && write(fd, "0", 1) == 1;
+        if (fd >= 0) close(fd);
+        if (!ok) return "join cgroup";
+    }
+    for (int k = 0; k < NS_COUNT; k++)
+        if (setns(ns_fd0 + k, 0)) return "setns";
+    if (setns(userns_fd, CLONE_NEWUSER)) return "setns user";
+    if (setgroups(0, NULL) || setresgid(0, 0, 0) || setresuid(0, 0, 0)) return "sandbox root";
+    /* the uid change made this process non-dumpable, and so would be the command's process, whose /proc
+       files would then belong to host root, out of reach for its maps. This process is out of every
+       sandbox process's sight (host pid namespace) either way. */
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)) return "dumpable";
+    if (fchdir(root_fd) || chroot(".")) return "chroot";
+    return NULL;
+}
+
+/* The command's process (step 3): a copy of its parent in E, holding at 0-2 its stdio, at 3 the error
+ * pipe and at 4 the go pipe (all else closed). It waits until its parent has written E's maps (and
+ * put it into its cgroups), then takes a clean slate, its filter and capabilities, and execs. */
+static const struct command_line *child_line;
+static sigset_t child_mask;
+static int child_fds[5];
+static int command(void *unused) {
+    (void)unused;
+    char c;
+    int high[5];
+    for (int i = 0; i < 5; i++)
+        if ((high[i] = fcntl(child_fds[i], F_DUPFD_CLOEXEC, 5)) < 0) _exit(127);
+    for (int i = 0; i < 5; i++)
+        if (dup3(high[i], i, i >= 3 ? O_CLOEXEC : 0) < 0) _exit(127);
+    if (syscall(SYS_close_range, 5, ~0U, 0)) {
+        long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */
+        for (long fd = 5; fd < (max > 0 ? max : 65536); fd++) close((int)fd);
+    }
+    ERR_FD = 3;
+    setsid();           /* own session (and autogroup) at once: kill(0) or /dev/tty never reach anyone else's */
+    ssize_t n;
+    while ((n = read(4, &c, 1)) < 0 && errno == EINTR) {}
+    if (n != 1) _exit(127);                      /* the parent died, or could not write the maps */
+    close(4);
+    if (chdir(child_line->cwd)) fail("cwd", child_line->cwd);
+    clean_slate();
+    command_filter();   /* while root of E with CAP_SYS_ADMIN there: no no_new_privs needed for it */
+    lockdown(child_line->keep);
+    sigprocmask(SIG_SETMASK, &child_mask, NULL);
+    environ = child_line->envp;
+    exec_path(child_line->argv, child_line->envp);
+    if (!errno) errno = ENOEXEC;
+    fail("exec", child_line->argv[0]);
+    return 127;
+}
+
+static int write_map(int proc_fd, pid_t pid, const char *which) {
+    char path[64];
+    snprintf(path, sizeof path, "%d/%s", (int)pid, which);
+    int fd = openat(proc_fd, path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, "0 0 65536", 9);
+    int e = errno;
+    close(fd);
+    errno = e;
+    return n == 9 ? 0 : -1;
+}
+
+/* Step 3, from a process already inside (step 2): clone the command's process with stdio at 0-2 and
+ * err_w as its error pipe, put it into the cgroups of the tasks fds (its host pid written there; none
+ * when the caller joined them itself), write E's maps through the host's /proc (proc_fd) and let it
+ * go. Its host pid, or -1 with errno and *what saying which step failed (nothing left running). */
+static pid_t spawn_command(const struct command_line *c, const int stdio[3], int err_w, int proc_fd,
+                           const int *tasks, int ntasks, const char **what) {
+    int go[2];
+    if (pipe2(go, O_CLOEXEC)) { *what = "go pipe"; return -1; }
+    child_line = c;
+    child_fds[0] = stdio[0]; child_fds[1] = stdio[1]; child_fds[2] = stdio[2];
+    child_fds[3] = err_w; child_fds[4] = go[0];
+    pid_t pid = clone(command, stack + sizeof stack, CLONE_NEWUSER | (c->fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
+    int e = errno;
+    close(go[0]);
+    if (pid < 0) {
+        close(go[1]);
+        errno = e;
+        *what = e == ENOSPC ? "clone: a new user namespace" : "clone";
+        return -1;
+    }
+    char text[16];
+    int len = snprintf(text, sizeof text, "%d", (int)pid);
+    *what = NULL;
+    for (int k = 0; k < ntasks && !*what; k++)
+        if (write(tasks[k], text, (size_t)len) != len) *what = "join cgroup";
+    if (!*what && (write_map(proc_fd, pid, "uid_map") || write_map(proc_fd, pid, "gid_map")))
+        *what = "user namespace map";
+    if (!*what && write(go[1], "g", 1) != 1) *what = "go";
+    e = errno;
+    close(go[1]);
+    if (*what) {
+        kill(pid, SIGKILL);
+        int status;
+        while (waitpid(pid, &status, __WALL) < 0 && errno == EINTR) {}
+        errno = e;
+        return -1;
+    }
+    return pid;
+}
+
+/* The one-shot way (steps 1-4), in the helper the edge spawned, holding at BASE+3..BASE+12 the error
+ * pipe, the namespace fds, the root and the setup pipe. Never returns: exits the way the command did. */
+static void enter_and_run(int base, char **cmd, char **envp) {
     ERR_FD = base + 3;
     const int NS_FD0 = base + 4, USERNS_FD = base + 10, ROOT_FD = base + 11, SETUP_FD = base + 12;
-    size_t got = given >= 0 ? (size_t)given : read_setup(SETUP_FD);   /* given: already in setup[] */
-    /* setup: CAPMASK[,ipc] \0 CWD \0 TASKS... (each \0-terminated, an empty one ends them); ",ipc": the
-       command gets an IPC namespace of its own (fncall: no SysV object outlives the call) */
-    char *p = setup, *end = setup + got, *flags = NULL;
-    unsigned long long keep = strtoull(p, &flags, 0);
-    int fresh_ipc = flags && strcmp(flags, ",ipc") == 0;
-    p += strlen(p) + 1;
-    if (p >= end) { errno = EINVAL; fail("setup", "setup without cwd"); }
-    const char *cwd = p;
-    p += strlen(p) + 1;
-    char *tasks = p;
-    while (p < end && *p) p += strlen(p) + 1;
-    char *tasks_end = p;
-    if (cmd == NULL) {            /* serve mode: ARGC, the arguments, then the environment */
-        if (p >= end) { errno = EINVAL; fail("setup", "setup without a command"); }
-        p++;
-        long argc = strtol(p, NULL, 10);
-        p += strlen(p) + 1;
-        if (argc < 1 || argc > ARGS_MAX) { errno = EINVAL; fail("setup", "setup: bad argument count"); }
-        for (long i = 0; i < argc; i++) {
-            if (p >= end) { errno = EINVAL; fail("setup", "setup: arguments cut short"); }
-            served_argv[i] = p;
-            p += strlen(p) + 1;
-        }
-        served_argv[argc] = NULL;
-        int n = 0;
-        for (; p < end && n < ARGS_MAX; p += strlen(p) + 1) served_env[n++] = p;
-        served_env[n] = NULL;
-        cmd = served_argv;
-        envp = served_env;
-    }
-    environ = envp;
-
-    for (p = tasks; p < tasks_end; p += strlen(p) + 1) join(p);
-    for (int k = 0; k < NS_COUNT; k++)
-        if (setns(NS_FD0 + k, 0)) fail("setup", "setns");
-    if (setns(USERNS_FD, CLONE_NEWUSER)) fail("setup", "setns user");
-    if (setgroups(0, NULL) || setresgid(0, 0, 0) || setresuid(0, 0, 0)) fail("setup", "sandbox root");
-    /* the uid change made this helper non-dumpable, and so would be the command's process, whose /proc
-       files would then belong to host root, out of this helper's reach for its maps. This helper is out
-       of every sandbox process's sight (host pid namespace) either way. */
-    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)) fail("setup", "dumpable");
-    if (fchdir(ROOT_FD) || chroot(".")) fail("setup", "chroot");
-    if (chdir(cwd)) fail("cwd", cwd);
-    int go[2];   /* [0] the helper's end, [1] the command process's end */
-    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, go)) fail("setup", "socketpair");
-    /* keep 0-2, the error pipe and the go pair (moved just above it): close everything else */
-    if (dup2(go[0], ERR_FD + 1) < 0 || dup2(go[1], ERR_FD + 2) < 0) fail("setup", "dup2");
-    go[0] = ERR_FD + 1;
-    go[1] = ERR_FD + 2;
-    if (syscall(SYS_close_range, 3, ERR_FD - 1, 0) || syscall(SYS_close_range, ERR_FD + 3, ~0U, 0)) {
-        long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */
-        for (long fd = 3; fd < (max > 0 ? max : 65536); fd++)
-            if (fd < ERR_FD || fd > ERR_FD + 2) close((int)fd);
-    }
-    child_cmd = cmd;
-    go_fd = go[1];
-    go_other = go[0];
-    keep_caps = keep;
-    pid_t pid = clone(command, stack + sizeof stack,
-                      CLONE_NEWUSER | (fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
-    if (pid < 0) fail("setup", errno == ENOSPC ? "clone: a new user namespace" : "clone");
-    close(go[1]);
-    int status = 0;
-    pid_t ns_pid = 0;
-    ssize_t n;
-    while ((n = read(go[0], &ns_pid, sizeof ns_pid)) < 0 && errno == EINTR) {}
-    if (n != sizeof ns_pid || ns_pid <= 0 || write_map(ns_pid, "uid_map") || write_map(ns_pid, "gid_map")) {
-        int e = n == sizeof ns_pid ? errno : EPIPE;
-        kill(pid, SIGKILL);
-        while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
-        errno = e;
-        fail("setup", "user namespace map");
-    }
-    (void)!write(go[0], "g", 1);
-    close(go[0]);
+    long got = read_setup(SETUP_FD);
+    if (got < 0) fail("setup", "read setup");
+    struct command_line c;
+    const char *bad = parse_setup((size_t)got, 0, &c);
+    if (bad) { errno = EINVAL; fail("setup", bad); }
+    c.argv = cmd;
+    c.envp = envp;
+    int proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);   /* the host's: E's maps by host pid */
+    if (proc_fd < 0) fail("setup", "/proc");
+    const char *stage = enter_sandbox(c.tasks, c.tasks_end, NS_FD0, USERNS_FD, ROOT_FD);
+    if (stage) fail("setup", stage);
+    const int stdio[3] = {0, 1, 2};
+    const char *what;
+    pid_t pid = spawn_command(&c, stdio, ERR_FD, proc_fd, NULL, 0, &what);
+    if (pid < 0) fail("setup", what);
     close(ERR_FD);                                  /* the command's process holds it until it execs */
     for (int fd = 0; fd < 3; fd++) close(fd);       /* the command's stdio is the command's alone */
+    int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
     if (WIFSIGNALED(status)) {                      /* die the way it died */
         int sig = WTERMSIG(status);
@@ -471,44 +521,56 @@ static int free_slot(void) {
     return -1;
 }
 
-/* Fork the command's process: it takes fds (stdin, stdout, stderr, error pipe[, setup pipe]) in place,
- * through copies above every target so no dup2 clobbers a source, and enters; given: the setup's length
- * when it is in setup[] (collect), else -1. The server closes its copies of fds. */
-static pid_t fork_one(int base, int *fds, int nfds, long given) {
-    pid_t pid = fork();
-    if (pid == 0) {
-        int high[SERVE_FDS];
-        for (int i = 0; i < nfds; i++)
-            if ((high[i] = fcntl(fds[i], F_DUPFD, base + 16)) < 0) _exit(127);
-        const int target[SERVE_FDS] = {0, 1, 2, base + 3, base + 12};
-        for (int i = 0; i < nfds; i++)
-            if (dup2(high[i], target[i]) < 0) _exit(127);
-        enter_and_run(base, NULL, NULL, given);   /* closes every other fd (the socket's copy went with dup2) */
+/* What the server holds once inside (serve_enter): the host's /proc, and the x0 tasks files. */
+static int serve_proc_fd = -1, serve_tasks[16], serve_ntasks;
+
+/* A command of a request whose setup is in setup[0..got] (parsed here), with stdio and err_w (all the
+ * server's copies, closed here): its host pid, or -1 with its error report written to err_w (the
+ * one-shot helper's "stage\0errno\0message") and err_w closed. */
+static pid_t start_command(size_t got, const int stdio[3], int err_w) {
+    struct command_line c;
+    const char *what = parse_setup(got, 1, &c), *stage = "setup";
+    int e = EINVAL;
+    pid_t pid = -1;
+    if (!what) {
+        pid = spawn_command(&c, stdio, err_w, serve_proc_fd, serve_tasks, serve_ntasks, &what);
+        e = errno;
     }
-    int e = errno;
-    for (int i = 0; i < nfds; i++) close(fds[i]);
-    errno = e;
+    for (int k = 0; k < 3; k++) close(stdio[k]);
+    if (pid < 0) {
+        char buf[512];
+        int n = snprintf(buf, sizeof buf, "%s%c%d%c%s: %s", stage, 0, e, 0, what, strerror(e));
+        if (n > 0) (void)!write(err_w, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf);
+    }
+    close(err_w);
     return pid;
 }
 
-static void start_one(int base, int sock, uint64_t id, int *fds) {
+/* A request with fds (stdin, stdout, stderr, error pipe, setup pipe): the edge pumps the streams. A
+ * command that could not start is answered as the one-shot helper exits then: 127, the report on its
+ * error pipe. */
+static void start_one(int sock, uint64_t id, int *fds) {
     int i = free_slot();
     struct slot *sl = i < 0 ? NULL : calloc(1, sizeof *sl);
-    if (!sl) {
-        for (int k = 0; k < SERVE_FDS; k++) close(fds[k]);
-        answer(sock, id, -EAGAIN);
+    long got = sl ? read_setup(fds[4]) : -1;
+    int e = errno;
+    close(fds[4]);
+    if (got < 0) {
+        for (int k = 0; k < 4; k++) close(fds[k]);
+        free(sl);
+        answer(sock, id, sl ? -e : -EAGAIN);
         return;
     }
-    pid_t pid = fork_one(base, fds, SERVE_FDS, -1);
-    if (pid < 0) { int e = errno; free(sl); answer(sock, id, -e); return; }
+    pid_t pid = start_command((size_t)got, fds, fds[3]);
+    if (pid < 0) { free(sl); answer(sock, id, 127 << 8); return; }
     sl->pid = pid;
     sl->id = id;
     sl->in_fd = sl->out_fd[0] = sl->out_fd[1] = sl->err_fd = -1;
     running[i] = sl;
 }
 
-/* A collect request (see the top): the pipes made here, the setup handed to the child in memory. */
-static void start_collect(int base, int sock, uint64_t id, size_t n) {
+/* A collect request (see the top): the pipes made here, the setup taken from the packet. */
+static void start_collect(int sock, uint64_t id, size_t n) {
     uint32_t max_output, in_len;
     memcpy(&max_output, request + 12, 4);
     memcpy(&in_len, request + 16, 4);
@@ -532,16 +594,8 @@ static void start_collect(int base, int sock, uint64_t id, size_t n) {
     }
     memcpy(setup, request + COLLECT_HEAD, setup_len);
     setup[setup_len] = 0;
-    int child[4] = {in[0], out[1], err[1], rep[1]};
-    pid_t pid = fork_one(base, child, 4, (long)setup_len);
-    if (pid < 0) {
-        int e = errno;
-        close(in[1]); close(out[0]); close(err[0]); close(rep[0]);
-        free(sl);
-        answer(sock, id, -e);
-        return;
-    }
-    sl->pid = pid;
+    const int stdio[3] = {in[0], out[1], err[1]};
+    pid_t pid = start_command(setup_len, stdio, rep[1]);
     sl->id = id;
     sl->collect = 1;
     sl->max_output = max_output;
@@ -552,14 +606,38 @@ static void start_collect(int base, int sock, uint64_t id, size_t n) {
     fcntl(err[0], F_SETFL, O_NONBLOCK);
     fcntl(rep[0], F_SETFL, O_NONBLOCK);
     sl->in_fd = in[1];
-    if (in_len && (sl->in_buf = malloc(in_len))) {
+    if (pid < 0) {                     /* its end at once: exit 127 and the report (streams at EOF) */
+        sl->pid = -1;
+        sl->reaped = 1;
+        sl->status = 127 << 8;
+        close_fd(&sl->in_fd);
+    } else if (in_len && (sl->in_buf = malloc(in_len))) {
+        sl->pid = pid;
         memcpy(sl->in_buf, request + COLLECT_HEAD + setup_len, in_len);
         sl->in_len = in_len;
         fcntl(in[1], F_SETFL, O_NONBLOCK);
     } else {
+        sl->pid = pid;
         close_fd(&sl->in_fd);          /* no stdin: EOF at once */
     }
     running[i] = sl;
+}
+
+/* The server's start: holding at BASE+3 its socket, BASE+4.. the namespace fds, the root, then the
+ * ntasks cgroup tasks files of the commands (opened by the edge, as host root: cgroup v1 checks the
+ * opener's credentials, so writing a pid there works from inside), it enters the sandbox once (step 2,
+ * without joining those cgroups itself: it is not killed with the commands) and keeps only the socket,
+ * the tasks files and the host's /proc. */
+static const char *serve_enter(int base, int ntasks) {
+    if (ntasks < 0 || ntasks > (int)(sizeof serve_tasks / sizeof *serve_tasks)) { errno = EINVAL; return "tasks count"; }
+    for (int k = 0; k < ntasks; k++) serve_tasks[k] = base + 12 + k;
+    serve_ntasks = ntasks;
+    serve_proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (serve_proc_fd < 0) return "/proc";
+    const char *stage = enter_sandbox("", "", base + 4, base + 10, base + 11);
+    if (stage) return stage;
+    for (int fd = base + 4; fd <= base + 11; fd++) close(fd);
+    return NULL;
 }
 
 static void feed(struct slot *sl) {
@@ -595,8 +673,9 @@ static void on_exit_of(int sock, pid_t pid, int status) {
     }
 }
 
-static int serve(int base) {
+static int serve(int base, int ntasks) {
     const int sock = base + 3;
+    if (serve_enter(base, ntasks)) return 2;
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
@@ -653,9 +732,9 @@ static int serve(int base) {
             uint32_t kind = 0;
             if (n >= 12) memcpy(&kind, request + 8, sizeof kind);
             if (n == sizeof id && got == SERVE_FDS && !(mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
-                start_one(base, sock, id, fds);
+                start_one(sock, id, fds);
             } else if (n >= COLLECT_HEAD && kind == 1 && got == 0 && !(mh.msg_flags & (MSG_CTRUNC | MSG_TRUNC))) {
-                start_collect(base, sock, id, (size_t)n);
+                start_collect(sock, id, (size_t)n);
             } else {
                 for (int j = 0; j < got; j++) close(fds[j]);
                 answer(sock, id, -EINVAL);
@@ -668,11 +747,11 @@ int main(int argc, char **argv) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
-    if (argc == 3 && strcmp(argv[1], "--serve") == 0)
-        return serve(atoi(argv[2]));
+    if (argc == 4 && strcmp(argv[1], "--serve") == 0)
+        return serve(atoi(argv[2]), atoi(argv[3]));
     if (argc < 4 || strcmp(argv[2], "--") != 0) {
         errno = EINVAL;
-        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+12) | dsec-enter --serve BASE");
+        fail("setup", "usage: dsec-enter BASE -- ARGV... (setup on fd BASE+12) | dsec-enter --serve BASE NTASKS");
     }
-    enter_and_run(atoi(argv[1]), argv + 3, environ, -1);
+    enter_and_run(atoi(argv[1]), argv + 3, environ);
 }
