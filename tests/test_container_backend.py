@@ -46,6 +46,14 @@ def _host_procs(*argvs: list[str]) -> list[psutil.Process]:
 
 # ---------------------------------------------------------------- happy path
 
+async def test_node_setup_turns_on_cgroup_favordynmods(sandboxes: Sandboxes) -> None:
+    """A started backend's node has the cgroup2 mount's favordynmods on: moving a process into a group
+    (each create and exec) then never waits an RCU grace period."""
+    with open("/proc/self/mountinfo") as f:
+        cgroup2 = [line.split(" - ")[1].split() for line in f if " - cgroup2 " in line]
+    assert cgroup2 and all("favordynmods" in fields[2].split(",") for fields in cgroup2), cgroup2
+
+
 
 async def test_exec_output_and_exit_codes(sandboxes: Sandboxes) -> None:
     sid = await sandboxes.create()

@@ -605,3 +605,25 @@ async def test_an_unanswered_read_is_asked_again_less_and_less_often(monkeypatch
         await control.ask(Silent(), "t", GetQuota(), QuotaState, timeout=1.5)
     assert 1.4 < time.monotonic() - t0 < 2.0
     assert [round(t, 1) for t in tries[:3]] == [0.1, 0.2, 0.4] and len(tries) == 4, tries   # then what is left
+
+
+def test_favordynmods_is_read_from_mountinfo_and_can_be_declined(tmp_path, monkeypatch):
+    """The cgroup2 mount's favordynmods: kept when on, nothing done without a cgroup2 mount or when
+    declined (DSEC_FAVOR_DYNMODS=0); never a mount call in these cases."""
+    from edge.backends import cgroups, kernel
+    calls = []
+    monkeypatch.setattr(kernel, "mount", lambda *a: calls.append(a))
+    on = tmp_path / "on"
+    on.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,favordynmods\n")
+    none = tmp_path / "none"
+    none.write_text("31 25 0:27 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer\n")
+    off = tmp_path / "off"
+    off.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate\n")
+    assert cgroups.favor_dynmods(str(on)) is True
+    assert cgroups.favor_dynmods(str(none)) is False
+    monkeypatch.setenv("DSEC_FAVOR_DYNMODS", "0")
+    assert cgroups.favor_dynmods(str(off)) is False
+    assert calls == []
+    monkeypatch.delenv("DSEC_FAVOR_DYNMODS")
+    assert cgroups.favor_dynmods(str(off)) is True   # remounted with the options it had, plus favordynmods
+    assert calls == [("cgroup2", "/sys/fs/cgroup/unified", "cgroup2", kernel.MS_REMOUNT, "nsdelegate,favordynmods")]

@@ -41,12 +41,14 @@ class Lifecycle(Core):
             self._empty.mkdir(exist_ok=True)
             await self._launcher.start()
             await self._views.start()
+            cgroups.favor_dynmods()
         except (OSError, UpperError, LauncherError) as exc:
             await self._reconcile()
             raise BackendError(f"container backend failed to start: {exc}") from exc
 
     async def _refresh_views(self) -> None:
         """lxcfs was started again: fresh /proc views into every running sandbox (through the zygote)."""
+        cgroups.favor_dynmods()   # lxcfs mounted cgroup2 again, with its own flags
         views = self._views.proc_dir
         for sb in [sb for sb in self._sandboxes.values() if sb.dying is None and not sb.init_exit.done()]:
             try:
