@@ -6,6 +6,7 @@ template on each machine (see the comments at the top of nats-cluster.conf).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
@@ -55,9 +56,12 @@ class NatsCluster:
 
     def __init__(self, root: Path, host: str = "127.0.0.1", ports: list[int] | None = None,
                  cluster_ports: list[int] | None = None, size: int = 3, template: Path = CLUSTER_CONF,
-                 monitor: bool = False) -> None:
+                 monitor: bool = False, iam=None) -> None:
         """monitor: each server also serves its HTTP monitoring endpoint (/jsz: who leads what) on a free
-        loopback port (chaos runs read it)."""
+        loopback port (chaos runs read it). iam: a bus.iam.Iam whose accounts and users every server
+        enforces (each config includes its accounts.conf, so `dsec iam` reloads reach all of them); make
+        its identities before start(): an account a reload adds to a cluster may not be wired
+        (nats-io/nats-server#8560)."""
         if size < 1:
             raise ValueError("a cluster needs at least one server")
         self.root = Path(root)
@@ -69,6 +73,8 @@ class NatsCluster:
             raise ValueError(f"ports and cluster_ports need {size} entries each")
         if len(set(self.ports) | set(self.cluster_ports)) != 2 * size:
             raise ValueError("client and cluster ports must all differ")
+        self.iam = iam
+        self._sweeper = None
         self.monitor_ports = (_unique_free_ports(host, size, set(self.ports) | set(self.cluster_ports))
                               if monitor else [])
         self.servers = [NatsServer(self.root / f"nats-{i}", host=host, port=self.ports[i],
@@ -124,7 +130,16 @@ class NatsCluster:
     def _write_conf(self, i: int) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         extra = f"\nhttp: {self.host}:{self.monitor_ports[i]}\n" if self.monitor_ports else ""
+        if self.iam is not None:   # nats-server includes only relative paths: relative to this config
+            accounts = os.path.relpath(self.iam.write_conf(), self.servers[i].conf.parent)
+            extra += f'\n# Identities (written by dsec: `dsec iam`, see bus/iam.py)\ninclude "{accounts}"\n'
         self.servers[i].conf.write_text(self.conf_text(i) + extra)
+
+    def _started(self, i: int) -> None:
+        """Server i runs: `dsec iam` reloads it from now on."""
+        if self.iam is not None:
+            from bus.iamserver import register_server
+            register_server(self.iam, self.servers[i].proc.pid, self.servers[i].log_file)
 
     def jsz(self, i: int, timeout: float = 1.0) -> dict:
         """Server i's /jsz (monitor=True): its JetStream view, the meta group's leader among it."""
@@ -148,7 +163,11 @@ class NatsCluster:
             for i, srv in enumerate(self.servers):
                 self._write_conf(i)
                 srv.start(timeout=max(1.0, deadline - time.monotonic()))
+                self._started(i)
             self._wait_ready(range(self.size), deadline, probe=True)
+            if self.iam is not None and self._sweeper is None:   # expired credentials leave the configuration
+                from bus.iamserver import ExpirySweeper
+                self._sweeper = ExpirySweeper(self.iam.root).start()
         except BaseException:
             self.stop()
             raise
@@ -156,6 +175,9 @@ class NatsCluster:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop every server (SIGTERM to all, then SIGKILL whatever is left after `timeout`); never raises."""
+        if self._sweeper is not None:
+            self._sweeper.stop()
+            self._sweeper = None
         procs = [s.proc for s in self.servers if s.proc is not None]
         for p in procs:
             try:
@@ -198,6 +220,7 @@ class NatsCluster:
                     raise
                 time.sleep(0.1)
         srv.start(timeout=max(1.0, deadline - time.monotonic()))
+        self._started(i)
         self._wait_ready([i], deadline, probe=False)
 
     def __enter__(self) -> "NatsCluster":
@@ -207,6 +230,11 @@ class NatsCluster:
         self.stop()
 
     # ---- readiness ----------------------------------------------------------------------------
+
+    def _admin(self) -> dict:
+        """nats.connect's credential arguments for the readiness check: the admin's (auth on)."""
+        from bus.creds import credential_options
+        return {} if self.iam is None else credential_options(str(self.iam.creds_path("admin")))
 
     def _wait_ready(self, which, deadline: float, probe: bool) -> None:
         """Run the async readiness check in a helper thread (start() may be called from inside a running
@@ -243,7 +271,7 @@ class NatsCluster:
             left = min(0.5, max(0.1, deadline - time.monotonic()))   # short tries: readiness is seen early
             try:
                 nc = await nats.connect(self.urls[i], connect_timeout=min(1.0, left), allow_reconnect=False,
-                                        max_reconnect_attempts=0)
+                                        max_reconnect_attempts=0, **self._admin())
             except Exception as exc:
                 last = f"{exc.__class__.__name__}: {exc}"
                 await asyncio.sleep(0.2)

@@ -234,7 +234,8 @@ async def scenario(creates: int, fault: str, burst: bool, tmp: Path) -> int:
         bus = await h.start()
         watch = await kv_watch(bus, streams.NODES_KV, obs.on_node)
         pool = asyncio.ensure_future(obs.watch_pool(bus))
-        async with libdsec.AsyncClient(h.url_for(0)) as c0, libdsec.AsyncClient(h.url_for(1)) as c1:
+        async with (libdsec.AsyncClient(h.url_for(0), creds=h.tenant_creds) as c0,
+                    libdsec.AsyncClient(h.url_for(1), creds=h.tenant_creds) as c1):
             tasks = [asyncio.ensure_future(one((c0, c1)[i % 2], burst, run)) for i in range(creates)]
             while run.out["completed"] < creates // 3 and not all(t.done() for t in tasks):
                 await asyncio.sleep(0.01)

@@ -8,6 +8,8 @@ Prints one verdict line:
   leaked: mounts, cgroups or processes of the node left after everything stopped. PASS needs no lost,
   duplicated or leaked request, every failure typed (node_lost, capacity_unavailable, expired), and 4
   creates sent after the restart all served.
+Identities are on: the server enforces accounts made before it starts; placement, the edge, the
+client and the record check each connect as their own principal.
 """
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ VERBOSE = "-v" in sys.argv
 TYPED_FAILURES = {"node_lost", "capacity_unavailable", "expired"}
 
 
-def start_edge(url: str, state: Path) -> subprocess.Popen:
+def start_edge(url: str, state: Path, creds: str) -> subprocess.Popen:
     """`dsec edge` as a separate process, like a node agent on its own machine."""
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dsec"), "edge", "--nats", url, "--node-id", NODE,
-                             "--backend", "container", "--state-dir", str(state)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             "--backend", "container", "--state-dir", str(state), "--creds", creds], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=die_with_parent)
     if not proc.stdout.readline().startswith("dsec: edge"):
         raise SystemExit("verdict: edge did not start -> FAIL")
@@ -67,22 +69,26 @@ async def scenario(creates: int, tmp: Path) -> int:
     """Returns the process exit code (0 on PASS)."""
     from cli.stack import Stack
     from edge.backends.registry import node_leftovers as leftovers
-    srv = NatsServer(tmp / "nats", port=free_port()).start()
-    placement = Stack(tmp / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    from bus import iam
+    identities = iam.bootstrap(tmp / "iam", nodes=[NODE])   # before the server starts
+    srv = NatsServer(tmp / "nats", port=free_port(), iam=identities).start()
+    placement = Stack(tmp / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
+                      creds=str(identities.creds_path("placement")))
     await placement.start()
-    edge = start_edge(srv.url, tmp / "edge")
+    edge_creds = str(identities.creds_path(f"edge-{NODE}"))
+    edge = start_edge(srv.url, tmp / "edge", edge_creds)
     outcomes: collections.Counter = collections.Counter()
     after: collections.Counter = collections.Counter()   # creates after the restart: all must be served
     ids: list[str] = []
     try:
-        async with libdsec.AsyncClient(srv.url) as client:
+        async with libdsec.AsyncClient(srv.url, creds=str(identities.creds_path("tenant:default"))) as client:
             tasks = [asyncio.create_task(one(client, outcomes, ids)) for _ in range(creates)]
             while len(ids) < max(1, creates // 4):   # mid-burst: some sandboxes run, more are coming
                 await asyncio.sleep(0.01)
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             await asyncio.sleep(1.0)
-            edge = start_edge(srv.url, tmp / "edge")
+            edge = start_edge(srv.url, tmp / "edge", edge_creds)
             await asyncio.gather(*(one(client, after, []) for _ in range(4)))
             await asyncio.wait(tasks, timeout=90)
             lost = sum(1 for t in tasks if not t.done())

@@ -1,6 +1,8 @@
 """The processes of a cluster chaos scenario and their faults: a 3-server JetStream cluster, placement
 engines and edges as separate `dsec` processes, each talking to one server of the cluster (it learns the
-others from it, for failover).
+others from it, for failover). Identities are on, as in production: every server enforces the accounts
+made here before it starts, each engine and edge connects as its own principal, the clients as the
+default tenant and the observer as the admin.
 
 Faults: SIGKILL (and restart) a server, the leader of a stream or of the meta group, an edge (restarted
 once its record says lost), an engine; SIGSTOP a server for a while (the bus sick, nobody dead).
@@ -17,7 +19,7 @@ from pathlib import Path
 
 from bus.cluster import NatsCluster
 from bus.conn import Bus
-from bus.errors import BusError
+from bus.errors import AuthenticationFailed, BusError
 from bus.server import die_with_parent
 
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -30,14 +32,26 @@ class Harness:
 
     def __init__(self, tmp: Path, local: int = 4, cloud: int = 1, slots: int = 25, engines: int = 2,
                  threshold: float = 0.8) -> None:
+        from bus import iam
         self.tmp = tmp
-        self.cluster = NatsCluster(tmp / "nats", monitor=True)
         self.slots = slots
         self.threshold = threshold
         self.edges = {f"loc{i}": "local" for i in range(local)} | {f"cld{i}": "cloud" for i in range(cloud)}
+        for pool in sorted(set(self.edges.values())):   # every identity before any server starts
+            self.iam = iam.bootstrap(tmp / "iam", nodes=[n for n, p in self.edges.items() if p == pool], pool=pool)
+        self.cluster = NatsCluster(tmp / "nats", monitor=True, iam=self.iam)
         self.engines = [f"placement{i}" for i in range(engines)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.server_of: dict[str, int] = {}
+
+    def creds(self, principal: str) -> str:
+        """A principal's credential file (`admin`, `placement`, `edge-<node>`, `tenant:default`)."""
+        return str(self.iam.creds_path(principal))
+
+    @property
+    def tenant_creds(self) -> str:
+        """The clients' credential: the default tenant's."""
+        return self.creds("tenant:default")
 
     def url_for(self, i: int) -> str:
         """The one server a component talks to (it discovers the others from it for failover)."""
@@ -64,20 +78,28 @@ class Harness:
         self.server_of[node] = i % self.cluster.size
         self._spawn(node, ["edge", "--nats", self.url_for(i), "--node-id", node, "--pool", self.edges[node],
                            "--capacity", f"slots={self.slots}", "--backend", "container",
-                           "--state-dir", str(self.tmp / node)], "dsec: edge")
+                           "--state-dir", str(self.tmp / node), "--creds", self.creds(f"edge-{node}")], "dsec: edge")
 
     def start_engine(self, name: str) -> None:
         """`dsec placement`, on its server."""
         i = self.engines.index(name)
         self.server_of[name] = i % self.cluster.size
         self._spawn(name, ["placement", "--nats", self.url_for(i), "--state-dir", str(self.tmp / name),
-                           "--burst-threshold", str(self.threshold)], "dsec: placement")
+                           "--burst-threshold", str(self.threshold), "--creds", self.creds("placement")],
+                    "dsec: placement")
 
     async def start(self) -> Bus:
         """Cluster, provisioning (R3), busybox, engines, edges; returns a bus for observing."""
         from cli.stack import ensure_busybox
         self.cluster.start()
-        bus = await Bus.connect(self.cluster.url, name="chaos")
+        try:   # identities are enforced: a client without a credential is refused
+            anon = await Bus.connect(self.cluster.url, name="chaos-anonymous", timeout=3.0, reconnect=False)
+        except AuthenticationFailed:
+            pass
+        else:
+            await anon.close()
+            raise SystemExit("verdict: the cluster let a client without a credential in -> FAIL")
+        bus = await Bus.connect(self.cluster.url, name="chaos", creds=self.creds("admin"))
         await bus.provision(replicas=3)
         await ensure_busybox(bus, self.tmp / "images")
         await asyncio.gather(*(asyncio.to_thread(self.start_engine, e) for e in self.engines),

@@ -63,7 +63,7 @@ class Stack:
         self.placement_options = placement_options or {}
         self.servers = servers       # > 1: an embedded JetStream cluster of that many servers (R3 streams)
         self.stream_ages = stream_ages or {}   # stream -> max age (s) the operator set; others keep theirs
-        self.auth, self.creds = auth and servers == 1, creds
+        self.auth, self.creds = auth, creds
         self.iam = None
         self.cluster = None
         self.server: NatsServer | None = None
@@ -103,16 +103,16 @@ class Stack:
         self._locks.append(state_lock(self.state_dir).acquire())
         if self.run_edge:
             self._locks.append(node_lock(self.edge_config.node_id).acquire())
+        if self.external_url is None and self.auth:   # before the servers start (nats-server#8560)
+            from bus import iam
+            self.iam = iam.bootstrap(self.state_dir, nodes=[self.edge_config.node_id] if self.run_edge else [],
+                                      pool=self.edge_config.pool)
         if self.external_url is None and self.servers > 1:
             from bus.cluster import NatsCluster
             self.cluster = NatsCluster(self.state_dir / "nats-cluster", self.host, size=self.servers,
-                                       ports=[self.port + i for i in range(self.servers)])
+                                       ports=[self.port + i for i in range(self.servers)], iam=self.iam)
             self.cluster.start()   # from this thread (parent-death signal); blocks about a second
         elif self.external_url is None:
-            if self.auth:
-                from bus import iam
-                self.iam = iam.bootstrap(self.state_dir, nodes=[self.edge_config.node_id] if self.run_edge else [],
-                                          pool=self.edge_config.pool)
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port, iam=self.iam)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
         main, principal = self._main = self._main_creds()

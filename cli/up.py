@@ -200,7 +200,7 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
                    "chosen free); edges and placement elsewhere connect with the comma-separated URL list printed.")
 @click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
 @click.option("--auth/--no-auth", default=True, show_default=True,
-              help="The embedded server enforces identities: credentials under STATE_DIR/creds (made if missing); "
+              help="The embedded server (each, with --servers N) enforces identities: credentials under STATE_DIR/creds (made if missing); "
                    "--no-auth lets any client act as any tenant (development only).")
 @click.option("--traj-retention", default=None, type=click.FloatRange(min=0, max=36500, min_open=True),
               metavar="DAYS", help="How long DSEC_TRAJ keeps trajectory records (new streams: 30; unset: keep "

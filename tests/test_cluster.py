@@ -149,3 +149,68 @@ def test_render_refuses_unfilled_placeholders():
     assert render("a: ${A}\n# ${B} in a comment\n", {"A": "1"}) == "a: 1\n# ${B} in a comment\n"
     with pytest.raises(ValueError, match="B"):
         render("a: ${A}\nb: ${B}\n", {"A": "1"})
+
+
+def _consecutive_free_ports(n: int) -> int:
+    """The first of n consecutive free loopback ports (what `dsec up --servers n --port P` takes)."""
+    from bus.server import check_port_free, free_port
+    while True:
+        first = free_port()
+        try:
+            for p in range(first, first + n):
+                check_port_free("127.0.0.1", p, "test")
+            return first
+        except Exception:
+            continue
+
+
+async def test_an_embedded_cluster_enforces_identities_on_every_server(tmp_path):
+    """`dsec up --servers 3` (auth on by default): every server refuses a client without a credential,
+    the default tenant creates and runs through any of them, and a tenant added at run time (`dsec iam`
+    reloads every server) is served by each server while it sees nothing of the other's."""
+    import nats
+    import nats.errors
+    import libdsec
+    from bus import iam, iamserver, subjects
+    from bus.creds import seed_of
+    from bus.errors import AuthenticationFailed
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    node = "tclusterauth"
+    st = Stack(tmp_path / "state", port=_consecutive_free_ports(3), metrics_port=None, servers=3, auth=True,
+               edge_config=EdgeConfig(node_id=node, slots=8))
+    with leaks.live(node, tmp_path / "state"):
+        await st.start()
+        try:
+            urls = st.url.split(",")
+            assert len(urls) == 3
+            for url in urls:
+                with pytest.raises(AuthenticationFailed):
+                    await Bus.connect(url, name="anonymous", timeout=2.0, reconnect=False)
+            default = str(st.iam.creds_path("tenant:default"))
+            async with libdsec.AsyncClient(urls[1], creds=default) as c:
+                async with await c.create() as sb:
+                    assert (await sb.exec("echo via-1")).stdout == b"via-1\n"
+                    kept = sb.id
+                    ids = iam.Iam.load(st.state_dir)
+                    ids.add_tenant("acme")
+                    ids.save()
+                    assert iamserver.reload(ids) == 3
+                    acme = str(ids.creds_path("tenant:acme"))
+                    for url in urls:
+                        async with libdsec.AsyncClient(url, creds=acme) as a:
+                            async with await a.create() as other:
+                                assert (await other.exec("echo acme")).stdout == b"acme\n"
+                                assert [r.sandbox_id for r in await a.list()] == [other.id]
+                    raw = await nats.connect(urls[2], nkeys_seed_str=seed_of(open(acme).read()),
+                                             allow_reconnect=False, connect_timeout=2)
+                    try:   # acme cannot ask in default's name: nothing in its account answers
+                        with pytest.raises(nats.errors.NoRespondersError):
+                            await raw.request(subjects.api("default", "sandbox-list"),
+                                              b'{"kind":"list_sandboxes"}', timeout=1.5)
+                    finally:
+                        await raw.close()
+                    assert kept in [r.sandbox_id for r in await c.list()]
+        finally:
+            await st.stop()
