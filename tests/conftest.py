@@ -78,6 +78,18 @@ async def raw_nats(url: str, **options):
     return await nats.connect(url, **credential_options(default_creds("admin")), **options)
 
 
+def own_server(root: Path, nodes: list[str]) -> NatsServer:
+    """A NATS server of one test's own (it kills or restarts it), enforcing identities as `dsec up` does:
+    made under root/iam before it starts, for the given edge nodes; srv.creds(principal) is a principal's
+    credential file (`admin`, `placement`, `edge-<node>`, `tenant:default`)."""
+    from bus import iam
+    ids = iam.bootstrap(root / "iam", nodes=nodes)
+    srv = NatsServer(root / "nats", port=free_port(), iam=ids).start()
+    srv.iam = ids
+    srv.creds = lambda principal: str(ids.creds_path(principal))
+    return srv
+
+
 def edge_creds(srv, node: str) -> str:
     """An edge credential for one more node (the server reloaded with it)."""
     from bus import iamserver

@@ -197,17 +197,19 @@ def test_demo_main_job_small(tmp_path):
 def test_up_on_an_existing_server_stops_on_sigterm(tmp_path):
     """`dsec up --nats URL` uses that server; SIGTERM to the process alone stops it cleanly, even when whoever
     read its output went away (`dsec up | head`: writing to a closed pipe must not skip the clean-up)."""
-    from bus.server import NatsServer
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
+    from tests.conftest import own_server
+    srv = own_server(tmp_path, ["cliterm"])   # identities on: `dsec up` takes its credential from $DSEC_CREDS
     try:
         proc = subprocess.Popen([DSEC, "up", "--nats", srv.url, "--state-dir", str(tmp_path / "st"),
                                  "--metrics-port", str(free_port()), "--node-id", "cliterm"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "DSEC_CREDS": srv.creds("admin")})
         try:
             assert proc.stdout.readline().strip() == f"dsec: ready {srv.url}"
-            p = dsec("run", "--nats", srv.url, "--", "echo", "via-existing-server")
+            tenant = srv.creds("tenant:default")
+            p = dsec("run", "--nats", srv.url, "--creds", tenant, "--", "echo", "via-existing-server")
             assert (p.returncode, p.stdout) == (0, "via-existing-server\n")
-            assert dsec("create", "--nats", srv.url).returncode == 0    # left running: stop must destroy it
+            assert dsec("create", "--nats", srv.url, "--creds", tenant).returncode == 0   # left running: stop destroys it
             proc.stdout.close()
             proc.stderr.close()
             proc.send_signal(signal.SIGTERM)

@@ -21,7 +21,11 @@ SUBJECT = next(c for c in streams.stream_configs(streams.Retention())
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    c = NatsCluster(tmp_path_factory.mktemp("cluster")).start()
+    """With identities on (made before the servers start); the tests' connections are the admin's."""
+    from bus import iam
+    root = tmp_path_factory.mktemp("cluster")
+    c = NatsCluster(root, iam=iam.bootstrap(root / "iam")).start()
+    c.admin = str(c.iam.creds_path("admin"))
     yield c
     c.stop()
     assert _alive(c) == []
@@ -58,7 +62,7 @@ async def _replicas_current(bus: Bus, stream: str, timeout: float) -> bool:
 
 
 async def test_provision_r3(cluster):
-    bus = await Bus.connect(cluster.url)
+    bus = await Bus.connect(cluster.url, creds=cluster.admin)
     try:
         await bus.provision(replicas=3)
         for name in (streams.REQ_STREAM, f"KV_{streams.NODES_KV}", f"OBJ_{streams.LAYERS_OBJ}"):
@@ -74,7 +78,7 @@ async def test_provision_r3(cluster):
 
 
 async def test_publishes_survive_losing_a_server(cluster):
-    bus = await Bus.connect(cluster.url)
+    bus = await Bus.connect(cluster.url, creds=cluster.admin)
     try:
         await bus.provision(replicas=3)
         victim = cluster.index_of(bus.nc.connected_url)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 
 import libdsec
 from bus import streams
-from bus.server import NatsServer, free_port
+from tests.conftest import own_server
 
 pytestmark = pytest.mark.timeout(180)
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -24,8 +23,10 @@ async def small_stack(tmp_path):
     """Its own NATS server and a stack whose edge has room for 2 sandboxes."""
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="bp", slots=2))
+    srv = own_server(tmp_path, ["bp"])
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="bp", slots=2),
+               creds=srv.creds("admin"))
+    st.tenant = srv.creds("tenant:default")
     await st.start()
     yield st
     await st.stop()
@@ -36,7 +37,7 @@ async def small_stack(tmp_path):
 
 async def test_full_node_keeps_surplus_in_jetstream_and_serves_as_room_frees(small_stack):
     st = small_stack
-    async with libdsec.AsyncClient(st.url) as client:
+    async with libdsec.AsyncClient(st.url, creds=st.tenant) as client:
         held = await client.create_many(2)
         rss0 = psutil.Process().memory_info().rss
         doomed = [asyncio.create_task(client.create(timeout=4)) for _ in range(60)]
@@ -70,20 +71,21 @@ async def _wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 30) -
     return line
 
 
-def _edge(url: str, state: Path) -> subprocess.Popen:
-    return subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "rs", "--state-dir", str(state)],
+def _edge(url: str, state: Path, creds: str) -> subprocess.Popen:
+    return subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "rs", "--state-dir", str(state), "--creds", creds],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path):
     from cli.stack import Stack
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    srv = own_server(tmp_path, ["rs"])
+    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
+               creds=srv.creds("placement"))
     await st.start()
-    edge = _edge(srv.url, tmp_path / "edge")
+    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
     try:
         await _wait_line(edge, "dsec: edge rs ready")
-        async with libdsec.AsyncClient(srv.url) as client:
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             old = await client.create_many(2)
             await old[0].exec("sleep 1000 >/dev/null 2>&1 &")
             await client.set_warm_pool("kept", min=2, max=2)   # the killed run leaves warm sandboxes too
@@ -93,7 +95,7 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             queued = asyncio.create_task(client.create(timeout=60))
             lost_exec = asyncio.create_task(old[1].exec("echo never", timeout=30))   # waits in JetStream
             await asyncio.sleep(1)
-            edge = _edge(srv.url, tmp_path / "edge")
+            edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
             await _wait_line(edge, "dsec: edge rs ready")
             new = await queued
             assert (await new.exec("echo back")).stdout == b"back\n"
@@ -135,17 +137,19 @@ async def test_creates_wait_for_a_node_and_for_cpu(tmp_path):
     """No live node yet, then a node whose CPU is booked: requests wait (in JetStream) and are served."""
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    placement = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    srv = own_server(tmp_path, ["cpu1"])
+    placement = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
+                      creds=srv.creds("placement"))
     await placement.start()
     edge = None
     try:
-        async with libdsec.AsyncClient(srv.url) as client:
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             early = asyncio.create_task(client.create(timeout=60))
             await asyncio.sleep(3)        # well past any redelivery cap: nothing may be dropped
             assert not early.done()
             edge = Stack(tmp_path / "edge", nats_url=srv.url, metrics_port=None, run_placement=False,
-                         edge_config=EdgeConfig(node_id="cpu1", slots=8, cpus=1, cpu_overcommit=1.5))
+                         edge_config=EdgeConfig(node_id="cpu1", slots=8, cpus=1, cpu_overcommit=1.5),
+                         creds=srv.creds("edge-cpu1"))
             await edge.start()
             first = await early           # served once the node exists
             second = asyncio.create_task(client.create(timeout=60))   # 1 + 1 cores > 1.5: waits for CPU
@@ -171,11 +175,12 @@ async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
     from edge.capacity import EdgeConfig
     monkeypatch.setattr(st_mod, "ACK_WAIT", 1.5)
     monkeypatch.setattr(pull, "LEASE_EVERY", 0.4)
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="lease"))
+    srv = own_server(tmp_path, ["lease"])
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="lease"),
+               creds=srv.creds("admin"))
     await st.start()
     try:
-        async with libdsec.AsyncClient(srv.url) as client:
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             async with await client.create() as sb:
                 r = await sb.exec("sleep 4; echo done", timeout=20)
                 assert r.stdout == b"done\n"
@@ -189,7 +194,7 @@ async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
 
 async def test_create_many_rolls_back_the_ones_that_succeeded(small_stack):
     """One round of 4 on a node with room for 2: it fails as a whole and the 2 that started are destroyed."""
-    async with libdsec.AsyncClient(small_stack.url) as client:
+    async with libdsec.AsyncClient(small_stack.url, creds=small_stack.tenant) as client:
         with pytest.raises(libdsec.CapacityUnavailable):
             await client.create_many(4, resources=libdsec.Resources(cpu=0.5), timeout=3)
         await asyncio.sleep(0.5)

@@ -16,7 +16,8 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.messages import (Booking, CreateRequest, ExecRequest, NodeInfo, Quota, Resources, SandboxRecord, encode,
                           event_decoder, node_decoder, output_decoder, sandbox_decoder)
-from bus.server import NatsServer, free_port
+from bus.server import free_port
+from tests.conftest import own_server
 from placement import ledger as ledger_mod
 from placement.quota import set_quota
 from placement.reaper import Reaper
@@ -35,8 +36,8 @@ def fake_node(name: str, slots: int = 10, age: float = 0.0, **kw) -> NodeInfo:
 @pytest.fixture
 async def bare_server(tmp_path):
     """A provisioned nats-server of its own: fake node records there attract no other test's work."""
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    bus = await Bus.connect(srv.url)
+    srv = own_server(tmp_path, [])   # identities on; the test's buses connect as placement
+    bus = await Bus.connect(srv.url, creds=srv.creds("placement"))
     await bus.provision()
     await bus.close()
     yield srv
@@ -46,7 +47,7 @@ async def bare_server(tmp_path):
 async def test_two_engines_booking_at_once_never_pass_a_nodes_capacity(bare_server):
     nats_server = bare_server
     """Two ledgers on two connections (two engines) race 60 bookings for 10 slots: exactly 10 win."""
-    buses = [await Bus.connect(nats_server.url) for _ in range(2)]
+    buses = [await Bus.connect(nats_server.url, creds=nats_server.creds("placement")) for _ in range(2)]
     node = f"cas{free_port()}"
     try:
         await buses[0].kv_put(streams.NODES_KV, node, fake_node(node, slots=10))
@@ -100,8 +101,10 @@ async def one_slot(tmp_path):
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
     from tests import leaks
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="one", slots=1))
+    srv = own_server(tmp_path, ["one"])
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="one", slots=1),
+               creds=srv.creds("admin"))
+    st.tenant, st.admin = srv.creds("tenant:default"), srv.creds("admin")
     with leaks.live("one", tmp_path / "state" / "edge"):
         await st.start()
         yield st
@@ -111,7 +114,7 @@ async def one_slot(tmp_path):
 
 async def test_latency_requests_jump_ahead_of_queued_batch_ones(one_slot):
     st = one_slot
-    async with libdsec.AsyncClient(st.url) as client:
+    async with libdsec.AsyncClient(st.url, creds=st.tenant) as client:
         holder = await client.create()
         order: list[str] = []
 
@@ -132,7 +135,7 @@ async def test_latency_requests_jump_ahead_of_queued_batch_ones(one_slot):
 
 async def test_client_timeout_is_cancelled_in_the_system_and_leaves_no_orphan(one_slot):
     st = one_slot
-    async with libdsec.AsyncClient(st.url) as client:
+    async with libdsec.AsyncClient(st.url, creds=st.tenant) as client:
         holder = await client.create()
         queued: list[str] = []
         t0 = time.monotonic()
@@ -149,9 +152,9 @@ async def test_client_timeout_is_cancelled_in_the_system_and_leaves_no_orphan(on
 
 async def test_drain_takes_no_new_work_and_lets_running_sandboxes_finish(one_slot):
     st = one_slot
-    async with libdsec.AsyncClient(st.url) as client:
+    async with libdsec.AsyncClient(st.url, creds=st.tenant) as client:
         running = await client.create()
-        p = await asyncio.to_thread(subprocess.run, [DSEC, "node", "drain", "one", "--nats", st.url],
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "node", "drain", "one", "--nats", st.url, "--creds", st.admin],
                                     capture_output=True, text=True)
         assert p.returncode == 0 and "draining" in p.stdout, p.stderr
         for _ in range(60):
@@ -163,15 +166,15 @@ async def test_drain_takes_no_new_work_and_lets_running_sandboxes_finish(one_slo
         await running.destroy()
         with pytest.raises(libdsec.CapacityUnavailable):
             await client.create(timeout=1.5)        # room, but draining: nothing new starts
-        ls = await asyncio.to_thread(subprocess.run, [DSEC, "node", "ls", "--nats", st.url], capture_output=True,
+        ls = await asyncio.to_thread(subprocess.run, [DSEC, "node", "ls", "--nats", st.url, "--creds", st.admin], capture_output=True,
                                      text=True)
         assert "draining" in ls.stdout
-        p = await asyncio.to_thread(subprocess.run, [DSEC, "node", "undrain", "one", "--nats", st.url],
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "node", "undrain", "one", "--nats", st.url, "--creds", st.admin],
                                     capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         sb = await client.create(timeout=10)
         await sb.destroy()
-    bad = await asyncio.to_thread(subprocess.run, [DSEC, "node", "drain", "nosuch", "--nats", st.url],
+    bad = await asyncio.to_thread(subprocess.run, [DSEC, "node", "drain", "nosuch", "--nats", st.url, "--creds", st.admin],
                                   capture_output=True, text=True)
     assert bad.returncode == 1 and "no node 'nosuch'" in bad.stderr
 
@@ -181,7 +184,7 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
     sandboxes node_lost with an event and places its queued creates again. Its pending ops stay on its
     lane, for the node to answer if it comes back (clients learn of the loss from the record and events)."""
     nats_server = bare_server
-    bus = await Bus.connect(nats_server.url)
+    bus = await Bus.connect(nats_server.url, creds=nats_server.creds("placement"))
     node = f"gone{free_port()}"
     try:
         await bus.kv_put(streams.NODES_KV, node, fake_node(node, age=streams.NODE_LOST_AFTER + 5, bookings={
@@ -198,7 +201,7 @@ async def test_lost_node_is_reported_and_its_waiting_work_answered(bare_server):
         exits, events, replaced = asyncio.Queue(), asyncio.Queue(), asyncio.Queue()
         subs = [await bus.subscribe(subjects.output("default", node, sid, exec_req.exec_id), lambda d, s: exits.put(d)),
                 await bus.subscribe(subjects.event("default", sid), lambda d, s: events.put(d))]
-        watcher = await Bus.connect(nats_server.url)
+        watcher = await Bus.connect(nats_server.url, creds=nats_server.creds("placement"))
         # the replaced create goes back to placement: read it where placement would
         subs.append(await watcher.subscribe(subjects.create_request("default", "latency"),
                                             lambda d, s: replaced.put(d)))
@@ -277,7 +280,7 @@ async def test_quota_cli_sets_lists_and_removes(stack):
 async def test_a_deleted_record_can_be_claimed_again_by_compare_and_set(bare_server):
     """The reaper frees a lost node's `starting` claims by deleting them; the next claim must name the
     tombstone's revision (a create-only write would fail on it forever)."""
-    bus = await Bus.connect(bare_server.url)
+    bus = await Bus.connect(bare_server.url, creds=bare_server.creds("placement"))
     try:
         await bus.kv_put(streams.SANDBOXES_KV, "sbdel", b"{}")
         await bus.kv_delete(streams.SANDBOXES_KV, "sbdel")

@@ -17,7 +17,7 @@ import libdsec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.messages import Quota, event_decoder, sandbox_decoder
-from bus.server import NatsServer, free_port
+from tests.conftest import own_server
 
 pytestmark = pytest.mark.timeout(180)
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -55,17 +55,20 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
     from bus.cluster import NatsCluster
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
+    from bus import iam
     from placement.quota import set_quota
-    cluster = NatsCluster(tmp_path / "nats").start()
+    ids = iam.bootstrap(tmp_path / "iam", nodes=["tq"])   # identities on, made before the servers start
+    cluster = NatsCluster(tmp_path / "nats", iam=ids).start()
+    admin = str(ids.creds_path("admin"))
     st = Stack(tmp_path / "state", nats_url=cluster.urls[0], metrics_port=None,
-               edge_config=EdgeConfig(node_id="tq", slots=4))
+               edge_config=EdgeConfig(node_id="tq", slots=4), creds=admin)
     try:
-        boot = await Bus.connect(cluster.url)
+        boot = await Bus.connect(cluster.url, creds=admin)
         await boot.provision(replicas=3)
         await boot.close()
         await st.start()
-        async with libdsec.AsyncClient(cluster.urls[0]) as client:
-            await set_quota(client._need_bus(), Quota(tenant="default", max_sandboxes=1))
+        async with libdsec.AsyncClient(cluster.urls[0], creds=str(ids.creds_path("tenant:default"))) as client:
+            await set_quota(st.bus, Quota(tenant="default", max_sandboxes=1))
             await asyncio.sleep(0.5)   # placement's quota watch
             sb = await client.create(ttl=3)
             cluster.kill(1)
@@ -78,7 +81,7 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
             assert await _until(lambda: _has_events(st.bus, sb.id, ["created", "expired"]), 20)
             again = await client.create(timeout=30)   # the quota it held is free
             await again.destroy()
-            await client._need_bus().kv_delete(streams.QUOTAS_KV, "default")
+            await st.bus.kv_delete(streams.QUOTAS_KV, "default")
     finally:
         await st.stop()
         cluster.stop()
@@ -100,19 +103,20 @@ async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path)
     back, then the edge: its outbox, read at start, records `expired` (what happened), not node_lost
     (what a restart would guess), with exactly one terminal event."""
     from cli.stack import Stack
-    srv = NatsServer(tmp_path / "nats", port=free_port()).start()
-    placement = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False)
+    srv = own_server(tmp_path, ["tx"])
+    placement = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
+                      creds=srv.creds("placement"))
     await placement.start()
-    edge = _edge(srv.url, tmp_path / "edge")
+    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-tx"))
     try:
-        async with libdsec.AsyncClient(srv.url) as client:
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             sb = await client.create(ttl=2)
             srv.kill()
             await asyncio.sleep(4)          # the TTL fires: its `expired` waits in the outbox, on disk
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             srv.start()
-            edge = _edge(srv.url, tmp_path / "edge")
+            edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-tx"))
             rec = await _until(lambda: _record_in(placement.bus, sb.id, "expired"), 30)
             assert rec.reason == "ttl reached"
             assert await _until(lambda: _has_events(placement.bus, sb.id, ["created", "expired"]), 15)
@@ -125,8 +129,8 @@ async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path)
     assert leftovers(tmp_path / "edge" / "edge", "tx") == []
 
 
-def _edge(url: str, state: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "tx", "--state-dir", str(state)],
+def _edge(url: str, state: Path, creds: str) -> subprocess.Popen:
+    proc = subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "tx", "--state-dir", str(state), "--creds", creds],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout.readline().startswith("dsec: edge")
     return proc
