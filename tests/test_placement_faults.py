@@ -76,9 +76,10 @@ class Fleet:
 
 
 @contextlib.asynccontextmanager
-async def engine_and_fleet(url: str, threshold: float = 0.5):
+async def engine_and_fleet(url: str, creds: str, threshold: float = 0.5):
+    """An engine (as placement) and a fake fleet on the test's own server."""
     from placement.engine import PlacementEngine
-    bus = await Bus.connect(url)
+    bus = await Bus.connect(url, creds=creds)
     image = ImageRecord(name="busybox", version=1, digest="sha256:" + "0" * 64, size=1)   # never fetched here
     await bus.kv_put(streams.IMAGES_KV, "busybox", image)
     fleet = Fleet(bus)
@@ -107,7 +108,7 @@ async def test_bursting_fills_local_room_first_and_no_more_than_the_burst_pools_
     """Past the threshold only the excess that fits on no local node bursts, booked on a burst-pool node with
     room (the pool lane holds nothing, however many wait); a freed local slot takes the next create before a
     freed cloud one does. Before: once past the threshold, every queued create went to the pool lane."""
-    async with engine_and_fleet(bare_server.url) as (engine, fleet, bus):
+    async with engine_and_fleet(bare_server.url, bare_server.creds("placement")) as (engine, fleet, bus):
         await fleet.add("l1", 2)
         await fleet.add("l2", 2)
         await fleet.add("c1", 2, pool="cloud")
@@ -138,7 +139,7 @@ async def test_a_node_that_stops_beating_gets_no_creates_and_gives_back_what_it_
     """The node placement prefers stops beating (its edge died): within a second new creates go elsewhere,
     and a create booked on it that it never took is taken back from its lane and placed again (before: it
     kept attracting creates, as the emptiest-looking node, for the 10 s until declared lost)."""
-    async with engine_and_fleet(bare_server.url) as (engine, fleet, bus):
+    async with engine_and_fleet(bare_server.url, bare_server.creds("placement")) as (engine, fleet, bus):
         await fleet.add("best", 3)     # best fit: the smaller one
         await fleet.add("other", 10)
         await engine.start()
@@ -174,7 +175,7 @@ async def test_the_reaper_marks_only_the_lost_run_and_leaves_a_returned_node_its
     answered the returned node's work)."""
     from placement import ledger as ledger_mod
     from placement.reaper import Reaper
-    bus = await Bus.connect(bare_server.url)
+    bus = await Bus.connect(bare_server.url, creds=bare_server.creds("placement"))
     try:
         await bus.kv_put(streams.NODES_KV, "back", fake_node("back", age=60, started_at=1.0))
         for sid, epoch in (("old1", 1.0), ("new2", 2.0)):
