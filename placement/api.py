@@ -69,13 +69,14 @@ class ControlApi:
         self.rate = rate
         self.snapshots = Snapshots(bus, self.records)
         self.pools = WarmPools(bus, images)
+        self.reads = StreamReadsApi(bus)
         self.outcomes: collections.Counter = collections.Counter()   # (verb, code) -> answers
         self._buckets: dict[str, Bucket] = {}
         self._engines: dict[str, float] = {}   # engine -> when its figures were last heard (KV dsec-engines)
         self._sub = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
             GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(),
-            **self.pools.handlers(), **StreamReadsApi(bus).handlers()}
+            **self.pools.handlers(), **self.reads.handlers()}
         self.steps: list[Step] = [self._count, self._answer_errors, self._authorise, self._limit, self._decode]
         self._run = lanes.chain(self._dispatch, self.steps)
 
@@ -89,6 +90,7 @@ class ControlApi:
             except Exception:   # the connection is going anyway
                 pass
             self._sub = None
+        await self.reads.close()
 
     async def handle(self, data: bytes, subject: str) -> Wire:
         """Run one request down the chain to its handler."""

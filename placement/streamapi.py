@@ -4,11 +4,15 @@ tenant the request's subject names, so no request can reach another tenant's rec
 
 Trajectory readers are pull consumers kept on the server, one per (tenant, reader name), named by a
 digest of both; the acks a batch carries are the consumer's own ack subjects, taken back only from the
-tenant that owns the consumer."""
+tenant that owns the consumer. An engine keeps its binding to a reader's consumer between fetches (the
+consumer is created or updated only when a fetch asks for another configuration, or its binding went
+stale), and lets go of bindings unused for IDLE_READER seconds."""
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
+import time
 
 from nats.js import api
 
@@ -16,7 +20,7 @@ from bus import streams, subjects
 from bus.apiwire import (AckTrajectories, CloseTrajectories, Done, FetchTrajectories, PulledRecord, ReadOutput,
                          StoredOutput, TrajectoryBatch)
 from bus.conn import Bus
-from bus.errors import InvalidRequest
+from bus.errors import BusError, InvalidRequest
 from bus.messages import Wire
 
 MAX_BATCH = 1000
@@ -37,9 +41,20 @@ def reader_consumer(tenant: str, reader: str) -> str:
     return "traj-" + hashlib.sha256(f"{tenant}/{reader}".encode()).hexdigest()[:24]
 
 
+class _Bound:
+    """An engine's binding to one reader's consumer: its configuration, the reader, one fetch at a time."""
+
+    def __init__(self, config: api.ConsumerConfig, reader) -> None:
+        self.config, self.reader = config, reader
+        self.lock = asyncio.Lock()
+        self.used = time.monotonic()
+
+
 class StreamReadsApi:
     def __init__(self, bus: Bus) -> None:
         self.bus = bus
+        self._bound: dict[str, _Bound] = {}   # consumer name -> this engine's binding to it
+        self.consumer_creates = 0             # consumers created or updated for fetches (not one per fetch)
 
     def handlers(self) -> dict:
         return {ReadOutput: self._output, FetchTrajectories: self._fetch, AckTrajectories: self._ack,
@@ -79,11 +94,18 @@ class StreamReadsApi:
         if not 1 <= req.batch <= MAX_BATCH or not 0 <= req.wait <= MAX_WAIT:
             raise InvalidRequest(f"batch must be 1..{MAX_BATCH} and wait 0..{MAX_WAIT:g} s")
         config = self._config(tenant, req)
-        reader = await self.bus.durable_reader(streams.TRAJ_STREAM, config)
-        try:
-            pulled = await reader.fetch(req.batch, max(0.05, req.wait))
-        finally:
-            await reader.close()
+        for again in (True, False):
+            bound = await self._binding(config)
+            async with bound.lock:
+                try:
+                    pulled = await bound.reader.fetch(req.batch, max(0.05, req.wait))
+                    break
+                except BusError:   # the consumer went (idle, deleted): bind afresh once
+                    await self._unbind(config.durable_name, bound)
+                    if not again:
+                        raise
+                finally:
+                    bound.used = time.monotonic()
         out, size = [], 0
         for p in pulled:
             size += len(p.data) + 200
@@ -96,6 +118,36 @@ class StreamReadsApi:
             ack_pending = await self.bus.consumer_ack_pending(streams.TRAJ_STREAM, config.durable_name)
         return TrajectoryBatch(records=out, pending=pending, ack_pending=ack_pending)
 
+    async def _binding(self, config: api.ConsumerConfig) -> _Bound:
+        """This engine's binding to the consumer of config: the one kept when its configuration is the
+        same, else the consumer created (or updated) and bound; bindings idle too long are let go."""
+        now = time.monotonic()
+        for name in [n for n, b in self._bound.items() if now - b.used > IDLE_READER / 2 and not b.lock.locked()]:
+            await self._unbind(name)
+        bound = self._bound.get(config.durable_name)
+        if bound is not None and bound.config == config:
+            return bound
+        if bound is not None:
+            await self._unbind(config.durable_name)
+        reader = await self.bus.durable_reader(streams.TRAJ_STREAM, config)
+        self.consumer_creates += 1
+        bound = self._bound[config.durable_name] = _Bound(config, reader)
+        return bound
+
+    async def close(self) -> None:
+        """Let go of every binding (the consumers stay on the server)."""
+        for name in list(self._bound):
+            await self._unbind(name)
+
+    async def _unbind(self, name: str, only: _Bound | None = None) -> None:
+        """Let go of name's binding (only: if it is still that one; that one's reader is closed anyway)."""
+        if only is not None and self._bound.get(name) is not only:
+            await only.reader.close()
+            return
+        bound = self._bound.pop(name, None)
+        if bound is not None:
+            await bound.reader.close()
+
     async def _ack(self, tenant: str, req: AckTrajectories) -> Wire:
         prefix = f"$JS.ACK.{streams.TRAJ_STREAM}.{reader_consumer(tenant, _token(req.reader, 'reader'))}."
         bad = [a for a in req.acks if not a.startswith(prefix) or " " in a or len(a) > 300]
@@ -106,5 +158,6 @@ class StreamReadsApi:
         return Done()
 
     async def _close(self, tenant: str, req: CloseTrajectories) -> Wire:
+        await self._unbind(reader_consumer(tenant, _token(req.reader, "reader")))
         await self.bus.delete_consumer(streams.TRAJ_STREAM, reader_consumer(tenant, _token(req.reader, "reader")))
         return Done()

@@ -113,6 +113,38 @@ async def test_a_durable_trajectory_consumer_resumes_where_it_left_off(client):
     assert [t async for t in client.trajectories(job=job, since=later, follow=False)] == []
 
 
+async def test_a_reader_keeps_its_consumer_between_fetches_and_rebinds_a_gone_one(stack, client, monkeypatch):
+    """A reader fetching in several batches has its consumer created once, not once per fetch; a durable
+    reader whose consumer went behind the engine's back is bound afresh and reads everything again."""
+    from bus import streams
+    from libdsec import trajectories as trajmod
+    from placement.streamapi import reader_consumer
+    monkeypatch.setattr(trajmod, "BATCH", 2)   # 7 records: 4 fetches and the last, empty one
+    job, durable = f"jk{os.getpid()}", f"keep{os.getpid()}"
+    sb = await client.create(labels={"job": job})
+    for i in range(5):
+        await sb.exec(f"echo {i}")
+    await sb.destroy()
+    for _ in range(100):
+        if len([t async for t in client.trajectories(job=job, follow=False)]) == 7:
+            break
+        await asyncio.sleep(0.05)
+    reads = stack.placement.api.reads
+    before = reads.consumer_creates
+    assert len([t async for t in client.trajectories(job=job, follow=False)]) == 7
+    assert reads.consumer_creates - before == 1, "one consumer per reader, not one per fetch"
+    first = []
+    async for t in client.trajectories(job=job, durable=durable, follow=False, ack_wait=ACK_WAIT):
+        first.append(t.record.type)
+        await t.ack()
+    assert first == ["created"] + ["exec"] * 5 + ["destroyed"]
+    await stack.bus.delete_consumer(streams.TRAJ_STREAM, reader_consumer("default", durable))
+    again = [t.record.type async for t in client.trajectories(job=job, durable=durable, follow=False,
+                                                                 ack_wait=ACK_WAIT)]
+    assert again == first, "a gone consumer is made again, from the start"
+    await stack.bus.delete_consumer(streams.TRAJ_STREAM, reader_consumer("default", durable))
+
+
 async def test_trajectory_arguments_are_checked(client):
     with pytest.raises(libdsec.InvalidRequest):
         client.trajectories(job="bad.job")
