@@ -19,7 +19,7 @@ from nats.js import api
 
 from bus import lanes, migrations, streams, subjects
 from bus.acks import AckedPublisher
-from bus.creds import credential_options, expired
+from bus.creds import credential_options, expired, principal_of
 from bus.errors import AuthenticationFailed, BusError, BusUnavailable
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
@@ -58,6 +58,9 @@ class Bus(KvStore, StreamReads):
         self._acks = AckedPublisher(nc)
         self.refused: list[str] = []   # the server's refusals of this credential (revoked: reconnects fail)
         self.creds: str | None = None
+        # whether it may delete the consumers it made for a read (ops, read-only, may delete none: its
+        # ordered consumers go by the server's inactivity timer instead of a refused delete)
+        self.deletes_consumers = True
 
     @classmethod
     async def connect(cls, url: str, name: str = "dsec", *, timeout: float = 3.0,
@@ -100,6 +103,7 @@ class Bus(KvStore, StreamReads):
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
         bus = cls(nc, listeners)
         bus.refused, bus.creds = refused, creds
+        bus.deletes_consumers = principal_of(creds) != "ops"
         return bus
 
     def on_reconnect(self, fn: Callable[[], None]) -> Callable[[], None]:

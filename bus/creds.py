@@ -99,11 +99,18 @@ def creds_principal(text: str) -> str:
     return m.group(1) if m else ""
 
 
+def principal_of(path: str | None) -> str:
+    """The principal a DSec credential file names ("" without one, or for a file naming none)."""
+    if not path:
+        return ""
+    try:
+        return creds_principal(open(path).read())
+    except OSError:
+        return ""
+
+
 def tenant_of_creds(path: str) -> str | None:
     """The tenant a DSec tenant credential names (None for another principal's, or an unreadable file:
     connecting says what is wrong with it)."""
-    try:
-        principal = creds_principal(open(path).read())
-    except OSError:
-        return None
+    principal = principal_of(path)
     return principal[7:] if principal.startswith("tenant:") else None

@@ -39,6 +39,8 @@ class KvStore:
     admin: object
     _kv: dict
     on_reconnect: Callable
+    nc: object
+    deletes_consumers: bool
 
     async def kv(self, bucket: str):
         """A KV bucket handle (cached)."""
@@ -217,8 +219,10 @@ class KvStore:
                 await sub.unsubscribe()
                 # and the consumer deleted now, without waiting for the answer: left to the server's
                 # inactivity timer (5 s), a pass per request at a few hundred a second reaches the server's
-                # limit of consumers on the stream (1,000 here), and every later list fails
-                await self.nc.publish(f"$JS.API.CONSUMER.DELETE.KV_{bucket}.{sub._consumer}", b"")
+                # limit of consumers on the stream (1,000 here), and every later list fails. Not by a
+                # principal that may delete none (ops): its rare lists leave that to the timer
+                if self.deletes_consumers:
+                    await self.nc.publish(f"$JS.API.CONSUMER.DELETE.KV_{bucket}.{sub._consumer}", b"")
 
     async def obj_put(self, bucket: str, name: str, data: bytes) -> None:
         """Store an object."""

@@ -236,6 +236,18 @@ async def test_ops_can_read_but_not_delete_purge_or_publish(stack):
         assert (await js.stream_info(streams.OUT_STREAM)).state.messages > 0   # nothing was purged
     finally:
         await raw.close()
+    # its reads through the bus (`dsec top`, replays) ask nothing it may not: a KV listing leaves its
+    # ordered consumer to the server's inactivity timer instead of deleting it (ops may delete no consumer)
+    seen: list[str] = []
+    ops = await Bus.connect(stack.url, creds=creds_of(stack, "ops"))
+    ops.nc._error_cb = lambda exc: seen.append(str(exc)) or asyncio.sleep(0)
+    try:
+        assert [k for k, _ in await ops.kv_items(streams.NODES_KV)]
+        await ops.nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await ops.close()
+    assert not [e for e in seen if "violation" in e.lower()], seen
 
 
 async def test_credentials_missing_malformed_unknown_and_revoked(stack, tmp_path):
