@@ -131,7 +131,7 @@ class NatsCluster:
         self.root.mkdir(parents=True, exist_ok=True)
         extra = f"\nhttp: {self.host}:{self.monitor_ports[i]}\n" if self.monitor_ports else ""
         if self.iam is not None:   # nats-server includes only relative paths: relative to this config
-            accounts = os.path.relpath(self.iam.write_conf(), self.servers[i].conf.parent)
+            accounts = os.path.relpath(self.iam.conf_path, self.servers[i].conf.parent)   # written at start
             extra += f'\n# Identities (written by dsec: `dsec iam`, see bus/iam.py)\ninclude "{accounts}"\n'
         self.servers[i].conf.write_text(self.conf_text(i) + extra)
 
@@ -160,6 +160,8 @@ class NatsCluster:
         try:
             for i, port in enumerate(self.cluster_ports):
                 check_port_free(self.host, port, f"NATS cluster (server {i})")
+            if self.iam is not None:
+                self.iam.write_conf()   # once: restarts (which may run at once) include the same file
             for i, srv in enumerate(self.servers):
                 self._write_conf(i)
                 srv.start(timeout=max(1.0, deadline - time.monotonic()))

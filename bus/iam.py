@@ -25,6 +25,7 @@ import fcntl
 import json
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,7 +285,7 @@ class Iam:
 
     def write_conf(self) -> Path:
         self.conf_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.conf_path.with_suffix(".tmp")
+        tmp = self.conf_path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")   # writers never share one
         tmp.write_text(self.render())
         tmp.replace(self.conf_path)
         return self.conf_path
