@@ -56,6 +56,8 @@ def run_async(fn):
             fail(str(exc))
         except KeyboardInterrupt:
             fail("interrupted", 130)
+        except click.ClickException:   # a usage error found in the body: click prints it (exit 2)
+            raise
         except OSError as exc:
             fail(f"{exc.strerror or exc} {getattr(exc, 'filename', '') or ''}".strip())
         except Exception as exc:   # a bug: still one line (DSEC_DEBUG=1 shows the traceback)

@@ -192,6 +192,9 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
 @state_dir_option
 @click.option("--nats", "nats_url", default=None, metavar="URL",
               help="Use this NATS server instead of starting the embedded one.")
+@click.option("--creds", default=None, metavar="FILE",
+              help="With --nats: the credential placement and the edge connect with (default: the admin's under "
+                   "STATE_DIR/creds, else $DSEC_CREDS). The embedded server's are made under STATE_DIR.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the embedded NATS and metrics bind.")
 @click.option("--port", default=4222, show_default=True,
               help="Port of the embedded NATS server (with --servers N: the first of N consecutive ports).")
@@ -212,7 +215,7 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
 @placement_options
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
-async def up(state_dir: Path, nats_url: str | None, host: str, port: int, servers: int, metrics_port: int, auth: bool,
+async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str, port: int, servers: int, metrics_port: int, auth: bool,
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
@@ -223,12 +226,16 @@ async def up(state_dir: Path, nats_url: str | None, host: str, port: int, server
     destroys every sandbox and stops everything within 10 s."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if creds and not nats_url:
+        raise click.UsageError("--creds goes with --nats (the embedded server's credentials are made under the "
+                               "state dir)")
     from bus.streams import DAY, HOUR, OUT_STREAM, TRAJ_STREAM
     configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
-                  edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
+                  edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
+                  placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
                                                           max_waiting=max_waiting), servers=servers,
                   stream_ages={name: age for name, age in ((TRAJ_STREAM, traj_retention and traj_retention * DAY),
                                                            (OUT_STREAM, output_retention and output_retention * HOUR))

@@ -194,16 +194,22 @@ def test_demo_main_job_small(tmp_path):
     assert leftovers(tmp_path / "demo" / "edge", "local") == []
 
 
+def test_up_creds_without_nats_is_a_usage_error(tmp_path):
+    """The embedded server's credentials are made under the state dir: --creds alone is refused at once."""
+    p = dsec("up", "--creds", str(tmp_path / "x.creds"), "--state-dir", str(tmp_path / "st"), timeout=20)
+    assert p.returncode == 2 and "--creds goes with --nats" in p.stderr, (p.returncode, p.stderr)
+    assert not (tmp_path / "st").exists()
+
+
 def test_up_on_an_existing_server_stops_on_sigterm(tmp_path):
     """`dsec up --nats URL` uses that server; SIGTERM to the process alone stops it cleanly, even when whoever
     read its output went away (`dsec up | head`: writing to a closed pipe must not skip the clean-up)."""
     from tests.conftest import own_server
-    srv = own_server(tmp_path, ["cliterm"])   # identities on: `dsec up` takes its credential from $DSEC_CREDS
+    srv = own_server(tmp_path, ["cliterm"])   # identities on: `dsec up --nats` takes its credential
     try:
-        proc = subprocess.Popen([DSEC, "up", "--nats", srv.url, "--state-dir", str(tmp_path / "st"),
-                                 "--metrics-port", str(free_port()), "--node-id", "cliterm"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "DSEC_CREDS": srv.creds("admin")})
+        proc = subprocess.Popen([DSEC, "up", "--nats", srv.url, "--creds", srv.creds("admin"), "--state-dir",
+                                 str(tmp_path / "st"), "--metrics-port", str(free_port()), "--node-id", "cliterm"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             assert proc.stdout.readline().strip() == f"dsec: ready {srv.url}"
             tenant = srv.creds("tenant:default")
