@@ -6,7 +6,8 @@ Trajectory readers are pull consumers kept on the server, one per (tenant, reade
 digest of both; the acks a batch carries are the consumer's own ack subjects, taken back only from the
 tenant that owns the consumer. An engine keeps its binding to a reader's consumer between fetches (the
 consumer is created or updated only when a fetch asks for another configuration, or its binding went
-stale), and lets go of bindings unused for IDLE_READER seconds."""
+stale), and lets go of bindings unused for half of IDLE_READER (before the server drops an idle reader's
+consumer)."""
 from __future__ import annotations
 
 import asyncio
@@ -158,6 +159,7 @@ class StreamReadsApi:
         return Done()
 
     async def _close(self, tenant: str, req: CloseTrajectories) -> Wire:
-        await self._unbind(reader_consumer(tenant, _token(req.reader, "reader")))
-        await self.bus.delete_consumer(streams.TRAJ_STREAM, reader_consumer(tenant, _token(req.reader, "reader")))
+        name = reader_consumer(tenant, _token(req.reader, "reader"))
+        await self._unbind(name)
+        await self.bus.delete_consumer(streams.TRAJ_STREAM, name)
         return Done()

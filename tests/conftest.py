@@ -85,7 +85,6 @@ def own_server(root: Path, nodes: list[str]) -> NatsServer:
     from bus import iam
     ids = iam.bootstrap(root / "iam", nodes=nodes)
     srv = NatsServer(root / "nats", port=free_port(), iam=ids).start()
-    srv.iam = ids
     srv.creds = lambda principal: str(ids.creds_path(principal))
     return srv
 

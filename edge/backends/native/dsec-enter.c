@@ -90,11 +90,15 @@
 #define ARGS_MAX 65536
 static int ERR_FD = 2;
 
-static void fail(const char *stage, const char *what) {
+/* An error report, "stage\0errno\0what: strerror", on fd (what the edge reads as the reason). */
+static void report(int fd, const char *stage, int e, const char *what) {
     char buf[512];
-    int e = errno;
     int n = snprintf(buf, sizeof buf, "%s%c%d%c%s: %s", stage, 0, e, 0, what, strerror(e));
-    if (n > 0) (void)!write(ERR_FD, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf);
+    if (n > 0) (void)!write(fd, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf);
+}
+
+static void fail(const char *stage, const char *what) {
+    report(ERR_FD, stage, errno, what);
     _exit(127);
 }
 
@@ -529,7 +533,7 @@ static int serve_proc_fd = -1, serve_tasks[16], serve_ntasks;
  * one-shot helper's "stage\0errno\0message") and err_w closed. */
 static pid_t start_command(size_t got, const int stdio[3], int err_w) {
     struct command_line c;
-    const char *what = parse_setup(got, 1, &c), *stage = "setup";
+    const char *what = parse_setup(got, 1, &c);
     int e = EINVAL;
     pid_t pid = -1;
     if (!what) {
@@ -537,11 +541,8 @@ static pid_t start_command(size_t got, const int stdio[3], int err_w) {
         e = errno;
     }
     for (int k = 0; k < 3; k++) close(stdio[k]);
-    if (pid < 0) {
-        char buf[512];
-        int n = snprintf(buf, sizeof buf, "%s%c%d%c%s: %s", stage, 0, e, 0, what, strerror(e));
-        if (n > 0) (void)!write(err_w, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf);
-    }
+    if (pid < 0)
+        report(err_w, "setup", e, what);
     close(err_w);
     return pid;
 }
