@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc
+SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4
 
 .PHONY: setup system venv demo test bench up clean
 
@@ -12,7 +12,8 @@ setup: system venv
 # btrfs-progs (writable layers with a size cap), util-linux, iproute2, gcc + libc6-dev (the static
 # dsec-enter helper), debootstrap (`dsec image build --debootstrap`), lxcfs (per-sandbox /proc views; each
 # edge runs its own, so Debian's service, which the package starts, is stopped and disabled), runsc (gVisor:
-# the gvisor backend kind).
+# the gvisor backend kind), qemu-system-x86 and e2fsprogs (the microvm kind; its guest kernel is Debian's
+# cloud kernel, fetched into /var/cache/dsec/vm by `python -m edge.backends.microvm.guest`).
 # `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
@@ -22,7 +23,7 @@ system:
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
-	    python3-venv procps debootstrap lxcfs runsc >/dev/null && { \
+	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs >/dev/null && { \
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \
 	  pkill -f '^/usr/bin/lxcfs /var/lib/lxcfs' 2>/dev/null; umount -l /var/lib/lxcfs 2>/dev/null; true; }; \
 	fi
@@ -35,6 +36,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 	@$(PY) -c "from edge.backends import native; native.ensure_built() or print('setup: no C compiler: execs use the slower fork path')"
+	@$(PY) -m edge.backends.microvm.guest || echo "setup: no microvm guest (the microvm backend stays off)"
 
 
 demo: setup

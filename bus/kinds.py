@@ -42,6 +42,9 @@ OVERHEAD: dict[str, tuple[int, int]] = {
     NOOP: (0, 0),
 }
 
+# The least memory a sandbox of a kind boots with (the guest kernel and its initramfs need it).
+MIN_MEMORY: dict[str, int] = {MICROVM: 128 << 20, FULLVM: 512 << 20}
+
 
 def check_kind(kind: str) -> str:
     """The kind, or InvalidRequest naming the kinds that exist."""

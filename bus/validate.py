@@ -52,6 +52,10 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
         if not k or "=" in k or "\0" in k:
             raise InvalidRequest(f"env: invalid variable name {k!r}")
     check_resources(req.resources)
+    least = kinds.MIN_MEMORY.get(req.backend, 0)
+    if req.resources.memory < least:
+        raise InvalidRequest(f"resources.memory: a {req.backend} sandbox needs at least {least >> 20}Mi "
+                             f"(its guest kernel), got {req.resources.memory >> 20}Mi")
 
 
 def expired(deadline: float, now: float | None = None) -> bool:

@@ -76,6 +76,8 @@ def _residue() -> list[str]:
             out.append(f"exec helper pid {proc.info['pid']} ({' '.join(cmd[:3])})")
         if cmd[:1] == ["catatonit"] and not is_live(_node_of_cgroup(proc.info["pid"])):
             out.append(f"sandbox init pid {proc.info['pid']}")
+        if cmd[:1] and cmd[0].endswith("qemu-system-x86_64") and not is_live(_node_of_cgroup(proc.info["pid"])):
+            out.append(f"qemu pid {proc.info['pid']} ({' '.join(cmd[cmd.index('-name') + 1:][:1] if '-name' in cmd else cmd[:1])})")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
     for i, (node, key) in sorted(idmap.leases().items()):

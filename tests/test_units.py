@@ -574,7 +574,7 @@ def test_scoring_filters_on_the_kind_and_books_its_overhead_from_one_shared_pool
     assert scoring.choose([one_vm], Resources())[0] == "both"
 
 
-def test_backend_configs_are_discriminated_and_strict():
+def test_backend_configs_are_discriminated_and_strict(monkeypatch, tmp_path):
     from bus.errors import InvalidRequest
     from edge.backends.registry import FnCallConfig, config_for, kind_of_config
     cfg = config_for("fncall", workers_min=1, workers_max=4)
@@ -583,7 +583,10 @@ def test_backend_configs_are_discriminated_and_strict():
         config_for("container", workers_max=3)
     with pytest.raises(InvalidRequest, match="container, fncall, gvisor"):
         config_for("firecracker")
-    assert "not built" in config_for("microvm").available()
+    assert "not built" in config_for("fullvm").available()
+    assert "not found" in config_for("microvm", qemu="no-such-qemu").available()
+    monkeypatch.setenv("DSEC_VM_CACHE", str(tmp_path))   # no guest kernel there
+    assert "no guest kernel" in config_for("microvm", qemu="sh").available()
 
 
 async def test_an_unanswered_read_is_asked_again_less_and_less_often(monkeypatch):

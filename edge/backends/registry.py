@@ -78,13 +78,20 @@ class GvisorConfig(_Config, tag=kinds.GVISOR):
 
 
 class MicroVMConfig(_Config, tag=kinds.MICROVM):
-    """QEMU -M microvm with a guest agent (not built yet)."""
+    """QEMU -M microvm, Debian's cloud kernel and dsec-agent as the guest's pid 1 (edge/backends/microvm/)."""
+
+    qemu: str = "qemu-system-x86_64"
+    accel: str = "tcg"
 
     def available(self) -> str:
-        return "the microvm backend is not built yet"
+        if shutil.which(self.qemu) is None:
+            return f"{self.qemu} not found (make setup installs Debian's qemu-system-x86)"
+        from edge.backends.microvm import guest
+        return guest.missing()
 
     def build(self, state_dir: Path, node_id: str) -> Backend:
-        raise BackendError(self.available())
+        from edge.backends.microvm import MicroVMBackend
+        return MicroVMBackend(state_dir, node_id, qemu=self.qemu, accel=self.accel)
 
 
 class FullVMConfig(_Config, tag=kinds.FULLVM):
@@ -127,6 +134,8 @@ def runnable() -> list[str]:
     out = []
     for kind in kinds.SERVED:
         why = config_for(kind).available()
+        if kind == kinds.MICROVM and not why:   # not yet verified on first use, nor templated: ask for it
+            why = "not enabled by default yet (dsec up --backend microvm runs it)"
         if why:
             log.info("backend %s not enabled: %s", kind, why)
         else:
@@ -151,6 +160,9 @@ def node_leftovers(state_dir: Path, node_id: str) -> list[str]:
     if kind_dir(state_dir, kinds.GVISOR).exists():
         from edge.backends.gvisor import leftovers as gvisor_leftovers
         out += gvisor_leftovers(kind_dir(state_dir, kinds.GVISOR), node_id)
+    if kind_dir(state_dir, kinds.MICROVM).exists():
+        from edge.backends.microvm import leftovers as microvm_leftovers
+        out += microvm_leftovers(kind_dir(state_dir, kinds.MICROVM), node_id)
     return out
 
 

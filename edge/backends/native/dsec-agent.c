@@ -14,7 +14,8 @@
  * Each exec is a session leader (setsid) of its own, in a pids group of its own (/dev/.pids/sandbox/x<id>,
  * below the sandbox's limit): its tree is that group's members (a double fork or setsid does not leave
  * it), plus its session, process group and their descendants; it runs without CAP_SYS_ADMIN (nothing can be mounted over /.dsec, nor the
- * hostname changed), which the agent keeps. An exec stops being read once WINDOW bytes of its output are not yet consumed.
+ * hostname changed), which the agent keeps, nor CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE and CAP_SYS_BOOT.
+ * A microVM's guest runs it as pid 1 too, its stdio one virtio-serial port (microvm/init.sh). An exec stops being read once WINDOW bytes of its output are not yet consumed.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -49,6 +50,8 @@ struct exec {
 };
 
 static struct exec execs[MAXEXEC];
+static const int dropped[] = {21, 16, 17, 19, 22};
+static int mem_ok;             /* the memory group of a VM's commands is set up */
 static int groups_ok;           /* the pids cgroup is mounted: execs get groups of their own */
 static uint32_t stale[MAXEXEC]; /* groups of finished execs whose background processes still live */
 static int nstale;
@@ -153,7 +156,12 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
             if (fd < 0 || write(fd, "0", 1) != 1) fail_child(rep[1], "setup");
             close(fd);
         }
-        prctl(PR_CAPBSET_DROP, 21 /* CAP_SYS_ADMIN */, 0, 0, 0);
+        /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT: no mount over /.dsec, no hostname, no
+         * kernel module or raw device, and no ptrace of the agent (its caps exceed the exec's). */
+        for (int c = 0; c < (int)(sizeof dropped / sizeof *dropped); c++) prctl(PR_CAPBSET_DROP, dropped[c], 0, 0, 0);
+        if (mem_ok) write_file("/dev/.mem/sandbox/cgroup.procs", "0");
+        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
+        if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }       /* the command's */
         if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
         if (chdir(cwd)) fail_child(rep[1], "cwd");
         run(argv, envp, rep[1]);
@@ -330,6 +338,22 @@ static void limit_pids(void) {
     groups_ok = 1;
 }
 
+/* A VM's memory limit for its commands (DSEC_MEMORY_MAX bytes, set by the microVM's init): a memory group
+ * every exec joins, so a command past it is OOM-killed at once instead of thrashing the guest's page
+ * cache (the agent stays outside it, and at oom_score_adj -1000). */
+static void limit_memory(void) {
+    const char *max = getenv("DSEC_MEMORY_MAX");
+    if (!max) return;
+    mkdir("/dev/.mem", 0700);
+    if (mount("none", "/dev/.mem", "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "memory")) {
+        fprintf(stderr, "dsec-agent: mount memory cgroup: %s\n", strerror(errno));
+        return;
+    }
+    mkdir("/dev/.mem/sandbox", 0700);
+    write_file("/dev/.mem/sandbox/memory.limit_in_bytes", max);
+    mem_ok = 1;
+}
+
 static void group_path(char *buf, size_t n, uint32_t id, const char *file) {
     snprintf(buf, n, "/dev/.pids/sandbox/x%u%s%s", id, file ? "/" : "", file ? file : "");
 }
@@ -375,7 +399,10 @@ int main(void) {
     sigaction(SIGCHLD, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* a VM's OOM killer takes a command, */
+    if (oom >= 0) { if (write(oom, "-1000", 5) < 0) {} close(oom); }  /* never the agent (the VM with it) */
     limit_pids();
+    limit_memory();
     reply('R', 0, NULL, 0, NULL, 0);
     struct pollfd fds[1 + 1 + 3 * MAXEXEC];
     struct { struct exec *x; int what; } who[3 * MAXEXEC];

@@ -1,0 +1,407 @@
+"""MicroVM sandboxes: `qemu-system-x86_64 -M microvm` with Debian's cloud kernel, the guest's own kernel
+between the sandbox and the host's (guest.py builds what it boots, init.sh is its /init).
+
+Per sandbox, a QEMU process:
+- runs as the sandbox's unprivileged host uid (an idmap range's base), with `-sandbox on` (seccomp: no
+  spawning, no privilege changes), in the sandbox's host cgroups (memory = the VM's size plus QEMU's
+  own, cpu, pids), so a kill of its freezer group ends it whatever it does;
+- opens nothing by path but the kernel and initramfs: the edge (root) opens each drive and hands QEMU the
+  fd (`-add-fd`), so the layer cache and the state dir stay private;
+- gets the image's EROFS layers as read-only virtio-blk drives (the same files every VM of the node and
+  every container use: one copy in the host's page cache), a sparse ext4 disk of the disk limit as the
+  writable layer, and the trusted device (dsec-agent and the trusted shell, EROFS, read-only);
+- has no network device (`-nodefaults`, no `-netdev`), no display, no reboot.
+The guest's pid 1 is dsec-agent, which speaks the same framed channel as in a gVisor sandbox
+(gvisor/agent.py) over a virtio-serial port whose host end is one end of a socketpair; QEMU's monitor
+(QMP) is a second socketpair, used for suspend (stop/cont). Files are read and written by the trusted
+shell inside the guest, so paths resolve in the guest's root and nowhere else.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bus import kinds
+from edge.backends import cgroups, idmap
+from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, Limits, OutputSink, SandboxGone,
+                                SandboxSpec, TRUSTED_SHELL)
+from edge.backends.cgroups import CgroupError, NodeCgroups
+from edge.backends.gvisor.agent import AgentChannel
+from edge.backends.gvisor.host import _join, _remove_groups, valid_id
+from edge.backends.microvm import guest
+from edge.backends.microvm.qmp import Qmp, QmpError
+from edge.backends.rootfiles import file_error
+
+__all__ = ["MicroVMBackend", "leftovers", "MIN_MEMORY"]
+
+DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
+MIN_MEMORY = kinds.MIN_MEMORY[kinds.MICROVM]
+QEMU_MEMORY = kinds.OVERHEAD[kinds.MICROVM][0]   # QEMU's own RSS beside the guest's RAM (host cgroup)
+READY_TIMEOUT = float(os.environ.get("DSEC_VM_READY_TIMEOUT", "90"))   # a cold boot under TCG on a busy node
+CMDLINE = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 tsc=reliable"
+HOST_TASKS = 512            # QEMU's threads: a backstop only, the guest's pids limit is the guest's own
+
+
+@dataclass
+class _VM:
+    spec: SandboxSpec
+    ids: idmap.IdRange
+    proc: asyncio.subprocess.Process | None = None
+    chan: AgentChannel | None = None
+    qmp: Qmp | None = None
+    dying: asyncio.Future | None = None
+    frozen_since: float | None = None
+    frozen_total: float = 0.0
+
+    def frozen_for(self) -> float:
+        return self.frozen_total + (time.monotonic() - self.frozen_since if self.frozen_since is not None else 0.0)
+
+
+class MicroVMBackend(Backend):
+    """One QEMU microvm per sandbox, its commands run by the guest's agent."""
+
+    kind = kinds.MICROVM
+
+    def __init__(self, state_dir: Path, node_id: str, *, qemu: str = "qemu-system-x86_64",
+                 accel: str = "tcg") -> None:
+        self.state_dir = Path(state_dir).resolve()
+        self.node_id = node_id
+        self.label = f"{node_id}.microvm"
+        self.qemu = shutil.which(qemu) or qemu
+        self.accel = accel
+        self._cgroups = NodeCgroups(self.label)
+        self._ids = idmap.Allocator(self.label)
+        self._vms: dict[str, _VM] = {}
+        self._guest: guest.Guest | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Build (or find) the guest's boot files, reconcile a crashed run's VMs, prepare cgroups."""
+        try:
+            self._guest = await asyncio.to_thread(guest.build)
+        except (guest.GuestError, OSError) as exc:
+            raise BackendError(f"microvm backend failed to start: {exc}") from exc
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.state_dir, 0o700)
+        await self._reconcile()
+        try:
+            self._cgroups.setup()
+            (self.state_dir / "vms").mkdir(exist_ok=True)
+        except (OSError, CgroupError) as exc:
+            await self._reconcile()
+            raise BackendError(f"microvm backend failed to start: {exc}") from exc
+
+    async def _reconcile(self) -> None:
+        """Kill every QEMU of this node (its cgroups), remove its groups and VM dirs, free its uid leases."""
+        problems = await self._cgroups.reconcile()
+        for pid in qemu_processes(self.state_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.state_dir / "vms", ignore_errors=True)
+        if not problems:
+            self._ids.setup()
+            await asyncio.to_thread(self._ids.reclaim)
+        if problems:
+            raise BackendError(f"cannot clean up microvm node {self.node_id}: {'; '.join(problems)}")
+
+    async def stop(self) -> None:
+        try:
+            results = await asyncio.gather(*(self.destroy(i) for i in list(self._vms)), return_exceptions=True)
+        finally:
+            await self._reconcile()
+        errors = [str(r) for r in results if isinstance(r, Exception) and not isinstance(r, SandboxGone)]
+        if errors:
+            raise BackendError(f"stop: {'; '.join(errors)}")
+
+    def sandboxes(self) -> list[str]:
+        return [i for i, vm in self._vms.items() if vm.dying is None]
+
+    # ------------------------------------------------------------ create / destroy
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.state_dir / "vms" / sandbox_id
+
+    async def create(self, spec: SandboxSpec) -> None:
+        """Boot a VM; returns once its agent answered. Nothing is left behind on failure."""
+        if not valid_id(spec.id):
+            raise BackendError(f"invalid sandbox id: {spec.id!r}")
+        if spec.id in self._vms:
+            raise BackendError(f"sandbox already exists: {spec.id}")
+        if spec.limits.memory < MIN_MEMORY:
+            raise BackendError(f"a microvm needs at least {MIN_MEMORY >> 20} MiB of memory, "
+                               f"asked {spec.limits.memory >> 20} MiB")
+        vm = self._vms[spec.id] = _VM(spec, idmap.IdRange(-1))
+        try:
+            vm.ids = self._ids.lease(spec.id)
+            await asyncio.to_thread(self._make_disk, vm)
+            host = Limits(cpu=spec.limits.cpu, memory=spec.limits.memory + QEMU_MEMORY, pids=HOST_TASKS,
+                          disk=spec.limits.disk)
+            groups = self._cgroups.create_sandbox(spec.id, host)
+            await self._boot(vm, groups)
+        except BaseException as exc:
+            vm.dying = asyncio.get_running_loop().create_future()
+            try:
+                await self._teardown(vm)
+            finally:
+                self._vms.pop(spec.id, None)
+            if isinstance(exc, (CgroupError, OSError, QmpError)):
+                raise BackendError(f"sandbox {spec.id}: {exc}") from exc
+            if isinstance(exc, asyncio.TimeoutError):
+                raise BackendError(f"sandbox {spec.id}: the VM did not boot within {READY_TIMEOUT:.0f}s "
+                                   f"({_tail(self._dir(spec.id) / 'console.log')})") from exc
+            raise
+
+    def _make_disk(self, vm: _VM) -> None:
+        """The VM's dir and its writable disk: a sparse file of the disk limit, ext4 without a journal."""
+        work = self._dir(vm.spec.id)
+        work.mkdir(mode=0o700)
+        disk = work / "disk.img"
+        with open(disk, "wb") as f:
+            f.truncate(max(vm.spec.limits.disk, 16 << 20))
+        mk = subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1",
+                             "-m", "0", str(disk)], capture_output=True, text=True)
+        if mk.returncode != 0:
+            raise BackendError(f"mkfs.ext4 of the VM's disk failed: {mk.stderr.strip()[-200:]}")
+
+    def _argv(self, vm: _VM, fds: dict[str, int], agent: int, monitor: int, console: int) -> list[str]:
+        g = self._guest
+        limits = vm.spec.limits
+        cpus = max(1, min(os.cpu_count() or 1, int(-(-limits.cpu // 1))))
+        argv = [self.qemu, "-M", "microvm", "-accel", self.accel, *(["-cpu", "host"] if self.accel == "kvm" else []),
+                "-m", f"{limits.memory >> 20}M", "-smp", str(cpus), "-nodefaults", "-no-user-config", "-no-reboot",
+                "-display", "none", "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+                "-kernel", str(g.kernel), "-initrd", str(g.initrd),
+                "-append", f"{CMDLINE} dsec.layers={len(vm.spec.layers)} dsec.host={vm.spec.id} dsec.pids={limits.pids}",
+                "-name", str(self._dir(vm.spec.id)),    # what qemu_processes finds it by
+                "-chardev", f"file,id=console,path=/dev/fdset/{len(fds) + 1}", "-serial", "chardev:console",
+                "-add-fd", f"fd={console},set={len(fds) + 1}",
+                "-device", "virtio-serial-device",
+                "-chardev", f"socket,id=agent,fd={agent}", "-device", "virtserialport,chardev=agent,name=dsec.agent",
+                "-chardev", f"socket,id=mon,fd={monitor}", "-mon", "chardev=mon,mode=control",
+                "-device", "virtio-rng-device"]
+        for n, (name, fd) in enumerate(fds.items(), start=1):
+            ro = name != "disk"
+            argv += ["-add-fd", f"fd={fd},set={n}"]
+            if not ro:   # QEMU opens a writable drive read-only first (probing), then read-write
+                argv += ["-add-fd", f"fd={fds['disk_ro']},set={n}"]
+            elif name == "disk_ro":
+                continue
+            argv += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none"
+                               f"{',readonly=on' if ro else ''}",
+                     "-device", f"virtio-blk-device,drive={name},serial=dsec-{name}"]
+        return argv
+
+    async def _boot(self, vm: _VM, groups: dict[str, Path]) -> None:
+        """Start QEMU as the sandbox's uid inside its groups; wait for the agent's ready frame."""
+        work = self._dir(vm.spec.id)
+        files = {"trusted": (self._guest.trusted, os.O_RDONLY), "disk": (work / "disk.img", os.O_RDWR),
+                 "disk_ro": (work / "disk.img", os.O_RDONLY)}
+        files.update({f"layer_{i}": (Path(p), os.O_RDONLY) for i, p in enumerate(vm.spec.layers)})
+        fds: dict[str, int] = {}
+        host_a, guest_a = socket.socketpair()
+        host_m, guest_m = socket.socketpair()
+        log = os.open(work / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        console = os.open(work / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            for name, (path, flags) in files.items():
+                fds[name] = os.open(path, flags | os.O_CLOEXEC)
+            tasks = [str(g / "tasks") for g in groups.values()]
+            uid = vm.ids.base
+
+            def become() -> None:
+                _join(tasks)
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console)
+            vm.proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                pass_fds=[*fds.values(), console, guest_a.fileno(), guest_m.fileno()], preexec_fn=become)
+        finally:
+            for fd in (*fds.values(), log, console):
+                os.close(fd)
+            guest_a.close()
+            guest_m.close()
+        vm.qmp = Qmp(host_m)
+        r = host_a.detach()
+        vm.chan = AgentChannel(vm.spec.id, os.dup(r), r)
+        exited = asyncio.ensure_future(vm.proc.wait())
+        try:
+            done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=READY_TIMEOUT,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise asyncio.TimeoutError
+            if not vm.chan.ready.done() or vm.chan.ready.exception() is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), 5)
+                raise BackendError(f"sandbox {vm.spec.id}: the VM stopped while booting (QEMU exit "
+                                   f"{vm.proc.returncode}): {_tail(work / 'qemu.log')} {_tail(work / 'console.log')}")
+        finally:
+            if not exited.done():
+                exited.cancel()
+
+    async def destroy(self, sandbox_id: str) -> None:
+        vm = self._vms.get(sandbox_id)
+        if vm is None:
+            raise SandboxGone(f"no such sandbox: {sandbox_id}")
+        if vm.dying is None:
+            vm.dying = asyncio.ensure_future(self._destroy(vm))
+        await asyncio.shield(vm.dying)
+
+    async def _destroy(self, vm: _VM) -> None:
+        try:
+            residue = await self._teardown(vm)
+        finally:
+            self._vms.pop(vm.spec.id, None)
+        if residue:
+            raise BackendError(f"destroy {vm.spec.id} left: {'; '.join(residue)}")
+
+    async def _teardown(self, vm: _VM) -> list[str]:
+        """Kill QEMU (its whole freezer group), remove its groups and dir; what could not be removed."""
+        residue: list[str] = []
+        groups = self._cgroups.sandbox(vm.spec.id)
+        try:
+            if vm.chan is not None:
+                vm.chan.close()
+            if vm.qmp is not None:
+                vm.qmp.close()
+            if vm.proc is not None and vm.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    vm.proc.kill()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(vm.proc.wait(), 10)
+            if groups["freezer"].exists() and not await cgroups.kill_tree(groups["freezer"]):
+                residue.append(f"processes survive in {groups['freezer']}")
+            residue.extend(await _remove_groups(groups))
+            shutil.rmtree(self._dir(vm.spec.id), ignore_errors=True)
+            if self._dir(vm.spec.id).exists():
+                residue.append(f"VM dir {self._dir(vm.spec.id)}")
+        finally:
+            if vm.ids.index >= 0 and not residue:
+                self._ids.release(vm.ids)
+        return residue
+
+    # ------------------------------------------------------------ freeze
+
+    async def freeze(self, sandbox_id: str) -> None:
+        """Stop the vCPUs (the RAM stays)."""
+        vm = self._live(sandbox_id)
+        if vm.frozen_since is None:
+            await vm.qmp.execute("stop")
+            vm.frozen_since = time.monotonic()
+
+    async def thaw(self, sandbox_id: str) -> None:
+        vm = self._live(sandbox_id)
+        if vm.frozen_since is not None:
+            await vm.qmp.execute("cont")
+            vm.frozen_total += time.monotonic() - vm.frozen_since
+            vm.frozen_since = None
+
+    def _live(self, sandbox_id: str) -> _VM:
+        vm = self._vms.get(sandbox_id)
+        if vm is None or vm.dying is not None or vm.chan is None:
+            raise SandboxGone(f"no such sandbox: {sandbox_id}")
+        if vm.chan.closed.done():
+            raise BackendError(f"sandbox {sandbox_id} is not running ({vm.chan.closed.result()}); destroy it")
+        return vm
+
+    # ------------------------------------------------------------ work
+
+    async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
+                   stdin: bytes | None, timeout: float, sink: OutputSink,
+                   control: ExecControl | None = None) -> ExecResult:
+        vm = self._live(sandbox_id)
+        if not argv:
+            raise BackendError("empty command")
+        return await vm.chan.exec(list(argv), {**DEFAULT_ENV, **vm.spec.env, **env}, cwd or "/", stdin,
+                                  timeout, sink, control, vm.frozen_for)
+
+    async def _shell(self, vm: _VM, script: str, args: list[str], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        out = {"stdout": bytearray(), "stderr": bytearray()}
+
+        async def sink(stream, data: bytes) -> None:
+            out[stream] += data
+        res = await vm.chan.exec([TRUSTED_SHELL, "-c", script, "sh", *args], DEFAULT_ENV, "/", stdin, 60.0, sink,
+                                 None, vm.frozen_for)
+        return res.exit_code, bytes(out["stdout"]), bytes(out["stderr"])
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create or truncate a file inside the guest (its own root: nothing of the host is reachable)."""
+        vm = self._live(sandbox_id)
+        code, _, err = await self._shell(vm, _WRITE, [path, f"{mode & 0o7777:o}"], data)
+        if code:
+            raise file_error(OSError(code, err.decode(errors="replace").strip() or os.strerror(code)), path, True)
+
+    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
+        vm = self._live(sandbox_id)
+        code, out, err = await self._shell(vm, _READ, [path, str(limit)], b"")
+        if code:
+            raise file_error(OSError(code, err.decode(errors="replace").strip() or os.strerror(code)), path, False)
+        return out
+
+    # ------------------------------------------------------------ checks
+
+    def residue(self, sandbox_id: str) -> list[str]:
+        out: list[str] = []
+        for path in self._cgroups.sandbox(sandbox_id).values():
+            if path.exists():
+                out.append(f"cgroup {path}")
+                out.extend(f"process {pid} in {path}" for pid in cgroups.procs_under(path))
+        if self._dir(sandbox_id).exists():
+            out.append(f"VM dir {self._dir(sandbox_id)}")
+        out.extend(f"qemu process {pid}" for pid in qemu_processes(self.state_dir, sandbox_id))
+        return out
+
+    def leftovers(self) -> list[str]:
+        out = list(NodeCgroups(self.label).describe())
+        vms = self.state_dir / "vms"
+        out.extend(f"VM dir {vms / d}" for d in (os.listdir(vms) if vms.is_dir() else []))
+        out.extend(f"uid range lease {i} ({key})" for i, key in self._ids.held().items() if key != idmap.DRAINING)
+        out.extend(f"qemu process {pid}" for pid in qemu_processes(self.state_dir))
+        return out
+
+
+# Exit codes are errnos, so file_error words them as for containers.
+_WRITE = (f'p=$1; [ -d "$p" ] && exit {errno.EISDIR}; d=${{p%/*}}; [ -z "$d" ] || [ -d "$d" ] || exit {errno.ENOENT}; '
+          f'cat > "$p" 2>/dev/null || exit {errno.EACCES}; chmod "$2" "$p"')
+_READ = (f'[ -e "$1" ] || exit {errno.ENOENT}; [ -d "$1" ] && exit {errno.EISDIR}; '
+         f'[ -r "$1" ] || exit {errno.EACCES}; head -c "$2" "$1"')
+
+
+def qemu_processes(state_dir: Path, sandbox_id: str | None = None) -> list[int]:
+    """Pids of QEMUs booted by this node (their console log is under its state dir), or of one VM."""
+    vms = Path(state_dir).resolve() / "vms"
+    mark = str(vms / sandbox_id).encode() if sandbox_id else f"{vms}/".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            words = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(w == mark if sandbox_id else w.startswith(mark) for w in words):
+            found.append(int(proc.name))
+    return found
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        return " | ".join(lines[-3:])[-400:] or "(empty log)"
+    except OSError:
+        return "(no log)"
+
+
+def leftovers(state_dir: Path, node_id: str) -> list[str]:
+    """Everything a microvm node (its state in state_dir) left on the host, without starting one."""
+    return MicroVMBackend(state_dir, node_id).leftovers()
+

@@ -1,0 +1,176 @@
+"""What a microVM boots: Debian's cloud kernel (from the Debian package, extracted into a cache, never
+installed into the host's /boot), an initramfs (init.sh, a static busybox, the few modules it loads) and
+the trusted device (an EROFS image of dsec-agent and the trusted shell, attached read-only).
+
+The kernel is fetched once, by `make setup` (`python -m edge.backends.microvm.guest`), into
+$DSEC_VM_CACHE (default /var/cache/dsec/vm), outside any state dir. The initramfs and the trusted
+device are rebuilt there whenever their sources change (their names carry a digest of them).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_PACKAGE = "linux-image-cloud-amd64"   # Debian's metapackage; its dependency is the versioned image
+MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console", "libcrc32c", "erofs",
+           "overlay", "virtio-rng")    # init.sh loads them in this order
+HERE = Path(__file__).parent
+INIT = HERE / "init.sh"
+AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"
+
+
+class GuestError(Exception):
+    """The guest's kernel or images are missing or cannot be built."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSEC_VM_CACHE", "/var/cache/dsec/vm"))
+
+
+@dataclass(frozen=True)
+class Guest:
+    """Paths of what a microVM boots."""
+
+    kernel: Path
+    initrd: Path
+    trusted: Path
+    version: str
+
+
+def kernel_dir() -> Path:
+    return cache_dir() / "kernel"
+
+
+def missing() -> str:
+    """'' when the guest kernel is in the cache, else why not (a cheap check: no build, no boot)."""
+    if not (kernel_dir() / "vmlinuz").is_file():
+        return f"no guest kernel in {kernel_dir()} (make setup fetches Debian's {KERNEL_PACKAGE})"
+    return ""
+
+
+def fetch_kernel() -> Path:
+    """Download Debian's cloud kernel package and extract vmlinuz and the modules init.sh loads."""
+    out = kernel_dir()
+    if (out / "vmlinuz").is_file():
+        return out
+    dep = subprocess.run(["apt-cache", "depends", KERNEL_PACKAGE], capture_output=True, text=True)
+    names = [ln.split(":", 1)[1].strip() for ln in dep.stdout.splitlines() if ln.strip().startswith("Depends:")]
+    image = next((n for n in names if n.startswith("linux-image-")), None)
+    if image is None:
+        raise GuestError(f"apt-cache knows no {KERNEL_PACKAGE} (run apt-get update): {dep.stderr.strip()}")
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        run = subprocess.run(["apt-get", "download", "-q", image], cwd=tmp, capture_output=True, text=True)
+        debs = list(Path(tmp).glob("*.deb"))
+        if not debs:
+            raise GuestError(f"apt-get download {image} failed: {run.stderr.strip()[-300:]}")
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), f"{tmp}/x"], check=True)
+        version = image[len("linux-image-"):]
+        stage = Path(tmp) / "kernel"
+        (stage / "modules").mkdir(parents=True)
+        shutil.copyfile(Path(tmp) / "x" / "boot" / f"vmlinuz-{version}", stage / "vmlinuz")
+        found = {p.name[:-3]: p for p in (Path(tmp) / "x" / "lib" / "modules" / version).rglob("*.ko")}
+        for mod in MODULES:
+            if mod in found:
+                shutil.copyfile(found[mod], stage / "modules" / f"{mod}.ko")
+        (stage / "version").write_text(version + "\n")
+        os.replace(stage, out)
+    return out
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(hashlib.sha256(p).digest())
+    return h.hexdigest()[:16]
+
+
+def _busybox() -> str:
+    from edge.erofs import find_busybox
+    return find_busybox()
+
+
+def _newc(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """A cpio archive in the kernel's newc format: (name, mode, data) entries, owned by root."""
+    out = bytearray()
+    for ino, (name, mode, data) in enumerate(entries + [("TRAILER!!!", 0, b"")], start=1):
+        nm = name.encode() + b"\0"
+        fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(nm), 0]
+        out += b"070701" + b"".join(b"%08X" % f for f in fields) + nm
+        out += b"\0" * (-len(out) % 4) + data
+        out += b"\0" * (-len(out) % 4)
+    return bytes(out)
+
+
+def build() -> Guest:
+    """The guest's kernel, initramfs and trusted device, built where missing or stale."""
+    why = missing()
+    if why:
+        raise GuestError(why)
+    kdir = kernel_dir()
+    busybox = Path(_busybox()).read_bytes()
+    init = INIT.read_bytes()
+    mods = {m: (kdir / "modules" / f"{m}.ko").read_bytes() for m in MODULES if (kdir / "modules" / f"{m}.ko").exists()}
+    initrd = cache_dir() / f"initrd-{_digest(init, busybox, *mods.values())}.gz"
+    if not initrd.exists():
+        entries = [(d, 0o40755, b"") for d in ("bin", "dev", "proc", "sys", "lib", "lib/modules", "newroot", "rw",
+                                               "trusted", "layers")]
+        entries += [("init", 0o100755, init), ("bin/busybox", 0o100755, busybox)]
+        entries += [(f"lib/modules/{m}.ko", 0o100644, data) for m, data in mods.items()]
+        _put(initrd, gzip.compress(_newc(entries), compresslevel=1))
+    source = AGENT_SOURCE.read_bytes()
+    trusted = cache_dir() / f"trusted-{_digest(source, busybox)}.erofs"
+    if not trusted.exists():
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            root = Path(tmp) / "root"
+            root.mkdir(mode=0o755)
+            cc = shutil.which("cc") or shutil.which("gcc") or "cc"
+            cc_run = subprocess.run([cc, "-O2", "-static", "-Wall", "-o", str(root / "agent"), str(AGENT_SOURCE)],
+                                    capture_output=True, text=True)
+            if cc_run.returncode != 0:
+                raise GuestError(f"cannot build the guest agent: {cc_run.stderr.strip()[-300:]}")
+            shutil.copyfile(_busybox(), root / "sh")
+            for name in ("agent", "sh"):
+                os.chmod(root / name, 0o555)
+            img = Path(tmp) / "trusted.erofs"
+            mk = subprocess.run(["mkfs.erofs", "--quiet", "--all-root", str(img), str(root)],
+                                capture_output=True, text=True)
+            if mk.returncode != 0:
+                raise GuestError(f"mkfs.erofs of the trusted device failed: {mk.stderr.strip()[-300:]}")
+            os.chmod(img, 0o444)
+            os.replace(img, trusted)
+    return Guest(kdir / "vmlinuz", initrd, trusted, (kdir / "version").read_text().strip())
+
+
+def _put(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m edge.backends.microvm.guest",
+                                 description="Fetch Debian's cloud kernel into the VM cache and build the microVM "
+                                             "guest's initramfs and trusted device (make setup runs this).")
+    ap.parse_args(argv)
+    try:
+        fetch_kernel()
+        g = build()
+    except (GuestError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"microvm guest: {exc}", file=sys.stderr)
+        return 1
+    print(f"microvm guest: kernel {g.version}, {g.initrd.name}, {g.trusted.name} in {cache_dir()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

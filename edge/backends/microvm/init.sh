@@ -1,0 +1,58 @@
+#!/bin/busybox sh
+# dsec-init: the microVM guest's /init (in the initramfs, with a static busybox and the kernel modules).
+# Devices, found by their virtio-blk serial: dsec-trusted (EROFS: the agent and the trusted shell),
+# dsec-disk (ext4: the writable layer), dsec-layer_<i> (EROFS image layers, 0 lowest). The root is an
+# overlay of the layers under the disk; /.dsec is the trusted device, read-only (the block device itself
+# is read-only on the host side, so no remount can make it writable). The agent runs as pid 1 in the
+# root, its stdio the virtio-serial port named dsec.agent.
+B=/bin/busybox
+fail() { echo "dsec-init: $*" >/dev/kmsg; exec $B sleep 1; }
+$B mount -t proc proc /proc
+$B mount -t sysfs sys /sys
+$B mount -t devtmpfs dev /dev
+for m in virtio_ring virtio virtio_mmio virtio_blk virtio_console libcrc32c erofs overlay virtio-rng; do
+  $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/${m//-/_} ] || fail "insmod $m failed"
+done
+HOST=sandbox
+for a in $($B cat /proc/cmdline); do
+  case $a in dsec.layers=*) N=${a#*=};; dsec.host=*) HOST=${a#*=};; dsec.pids=*) PIDS=${a#*=};; esac
+done
+$B hostname "$HOST"
+for b in /sys/block/vd*; do
+  s=$($B cat $b/serial 2>/dev/null)
+  case $s in dsec-*) eval "dev_${s#dsec-}=/dev/${b##*/}";; esac
+done
+dev() { eval "echo \$dev_$1"; }
+$B mkdir -p /trusted /rw /newroot
+$B mount -t erofs -o ro "$(dev trusted)" /trusted || fail "no trusted device"
+$B mount -t ext4 -o nosuid,nodev "$(dev disk)" /rw || fail "no writable disk"
+$B mkdir -p /rw/upper /rw/work
+lower=""
+i=0
+while [ "$i" -lt "${N:-0}" ]; do
+  $B mkdir -p /layers/$i
+  $B mount -t erofs -o ro "$(dev layer_$i)" /layers/$i || fail "layer $i did not mount"
+  lower="/layers/$i${lower:+:$lower}"
+  i=$((i + 1))
+done
+[ -n "$lower" ] || { $B mkdir -p /layers/empty; lower=/layers/empty; }
+$B mount -t overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work" overlay /newroot || fail "overlay"
+cd /newroot
+$B mkdir -p proc sys dev tmp .dsec
+$B chmod 1777 tmp
+$B mount -t sysfs -o ro sys sys
+$B mount -t devtmpfs dev dev
+$B mount --bind /trusted .dsec
+$B mount -o remount,bind,ro,nosuid,nodev .dsec
+port=""
+for p in /sys/class/virtio-ports/*; do [ "$($B cat $p/name 2>/dev/null)" = dsec.agent ] && port=${p##*/}; done
+[ -n "$port" ] || fail "no agent port"
+# Commands may hold the guest's memory less what the kernel, the agent and the page cache of what runs
+# need (32 MiB): past it the command is OOM-killed at once (the agent's memory group), never thrashing.
+total=$($B awk '/^MemTotal:/ { print $2 * 1024 }' /proc/meminfo)
+export DSEC_MEMORY_MAX=$((total - (32 << 20)))
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin DSEC_PIDS_MAX=${PIDS:-256}
+# The agent is pid 1 of a pid namespace of its own (this shell stays the kernel's init and waits for it):
+# commands see their own processes in /proc, not the guest kernel's threads.
+exec $B unshare -p -f -m $B sh -c "$B mount -t proc proc /newroot/proc && exec $B chroot /newroot /.dsec/agent" \
+  0<>/dev/$port 1>&0 2>/dev/kmsg
