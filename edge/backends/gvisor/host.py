@@ -47,18 +47,23 @@ async def _remove_groups(groups: dict[str, Path], timeout: float = 5.0) -> list[
     return busy
 
 
-def runsc_processes(state_dir: Path, key: str | None = None) -> list[int]:
-    """Pids of runsc processes (sentry, gofer, commands) using our runsc root (of one container)."""
-    root = f"--root={state_dir / 'runsc'}".encode()
+def processes_where(match) -> list[int]:
+    """Pids of the host's processes whose command line (its words, bytes) match(words) accepts."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             words = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if root in words and (key is None or key.encode() in words):
+        if match(words):
             found.append(int(proc.name))
     return found
+
+
+def runsc_processes(state_dir: Path, key: str | None = None) -> list[int]:
+    """Pids of runsc processes (sentry, gofer, commands) using our runsc root (of one container)."""
+    root = f"--root={state_dir / 'runsc'}".encode()
+    return processes_where(lambda words: root in words and (key is None or key.encode() in words))
 
 
 def _tail(path: Path) -> str:

@@ -36,7 +36,7 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
                                 SandboxSpec, TRUSTED_SHELL)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.agent import AgentChannel
-from edge.backends.gvisor.host import _join, _remove_groups, valid_id
+from edge.backends.gvisor.host import _join, _remove_groups, processes_where, valid_id
 from edge.backends.microvm import guest
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.rootfiles import file_error
@@ -382,15 +382,7 @@ def qemu_processes(state_dir: Path, sandbox_id: str | None = None) -> list[int]:
     """Pids of QEMUs booted by this node (their console log is under its state dir), or of one VM."""
     vms = Path(state_dir).resolve() / "vms"
     mark = str(vms / sandbox_id).encode() if sandbox_id else f"{vms}/".encode()
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            words = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(w == mark if sandbox_id else w.startswith(mark) for w in words):
-            found.append(int(proc.name))
-    return found
+    return processes_where(lambda words: any(w == mark if sandbox_id else w.startswith(mark) for w in words))
 
 
 def _tail(path: Path) -> str:

@@ -319,6 +319,21 @@ static void write_file(const char *path, const char *text) {
     if (fd >= 0) close(fd);
 }
 
+/* Mount one cgroup v1 controller at dir and make its group dir/sandbox with file set to value; 1 if done. */
+static int sandbox_group(const char *dir, const char *controller, const char *file, const char *value) {
+    char path[96];
+    mkdir(dir, 0700);
+    if (mount("none", dir, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, controller)) {
+        fprintf(stderr, "dsec-agent: mount %s cgroup: %s\n", controller, strerror(errno));
+        return 0;
+    }
+    snprintf(path, sizeof path, "%s/sandbox", dir);
+    mkdir(path, 0700);
+    snprintf(path, sizeof path, "%s/sandbox/%s", dir, file);
+    write_file(path, value);
+    return 1;
+}
+
 /* The sandbox's pids limit, enforced by the sentry's own pids controller (fork fails with EAGAIN): the
  * agent and so every exec join a group limited to $DSEC_PIDS_MAX, mounted at /dev/.pids (it must stay
  * mounted for the limit to hold). The host cgroup's pids limit is only a backstop for the sentry. */
@@ -326,13 +341,7 @@ static void limit_pids(void) {
     const char *max = getenv("DSEC_PIDS_MAX");
     char pid[32];
     if (!max) return;
-    mkdir("/dev/.pids", 0700);
-    if (mount("none", "/dev/.pids", "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "pids")) {
-        fprintf(stderr, "dsec-agent: mount pids cgroup: %s\n", strerror(errno));
-        return;
-    }
-    mkdir("/dev/.pids/sandbox", 0700);
-    write_file("/dev/.pids/sandbox/pids.max", max);
+    if (!sandbox_group("/dev/.pids", "pids", "pids.max", max)) return;
     snprintf(pid, sizeof pid, "%d", getpid());
     write_file("/dev/.pids/sandbox/cgroup.procs", pid);
     groups_ok = 1;
@@ -344,14 +353,7 @@ static void limit_pids(void) {
 static void limit_memory(void) {
     const char *max = getenv("DSEC_MEMORY_MAX");
     if (!max) return;
-    mkdir("/dev/.mem", 0700);
-    if (mount("none", "/dev/.mem", "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "memory")) {
-        fprintf(stderr, "dsec-agent: mount memory cgroup: %s\n", strerror(errno));
-        return;
-    }
-    mkdir("/dev/.mem/sandbox", 0700);
-    write_file("/dev/.mem/sandbox/memory.limit_in_bytes", max);
-    mem_ok = 1;
+    mem_ok = sandbox_group("/dev/.mem", "memory", "memory.limit_in_bytes", max);
 }
 
 static void group_path(char *buf, size_t n, uint32_t id, const char *file) {
