@@ -82,6 +82,7 @@ class MicroVMConfig(_Config, tag=kinds.MICROVM):
 
     qemu: str = "qemu-system-x86_64"
     accel: str = "tcg"
+    templates: bool = True      # creates restore a saved VM per (layers, size) instead of booting
 
     def available(self) -> str:
         if shutil.which(self.qemu) is None:
@@ -91,7 +92,7 @@ class MicroVMConfig(_Config, tag=kinds.MICROVM):
 
     def build(self, state_dir: Path, node_id: str) -> Backend:
         from edge.backends.microvm import MicroVMBackend
-        return MicroVMBackend(state_dir, node_id, qemu=self.qemu, accel=self.accel)
+        return MicroVMBackend(state_dir, node_id, qemu=self.qemu, accel=self.accel, templates=self.templates)
 
 
 class FullVMConfig(_Config, tag=kinds.FULLVM):

@@ -165,12 +165,30 @@ class AgentChannel:
 
     async def set_hostname(self, name: str) -> None:
         """sethostname inside the sandbox (the agent keeps CAP_SYS_ADMIN for this; execs do not)."""
+        await self._call(b"H", name.encode(), f"sethostname {name!r}")
+
+    async def wake(self, name: str, timeout: float = 10.0) -> None:
+        """A VM restored from a template: set its clock to the host's, reseed its RNG from the host's
+        randomness, name it; the channel is ready once the agent answered."""
+        now = time.clock_gettime_ns(time.CLOCK_REALTIME)
+        await self._call(b"W", struct.pack("<qq", now // 10**9, now % 10**9) + os.urandom(32) + name.encode(),
+                         f"waking as {name!r}", timeout)
+        if not self.ready.done():
+            self.ready.set_result(None)
+
+    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0) -> None:
+        """One request the agent answers with an errno ('H' frames)."""
         self._next += 1
-        call = self._calls[self._next] = asyncio.get_running_loop().create_future()
-        self._send(b"H", self._next, name.encode())
-        err = await asyncio.wait_for(call, 10)
-        if err:
-            raise BackendError(f"sethostname {name!r} in sandbox {self.sandbox_id}: {os.strerror(err)}")
+        xid = self._next
+        call = self._calls[xid] = asyncio.get_running_loop().create_future()
+        self._send(kind, xid, payload)
+        done, _ = await asyncio.wait({call, self.closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if call not in done:
+            self._calls.pop(xid, None)
+            raise BackendError(f"{what} in sandbox {self.sandbox_id}: "
+                               f"{'its agent is gone' if self.closed.done() else f'no answer within {timeout:.0f}s'}")
+        if call.result():
+            raise BackendError(f"{what} in sandbox {self.sandbox_id}: {os.strerror(call.result())}")
 
     # ------------------------------------------------------------ exec
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import os
 import shutil
@@ -36,8 +37,9 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
                                 SandboxSpec, TRUSTED_SHELL)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.agent import AgentChannel
-from edge.backends.gvisor.host import _join, _remove_groups, processes_where, valid_id
-from edge.backends.microvm import guest
+from edge.backends.gvisor.host import _join, _remove_groups, valid_id
+from edge.backends.microvm import guest, qemu, template
+from edge.backends.microvm.qemu import cpus, disk_size, log_tail, qemu_processes
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.rootfiles import file_error
 
@@ -47,7 +49,7 @@ DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 MIN_MEMORY = kinds.MIN_MEMORY[kinds.MICROVM]
 QEMU_MEMORY = kinds.OVERHEAD[kinds.MICROVM][0]   # QEMU's own RSS beside the guest's RAM (host cgroup)
 READY_TIMEOUT = float(os.environ.get("DSEC_VM_READY_TIMEOUT", "90"))   # a cold boot under TCG on a busy node
-CMDLINE = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 tsc=reliable"
+IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]   # a template's RAM stays out of its state
 HOST_TASKS = 512            # QEMU's threads: a backstop only, the guest's pids limit is the guest's own
 
 
@@ -72,7 +74,7 @@ class MicroVMBackend(Backend):
     kind = kinds.MICROVM
 
     def __init__(self, state_dir: Path, node_id: str, *, qemu: str = "qemu-system-x86_64",
-                 accel: str = "tcg") -> None:
+                 accel: str = "tcg", templates: bool = True) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.node_id = node_id
         self.label = f"{node_id}.microvm"
@@ -82,6 +84,8 @@ class MicroVMBackend(Backend):
         self._ids = idmap.Allocator(self.label)
         self._vms: dict[str, _VM] = {}
         self._guest: guest.Guest | None = None
+        self.use_templates = templates
+        self._templates = template.Templates(self.state_dir / "templates")
 
     # ------------------------------------------------------------ lifecycle
 
@@ -102,7 +106,9 @@ class MicroVMBackend(Backend):
             raise BackendError(f"microvm backend failed to start: {exc}") from exc
 
     async def _reconcile(self) -> None:
-        """Kill every QEMU of this node (its cgroups), remove its groups and VM dirs, free its uid leases."""
+        """Kill every QEMU of this node (its cgroups), remove its groups, VM dirs and templates, free its uid
+        leases."""
+        await self._templates.clear()        # a crashed edge's templates died with it (their RAM is memfds)
         problems = await self._cgroups.reconcile()
         for pid in qemu_processes(self.state_dir):
             with contextlib.suppress(ProcessLookupError):
@@ -143,11 +149,12 @@ class MicroVMBackend(Backend):
         vm = self._vms[spec.id] = _VM(spec, idmap.IdRange(-1))
         try:
             vm.ids = self._ids.lease(spec.id)
-            await asyncio.to_thread(self._make_disk, vm)
-            host = Limits(cpu=spec.limits.cpu, memory=spec.limits.memory + QEMU_MEMORY, pids=HOST_TASKS,
-                          disk=spec.limits.disk)
-            groups = self._cgroups.create_sandbox(spec.id, host)
-            await self._boot(vm, groups)
+            groups = self._cgroups.create_sandbox(spec.id, _host_limits(spec.limits))
+            if self.use_templates:
+                await self._restore(vm, groups, await self._template(spec))
+            else:
+                await asyncio.to_thread(self._make_disk, vm)
+                await self._boot(vm, groups)
         except BaseException as exc:
             vm.dying = asyncio.get_running_loop().create_future()
             try:
@@ -158,8 +165,91 @@ class MicroVMBackend(Backend):
                 raise BackendError(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
                 raise BackendError(f"sandbox {spec.id}: the VM did not boot within {READY_TIMEOUT:.0f}s "
-                                   f"({_tail(self._dir(spec.id) / 'console.log')})") from exc
+                                   f"({log_tail(self._dir(spec.id) / 'console.log')})") from exc
             raise
+
+    # ------------------------------------------------------------ templates
+
+    async def _template(self, spec: SandboxSpec) -> template.Template:
+        limits = spec.limits
+        key = template.key_of(self._guest, self.accel, limits.memory, cpus(limits), disk_size(limits), limits.pids,
+                              len(spec.layers), layers=list(spec.layers))
+        return await self._templates.get(key, lambda path: self._build_template(path, spec))
+
+    async def _build_template(self, path: Path, spec: SandboxSpec) -> tuple[int, int]:
+        """Boot a VM of spec's layers and size with its RAM in a memfd, save its device state into path,
+        keep its disk as it was then; return the (sealed) memfd."""
+        vm = _VM(dataclasses.replace(spec, id=f"template.{path.name}", env={}), idmap.IdRange(-1))
+        ram = template.new_ram(spec.limits.memory)
+        try:
+            vm.ids = self._ids.lease(vm.spec.id)
+            await asyncio.to_thread(self._make_disk, vm)
+            await self._boot(vm, self._cgroups.create_sandbox(vm.spec.id, _host_limits(spec.limits)), ram=ram)
+            state = os.open(path / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                await vm.qmp.execute("getfd", fd=state, fdname="template")
+            finally:
+                os.close(state)
+            await vm.qmp.execute("migrate-set-capabilities", capabilities=IGNORE_SHARED)
+            await vm.qmp.execute("migrate", uri="fd:template")
+            deadline = time.monotonic() + READY_TIMEOUT
+            while (st := await vm.qmp.execute("query-migrate")).get("status") != "completed":
+                if st.get("status") in ("failed", "cancelled") or time.monotonic() > deadline:
+                    raise BackendError(f"saving the template failed: {st.get('error-desc', st.get('status'))}")
+                await asyncio.sleep(0.01)
+            vm.proc.kill()
+            await vm.proc.wait()
+            os.rename(self._dir(vm.spec.id) / "disk.img", path / "disk.img")
+            template.seal(ram)
+        except BaseException as exc:
+            os.close(ram)
+            if isinstance(exc, (OSError, CgroupError, QmpError)):
+                raise BackendError(f"building the template failed: {exc}") from exc
+            if isinstance(exc, asyncio.TimeoutError):
+                raise BackendError(f"the template VM did not boot within {READY_TIMEOUT:.0f}s "
+                                   f"({log_tail(self._dir(vm.spec.id) / 'console.log')})") from exc
+            raise
+        finally:
+            vm.dying = asyncio.get_running_loop().create_future()
+            residue = await self._teardown(vm)
+            if residue:
+                raise BackendError(f"the template VM left: {'; '.join(residue)}")
+        return ram, spec.limits.memory
+
+    async def _restore(self, vm: _VM, groups: dict[str, Path], tpl: template.Template) -> None:
+        """Start the VM from tpl: its own copy of the template's disk, the template's RAM copy-on-write."""
+        work = self._dir(vm.spec.id)
+        await asyncio.to_thread(work.mkdir, 0o700)
+        await asyncio.to_thread(template.copy_sparse, tpl.disk, work / "disk.img")
+        state = os.open(tpl.state, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            exited = await self._spawn(vm, groups, ram=tpl.ram, incoming=state)
+        except BaseException:
+            os.close(state)
+            raise
+        try:
+            await vm.qmp.execute("migrate-set-capabilities", capabilities=IGNORE_SHARED)
+            await vm.qmp.execute("migrate-incoming", uri=f"fd:{state}")
+            vm.chan.ready.add_done_callback(lambda f: f.cancelled() or f.exception())   # wake() reports it
+            wake = asyncio.ensure_future(vm.chan.wake(vm.spec.id, READY_TIMEOUT))
+            await asyncio.wait({wake, exited}, return_when=asyncio.FIRST_COMPLETED)
+            if not wake.done() or wake.exception() is not None:
+                if not exited.done():    # the agent is gone: QEMU is on its way out (or wedged)
+                    await asyncio.wait({exited}, timeout=5)
+                wake.cancel()
+                with contextlib.suppress(BaseException):
+                    await wake
+                if exited.done():
+                    self._templates.drop(tpl.key)     # a template that does not restore is built again
+                    raise BackendError(f"sandbox {vm.spec.id}: the VM stopped while restoring from its template "
+                                       f"(QEMU exit {vm.proc.returncode}): {log_tail(work / 'qemu.log')}")
+                wake.result()
+        finally:
+            os.close(state)
+            if not exited.done():
+                exited.cancel()
+
+    # ------------------------------------------------------------ boot
 
     def _make_disk(self, vm: _VM) -> None:
         """The VM's dir and its writable disk: a sparse file of the disk limit, ext4 without a journal."""
@@ -167,42 +257,39 @@ class MicroVMBackend(Backend):
         work.mkdir(mode=0o700)
         disk = work / "disk.img"
         with open(disk, "wb") as f:
-            f.truncate(max(vm.spec.limits.disk, 16 << 20))
+            f.truncate(disk_size(vm.spec.limits))
         mk = subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1",
                              "-m", "0", str(disk)], capture_output=True, text=True)
         if mk.returncode != 0:
             raise BackendError(f"mkfs.ext4 of the VM's disk failed: {mk.stderr.strip()[-200:]}")
 
-    def _argv(self, vm: _VM, fds: dict[str, int], agent: int, monitor: int, console: int) -> list[str]:
-        g = self._guest
-        limits = vm.spec.limits
-        cpus = max(1, min(os.cpu_count() or 1, int(-(-limits.cpu // 1))))
-        argv = [self.qemu, "-M", "microvm", "-accel", self.accel, *(["-cpu", "host"] if self.accel == "kvm" else []),
-                "-m", f"{limits.memory >> 20}M", "-smp", str(cpus), "-nodefaults", "-no-user-config", "-no-reboot",
-                "-display", "none", "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-                "-kernel", str(g.kernel), "-initrd", str(g.initrd),
-                "-append", f"{CMDLINE} dsec.layers={len(vm.spec.layers)} dsec.host={vm.spec.id} dsec.pids={limits.pids}",
-                "-name", str(self._dir(vm.spec.id)),    # what qemu_processes finds it by
-                "-chardev", f"file,id=console,path=/dev/fdset/{len(fds) + 1}", "-serial", "chardev:console",
-                "-add-fd", f"fd={console},set={len(fds) + 1}",
-                "-device", "virtio-serial-device",
-                "-chardev", f"socket,id=agent,fd={agent}", "-device", "virtserialport,chardev=agent,name=dsec.agent",
-                "-chardev", f"socket,id=mon,fd={monitor}", "-mon", "chardev=mon,mode=control",
-                "-device", "virtio-rng-device"]
-        for n, (name, fd) in enumerate(fds.items(), start=1):
-            ro = name != "disk"
-            argv += ["-add-fd", f"fd={fd},set={n}"]
-            if not ro:   # QEMU opens a writable drive read-only first (probing), then read-write
-                argv += ["-add-fd", f"fd={fds['disk_ro']},set={n}"]
-            elif name == "disk_ro":
-                continue
-            argv += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none"
-                               f"{',readonly=on' if ro else ''}",
-                     "-device", f"virtio-blk-device,drive={name},serial=dsec-{name}"]
-        return argv
+    def _argv(self, vm: _VM, fds: dict[str, int], agent: int, monitor: int, console: int,
+              ram: int | None, incoming: int | None) -> list[str]:
+        return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.spec.id), fds,
+                         agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming)
 
-    async def _boot(self, vm: _VM, groups: dict[str, Path]) -> None:
-        """Start QEMU as the sandbox's uid inside its groups; wait for the agent's ready frame."""
+    async def _boot(self, vm: _VM, groups: dict[str, Path], ram: int | None = None) -> None:
+        """Boot: start QEMU, wait for the agent's ready frame."""
+        work = self._dir(vm.spec.id)
+        exited = await self._spawn(vm, groups, ram=ram)
+        try:
+            done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=READY_TIMEOUT,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise asyncio.TimeoutError
+            if not vm.chan.ready.done() or vm.chan.ready.exception() is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), 5)
+                raise BackendError(f"sandbox {vm.spec.id}: the VM stopped while booting (QEMU exit "
+                                   f"{vm.proc.returncode}): {log_tail(work / 'qemu.log')} {log_tail(work / 'console.log')}")
+        finally:
+            if not exited.done():
+                exited.cancel()
+
+    async def _spawn(self, vm: _VM, groups: dict[str, Path], *, ram: int | None = None,
+                     incoming: int | None = None) -> asyncio.Future:
+        """Start QEMU as the sandbox's uid inside its groups, its agent channel and monitor connected;
+        a future of its exit."""
         work = self._dir(vm.spec.id)
         files = {"trusted": (self._guest.trusted, os.O_RDONLY), "disk": (work / "disk.img", os.O_RDWR),
                  "disk_ro": (work / "disk.img", os.O_RDONLY)}
@@ -223,10 +310,11 @@ class MicroVMBackend(Backend):
                 os.setgroups([])
                 os.setgid(uid)
                 os.setuid(uid)
-            argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console)
+            argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming)
+            extra = [fd for fd in (ram, incoming) if fd is not None]
             vm.proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                pass_fds=[*fds.values(), console, guest_a.fileno(), guest_m.fileno()], preexec_fn=become)
+                pass_fds=[*fds.values(), console, guest_a.fileno(), guest_m.fileno(), *extra], preexec_fn=become)
         finally:
             for fd in (*fds.values(), log, console):
                 os.close(fd)
@@ -235,20 +323,7 @@ class MicroVMBackend(Backend):
         vm.qmp = Qmp(host_m)
         r = host_a.detach()
         vm.chan = AgentChannel(vm.spec.id, os.dup(r), r)
-        exited = asyncio.ensure_future(vm.proc.wait())
-        try:
-            done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=READY_TIMEOUT,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise asyncio.TimeoutError
-            if not vm.chan.ready.done() or vm.chan.ready.exception() is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(exited), 5)
-                raise BackendError(f"sandbox {vm.spec.id}: the VM stopped while booting (QEMU exit "
-                                   f"{vm.proc.returncode}): {_tail(work / 'qemu.log')} {_tail(work / 'console.log')}")
-        finally:
-            if not exited.done():
-                exited.cancel()
+        return asyncio.ensure_future(vm.proc.wait())
 
     async def destroy(self, sandbox_id: str) -> None:
         vm = self._vms.get(sandbox_id)
@@ -368,6 +443,9 @@ class MicroVMBackend(Backend):
         out.extend(f"VM dir {vms / d}" for d in (os.listdir(vms) if vms.is_dir() else []))
         out.extend(f"uid range lease {i} ({key})" for i, key in self._ids.held().items() if key != idmap.DRAINING)
         out.extend(f"qemu process {pid}" for pid in qemu_processes(self.state_dir))
+        out.extend(f"template {key}" for key in self._templates.held())
+        if self._templates.root.exists():
+            out.append(f"templates dir {self._templates.root}")
         return out
 
 
@@ -378,19 +456,9 @@ _READ = (f'[ -e "$1" ] || exit {errno.ENOENT}; [ -d "$1" ] && exit {errno.EISDIR
          f'[ -r "$1" ] || exit {errno.EACCES}; head -c "$2" "$1"')
 
 
-def qemu_processes(state_dir: Path, sandbox_id: str | None = None) -> list[int]:
-    """Pids of QEMUs booted by this node (their console log is under its state dir), or of one VM."""
-    vms = Path(state_dir).resolve() / "vms"
-    mark = str(vms / sandbox_id).encode() if sandbox_id else f"{vms}/".encode()
-    return processes_where(lambda words: any(w == mark if sandbox_id else w.startswith(mark) for w in words))
-
-
-def _tail(path: Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        return " | ".join(lines[-3:])[-400:] or "(empty log)"
-    except OSError:
-        return "(no log)"
+def _host_limits(limits: Limits) -> Limits:
+    """The QEMU process's host groups: the VM's memory plus QEMU's own, its cpu, a backstop on threads."""
+    return Limits(cpu=limits.cpu, memory=limits.memory + QEMU_MEMORY, pids=HOST_TASKS, disk=limits.disk)
 
 
 def leftovers(state_dir: Path, node_id: str) -> list[str]:

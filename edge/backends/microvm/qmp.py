@@ -39,13 +39,17 @@ class Qmp:
                 raise QmpError(f"{msg['error'].get('class')}: {msg['error'].get('desc')}")
             return msg
 
-    async def execute(self, command: str, timeout: float = 10.0, **arguments) -> object:
-        """Run one command; its `return` value."""
+    async def execute(self, command: str, timeout: float = 10.0, *, fd: int | None = None, **arguments) -> object:
+        """Run one command (with fd passed beside it, as `getfd` wants); its `return` value."""
         async with self._lock:
             async def run() -> object:
                 reader, writer = await self._open()
-                writer.write(json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})})
-                             .encode() + b"\n")
+                line = json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})}).encode()
+                if fd is None:
+                    writer.write(line + b"\n")
+                else:       # SCM_RIGHTS beside the line: nothing else is queued (one command at a time)
+                    await writer.drain()
+                    socket.send_fds(self._sock, [line + b"\n"], [fd])
                 return (await self._answer(reader)).get("return")
             try:
                 return await asyncio.wait_for(run(), timeout)

@@ -8,6 +8,10 @@
  *            'S' u32 signal to the exec's process group      'K' kill the exec's whole tree
  *            'G' u32 output bytes the edge has consumed (flow-control credit)
  *            'H' set the hostname to the payload (answered 'H' u32 errno, with the same id)
+ *            'W' woken from a template (a restored VM): i64 seconds, i64 nanoseconds of the host's clock,
+ *                32 bytes of the host's randomness, the hostname; the agent sets the clock, mixes the
+ *                bytes into the kernel's pool and reseeds its RNG (siblings of one template share no
+ *                RNG state), sets the hostname (answered 'H' u32 errno of the first step that failed)
  * Replies:   'R' ready (id 0, once)    'P' u32 pid: started    'F' stage\0errno\0text: never started
  *            'O' / 'e' stdout / stderr bytes    'A' one 'I' frame written    'C' its stdin is gone
  *            'X' i32 wait status, u64 cpu microseconds, u64 peak rss KiB: exited, pipes at EOF
@@ -27,11 +31,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/random.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #define MAXEXEC 256
@@ -263,6 +270,25 @@ static void pump_stdin(struct exec *x) {
     if (x->pend) { free(x->pend); x->pend = NULL; reply('A', x->id, NULL, 0, NULL, 0); }
 }
 
+/* A restored VM's first request: the host's time, fresh entropy (credited and the CRNG reseeded at once,
+ * so no output of the template's RNG state is reused), its own hostname. 0 or an errno. */
+static uint32_t wake(const char *p, size_t n) {
+    if (n < 48) return EINVAL;
+    struct timespec ts;
+    int64_t sec, nsec;
+    memcpy(&sec, p, 8); memcpy(&nsec, p + 8, 8);
+    ts.tv_sec = (time_t)sec; ts.tv_nsec = (long)nsec;
+    if (clock_settime(CLOCK_REALTIME, &ts)) return (uint32_t)errno;
+    struct { int entropy_count, buf_size; unsigned char buf[32]; } seed = { 256, 32, {0} };
+    memcpy(seed.buf, p + 16, 32);
+    int r = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (r < 0) return (uint32_t)errno;
+    uint32_t e = ioctl(r, RNDADDENTROPY, &seed) || ioctl(r, RNDRESEEDCRNG) ? (uint32_t)errno : 0;
+    close(r);
+    if (e) return e;
+    return sethostname(p + 48, n - 48) ? (uint32_t)errno : 0;
+}
+
 static void request(char type, uint32_t id, const char *p, size_t n) {
     if (type == 'E') { start_exec(id, p, n); return; }
     if (type == 'H') {
@@ -270,6 +296,7 @@ static void request(char type, uint32_t id, const char *p, size_t n) {
         reply('H', id, &e, 4, NULL, 0);
         return;
     }
+    if (type == 'W') { reply('H', id, (uint32_t[]){ wake(p, n) }, 4, NULL, 0); return; }
     struct exec *x = find(id);
     if (!x) { if (type == 'I') reply('C', id, NULL, 0, NULL, 0); return; }
     if (type == 'I') {

@@ -1,0 +1,73 @@
+"""QEMU's side of a microVM: its command line, and finding its processes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from edge.backends.base import Limits, SandboxSpec
+from edge.backends.gvisor.host import processes_where
+from edge.backends.microvm.guest import Guest
+
+CMDLINE = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 tsc=reliable"
+SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: dict[str, int], *, agent: int,
+         monitor: int, console: int, ram: int | None, incoming: int | None) -> list[str]:
+    """QEMU's command line: drives are fds (fds: name -> fd; `disk` writable, `disk_ro` its probing twin),
+    agent and monitor socket fds, console a file fd. With ram (a memfd): guest RAM in it, shared while a
+    template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd)."""
+    limits = spec.limits
+    machine = "microvm"
+    memory: list[str] = []
+    if ram is not None:
+        machine += ",memory-backend=ram"
+        memory = ["-object", f"memory-backend-file,id=ram,size={limits.memory >> 20}M,"
+                             f"mem-path=/proc/self/fd/{ram},share={'off' if incoming is not None else 'on'}",
+                  *(["-incoming", "defer"] if incoming is not None else [])]
+    host = "template" if ram is not None else spec.id
+    out = [qemu, "-M", machine, "-accel", accel, *(["-cpu", "host"] if accel == "kvm" else []),
+           "-m", f"{limits.memory >> 20}M", *memory, "-smp", str(cpus(limits)), "-nodefaults",
+           "-no-user-config", "-no-reboot", "-display", "none", "-sandbox", SECCOMP,
+           "-kernel", str(g.kernel), "-initrd", str(g.initrd),
+           "-append", f"{CMDLINE} dsec.layers={len(spec.layers)} dsec.host={host} dsec.pids={limits.pids}",
+           "-name", str(work),    # what qemu_processes finds it by
+           "-chardev", f"file,id=console,path=/dev/fdset/{len(fds) + 1}", "-serial", "chardev:console",
+           "-add-fd", f"fd={console},set={len(fds) + 1}",
+           "-device", "virtio-serial-device",
+           "-chardev", f"socket,id=agent,fd={agent}", "-device", "virtserialport,chardev=agent,name=dsec.agent",
+           "-chardev", f"socket,id=mon,fd={monitor}", "-mon", "chardev=mon,mode=control",
+           "-device", "virtio-rng-device"]
+    for n, (name, fd) in enumerate(fds.items(), start=1):
+        ro = name != "disk"
+        out += ["-add-fd", f"fd={fd},set={n}"]
+        if not ro:   # QEMU opens a writable drive read-only first (probing), then read-write
+            out += ["-add-fd", f"fd={fds['disk_ro']},set={n}"]
+        elif name == "disk_ro":
+            continue
+        out += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none{',readonly=on' if ro else ''}",
+                "-device", f"virtio-blk-device,drive={name},serial=dsec-{name}"]
+    return out
+
+
+def qemu_processes(state_dir: Path, sandbox_id: str | None = None) -> list[int]:
+    """Pids of QEMUs booted by this node (their console log is under its state dir), or of one VM."""
+    vms = Path(state_dir).resolve() / "vms"
+    mark = str(vms / sandbox_id).encode() if sandbox_id else f"{vms}/".encode()
+    return processes_where(lambda words: any(w == mark if sandbox_id else w.startswith(mark) for w in words))
+
+
+def cpus(limits: Limits) -> int:
+    return max(1, min(os.cpu_count() or 1, int(-(-limits.cpu // 1))))
+
+
+def disk_size(limits: Limits) -> int:
+    return max(limits.disk, 16 << 20)
+
+
+def log_tail(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        return " | ".join(lines[-3:])[-400:] or "(empty log)"
+    except OSError:
+        return "(no log)"

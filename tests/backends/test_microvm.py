@@ -1,0 +1,130 @@
+"""The microvm kind's templates (issue 15): creates restore a saved VM instead of booting one, and what
+each restored VM must own is its own: hostname, clock, RNG state, files. A template follows its layers
+(a layer rewritten in place is a new template) and one that cannot restore fails its create typed,
+leaving nothing, and is built again by the next."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+import libdsec
+from edge import erofs
+from edge.backends.base import BackendError, Limits, SandboxSpec
+from edge.backends.microvm import MicroVMBackend
+from tests import leaks
+from tests.conftest import extra_edge
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+async def vmnode(stack, tmp_path_factory):
+    async with extra_edge(stack, tmp_path_factory.mktemp("vmt"), "k-vmt", 24, backends=["microvm"]) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+async def backend(tmp_path_factory):
+    """A microvm backend of its own (no bus), for what the SDK does not reach: layers rewritten in place."""
+    state = tmp_path_factory.mktemp("vmb")
+    b = MicroVMBackend(state, "k-vmb")
+    with leaks.live("k-vmb", state):
+        await b.start()
+        try:
+            yield b
+        finally:
+            await b.stop()
+            assert b.leftovers() == []
+
+
+async def test_twenty_creates_from_one_template_share_nothing(client, vmnode):
+    backend = vmnode.edge.backend.backends["microvm"]
+    built = backend._templates.built
+    sbs = []
+    try:
+        for _ in range(20):
+            sbs.append(await client.create(backend="microvm", timeout=120))
+        assert backend._templates.built == built + 1, "one template for the 20"
+        outs = await asyncio.gather(*(sb.exec("hostname; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; "
+                                              "echo; date +%s; echo $(hostname) > /tmp/mine; ls /tmp", timeout=60)
+                                      for sb in sbs))
+        now = time.time()
+        names, rngs, clocks, files = zip(*((o.stdout.decode().split("\n", 3)) for o in outs))
+        assert list(names) == [sb.id for sb in sbs], names
+        assert len(set(rngs)) == 20 and all(len(r) == 32 for r in rngs), rngs   # reseeded: no shared RNG state
+        assert all(abs(int(c) - now) < 30 for c in clocks), (clocks, now)       # the host's clock, not the template's
+        assert all(f.split() == ["mine"] for f in files), files
+        for sb in sbs:
+            assert (await sb.read_file("/tmp/mine")).strip() == sb.id.encode()
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
+    assert all(backend.residue(sb.id) == [] for sb in sbs)
+
+
+def _layer(tmp: Path, version: str, dst: Path) -> None:
+    root = tmp / f"root-{version}"
+    erofs.busybox_rootfs(root)
+    (root / "etc" / "version").write_text(version)
+    erofs.pack_dir(root, dst)
+
+
+async def _run(b: MicroVMBackend, sandbox_id: str, cmd: str) -> bytes:
+    out = bytearray()
+
+    async def sink(_stream, data: bytes) -> None:
+        out.extend(data)
+    res = await b.exec(sandbox_id, ["/bin/sh", "-c", cmd], env={}, cwd="/", stdin=None, timeout=30, sink=sink)
+    assert res.exit_code == 0, (res, out)
+    return bytes(out)
+
+
+async def test_a_layer_rewritten_in_place_gets_a_new_template(backend, tmp_path):
+    layer = tmp_path / "layer.erofs"
+    _layer(tmp_path, "one", layer)
+    spec = lambda i: SandboxSpec(f"lay{i}", [str(layer)], Limits(memory=128 << 20), kind="microvm")  # noqa: E731
+    built = backend._templates.built
+    await backend.create(spec(1))
+    try:
+        assert await _run(backend, "lay1", "cat /etc/version") == b"one"
+        await backend.destroy("lay1")
+        _layer(tmp_path, "two", layer)      # the same path, other bytes
+        await backend.create(spec(2))
+        assert await _run(backend, "lay2", "cat /etc/version") == b"two"
+        assert backend._templates.built == built + 2
+    finally:
+        for i in (1, 2):
+            if f"lay{i}" in backend.sandboxes():
+                await backend.destroy(f"lay{i}")
+
+
+async def test_a_template_that_does_not_restore_fails_typed_leaves_nothing_and_is_rebuilt(backend, tmp_path):
+    layer = tmp_path / "layer.erofs"
+    _layer(tmp_path, "three", layer)
+    spec = lambda i: SandboxSpec(f"bad{i}", [str(layer)], Limits(memory=128 << 20), kind="microvm")  # noqa: E731
+    before = set(backend._templates.held())
+    await backend.create(spec(1))
+    await backend.destroy("bad1")
+    (key,) = set(backend._templates.held()) - before
+    tpl = backend._templates._ready[key]
+    tpl.state.write_bytes(b"QEVM garbage" * 100)       # its device state, corrupted
+    with pytest.raises(BackendError, match="restoring"):
+        await backend.create(spec(2))
+    assert backend.residue("bad2") == [] and "bad2" not in backend.sandboxes()
+    assert tpl.key not in backend._templates.held(), "a template that fails is dropped"
+    built = backend._templates.built
+    await backend.create(spec(3))
+    try:
+        assert await _run(backend, "bad3", "cat /etc/version") == b"three"
+        assert backend._templates.built == built + 1
+    finally:
+        await backend.destroy("bad3")
+
+
+async def test_below_the_guest_minimum_is_refused_at_once(client, vmnode):
+    t = time.monotonic()
+    with pytest.raises(libdsec.InvalidRequest, match="128"):
+        await client.create(backend="microvm", resources=libdsec.Resources(memory="64Mi"), timeout=30)
+    assert time.monotonic() - t < 5
