@@ -261,7 +261,7 @@ class WarmPools:
         try:
             paths = await self.layers.ensure(stock.layers)
             await self.backend.create(SandboxSpec(id=warm_id, layers=paths, limits=limits(stock.spec.resources),
-                                                  kind=stock.spec.backend))
+                                                  kind=stock.spec.backend, warm=True))
         except (DsecError, BackendError, OSError) as exc:
             self.failures += 1
             stock.error, stock.paused_until = f"warm sandbox did not start: {exc}", time.monotonic() + PAUSE

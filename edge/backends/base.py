@@ -35,6 +35,7 @@ class SandboxSpec:
     kind: str = "container"     # which of the edge's backends runs it
     scratch: int = 0            # > 0: read-only root, a tmpfs of this size at /tmp, an IPC namespace per
                                 # command (a stateless worker: see edge/backends/fncall/)
+    warm: bool = False          # started for a warm pool: worth a longer create for a faster first command
 
 
 class BackendError(Exception):

@@ -227,6 +227,7 @@ def test_declared_capabilities_are_pinned():
                                                "suspend", "warm_pools"}
     assert kinds.CAPABILITIES["gvisor"] >= {"exec", "stream", "files", "live_stdin", "suspend", "warm_pools"}
     assert kinds.CAPABILITIES["fncall"] == {"call", "files"}
+    assert kinds.CAPABILITIES["microvm"] >= {"exec", "stream", "files", "live_stdin", "suspend", "warm_pools"}
     from edge.backends.container import ContainerBackend
     from edge.backends.noop import NoopBackend
     assert ContainerBackend.kind == "container" and NoopBackend.kind == "noop"

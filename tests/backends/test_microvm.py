@@ -64,6 +64,29 @@ async def test_twenty_creates_from_one_template_share_nothing(client, vmnode):
     assert all(backend.residue(sb.id) == [] for sb in sbs)
 
 
+async def test_a_warm_microvm_is_claimed_renamed_and_leaves_nothing(client, vmnode):
+    backend = vmnode.edge.backend.backends["microvm"]
+    await client.set_warm_pool("w-vm", backend="microvm", min=1, max=1)
+    try:
+        for _ in range(600):
+            pools = [p for p in await client.warm_pools() if p.spec.name == "w-vm"]
+            if pools and pools[0].total:
+                break
+            await asyncio.sleep(0.1)
+        assert pools and pools[0].total == 1, "the pool never filled"
+        hits = vmnode.edge.warm.hits
+        sb = await client.create(backend="microvm", timeout=60)
+        assert vmnode.edge.warm.hits == hits + 1
+        key = backend._vms[sb.id].key
+        assert key.startswith("warm-") and key != sb.id
+        r = await sb.exec("hostname; ls /tmp")
+        assert r.stdout.split() == [sb.id.encode()], r.stdout      # its own name, nothing of the warm-up
+        await sb.destroy()
+        assert backend.residue(sb.id) == [] and not backend._dir(key).exists()
+    finally:
+        await client.delete_warm_pool("w-vm")
+
+
 def _layer(tmp: Path, version: str, dst: Path) -> None:
     root = tmp / f"root-{version}"
     erofs.busybox_rootfs(root)

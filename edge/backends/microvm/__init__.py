@@ -50,6 +50,7 @@ MIN_MEMORY = kinds.MIN_MEMORY[kinds.MICROVM]
 QEMU_MEMORY = kinds.OVERHEAD[kinds.MICROVM][0]   # QEMU's own RSS beside the guest's RAM (host cgroup)
 READY_TIMEOUT = float(os.environ.get("DSEC_VM_READY_TIMEOUT", "90"))   # a cold boot under TCG on a busy node
 IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]   # a template's RAM stays out of its state
+CLAIMED_KEPT = 4096         # claimed ids remembered for residue() after their destroy
 HOST_TASKS = 512            # QEMU's threads: a backstop only, the guest's pids limit is the guest's own
 
 
@@ -57,12 +58,16 @@ HOST_TASKS = 512            # QEMU's threads: a backstop only, the guest's pids 
 class _VM:
     spec: SandboxSpec
     ids: idmap.IdRange
+    key: str = ""               # names its dir, cgroups, uid lease and QEMU's -name: its first id (a warm one's)
     proc: asyncio.subprocess.Process | None = None
     chan: AgentChannel | None = None
     qmp: Qmp | None = None
     dying: asyncio.Future | None = None
     frozen_since: float | None = None
     frozen_total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.key = self.key or self.spec.id
 
     def frozen_for(self) -> float:
         return self.frozen_total + (time.monotonic() - self.frozen_since if self.frozen_since is not None else 0.0)
@@ -85,6 +90,7 @@ class MicroVMBackend(Backend):
         self._vms: dict[str, _VM] = {}
         self._guest: guest.Guest | None = None
         self.use_templates = templates
+        self._claimed: dict[str, str] = {}     # id -> key of sandboxes claimed from a warm pool (for residue())
         self._templates = template.Templates(self.state_dir / "templates")
 
     # ------------------------------------------------------------ lifecycle
@@ -148,13 +154,17 @@ class MicroVMBackend(Backend):
                                f"asked {spec.limits.memory >> 20} MiB")
         vm = self._vms[spec.id] = _VM(spec, idmap.IdRange(-1))
         try:
-            vm.ids = self._ids.lease(spec.id)
-            groups = self._cgroups.create_sandbox(spec.id, _host_limits(spec.limits))
+            vm.ids = self._ids.lease(vm.key)
+            groups = self._cgroups.create_sandbox(vm.key, _host_limits(spec.limits))
             if self.use_templates:
                 await self._restore(vm, groups, await self._template(spec))
             else:
                 await asyncio.to_thread(self._make_disk, vm)
                 await self._boot(vm, groups)
+            if spec.warm:     # a fresh QEMU translates the guest's code anew (TCG): a pool's VM pays it here
+                code, _, err = await self._shell(vm, WARM_UP, [], b"")
+                if code:
+                    raise BackendError(f"sandbox {spec.id}: its warm-up failed ({code}): {err[-200:]!r}")
         except BaseException as exc:
             vm.dying = asyncio.get_running_loop().create_future()
             try:
@@ -182,9 +192,9 @@ class MicroVMBackend(Backend):
         vm = _VM(dataclasses.replace(spec, id=f"template.{path.name}", env={}), idmap.IdRange(-1))
         ram = template.new_ram(spec.limits.memory)
         try:
-            vm.ids = self._ids.lease(vm.spec.id)
+            vm.ids = self._ids.lease(vm.key)
             await asyncio.to_thread(self._make_disk, vm)
-            await self._boot(vm, self._cgroups.create_sandbox(vm.spec.id, _host_limits(spec.limits)), ram=ram)
+            await self._boot(vm, self._cgroups.create_sandbox(vm.key, _host_limits(spec.limits)), ram=ram)
             state = os.open(path / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 await vm.qmp.execute("getfd", fd=state, fdname="template")
@@ -199,7 +209,7 @@ class MicroVMBackend(Backend):
                 await asyncio.sleep(0.01)
             vm.proc.kill()
             await vm.proc.wait()
-            os.rename(self._dir(vm.spec.id) / "disk.img", path / "disk.img")
+            os.rename(self._dir(vm.key) / "disk.img", path / "disk.img")
             template.seal(ram)
         except BaseException as exc:
             os.close(ram)
@@ -207,7 +217,7 @@ class MicroVMBackend(Backend):
                 raise BackendError(f"building the template failed: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
                 raise BackendError(f"the template VM did not boot within {READY_TIMEOUT:.0f}s "
-                                   f"({log_tail(self._dir(vm.spec.id) / 'console.log')})") from exc
+                                   f"({log_tail(self._dir(vm.key) / 'console.log')})") from exc
             raise
         finally:
             vm.dying = asyncio.get_running_loop().create_future()
@@ -218,7 +228,7 @@ class MicroVMBackend(Backend):
 
     async def _restore(self, vm: _VM, groups: dict[str, Path], tpl: template.Template) -> None:
         """Start the VM from tpl: its own copy of the template's disk, the template's RAM copy-on-write."""
-        work = self._dir(vm.spec.id)
+        work = self._dir(vm.key)
         await asyncio.to_thread(work.mkdir, 0o700)
         await asyncio.to_thread(template.copy_sparse, tpl.disk, work / "disk.img")
         state = os.open(tpl.state, os.O_RDONLY | os.O_CLOEXEC)
@@ -253,7 +263,7 @@ class MicroVMBackend(Backend):
 
     def _make_disk(self, vm: _VM) -> None:
         """The VM's dir and its writable disk: a sparse file of the disk limit, ext4 without a journal."""
-        work = self._dir(vm.spec.id)
+        work = self._dir(vm.key)
         work.mkdir(mode=0o700)
         disk = work / "disk.img"
         with open(disk, "wb") as f:
@@ -265,12 +275,12 @@ class MicroVMBackend(Backend):
 
     def _argv(self, vm: _VM, fds: dict[str, int], agent: int, monitor: int, console: int,
               ram: int | None, incoming: int | None) -> list[str]:
-        return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.spec.id), fds,
+        return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.key), fds,
                          agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming)
 
     async def _boot(self, vm: _VM, groups: dict[str, Path], ram: int | None = None) -> None:
         """Boot: start QEMU, wait for the agent's ready frame."""
-        work = self._dir(vm.spec.id)
+        work = self._dir(vm.key)
         exited = await self._spawn(vm, groups, ram=ram)
         try:
             done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=READY_TIMEOUT,
@@ -290,7 +300,7 @@ class MicroVMBackend(Backend):
                      incoming: int | None = None) -> asyncio.Future:
         """Start QEMU as the sandbox's uid inside its groups, its agent channel and monitor connected;
         a future of its exit."""
-        work = self._dir(vm.spec.id)
+        work = self._dir(vm.key)
         files = {"trusted": (self._guest.trusted, os.O_RDONLY), "disk": (work / "disk.img", os.O_RDWR),
                  "disk_ro": (work / "disk.img", os.O_RDONLY)}
         files.update({f"layer_{i}": (Path(p), os.O_RDONLY) for i, p in enumerate(vm.spec.layers)})
@@ -337,14 +347,15 @@ class MicroVMBackend(Backend):
         try:
             residue = await self._teardown(vm)
         finally:
-            self._vms.pop(vm.spec.id, None)
+            if self._vms.get(vm.spec.id) is vm:
+                self._vms.pop(vm.spec.id)
         if residue:
             raise BackendError(f"destroy {vm.spec.id} left: {'; '.join(residue)}")
 
     async def _teardown(self, vm: _VM) -> list[str]:
         """Kill QEMU (its whole freezer group), remove its groups and dir; what could not be removed."""
         residue: list[str] = []
-        groups = self._cgroups.sandbox(vm.spec.id)
+        groups = self._cgroups.sandbox(vm.key)
         try:
             if vm.chan is not None:
                 vm.chan.close()
@@ -358,13 +369,26 @@ class MicroVMBackend(Backend):
             if groups["freezer"].exists() and not await cgroups.kill_tree(groups["freezer"]):
                 residue.append(f"processes survive in {groups['freezer']}")
             residue.extend(await _remove_groups(groups))
-            shutil.rmtree(self._dir(vm.spec.id), ignore_errors=True)
-            if self._dir(vm.spec.id).exists():
-                residue.append(f"VM dir {self._dir(vm.spec.id)}")
+            shutil.rmtree(self._dir(vm.key), ignore_errors=True)
+            if self._dir(vm.key).exists():
+                residue.append(f"VM dir {self._dir(vm.key)}")
         finally:
             if vm.ids.index >= 0 and not residue:
                 self._ids.release(vm.ids)
         return residue
+
+    async def claim(self, warm_id: str, spec: SandboxSpec) -> None:
+        """Give a warm VM (restored, its first command already run) spec's id, hostname and env."""
+        vm = self._live(warm_id)
+        if spec.id in self._vms or not valid_id(spec.id):
+            raise BackendError(f"sandbox already exists or invalid id: {spec.id!r}")
+        await vm.chan.set_hostname(spec.id)
+        self._vms[spec.id] = self._vms.pop(warm_id)
+        vm.spec = spec
+        vm.chan.sandbox_id = spec.id
+        self._claimed[spec.id] = vm.key
+        while len(self._claimed) > CLAIMED_KEPT:
+            self._claimed.pop(next(iter(self._claimed)))
 
     # ------------------------------------------------------------ freeze
 
@@ -428,6 +452,8 @@ class MicroVMBackend(Backend):
 
     def residue(self, sandbox_id: str) -> list[str]:
         out: list[str] = []
+        vm = self._vms.get(sandbox_id)
+        sandbox_id = vm.key if vm is not None else self._claimed.get(sandbox_id, sandbox_id)
         for path in self._cgroups.sandbox(sandbox_id).values():
             if path.exists():
                 out.append(f"cgroup {path}")
@@ -449,6 +475,7 @@ class MicroVMBackend(Backend):
         return out
 
 
+WARM_UP = f"{TRUSTED_SHELL} -c : && cat /proc/self/stat >/dev/null"   # fork, exec, a file read
 # Exit codes are errnos, so file_error words them as for containers.
 _WRITE = (f'p=$1; [ -d "$p" ] && exit {errno.EISDIR}; d=${{p%/*}}; [ -z "$d" ] || [ -d "$d" ] || exit {errno.ENOENT}; '
           f'cat > "$p" 2>/dev/null || exit {errno.EACCES}; chmod "$2" "$p"')
