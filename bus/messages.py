@@ -288,6 +288,7 @@ class NodeInfo(Wire, tag="node"):
     backends: list[str] = msgspec.field(default_factory=lambda: ["container"])   # the kinds it runs
     kind_slots: dict[str, int] = {}  # kind -> sandboxes of that kind it may hold (within `slots` in all)
     kind_used: dict[str, int] = {}   # kind -> sandboxes of that kind it runs
+    accel: dict[str, str] = {}       # VM kind -> the accelerator it runs with (kvm, or tcg where KVM does not boot)
     bookings: dict[str, Booking] = {}   # request id -> reservation not yet taken by the edge
     lost: bool = False               # heartbeat stopped: declared lost by a placement engine
     lost_at: float = 0.0

@@ -115,6 +115,7 @@ class Edge:
             await self.backend.start()
         except BackendError as exc:
             raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
+        self.capacity.accel = getattr(self.backend, "accelerators", {})
         if self.backend.kinds != self.config.backends:   # a backend it only found did not start: not offered
             self.config = msgspec.structs.replace(self.config, backends=self.backend.kinds)
             self.capacity.config = self.config

@@ -44,6 +44,7 @@ class Capacity:
     used: dict[str, Resources] = field(default_factory=dict)
     kind_of: dict[str, str] = field(default_factory=dict)
     per_kind: collections.Counter = field(default_factory=collections.Counter)
+    accel: dict[str, str] = field(default_factory=dict)    # VM kind -> accelerator (set once backends started)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -122,4 +123,4 @@ class Capacity:
                         used_disk=self.used_disk(), max_cpu=self.cores, max_memory=self.memory,
                         max_disk=c.disk, max_pids=1 << 22, draining=draining, heartbeat=time.time(),
                         backends=list(c.backends), kind_slots={k: self.kind_slots(k) for k in c.backends},
-                        kind_used=dict(self.per_kind))
+                        kind_used=dict(self.per_kind), accel=dict(self.accel))

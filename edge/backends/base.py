@@ -71,6 +71,7 @@ class Backend(abc.ABC):
     """One kind of sandbox. Lifecycle: start/stop/reconcile. Work: create/exec/files/destroy."""
 
     kind: str = ""                  # its name in bus/kinds.py
+    accel: str = ""                 # a VM kind's accelerator once started (kvm or tcg); '' for the others
     trusted_shell: str = TRUSTED_SHELL   # the shell string commands run with, inside its sandboxes
 
     @property

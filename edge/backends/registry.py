@@ -81,7 +81,7 @@ class MicroVMConfig(_Config, tag=kinds.MICROVM):
     """QEMU -M microvm, Debian's cloud kernel and dsec-agent as the guest's pid 1 (edge/backends/microvm/)."""
 
     qemu: str = "qemu-system-x86_64"
-    accel: str = "tcg"
+    accel: str = "auto"         # kvm where a guest boots under it (probed once at start), else tcg
     templates: bool = True      # creates restore a saved VM per (layers, size) instead of booting
 
     def available(self) -> str:
@@ -198,6 +198,11 @@ class BackendSet(Backend):
     def kinds(self) -> list[str]:
         """The kinds it runs."""
         return list(self.backends)
+
+    @property
+    def accelerators(self) -> dict[str, str]:
+        """kind -> the accelerator its VMs run with (kvm or tcg), for the kinds that run VMs."""
+        return {k: b.accel for k, b in self.backends.items() if getattr(b, "accel", "")}
 
     def of(self, sandbox_id: str) -> Backend:
         """The backend running this sandbox."""

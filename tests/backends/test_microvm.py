@@ -5,6 +5,8 @@ leaving nothing, and is built again by the next."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import pytest
 import libdsec
 from edge import erofs
 from edge.backends.base import BackendError, Limits, SandboxSpec
-from edge.backends.microvm import MicroVMBackend
+from edge.backends.microvm import MicroVMBackend, accel, guest
+from edge.backends.microvm.qemu import qemu_processes
 from tests import leaks
 from tests.conftest import extra_edge
 
@@ -146,8 +149,36 @@ async def test_a_template_that_does_not_restore_fails_typed_leaves_nothing_and_i
         await backend.destroy("bad3")
 
 
+async def test_the_node_record_names_the_accelerator(stack, vmnode):
+    backend = vmnode.edge.backend.backends["microvm"]
+    info = vmnode.edge.capacity.node_info()
+    assert info.accel == {"microvm": backend.accel} and backend.accel in ("kvm", "tcg")
+    if accel.kvm_device():   # this host's kind: a PVM /dev/kvm that opens and hangs a guest: the probe said so
+        assert json.loads((guest.cache_dir() / "accel.json").read_text())
+
+
 async def test_below_the_guest_minimum_is_refused_at_once(client, vmnode):
     t = time.monotonic()
     with pytest.raises(libdsec.InvalidRequest, match="128"):
         await client.create(backend="microvm", resources=libdsec.Resources(memory="64Mi"), timeout=30)
     assert time.monotonic() - t < 5
+
+
+async def test_qemu_sees_only_its_own_disks_and_devices(client, vmnode):
+    """QEMU runs as the sandbox's uid in a mount namespace of its own: the node's state dir (other VMs'
+    disks, templates) and layer cache are empty to it, /dev holds only what a TCG guest needs."""
+    backend = vmnode.edge.backend.backends["microvm"]
+    a = await client.create(backend="microvm", timeout=120)
+    b = await client.create(backend="microvm", timeout=120)
+    try:
+        (pid,) = qemu_processes(backend.state_dir, backend._vms[a.id].key)
+        root = Path(f"/proc/{pid}/root")
+        assert os.stat(f"/proc/{pid}").st_uid == backend._vms[a.id].ids.base != 0
+        assert os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+        assert list((root / backend.state_dir.relative_to("/")).iterdir()) == [], "the node's state dir is hidden"
+        assert not (root / backend._dir(b.id).relative_to("/")).exists(), "a neighbour's disk is out of sight"
+        assert sorted(p.name for p in (root / "dev").iterdir()) == sorted(
+            ("null", "zero", "full", "random", "urandom") + (("kvm",) if backend.accel == "kvm" else ()))
+        assert (await a.exec("echo ok")).stdout == b"ok\n"      # and the VM still runs
+    finally:
+        await asyncio.gather(a.destroy(), b.destroy())

@@ -38,7 +38,7 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.agent import AgentChannel
 from edge.backends.gvisor.host import _join, _remove_groups, valid_id
-from edge.backends.microvm import guest, qemu, template
+from edge.backends.microvm import accel, guest, qemu, template
 from edge.backends.microvm.qemu import cpus, disk_size, log_tail, qemu_processes
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.rootfiles import file_error
@@ -79,12 +79,13 @@ class MicroVMBackend(Backend):
     kind = kinds.MICROVM
 
     def __init__(self, state_dir: Path, node_id: str, *, qemu: str = "qemu-system-x86_64",
-                 accel: str = "tcg", templates: bool = True) -> None:
+                 accel: str = "auto", templates: bool = True) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.node_id = node_id
         self.label = f"{node_id}.microvm"
         self.qemu = shutil.which(qemu) or qemu
-        self.accel = accel
+        self.requested_accel = accel
+        self.accel = "tcg" if accel == "auto" else accel     # resolved by start()
         self._cgroups = NodeCgroups(self.label)
         self._ids = idmap.Allocator(self.label)
         self._vms: dict[str, _VM] = {}
@@ -101,13 +102,20 @@ class MicroVMBackend(Backend):
             self._guest = await asyncio.to_thread(guest.build)
         except (guest.GuestError, OSError) as exc:
             raise BackendError(f"microvm backend failed to start: {exc}") from exc
+        try:
+            accel.choose(self.requested_accel, True, None)      # a bad name fails before anything starts
+        except accel.AccelError as exc:
+            raise BackendError(f"microvm backend failed to start: {exc}") from exc
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         await self._reconcile()
         try:
             self._cgroups.setup()
             (self.state_dir / "vms").mkdir(exist_ok=True)
-        except (OSError, CgroupError) as exc:
+            self.accel = await accel.resolve(self.requested_accel, guest.cache_dir() / "accel.json",
+                                             accel.host_key(_qemu_version(self.qemu), self._guest.version),
+                                             self._probe_kvm)
+        except (OSError, CgroupError, accel.AccelError) as exc:
             await self._reconcile()
             raise BackendError(f"microvm backend failed to start: {exc}") from exc
 
@@ -177,6 +185,27 @@ class MicroVMBackend(Backend):
                 raise BackendError(f"sandbox {spec.id}: the VM did not boot within {READY_TIMEOUT:.0f}s "
                                    f"({log_tail(self._dir(spec.id) / 'console.log')})") from exc
             raise
+
+    async def _probe_kvm(self) -> bool:
+        """Whether the guest boots to its agent under KVM within accel.PROBE_TIMEOUT (a PVM host's
+        /dev/kvm opens, and hangs the boot)."""
+        vm = _VM(SandboxSpec("probe.kvm", [], Limits(memory=MIN_MEMORY, disk=16 << 20), kind=self.kind),
+                 idmap.IdRange(-1))
+        self.accel = "kvm"
+        try:
+            vm.ids = self._ids.lease(vm.key)
+            await asyncio.to_thread(self._make_disk, vm)
+            await self._boot(vm, self._cgroups.create_sandbox(vm.key, _host_limits(vm.spec.limits)),
+                             timeout=accel.PROBE_TIMEOUT)
+            return True
+        except (BackendError, asyncio.TimeoutError, OSError, CgroupError):
+            return False
+        finally:
+            self.accel = "tcg"
+            vm.dying = asyncio.get_running_loop().create_future()
+            residue = await self._teardown(vm)
+            if residue:
+                raise BackendError(f"the KVM probe left: {'; '.join(residue)}")
 
     # ------------------------------------------------------------ templates
 
@@ -278,12 +307,13 @@ class MicroVMBackend(Backend):
         return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.key), fds,
                          agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming)
 
-    async def _boot(self, vm: _VM, groups: dict[str, Path], ram: int | None = None) -> None:
+    async def _boot(self, vm: _VM, groups: dict[str, Path], ram: int | None = None,
+                    timeout: float = READY_TIMEOUT) -> None:
         """Boot: start QEMU, wait for the agent's ready frame."""
         work = self._dir(vm.key)
         exited = await self._spawn(vm, groups, ram=ram)
         try:
-            done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=READY_TIMEOUT,
+            done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 raise asyncio.TimeoutError
@@ -315,16 +345,20 @@ class MicroVMBackend(Backend):
             tasks = [str(g / "tasks") for g in groups.values()]
             uid = vm.ids.base
 
+            hide = [self.state_dir, *{Path(p).parent for p in vm.spec.layers}, Path("/dev/shm"), Path("/run/dsec")]
+            kvm = self.accel == "kvm"
+
             def become() -> None:
                 _join(tasks)
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
+                qemu.confine(uid, hide, self._guest.kernel, kvm)
             argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming)
             extra = [fd for fd in (ram, incoming) if fd is not None]
-            vm.proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                pass_fds=[*fds.values(), console, guest_a.fileno(), guest_m.fileno(), *extra], preexec_fn=become)
+            try:
+                vm.proc = await asyncio.create_subprocess_exec(
+                    *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                    pass_fds=[*fds.values(), console, guest_a.fileno(), guest_m.fileno(), *extra], preexec_fn=become)
+            except subprocess.SubprocessError as exc:    # confine() failed in the child
+                raise BackendError(f"sandbox {vm.spec.id}: QEMU could not be confined: {exc}") from exc
         finally:
             for fd in (*fds.values(), log, console):
                 os.close(fd)
@@ -481,6 +515,14 @@ _WRITE = (f'p=$1; [ -d "$p" ] && exit {errno.EISDIR}; d=${{p%/*}}; [ -z "$d" ] |
           f'cat > "$p" 2>/dev/null || exit {errno.EACCES}; chmod "$2" "$p"')
 _READ = (f'[ -e "$1" ] || exit {errno.ENOENT}; [ -d "$1" ] && exit {errno.EISDIR}; '
          f'[ -r "$1" ] || exit {errno.EACCES}; head -c "$2" "$1"')
+
+
+def _qemu_version(binary: str) -> str:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.splitlines()[0] if out else "unknown"
 
 
 def _host_limits(limits: Limits) -> Limits:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
+from edge.backends import kernel
 from edge.backends.base import Limits, SandboxSpec
 from edge.backends.gvisor.host import processes_where
 from edge.backends.microvm.guest import Guest
@@ -48,6 +50,32 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
         out += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none{',readonly=on' if ro else ''}",
                 "-device", f"virtio-blk-device,drive={name},serial=dsec-{name}"]
     return out
+
+
+DEVICES = ("null", "zero", "full", "random", "urandom")
+
+
+def confine(uid: int, hide: list[Path], keep: Path, kvm: bool) -> None:
+    """In QEMU's child before exec (as root): a mount namespace of its own (nothing propagates back), with an
+    empty tmpfs over each dir of hide (the node's state and layer cache: its own drives are fds already),
+    unless it holds keep (the guest's kernel), and a /dev of its own: null, zero, full, random, urandom,
+    and kvm owned by uid when it runs under KVM; then uid's identity, with no groups."""
+    kernel.unshare(kernel.CLONE_NEWNS)
+    kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
+    flags = kernel.MS_NOSUID | kernel.MS_NOEXEC
+    for path in hide:
+        if path.is_dir() and not keep.is_relative_to(path):
+            kernel.mount("tmpfs", path, "tmpfs", flags | kernel.MS_NODEV, "size=4k,mode=0755")
+    devices = {name: os.stat(f"/dev/{name}").st_rdev for name in DEVICES + (("kvm",) if kvm else ())}
+    kernel.mount("tmpfs", "/dev", "tmpfs", flags, "size=64k,mode=0755")
+    for name, rdev in devices.items():
+        os.mknod(f"/dev/{name}", stat.S_IFCHR | (0o600 if name == "kvm" else 0o666), rdev)
+        os.chmod(f"/dev/{name}", 0o600 if name == "kvm" else 0o666)     # past the umask
+    if kvm:
+        os.chown("/dev/kvm", uid, uid)
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
 
 
 def qemu_processes(state_dir: Path, sandbox_id: str | None = None) -> list[int]:
