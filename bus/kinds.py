@@ -26,7 +26,7 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
     FNCALL: frozenset({"call", "files"}),
-    MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
+    MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools"}),
     FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "suspend"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }

@@ -166,6 +166,47 @@ async def test_limits_hold(client, kind):
             assert kind == "gvisor", exc
 
 
+# What a snapshot must carry, made over a first snapshot's layer: a file deleted from below (a whiteout), a
+# dir removed and made again (opaque: nothing of below shows through), a hard link, symlinks, a setuid
+# file of another owner, a fifo, odd names and binary bytes.
+LAYERED = ("mkdir -p /data/keep /data/opq && echo base > /data/keep/a && echo below > /data/keep/b && "
+           "echo old > /data/opq/old && mkdir /data/opq/sub && echo deep > /data/opq/sub/f")
+CHANGED = ("rm /data/keep/a && rm -rf /data/opq && mkdir /data/opq && echo new > /data/opq/new && "
+           "printf 'x\\000y\\377' > '/data/odd name' && ln '/data/odd name' /data/hard && ln -s ../keep/b /data/opq/rel && "
+           "ln -s /data/keep /data/abs && echo s > /data/suid && chown 1000:1001 /data/suid && chmod 4750 /data/suid && "
+           "mkfifo /data/fifo && chmod 0600 /data/fifo && mkdir -m 0711 /data/priv")
+MANIFEST = ("cd /data && find . | sort | while read -r f; do stat -c '%n|%F|%a|%u:%g' \"$f\"; "
+            "[ -L \"$f\" ] && readlink \"$f\"; [ -f \"$f\" ] && [ ! -L \"$f\" ] && md5sum \"$f\"; done; "
+            "[ ./hard -ef './odd name' ] && echo linked")
+
+
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "fork")])
+async def test_a_snapshot_forks_exactly_what_its_sandbox_had(client, kind):
+    a = await fresh(client, kind)
+    made = [a]
+    try:
+        assert (await a.exec(LAYERED)).exit_code == 0
+        first = await a.snapshot(timeout=120)
+        (b,) = await client.fork(first, 1, backend=kind, timeout=120)
+        made.append(b)
+        r = await b.exec(CHANGED)
+        assert r.exit_code == 0, r
+        want = (await b.exec(MANIFEST)).stdout
+        assert b"./opq/old" not in want and b"./keep/a" not in want and b"./opq/new" in want
+        assert want.endswith(b"linked\n")
+        second = await b.snapshot(timeout=120)
+        forks = await client.fork(second, 2, backend=kind, timeout=120)
+        made += forks
+        for f in forks:
+            got = (await f.exec(MANIFEST)).stdout
+            assert got.splitlines() == want.splitlines()
+            assert (await f.exec("cat /data/keep/b /data/opq/rel /data/abs/b")).stdout == b"below\n" * 3
+        assert (await forks[0].exec("echo mine > /data/opq/new")).exit_code == 0
+        assert (await forks[1].exec("cat /data/opq/new")).stdout == b"new\n", "forks share nothing"
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in made), return_exceptions=True)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_warm_pools_serve_the_kind_or_are_refused(stack, client, tmp_path, kind, nodes):
     async with serving(stack, tmp_path, kind, nodes) as st:
@@ -227,7 +268,8 @@ def test_declared_capabilities_are_pinned():
                                                "suspend", "warm_pools"}
     assert kinds.CAPABILITIES["gvisor"] >= {"exec", "stream", "files", "live_stdin", "suspend", "warm_pools"}
     assert kinds.CAPABILITIES["fncall"] == {"call", "files"}
-    assert kinds.CAPABILITIES["microvm"] >= {"exec", "stream", "files", "live_stdin", "suspend", "warm_pools"}
+    assert kinds.CAPABILITIES["microvm"] >= {"exec", "stream", "files", "live_stdin", "suspend", "warm_pools",
+                                             "snapshot", "fork"}
     from edge.backends.container import ContainerBackend
     from edge.backends.noop import NoopBackend
     assert ContainerBackend.kind == "container" and NoopBackend.kind == "noop"

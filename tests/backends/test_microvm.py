@@ -182,3 +182,34 @@ async def test_qemu_sees_only_its_own_disks_and_devices(client, vmnode):
         assert (await a.exec("echo ok")).stdout == b"ok\n"      # and the VM still runs
     finally:
         await asyncio.gather(a.destroy(), b.destroy())
+
+
+async def test_a_suspended_vm_snapshots_and_stays_suspended(client, vmnode):
+    backend = vmnode.edge.backend.backends["microvm"]
+    sb = await client.create(backend="microvm", timeout=120)
+    try:
+        await sb.exec("echo kept > /root/f")
+        await sb.suspend()
+        snap = await sb.snapshot(timeout=120)
+        assert (await backend._vms[sb.id].qmp.execute("query-status"))["status"] == "paused"
+        await sb.resume()
+        assert (await sb.exec("echo still writable > /root/g && cat /root/f")).stdout == b"kept\n"   # thawed
+        (fork,) = await client.fork(snap, 1, backend="microvm", timeout=120)
+        assert (await fork.exec("cat /root/f; ls /root")).stdout == b"kept\nf\n"
+        await fork.destroy()
+    finally:
+        await sb.destroy()
+
+
+async def test_a_sparse_file_past_the_disk_limit_is_refused_and_the_vm_goes_on(client, vmnode):
+    """As for containers, a snapshot packs files at their apparent size: past the disk limit it is refused
+    (InvalidRequest), the tar in the guest is stopped and the layer thawed."""
+    sb = await client.create(backend="microvm", resources=libdsec.Resources(disk="16Mi"), timeout=120)
+    try:
+        await sb.exec("truncate -s 1G /root/sparse")
+        with pytest.raises(libdsec.InvalidRequest, match="disk limit"):
+            await sb.snapshot(timeout=120)
+        assert (await sb.exec("rm /root/sparse && echo ok > /root/after && cat /root/after")).stdout == b"ok\n"
+        assert (await sb.exec("ps -o comm | grep -c tar || true")).stdout.strip() == b"0"
+    finally:
+        await sb.destroy()

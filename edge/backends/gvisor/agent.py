@@ -112,7 +112,7 @@ class AgentChannel:
         if kind == "H":
             call = self._calls.pop(xid, None)
             if call is not None and not call.done():
-                call.set_result(struct.unpack("<I", payload[:4])[0])
+                call.set_result(payload)
             return
         ex = self._execs.get(xid)
         if ex is None:
@@ -176,8 +176,15 @@ class AgentChannel:
         if not self.ready.done():
             self.ready.set_result(None)
 
-    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0) -> None:
-        """One request the agent answers with an errno ('H' frames)."""
+    async def freeze_upper(self, frozen: bool, timeout: float = 60.0) -> list[str]:
+        """A microVM's writable layer frozen (its writers wait; readers go on) or thawed; a freeze answers
+        the paths of its opaque dirs, relative to the layer."""
+        rest = await self._call(b"Z", b"\1" if frozen else b"\0", "freezing the writable layer" if frozen
+                                else "thawing the writable layer", timeout)
+        return [p.decode(errors="surrogateescape") for p in rest.split(b"\0")[:-1]]
+
+    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0) -> bytes:
+        """One request the agent answers with an errno and maybe more ('H' frames): what follows the errno."""
         self._next += 1
         xid = self._next
         call = self._calls[xid] = asyncio.get_running_loop().create_future()
@@ -187,8 +194,10 @@ class AgentChannel:
             self._calls.pop(xid, None)
             raise BackendError(f"{what} in sandbox {self.sandbox_id}: "
                                f"{'its agent is gone' if self.closed.done() else f'no answer within {timeout:.0f}s'}")
-        if call.result():
-            raise BackendError(f"{what} in sandbox {self.sandbox_id}: {os.strerror(call.result())}")
+        (errno,) = struct.unpack_from("<I", call.result())
+        if errno:
+            raise BackendError(f"{what} in sandbox {self.sandbox_id}: {os.strerror(errno)}")
+        return call.result()[4:]
 
     # ------------------------------------------------------------ exec
 

@@ -27,8 +27,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tarfile
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus import kinds
@@ -38,7 +40,7 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.agent import AgentChannel
 from edge.backends.gvisor.host import _join, _remove_groups, valid_id
-from edge.backends.microvm import accel, guest, qemu, template
+from edge.backends.microvm import accel, guest, qemu, snapshot, template
 from edge.backends.microvm.qemu import cpus, disk_size, log_tail, qemu_processes
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.rootfiles import file_error
@@ -65,6 +67,7 @@ class _VM:
     dying: asyncio.Future | None = None
     frozen_since: float | None = None
     frozen_total: float = 0.0
+    packing: asyncio.Lock = field(default_factory=asyncio.Lock)   # one snapshot at a time (one freeze)
 
     def __post_init__(self) -> None:
         self.key = self.key or self.spec.id
@@ -439,6 +442,40 @@ class MicroVMBackend(Backend):
             await vm.qmp.execute("cont")
             vm.frozen_total += time.monotonic() - vm.frozen_since
             vm.frozen_since = None
+
+    async def pack_upper(self, sandbox_id: str, dst: str) -> str:
+        """The writable layer frozen in the guest, streamed out as a tar, unpacked as untrusted input and
+        packed with mkfs.erofs (microvm/snapshot.py). A suspended VM runs its vCPUs for the pack (its
+        writers wait on the frozen filesystem) and is stopped again after."""
+        from edge.erofs import LayerBuildError, pack_dir
+        vm = self._live(sandbox_id)
+        async with vm.packing:
+            suspended = vm.frozen_since is not None
+            if suspended:
+                await vm.qmp.execute("cont")
+            work = Path(tempfile.mkdtemp(prefix="pack-", dir=self._dir(vm.key)))
+            try:
+                opaque = await vm.chan.freeze_upper(True)
+                sink = snapshot.TarSink(work / "upper.tar", vm.spec.limits.disk + snapshot.SLACK, sandbox_id)
+                try:
+                    res = await vm.chan.exec([TRUSTED_SHELL, "-c", snapshot.PACK], DEFAULT_ENV, "/", None,
+                                             max(60.0, vm.spec.limits.disk / (4 << 20)), sink, None)
+                finally:
+                    sink.close()
+                    await vm.chan.freeze_upper(False)
+                if res.exit_code or res.timed_out:
+                    raise BackendError(f"tar in the guest exited {res.exit_code}: "
+                                       f"{sink.stderr.decode(errors='replace').strip()}")
+                (work / "root").mkdir(mode=0o755)
+                await asyncio.to_thread(snapshot.unpack, work / "upper.tar", work / "root", opaque)
+                (work / "upper.tar").unlink()
+                return await asyncio.to_thread(pack_dir, work / "root", Path(dst))
+            except (snapshot.UnsafeArchive, tarfile.TarError, LayerBuildError, OSError) as exc:
+                raise BackendError(f"the guest's writable layer: {exc}") from exc
+            finally:
+                await asyncio.to_thread(shutil.rmtree, work, True)
+                if suspended and vm.dying is None:
+                    await vm.qmp.execute("stop")
 
     def _live(self, sandbox_id: str) -> _VM:
         vm = self._vms.get(sandbox_id)

@@ -25,6 +25,7 @@ MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console
 HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
 AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"
+TRUSTED_LAYOUT = b"agent sh upper/"     # what the trusted device holds besides the sources (part of its name)
 
 
 class GuestError(Exception):
@@ -127,7 +128,7 @@ def build() -> Guest:
         entries += [(f"lib/modules/{m}.ko", 0o100644, data) for m, data in mods.items()]
         _put(initrd, gzip.compress(_newc(entries), compresslevel=1))
     source = AGENT_SOURCE.read_bytes()
-    trusted = cache_dir() / f"trusted-{_digest(source, busybox)}.erofs"
+    trusted = cache_dir() / f"trusted-{_digest(source, busybox, TRUSTED_LAYOUT)}.erofs"
     if not trusted.exists():
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
             root = Path(tmp) / "root"
@@ -140,6 +141,7 @@ def build() -> Guest:
             shutil.copyfile(_busybox(), root / "sh")
             for name in ("agent", "sh"):
                 os.chmod(root / name, 0o555)
+            (root / "upper").mkdir(mode=0o555)     # where init binds the writable layer (read-only) for snapshots
             img = Path(tmp) / "trusted.erofs"
             mk = subprocess.run(["mkfs.erofs", "--quiet", "--all-root", str(img), str(root)],
                                 capture_output=True, text=True)

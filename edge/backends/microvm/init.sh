@@ -3,7 +3,8 @@
 # Devices, found by their virtio-blk serial: dsec-trusted (EROFS: the agent and the trusted shell),
 # dsec-disk (ext4: the writable layer), dsec-layer_<i> (EROFS image layers, 0 lowest). The root is an
 # overlay of the layers under the disk; /.dsec is the trusted device, read-only (the block device itself
-# is read-only on the host side, so no remount can make it writable). The agent runs as pid 1 in the
+# is read-only on the host side, so no remount can make it writable), with the writable layer's upper dir
+# bound read-only at /.dsec/upper. The agent runs as pid 1 in the
 # root, its stdio the virtio-serial port named dsec.agent.
 B=/bin/busybox
 fail() { echo "dsec-init: $*" >/dev/kmsg; exec $B sleep 1; }
@@ -44,6 +45,9 @@ $B mount -t sysfs -o ro sys sys
 $B mount -t devtmpfs dev dev
 $B mount --bind /trusted .dsec
 $B mount -o remount,bind,ro,nosuid,nodev .dsec
+# The raw writable layer, read-only, for the agent to pack a snapshot from (its owner's own files).
+$B mount --bind /rw/upper .dsec/upper
+$B mount -o remount,bind,ro,nosuid,nodev,noexec .dsec/upper
 port=""
 for p in /sys/class/virtio-ports/*; do [ "$($B cat $p/name 2>/dev/null)" = dsec.agent ] && port=${p##*/}; done
 [ -n "$port" ] || fail "no agent port"

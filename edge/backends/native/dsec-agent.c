@@ -12,6 +12,9 @@
  *                32 bytes of the host's randomness, the hostname; the agent sets the clock, mixes the
  *                bytes into the kernel's pool and reseeds its RNG (siblings of one template share no
  *                RNG state), sets the hostname (answered 'H' u32 errno of the first step that failed)
+ *            'Z' u8 1: freeze a VM's writable layer (FIFREEZE of the filesystem under /.dsec/upper: writers
+ *                wait, readers go on) and list its opaque dirs; u8 0: thaw it. Answered 'H' u32 errno,
+ *                then, for a freeze, the opaque dirs' paths relative to the layer, each NUL-terminated
  * Replies:   'R' ready (id 0, once)    'P' u32 pid: started    'F' stage\0errno\0text: never started
  *            'O' / 'e' stdout / stderr bytes    'A' one 'I' frame written    'C' its stdin is gone
  *            'X' i32 wait status, u64 cpu microseconds, u64 peak rss KiB: exited, pipes at EOF
@@ -23,6 +26,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <ftw.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -31,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/fs.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
@@ -38,6 +43,7 @@
 #include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -289,6 +295,37 @@ static uint32_t wake(const char *p, size_t n) {
     return sethostname(p + 48, n - 48) ? (uint32_t)errno : 0;
 }
 
+/* A microVM's writable layer, bound read-only at UPPER by its init (overlayfs's raw upper dir: whiteouts
+ * are 0/0 character devices, an opaque dir carries trusted.overlay.opaque, which only CAP_SYS_ADMIN reads). */
+#define UPPER "/.dsec/upper"
+static char *opaque; static size_t opaque_len, opaque_cap;
+
+static int note_opaque(const char *path, const struct stat *st, int flag, struct FTW *f) {
+    char v[2];
+    (void)st; (void)f;
+    if (flag != FTW_D || lgetxattr(path, "trusted.overlay.opaque", v, sizeof v) != 1 || v[0] != 'y') return 0;
+    const char *rel = path + strlen(UPPER);
+    rel += *rel == '/';
+    size_t k = strlen(rel) + 1;
+    if (opaque_len + k > opaque_cap) { opaque_cap = (opaque_len + k) * 2; opaque = realloc(opaque, opaque_cap); }
+    memcpy(opaque + opaque_len, rel, k);
+    opaque_len += k;
+    return 0;
+}
+
+static void freeze_upper(uint32_t id, const char *p, size_t n) {
+    uint32_t e = 0;
+    int fd = open(UPPER, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    opaque_len = 0;
+    if (fd < 0) e = (uint32_t)errno;
+    else if (n >= 1 && p[0]) {
+        if (ioctl(fd, FIFREEZE, 0) && errno != EBUSY) e = (uint32_t)errno;      /* EBUSY: frozen already */
+        else if (nftw(UPPER, note_opaque, 64, FTW_PHYS)) e = (uint32_t)(errno ? errno : EIO);
+    } else if (ioctl(fd, FITHAW, 0) && errno != EINVAL) e = (uint32_t)errno;    /* EINVAL: not frozen */
+    if (fd >= 0) close(fd);
+    reply('H', id, &e, 4, opaque, e ? 0 : opaque_len);
+}
+
 static void request(char type, uint32_t id, const char *p, size_t n) {
     if (type == 'E') { start_exec(id, p, n); return; }
     if (type == 'H') {
@@ -297,6 +334,7 @@ static void request(char type, uint32_t id, const char *p, size_t n) {
         return;
     }
     if (type == 'W') { reply('H', id, (uint32_t[]){ wake(p, n) }, 4, NULL, 0); return; }
+    if (type == 'Z') { freeze_upper(id, p, n); return; }
     struct exec *x = find(id);
     if (!x) { if (type == 'I') reply('C', id, NULL, 0, NULL, 0); return; }
     if (type == 'I') {
