@@ -11,6 +11,11 @@ Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200] [-
   fncall     one `echo hi` call p50/p99 through the SDK, and calls/s with --in-flight at once;
              baselines: the same pool of workers driven locally (FnCallBackend.call, no bus) and a
              fresh `unshare` per call (8 at once).
+  microvm    create -> ready p50/p99 (from a template) and exec `true` p50 through the SDK, fork of 8
+             from a snapshot, host memory per idle VM (MemAvailable drop and PSS over --idle-vms VMs)
+             and the host CPU they burn idle; baselines: the same QEMU driven without the bus (a
+             bare restore of the template, a bare cold boot to the agent's first frame, and the bare
+             virtio-serial round trip of `true` to the agent).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from bus.server import die_with_parent, free_port
 from cli.demo import percentile
 
 DSEC = str(Path(sys.executable).with_name("dsec"))
-KINDS = ("container", "fncall", "gvisor")
+KINDS = ("container", "fncall", "gvisor", "microvm")
 UNSHARE = ["unshare", "--user", "--map-root-user", "--fork", "--pid", "--mount", "--net", "--uts", "--ipc",
            "--mount-proc", "/bin/echo", "hi"]
 
@@ -62,6 +67,9 @@ async def sdk_figures(url: str, args) -> dict:
         for kind in ("container", "gvisor"):
             if kind in args.kinds:
                 out[kind] = await sandbox_figures(client, kind, args.samples // 10 or 1)
+        if "microvm" in args.kinds:
+            from bench.vms import vm_figures
+            out["microvm"] = await vm_figures(client, args.samples // 10 or 1, args.idle_vms)
         if "fncall" not in args.kinds:
             return out
         for _ in range(20):   # workers started, layers fetched
@@ -189,6 +197,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=200, help="sequential samples for the latency figures")
     ap.add_argument("--workers", type=int, default=32, help="fncall workers at most")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the backends to run and measure, comma-separated")
+    ap.add_argument("--idle-vms", type=int, default=10, help="idle microVMs held for the memory figure")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
     if not args.kinds or set(args.kinds) - set(KINDS):
@@ -221,9 +230,13 @@ def main() -> None:
                      ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], local["rate"], "local pool, no bus"),
                      ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], fresh["rate"],
                       "fresh unshare per call (8 at once)")]
+        if "microvm" in args.kinds:
+            from bench.vms import bare_vm, vm_rows
+            rows += vm_rows(sdk["microvm"], asyncio.run(bare_vm(tmp_path, args.samples // 10 or 1)))
     print(f"{'backend':<10} {'figure':<34} {'DSec':>10} {'baseline':>10} {'ratio':>7}  baseline is")
     for kind, what, ours, base, note in rows:
-        print(f"{kind:<10} {what:<34} {ours:>10.2f} {base:>10.2f} {ours / base:>7.2f}  {note}")
+        ratio = f"{ours / base:>7.2f}" if base else f"{'-':>7}"
+        print(f"{kind:<10} {what:<34} {ours:>10.2f} {base:>10.2f} {ratio}  {note}")
     print(f"(cores: {os.cpu_count()}; fncall workers at most {args.workers})")
 
 

@@ -13,6 +13,8 @@ Capabilities:
   network     a network policy (Aether)
   warm_pools  keep ready sandboxes to claim
   call        stateless function calls (client.call), no sandbox id
+  privileged  create(privileged=True): commands keep every capability of a guest kernel of their own, whose
+              only promise is that the host and other sandboxes are untouched (VM kinds only)
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
     FNCALL: frozenset({"call", "files"}),
-    MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools"}),
-    FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "suspend"}),
+    MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
+                        "privileged"}),
+    FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "privileged"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }
 
@@ -73,10 +76,12 @@ def booked(kind: str, r):
     return msgspec.structs.replace(r, memory=r.memory + memory, disk=r.disk + disk) if memory or disk else r
 
 
-def check_create_kind(kind: str, from_snapshot: bool = False) -> None:
+def check_create_kind(kind: str, from_snapshot: bool = False, privileged: bool = False) -> None:
     """A create of this kind is possible: the kind exists (InvalidRequest), has sandboxes (fncall has
-    calls instead) and, from a snapshot, can fork (Unsupported)."""
+    calls instead) and, from a snapshot, can fork, and privileged, is a VM (Unsupported)."""
     check_kind(kind)
+    if privileged:
+        require(kind, "privileged", "privileged sandboxes")
     if not supports(kind, "exec"):
         raise Unsupported(f"backend {kind!r} has no sandboxes to create: use client.call()",
                           backend=kind, operation="create")

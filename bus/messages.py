@@ -60,6 +60,7 @@ class CreateRequest(Wire, tag="create"):
     snapshot: str = ""               # start from this snapshot's layers (client.create(from_snapshot=...))
     workspace: str = ""              # name[@version] of a workspace layer over the base image (optional)
     toolkit: str = ""                # name[@version] of a toolkit layer on top (optional)
+    privileged: bool = False         # a VM whose commands keep every guest capability (kinds: "privileged")
 
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""

@@ -39,7 +39,7 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
             subjects.token(value, what)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-    kinds.check_create_kind(req.backend, bool(req.snapshot))
+    kinds.check_create_kind(req.backend, bool(req.snapshot), req.privileged)
     if not req.deadline > 0:
         raise InvalidRequest("deadline must be an absolute unix time")
     if req.deadline > (now or time.time()) + MAX_WAIT:

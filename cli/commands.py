@@ -13,7 +13,8 @@ from cli.main import fail, main, nats_option, run_async
 
 
 def resource_options(fn):
-    """--image, --workspace, --toolkit, --cpu, --memory, --pids, --disk, --ttl, --env, --label."""
+    """--image, --backend, --workspace, --toolkit, --cpu, --memory, --pids, --disk, --ttl, --env, --label,
+    --timeout, --priority, --privileged."""
     for opt in reversed([
         click.option("--image", default="busybox", show_default=True, help="Base image name[@version]."),
         click.option("--backend", default="container", show_default=True, metavar="KIND",
@@ -30,6 +31,8 @@ def resource_options(fn):
         click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the sandbox."),
         click.option("--priority", type=click.Choice(["latency", "batch"]), default="latency", show_default=True,
                      help="latency goes ahead of queued batch requests; batch may burst to the cloud pool."),
+        click.option("--privileged", is_flag=True,
+                     help="VM kinds only: commands keep every capability of the guest's own kernel."),
     ]):
         fn = opt(fn)
     return fn
@@ -46,13 +49,14 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
     return out
 
 
-async def _create(client: libdsec.AsyncClient, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env,
-                  label, timeout, priority):
+async def _create(client: libdsec.AsyncClient, *, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl,
+                  env, label, timeout, priority, privileged):
     def queued(reason: str) -> None:
         click.echo(f"dsec: queued ({reason}); waiting up to {timeout:.0f}s", err=True)
     return await client.create(image=image, backend=backend, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
                                ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout,
-                               priority=priority, on_queued=queued, workspace=workspace, toolkit=toolkit)
+                               priority=priority, on_queued=queued, workspace=workspace, toolkit=toolkit,
+                               privileged=privileged)
 
 
 async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
@@ -78,15 +82,13 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout, priority,
-              exec_timeout, argv) -> None:
+async def run(nats_url, exec_timeout, argv, **options) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code.
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label,
-                           timeout, priority)
+        sb = await _create(client, **options)
         try:
             code = await _stream_to_terminal(sb, list(argv), exec_timeout)
         finally:
@@ -101,12 +103,10 @@ async def run(nats_url, image, backend, workspace, toolkit, cpu, memory, pids, d
 @nats_option
 @resource_options
 @run_async
-async def create(nats_url, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label, timeout,
-                 priority) -> None:
+async def create(nats_url, **options) -> None:
     """Create a sandbox and print its id."""
     async with libdsec.AsyncClient(nats_url) as client:
-        sb = await _create(client, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl, env, label,
-                           timeout, priority)
+        sb = await _create(client, **options)
         click.echo(sb.id)
 
 

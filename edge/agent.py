@@ -116,6 +116,7 @@ class Edge:
         except BackendError as exc:
             raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
         self.capacity.accel = getattr(self.backend, "accelerators", {})
+        self.backend.died = self._died
         if self.backend.kinds != self.config.backends:   # a backend it only found did not start: not offered
             self.config = msgspec.structs.replace(self.config, backends=self.backend.kinds)
             self.capacity.config = self.config
@@ -187,6 +188,15 @@ class Edge:
         for sid in list(self.sandboxes):
             self._tasks.append(asyncio.create_task(self._destroy_quietly(sid, "node_lost",
                                                                          "node was declared lost")))
+
+    def _died(self, sandbox_id: str, why: str) -> None:
+        """A sandbox ended by itself (its VM's kernel crashed or powered off): destroyed as failed, so its
+        record and its execs say so instead of waiting for its TTL."""
+        if sandbox_id in self.sandboxes and not self.sandboxes[sandbox_id].ending:
+            log.warning("sandbox %s ended by itself: %s", sandbox_id, why)
+            task = asyncio.create_task(self._destroy_quietly(sandbox_id, "failed", why))
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
 
     async def _destroy_quietly(self, sandbox_id: str, state: str, reason: str) -> None:
         try:

@@ -208,7 +208,7 @@ class CreateLane:
         this request then always takes, answers)."""
         if time.time() > req.deadline or req.request_id in self._slow_way:
             return False
-        warm = self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
+        warm = self._take_warm(req)
         if warm is None:
             return False
         try:
@@ -216,8 +216,7 @@ class CreateLane:
         except Exception:   # the usual way meets it again and makes it a typed failure
             self.warm.retire(warm)
             return False
-        spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
-                               kind=req.backend)
+        spec = _spec(req, paths)
         if not await self._claim_warm(req, spec, warm):
             return False
         running = self._running(req, spec)
@@ -307,8 +306,7 @@ class CreateLane:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
         try:
             paths = await self.layers.ensure(req.layers)
-            spec = SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
-                               kind=req.backend)
+            spec = _spec(req, paths)
             if not await self._claim_warm(req, spec):
                 await self.backend.create(spec)
         except DsecError:
@@ -328,9 +326,16 @@ class CreateLane:
             raise RequestExpired("create request expired while the sandbox started; it was destroyed")
         return spec
 
+    def _take_warm(self, req: CreateRequest) -> str | None:
+        """A warm sandbox matching the request, taken from its pool; never for a privileged one (warm ones
+        are not)."""
+        if req.privileged:
+            return None
+        return self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
+
     async def _claim_warm(self, req: CreateRequest, spec: SandboxSpec, warm: str | None = None) -> bool:
         """Give the create a ready sandbox of a matching warm pool (this one, or one taken now)."""
-        warm = warm or self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
+        warm = warm or self._take_warm(req)
         if warm is None:
             return False
         try:
@@ -379,3 +384,9 @@ def _ready(outcome: Outcome | None) -> bool:
     not known yet (the bus is away: it runs, the outbox goes on). Anything else: the id ended or is
     someone else's."""
     return outcome in (Outcome.WRITTEN, Outcome.ALREADY, None)
+
+
+def _spec(req: CreateRequest, paths: list[str]) -> SandboxSpec:
+    """What the backend starts for a create, its layers fetched to paths."""
+    return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
+                       kind=req.backend, privileged=req.privileged)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import secrets
 import tempfile
@@ -252,8 +253,7 @@ class Sandboxes:
             raise InvalidRequest(f"snapshot {snap.id} not found")
         assert running.spec is not None
         paths = await self.layers.ensure(snap.layers)          # before anything is torn down
-        spec = SandboxSpec(id=sandbox_id, layers=paths, env=dict(running.spec.env), limits=running.spec.limits,
-                           kind=running.spec.kind)
+        spec = dataclasses.replace(running.spec, layers=paths)
         await self.backend.destroy(sandbox_id)
         try:
             await self.backend.create(spec)

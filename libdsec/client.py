@@ -143,7 +143,7 @@ class AsyncClient:
                      labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT,
                      priority: str = "latency", burst: bool | None = None,
                      on_queued=None, workspace: str | None = None, toolkit: str | None = None,
-                     from_snapshot: SnapshotRecord | str | None = None) -> AsyncSandbox:
+                     from_snapshot: SnapshotRecord | str | None = None, privileged: bool = False) -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
 
         image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
@@ -158,8 +158,12 @@ class AsyncClient:
         backend is the kind (container, gvisor, ...; bus/kinds.py): InvalidRequest for one that does not
         exist, Unsupported for an operation it lacks (e.g. from_snapshot on a kind without fork), both
         raised before anything is sent; CapacityUnavailable at once when no live node runs it.
+
+        privileged=True (VM kinds only, else Unsupported): its commands keep every capability of the guest's
+        own kernel (load modules, sysrq, mount...); the only promise is that the host and every other
+        sandbox are untouched. Never claimed from a warm pool.
         """
-        check_create_kind(backend, from_snapshot is not None)
+        check_create_kind(backend, from_snapshot is not None, privileged)
         if from_snapshot is not None:   # its layers; its env, resources and labels unless given here
             snap = await self.snapshot(from_snapshot)
             env = {**snap.env, **(env or {})}
@@ -169,6 +173,8 @@ class AsyncClient:
         req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst, workspace, toolkit)
         if from_snapshot is not None:
             req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image)
+        if privileged:
+            req = msgspec.structs.replace(req, privileged=True)
         return await self._create(req, timeout, on_queued)
 
     async def fork(self, snapshot: SnapshotRecord | str, n: int = 1, **kwargs: Any) -> list[AsyncSandbox]:

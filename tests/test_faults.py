@@ -71,31 +71,33 @@ async def _wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 30) -
     return line
 
 
-def _edge(url: str, state: Path, creds: str) -> subprocess.Popen:
-    return subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "rs", "--state-dir", str(state), "--creds", creds],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def _edge(url: str, state: Path, creds: str, kind: str = "container") -> subprocess.Popen:
+    kinds = [] if kind == "container" else ["--backend", "container", "--backend", kind]   # [] : what it finds
+    return subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "rs", "--state-dir", str(state), "--creds", creds,
+                             *kinds], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path):
+@pytest.mark.parametrize("kind", ["container", "microvm"])   # a VM's QEMU outlives a SIGKILLed edge: reconciled
+async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path, kind):
     from cli.stack import Stack
     srv = own_server(tmp_path, ["rs"])
     st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
                creds=srv.creds("placement"))
     await st.start()
-    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
+    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), kind)
     try:
         await _wait_line(edge, "dsec: edge rs ready")
         async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
-            old = await client.create_many(2)
+            old = await client.create_many(2, backend=kind, timeout=120)
             await old[0].exec("sleep 1000 >/dev/null 2>&1 &")
-            await client.set_warm_pool("kept", min=2, max=2)   # the killed run leaves warm sandboxes too
+            await client.set_warm_pool("kept", min=2, max=2, backend=kind)   # the killed run leaves warm ones too
             await _wait_warm(client, 2)
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             queued = asyncio.create_task(client.create(timeout=60))
             lost_exec = asyncio.create_task(old[1].exec("echo never", timeout=30))   # waits in JetStream
             await asyncio.sleep(1)
-            edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
+            edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), kind)
             await _wait_line(edge, "dsec: edge rs ready")
             new = await queued
             assert (await new.exec("echo back")).stdout == b"back\n"

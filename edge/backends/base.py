@@ -7,6 +7,7 @@ such operations from the capability table first."""
 from __future__ import annotations
 
 import abc
+from typing import Callable
 from dataclasses import dataclass, field
 
 from chronus.control import ExecControl, ExecResult, OutputSink, StreamName  # noqa: F401  (the exec contract)
@@ -36,6 +37,7 @@ class SandboxSpec:
     scratch: int = 0            # > 0: read-only root, a tmpfs of this size at /tmp, an IPC namespace per
                                 # command (a stateless worker: see edge/backends/fncall/)
     warm: bool = False          # started for a warm pool: worth a longer create for a faster first command
+    privileged: bool = False    # a VM's commands keep every capability of the guest (kinds: "privileged")
 
 
 class BackendError(Exception):
@@ -71,6 +73,8 @@ class Backend(abc.ABC):
     """One kind of sandbox. Lifecycle: start/stop/reconcile. Work: create/exec/files/destroy."""
 
     kind: str = ""                  # its name in bus/kinds.py
+    died: Callable[[str, str], None] | None = None   # set by the edge: (sandbox id, why) for one that ended
+                                                     # by itself (a VM whose kernel crashed); it destroys it
     accel: str = ""                 # a VM kind's accelerator once started (kvm or tcg); '' for the others
     trusted_shell: str = TRUSTED_SHELL   # the shell string commands run with, inside its sandboxes
 

@@ -200,6 +200,17 @@ class BackendSet(Backend):
         return list(self.backends)
 
     @property
+    def died(self):
+        return getattr(self, "_died", None)
+
+    @died.setter
+    def died(self, hook) -> None:
+        """The edge's hook for sandboxes that end by themselves, handed to every backend."""
+        self._died = hook
+        for b in self.backends.values():
+            b.died = hook
+
+    @property
     def accelerators(self) -> dict[str, str]:
         """kind -> the accelerator its VMs run with (kvm or tcg), for the kinds that run VMs."""
         return {k: b.accel for k, b in self.backends.items() if getattr(b, "accel", "")}

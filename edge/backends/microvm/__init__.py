@@ -68,6 +68,7 @@ class _VM:
     frozen_since: float | None = None
     frozen_total: float = 0.0
     packing: asyncio.Lock = field(default_factory=asyncio.Lock)   # one snapshot at a time (one freeze)
+    watch: asyncio.Future | None = None                            # QEMU's exit, once it runs as a sandbox
 
     def __post_init__(self) -> None:
         self.key = self.key or self.spec.id
@@ -176,6 +177,8 @@ class MicroVMBackend(Backend):
                 code, _, err = await self._shell(vm, WARM_UP, [], b"")
                 if code:
                     raise BackendError(f"sandbox {spec.id}: its warm-up failed ({code}): {err[-200:]!r}")
+            vm.watch = asyncio.ensure_future(vm.proc.wait())
+            vm.watch.add_done_callback(lambda done: done.cancelled() or self._exited(vm))
         except BaseException as exc:
             vm.dying = asyncio.get_running_loop().create_future()
             try:
@@ -215,7 +218,7 @@ class MicroVMBackend(Backend):
     async def _template(self, spec: SandboxSpec) -> template.Template:
         limits = spec.limits
         key = template.key_of(self._guest, self.accel, limits.memory, cpus(limits), disk_size(limits), limits.pids,
-                              len(spec.layers), layers=list(spec.layers))
+                              len(spec.layers), spec.privileged, layers=list(spec.layers))
         return await self._templates.get(key, lambda path: self._build_template(path, spec))
 
     async def _build_template(self, path: Path, spec: SandboxSpec) -> tuple[int, int]:
@@ -372,6 +375,13 @@ class MicroVMBackend(Backend):
         vm.chan = AgentChannel(vm.spec.id, os.dup(r), r)
         return asyncio.ensure_future(vm.proc.wait())
 
+    def _exited(self, vm: _VM) -> None:
+        """QEMU ended while nobody destroyed its VM (the guest crashed, powered off or was killed): told to
+        the edge, which destroys the sandbox as failed."""
+        if vm.dying is None and self._vms.get(vm.spec.id) is vm and self.died is not None:
+            self.died(vm.spec.id, f"its VM exited (QEMU status {vm.proc.returncode}: "
+                                  f"{log_tail(self._dir(vm.key) / 'console.log')})")
+
     async def destroy(self, sandbox_id: str) -> None:
         vm = self._vms.get(sandbox_id)
         if vm is None:
@@ -394,6 +404,8 @@ class MicroVMBackend(Backend):
         residue: list[str] = []
         groups = self._cgroups.sandbox(vm.key)
         try:
+            if vm.watch is not None:
+                vm.watch.cancel()
             if vm.chan is not None:
                 vm.chan.close()
             if vm.qmp is not None:

@@ -16,7 +16,8 @@ for m in virtio_ring virtio virtio_mmio virtio_blk virtio_console libcrc32c erof
 done
 HOST=sandbox
 for a in $($B cat /proc/cmdline); do
-  case $a in dsec.layers=*) N=${a#*=};; dsec.host=*) HOST=${a#*=};; dsec.pids=*) PIDS=${a#*=};; esac
+  case $a in dsec.layers=*) N=${a#*=};; dsec.host=*) HOST=${a#*=};; dsec.pids=*) PIDS=${a#*=};;
+    dsec.privileged=1) export DSEC_PRIVILEGED=1;; esac
 done
 $B hostname "$HOST"
 for b in /sys/block/vd*; do
@@ -55,7 +56,7 @@ for p in /sys/class/virtio-ports/*; do [ "$($B cat $p/name 2>/dev/null)" = dsec.
 # need (32 MiB): past it the command is OOM-killed at once (the agent's memory group), never thrashing.
 total=$($B awk '/^MemTotal:/ { print $2 * 1024 }' /proc/meminfo)
 export DSEC_MEMORY_MAX=$((total - (32 << 20)))
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin DSEC_PIDS_MAX=${PIDS:-256}
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin DSEC_PIDS_MAX=${PIDS:-256} DSEC_VM=1
 # The agent is pid 1 of a pid namespace of its own (this shell stays the kernel's init and waits for it):
 # commands see their own processes in /proc, not the guest kernel's threads.
 exec $B unshare -p -f -m $B sh -c "$B mount -t proc proc /newroot/proc && exec $B chroot /newroot /.dsec/agent" \

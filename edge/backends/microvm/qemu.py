@@ -32,7 +32,8 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
            "-m", f"{limits.memory >> 20}M", *memory, "-smp", str(cpus(limits)), "-nodefaults",
            "-no-user-config", "-no-reboot", "-display", "none", "-sandbox", SECCOMP,
            "-kernel", str(g.kernel), "-initrd", str(g.initrd),
-           "-append", f"{CMDLINE} dsec.layers={len(spec.layers)} dsec.host={host} dsec.pids={limits.pids}",
+           "-append", f"{CMDLINE} dsec.layers={len(spec.layers)} dsec.host={host} dsec.pids={limits.pids}"
+                     f"{' dsec.privileged=1' if spec.privileged else ''}",
            "-name", str(work),    # what qemu_processes finds it by
            "-chardev", f"file,id=console,path=/dev/fdset/{len(fds) + 1}", "-serial", "chardev:console",
            "-add-fd", f"fd={console},set={len(fds) + 1}",

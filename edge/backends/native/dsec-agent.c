@@ -38,6 +38,7 @@
 #include <linux/fs.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <sched.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -111,6 +112,34 @@ static void fail_child(int fd, const char *stage) {
     _exit(127);
 }
 
+/* What a command must not reach, as in a container: the groups that hold its limits (a root command could
+ * move itself out of them), /proc files that act on or tell of the kernel, and /proc/sys to write. */
+static const char *const masked_proc[] = {"kcore", "keys", "key-users", "latency_stats", "timer_list", "sched_debug",
+    "sysrq-trigger", "kpageflags", "kpagecount", "kpagecgroup", "slabinfo", "vmallocinfo", "partitions"};
+static int privileged;          /* DSEC_PRIVILEGED (a VM created with privileged=True): none of that */
+static int in_vm;               /* DSEC_VM: a guest kernel of its own. gVisor's sentry (2022) shares a child's
+                                 * new mount namespace with its parent, so masks there would be the agent's */
+
+/* In an exec's child, before its capabilities go: a mount namespace of its own with those masks (it
+ * keeps the agent's root; without CAP_SYS_ADMIN nothing of it can be undone). */
+static void confine(int errfd) {
+    char path[64];
+    if (unshare(CLONE_NEWNS)) fail_child(errfd, "unshare");
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) fail_child(errfd, "private");
+    const char *groups[] = {"/dev/.pids", "/dev/.mem"};
+    for (int i = 0; i < 2; i++)
+        if (access(groups[i], F_OK) == 0 &&
+            mount("none", groups[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=000"))
+            fail_child(errfd, "hide groups");
+    for (size_t i = 0; i < sizeof masked_proc / sizeof *masked_proc; i++) {
+        snprintf(path, sizeof path, "/proc/%s", masked_proc[i]);
+        if (access(path, F_OK) == 0 && mount("/dev/null", path, NULL, MS_BIND, NULL)) fail_child(errfd, "mask /proc");
+    }
+    if (mount("/proc/sys", "/proc/sys", NULL, MS_BIND | MS_REC, NULL)) fail_child(errfd, "bind /proc/sys");
+    if (mount(NULL, "/proc/sys", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
+        fail_child(errfd, "/proc/sys read-only");
+}
+
 /* execvpe over the exec's own PATH (not the agent's). */
 static void run(char **argv, char **envp, int errfd) {
     if (strchr(argv[0], '/')) { execve(argv[0], argv, envp); fail_child(errfd, "exec"); }
@@ -169,10 +198,12 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
             if (fd < 0 || write(fd, "0", 1) != 1) fail_child(rep[1], "setup");
             close(fd);
         }
+        if (mem_ok) write_file("/dev/.mem/sandbox/cgroup.procs", "0");
+        if (in_vm && !privileged) confine(rep[1]);
         /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT: no mount over /.dsec, no hostname, no
          * kernel module or raw device, and no ptrace of the agent (its caps exceed the exec's). */
-        for (int c = 0; c < (int)(sizeof dropped / sizeof *dropped); c++) prctl(PR_CAPBSET_DROP, dropped[c], 0, 0, 0);
-        if (mem_ok) write_file("/dev/.mem/sandbox/cgroup.procs", "0");
+        for (int c = 0; !privileged && c < (int)(sizeof dropped / sizeof *dropped); c++)
+            prctl(PR_CAPBSET_DROP, dropped[c], 0, 0, 0);
         int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
         if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }       /* the command's */
         if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
@@ -468,6 +499,8 @@ int main(void) {
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* a VM's OOM killer takes a command, */
     if (oom >= 0) { if (write(oom, "-1000", 5) < 0) {} close(oom); }  /* never the agent (the VM with it) */
+    privileged = getenv("DSEC_PRIVILEGED") != NULL;
+    in_vm = getenv("DSEC_VM") != NULL;
     limit_pids();
     limit_memory();
     reply('R', 0, NULL, 0, NULL, 0);

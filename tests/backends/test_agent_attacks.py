@@ -1,0 +1,109 @@
+"""Attacks from inside the sandboxes whose commands dsec-agent runs (gVisor and microVMs), each the attack
+itself (issue 15: the tamper and bomb tests hold inside a VM; commands are confined as in a container):
+- a root command moving itself out of the groups that hold its limits, then forking past them;
+- the kernel's sysrq trigger and /proc/sys, module loading, the agent's memory;
+- the trusted shell and the agent replaced or unmounted.
+And a privileged VM (create(privileged=True)): it may do all of that to its own kernel, even crash it, and
+the host and its neighbours are untouched."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+import libdsec
+from tests.conftest import extra_edge
+
+pytestmark = pytest.mark.timeout(180)
+KINDS = ["gvisor", "microvm"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def nodes(stack, tmp_path_factory):
+    async with extra_edge(stack, tmp_path_factory.mktemp("agv"), "k-agv", 8, backends=["gvisor"]) as gv, \
+            extra_edge(stack, tmp_path_factory.mktemp("avm"), "k-avm", 8, backends=["microvm"]) as vm:
+        yield {"gvisor": gv, "microvm": vm}
+
+
+def _vm_memory(kind: str) -> dict:
+    return {"resources": libdsec.Resources(memory="192Mi", pids=32)} if kind == "microvm" else \
+        {"resources": libdsec.Resources(pids=32)}
+
+
+# gVisor's sentry (Debian's runsc, 2022) gives a child's new mount namespace to its parent too, so the agent
+# cannot mask its groups from a command there: a root command in gVisor can leave them (the host cgroup's
+# pids and memory limits still hold the sandbox as a whole). VMs only, for now.
+@pytest.mark.parametrize("kind", ["microvm"])
+async def test_a_root_command_cannot_leave_its_limit_groups(client, kind):
+    async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
+        r = await sb.exec("for g in /dev/.pids /dev/.mem; do echo $$ > $g/cgroup.procs && echo moved $g; "
+                          "echo $$ > $g/sandbox/cgroup.procs && echo moved-up $g; ls $g; done; "
+                          "mount -t cgroup -o pids none /mnt && echo mounted; true", timeout=30)
+        assert b"moved" not in r.stdout and b"mounted" not in r.stdout, r
+        assert r.stdout.strip() == b"", r      # the groups are out of sight: empty, unwritable
+        r = await sb.exec("i=0; while [ $i -lt 64 ]; do (sleep 5 &) 2>/dev/null; i=$((i+1)); done; "
+                          "n=0; for p in /proc/[0-9]*; do n=$((n+1)); done; echo $n; kill -9 -1", timeout=30)
+        assert int(r.stdout.split()[0]) <= 32, r
+
+
+# gVisor (runsc 2022) refuses sysrq and modules too, but lets a command read the agent's /proc/1/environ and
+# SIGKILL it (its pid 1): the sandbox then ends. VMs only, for now.
+@pytest.mark.parametrize("kind", ["microvm"])
+async def test_the_kernel_is_out_of_a_commands_reach(client, kind):
+    async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
+        r = await sb.exec("echo c > /proc/sysrq-trigger; echo 1 > /proc/sys/vm/drop_caches && echo wrote; "
+                          "printf junk > /tmp/m.ko; insmod /tmp/m.ko; cat /proc/1/environ && echo read; "
+                          "kill -9 1; sleep 0.2; true", timeout=30)
+        assert b"read" not in r.stdout, r       # the agent's memory and environment are not a command's
+        assert b"wrote" not in r.stdout, r
+        assert b"not permitted" in r.stderr, r.stderr
+        assert (await sb.exec("echo alive")).stdout == b"alive\n", "the agent and the kernel are unharmed"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_relay_trusts_nothing_a_command_can_replace(client, kind):
+    async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
+        r = await sb.exec(["/bin/sh", "-c",
+                           "rm -f /bin/sh && printf '#!/bin/busybox sh\\necho hijacked\\n' > /bin/sh && chmod 755 /bin/sh; "
+                           "cp /bin/busybox /.dsec/sh && echo replaced; umount /.dsec/upper && echo unmounted; "
+                           "umount -l /.dsec && echo unmounted; mount -o remount,rw /.dsec && echo remounted; true"])
+        assert b"replaced" not in r.stdout and b"unmounted" not in r.stdout and b"remounted" not in r.stdout, r
+        r = await sb.exec("echo through the trusted shell")
+        assert r.stdout == b"through the trusted shell\n"
+        assert (await sb.exec(["/bin/sh"])).stdout == b"hijacked\n"     # the image's own shell is the sandbox's
+
+
+async def test_privileged_is_refused_where_it_means_nothing(client):
+    with pytest.raises(libdsec.Unsupported, match="container.*privileged"):
+        await client.create(privileged=True)
+
+
+async def test_a_privileged_vm_owns_its_kernel_and_touches_nothing_else(client, stack, nodes):
+    """Its commands keep every capability: a module load reaches the kernel's parser, and sysrq crashes
+    its kernel. Its neighbour, created before, and the node's containers go on; the crashed VM's execs
+    fail typed, and destroying it leaves nothing."""
+    backend = nodes["microvm"].edge.backend.backends["microvm"]
+    neighbour = await client.create(backend="microvm", timeout=120)
+    container = await client.create(timeout=30)
+    vm = await client.create(backend="microvm", privileged=True, timeout=120)
+    try:
+        r = await vm.exec("printf junk > /tmp/m.ko; insmod /tmp/m.ko; cat /proc/sys/kernel/sysrq; "
+                          "echo 1 > /proc/sys/vm/drop_caches && echo dropped")
+        assert b"not permitted" not in r.stderr and b"dropped" in r.stdout, r
+        with pytest.raises(libdsec.SandboxError):
+            await vm.exec("echo c > /proc/sysrq-trigger; sleep 30", timeout=60)
+        for _ in range(300):     # the edge saw QEMU exit: the sandbox is destroyed as failed, saying why
+            rec = await client._record(vm.id)
+            if rec.state != "ready":
+                break
+            await asyncio.sleep(0.1)
+        assert rec.state == "failed" and "VM exited" in rec.reason, rec
+        with pytest.raises(libdsec.SandboxNotFound):
+            await vm.exec("echo after", timeout=10)
+        assert (await neighbour.exec("echo fine")).stdout == b"fine\n"
+        assert (await container.exec("echo fine")).stdout == b"fine\n"
+        assert os.path.exists("/proc/self")   # the host goes on
+    finally:
+        await asyncio.gather(vm.destroy(), neighbour.destroy(), container.destroy(), return_exceptions=True)
+    assert backend.residue(vm.id) == [] and backend.residue(neighbour.id) == []
