@@ -198,8 +198,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=32, help="fncall workers at most")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the backends to run and measure, comma-separated")
     ap.add_argument("--idle-vms", type=int, default=10, help="idle microVMs held for the memory figure")
+    ap.add_argument("--vm-memory", type=int, default=256, help="MiB of RAM of each microVM")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
+    if "microvm" in args.kinds:
+        import bench.vms
+        bench.vms.MEMORY = args.vm_memory << 20
     if not args.kinds or set(args.kinds) - set(KINDS):
         ap.error(f"--kinds: one or more of {', '.join(KINDS)}")
     with tempfile.TemporaryDirectory(prefix="dsec-bench-kinds-") as tmp:

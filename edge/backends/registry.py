@@ -135,8 +135,6 @@ def runnable() -> list[str]:
     out = []
     for kind in kinds.SERVED:
         why = config_for(kind).available()
-        if kind == kinds.MICROVM and not why:   # not yet verified on first use, nor templated: ask for it
-            why = "not enabled by default yet (dsec up --backend microvm runs it)"
         if why:
             log.info("backend %s not enabled: %s", kind, why)
         else:

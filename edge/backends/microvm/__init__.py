@@ -505,8 +505,13 @@ class MicroVMBackend(Backend):
         vm = self._live(sandbox_id)
         if not argv:
             raise BackendError("empty command")
-        return await vm.chan.exec(list(argv), {**DEFAULT_ENV, **vm.spec.env, **env}, cwd or "/", stdin,
-                                  timeout, sink, control, vm.frozen_for)
+        try:
+            return await vm.chan.exec(list(argv), {**DEFAULT_ENV, **vm.spec.env, **env}, cwd or "/", stdin,
+                                      timeout, sink, control, vm.frozen_for)
+        except SandboxGone:
+            if vm.dying is None and vm.watch is not None:   # the agent's EOF comes first, QEMU's exit just
+                await asyncio.wait({vm.watch}, timeout=5)   # after: told to the edge (died) before we answer
+            raise
 
     async def _shell(self, vm: _VM, script: str, args: list[str], stdin: bytes | None) -> tuple[int, bytes, bytes]:
         out = {"stdout": bytearray(), "stderr": bytearray()}
