@@ -65,7 +65,8 @@ async def test_the_kernel_is_out_of_a_commands_reach(client, kind):
 async def test_the_relay_trusts_nothing_a_command_can_replace(client, kind):
     async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
         r = await sb.exec(["/bin/sh", "-c",
-                           "rm -f /bin/sh && printf '#!/bin/busybox sh\\necho hijacked\\n' > /bin/sh && chmod 755 /bin/sh; "
+                           "rm -f /bin/sh && printf '#!/bin/busybox sh\\necho hijacked\\n' > /bin/sh && "
+                           "chmod 755 /bin/sh; "
                            "cp /bin/busybox /.dsec/sh && echo replaced; umount /.dsec/upper && echo unmounted; "
                            "umount -l /.dsec && echo unmounted; mount -o remount,rw /.dsec && echo remounted; true"])
         assert b"replaced" not in r.stdout and b"unmounted" not in r.stdout and b"remounted" not in r.stdout, r

@@ -27,7 +27,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -459,7 +458,6 @@ class MicroVMBackend(Backend):
         """The writable layer frozen in the guest, streamed out as a tar, unpacked as untrusted input and
         packed with mkfs.erofs (microvm/snapshot.py). A suspended VM runs its vCPUs for the pack (its
         writers wait on the frozen filesystem) and is stopped again after."""
-        from edge.erofs import LayerBuildError, pack_dir
         vm = self._live(sandbox_id)
         async with vm.packing:
             suspended = vm.frozen_since is not None
@@ -467,23 +465,7 @@ class MicroVMBackend(Backend):
                 await vm.qmp.execute("cont")
             work = Path(tempfile.mkdtemp(prefix="pack-", dir=self._dir(vm.key)))
             try:
-                opaque = await vm.chan.freeze_upper(True)
-                sink = snapshot.TarSink(work / "upper.tar", vm.spec.limits.disk + snapshot.SLACK, sandbox_id)
-                try:
-                    res = await vm.chan.exec([TRUSTED_SHELL, "-c", snapshot.PACK], DEFAULT_ENV, "/", None,
-                                             max(60.0, vm.spec.limits.disk / (4 << 20)), sink, None)
-                finally:
-                    sink.close()
-                    await vm.chan.freeze_upper(False)
-                if res.exit_code or res.timed_out:
-                    raise BackendError(f"tar in the guest exited {res.exit_code}: "
-                                       f"{sink.stderr.decode(errors='replace').strip()}")
-                (work / "root").mkdir(mode=0o755)
-                await asyncio.to_thread(snapshot.unpack, work / "upper.tar", work / "root", opaque)
-                (work / "upper.tar").unlink()
-                return await asyncio.to_thread(pack_dir, work / "root", Path(dst))
-            except (snapshot.UnsafeArchive, tarfile.TarError, LayerBuildError, OSError) as exc:
-                raise BackendError(f"the guest's writable layer: {exc}") from exc
+                return await snapshot.pack(vm.chan, sandbox_id, vm.spec.limits.disk, DEFAULT_ENV, work, Path(dst))
             finally:
                 await asyncio.to_thread(shutil.rmtree, work, True)
                 if suspended and vm.dying is None:

@@ -15,12 +15,15 @@ What busybox tar does not carry is lost: extended attributes other than opacity 
 user.* attributes) and sub-second mtimes."""
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import tarfile
 from pathlib import Path
 
-from edge.backends.base import SnapshotTooLarge
+from edge.backends.base import BackendError, SnapshotTooLarge
+from edge.backends.gvisor.agent import AgentChannel
+from chronus.shell import TRUSTED_SHELL
 
 PACK = "cd /.dsec/upper && exec tar -c -f - ."
 SLACK = 16 << 20       # tar headers and padding over the files' own bytes
@@ -104,3 +107,26 @@ def unpack(tar: Path, root: Path, opaque: list[str]) -> None:
             target = _safe_parent(root, path)
             if stat.S_ISDIR(os.lstat(target).st_mode):
                 os.setxattr(target, "trusted.overlay.opaque", b"y", follow_symlinks=False)
+
+
+async def pack(chan: AgentChannel, sandbox_id: str, disk: int, env: dict[str, str], work: Path, dst: Path) -> str:
+    """Steps 1-3 above for one VM (work: an empty dir of the host); the layer's digest. SnapshotTooLarge past
+    the disk limit, BackendError for anything else."""
+    from edge.erofs import LayerBuildError, pack_dir
+    try:
+        opaque = await chan.freeze_upper(True)
+        sink = TarSink(work / "upper.tar", disk + SLACK, sandbox_id)
+        try:
+            res = await chan.exec([TRUSTED_SHELL, "-c", PACK], env, "/", None, max(60.0, disk / (4 << 20)), sink, None)
+        finally:
+            sink.close()
+            await chan.freeze_upper(False)
+        if res.exit_code or res.timed_out:
+            why = sink.stderr.decode(errors="replace").strip()
+            raise BackendError(f"tar in the guest exited {res.exit_code}: {why}")
+        (work / "root").mkdir(mode=0o755)
+        await asyncio.to_thread(unpack, work / "upper.tar", work / "root", opaque)
+        (work / "upper.tar").unlink()
+        return await asyncio.to_thread(pack_dir, work / "root", dst)
+    except (UnsafeArchive, tarfile.TarError, LayerBuildError, OSError) as exc:
+        raise BackendError(f"the guest's writable layer: {exc}") from exc
