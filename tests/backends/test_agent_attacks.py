@@ -8,6 +8,7 @@ the host and its neighbours are untouched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
@@ -109,3 +110,24 @@ async def test_a_privileged_vm_owns_its_kernel_and_touches_nothing_else(client, 
     finally:
         await asyncio.gather(vm.destroy(), neighbour.destroy(), container.destroy(), return_exceptions=True)
     assert backend.residue(vm.id) == [] and backend.residue(neighbour.id) == []
+
+
+async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes):
+    """runsc (2022) lets a command SIGKILL the sandbox's pid 1, the agent: the sandbox ends then. It must
+    say so (failed, the exec it cut short too), not pass for a lost node."""
+    backend = nodes["gvisor"].edge.backend.backends["gvisor"]
+    sb = await client.create(backend="gvisor", timeout=60)
+    try:
+        with pytest.raises(libdsec.SandboxNotFound) as err:
+            await sb.exec("kill -9 1; sleep 5", timeout=30)
+        assert err.value.reason == "failed", err.value
+        for _ in range(300):
+            rec = await client._record(sb.id)
+            if rec.state != "ready":
+                break
+            await asyncio.sleep(0.1)
+        assert rec.state == "failed" and "agent ended" in rec.reason, rec
+    finally:
+        with contextlib.suppress(libdsec.SandboxNotFound):
+            await sb.destroy()
+    assert backend.residue(sb.id) == []

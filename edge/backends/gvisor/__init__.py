@@ -206,6 +206,7 @@ class GvisorBackend(Backend):
             await asyncio.to_thread(self._prepare_root, sb)
             groups = self._cgroups.create_sandbox(sb.key, host_limits(spec.limits), self._io_device)
             sb.chan = await self._boot(sb, groups)
+            sb.chan.closed.add_done_callback(lambda _: self._agent_gone(sb))
         except BaseException as exc:
             sb.dying = asyncio.get_running_loop().create_future()
             try:
@@ -219,6 +220,12 @@ class GvisorBackend(Backend):
             if isinstance(exc, asyncio.TimeoutError):
                 raise BackendError(f"sandbox {spec.id} did not start within {READY_TIMEOUT:.0f}s") from exc
             raise
+
+    def _agent_gone(self, sb: _Sandbox) -> None:
+        """Its agent ended while nobody destroyed it (e.g. a command SIGKILLed it: runsc lets a sandbox's
+        pid 1 be killed from inside): told to the edge, which destroys the sandbox as failed."""
+        if sb.dying is None and self._sandboxes.get(sb.spec.id) is sb and self.died is not None:
+            self.died(sb.spec.id, f"its agent ended ({sb.chan.closed.result()})")
 
     def _prepare_root(self, sb: _Sandbox) -> None:
         """The upper, idmapped views of the layers, the overlay over them, and the OCI bundle."""
