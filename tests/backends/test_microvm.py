@@ -213,3 +213,22 @@ async def test_a_sparse_file_past_the_disk_limit_is_refused_and_the_vm_goes_on(c
         assert (await sb.exec("ps -o comm | grep -c tar || true")).stdout.strip() == b"0"
     finally:
         await sb.destroy()
+
+
+async def test_qemus_translation_cache_fits_its_cgroup_allowance(client, vmnode):
+    """Under TCG, QEMU's own memory beside the guest's RAM must stay below what its cgroup allows for it
+    (kinds.OVERHEAD): its translation cache, by default a 1 GiB mapping filled as new code runs, is bounded."""
+    from bus import kinds
+    backend = vmnode.edge.backend.backends["microvm"]   # (under KVM there is no cache: the bound holds too)
+    sb = await client.create(backend="microvm", timeout=120)
+    try:
+        (pid,) = qemu_processes(backend.state_dir, backend._vms[sb.id].key)
+        anon = []
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            f = line.split()
+            if len(f) == 5:     # no path: an anonymous mapping of QEMU's own (the guest's RAM is the memfd)
+                lo, hi = (int(x, 16) for x in f[0].split("-"))
+                anon.append(hi - lo)
+        assert max(anon) <= 64 << 20 < kinds.OVERHEAD["microvm"][0], sorted(anon)[-3:]
+    finally:
+        await sb.destroy()

@@ -12,6 +12,10 @@ from edge.backends.microvm.guest import Guest
 
 CMDLINE = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 tsc=reliable"
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+# TCG's translation cache: QEMU 7.2 reserves 1 GiB and fills it as the guest runs new code, so a VM running
+# much code would pass its cgroup's allowance for QEMU (kinds.OVERHEAD, 96 MiB) and be OOM-killed with its
+# guest well within its RAM. Bounded, a full cache is flushed and code translated again (slower, alive).
+TB_SIZE_MIB = 48
 
 
 def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: dict[str, int], *, agent: int,
@@ -28,7 +32,8 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
                              f"mem-path=/proc/self/fd/{ram},share={'off' if incoming is not None else 'on'}",
                   *(["-incoming", "defer"] if incoming is not None else [])]
     host = "template" if ram is not None else spec.id
-    out = [qemu, "-M", machine, "-accel", accel, *(["-cpu", "host"] if accel == "kvm" else []),
+    accel_opt = accel if accel == "kvm" else f"tcg,tb-size={TB_SIZE_MIB}"
+    out = [qemu, "-M", machine, "-accel", accel_opt, *(["-cpu", "host"] if accel == "kvm" else []),
            "-m", f"{limits.memory >> 20}M", *memory, "-smp", str(cpus(limits)), "-nodefaults",
            "-no-user-config", "-no-reboot", "-display", "none", "-sandbox", SECCOMP,
            "-kernel", str(g.kernel), "-initrd", str(g.initrd),
