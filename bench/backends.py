@@ -176,9 +176,10 @@ def bare_runsc(tmp: Path, n: int) -> dict:
     return {"run_p50": ms(runs, 0.5), "exec_p50": ms(execs, 0.5)}
 
 
-def start_up(state: Path, port: int, workers: int, kinds: list[str]) -> subprocess.Popen:
+def start_up(state: Path, port: int, workers: int, kinds: list[str], memory_fraction: float = 0.8) -> subprocess.Popen:
     proc = subprocess.Popen([DSEC, "up", "--state-dir", str(state), "--port", str(port), "--metrics-port", "0",
                              "--node-id", "bench-kinds", *(a for k in kinds for a in ("--backend", k)),
+                             "--memory-fraction", str(memory_fraction),
                              "--fncall-min", "2", "--fncall-max", str(workers)],
                             stdout=subprocess.PIPE, stderr=open(state.parent / "up.log", "ab"), text=True,
                             preexec_fn=die_with_parent)
@@ -199,6 +200,8 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help="the backends to run and measure, comma-separated")
     ap.add_argument("--idle-vms", type=int, default=10, help="idle microVMs held for the memory figure")
     ap.add_argument("--vm-memory", type=int, default=256, help="MiB of RAM of each microVM")
+    ap.add_argument("--memory-fraction", type=float, default=0.8,
+                    help="share of RAM the node may book (dsec up --memory-fraction): VMs book RAM + 96 MiB each")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
     if "microvm" in args.kinds:
@@ -209,7 +212,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dsec-bench-kinds-") as tmp:
         tmp_path = Path(tmp)
         port = free_port()
-        up = start_up(tmp_path / "up", port, args.workers, args.kinds)
+        up = start_up(tmp_path / "up", port, args.workers, args.kinds, args.memory_fraction)
         try:
             sdk = asyncio.run(sdk_figures(f"nats://127.0.0.1:{port}", args))
         finally:

@@ -61,7 +61,8 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int) -> dict:
     held, idle_res = [], libdsec.Resources(memory=f"{MEMORY >> 20}Mi", cpu=0.1)   # cpu is booked too
     for _ in range(idle):
         try:
-            sb = await client.create(backend="microvm", resources=idle_res, timeout=30)
+            sb = await client.create(backend="microvm", resources=idle_res, timeout=30, ttl=3600)   # holding
+            #  a hundred takes minutes under TCG: the first must not reach the default 600 s TTL meanwhile
         except libdsec.CapacityUnavailable:     # the node's booking is full: what it holds is the figure
             break
         await sb.exec(["true"])
@@ -74,6 +75,7 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int) -> dict:
     cpu0 = sum(sum(p.cpu_times()[:2]) for p in procs)
     await asyncio.sleep(5)
     cpu = (sum(sum(p.cpu_times()[:2]) for p in procs) - cpu0) / 5 * 100
+    assert len(procs) == len(held), f"{len(held)} VMs held, {len(procs)} QEMUs: one ended while idle"
     await asyncio.gather(*(sb.destroy() for sb in held))
     per = max(len(procs), 1)
     return {"create_p50": _p(creates, 0.5), "create_p99": _p(creates, 0.99), "exec_p50": _p(execs, 0.5),
