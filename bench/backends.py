@@ -16,6 +16,7 @@ Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200] [-
              and the host CPU they burn idle; baselines: the same QEMU driven without the bus (a
              bare restore of the template, a bare cold boot to the agent's first frame, and the bare
              virtio-serial round trip of `true` to the agent).
+  fullvm     the same figures for full VMs (q35, Debian with systemd), beside the same QEMU without the bus.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from bus.server import die_with_parent, free_port
 from cli.demo import percentile
 
 DSEC = str(Path(sys.executable).with_name("dsec"))
-KINDS = ("container", "fncall", "gvisor", "microvm")
+KINDS = ("container", "fncall", "gvisor", "microvm", "fullvm")
+VMS = ("microvm", "fullvm")
 UNSHARE = ["unshare", "--user", "--map-root-user", "--fork", "--pid", "--mount", "--net", "--uts", "--ipc",
            "--mount-proc", "/bin/echo", "hi"]
 
@@ -67,9 +69,10 @@ async def sdk_figures(url: str, args) -> dict:
         for kind in ("container", "gvisor"):
             if kind in args.kinds:
                 out[kind] = await sandbox_figures(client, kind, args.samples // 10 or 1)
-        if "microvm" in args.kinds:
-            from bench.vms import vm_figures
-            out["microvm"] = await vm_figures(client, args.samples // 10 or 1, args.idle_vms)
+        for kind in VMS:
+            if kind in args.kinds:
+                from bench.vms import vm_figures
+                out[kind] = await vm_figures(client, args.samples // 10 or 1, args.idle_vms, kind)
         if "fncall" not in args.kinds:
             return out
         for _ in range(20):   # workers started, layers fetched
@@ -198,13 +201,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=200, help="sequential samples for the latency figures")
     ap.add_argument("--workers", type=int, default=32, help="fncall workers at most")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the backends to run and measure, comma-separated")
-    ap.add_argument("--idle-vms", type=int, default=10, help="idle microVMs held for the memory figure")
-    ap.add_argument("--vm-memory", type=int, default=256, help="MiB of RAM of each microVM")
+    ap.add_argument("--idle-vms", type=int, default=10, help="idle VMs (of each VM kind) held for the memory figure")
+    ap.add_argument("--vm-memory", type=int, default=256, help="MiB of RAM of each VM (a full VM needs 256 at least)")
     ap.add_argument("--memory-fraction", type=float, default=0.8,
-                    help="share of RAM the node may book (dsec up --memory-fraction): VMs book RAM + 96 MiB each")
+                    help="share of RAM the node may book (dsec up --memory-fraction): a VM books its RAM + 96 MiB "
+                         "(160 for a full VM)")
     args = ap.parse_args()
     args.kinds = [k for k in args.kinds.split(",") if k]
-    if "microvm" in args.kinds:
+    if set(VMS) & set(args.kinds):
         import bench.vms
         bench.vms.MEMORY = args.vm_memory << 20
     if not args.kinds or set(args.kinds) - set(KINDS):
@@ -237,9 +241,10 @@ def main() -> None:
                      ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], local["rate"], "local pool, no bus"),
                      ("fncall", f"calls/s, {args.in_flight} in flight", f["rate"], fresh["rate"],
                       "fresh unshare per call (8 at once)")]
-        if "microvm" in args.kinds:
-            from bench.vms import bare_vm, vm_rows
-            rows += vm_rows(sdk["microvm"], asyncio.run(bare_vm(tmp_path, args.samples // 10 or 1)))
+        for kind in VMS:
+            if kind in args.kinds:
+                from bench.vms import bare_vm, vm_rows
+                rows += vm_rows(sdk[kind], asyncio.run(bare_vm(tmp_path, args.samples // 10 or 1, kind)), kind)
     print(f"{'backend':<10} {'figure':<34} {'DSec':>10} {'baseline':>10} {'ratio':>7}  baseline is")
     for kind, what, ours, base, note in rows:
         ratio = f"{ours / base:>7.2f}" if base else f"{'-':>7}"

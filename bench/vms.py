@@ -1,5 +1,5 @@
-"""The microvm rows of bench.backends: figures through the SDK, and the same QEMU driven without the bus
-(MicroVMBackend in this process: a bare restore of a template, a bare cold boot to the agent's first frame,
+"""The microvm and fullvm rows of bench.backends: figures through the SDK, and the same QEMU driven without
+the bus (the kind's backend in this process: a bare restore of a template, a bare cold boot to the agent's first frame,
 the bare virtio-serial round trip of `true` to the agent) in the same run."""
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ def _qemus() -> list[psutil.Process]:
     return [p for p in psutil.process_iter(["name"]) if (p.info["name"] or "").startswith("qemu-system")]
 
 
-async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int) -> dict:
+async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int, kind: str = "microvm") -> dict:
     """create -> ready p50/p99 and exec p50 (ms), fork of 8 (ms), memory (MiB) and CPU (%) per idle VM."""
     res = libdsec.Resources(memory=f"{MEMORY >> 20}Mi")
-    await (await client.create(backend="microvm", resources=res, timeout=300)).destroy()   # its template built
+    await (await client.create(backend=kind, resources=res, timeout=300)).destroy()   # its template built
     creates, execs = [], []
     for _ in range(n):
         t0 = time.perf_counter()
-        sb = await client.create(backend="microvm", resources=res, timeout=120)
+        sb = await client.create(backend=kind, resources=res, timeout=120)
         creates.append((time.perf_counter() - t0) * 1000)
         await sb.exec(["true"])             # the first command of a new QEMU translates the guest's code
         for _ in range(5):
@@ -45,13 +45,13 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int) -> dict:
             await sb.exec(["true"])
             execs.append((time.perf_counter() - e0) * 1000)
         await sb.destroy()
-    src = await client.create(backend="microvm", resources=res, timeout=120)
+    src = await client.create(backend=kind, resources=res, timeout=120)
     await src.exec("echo forked > /root/f")
     snap = await src.snapshot()
     await src.destroy()
-    await (await client.fork(snap, 1, backend="microvm", resources=res, timeout=300))[0].destroy()   # its template
+    await (await client.fork(snap, 1, backend=kind, resources=res, timeout=300))[0].destroy()   # its template
     t0 = time.perf_counter()
-    forks = await client.fork(snap, 8, backend="microvm", resources=res, timeout=300)
+    forks = await client.fork(snap, 8, backend=kind, resources=res, timeout=300)
     fork_ms = (time.perf_counter() - t0) * 1000
     outs = await asyncio.gather(*(f.exec("cat /root/f") for f in forks))
     assert all(o.stdout == b"forked\n" for o in outs), outs
@@ -61,7 +61,7 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int) -> dict:
     held, idle_res = [], libdsec.Resources(memory=f"{MEMORY >> 20}Mi", cpu=0.1)   # cpu is booked too
     for _ in range(idle):
         try:
-            sb = await client.create(backend="microvm", resources=idle_res, timeout=30, ttl=3600)   # holding
+            sb = await client.create(backend=kind, resources=idle_res, timeout=30, ttl=3600)   # holding
             #  a hundred takes minutes under TCG: the first must not reach the default 600 s TTL meanwhile
         except libdsec.CapacityUnavailable:     # the node's booking is full: what it holds is the figure
             break
@@ -83,17 +83,18 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int) -> dict:
             "pss_mib": pss / per / 2**20, "rss_mib": rss / per / 2**20, "cpu_pct": cpu / per}
 
 
-async def bare_vm(tmp: Path, n: int) -> dict:
+async def bare_vm(tmp: Path, n: int, kind: str = "microvm") -> dict:
     """The same QEMU without the bus: restore p50/p99, 8 restores at once, cold boot p50, exec p50 (ms)."""
     from edge.backends.base import Limits, SandboxSpec
+    from edge.backends.fullvm import FullVMBackend
     from edge.backends.microvm import MicroVMBackend
     from edge.erofs import busybox_rootfs, pack_dir
-    root, layer = tmp / "vm-root", tmp / "vm-layer.erofs"
+    root, layer = tmp / f"{kind}-root", tmp / f"{kind}-layer.erofs"
     busybox_rootfs(root)
     pack_dir(root, layer)
-    b = MicroVMBackend(tmp / "vm-bare", "bench-bare-vm")
+    b = (FullVMBackend if kind == "fullvm" else MicroVMBackend)(tmp / f"{kind}-bare", f"bench-bare-{kind}")
     await b.start()
-    spec = lambda i: SandboxSpec(f"bare{i}", [str(layer)], Limits(memory=MEMORY), kind="microvm")  # noqa: E731
+    spec = lambda i: SandboxSpec(f"bare{i}", [str(layer)], Limits(memory=MEMORY), kind=kind)  # noqa: E731
 
     async def sink(_stream, _data: bytes) -> None:
         pass
@@ -127,16 +128,16 @@ async def bare_vm(tmp: Path, n: int) -> dict:
             "boot_p50": _p(boots, 0.5), "exec_p50": _p(execs, 0.5)}
 
 
-def vm_rows(v: dict, bare: dict) -> list[tuple[str, str, float, float, str]]:
-    """bench.backends' table rows for microvm."""
+def vm_rows(v: dict, bare: dict, kind: str = "microvm") -> list[tuple[str, str, float, float, str]]:
+    """bench.backends' table rows for a VM kind."""
     ram = MEMORY / 2**20
-    return [("microvm", "create -> ready p50 (ms)", v["create_p50"], bare["restore_p50"], "bare restore, no bus, p50"),
-            ("microvm", "create -> ready p99 (ms)", v["create_p99"], bare["restore_p99"], "bare restore, no bus, p99"),
-            ("microvm", "create -> ready p50 (ms)", v["create_p50"], bare["boot_p50"], "bare cold boot to the agent"),
-            ("microvm", "exec `true` round trip p50 (ms)", v["exec_p50"], bare["exec_p50"],
+    return [(kind, "create -> ready p50 (ms)", v["create_p50"], bare["restore_p50"], "bare restore, no bus, p50"),
+            (kind, "create -> ready p99 (ms)", v["create_p99"], bare["restore_p99"], "bare restore, no bus, p99"),
+            (kind, "create -> ready p50 (ms)", v["create_p50"], bare["boot_p50"], "bare cold boot to the agent"),
+            (kind, "exec `true` round trip p50 (ms)", v["exec_p50"], bare["exec_p50"],
              "bare virtio-serial round trip p50"),
-            ("microvm", "fork of 8 from a snapshot (ms)", v["fork8_ms"], bare["eight_ms"], "8 bare restores at once"),
-            ("microvm", f"host MiB / idle VM, MemAvailable ({v['held']})", v["avail_mib"], ram, "the VM's RAM size"),
-            ("microvm", "host MiB / idle VM, PSS", v["pss_mib"], ram, "the VM's RAM size"),
-            ("microvm", "host MiB / idle VM, RSS", v["rss_mib"], ram, "the VM's RAM size"),
-            ("microvm", "host CPU % / idle VM", v["cpu_pct"], 100.0, "one core")]
+            (kind, "fork of 8 from a snapshot (ms)", v["fork8_ms"], bare["eight_ms"], "8 bare restores at once"),
+            (kind, f"host MiB / idle VM, MemAvailable ({v['held']})", v["avail_mib"], ram, "the VM's RAM size"),
+            (kind, "host MiB / idle VM, PSS", v["pss_mib"], ram, "the VM's RAM size"),
+            (kind, "host MiB / idle VM, RSS", v["rss_mib"], ram, "the VM's RAM size"),
+            (kind, "host CPU % / idle VM", v["cpu_pct"], 100.0, "one core")]

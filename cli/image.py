@@ -12,7 +12,7 @@ import msgspec
 
 from bus import streams
 from bus.messages import sandbox_decoder, snapshot_decoder
-from cli import debootstrap
+from edge import debootstrap
 from cli.main import connect, main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest

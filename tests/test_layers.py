@@ -214,7 +214,7 @@ async def test_debootstrap_base_is_made_once_cached_and_slim(stack, client, tmp_
 
 
 def test_the_debian_mirror_comes_from_apt_sources(tmp_path):
-    from cli.debootstrap import apt_mirror
+    from edge.debootstrap import apt_mirror
     from bus.errors import InvalidRequest
     (tmp_path / "sources.list.d").mkdir()
     with pytest.raises(InvalidRequest, match="--mirror"):

@@ -583,10 +583,15 @@ def test_backend_configs_are_discriminated_and_strict(monkeypatch, tmp_path):
         config_for("container", workers_max=3)
     with pytest.raises(InvalidRequest, match="container, fncall, gvisor"):
         config_for("firecracker")
-    assert "not built" in config_for("fullvm").available()
     assert "not found" in config_for("microvm", qemu="no-such-qemu").available()
+    assert "not found" in config_for("fullvm", qemu="no-such-qemu").available()
     monkeypatch.setenv("DSEC_VM_CACHE", str(tmp_path))   # no guest kernel there
     assert "no guest kernel" in config_for("microvm", qemu="sh").available()
+    assert "no guest kernel" in config_for("fullvm", qemu="sh").available()
+    (tmp_path / "kernel").mkdir()
+    (tmp_path / "kernel" / "vmlinuz").write_bytes(b"")     # a kernel, and no OS layer for full VMs
+    assert config_for("microvm", qemu="sh").available() == ""
+    assert "no full-VM OS layer" in config_for("fullvm", qemu="sh").available()
 
 
 async def test_an_unanswered_read_is_asked_again_less_and_less_often(monkeypatch):

@@ -1,4 +1,4 @@
-"""Attacks from inside the sandboxes whose commands dsec-agent runs (gVisor and microVMs), each the attack
+"""Attacks from inside the sandboxes whose commands dsec-agent runs (gVisor, microVMs, full VMs), each the attack
 itself (issue 15: the tamper and bomb tests hold inside a VM; commands are confined as in a container):
 - a root command moving itself out of the groups that hold its limits, then forking past them;
 - the kernel's sysrq trigger and /proc/sys, module loading, the agent's memory;
@@ -17,49 +17,59 @@ import libdsec
 from tests.conftest import extra_edge
 
 pytestmark = pytest.mark.timeout(180)
-KINDS = ["gvisor", "microvm"]
+KINDS = ["gvisor", "microvm", "fullvm"]
+VMS = ["microvm", "fullvm"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 async def nodes(stack, tmp_path_factory):
     async with extra_edge(stack, tmp_path_factory.mktemp("agv"), "k-agv", 8, backends=["gvisor"]) as gv, \
-            extra_edge(stack, tmp_path_factory.mktemp("avm"), "k-avm", 8, backends=["microvm"]) as vm:
-        yield {"gvisor": gv, "microvm": vm}
+            extra_edge(stack, tmp_path_factory.mktemp("avm"), "k-avm", 8, backends=["microvm"]) as vm, \
+            extra_edge(stack, tmp_path_factory.mktemp("afvm"), "k-afvm", 8, backends=["fullvm"]) as fvm:
+        yield {"gvisor": gv, "microvm": vm, "fullvm": fvm}
 
 
 def _vm_memory(kind: str) -> dict:
-    return {"resources": libdsec.Resources(memory="192Mi", pids=32)} if kind == "microvm" else \
-        {"resources": libdsec.Resources(pids=32)}
+    memory = {"microvm": "192Mi", "fullvm": "256Mi"}.get(kind)
+    return {"resources": libdsec.Resources(memory=memory, pids=32) if memory else libdsec.Resources(pids=32)}
 
 
 # gVisor's sentry (Debian's runsc, 2022) gives a child's new mount namespace to its parent too, so the agent
 # cannot mask its groups from a command there: a root command in gVisor can leave them (the host cgroup's
 # pids and memory limits still hold the sandbox as a whole). VMs only, for now.
-@pytest.mark.parametrize("kind", ["microvm"])
+# A full VM's systemd mounts the same hierarchies under /sys/fs/cgroup: out of sight too.
+@pytest.mark.parametrize("kind", VMS)
 async def test_a_root_command_cannot_leave_its_limit_groups(client, kind):
     async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
-        r = await sb.exec("for g in /dev/.pids /dev/.mem; do echo $$ > $g/cgroup.procs && echo moved $g; "
+        r = await sb.exec("for g in /dev/.pids /dev/.mem /sys/fs/cgroup/pids /sys/fs/cgroup/memory; do "
+                          "echo $$ > $g/cgroup.procs && echo moved $g; "
                           "echo $$ > $g/sandbox/cgroup.procs && echo moved-up $g; ls $g; done; "
                           "mount -t cgroup -o pids none /mnt && echo mounted; true", timeout=30)
         assert b"moved" not in r.stdout and b"mounted" not in r.stdout, r
         assert r.stdout.strip() == b"", r      # the groups are out of sight: empty, unwritable
         r = await sb.exec("i=0; while [ $i -lt 64 ]; do (sleep 5 &) 2>/dev/null; i=$((i+1)); done; "
-                          "n=0; for p in /proc/[0-9]*; do n=$((n+1)); done; echo $n; kill -9 -1", timeout=30)
-        assert int(r.stdout.split()[0]) <= 32, r
+                          "n=0; for p in /proc/[0-9]*; do read -r c < $p/comm && [ \"$c\" = sleep ] && n=$((n+1)); "
+                          "done 2>/dev/null; echo $n; kill -9 -1", timeout=30)
+        assert int(r.stdout.split()[0]) < 32, r
 
 
 # gVisor (runsc 2022) refuses sysrq and modules too, but lets a command read the agent's /proc/1/environ and
-# SIGKILL it (its pid 1): the sandbox then ends. VMs only, for now.
-@pytest.mark.parametrize("kind", ["microvm"])
+# SIGKILL it (its pid 1): the sandbox then ends. VMs only, for now. In a full VM, pid 1 is systemd and the
+# agent has no pid in the commands' namespace: no command sees it, signals it or reads its memory.
+@pytest.mark.parametrize("kind", VMS)
 async def test_the_kernel_is_out_of_a_commands_reach(client, kind):
     async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
+        seen = ("for p in /proc/[0-9]*; do read -r c < $p/comm && [ \"$c\" = agent ] && echo seen; done; "
+                if kind == "fullvm" else "")     # (a microVM's agent is its commands' pid 1)
         r = await sb.exec("echo c > /proc/sysrq-trigger; echo 1 > /proc/sys/vm/drop_caches && echo wrote; "
                           "printf junk > /tmp/m.ko; insmod /tmp/m.ko; cat /proc/1/environ && echo read; "
-                          "kill -9 1; sleep 0.2; true", timeout=30)
-        assert b"read" not in r.stdout, r       # the agent's memory and environment are not a command's
+                          f"{seen}kill -9 1; kill -9 -1; sleep 0.2; true", timeout=30)
+        assert b"read" not in r.stdout and b"seen" not in r.stdout, r   # the agent is not a command's to see
         assert b"wrote" not in r.stdout, r
         assert b"not permitted" in r.stderr, r.stderr
         assert (await sb.exec("echo alive")).stdout == b"alive\n", "the agent and the kernel are unharmed"
+        if kind == "fullvm":
+            assert (await sb.exec("cat /proc/1/comm")).stdout == b"systemd\n"
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -44,11 +44,9 @@ from edge.backends.microvm.qemu import cpus, disk_size, log_tail, qemu_processes
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.rootfiles import file_error
 
-__all__ = ["MicroVMBackend", "leftovers", "MIN_MEMORY"]
+__all__ = ["MicroVMBackend", "leftovers"]
 
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
-MIN_MEMORY = kinds.MIN_MEMORY[kinds.MICROVM]
-QEMU_MEMORY = kinds.OVERHEAD[kinds.MICROVM][0]   # QEMU's own RSS beside the guest's RAM (host cgroup)
 READY_TIMEOUT = float(os.environ.get("DSEC_VM_READY_TIMEOUT", "90"))   # a cold boot under TCG on a busy node
 IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]   # a template's RAM stays out of its state
 CLAIMED_KEPT = 4096         # claimed ids remembered for residue() after their destroy
@@ -80,12 +78,13 @@ class MicroVMBackend(Backend):
     """One QEMU microvm per sandbox, its commands run by the guest's agent."""
 
     kind = kinds.MICROVM
+    machine = "microvm"
 
     def __init__(self, state_dir: Path, node_id: str, *, qemu: str = "qemu-system-x86_64",
                  accel: str = "auto", templates: bool = True) -> None:
         self.state_dir = Path(state_dir).resolve()
         self.node_id = node_id
-        self.label = f"{node_id}.microvm"
+        self.label = f"{node_id}.{self.kind}"
         self.qemu = shutil.which(qemu) or qemu
         self.requested_accel = accel
         self.accel = "tcg" if accel == "auto" else accel     # resolved by start()
@@ -104,11 +103,11 @@ class MicroVMBackend(Backend):
         try:
             self._guest = await asyncio.to_thread(guest.build)
         except (guest.GuestError, OSError) as exc:
-            raise BackendError(f"microvm backend failed to start: {exc}") from exc
+            raise BackendError(f"{self.kind} backend failed to start: {exc}") from exc
         try:
             accel.choose(self.requested_accel, True, None)      # a bad name fails before anything starts
         except accel.AccelError as exc:
-            raise BackendError(f"microvm backend failed to start: {exc}") from exc
+            raise BackendError(f"{self.kind} backend failed to start: {exc}") from exc
         self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
         await self._reconcile()
@@ -120,7 +119,7 @@ class MicroVMBackend(Backend):
                                              self._probe_kvm)
         except (OSError, CgroupError, accel.AccelError) as exc:
             await self._reconcile()
-            raise BackendError(f"microvm backend failed to start: {exc}") from exc
+            raise BackendError(f"{self.kind} backend failed to start: {exc}") from exc
 
     async def _reconcile(self) -> None:
         """Kill every QEMU of this node (its cgroups), remove its groups, VM dirs and templates, free its uid
@@ -160,13 +159,14 @@ class MicroVMBackend(Backend):
             raise BackendError(f"invalid sandbox id: {spec.id!r}")
         if spec.id in self._vms:
             raise BackendError(f"sandbox already exists: {spec.id}")
-        if spec.limits.memory < MIN_MEMORY:
-            raise BackendError(f"a microvm needs at least {MIN_MEMORY >> 20} MiB of memory, "
+        least = kinds.MIN_MEMORY[self.kind]
+        if spec.limits.memory < least:
+            raise BackendError(f"a {self.kind} needs at least {least >> 20} MiB of memory, "
                                f"asked {spec.limits.memory >> 20} MiB")
         vm = self._vms[spec.id] = _VM(spec, idmap.IdRange(-1))
         try:
             vm.ids = self._ids.lease(vm.key)
-            groups = self._cgroups.create_sandbox(vm.key, _host_limits(spec.limits))
+            groups = self._cgroups.create_sandbox(vm.key, self._host_limits(spec.limits))
             if self.use_templates:
                 await self._restore(vm, groups, await self._template(spec))
             else:
@@ -194,13 +194,14 @@ class MicroVMBackend(Backend):
     async def _probe_kvm(self) -> bool:
         """Whether the guest boots to its agent under KVM within accel.PROBE_TIMEOUT (a PVM host's
         /dev/kvm opens, and hangs the boot)."""
-        vm = _VM(SandboxSpec("probe.kvm", [], Limits(memory=MIN_MEMORY, disk=16 << 20), kind=self.kind),
+        vm = _VM(SandboxSpec("probe.kvm", self._probe_layers(), Limits(memory=kinds.MIN_MEMORY[self.kind],
+                                                                        disk=16 << 20), kind=self.kind),
                  idmap.IdRange(-1))
         self.accel = "kvm"
         try:
             vm.ids = self._ids.lease(vm.key)
             await asyncio.to_thread(self._make_disk, vm)
-            await self._boot(vm, self._cgroups.create_sandbox(vm.key, _host_limits(vm.spec.limits)),
+            await self._boot(vm, self._cgroups.create_sandbox(vm.key, self._host_limits(vm.spec.limits)),
                              timeout=accel.PROBE_TIMEOUT)
             return True
         except (BackendError, asyncio.TimeoutError, OSError, CgroupError):
@@ -228,7 +229,8 @@ class MicroVMBackend(Backend):
         try:
             vm.ids = self._ids.lease(vm.key)
             await asyncio.to_thread(self._make_disk, vm)
-            await self._boot(vm, self._cgroups.create_sandbox(vm.key, _host_limits(spec.limits)), ram=ram)
+            await self._boot(vm, self._cgroups.create_sandbox(vm.key, self._host_limits(spec.limits)), ram=ram)
+            await self._settle(vm)
             state = os.open(path / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 await vm.qmp.execute("getfd", fd=state, fdname="template")
@@ -310,7 +312,21 @@ class MicroVMBackend(Backend):
     def _argv(self, vm: _VM, fds: dict[str, int], agent: int, monitor: int, console: int,
               ram: int | None, incoming: int | None) -> list[str]:
         return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.key), fds,
-                         agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming)
+                         agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming,
+                         machine=self.machine)
+
+    async def _settle(self, vm: _VM) -> None:
+        """Wait, before a template is saved, until its booted guest is at rest (a microVM is once its agent
+        answered)."""
+
+    def _probe_layers(self) -> list[str]:
+        """The layers the KVM probe boots (a microVM: none)."""
+        return []
+
+    def _host_limits(self, limits: Limits) -> Limits:
+        """The QEMU process's host groups: the VM's memory plus QEMU's own, its cpu, a backstop on threads."""
+        return Limits(cpu=limits.cpu, memory=limits.memory + kinds.OVERHEAD[self.kind][0], pids=HOST_TASKS,
+                      disk=limits.disk)
 
     async def _boot(self, vm: _VM, groups: dict[str, Path], ram: int | None = None,
                     timeout: float = READY_TIMEOUT) -> None:
@@ -495,12 +511,13 @@ class MicroVMBackend(Backend):
                 await asyncio.wait({vm.watch}, timeout=5)   # after: told to the edge (died) before we answer
             raise
 
-    async def _shell(self, vm: _VM, script: str, args: list[str], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+    async def _shell(self, vm: _VM, script: str, args: list[str], stdin: bytes | None,
+                     timeout: float = 60.0) -> tuple[int, bytes, bytes]:
         out = {"stdout": bytearray(), "stderr": bytearray()}
 
         async def sink(stream, data: bytes) -> None:
             out[stream] += data
-        res = await vm.chan.exec([TRUSTED_SHELL, "-c", script, "sh", *args], DEFAULT_ENV, "/", stdin, 60.0, sink,
+        res = await vm.chan.exec([TRUSTED_SHELL, "-c", script, "sh", *args], DEFAULT_ENV, "/", stdin, timeout, sink,
                                  None, vm.frozen_for)
         return res.exit_code, bytes(out["stdout"]), bytes(out["stderr"])
 
@@ -559,11 +576,6 @@ def _qemu_version(binary: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return out.splitlines()[0] if out else "unknown"
-
-
-def _host_limits(limits: Limits) -> Limits:
-    """The QEMU process's host groups: the VM's memory plus QEMU's own, its cpu, a backstop on threads."""
-    return Limits(cpu=limits.cpu, memory=limits.memory + QEMU_MEMORY, pids=HOST_TASKS, disk=limits.disk)
 
 
 def leftovers(state_dir: Path, node_id: str) -> list[str]:

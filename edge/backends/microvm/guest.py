@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"   # Debian's metapackage; its dependency is the versioned image
-MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console", "libcrc32c", "erofs",
-           "overlay", "virtio-rng")    # init.sh loads them in this order
+MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
+           "virtio_blk", "virtio_console", "libcrc32c", "erofs", "overlay", "virtio-rng")
+# init.sh loads them in this order, virtio_mmio for a microvm, the virtio_pci ones for a full VM (q35)
 HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
 AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"
@@ -60,7 +61,7 @@ def missing() -> str:
 def fetch_kernel() -> Path:
     """Download Debian's cloud kernel package and extract vmlinuz and the modules init.sh loads."""
     out = kernel_dir()
-    if (out / "vmlinuz").is_file():
+    if (out / "vmlinuz").is_file() and _wanted(out) == list(MODULES):
         return out
     dep = subprocess.run(["apt-cache", "depends", KERNEL_PACKAGE], capture_output=True, text=True)
     names = [ln.split(":", 1)[1].strip() for ln in dep.stdout.splitlines() if ln.strip().startswith("Depends:")]
@@ -83,8 +84,19 @@ def fetch_kernel() -> Path:
             if mod in found:
                 shutil.copyfile(found[mod], stage / "modules" / f"{mod}.ko")
         (stage / "version").write_text(version + "\n")
+        (stage / "modules.wanted").write_text("\n".join(MODULES) + "\n")
+        if out.exists():                 # extracted for fewer modules before
+            shutil.rmtree(out)
         os.replace(stage, out)
     return out
+
+
+def _wanted(kdir: Path) -> list[str]:
+    """The modules a cached kernel dir was extracted for (none known for a dir from before they were kept)."""
+    try:
+        return (kdir / "modules.wanted").read_text().split()
+    except FileNotFoundError:
+        return ["?"]
 
 
 def _digest(*parts: bytes) -> str:

@@ -6,18 +6,22 @@
 # is read-only on the host side, so no remount can make it writable), with the writable layer's upper dir
 # bound read-only at /.dsec/upper. The agent runs as pid 1 in the
 # root, its stdio the virtio-serial port named dsec.agent.
+# With dsec.os=1 (a full VM, q35: the devices are virtio-pci) the agent first starts the root's systemd
+# as pid 1 of a pid and mount namespace of its own (dsec-agent.c, start_os), where commands run too.
 B=/bin/busybox
-fail() { echo "dsec-init: $*" >/dev/kmsg; exec $B sleep 1; }
+fail() { echo "<2>dsec-init: $*" >/dev/kmsg; exec $B sleep 1; }   # <2>: past quiet, to the console
 $B mount -t proc proc /proc
 $B mount -t sysfs sys /sys
 $B mount -t devtmpfs dev /dev
-for m in virtio_ring virtio virtio_mmio virtio_blk virtio_console libcrc32c erofs overlay virtio-rng; do
-  $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/${m//-/_} ] || fail "insmod $m failed"
-done
 HOST=sandbox
 for a in $($B cat /proc/cmdline); do
   case $a in dsec.layers=*) N=${a#*=};; dsec.host=*) HOST=${a#*=};; dsec.pids=*) PIDS=${a#*=};;
-    dsec.privileged=1) export DSEC_PRIVILEGED=1;; esac
+    dsec.privileged=1) export DSEC_PRIVILEGED=1;; dsec.os=1) OS=1;; esac
+done
+bus=virtio_mmio
+[ -n "$OS" ] && bus="virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci"
+for m in virtio_ring virtio $bus virtio_blk virtio_console libcrc32c erofs overlay virtio-rng; do
+  $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/${m//-/_} ] || fail "insmod $m failed"
 done
 $B hostname "$HOST"
 for b in /sys/block/vd*; do
@@ -42,7 +46,7 @@ $B mount -t overlay -o "lowerdir=$lower,upperdir=/rw/upper,workdir=/rw/work" ove
 cd /newroot
 $B mkdir -p proc sys dev tmp .dsec
 $B chmod 1777 tmp
-$B mount -t sysfs -o ro sys sys
+[ -n "$OS" ] || $B mount -t sysfs -o ro sys sys
 $B mount -t devtmpfs dev dev
 $B mount --bind /trusted .dsec
 $B mount -o remount,bind,ro,nosuid,nodev .dsec
@@ -57,6 +61,10 @@ for p in /sys/class/virtio-ports/*; do [ "$($B cat $p/name 2>/dev/null)" = dsec.
 total=$($B awk '/^MemTotal:/ { print $2 * 1024 }' /proc/meminfo)
 export DSEC_MEMORY_MAX=$((total - (32 << 20)))
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin DSEC_PIDS_MAX=${PIDS:-256} DSEC_VM=1
+if [ -n "$OS" ]; then    # the agent starts the root's systemd (its own namespaces) before anything else
+  [ -x /newroot/lib/systemd/systemd ] || fail "the image has no /lib/systemd/systemd: it cannot boot as a full VM"
+  export DSEC_OS=1
+fi
 # The agent is pid 1 of a pid namespace of its own (this shell stays the kernel's init and waits for it):
 # commands see their own processes in /proc, not the guest kernel's threads.
 exec $B unshare -p -f -m $B sh -c "$B mount -t proc proc /newroot/proc && exec $B chroot /newroot /.dsec/agent" \

@@ -10,7 +10,7 @@ from edge.backends.base import Limits, SandboxSpec
 from edge.backends.gvisor.host import processes_where
 from edge.backends.microvm.guest import Guest
 
-CMDLINE = "console=ttyS0 quiet panic=-1 tsc_early_khz=2000000 tsc=reliable"
+CMDLINE = "console=ttyS0 quiet panic=-1 reboot=t tsc_early_khz=2000000 tsc=reliable"
 SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 # TCG's translation cache: QEMU 7.2 reserves 1 GiB and fills it as the guest runs new code, so a VM running
 # much code would pass its cgroup's allowance for QEMU (kinds.OVERHEAD, 96 MiB) and be OOM-killed with its
@@ -18,13 +18,20 @@ SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 TB_SIZE_MIB = 48
 
 
+# A full VM (q35) boots the root's systemd (init.sh's dsec.os=1) with cgroup v1 hierarchies, as the agent's
+# limit groups are (systemd 252 still offers them).
+OS_CMDLINE = "dsec.os=1 systemd.unified_cgroup_hierarchy=0 systemd.show_status=0"
+
+
 def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: dict[str, int], *, agent: int,
-         monitor: int, console: int, ram: int | None, incoming: int | None) -> list[str]:
+         monitor: int, console: int, ram: int | None, incoming: int | None, machine: str = "microvm") -> list[str]:
     """QEMU's command line: drives are fds (fds: name -> fd; `disk` writable, `disk_ro` its probing twin),
     agent and monitor socket fds, console a file fd. With ram (a memfd): guest RAM in it, shared while a
-    template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd)."""
+    template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd).
+    machine: microvm (virtio-mmio devices, the agent as pid 1) or q35 (virtio-pci, the root's systemd)."""
     limits = spec.limits
-    machine = "microvm"
+    bus = "device" if machine == "microvm" else "pci"
+    os_args = "" if machine == "microvm" else f" {OS_CMDLINE}"
     memory: list[str] = []
     if ram is not None:
         machine += ",memory-backend=ram"
@@ -38,14 +45,14 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
            "-no-user-config", "-no-reboot", "-display", "none", "-sandbox", SECCOMP,
            "-kernel", str(g.kernel), "-initrd", str(g.initrd),
            "-append", f"{CMDLINE} dsec.layers={len(spec.layers)} dsec.host={host} dsec.pids={limits.pids}"
-                     f"{' dsec.privileged=1' if spec.privileged else ''}",
+                     f"{' dsec.privileged=1' if spec.privileged else ''}{os_args}",
            "-name", str(work),    # what qemu_processes finds it by
            "-chardev", f"file,id=console,path=/dev/fdset/{len(fds) + 1}", "-serial", "chardev:console",
            "-add-fd", f"fd={console},set={len(fds) + 1}",
-           "-device", "virtio-serial-device",
+           "-device", f"virtio-serial-{bus}",
            "-chardev", f"socket,id=agent,fd={agent}", "-device", "virtserialport,chardev=agent,name=dsec.agent",
            "-chardev", f"socket,id=mon,fd={monitor}", "-mon", "chardev=mon,mode=control",
-           "-device", "virtio-rng-device"]
+           "-device", f"virtio-rng-{bus}"]
     for n, (name, fd) in enumerate(fds.items(), start=1):
         ro = name != "disk"
         out += ["-add-fd", f"fd={fd},set={n}"]
@@ -54,7 +61,7 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
         elif name == "disk_ro":
             continue
         out += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none{',readonly=on' if ro else ''}",
-                "-device", f"virtio-blk-device,drive={name},serial=dsec-{name}"]
+                "-device", f"virtio-blk-{bus},drive={name},serial=dsec-{name}"]
     return out
 
 
@@ -100,8 +107,11 @@ def disk_size(limits: Limits) -> int:
 
 
 def log_tail(path: Path) -> str:
+    """A log's last lines, or the last line our guest's init or agent wrote there (it says why; a kernel
+    panic's dump follows it)."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        return " | ".join(lines[-3:])[-400:] or "(empty log)"
+        ours = [ln for ln in lines if "dsec-init:" in ln or "dsec-agent:" in ln]
+        return (ours[-1] if ours else " | ".join(lines[-3:]))[-400:] or "(empty log)"
     except OSError:
         return "(no log)"

@@ -41,6 +41,7 @@
 #include <sched.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -117,6 +118,9 @@ static void fail_child(int fd, const char *stage) {
 static const char *const masked_proc[] = {"kcore", "keys", "key-users", "latency_stats", "timer_list", "sched_debug",
     "sysrq-trigger", "kpageflags", "kpagecount", "kpagecgroup", "slabinfo", "vmallocinfo", "partitions"};
 static int privileged;          /* DSEC_PRIVILEGED (a VM created with privileged=True): none of that */
+static int in_os;               /* DSEC_OS: a full VM, whose root's systemd the agent starts (start_os) */
+static pid_t os_pid;            /* that systemd (the agent's pid for it) */
+static int os_mnt = -1;         /* its mount namespace, which commands enter */
 static int in_vm;               /* DSEC_VM: a guest kernel of its own. gVisor's sentry (2022) shares a child's
                                  * new mount namespace with its parent, so masks there would be the agent's */
 
@@ -126,8 +130,9 @@ static void confine(int errfd) {
     char path[64];
     if (unshare(CLONE_NEWNS)) fail_child(errfd, "unshare");
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) fail_child(errfd, "private");
-    const char *groups[] = {"/dev/.pids", "/dev/.mem"};
-    for (int i = 0; i < 2; i++)
+    /* A full VM's systemd mounts the same cgroup hierarchies under /sys/fs/cgroup: hidden too. */
+    const char *groups[] = {"/dev/.pids", "/dev/.mem", "/sys/fs/cgroup"};
+    for (int i = 0; i < 3; i++)
         if (access(groups[i], F_OK) == 0 &&
             mount("none", groups[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=000"))
             fail_child(errfd, "hide groups");
@@ -199,6 +204,9 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
             close(fd);
         }
         if (mem_ok) write_file("/dev/.mem/sandbox/cgroup.procs", "0");
+        /* A full VM's command: in systemd's mount namespace (its /proc, /run, /sys), in the root there.
+         * Its pid namespace is systemd's already (start_os): there the agent has no pid. */
+        if (os_mnt >= 0 && (setns(os_mnt, CLONE_NEWNS) || chroot("/newroot"))) fail_child(rep[1], "enter the OS");
         if (in_vm && !privileged) confine(rep[1]);
         /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT: no mount over /.dsec, no hostname, no
          * kernel module or raw device, and no ptrace of the agent (its caps exceed the exec's). */
@@ -285,11 +293,52 @@ static void finish_if_done(struct exec *x) {
 static void reap(void) {
     int status; struct rusage ru; pid_t pid;
     if (nstale) sweep_groups();
-    while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0)
+    while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0) {
+        if (os_pid && pid == os_pid) {      /* poweroff, or systemd died: the VM ends with it (init.sh) */
+            fprintf(stderr, "dsec-agent: the operating system ended (systemd: status %d)\n", status);
+            exit(0);
+        }
         for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
             execs[i].status_known = 1; execs[i].status = status; execs[i].ru = ru;
             finish_if_done(&execs[i]);
         }
+    }
+}
+
+/* A full VM: the root's systemd as pid 1 of a pid namespace and a mount namespace of its own, so /proc/1 is
+ * systemd for commands and its mounts (/proc, /sys, /run, cgroups) are its own. Every later child of the
+ * agent (each command) is in that pid namespace too, where the agent has no pid: no command can signal
+ * (kill -9 -1), trace or wait for it; it sees the commands, and systemd, from its own. */
+static void start_os(void) {
+    int ready[2];
+    if (unshare(CLONE_NEWPID)) die("unshare a pid namespace for the OS");
+    if (pipe2(ready, O_CLOEXEC)) die("pipe");
+    pid_t pid = fork();
+    if (pid < 0) die("fork the OS");
+    if (pid == 0) {
+        sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
+        signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
+        if (unshare(CLONE_NEWNS) || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) ||
+            mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)) die("the OS's namespaces");
+        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }
+        int null = open("/dev/null", O_RDWR);      /* never the agent's channel */
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0) die("the OS's stdio");
+        if (null > 2) close(null);
+        char *argv[] = {"/lib/systemd/systemd", NULL};
+        char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+        execve(argv[0], argv, envp);
+        die("exec /lib/systemd/systemd");
+    }
+    close(ready[1]);
+    char b;
+    while (read(ready[0], &b, 1) < 0 && errno == EINTR) {}     /* EOF: it exec'd (its namespaces are made) */
+    close(ready[0]);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/ns/mnt", pid);
+    os_mnt = open(path, O_RDONLY | O_CLOEXEC);
+    if (os_mnt < 0) die("systemd's mount namespace");
+    os_pid = pid;
 }
 
 static void stdin_gone(struct exec *x) {
@@ -305,6 +354,22 @@ static void pump_stdin(struct exec *x) {
         x->poff += (size_t)w;
     }
     if (x->pend) { free(x->pend); x->pend = NULL; reply('A', x->id, NULL, 0, NULL, 0); }
+}
+
+/* A full VM's /etc/machine-id: 128 random bits in hex, so no two restores of a template share it (what
+ * read it while the template booted, journald's files, keeps the template's). 0 or an errno. */
+static uint32_t new_machine_id(void) {
+    unsigned char raw[16];
+    char hex[34];
+    if (getrandom(raw, sizeof raw, 0) != (ssize_t)sizeof raw) return (uint32_t)errno;
+    raw[6] = (raw[6] & 0x0f) | 0x40; raw[8] = (raw[8] & 0x3f) | 0x80;       /* a v4 UUID, as systemd makes */
+    for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+    hex[32] = '\n';
+    int fd = open("/etc/machine-id", O_WRONLY | O_TRUNC | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) return (uint32_t)errno;
+    uint32_t e = write(fd, hex, 33) == 33 ? 0 : (uint32_t)(errno ? errno : EIO);
+    close(fd);
+    return e;
 }
 
 /* A restored VM's first request: the host's time, fresh entropy (credited and the CRNG reseeded at once,
@@ -323,7 +388,8 @@ static uint32_t wake(const char *p, size_t n) {
     uint32_t e = ioctl(r, RNDADDENTROPY, &seed) || ioctl(r, RNDRESEEDCRNG) ? (uint32_t)errno : 0;
     close(r);
     if (e) return e;
-    return sethostname(p + 48, n - 48) ? (uint32_t)errno : 0;
+    if (sethostname(p + 48, n - 48)) return (uint32_t)errno;
+    return in_os ? new_machine_id() : 0;
 }
 
 /* A microVM's writable layer, bound read-only at UPPER by its init (overlayfs's raw upper dir: whiteouts
@@ -501,6 +567,8 @@ int main(void) {
     if (oom >= 0) { if (write(oom, "-1000", 5) < 0) {} close(oom); }  /* never the agent (the VM with it) */
     privileged = getenv("DSEC_PRIVILEGED") != NULL;
     in_vm = getenv("DSEC_VM") != NULL;
+    in_os = getenv("DSEC_OS") != NULL;
+    if (in_os) start_os();     /* before the agent joins its limit groups: systemd's services are not in them */
     limit_pids();
     limit_memory();
     reply('R', 0, NULL, 0, NULL, 0);

@@ -1,0 +1,72 @@
+"""Full VMs: QEMU `-M q35` booting a whole Debian (systemd as pid 1) for work that needs an operating
+system, behind the same calls as every other kind.
+
+A full VM is a microVM's machinery (microvm/: QEMU confined as the sandbox's uid in its own groups and
+mount namespace, drives as fds, templates, snapshots, the same dsec-agent on the same read-only trusted
+device) with three differences:
+- the machine is q35 (PCI: virtio-pci devices, ACPI, a BIOS that loads the kernel);
+- its root is the node's OS layer (osimage.py: Debian bookworm with systemd, built at setup) under the
+  image's layers and the VM's writable disk, so any image boots as a whole Debian with its files on top;
+- the initramfs hands the root to its systemd, which runs dsec-agent as a service (init.sh writes the unit
+  into /run); the agent's end powers the VM off, so the sandbox ends failed as when a microVM's agent ends.
+Commands are run by the agent as in a microVM (own mount namespace, the limit groups and /sys/fs/cgroup
+hidden, the /proc masks, SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE and SYS_BOOT dropped), in the root
+pid namespace: /proc/1 is systemd. systemd itself is the guest's root and acts for any root command that
+asks it (systemctl, systemd-run), so the boundary a full VM promises is the VM: the host and the other
+sandboxes, never the guest's own kernel (docs/backends.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+from bus import kinds
+from edge.backends.base import BackendError, SandboxSpec
+from edge.backends.fullvm import osimage
+from edge.backends.microvm import MicroVMBackend, _VM
+
+__all__ = ["FullVMBackend", "leftovers"]
+
+SETTLE_TIMEOUT = 120.0     # seconds a template's systemd may take to finish booting under TCG
+# systemd answers `offline` until it mounted /run (the agent answers first), then `initializing` and
+# `starting` until its boot's jobs ended. Each ask is an exec of its own: an exec sees the mounts of its
+# start (its mount namespace is a copy), and `--wait` would need D-Bus, which the OS has not.
+
+
+class FullVMBackend(MicroVMBackend):
+    """One QEMU q35 per sandbox, a whole Debian whose systemd runs the agent."""
+
+    kind = kinds.FULLVM
+    machine = "q35"
+
+    async def start(self) -> None:
+        why = osimage.missing()
+        if why:
+            raise BackendError(f"fullvm backend failed to start: {why}")
+        await super().start()
+
+    async def create(self, spec: SandboxSpec) -> None:
+        await super().create(dataclasses.replace(spec, layers=[str(osimage.path()), *spec.layers]))
+
+    def _probe_layers(self) -> list[str]:
+        return [str(osimage.path())]
+
+    async def _settle(self, vm: _VM) -> None:
+        """A template is saved once systemd finished booting (its restores start `running`, not starting)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_TIMEOUT
+        while True:
+            code, out, err = await self._shell(vm, "systemctl is-system-running", [], b"", SETTLE_TIMEOUT)
+            state = out.decode(errors="replace").strip()
+            if state in ("running", "degraded"):
+                return
+            if loop.time() > deadline:    # (early on, it may not even answer: its socket is not there yet)
+                raise BackendError(f"the template's systemd did not finish booting: {state or 'no answer'} "
+                                   f"(exit {code}) {err.decode(errors='replace').strip()[-200:]}")
+            await asyncio.sleep(0.1)
+
+
+def leftovers(state_dir: Path, node_id: str) -> list[str]:
+    """Everything a fullvm node (its state in state_dir) left on the host, without starting one."""
+    return FullVMBackend(state_dir, node_id).leftovers()

@@ -1,0 +1,97 @@
+"""The operating system of a full VM: Debian bookworm (debootstrap's minbase with systemd), its units
+trimmed for a VM with no console login and no network, packed into one EROFS file in the VM cache
+($DSEC_VM_CACHE, outside any state dir). It is the lowest layer of every full VM; the image's layers go
+over it, so any image boots as a whole Debian with its own files on top.
+
+`make setup` builds it (`python -m edge.backends.fullvm.osimage`): a debootstrap from the Debian mirror
+this machine's apt uses (cached by edge/debootstrap.py), a few minutes once. The fullvm backend stays off
+where it is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from edge import debootstrap
+from edge.backends.microvm.guest import cache_dir
+from edge.erofs import LayerBuildError, pack_dir
+
+SUITE = "bookworm"
+PACKAGES = ["systemd", "systemd-sysv"]
+# What a VM without a console login, a network or a D-Bus has no use for (masked: linked to /dev/null),
+# so its boot ends `running` and its idle vCPUs stay idle.
+MASKED = ("getty@.service", "serial-getty@.service", "console-getty.service", "systemd-logind.service",
+          "apt-daily.timer", "apt-daily-upgrade.timer", "dpkg-db-backup.timer", "e2scrub_all.timer",
+          "e2scrub_reap.service", "fstrim.timer", "systemd-networkd-wait-online.service",
+          "getty-static.service")
+TWEAKS = 1          # bump when what os_root() changes in the root changes
+
+
+def path() -> Path:
+    return cache_dir() / "fullvm-os.erofs"
+
+
+def missing() -> str:
+    """'' when the OS layer is built, else why not (a cheap check)."""
+    return "" if path().is_file() else f"no full-VM OS layer at {path()} (make setup builds it)"
+
+
+def tweak(root: Path) -> None:
+    """What a VM's root needs beyond debootstrap's: masked units, no login prompt, an empty machine-id (a
+    VM makes its own at boot; a restored one gets a fresh one from its agent)."""
+    units = root / "etc/systemd/system"
+    for unit in MASKED:
+        link = units / unit
+        link.unlink(missing_ok=True)
+        link.symlink_to("/dev/null")
+    shutil.rmtree(units / "getty.target.wants", ignore_errors=True)
+    (root / "etc/machine-id").write_text("")
+    (root / "var/lib/dbus/machine-id").unlink(missing_ok=True)
+    (root / "etc/hostname").unlink(missing_ok=True)     # the kernel's (the sandbox id) is kept
+
+
+def build(log=print) -> Path:
+    """The OS layer, from debootstrap's cached root (made now if missing) with tweak() applied."""
+    root = debootstrap.root_for(SUITE, PACKAGES, debootstrap.apt_mirror(), log)
+    mark = hashlib.sha256(f"{root}\0{TWEAKS}\0{sorted(MASKED)}".encode()).hexdigest()[:16]
+    stamp = cache_dir() / "fullvm-os.source"
+    if path().is_file() and stamp.is_file() and stamp.read_text().strip() == mark:
+        return path()
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        stage = Path(tmp) / "root"
+        cp = subprocess.run(["cp", "-a", str(root), str(stage)], capture_output=True, text=True)
+        if cp.returncode != 0:
+            raise LayerBuildError(f"copying the Debian root failed: {cp.stderr.strip()[-300:]}")
+        tweak(stage)
+        out = Path(tmp) / "os.erofs"
+        pack_dir(stage, out)
+        os.chmod(out, 0o444)
+        os.replace(out, path())
+    stamp.write_text(mark + "\n")
+    return path()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m edge.backends.fullvm.osimage",
+                                 description="Build the full VM's operating system layer (Debian bookworm with "
+                                             "systemd, from this machine's Debian mirror) into the VM cache "
+                                             "(make setup runs this).")
+    ap.parse_args(argv)
+    try:
+        out = build(lambda msg: print(f"fullvm os: {msg}", file=sys.stderr))
+    except (LayerBuildError, OSError, debootstrap.InvalidRequest) as exc:
+        print(f"fullvm os: {exc}", file=sys.stderr)
+        return 1
+    print(f"fullvm os: {out} ({out.stat().st_size >> 20} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

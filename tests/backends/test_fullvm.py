@@ -1,0 +1,99 @@
+"""The fullvm kind (issue 15): a whole Debian under QEMU q35, its systemd pid 1 of the commands' world,
+restored from a template per (layers, size) like a microVM, each restore its own machine; its poweroff
+ends the sandbox as failed, and an image that cannot boot as a full VM fails typed leaving nothing."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+import libdsec
+from edge import erofs
+from edge.backends.base import BackendError, Limits, SandboxSpec
+from edge.backends.fullvm import FullVMBackend
+from edge.backends.microvm import guest
+from tests import leaks
+from tests.conftest import extra_edge
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+async def fvmnode(stack, tmp_path_factory):
+    async with extra_edge(stack, tmp_path_factory.mktemp("fvt"), "k-fvt", 8, backends=["fullvm"]) as st:
+        yield st
+
+
+async def test_a_full_vm_is_a_whole_debian_and_each_restore_its_own(client, fvmnode):
+    backend = fvmnode.edge.backend.backends["fullvm"]
+    built = backend._templates.built
+    sbs = await asyncio.gather(*(client.create(backend="fullvm", timeout=180) for _ in range(3)))
+    try:
+        assert backend._templates.built == built + 1, "one template, three restores"
+        outs = [(await sb.exec("cat /proc/1/comm; systemctl is-system-running; uname -r; hostname; "
+                               "cat /etc/machine-id; . /etc/os-release; echo $VERSION_CODENAME", timeout=60))
+                for sb in sbs]
+        kernel = guest.build().version
+        ids = set()
+        for sb, out in zip(sbs, outs):
+            comm, state, release, name, machine_id, codename = out.stdout.decode().split()
+            assert comm == "systemd" and state in ("running", "degraded"), out
+            assert release == kernel and release != os.uname().release, out    # its own kernel
+            assert name == sb.id and codename == "bookworm", out
+            ids.add(machine_id)
+        assert len(ids) == 3, f"restores share a machine-id: {ids}"
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
+    assert all(backend.residue(sb.id) == [] for sb in sbs)
+
+
+async def test_its_poweroff_ends_the_sandbox_failed_and_leaves_nothing(client, fvmnode):
+    backend = fvmnode.edge.backend.backends["fullvm"]
+    sb = await client.create(backend="fullvm", timeout=180)
+    try:
+        try:     # systemd's shutdown kills the command (a signal's exit), or the VM's end cuts it short
+            r = await sb.exec("systemctl poweroff; sleep 60", timeout=90)
+            assert r.exit_code < 0 or r.exit_code > 128, r
+        except libdsec.SandboxNotFound as err:
+            assert err.reason == "failed", err
+        for _ in range(600):
+            rec = await client._record(sb.id)
+            if rec.state != "ready":
+                break
+            await asyncio.sleep(0.1)
+        assert rec.state == "failed" and "VM exited" in rec.reason, rec
+    finally:
+        with pytest.raises(libdsec.SandboxNotFound):
+            await sb.destroy()
+    assert backend.residue(sb.id) == []
+
+
+async def test_below_the_full_vms_minimum_is_refused_at_once(client, fvmnode):
+    t = time.monotonic()
+    with pytest.raises(libdsec.InvalidRequest, match="256"):
+        await client.create(backend="fullvm", resources=libdsec.Resources(memory="192Mi"), timeout=30)
+    assert time.monotonic() - t < 5
+
+
+async def test_an_image_that_cannot_boot_as_a_full_vm_fails_typed_leaving_nothing(tmp_path):
+    """A layer over the OS whose /lib/systemd/systemd is no program: the create fails naming why, with no
+    QEMU, dir, group or template left."""
+    root = tmp_path / "root"
+    erofs.busybox_rootfs(root)
+    (root / "lib" / "systemd").mkdir(parents=True)
+    (root / "lib" / "systemd" / "systemd").write_text("not a program\n")
+    layer = tmp_path / "nosystemd.erofs"
+    erofs.pack_dir(root, layer)
+    state = tmp_path / "state"
+    b = FullVMBackend(state, "k-fvbad")
+    with leaks.live("k-fvbad", state):
+        await b.start()
+        try:
+            with pytest.raises(BackendError, match="cannot boot as a full VM"):
+                await b.create(SandboxSpec("bad1", [str(layer)], Limits(memory=256 << 20), kind="fullvm"))
+            assert b.residue("bad1") == [] and b.sandboxes() == []
+        finally:
+            await b.stop()
+        assert b.leftovers() == []
