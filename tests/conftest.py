@@ -146,6 +146,17 @@ async def second_edge(stack, tmp_path):
         yield st
 
 
+async def ended_record(client, sandbox_id: str, within: float = 30.0):
+    """The sandbox's record once it is no longer `ready` (a sandbox that ended by itself), or as it is
+    after `within` seconds."""
+    for _ in range(int(within * 10)):
+        rec = await client._record(sandbox_id)
+        if rec.state != "ready":
+            return rec
+        await asyncio.sleep(0.1)
+    return rec
+
+
 async def hold_layers(stack, other, image: str) -> None:
     """Have another node fetch an image's layers, and wait until its node record (what placement sees)
     lists them."""

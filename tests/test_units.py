@@ -589,7 +589,10 @@ def test_backend_configs_are_discriminated_and_strict(monkeypatch, tmp_path):
     assert "no guest kernel" in config_for("microvm", qemu="sh").available()
     assert "no guest kernel" in config_for("fullvm", qemu="sh").available()
     (tmp_path / "kernel").mkdir()
-    (tmp_path / "kernel" / "vmlinuz").write_bytes(b"")     # a kernel, and no OS layer for full VMs
+    (tmp_path / "kernel" / "vmlinuz").write_bytes(b"")     # a kernel extracted for fewer modules: stale
+    assert "lacks modules" in config_for("microvm", qemu="sh").available()
+    from edge.backends.microvm import guest
+    (tmp_path / "kernel" / "modules.wanted").write_text("\n".join(guest.MODULES))   # a kernel, no OS layer
     assert config_for("microvm", qemu="sh").available() == ""
     assert "no full-VM OS layer" in config_for("fullvm", qemu="sh").available()
 

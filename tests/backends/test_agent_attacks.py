@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 
 import pytest
 
 import libdsec
-from tests.conftest import extra_edge
+from tests.conftest import ended_record, extra_edge
 
 pytestmark = pytest.mark.timeout(180)
 KINDS = ["gvisor", "microvm", "fullvm"]
@@ -72,6 +73,44 @@ async def test_the_kernel_is_out_of_a_commands_reach(client, kind):
             assert (await sb.exec("cat /proc/1/comm")).stdout == b"systemd\n"
 
 
+# The classic chroot escape, as a static program of the command's own: chroot into a subdir while the cwd
+# stays outside, climb, chroot to what is there. The agent enters the guest's root by chroot (an initramfs
+# cannot be pivoted away), so the climb ends in the initramfs: its mounts (the kernel's own /proc, /sys, the
+# raw devices) must be gone by then. Before, the command found /proc/sysrq-trigger and core_pattern
+# writable there (a core_pattern pipe runs as the kernel's root, outside every limit).
+ESCAPE = r"""
+#include <fcntl.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+int main(void) {
+    mkdir("/tmp/esc-x", 0755);
+    if (chdir("/") || chroot("/tmp/esc-x")) { perror("chroot"); return 1; }
+    for (int i = 0; i < 64; i++) if (chdir("..")) break;
+    if (chroot(".")) { perror("chroot ."); return 1; }
+    if (access("/newroot", F_OK) == 0) puts("climbed");
+    const char *reach[] = {"/proc/sysrq-trigger", "/proc/sys/kernel/core_pattern", "/sys/kernel/uevent_helper",
+                           "/dev/vda", "/dev/vdb", "/dev/mem", "/rw/upper", "/trusted/agent"};
+    for (unsigned i = 0; i < sizeof reach / sizeof *reach; i++)
+        if (access(reach[i], F_OK) == 0) printf("reached %s\n", reach[i]);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("kind", VMS)
+async def test_a_chroot_escape_reaches_nothing_of_the_guest_kernels(client, kind, tmp_path):
+    src, prog = tmp_path / "escape.c", tmp_path / "escape"
+    src.write_text(ESCAPE)
+    subprocess.run(["cc", "-Os", "-static", "-s", "-o", str(prog), str(src)], check=True)
+    async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
+        await sb.write_file("/tmp/escape", prog.read_bytes(), mode=0o755)   # stripped: under 700 KB
+        r = await sb.exec(["/tmp/escape"], timeout=30)
+        assert r.exit_code == 0, r
+        assert b"reached" not in r.stdout, r.stdout
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_the_relay_trusts_nothing_a_command_can_replace(client, kind):
     async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
@@ -106,11 +145,7 @@ async def test_a_privileged_vm_owns_its_kernel_and_touches_nothing_else(client, 
         with pytest.raises(libdsec.SandboxNotFound) as err:    # the exec it cut short says why
             await vm.exec("echo c > /proc/sysrq-trigger; sleep 30", timeout=60)
         assert err.value.reason == "failed", err.value
-        for _ in range(300):     # the edge saw QEMU exit: the sandbox is destroyed as failed, saying why
-            rec = await client._record(vm.id)
-            if rec.state != "ready":
-                break
-            await asyncio.sleep(0.1)
+        rec = await ended_record(client, vm.id, 30)
         assert rec.state == "failed" and "VM exited" in rec.reason, rec
         with pytest.raises(libdsec.SandboxNotFound):
             await vm.exec("echo after", timeout=10)
@@ -131,11 +166,7 @@ async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes)
         with pytest.raises(libdsec.SandboxNotFound) as err:
             await sb.exec("kill -9 1; sleep 5", timeout=30)
         assert err.value.reason == "failed", err.value
-        for _ in range(300):
-            rec = await client._record(sb.id)
-            if rec.state != "ready":
-                break
-            await asyncio.sleep(0.1)
+        rec = await ended_record(client, sb.id, 30)
         assert rec.state == "failed" and "agent ended" in rec.reason, rec
     finally:
         with contextlib.suppress(libdsec.SandboxNotFound):

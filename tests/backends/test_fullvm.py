@@ -15,7 +15,7 @@ from edge.backends.base import BackendError, Limits, SandboxSpec
 from edge.backends.fullvm import FullVMBackend
 from edge.backends.microvm import guest
 from tests import leaks
-from tests.conftest import extra_edge
+from tests.conftest import ended_record, extra_edge
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,11 +58,7 @@ async def test_its_poweroff_ends_the_sandbox_failed_and_leaves_nothing(client, f
             assert r.exit_code < 0 or r.exit_code > 128, r
         except libdsec.SandboxNotFound as err:
             assert err.reason == "failed", err
-        for _ in range(600):
-            rec = await client._record(sb.id)
-            if rec.state != "ready":
-                break
-            await asyncio.sleep(0.1)
+        rec = await ended_record(client, sb.id, 60)
         assert rec.state == "failed" and "VM exited" in rec.reason, rec
     finally:
         with pytest.raises(libdsec.SandboxNotFound):

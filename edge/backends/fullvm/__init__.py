@@ -56,8 +56,9 @@ class FullVMBackend(MicroVMBackend):
         """A template is saved once systemd finished booting (its restores start `running`, not starting)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_TIMEOUT
-        while True:
-            code, out, err = await self._shell(vm, "systemctl is-system-running", [], b"", SETTLE_TIMEOUT)
+        while True:      # each ask bounded too: the deadline holds even when one hangs
+            left = max(1.0, min(10.0, deadline - loop.time()))
+            code, out, err = await self._shell(vm, "systemctl is-system-running", [], b"", left)
             state = out.decode(errors="replace").strip()
             if state in ("running", "degraded"):
                 return

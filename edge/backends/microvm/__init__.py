@@ -115,7 +115,8 @@ class MicroVMBackend(Backend):
             self._cgroups.setup()
             (self.state_dir / "vms").mkdir(exist_ok=True)
             self.accel = await accel.resolve(self.requested_accel, guest.cache_dir() / "accel.json",
-                                             accel.host_key(_qemu_version(self.qemu), self._guest.version),
+                                             accel.host_key(_qemu_version(self.qemu), self._guest.version,
+                                                           self.machine),
                                              self._probe_kvm)
         except (OSError, CgroupError, accel.AccelError) as exc:
             await self._reconcile()

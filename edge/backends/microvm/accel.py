@@ -41,8 +41,10 @@ def choose(requested: str, has_kvm: bool, boots_under_kvm: bool | None) -> str:
     return "kvm" if has_kvm and boots_under_kvm else "tcg"
 
 
-def host_key(qemu_version: str, guest_version: str) -> str:
-    return f"{os.uname().release} {qemu_version} {guest_version}"
+def host_key(qemu_version: str, guest_version: str, machine: str = "microvm") -> str:
+    """What a probe's answer holds for: the host's kernel, QEMU, the guest's kernel and the machine type (a
+    q35 full VM boots otherwise than a microvm)."""
+    return f"{os.uname().release} {qemu_version} {guest_version} {machine}"
 
 
 async def resolve(requested: str, cache: Path, key: str, probe: Callable[[], Awaitable[bool]],

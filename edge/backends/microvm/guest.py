@@ -55,6 +55,8 @@ def missing() -> str:
     """'' when the guest kernel is in the cache, else why not (a cheap check: no build, no boot)."""
     if not (kernel_dir() / "vmlinuz").is_file():
         return f"no guest kernel in {kernel_dir()} (make setup fetches Debian's {KERNEL_PACKAGE})"
+    if _wanted(kernel_dir()) != list(MODULES):
+        return f"the guest kernel in {kernel_dir()} lacks modules the guest now loads (make setup extracts them)"
     return ""
 
 

@@ -66,6 +66,10 @@ if [ -n "$OS" ]; then    # the agent starts the root's systemd (its own namespac
   export DSEC_OS=1
 fi
 # The agent is pid 1 of a pid namespace of its own (this shell stays the kernel's init and waits for it):
-# commands see their own processes in /proc, not the guest kernel's threads.
-exec $B unshare -p -f -m $B sh -c "$B mount -t proc proc /newroot/proc && exec $B chroot /newroot /.dsec/agent" \
+# commands see their own processes in /proc, not the guest kernel's threads. In its mount namespace the
+# initramfs's own mounts are gone before it starts: /newroot is entered by chroot (the initramfs cannot
+# be pivoted away), and a root command that climbs out of a chroot of its own reaches only the
+# initramfs's files, never the kernel's unmasked /proc, a writable /sys or the raw devices.
+exec $B unshare -p -f -m $B sh -c "$B mount -t proc proc /newroot/proc && $B umount -l /proc /sys /dev /rw /trusted \
+  && for l in /layers/*; do $B umount -l \$l 2>/dev/null; done; exec $B chroot /newroot /.dsec/agent" \
   0<>/dev/$port 1>&0 2>/dev/kmsg

@@ -77,7 +77,11 @@ static void write_file(const char *path, const char *text);
 static int sigpipe[2];
 static char *rbuf; static size_t rlen, rcap;
 
-static void die(const char *what) { fprintf(stderr, "dsec-agent: %s: %s\n", what, strerror(errno)); _exit(111); }
+/* In a VM its stderr is the kernel's log: "<3>" puts a fatal line past `quiet`, onto the console. */
+static void die(const char *what) {
+    fprintf(stderr, "%sdsec-agent: %s: %s\n", getenv("DSEC_VM") ? "<3>" : "", what, strerror(errno));
+    _exit(111);
+}
 
 static void put32(char *p, uint32_t v) { memcpy(p, &v, 4); }
 static uint32_t get32(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -295,7 +299,7 @@ static void reap(void) {
     if (nstale) sweep_groups();
     while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0) {
         if (os_pid && pid == os_pid) {      /* poweroff, or systemd died: the VM ends with it (init.sh) */
-            fprintf(stderr, "dsec-agent: the operating system ended (systemd: status %d)\n", status);
+            fprintf(stderr, "<3>dsec-agent: the operating system ended (systemd: status %d)\n", status);
             exit(0);
         }
         for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
@@ -318,7 +322,10 @@ static void start_os(void) {
     if (pid == 0) {
         sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
         signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
+        /* Its /proc replaces the agent's (not over it: a service of systemd's, with every capability, could
+         * unmount it and find the agent's pid namespace under it). */
         if (unshare(CLONE_NEWNS) || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) ||
+            umount2("/proc", MNT_DETACH) ||
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)) die("the OS's namespaces");
         int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
         if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }
@@ -366,7 +373,7 @@ static uint32_t new_machine_id(void) {
     for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
     hex[32] = '\n';
     int fd = open("/etc/machine-id", O_WRONLY | O_TRUNC | O_CLOEXEC | O_NOFOLLOW);
-    if (fd < 0) return (uint32_t)errno;
+    if (fd < 0) return errno == ENOENT || errno == ELOOP ? 0 : (uint32_t)errno;   /* an image's own choice */
     uint32_t e = write(fd, hex, 33) == 33 ? 0 : (uint32_t)(errno ? errno : EIO);
     close(fd);
     return e;
