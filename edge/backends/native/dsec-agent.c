@@ -134,9 +134,10 @@ static void confine(int errfd) {
     char path[64];
     if (unshare(CLONE_NEWNS)) fail_child(errfd, "unshare");
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) fail_child(errfd, "private");
-    /* A full VM's systemd mounts the same cgroup hierarchies under /sys/fs/cgroup: hidden too. */
+    /* A full VM's systemd mounts the same cgroup hierarchies under /sys/fs/cgroup: hidden too (a microVM
+     * mounts none there: one mount less per exec, which TCG makes dear). */
     const char *groups[] = {"/dev/.pids", "/dev/.mem", "/sys/fs/cgroup"};
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < (in_os ? 3 : 2); i++)
         if (access(groups[i], F_OK) == 0 &&
             mount("none", groups[i], "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=000"))
             fail_child(errfd, "hide groups");
