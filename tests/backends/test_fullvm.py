@@ -39,7 +39,7 @@ async def test_a_full_vm_is_a_whole_debian_and_each_restore_its_own(client, fvmn
         ids = set()
         for sb, out in zip(sbs, outs):
             comm, state, release, name, machine_id, codename = out.stdout.decode().split()
-            assert comm == "systemd" and state in ("running", "degraded"), out
+            assert comm == "systemd" and state == "running", out     # (busybox's /etc over Debian's too)
             assert release == kernel and release != os.uname().release, out    # its own kernel
             assert name == sb.id and codename == "bookworm", out
             ids.add(machine_id)

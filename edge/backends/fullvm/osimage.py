@@ -29,7 +29,10 @@ PACKAGES = ["systemd", "systemd-sysv"]
 MASKED = ("getty@.service", "serial-getty@.service", "console-getty.service", "systemd-logind.service",
           "apt-daily.timer", "apt-daily-upgrade.timer", "dpkg-db-backup.timer", "e2scrub_all.timer",
           "e2scrub_reap.service", "fstrim.timer", "systemd-networkd-wait-online.service",
-          "getty-static.service")
+          "getty-static.service",
+          # Debian's packages made their users at install; an image's own /etc/passwd over Debian's (busybox's
+          # has two users) made sysusers fail on Debian's /etc/gshadow, and the system `degraded`
+          "systemd-sysusers.service")
 TWEAKS = 1          # bump when what os_root() changes in the root changes
 
 
