@@ -111,6 +111,24 @@ async def test_a_chroot_escape_reaches_nothing_of_the_guest_kernels(client, kind
         assert (await sb.exec("echo alive")).stdout == b"alive\n"
 
 
+async def test_a_full_vms_systemd_loads_no_module_for_a_command(client):
+    """A root command in a full VM can write a unit and have systemd (every capability the guest gives it)
+    start it: the unit still cannot reach the kernel's module loader or raw devices, as the agent drops
+    SYS_MODULE and SYS_RAWIO from systemd's bounding set. Before, the unit's insmod reached the kernel's
+    parser ("invalid module format")."""
+    unit = ("[Service]\nType=oneshot\nExecStart=/bin/sh -c \"grep CapBnd /proc/self/status > /tmp/caps; "
+            "insmod /tmp/m.ko 2> /tmp/ins; echo $? >> /tmp/ins\"\n")
+    async with await client.create(backend="fullvm", timeout=120, **_vm_memory("fullvm")) as sb:
+        await sb.write_file("/etc/systemd/system/evil.service", unit.encode())
+        r = await sb.exec("printf junk > /tmp/m.ko; systemctl daemon-reload && systemctl start evil && "
+                          "cat /tmp/ins /tmp/caps", timeout=60)
+        assert r.exit_code == 0, r
+        assert b"not permitted" in r.stdout and b"invalid module format" not in r.stdout, r.stdout
+        bounding = int(r.stdout.split(b"CapBnd:")[1].split()[0], 16)
+        assert not bounding & (1 << 16 | 1 << 17), hex(bounding)    # SYS_MODULE, SYS_RAWIO
+        assert (await sb.exec("systemctl is-system-running")).stdout == b"running\n"
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_the_relay_trusts_nothing_a_command_can_replace(client, kind):
     async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:

@@ -330,6 +330,10 @@ static void start_os(void) {
             mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL)) die("the OS's namespaces");
         int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
         if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }
+        /* Not privileged: systemd, and so every unit a root command can write and start, has no way to
+         * load a module or touch raw devices or ports (its own kernel stays out of the guest's reach). */
+        if (!privileged && (prctl(PR_CAPBSET_DROP, 16, 0, 0, 0) ||      /* SYS_MODULE */
+                            prctl(PR_CAPBSET_DROP, 17, 0, 0, 0))) die("the OS's bounding set");
         int null = open("/dev/null", O_RDWR);      /* never the agent's channel */
         if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0) die("the OS's stdio");
         if (null > 2) close(null);
