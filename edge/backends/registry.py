@@ -95,16 +95,13 @@ class MicroVMConfig(_Config, tag=kinds.MICROVM):
         return MicroVMBackend(state_dir, node_id, qemu=self.qemu, accel=self.accel, templates=self.templates)
 
 
-class FullVMConfig(_Config, tag=kinds.FULLVM):
-    """QEMU -M q35 booting a whole Debian whose systemd runs dsec-agent (edge/backends/fullvm/)."""
-
-    qemu: str = "qemu-system-x86_64"
-    accel: str = "auto"
-    templates: bool = True
+class FullVMConfig(MicroVMConfig, tag=kinds.FULLVM):
+    """QEMU -M q35 booting a whole Debian whose systemd the agent starts (edge/backends/fullvm/): a
+    microVM's settings and needs, and the OS layer."""
 
     def available(self) -> str:
         from edge.backends.fullvm import osimage
-        return MicroVMConfig(qemu=self.qemu).available() or osimage.missing()
+        return super().available() or osimage.missing()
 
     def build(self, state_dir: Path, node_id: str) -> Backend:
         from edge.backends.fullvm import FullVMBackend

@@ -7,13 +7,15 @@ device) with three differences:
 - the machine is q35 (PCI: virtio-pci devices, ACPI, a BIOS that loads the kernel);
 - its root is the node's OS layer (osimage.py: Debian bookworm with systemd, built at setup) under the
   image's layers and the VM's writable disk, so any image boots as a whole Debian with its files on top;
-- the initramfs hands the root to its systemd, which runs dsec-agent as a service (init.sh writes the unit
-  into /run); the agent's end powers the VM off, so the sandbox ends failed as when a microVM's agent ends.
-Commands are run by the agent as in a microVM (own mount namespace, the limit groups and /sys/fs/cgroup
-hidden, the /proc masks, SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE and SYS_BOOT dropped), in the root
-pid namespace: /proc/1 is systemd. systemd itself is the guest's root and acts for any root command that
-asks it (systemctl, systemd-run), so the boundary a full VM promises is the VM: the host and the other
-sandboxes, never the guest's own kernel (docs/backends.md).
+- the agent (pid 1 of its own pid namespace, as in a microVM) first starts the root's systemd as pid 1 of a
+  child pid and mount namespace, where every command runs too: /proc/1 is systemd, and the agent has no pid
+  there (dsec-agent.c, start_os). systemd's end (poweroff) ends the agent, hence the VM: the sandbox ends
+  failed, as when a microVM's agent ends.
+Commands are confined by the agent as in a microVM (own mount namespace, the limit groups and
+/sys/fs/cgroup hidden, the /proc masks, SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE and SYS_BOOT
+dropped). systemd is the guest's own root and starts any unit a root command writes, so the boundary a full
+VM promises is the VM: the host and the other sandboxes (docs/backends.md). Not privileged, systemd's own
+bounding set lacks SYS_MODULE and SYS_RAWIO, so no unit loads a module into the guest's kernel either.
 """
 from __future__ import annotations
 
@@ -29,9 +31,6 @@ from edge.backends.microvm import MicroVMBackend, _VM
 __all__ = ["FullVMBackend", "leftovers"]
 
 SETTLE_TIMEOUT = 120.0     # seconds a template's systemd may take to finish booting under TCG
-# systemd answers `offline` until it mounted /run (the agent answers first), then `initializing` and
-# `starting` until its boot's jobs ended. Each ask is an exec of its own: an exec sees the mounts of its
-# start (its mount namespace is a copy), and `--wait` would need D-Bus, which the OS has not.
 
 
 class FullVMBackend(MicroVMBackend):
@@ -53,7 +52,10 @@ class FullVMBackend(MicroVMBackend):
         return [str(osimage.path())]
 
     async def _settle(self, vm: _VM) -> None:
-        """A template is saved once systemd finished booting (its restores start `running`, not starting)."""
+        """A template is saved once systemd finished booting (its restores start `running`, not starting).
+        systemd answers `offline` until it mounted /run (the agent answers first), then `initializing` and
+        `starting` until its boot's jobs ended. Each ask is an exec of its own: an exec sees the mounts of
+        its start (its mount namespace is a copy), and `--wait` would need D-Bus, which the OS has not."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_TIMEOUT
         while True:      # each ask bounded too: the deadline holds even when one hangs

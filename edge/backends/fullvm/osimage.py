@@ -33,7 +33,7 @@ MASKED = ("getty@.service", "serial-getty@.service", "console-getty.service", "s
           # Debian's packages made their users at install; an image's own /etc/passwd over Debian's (busybox's
           # has two users) made sysusers fail on Debian's /etc/gshadow, and the system `degraded`
           "systemd-sysusers.service")
-TWEAKS = 1          # bump when what os_root() changes in the root changes
+TWEAKS = 1          # bump when what tweak() does to the root changes (MASKED is in the stamp already)
 
 
 def path() -> Path:
