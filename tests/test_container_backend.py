@@ -71,6 +71,24 @@ async def test_exec_output_and_exit_codes(sandboxes: Sandboxes) -> None:
         await sandboxes.run(sid, ["true"], cwd="/nowhere")
 
 
+async def test_path_search_is_execvs_without_a_shell(sandboxes: Sandboxes) -> None:
+    """PATH is searched as execvp does (a candidate that may not be executed is passed over, and named if
+    nothing else is found), but a file without a #! line is never handed to the image's /bin/sh."""
+    sid = await sandboxes.create()
+    setup = ("mkdir -p /opt/a /opt/b /opt/c && printf 'x' > /opt/a/tool && chmod 644 /opt/a/tool && "
+             "printf '#!/bin/sh\\necho from-b\\n' > /opt/b/tool && chmod 755 /opt/b/tool && "
+             "printf 'echo from-a-shell\\n' > /opt/c/tool && chmod 755 /opt/c/tool")
+    assert (await sandboxes.run(sid, ["sh", "-c", setup])).result.exit_code == 0
+    run = await sandboxes.run(sid, ["tool"], env={"PATH": "/nowhere:/opt/a:/opt/b"})
+    assert (run.result.exit_code, run.stdout) == (0, b"from-b\n")
+    with pytest.raises(CommandNotStarted, match="permission denied: tool"):
+        await sandboxes.run(sid, ["tool"], env={"PATH": "/nowhere:/opt/a"})
+    with pytest.raises(CommandNotStarted, match="cannot execute tool: tool: Exec format error"):
+        await sandboxes.run(sid, ["tool"], env={"PATH": "/opt/c:/opt/b"})
+    with pytest.raises(CommandNotStarted, match="command not found: tool"):
+        await sandboxes.run(sid, ["tool"], env={"PATH": "/nowhere:/opt"})
+
+
 async def test_env_is_exact(sandboxes: Sandboxes, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DSEC_LEAK", "x")
     sid = await sandboxes.create(env={"A": "1", "B": "spec"})

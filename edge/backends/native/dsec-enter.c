@@ -124,7 +124,9 @@ static void label(int l) { label_at[l] = n_ins; }
 static void ret(unsigned int v) { ins(BPF_RET | BPF_K, v); }
 static void load(unsigned int off) { ins(BPF_LD | BPF_W | BPF_ABS, off); }
 
-static void command_filter(void) {
+static struct sock_fprog filter;   /* built once, at the start (build_filter), loaded by each command */
+
+static void build_filter(void) {
     const unsigned int NR = offsetof(struct seccomp_data, nr), ARCH = offsetof(struct seccomp_data, arch);
     const unsigned int ARG0 = offsetof(struct seccomp_data, args[0]), ARG2 = offsetof(struct seccomp_data, args[2]);
     const unsigned int ARG3 = offsetof(struct seccomp_data, args[3]), ARG4 = offsetof(struct seccomp_data, args[4]);
@@ -185,8 +187,11 @@ static void command_filter(void) {
         prog[i].jt = (unsigned char)(jt - i - 1);
         prog[i].jf = (unsigned char)(jf - i - 1);
     }
-    struct sock_fprog fprog = {(unsigned short)n_ins, prog};
-    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog, 0, 0)) fail("setup", "seccomp");
+    filter = (struct sock_fprog){(unsigned short)n_ins, prog};
+}
+
+static void command_filter(void) {
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &filter, 0, 0)) fail("setup", "seccomp");
 }
 
 /* Capabilities down to keep (bounding, ambient, and the sets). No no_new_privs: the image's setuid
@@ -209,7 +214,9 @@ static void lockdown(unsigned long long keep) {
 }
 
 /* Search PATH with execve only: unlike execvp, a file without a #! line fails (ENOEXEC) instead of
- * being run by the image's /bin/sh, which the sandbox may have replaced. */
+ * being run by the image's /bin/sh, which the sandbox may have replaced. A candidate is looked up
+ * before it is tried: an execve that fails costs ~60 us here (most of a call's start when the command
+ * is in the last of six directories), a lookup a few. */
 static void exec_path(char **cmd, char **envp) {
     if (strchr(cmd[0], '/')) { execve(cmd[0], cmd, envp); return; }
     const char *path = NULL;
@@ -222,10 +229,14 @@ static void exec_path(char **cmd, char **envp) {
         const char *end = strchr(p, ':');
         size_t len = end ? (size_t)(end - p) : strlen(p);
         int n = snprintf(buf, sizeof buf, "%.*s/%s", (int)len, len ? p : ".", cmd[0]);
-        if (n > 0 && (size_t)n < sizeof buf) {
+        struct stat st;
+        if (n > 0 && (size_t)n < sizeof buf && stat(buf, &st) == 0) {
             execve(buf, cmd, envp);
             if (errno == EACCES) seen_eacces = 1;
             else if (errno != ENOENT && errno != ENOTDIR) return;     /* e.g. ENOEXEC: report it */
+        } else if (n > 0 && (size_t)n < sizeof buf) {
+            if (errno == EACCES) seen_eacces = 1;                      /* a directory it may not search */
+            else if (errno != ENOENT && errno != ENOTDIR) { execve(buf, cmd, envp); return; }   /* its own error */
         }
         if (!end) break;
         p = end + 1;
@@ -322,25 +333,29 @@ static const char *enter_sandbox(const char *tasks, const char *tasks_end, int n
     return NULL;
 }
 
-/* The command's process (step 3): a copy of its parent in E, holding at 0-2 its stdio, at 3 the error
- * pipe and at 4 the go pipe (all else closed). It waits until its parent has written E's maps (and
- * put it into its cgroups), then takes a clean slate, its filter and capabilities, and execs. */
+/* The command's process (step 3): a clone of its parent in E sharing its memory until it execs (as
+ * posix_spawn's child does: no page tables copied, none torn down at the exec), holding at 0-2 its
+ * stdio, at 3 the error pipe, at 4 the go pipe and at 5 the exec pipe (all else closed). It waits
+ * until its parent has written E's maps (and put it into its cgroups), then takes a clean slate, its
+ * filter and capabilities, and execs; the exec (or its death) closes the exec pipe, which its parent
+ * waits for before it goes on. So the two never run at once on the memory they share (the stack, the
+ * globals, errno), and the parent reads no global the child wrote without putting it back. */
 static const struct command_line *child_line;
 static sigset_t child_mask;
-static int child_fds[5];
+static int child_fds[6];
 static int command(void *unused) {
     (void)unused;
     char c;
-    int high[5];
-    for (int i = 0; i < 5; i++)
-        if ((high[i] = fcntl(child_fds[i], F_DUPFD_CLOEXEC, 5)) < 0) _exit(127);
-    for (int i = 0; i < 5; i++)
+    int high[6];
+    for (int i = 0; i < 6; i++)
+        if ((high[i] = fcntl(child_fds[i], F_DUPFD_CLOEXEC, 6)) < 0) _exit(127);
+    for (int i = 0; i < 6; i++)
         if (dup3(high[i], i, i >= 3 ? O_CLOEXEC : 0) < 0) _exit(127);
-    if (syscall(SYS_close_range, 5, ~0U, 0)) {
+    if (syscall(SYS_close_range, 6, ~0U, 0)) {
         long max = sysconf(_SC_OPEN_MAX);          /* no close_range (old kernel): close one by one */
-        for (long fd = 5; fd < (max > 0 ? max : 65536); fd++) close((int)fd);
+        for (long fd = 6; fd < (max > 0 ? max : 65536); fd++) close((int)fd);
     }
-    ERR_FD = 3;
+    ERR_FD = 3;                                    /* (the parent's copy is put back: we share its memory) */
     setsid();           /* own session (and autogroup) at once: kill(0) or /dev/tty never reach anyone else's */
     ssize_t n;
     while ((n = read(4, &c, 1)) < 0 && errno == EINTR) {}
@@ -376,16 +391,22 @@ static int write_map(int proc_fd, pid_t pid, const char *which) {
  * go. Its host pid, or -1 with errno and *what saying which step failed (nothing left running). */
 static pid_t spawn_command(const struct command_line *c, const int stdio[3], int err_w, int proc_fd,
                            const int *tasks, int ntasks, const char **what) {
-    int go[2];
+    int go[2], execd[2];
     if (pipe2(go, O_CLOEXEC)) { *what = "go pipe"; return -1; }
+    if (pipe2(execd, O_CLOEXEC)) { close(go[0]); close(go[1]); *what = "exec pipe"; return -1; }
     child_line = c;
     child_fds[0] = stdio[0]; child_fds[1] = stdio[1]; child_fds[2] = stdio[2];
-    child_fds[3] = err_w; child_fds[4] = go[0];
-    pid_t pid = clone(command, stack + sizeof stack, CLONE_NEWUSER | (c->fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
+    child_fds[3] = err_w; child_fds[4] = go[0]; child_fds[5] = execd[1];
+    const int err_fd = ERR_FD;
+    char **const env = environ;
+    pid_t pid = clone(command, stack + sizeof stack,
+                      CLONE_VM | CLONE_NEWUSER | (c->fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
     int e = errno;
     close(go[0]);
+    close(execd[1]);
     if (pid < 0) {
         close(go[1]);
+        close(execd[0]);
         errno = e;
         *what = e == ENOSPC ? "clone: a new user namespace" : "clone";
         return -1;
@@ -400,8 +421,14 @@ static pid_t spawn_command(const struct command_line *c, const int stdio[3], int
     if (!*what && write(go[1], "g", 1) != 1) *what = "go";
     e = errno;
     close(go[1]);
-    if (*what) {
+    if (*what)
         kill(pid, SIGKILL);
+    char b;
+    while (read(execd[0], &b, 1) < 0 && errno == EINTR) {}   /* until it has exec'd or died: our memory again */
+    close(execd[0]);
+    ERR_FD = err_fd;
+    environ = env;
+    if (*what) {
         int status;
         while (waitpid(pid, &status, __WALL) < 0 && errno == EINTR) {}
         errno = e;
@@ -748,6 +775,7 @@ int main(int argc, char **argv) {
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
+    build_filter();
     if (argc == 4 && strcmp(argv[1], "--serve") == 0)
         return serve(atoi(argv[2]), atoi(argv[3]));
     if (argc < 4 || strcmp(argv[2], "--") != 0) {
