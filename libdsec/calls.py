@@ -93,18 +93,16 @@ async def call(client: "AsyncClient", cmd: str | Sequence[str], *, stdin: bytes 
                           timeout=1.5, retries=5, retry_for=min(10.0, wait))
         give_up = req.deadline + req.timeout + REPLY_GRACE
         while True:
-            left = give_up - time.time()
-            if left <= 0:
-                raise CapacityUnavailable(f"no fncall worker took call {req.call_id} within {wait:.0f}s (no node "
-                                          "runs fncall workers, or all were busy); it will not run later")
             try:
-                data = await asyncio.wait_for(q.get(), left)
-            except asyncio.TimeoutError:
-                continue
+                async with asyncio.timeout(max(0.0, give_up - time.time())):
+                    data = await q.get()   # (in a timeout, not wait_for: no task per wait)
+            except TimeoutError:
+                raise CapacityUnavailable(f"no fncall worker took call {req.call_id} within {wait:.0f}s (no node "
+                                          "runs fncall workers, or all were busy); it will not run later") from None
             try:
                 reply = call_reply_decoder.decode(data)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
+                continue   # junk on our inbox is skipped
             if isinstance(reply, ErrorReply):
                 raise from_code(reply.code, reply.message, call_id=req.call_id)
             assert isinstance(reply, CallReply)

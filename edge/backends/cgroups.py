@@ -91,6 +91,48 @@ def read(path: Path | str) -> str:
         os.close(fd)
 
 
+class CallGroup:
+    """A worker's one exec group, kept for all its calls, with its two count files held open: a call resets
+    and reads each with one pwrite or pread (kernfs makes a read from offset 0 anew, once a read moved the
+    file's position: these files are never empty) instead of an open, a read and a close. cgroup.procs is
+    opened per look: an empty read leaves its position at 0, and a read from 0 would then go on from the
+    end of the previous list."""
+
+    def __init__(self, groups: dict[str, Path]) -> None:
+        self.groups = groups
+        self._fds: list[int] = []
+        try:
+            for name in ("cpuacct/cpuacct.usage", "memory/memory.max_usage_in_bytes"):
+                controller, _, file = name.partition("/")
+                self._fds.append(os.open(groups[controller] / file, os.O_RDWR | os.O_CLOEXEC))
+        except OSError:
+            self.close()
+            raise
+        self._usage, self._peak = self._fds
+
+    def reset_stats(self) -> None:
+        """Start the CPU and peak-memory counts afresh (before a call)."""
+        os.pwrite(self._usage, b"0", 0)
+        os.pwrite(self._peak, b"0", 0)
+
+    def stats(self) -> tuple[float, int]:
+        """CPU seconds and peak memory bytes since the last reset (0, 0 once the group is gone)."""
+        try:
+            usage, peak = os.pread(self._usage, 64, 0).strip(), os.pread(self._peak, 64, 0).strip()
+        except OSError:
+            return 0.0, 0
+        return (int(usage) / 1e9 if usage else 0.0), (int(peak) if peak else 0)
+
+    def procs(self) -> list[int]:
+        """Pids in the group now."""
+        return procs(self.groups["freezer"])
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
 def procs(group: Path) -> list[int]:
     """Pids directly in one group."""
     return [int(p) for p in read(f"{group}/cgroup.procs").split()]

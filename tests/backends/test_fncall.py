@@ -192,7 +192,7 @@ async def test_a_worker_runs_its_calls_through_its_own_exec_server(stack, client
         slow = asyncio.ensure_future(client.call(["sleep", "3"]))
         pids: list[int] = []
         for _ in range(200):
-            pids = cgroups.procs(worker.call_groups["freezer"])
+            pids = worker.call_group.procs()
             if pids:
                 break
             await asyncio.sleep(0.01)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from edge.backends import enter, execio
 from edge.backends.base import BackendError, CommandNotStarted, ExecControl, ExecResult, OutputSink, SandboxGone
-from edge.backends.cgroups import CgroupError, NodeCgroups
+from edge.backends.cgroups import CallGroup, CgroupError, NodeCgroups
 from edge.backends.container.state import DEFAULT_ENV, Core, Running
 
 
@@ -51,7 +51,7 @@ class Executing(Core):
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
         finally:
             pipes.close()
-            cpu, peak = NodeCgroups.exec_stats(groups)
+            cpu, peak = sb.call_group.stats() if worker and sb.call_group else NodeCgroups.exec_stats(groups)
             if not worker:   # a worker's group stays for its next call (its reset kills what is left)
                 events = NodeCgroups.limit_events(groups)
                 if not NodeCgroups.remove(groups):   # stays if background processes remain; destroy removes it
@@ -66,12 +66,12 @@ class Executing(Core):
         """The cgroups of exec n; a worker's one group, kept for all its calls, made at its first."""
         worker = bool(sb.spec.scratch)
         try:
-            if worker and sb.call_groups is not None:
-                NodeCgroups.reset_stats(sb.call_groups)
-                return sb.call_groups
+            if worker and sb.call_group is not None:
+                sb.call_group.reset_stats()
+                return sb.call_group.groups
             groups = self._cgroups.create_exec(sb.key, n)
-            if worker:
-                sb.call_groups = groups
+            if worker:   # (a failure here leaves the group to the worker's destroy, which removes its tree)
+                sb.call_group = CallGroup(groups)
                 sb.call_tasks = [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
             return groups
         except CgroupError as exc:
@@ -100,7 +100,7 @@ class Executing(Core):
             timed_out = await execio.wait_or_kill(done, groups, timeout, sb.frozen_for)
             out = done.result()
         finally:
-            cpu, peak = NodeCgroups.exec_stats(groups)
+            cpu, peak = sb.call_group.stats() if sb.call_group else NodeCgroups.exec_stats(groups)
         result = ExecResult(exit_code=execio.exit_code(out.status), duration=time.monotonic() - started,
                             cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
         failure = execio.exec_failure(out.report, argv, cwd)

@@ -139,6 +139,7 @@ class Launching(Core):
             residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers, sb.ids)
         finally:
             self._sandboxes.pop(sb.spec.id, None)
+            sb.close_files()
             if sb.pidfd >= 0:
                 os.close(sb.pidfd)
                 sb.pidfd = -1

@@ -25,29 +25,30 @@ class Resetting(Core):
         sb = self._live(sandbox_id)
         if not sb.spec.scratch:
             raise BackendError(f"{sandbox_id} is not a worker (only a worker's calls can be wiped)")
-        groups = sb.call_groups   # a worker's commands all run in its one exec group (x0); none: no call yet
-        if groups is not None and cgroups.procs(groups["freezer"]):
-            if not await cgroups.kill_tree(groups["freezer"], timeout=5.0):
-                raise BackendError(f"worker {sandbox_id}: processes survive in {groups['freezer']}")
-        if _reset_scratch(sb.init_pid, sb.ids.base):   # something to remove: off the event loop
+        group = sb.call_group   # a worker's commands all run in its one exec group (x0); none: no call yet
+        try:
+            left = group is not None and group.procs()
+        except OSError as exc:
+            raise BackendError(f"worker {sandbox_id}: its exec group cannot be read: {exc}") from exc
+        if left and not await cgroups.kill_tree(group.groups["freezer"], timeout=5.0):
+            raise BackendError(f"worker {sandbox_id}: processes survive in {group.groups['freezer']}")
+        if sb.scratch_fds is None:   # opened once, in its root: a call cannot move them (read-only root)
+            sb.scratch_fds = [(mode, fd) for rel, mode in SCRATCH_DIRS
+                              if (fd := _open_scratch(sb.init_pid, rel)) is not None]
+        if _reset_scratch(sb.scratch_fds, sb.ids.base):   # something to remove: off the event loop
             await asyncio.to_thread(_empty_scratch, sb.init_pid, sb.ids.base)
 
 
-def _reset_scratch(init_pid: int, owner: int) -> bool:
-    """Give each scratch dir its mode and owner back; whether any holds something to remove."""
+def _reset_scratch(dirs: list[tuple[int, int]], owner: int) -> bool:
+    """Give each scratch dir (mode, fd) its mode and owner back; whether any holds something to remove."""
     dirty = False
-    for rel, mode in SCRATCH_DIRS:
-        fd = _open_scratch(init_pid, rel)
-        if fd is None:
-            continue
+    for mode, fd in dirs:
         try:
             os.fchmod(fd, mode)
             os.fchown(fd, owner, owner)
             dirty = dirty or bool(os.listdir(fd))
         except OSError as exc:
-            raise BackendError(f"cannot reset the worker's /{rel}: {exc}") from exc
-        finally:
-            os.close(fd)
+            raise BackendError(f"cannot reset the worker's scratch dir: {exc}") from exc
     return dirty
 
 

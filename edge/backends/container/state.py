@@ -4,13 +4,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import os
 import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge.backends import enter, idmap
+from edge.backends import cgroups, enter, idmap
 from edge.backends.base import BackendError, SandboxGone, SandboxSpec
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -38,12 +39,21 @@ class Running:
     frozen_total: float = 0.0           # seconds spent frozen before that
     key: str = ""                       # names its cgroups and writable layer: its first id (a warm
                                         # sandbox keeps its pool name when a create claims it)
-    call_groups: dict | None = None     # a worker's one exec group (its x0), made at its first call
+    call_group: cgroups.CallGroup | None = None   # a worker's one exec group (its x0), made at its first call
     call_tasks: list | None = None      # the tasks files its commands join
     resident: enter.Resident | None = None   # a worker's own exec server (started at its first call)
+    scratch_fds: list | None = None     # a worker's scratch dirs, opened in its root at its first wipe
 
     def __post_init__(self) -> None:
         self.key = self.key or self.spec.id
+
+    def close_files(self) -> None:
+        """Close what a worker holds open for its calls (at its destroy)."""
+        if self.call_group is not None:
+            self.call_group.close()
+        for _, fd in self.scratch_fds or ():
+            os.close(fd)
+        self.scratch_fds = None
 
     def frozen_for(self) -> float:
         """Seconds this sandbox has spent frozen so far (exec timeouts do not count them)."""

@@ -145,7 +145,8 @@ class FnCallBackend(Backend):
             return await self._run(worker, spec)
         finally:
             self.calls += 1
-            asyncio.ensure_future(self._give_back(key, worker))
+            # wiped a loop turn later: the caller's answer goes out first (its flush is scheduled then)
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._give_back(key, worker)))
 
     async def _take(self, key: tuple, spec: CallSpec) -> str:
         """A worker for key: an idle one, a new one while there is room, an idle one of another key
