@@ -15,6 +15,7 @@ trajectory timeline (dsec.traj.<tenant>.<job>.<call id>, a TrajRecord of type "c
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -150,6 +151,7 @@ class CallLane:
         await self.bus.reply(req.reply_to, reply)
         self.served += 1
         if isinstance(reply, CallReply):
+            await asyncio.sleep(0)   # the answer is flushed first (its flush is scheduled): the record waits
             await self._record(req, reply)
         return Verdict.ACK
 

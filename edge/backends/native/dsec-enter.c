@@ -198,8 +198,10 @@ static void command_filter(void) {
  * programs (su, ping, sudo) work as they do in any container, within the bounding set, and as the
  * sandbox's own ids only (a setuid-root file inside is owned by the sandbox's root, a host uid of its
  * range: nothing it gains is privileged on the host). */
+static int last_cap = 63;   /* /proc/sys/kernel/cap_last_cap, read at the start */
+
 static void lockdown(unsigned long long keep) {
-    for (int cap = 0; cap <= 63; cap++) {
+    for (int cap = 0; cap <= last_cap; cap++) {
         if (keep & (1ULL << cap)) continue;
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) && errno != EINVAL) fail("setup", "capbset");
     }
@@ -335,11 +337,13 @@ static const char *enter_sandbox(const char *tasks, const char *tasks_end, int n
 
 /* The command's process (step 3): a clone of its parent in E sharing its memory until it execs (as
  * posix_spawn's child does: no page tables copied, none torn down at the exec), holding at 0-2 its
- * stdio, at 3 the error pipe, at 4 the go pipe and at 5 the exec pipe (all else closed). It waits
- * until its parent has written E's maps (and put it into its cgroups), then takes a clean slate, its
- * filter and capabilities, and execs; the exec (or its death) closes the exec pipe, which its parent
- * waits for before it goes on. So the two never run at once on the memory they share (the stack, the
- * globals, errno), and the parent reads no global the child wrote without putting it back. */
+ * stdio, at 3 the error pipe, at 4 the go pipe and at 5 the exec pipe (all else closed). It takes a
+ * clean slate, its filter and capabilities while its parent writes E's maps and puts it into its
+ * cgroups, waits for the go, enters its cwd and execs; the exec (or its death) closes the exec pipe,
+ * which the parent waits for before it goes on. Until then the parent touches nothing the child uses
+ * (its stack, child_line, the filter) and reads no global the child writes (ERR_FD and environ are put
+ * back after); errno, which they share, each reads only after a failure of its own, when the command
+ * is not run anyway (at worst its report names the wrong errno). */
 static const struct command_line *child_line;
 static sigset_t child_mask;
 static int child_fds[6];
@@ -357,14 +361,17 @@ static int command(void *unused) {
     }
     ERR_FD = 3;                                    /* (the parent's copy is put back: we share its memory) */
     setsid();           /* own session (and autogroup) at once: kill(0) or /dev/tty never reach anyone else's */
+    /* What needs neither E's maps nor the cgroups is done while the parent writes them: the clean slate,
+     * the filter (root of E with CAP_SYS_ADMIN there from the clone on: no no_new_privs needed for it)
+     * and the capabilities. Nothing here fails but for want of memory or a kernel feature. */
+    clean_slate();
+    command_filter();
+    lockdown(child_line->keep);
     ssize_t n;
     while ((n = read(4, &c, 1)) < 0 && errno == EINTR) {}
     if (n != 1) _exit(127);                      /* the parent died, or could not write the maps */
     close(4);
-    if (chdir(child_line->cwd)) fail("cwd", child_line->cwd);
-    clean_slate();
-    command_filter();   /* while root of E with CAP_SYS_ADMIN there: no no_new_privs needed for it */
-    lockdown(child_line->keep);
+    if (chdir(child_line->cwd)) fail("cwd", child_line->cwd);   /* as root of E now (its maps written) */
     sigprocmask(SIG_SETMASK, &child_mask, NULL);
     environ = child_line->envp;
     exec_path(child_line->argv, child_line->envp);
@@ -776,6 +783,10 @@ int main(int argc, char **argv) {
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, &child_mask);   /* the command gets the mask we were spawned with */
     build_filter();
+    int fd = open("/proc/sys/kernel/cap_last_cap", O_RDONLY | O_CLOEXEC);
+    char text[16] = {0};
+    if (fd >= 0 && read(fd, text, sizeof text - 1) > 0 && atoi(text) > 0 && atoi(text) < 63) last_cap = atoi(text);
+    if (fd >= 0) close(fd);
     if (argc == 4 && strcmp(argv[1], "--serve") == 0)
         return serve(atoi(argv[2]), atoi(argv[3]));
     if (argc < 4 || strcmp(argv[2], "--") != 0) {
