@@ -10,7 +10,8 @@ Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200] [-
              `runsc run` of /bin/true and a bare `runsc exec` of /bin/true (same platform and flags).
   fncall     one `echo hi` call p50/p99 through the SDK, and calls/s with --in-flight at once;
              baselines: the same pool of workers driven locally (FnCallBackend.call, no bus) and a
-             fresh `unshare` per call (8 at once).
+             fresh `unshare` per call (8 at once). Then the CPU per call of that throughput run, by
+             part (commands, edge, SDK, nats-server) and for the whole host.
   microvm    create -> ready p50/p99 (from a template) and exec `true` p50 through the SDK, fork of 8
              from a snapshot, host memory per idle VM (MemAvailable drop and PSS over --idle-vms VMs)
              and the host CPU they burn idle; baselines: the same QEMU driven without the bus (a
@@ -90,11 +91,36 @@ async def sdk_figures(url: str, args) -> dict:
                 r = await client.call(["echo", "hi"], wait=120)
                 assert r.stdout == b"hi\n", r
 
-        t0 = time.perf_counter()
+        cpu0, t0 = cpu_split(args.up_pid), time.perf_counter()
         await asyncio.gather(*(call() for _ in range(args.calls)))
-        out["fncall"] = {"p50": ms(one, 0.5), "p99": ms(one, 0.99),
-                         "rate": args.calls / (time.perf_counter() - t0)}
+        rate, cpu1 = args.calls / (time.perf_counter() - t0), cpu_split(args.up_pid)
+        out["fncall"] = {"p50": ms(one, 0.5), "p99": ms(one, 0.99), "rate": rate,
+                         "cpu": {k: (cpu1[k] - cpu0.get(k, 0.0)) / args.calls * 1000 for k in cpu1}}
     return out
+
+
+def cpu_split(up_pid: int) -> dict[str, float]:
+    """CPU seconds used so far: by the commands and their workers' exec servers (dsec-enter and the
+    children it reaped), the rest of `dsec up` (the edge), its nats-server, this process (the SDK), and
+    the whole host (busy, irq time included)."""
+    import psutil
+    split = {"commands": 0.0, "edge": 0.0, "nats-server": 0.0}
+    up = psutil.Process(up_pid)
+    for p in [up, *up.children(recursive=True)]:
+        try:
+            name, t = p.name(), p.cpu_times()
+        except psutil.Error:
+            continue
+        if name == "dsec-enter":
+            split["commands"] += t.user + t.system + t.children_user + t.children_system
+        elif name == "nats-server":
+            split["nats-server"] += t.user + t.system
+        elif p.pid == up_pid:
+            split["edge"] += t.user + t.system
+    me, host = psutil.Process().cpu_times(), psutil.cpu_times()
+    split["SDK"] = me.user + me.system
+    split["host"] = host.user + host.nice + host.system + host.irq + host.softirq
+    return split
 
 
 async def local_pool(args, state: Path) -> dict:
@@ -217,6 +243,7 @@ def main() -> None:
         tmp_path = Path(tmp)
         port = free_port()
         up = start_up(tmp_path / "up", port, args.workers, args.kinds, args.memory_fraction)
+        args.up_pid = up.pid
         try:
             sdk = asyncio.run(sdk_figures(f"nats://127.0.0.1:{port}", args))
         finally:
@@ -250,6 +277,11 @@ def main() -> None:
         ratio = f"{ours / base:>7.2f}" if base else f"{'-':>7}"
         print(f"{kind:<10} {what:<34} {ours:>10.2f} {base:>10.2f} {ratio}  {note}")
     print(f"(cores: {os.cpu_count()}; fncall workers at most {args.workers})")
+    if "fncall" in args.kinds:
+        c = sdk["fncall"]["cpu"]
+        print(f"fncall CPU per call, {args.in_flight} in flight (ms): commands and their exec servers "
+              f"{c['commands']:.2f}, edge {c['edge']:.2f}, SDK {c['SDK']:.2f}, nats-server {c['nats-server']:.2f}; "
+              f"the host busy {c['host']:.2f} of {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":
