@@ -14,7 +14,7 @@ setup: system venv
 # edge runs its own, so Debian's service, which the package starts, is stopped and disabled), runsc (gVisor:
 # the gvisor backend kind), qemu-system-x86 and e2fsprogs (the microvm kind; its guest kernel is Debian's
 # cloud kernel, fetched into /var/cache/dsec/vm by `python -m edge.backends.microvm.guest`; the fullvm
-# kind's Debian with systemd is debootstrapped there by `python -m edge.backends.fullvm.osimage`).
+# kind's Debian with systemd is debootstrapped there by `python -m edge.backends.fullvm`).
 # `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
@@ -38,7 +38,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 	@$(PY) -c "from edge.backends import native; native.ensure_built() or print('setup: no C compiler: execs use the slower fork path')"
 	@$(PY) -m edge.backends.microvm.guest || echo "setup: no microvm guest (the microvm backend stays off)"
-	@$(PY) -m edge.backends.fullvm.osimage || echo "setup: no full-VM OS layer (the fullvm backend stays off)"
+	@$(PY) -m edge.backends.fullvm || echo "setup: no full-VM OS layer (the fullvm backend stays off)"
 
 
 demo: setup

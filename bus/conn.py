@@ -69,11 +69,13 @@ class Bus(KvStore, StreamReads):
         file (DSec's or nsc's .creds: an nkey seed, or a user JWT with its seed) for a server with auth;
         AuthenticationFailed, naming the file and why, when the server refuses it or it is unreadable."""
         refused: list[str] = []
+        denied = asyncio.Event()   # refused at the first connect: said at once, not after the retries
 
         async def _errors(exc: Exception) -> None:
             text = str(exc)
             if "authorization violation" in text.lower() or "authentication" in text.lower():
                 refused.append(text)
+                denied.set()
             log.debug("nats: %s", exc)
 
         listeners: list[Callable[[], None]] = []
@@ -86,13 +88,26 @@ class Bus(KvStore, StreamReads):
 
         servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
         auth = credential_options(creds)
+        nc = nats.NATS()
         try:
-            nc = await asyncio.wait_for(
-                nats.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
-                             allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_errors,
-                             reconnected_cb=_reconnected, ping_interval=PING_INTERVAL,
-                             max_outstanding_pings=MAX_PINGS, pending_size=64 << 20, **auth),
-                timeout=timeout + 1)
+            connecting = asyncio.ensure_future(
+                nc.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
+                           allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_errors,
+                           reconnected_cb=_reconnected, ping_interval=PING_INTERVAL,
+                           max_outstanding_pings=MAX_PINGS, pending_size=64 << 20, **auth))
+            refusal = asyncio.ensure_future(denied.wait())
+            try:
+                await asyncio.wait({connecting, refusal}, timeout=timeout + 1, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                refusal.cancel()
+            if not connecting.done():
+                connecting.cancel()
+                with contextlib.suppress(BaseException):
+                    await connecting
+                with contextlib.suppress(Exception):
+                    await nc.close()
+                raise asyncio.TimeoutError
+            connecting.result()
         except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
             if refused or "authorization violation" in str(exc).lower():
                 raise AuthenticationFailed(

@@ -3,7 +3,7 @@ trimmed for a VM with no console login and no network, packed into one EROFS fil
 ($DSEC_VM_CACHE, outside any state dir). It is the lowest layer of every full VM; the image's layers go
 over it, so any image boots as a whole Debian with its own files on top.
 
-`make setup` builds it (`python -m edge.backends.fullvm.osimage`): a debootstrap from the Debian mirror
+`make setup` builds it (`python -m edge.backends.fullvm`): a debootstrap from the Debian mirror
 this machine's apt uses (cached by edge/debootstrap.py), a few minutes once. The fullvm backend stays off
 where it is missing.
 """
@@ -82,7 +82,7 @@ def build(log=print) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edge.backends.fullvm.osimage",
+    ap = argparse.ArgumentParser(prog="python -m edge.backends.fullvm",
                                  description="Build the full VM's operating system layer (Debian bookworm with "
                                              "systemd, from this machine's Debian mirror) into the VM cache "
                                              "(make setup runs this).")
@@ -95,6 +95,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fullvm os: {out} ({out.stat().st_size >> 20} MiB)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
