@@ -61,6 +61,7 @@ class Run:
     lost_on: collections.Counter = field(default_factory=collections.Counter)   # node_lost failures by node
     lost_creates: list[str] = field(default_factory=list)   # sandboxes whose create ended node_lost
     first_error: dict[str, str] = field(default_factory=dict)
+    failed_creates: list[str] = field(default_factory=list)   # sandboxes whose create failed (not node_lost)
     probes: list[tuple[float, float]] = field(default_factory=list)   # (sent, ready) monotonic, after the fault
 
     def fail(self, key: str, exc: BaseException, sid: str = "") -> None:
@@ -108,6 +109,8 @@ async def one(client: libdsec.AsyncClient, burst: bool, run: Run) -> None:
     except libdsec.DsecError as exc:
         lost = isinstance(exc, libdsec.SandboxNotFound)
         run.fail(f"create:{exc.reason if lost else exc.code}", exc)
+        if not lost:
+            run.failed_creates.append(str(exc.details.get("sandbox_id", "")))
         if lost and exc.reason == "node_lost":   # ready on a node that died before the client heard of it
             sid = str(exc.details.get("sandbox_id", ""))
             run.lost_creates.append(sid)
@@ -278,6 +281,10 @@ async def scenario(creates: int, fault: str, burst: bool, tmp: Path) -> int:
     if stream_report is not None:
         for line in stream_report.details():
             print(f"  {line}", file=sys.stderr)
+        for sid in run.failed_creates[:5]:   # what became of a create the client gave up on
+            rec = stream_report.records.get(sid)
+            print(f"  failed create {sid}: record {(rec.state, rec.node, rec.version, rec.reason) if rec else None}",
+                  file=sys.stderr)
     if obs.over:
         print("  over capacity: " + "; ".join(obs.over[:5]), file=sys.stderr)
     print(f"verdict: fault={fault} hit={hit} burst={burst} submitted={creates} completed={run.out['completed']} "

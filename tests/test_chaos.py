@@ -2,10 +2,25 @@
 ten-runs-in-a-row proof is `python -m chaos.cluster_faults --fault F --runs 10`, outside CI)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+
+def _warnings_of_the_run(stderr: str, keep: int = 60) -> str:
+    """A failed run's last warnings and errors from its processes' logs (the run keeps them when it fails),
+    so what went wrong is in the test's report, not only on the machine that ran it."""
+    found = re.findall(r"logs in (\S+)", stderr)
+    if not found:
+        return ""
+    lines = []
+    for log in sorted(Path(found[-1]).glob("*.log")):
+        lines += [f"{log.stem}: {line[:300]}" for line in log.read_text(errors="replace").splitlines()
+                  if "WARNING" in line or "ERROR" in line or "CRITICAL" in line or "Traceback" in line]
+    return "\n".join(lines[-keep:])
 
 
 @pytest.mark.timeout(240)
@@ -28,8 +43,9 @@ def test_a_3_server_cluster_under_one_fault(fault, burst):
     and on the streams: nothing lost, duplicated, wrong or stale; each event and exit record once."""
     args = [sys.executable, "-m", "chaos.cluster_faults", "--fault", fault] + ([] if burst else ["--no-burst"])
     p = subprocess.run(args, capture_output=True, text=True, timeout=280)
-    verdict = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-    assert p.returncode == 0 and verdict.endswith("PASS"), (verdict, p.stderr[-3000:])
+    verdict = next((line for line in reversed(p.stdout.splitlines()) if line.startswith("verdict:")), "")
+    assert p.returncode == 0 and verdict.endswith("PASS"), (verdict or p.stdout[-500:], p.stderr[-3000:],
+                                                            _warnings_of_the_run(p.stderr))
     assert f"fault={fault} " in verdict and "submitted=400 completed=400" in verdict
     assert ("lost=0 duplicated=0 wrong_output=0 events_missing=0 events_duplicated=0 exit_records_not_one=0 "
             "not_on_this_node=0 stale_records=0 wrong_records=0 leaked=0 over_capacity=0 ") in verdict
