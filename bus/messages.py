@@ -263,6 +263,7 @@ class Booking(msgspec.Struct, frozen=True):
     deadline: float = 0.0
     tenant: str = ""
     kind: str = "container"              # counted against the node's slots of this kind
+    at: float = 0.0                      # when it was written (tells one write of a request's booking from another)
 
 
 class NodeInfo(Wire, tag="node"):

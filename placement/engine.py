@@ -181,6 +181,7 @@ class PlacementEngine:
 
     async def _reject(self, req: CreateRequest, err: DsecError, admitted: bool = False) -> Verdict:
         self.rejected += 1
+        self.ledger.settle(req.request_id)   # (a booking of it whose write was not confirmed goes)
         if admitted:   # it may hold quota and a client may look it up: record how it ended
             now = time.time()
             state = "expired" if isinstance(err, RequestExpired) else "failed"
@@ -298,6 +299,7 @@ class PlacementEngine:
         prior = self.ledger.find_booking(req.request_id)
         if prior is not None and prior not in req.avoid:   # a redelivery booked before: same node, same msg id
             await self._send(msgspec.structs.replace(req, node=prior))
+            self.ledger.settle(req.request_id, prior)
             return self._routed(req)
         if req.priority == "batch" and self.queued["latency"]:
             return False   # strict priority: while a latency request waits here, freed room is its
@@ -319,20 +321,24 @@ class PlacementEngine:
                 burst = node is not None
             if node is None:
                 return False
-            booking = Booking(resources=r, deadline=req.deadline, tenant=req.tenant, kind=kind)
+            booking = Booking(resources=r, deadline=req.deadline, tenant=req.tenant, kind=kind, at=time.time())
             if await self.ledger.book(node, req.request_id, booking):
-                # Not stored when an earlier delivery placed it already (then this booking goes unused
-                # until its deadline: erring on the side of room, never of overbooking).
-                await self._send(msgspec.structs.replace(req, node=node))
+                await self._send(msgspec.structs.replace(req, node=node), booking.at)
                 self.bursted += burst
+                self.ledger.settle(req.request_id, node)
                 return self._routed(req)
             tried.add(node)
         return False
 
-    async def _send(self, placed: CreateRequest) -> None:
-        """Put a booked create on its node's lane, and watch that the node takes it."""
-        seq, _new = await self.bus.publish_once(subjects.node_create(placed.node), encode(placed),
-                                                msg_id=node_msg_id(placed))
+    async def _send(self, placed: CreateRequest, booked_at: float | None = None) -> None:
+        """Put a booked create on its node's lane, and watch that the node takes it. Not stored when an
+        earlier delivery of the request placed it already (its ack was lost, a paused server's redeliveries):
+        the booking just made for it (written at booked_at) would then hold room nobody takes until its
+        deadline plus the edge's STALE_BOOKING, minutes, and is removed instead."""
+        seq, new = await self.bus.publish_once(subjects.node_create(placed.node), encode(placed),
+                                               msg_id=node_msg_id(placed))
+        if not new and booked_at is not None:
+            self.ledger.discard(placed.node, placed.request_id, booked_at)
         self.watch.watch(placed, seq)
 
     async def _place_again(self, req: CreateRequest) -> None:

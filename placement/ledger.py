@@ -27,6 +27,10 @@ from placement import scoring
 
 log = logging.getLogger(__name__)
 
+PHANTOM_WATCH = 30.0    # seconds a node is watched for a booking whose write was not confirmed (see settle())
+PHANTOM_LOOK = 1.0
+UNCERTAIN_KEPT = 10_000
+
 
 @dataclass
 class _Entry:
@@ -56,6 +60,10 @@ class NodeLedger:
         self.cooled: dict[str, float] = {}   # node -> monotonic time a booking of it was taken back
         self.since = time.monotonic()        # when this view started listening
         self.hears_itself = lambda: True     # whether this engine's own connection works (a silence is then theirs)
+        # request -> {node: its booking} whose write failed or timed out: it may still land (see settle())
+        self.uncertain: dict[str, dict[str, Booking]] = {}
+        self._removing: set[asyncio.Task] = set()
+        self.phantoms_removed = 0
 
     # ---- liveness -------------------------------------------------------------------------------
 
@@ -140,6 +148,38 @@ class NodeLedger:
             asyncio.get_running_loop().create_task(self._flush(node))
         return await p.future
 
+    def settle(self, request_id: str, placed_on: str = "") -> None:
+        """request_id is placed on placed_on (or ended: ""). A booking of it whose write failed or timed out on
+        another node may still land there (a write the bus did not confirm, applied once a paused or moving
+        KV leader goes on): it would hold room nobody uses until its deadline plus the edge's STALE_BOOKING,
+        minutes for a create. Each such node is watched for PHANTOM_WATCH seconds, and that booking (this very
+        write of it, by its `at`: a later booking of the same request is left alone) removed if it shows."""
+        for node, booking in self.uncertain.pop(request_id, {}).items():
+            if node != placed_on:
+                self.discard(node, request_id, booking.at)
+
+    def discard(self, node: str, request_id: str, at: float) -> None:
+        """Remove the booking of request_id on node written at `at` (one nobody will take), as soon as this
+        view shows it, within PHANTOM_WATCH seconds."""
+        task = asyncio.get_running_loop().create_task(self._remove_phantom(node, request_id, at))
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
+
+    async def _remove_phantom(self, node: str, request_id: str, at: float) -> None:
+        until = time.monotonic() + PHANTOM_WATCH
+        while time.monotonic() < until:
+            e = self.entries.get(node)
+            held = e.info.bookings.get(request_id) if e is not None else None
+            if held is not None and held.at == at:
+                try:
+                    await _unbook_write(self, node, request_id, at)
+                    self.phantoms_removed += 1
+                    log.warning("booking %s on %s removed: nobody will take it", request_id, node)
+                    return
+                except Exception as exc:
+                    log.debug("booking %s on %s not removed yet: %s", request_id, node, exc)
+            await asyncio.sleep(PHANTOM_LOOK)
+
     async def unbook(self, node: str, request_id: str) -> None:
         """Remove a booking the node never took (best effort: a stale booking ages out anyway)."""
         try:
@@ -157,6 +197,10 @@ class NodeLedger:
                 except Exception as exc:   # the bus failed: not "no room" (their handlers try again later)
                     log.warning("booking on %s failed: %s", node, exc)
                     failed = exc if isinstance(exc, BusError) else BusError(f"booking on {node} failed: {exc}")
+                    if len(self.uncertain) > UNCERTAIN_KEPT:   # (requests that never settled here)
+                        self.uncertain.clear()
+                    for p in batch:   # the write may still land: see settle()
+                        self.uncertain.setdefault(p.request_id, {})[node] = p.booking
                 finally:   # every waiter gets an answer, even when this flush is cancelled
                     for p in batch:
                         if p.future.done():
@@ -203,10 +247,10 @@ class NodeLedger:
         return accepted
 
 
-async def _unbook_write(ledger: "NodeLedger", node: str, request_id: str) -> None:
+async def _unbook_write(ledger: "NodeLedger", node: str, request_id: str, at: float | None = None) -> None:
     def mutate(raw: bytes | None) -> bytes | None:
         info = decode_node(node, raw)
-        if info is None or request_id not in info.bookings:
+        if info is None or request_id not in info.bookings or (at is not None and info.bookings[request_id].at != at):
             return None
         return encode(msgspec.structs.replace(info, bookings={k: v for k, v in info.bookings.items()
                                                                 if k != request_id}))

@@ -291,3 +291,37 @@ async def test_a_deleted_record_can_be_claimed_again_by_compare_and_set(bare_ser
         assert await bus.kv_entry(streams.SANDBOXES_KV, "never") == (None, 0)
     finally:
         await bus.close()
+
+
+async def test_a_booking_for_a_create_placed_before_is_removed(bare_server):
+    """A create delivered again after its ack was lost (a server paused or moved) is booked anew, but its
+    message is a duplicate of its first placement's and is not stored: no node will take that booking, so
+    it goes at once. Before, it held the room until the create's deadline plus the edge's STALE_BOOKING
+    (minutes): a paused KV leader left 24 of a cluster's 125 slots held so after a burst, and a burst's tail
+    waited out its 150 s (tests/test_chaos.py, pause)."""
+    from placement.engine import PlacementEngine, node_msg_id
+    srv = bare_server
+    bus = await Bus.connect(srv.url, creds=srv.creds("placement"))
+    node = f"dup{free_port()}"
+    try:
+        await bus.kv_put(streams.NODES_KV, node, fake_node(node, slots=4))
+        engine = PlacementEngine(bus)
+        raw, rev = await bus.kv_entry(streams.NODES_KV, node)
+        engine.ledger.on_change(node, raw, rev)
+        again = CreateRequest(request_id="rdup1", sandbox_id="sbdup1", priority="batch", deadline=time.time() + 60)
+        # its first placement is on the node's lane, and the node took it (its booking left the record)
+        await bus.publish_once(subjects.node_create(node), encode(msgspec.structs.replace(again, node=node)),
+                               msg_id=node_msg_id(again))
+        first = CreateRequest(request_id="rnew1", sandbox_id="sbnew1", priority="batch", deadline=time.time() + 60)
+        assert await engine._try_place(again) and await engine._try_place(first)
+        for _ in range(50):
+            bookings = node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).bookings
+            if "rdup1" not in bookings:
+                break
+            await asyncio.sleep(0.1)
+        assert "rdup1" not in bookings, "a booking nobody will take holds room"
+        await asyncio.sleep(1.5)   # the watch would have removed it by now: a create placed once keeps its own
+        assert "rnew1" in node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).bookings
+    finally:
+        await bus.kv_delete(streams.NODES_KV, node)
+        await bus.close()
