@@ -63,7 +63,6 @@ class NodeLedger:
         # request -> {node: its booking} whose write failed or timed out: it may still land (see settle())
         self.uncertain: dict[str, dict[str, Booking]] = {}
         self._removing: set[asyncio.Task] = set()
-        self.phantoms_removed = 0
 
     # ---- liveness -------------------------------------------------------------------------------
 
@@ -173,7 +172,6 @@ class NodeLedger:
             if held is not None and held.at == at:
                 try:
                     await _unbook_write(self, node, request_id, at)
-                    self.phantoms_removed += 1
                     log.warning("booking %s on %s removed: nobody will take it", request_id, node)
                     return
                 except Exception as exc:

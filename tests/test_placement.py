@@ -14,6 +14,7 @@ import pytest
 import libdsec
 from bus import streams, subjects
 from bus.conn import Bus
+from bus.errors import BusError
 from bus.messages import (Booking, CreateRequest, ExecRequest, NodeInfo, Quota, Resources, SandboxRecord, encode,
                           event_decoder, node_decoder, output_decoder, sandbox_decoder)
 from bus.server import free_port
@@ -322,6 +323,46 @@ async def test_a_booking_for_a_create_placed_before_is_removed(bare_server):
         assert "rdup1" not in bookings, "a booking nobody will take holds room"
         await asyncio.sleep(1.5)   # the watch would have removed it by now: a create placed once keeps its own
         assert "rnew1" in node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).bookings
+    finally:
+        await bus.kv_delete(streams.NODES_KV, node)
+        await bus.close()
+
+
+async def test_a_booking_whose_write_was_not_confirmed_goes_once_the_request_is_placed_elsewhere(bare_server):
+    """A booking write the bus did not confirm (a timeout while a KV leader is paused) may land all the
+    same: once the request is placed on another node, that booking is removed where it landed, and a
+    later booking of the same request on that node (written at another time) is left alone."""
+    srv = bare_server
+    bus = await Bus.connect(srv.url, creds=srv.creds("placement"))
+    node = f"unc{free_port()}"
+    try:
+        await bus.kv_put(streams.NODES_KV, node, fake_node(node, slots=4))
+        led = ledger_mod.NodeLedger(bus)
+        raw, rev = await bus.kv_entry(streams.NODES_KV, node)
+        led.on_change(node, raw, rev)
+        real_update = bus.kv_update
+
+        async def lands_unconfirmed(*args, **kwargs):   # written, but the caller hears a timeout
+            await real_update(*args, **kwargs)
+            raise BusError("kv update dsec-nodes: NATS did not answer in time")
+        bus.kv_update = lands_unconfirmed
+        with pytest.raises(BusError):
+            await led.book(node, "runc1", Booking(Resources(), time.time() + 60, at=1.0))
+        bus.kv_update = real_update
+        raw, rev = await bus.kv_entry(streams.NODES_KV, node)
+        led.on_change(node, raw, rev)   # (the node watch would bring it)
+        assert "runc1" in node_decoder.decode(raw).bookings
+        led.settle("runc1", placed_on="elsewhere")
+        for _ in range(50):
+            if "runc1" not in node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).bookings:
+                break
+            await asyncio.sleep(0.1)
+        assert "runc1" not in node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).bookings
+        # a booking of it written later (placed here again) is not the unconfirmed one: it stays
+        assert await led.book(node, "runc2", Booking(Resources(), time.time() + 60, at=2.0))
+        led.discard(node, "runc2", at=1.0)
+        await asyncio.sleep(1.5)
+        assert "runc2" in node_decoder.decode(await bus.kv_get(streams.NODES_KV, node)).bookings
     finally:
         await bus.kv_delete(streams.NODES_KV, node)
         await bus.close()
