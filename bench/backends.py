@@ -13,7 +13,8 @@ Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200] [-
              fresh `unshare` per call (8 at once). Then the CPU per call of that throughput run, by
              part (commands, edge, SDK, nats-server) and for the whole host.
   microvm    create -> ready p50/p99 (from a template) and exec `true` p50 through the SDK, fork of 8
-             from a snapshot, host memory per idle VM (MemAvailable drop and PSS over --idle-vms VMs)
+             from a snapshot's files, snapshot(memory=True) and fork of 8 from it (a process running on
+             in each), host memory per idle VM (MemAvailable drop and PSS over --idle-vms VMs)
              and the host CPU they burn idle; baselines: the same QEMU driven without the bus (a
              bare restore of the template, a bare cold boot to the agent's first frame, and the bare
              virtio-serial round trip of `true` to the agent).

@@ -56,6 +56,22 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int, kind: str =
     outs = await asyncio.gather(*(f.exec("cat /root/f") for f in forks))
     assert all(o.stdout == b"forked\n" for o in outs), outs
     await asyncio.gather(*(f.destroy() for f in forks))
+    src = await client.create(backend=kind, resources=res, timeout=120)   # its memory: a process runs on in forks
+    ticker = await src.exec("n=0; while :; do n=$((n+1)); echo $n > /root/c; mv /root/c /root/n; sleep 0.2; done",
+                            background=True)
+    await src.exec("echo forked > /root/f")
+    t0 = time.perf_counter()
+    msnap = await src.snapshot(memory=True, timeout=300)
+    msnap_ms = (time.perf_counter() - t0) * 1000
+    await ticker.kill()
+    await src.destroy()
+    t0 = time.perf_counter()
+    forks = await client.fork(msnap, 8, timeout=300)
+    mfork_ms = (time.perf_counter() - t0) * 1000
+    outs = await asyncio.gather(*(f.exec("cat /root/f; ps -o args | grep -c '[w]hile :'") for f in forks))
+    assert all(o.stdout == b"forked\n1\n" for o in outs), outs
+    await asyncio.gather(*(f.destroy() for f in forks))
+    await client.delete_snapshot(msnap)
     await asyncio.sleep(2)
     before, qemus_before = _mem_available(), {p.pid for p in _qemus()}
     held, idle_res = [], libdsec.Resources(memory=f"{MEMORY >> 20}Mi", cpu=0.1)   # cpu is booked too
@@ -79,7 +95,7 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int, kind: str =
     await asyncio.gather(*(sb.destroy() for sb in held))
     per = max(len(procs), 1)
     return {"create_p50": _p(creates, 0.5), "create_p99": _p(creates, 0.99), "exec_p50": _p(execs, 0.5),
-            "fork8_ms": fork_ms, "held": len(procs), "avail_mib": (before - after) / per / 2**20,
+            "fork8_ms": fork_ms, "msnap_ms": msnap_ms, "mfork8_ms": mfork_ms, "held": len(procs), "avail_mib": (before - after) / per / 2**20,
             "pss_mib": pss / per / 2**20, "rss_mib": rss / per / 2**20, "cpu_pct": cpu / per}
 
 
@@ -137,6 +153,8 @@ def vm_rows(v: dict, bare: dict, kind: str = "microvm") -> list[tuple[str, str, 
             (kind, "exec `true` round trip p50 (ms)", v["exec_p50"], bare["exec_p50"],
              "bare virtio-serial round trip p50"),
             (kind, "fork of 8 from a snapshot (ms)", v["fork8_ms"], bare["eight_ms"], "8 bare restores at once"),
+            (kind, "snapshot(memory=True) (ms)", v["msnap_ms"], bare["restore_p50"], "bare restore, no bus, p50"),
+            (kind, "fork of 8 from its memory (ms)", v["mfork8_ms"], bare["eight_ms"], "8 bare restores at once"),
             (kind, f"host MiB / idle VM, MemAvailable ({v['held']})", v["avail_mib"], ram, "the VM's RAM size"),
             (kind, "host MiB / idle VM, PSS", v["pss_mib"], ram, "the VM's RAM size"),
             (kind, "host MiB / idle VM, RSS", v["rss_mib"], ram, "the VM's RAM size"),

@@ -10,7 +10,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
-from bus.messages import ImageRecord, LayerRef, image_decoder, snapshot_decoder
+from bus.messages import ImageRecord, LayerRef, SnapshotRecord, image_decoder, snapshot_decoder
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
@@ -69,6 +69,10 @@ class ImageRegistry:
 
     async def snapshot_layers(self, snapshot_id: str, tenant: str) -> list[LayerRef]:
         """The layers of a tenant's snapshot (its parents', then its own); ImageNotFound when absent."""
+        return list((await self.snapshot(snapshot_id, tenant)).layers)
+
+    async def snapshot(self, snapshot_id: str, tenant: str) -> SnapshotRecord:
+        """A tenant's snapshot record; ImageNotFound when absent (or another tenant's)."""
         raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, snapshot_id))
                if subjects.is_token(snapshot_id) and subjects.is_token(tenant) else None)
         try:
@@ -77,7 +81,7 @@ class ImageRegistry:
             rec = None
         if rec is None or rec.tenant != tenant or not all(subjects.is_digest(la.digest) for la in rec.layers):
             raise ImageNotFound(f"snapshot {snapshot_id!r} not found")
-        return list(rec.layers)
+        return rec
 
     async def compose(self, image: str, workspace: str = "", toolkit: str = "") -> list[LayerRef]:
         """A sandbox's layers, lowest first: the base image, then its workspace and toolkit when given."""

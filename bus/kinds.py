@@ -15,6 +15,8 @@ Capabilities:
   call        stateless function calls (client.call), no sandbox id
   privileged  create(privileged=True): commands keep every capability of a guest kernel of their own, whose
               only promise is that the host and other sandboxes are untouched (VM kinds only)
+  memory_snapshot  snapshot(memory=True): the VM's RAM and device state too, so its forks go on from the
+              same instant, processes running (they run on the node holding it: docs/backends.md)
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                        "privileged"}),
+                        "privileged", "memory_snapshot"}),
     FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                       "privileged"}),
+                       "privileged", "memory_snapshot"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }
 

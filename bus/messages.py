@@ -61,6 +61,8 @@ class CreateRequest(Wire, tag="create"):
     workspace: str = ""              # name[@version] of a workspace layer over the base image (optional)
     toolkit: str = ""                # name[@version] of a toolkit layer on top (optional)
     privileged: bool = False         # a VM whose commands keep every guest capability (kinds: "privileged")
+    memory: bool = False             # start from the snapshot's memory too (its processes run on): only on the
+                                     # node that holds it (SnapshotRecord.memory_node), of its kind and size
 
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
@@ -149,6 +151,7 @@ class SnapshotRequest(Wire, tag="snapshot"):
     tag: str = ""
     reply_to: str = ""
     deadline: float = 0.0
+    memory: bool = False             # the VM's memory too (kinds: "memory_snapshot"), held on its node
 
 
 class RollbackRequest(Wire, tag="rollback"):
@@ -459,6 +462,8 @@ class SnapshotRecord(Wire, tag="snapshot"):
     cwd: str = "/"
     size: int = 0                    # bytes of its own layer
     created_at: float = 0.0
+    memory_node: str = ""            # a memory snapshot: the node holding its RAM and device state ("" none);
+    memory_kind: str = ""            # its forks with memory run there, of this kind, at these resources
 
 
 class WarmPool(Wire, tag="warmpool"):

@@ -18,12 +18,13 @@ import msgspec
 
 from bus import streams, subjects, validate
 from bus.conn import Bus
-from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest, RequestExpired,
-                        SandboxNotFound)
+from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, ImageNotFound, InvalidRequest,
+                        RequestExpired, SandboxNotFound)
 from bus.messages import CreateRequest, ErrorReply, SandboxReady, SandboxRecord, encode
 from bus.nodes import decode_node
 from bus.pull import Delivery, Lease, Verdict
-from edge.backends.base import Backend, BackendError, CapacityExhausted, LayerUnusable, SandboxSpec
+from edge.backends.base import (Backend, BackendError, CapacityExhausted, LayerUnusable, SandboxSpec, SnapshotGone,
+                                SpecRefused)
 from edge.capacity import Capacity
 from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
@@ -313,6 +314,10 @@ class CreateLane:
             raise
         except CapacityExhausted as exc:
             raise CapacityUnavailable(f"sandbox could not start on {self.node}: {exc}") from exc
+        except SnapshotGone as exc:   # only this node could start it: no retry elsewhere
+            raise ImageNotFound(f"sandbox could not start on {self.node}: {exc}") from exc
+        except SpecRefused as exc:
+            raise InvalidRequest(f"sandbox could not start: {exc}") from exc
         except LayerUnusable as exc:   # a cached layer that does not mount: fetched (and verified) again next time
             self.layers.evict(req.layers)
             raise EnvironmentFailure(f"sandbox could not start on {self.node}: {exc}") from exc
@@ -328,8 +333,8 @@ class CreateLane:
 
     def _take_warm(self, req: CreateRequest) -> str | None:
         """A warm sandbox matching the request, taken from its pool; never for a privileged one (warm ones
-        are not)."""
-        if req.privileged:
+        are not) nor one going on from a memory snapshot."""
+        if req.privileged or req.memory:
             return None
         return self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
 
@@ -389,4 +394,4 @@ def _ready(outcome: Outcome | None) -> bool:
 def _spec(req: CreateRequest, paths: list[str]) -> SandboxSpec:
     """What the backend starts for a create, its layers fetched to paths."""
     return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
-                       kind=req.backend, privileged=req.privileged)
+                       kind=req.backend, privileged=req.privileged, memory=req.snapshot if req.memory else "")

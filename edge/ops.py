@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 NEEDS = {"write_file": "files", "read_file": "files", "suspend": "suspend", "resume": "suspend",
-         "snapshot": "snapshot", "rollback": "snapshot"}   # op -> the capability (bus/kinds.py) it needs
+         "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot"}   # op -> the capability (bus/kinds.py) it needs
 
 
 class OpLane:
@@ -103,8 +103,9 @@ class OpLane:
                 await self._answer(op, self._on(op.sandbox_id, "resume", lambda: sb.resume(op.sandbox_id), tenant=tenant))
             case SnapshotRequest():
                 async def snap() -> bytes:
-                    return encode(await sb.snapshot(op.sandbox_id, op.tag))
-                await self._answer(op, self._on(op.sandbox_id, "snapshot", snap, tenant=tenant))
+                    return encode(await sb.snapshot(op.sandbox_id, op.tag, op.memory))
+                await self._answer(op, self._on(op.sandbox_id, "memory snapshot" if op.memory else "snapshot", snap,
+                                                tenant=tenant))
             case RollbackRequest():
                 await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op, tenant), tenant=tenant))
         return Verdict.ACK

@@ -22,11 +22,11 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, EnvironmentFailure, InvalidRequest, SandboxNotFound
+from bus.errors import BusError, CapacityUnavailable, EnvironmentFailure, InvalidRequest, SandboxNotFound
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
 from chronus.control import Gone, RunFailed
-from edge.backends.base import (TRUSTED_SHELL, BackendError, ExecControl, ExecResult, OutputSink, SandboxGone,
-                                SnapshotTooLarge, SandboxSpec)
+from edge.backends.base import (TRUSTED_SHELL, BackendError, CapacityExhausted, ExecControl, ExecResult, OutputSink,
+                                SandboxGone, SnapshotTooLarge, SandboxSpec)
 from edge.backends.registry import BackendSet
 from edge.layercache import LayerCache
 from edge.outbox import Publish
@@ -74,6 +74,7 @@ class Sandboxes:
         self.settle = settle              # settle(sandbox_id): its execs recorded their ends
         self.running: dict[str, Running] = {}
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()   # id -> final state here
+        self._memory_owner: dict[str, str] = {}   # memory snapshot held by the backend -> its tenant
 
     # ---- registry -----------------------------------------------------------------------------------
 
@@ -218,9 +219,10 @@ class Sandboxes:
 
     # ---- snapshots and rollback ------------------------------------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, tag: str) -> SnapshotRecord:
+    async def snapshot(self, sandbox_id: str, tag: str, memory: bool = False) -> SnapshotRecord:
         """Pack the writable layer (processes frozen meanwhile) as a layer over the sandbox's own, store
-        it (object store, by digest) and its record (KV dsec-snapshots)."""
+        it (object store, by digest) and its record (KV dsec-snapshots). memory: the VM's memory too, held
+        by this node's backend under the snapshot's id (edge/backends/microvm/memory.py)."""
         running = self.running[sandbox_id]
         snap_id = "snap" + secrets.token_hex(8)
         with tempfile.TemporaryDirectory(dir=self.state_dir) as tmp:
@@ -235,15 +237,37 @@ class Sandboxes:
             own = LayerRef(name=f"snapshot-{snap_id}", version=1, digest=digest, size=size)
             self.layers.adopt(own, layer_file)   # forks and rollbacks here need no fetch
         rec = running.record
+        if memory:
+            await self._save_memory(sandbox_id, snap_id, rec.tenant)
         snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
                               layers=[*running.layers, own],
                               image=rec.image, env=dict(running.spec.env) if running.spec else {},
-                              resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time())
-        await self.bus.kv_put(streams.SNAPSHOTS_KV, subjects.record_key(rec.tenant, snap_id), snap, retry_for=RECORD_WAIT)
+                              resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time(),
+                              memory_node=self.node if memory else "", memory_kind=rec.backend if memory else "")
+        try:
+            await self.bus.kv_put(streams.SNAPSHOTS_KV, subjects.record_key(rec.tenant, snap_id), snap,
+                                  retry_for=RECORD_WAIT)
+        except BaseException:
+            self.backend.drop_memory(snap_id)     # (none unless memory): nobody can name it
+            raise
         running.snapshots += 1
         await self.records.change(None, sandbox_id, publishes=lifecycle(
             rec, "snapshot", node=self.node, detail=f"{snap_id} {tag}".strip(), nth=running.snapshots))
         return snap
+
+    async def _save_memory(self, sandbox_id: str, snap_id: str, tenant: str) -> None:
+        """The backend keeps the VM's memory as snap_id; first it forgets those whose snapshot was deleted
+        (a node holds a bounded number: DSEC_VM_MEMORY_SNAPSHOTS)."""
+        for name in self.backend.memories():
+            owner = self._memory_owner.get(name)
+            if owner is None or await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(owner, name)) is None:
+                self.backend.drop_memory(name)
+                self._memory_owner.pop(name, None)
+        try:
+            await self.backend.save_memory(sandbox_id, snap_id)
+        except CapacityExhausted as exc:
+            raise CapacityUnavailable(f"memory snapshot of {sandbox_id} refused: {exc}") from exc
+        self._memory_owner[snap_id] = tenant
 
     async def rollback(self, sandbox_id: str, snap: SnapshotRecord) -> None:
         """Restart the sandbox on the snapshot's layers with a fresh writable layer (same id, node,

@@ -138,12 +138,13 @@ class AsyncClient:
                              priority=priority, burst=burst, workspace=workspace or "",  # type: ignore[arg-type]
                              toolkit=toolkit or "")
 
-    async def create(self, image: str = "busybox", *, backend: str = "container", resources: Resources | None = None,
+    async def create(self, image: str = "busybox", *, backend: str | None = None, resources: Resources | None = None,
                      ttl: float = DEFAULT_TTL, env: dict[str, str] | None = None,
                      labels: dict[str, str] | None = None, timeout: float = DEFAULT_CREATE_TIMEOUT,
                      priority: str = "latency", burst: bool | None = None,
                      on_queued=None, workspace: str | None = None, toolkit: str | None = None,
-                     from_snapshot: SnapshotRecord | str | None = None, privileged: bool = False) -> AsyncSandbox:
+                     from_snapshot: SnapshotRecord | str | None = None, privileged: bool = False,
+                     memory: bool | None = None) -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
 
         image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
@@ -155,24 +156,41 @@ class AsyncClient:
         Raises CapacityUnavailable after `timeout` (the request is then cancelled: it never starts later),
         QuotaExceeded at once when the tenant's quota would be passed.
 
-        backend is the kind (container, gvisor, ...; bus/kinds.py): InvalidRequest for one that does not
+        backend is the kind (container by default; gvisor, microvm, ...: bus/kinds.py): InvalidRequest for one that does not
         exist, Unsupported for an operation it lacks (e.g. from_snapshot on a kind without fork), both
         raised before anything is sent; CapacityUnavailable at once when no live node runs it.
 
         privileged=True (VM kinds only, else Unsupported): its commands keep every capability of the guest's
         own kernel (load modules, sysrq, mount...); the only promise is that the host and every other
         sandbox are untouched. Never claimed from a warm pool.
+
+        memory (from a snapshot taken with memory=True): go on from its memory, every process where it was,
+        on the node that holds it, of its kind and resources (the defaults then). None (default): when the
+        snapshot has memory and backend is not given or is its kind; False: from its files only, anywhere.
         """
-        check_create_kind(backend, from_snapshot is not None, privileged)
-        if from_snapshot is not None:   # its layers; its env, resources and labels unless given here
+        if backend is not None:   # a kind that does not exist or cannot do it: refused before anything is sent
+            check_create_kind(backend, from_snapshot is not None, privileged)
+        snap = None
+        if from_snapshot is not None:
             snap = await self.snapshot(from_snapshot)
+            if memory is None:
+                memory = bool(snap.memory_node) and backend in (None, snap.memory_kind)
+            if memory and not snap.memory_node:
+                raise InvalidRequest(f"snapshot {snap.id} has no memory (take one with snapshot(memory=True))")
+            if memory:
+                backend = backend or snap.memory_kind
+        elif memory:
+            raise InvalidRequest("memory=True needs from_snapshot")
+        backend = backend or kinds.CONTAINER
+        check_create_kind(backend, snap is not None, privileged)
+        if snap is not None:   # its layers; its env, resources and labels unless given here
             env = {**snap.env, **(env or {})}
             labels = dict(snap.labels) if labels is None else labels
             resources = resources or Resources(cpu=snap.resources.cpu, memory=snap.resources.memory,
                                                pids=snap.resources.pids, disk=snap.resources.disk)
         req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst, workspace, toolkit)
-        if from_snapshot is not None:
-            req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image)
+        if snap is not None:
+            req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image, memory=bool(memory))
         if privileged:
             req = msgspec.structs.replace(req, privileged=True)
         return await self._create(req, timeout, on_queued)

@@ -151,14 +151,22 @@ class AsyncSandbox:
         return await self.client._op(self.node, self.id, lambda rid, to, dl: ReadFile(
             request_id=rid, sandbox_id=self.id, path=path, limit=limit, reply_to=to, deadline=dl), timeout)
 
-    async def snapshot(self, *, tag: str = "", timeout: float = 120.0) -> SnapshotRecord:
+    async def snapshot(self, *, tag: str = "", memory: bool = False, timeout: float = 120.0) -> SnapshotRecord:
         """Freeze it briefly, pack its writable layer as a new layer over its own and store it; returns the
-        snapshot (`.id`, `.tag`, `.layers`, `.size`...) to create, fork or roll back from."""
+        snapshot (`.id`, `.tag`, `.layers`, `.size`...) to create, fork or roll back from.
+
+        memory=True (VM kinds: capability memory_snapshot): its memory and device state too, so forks go on
+        from this instant with every process where it was (`.memory_node` holds it; forks with memory run
+        there, and die with that node's edge; its files fork anywhere). The VM stops for about a second."""
         self._needs("snapshot", "snapshot")
+        if memory:
+            self._needs("memory_snapshot", "snapshot(memory=True)")
         if not isinstance(tag, str) or len(tag) > 128:
             raise InvalidRequest(f"tag must be a string of at most 128 characters, got {tag!r}")
+        if not isinstance(memory, bool):
+            raise InvalidRequest(f"memory must be True or False, got {memory!r}")
         data = await self.client._op(self.node, self.id, lambda rid, to, dl: SnapshotRequest(
-            request_id=rid, sandbox_id=self.id, tag=tag, reply_to=to, deadline=dl), timeout)
+            request_id=rid, sandbox_id=self.id, tag=tag, reply_to=to, deadline=dl, memory=memory), timeout)
         return snapshot_decoder.decode(data)
 
     async def rollback(self, snapshot: SnapshotRecord | str, *, timeout: float = 120.0) -> None:

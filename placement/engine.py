@@ -23,7 +23,7 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
-from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queued, SandboxReady,
+from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queued, SandboxReady, SnapshotRecord,
                           SandboxRecord, create_decoder, encode, heartbeat_decoder)
 from bus.pull import Delivery, Verdict
 from bus import validate
@@ -203,9 +203,13 @@ class PlacementEngine:
             validate.check_create(req)
             if validate.expired(req.deadline):
                 raise RequestExpired("create request expired before it was placed")
-            layers = await (self.images.snapshot_layers(req.snapshot, req.tenant) if req.snapshot
-                            else self.images.compose(req.image, req.workspace, req.toolkit))
-            self._never_fits(req)
+            pin = ""
+            if req.snapshot:
+                snap = await self.images.snapshot(req.snapshot, req.tenant)
+                layers, pin = list(snap.layers), _memory_pin(req, snap)
+            else:
+                layers = await self.images.compose(req.image, req.workspace, req.toolkit)
+            self._never_fits(req, pin)
             await self.quotas.admit(req)
         except BusError:
             raise
@@ -220,9 +224,9 @@ class PlacementEngine:
                 try:
                     if validate.expired(req.deadline):
                         raise RequestExpired("no node had room before the create's deadline")
-                    if await self._try_place(placed):
+                    if await self._try_place(placed, pin):
                         return Verdict.ACK
-                    self._never_fits(req)
+                    self._never_fits(req, pin)
                 except BusError:
                     raise
                 except DsecError as err:
@@ -264,10 +268,17 @@ class PlacementEngine:
         now = time.time()
         return [i for i in self.ledger.nodes() if scoring.placeable(i, pool, now)]
 
-    def _never_fits(self, req: CreateRequest) -> None:
+    def _never_fits(self, req: CreateRequest, pin: str = "") -> None:
         """CapacityUnavailable when live nodes exist but none runs the request's kind (naming the kinds
-        they run), or none could ever hold the request."""
+        they run), or none could ever hold the request; or, pinned to a node (a fork from memory), that node
+        is not live (its memory snapshots died with it)."""
         live = self._live(self.pool) + (self._live(self.burst_pool) if req.may_burst() else [])
+        if pin:
+            live = [i for i in live if i.node == pin]
+            if not live:
+                raise CapacityUnavailable(f"the memory of snapshot {req.snapshot} is held by node {pin}, which is "
+                                          f"not live: create from it with memory=False for its files",
+                                          reason="memory_node_lost")
         if not live:
             return   # no live node yet: it waits for one
         offered = scoring.kinds_offered(live)
@@ -291,8 +302,9 @@ class PlacementEngine:
         self.burst_min_utilization = min(self.burst_min_utilization, util)
         return True
 
-    async def _try_place(self, req: CreateRequest) -> bool:
+    async def _try_place(self, req: CreateRequest, pin: str = "") -> bool:
         """Route the request once: True when it is on a lane (or was before), False when nothing has room.
+        pin: the only node it may go to (a fork from memory).
 
         Local room first: only a create that fits on no local node bursts, and only onto a node of the
         burst pool with room, booked like any other (so the burst pool never holds more than its room)."""
@@ -307,15 +319,15 @@ class PlacementEngine:
         kind, r = req.backend, kinds.booked(req.backend, req.resources)
         prefer = scoring.affinity(req.layers, req.resources, kind, req.tenant)
         for _ in range(BOOK_TRIES):
-            away = self.ledger.unresponsive()
             nodes = self.ledger.nodes()
+            away = self.ledger.unresponsive() | {i.node for i in nodes if pin and i.node != pin}
             node, _ever = scoring.choose(nodes, r, pool=self.pool, exclude=frozenset(tried) | away,
                                          prefer=prefer, kind=kind)
             if node is None and req.avoid and tried == set(req.avoid):
                 tried = set()   # nowhere else: a fresh environment on the same node is the retry
                 node, _ever = scoring.choose(nodes, r, pool=self.pool, exclude=away, kind=kind)
             burst = False
-            if node is None and self._burst_ready(req):   # the excess that does not fit locally
+            if node is None and not pin and self._burst_ready(req):   # the excess that does not fit locally
                 node, _ever = scoring.choose(nodes, r, pool=self.burst_pool,
                                              exclude=frozenset(tried) | away, prefer=prefer, kind=kind)
                 burst = node is not None
@@ -352,3 +364,18 @@ class PlacementEngine:
         if req.sent_at:
             self._latencies.append(max(0.0, time.time() - req.sent_at))
         return True
+
+
+def _memory_pin(req: CreateRequest, snap: SnapshotRecord) -> str:
+    """The node a create from snap must run on: its memory's, when the create asks for the memory (then of
+    the snapshot's kind and resources: InvalidRequest otherwise); '' when any node may."""
+    if not req.memory:
+        return ""
+    if not snap.memory_node:
+        raise InvalidRequest(f"snapshot {snap.id} has no memory (take one with snapshot(memory=True))")
+    if req.backend != snap.memory_kind:
+        raise InvalidRequest(f"snapshot {snap.id}'s memory is of a {snap.memory_kind}, not a {req.backend}")
+    if req.resources != snap.resources:
+        raise InvalidRequest(f"snapshot {snap.id}'s memory fixes the resources: "
+                             f"{msgspec.structs.asdict(snap.resources)}, asked {msgspec.structs.asdict(req.resources)}")
+    return snap.memory_node

@@ -638,3 +638,67 @@ def test_favordynmods_is_read_from_mountinfo_and_can_be_declined(tmp_path, monke
     monkeypatch.delenv("DSEC_FAVOR_DYNMODS")
     assert cgroups.favor_dynmods(str(off)) is True   # remounted with the options it had, plus favordynmods
     assert calls == [("cgroup2", "/sys/fs/cgroup/unified", "cgroup2", kernel.MS_REMOUNT, "nsdelegate,favordynmods")]
+
+
+async def test_a_quiet_agent_channel_holds_every_frame_until_its_agent_speaks_again():
+    """Before a VM's memory is saved (edge/backends/microvm/memory.py) nothing may reach the agent after its
+    'Q': a frame sent meanwhile (here a credit) is held and follows the 'U'. A fork's 'U' with detach
+    numbers the channel's next exec above the highest id the agent still holds."""
+    import os
+    import socket
+    import struct
+    from edge.backends.gvisor.agent import HEAD, AgentChannel
+
+    host, agent = socket.socketpair()
+    agent.setblocking(False)
+    r = host.detach()
+    chan = AgentChannel("sb-q", os.dup(r), r)
+    chan.ready.set_result(None)
+    loop = asyncio.get_running_loop()
+
+    async def frame() -> tuple[str, int, bytes]:
+        head = await asyncio.wait_for(loop.sock_recv(agent, HEAD.size), 5)
+        length, kind, xid = HEAD.unpack(head)
+        body = await loop.sock_recv(agent, length - 5) if length > 5 else b""
+        return chr(kind), xid, body
+
+    def answer(xid: int, extra: bytes = b"") -> None:
+        body = struct.pack("<I", 0) + extra
+        agent.send(HEAD.pack(5 + len(body), ord("H"), xid) + body)
+    try:
+        quiet = asyncio.ensure_future(chan.quiesce())
+        kind, xid, _ = await frame()
+        assert kind == "Q"
+        chan._send(b"G", 7, struct.pack("<I", 4096))       # e.g. credit for output consumed meanwhile
+        answer(xid)
+        await quiet
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(loop.sock_recv(agent, 1), 0.2)    # held: nothing after the 'Q'
+        woken = asyncio.ensure_future(chan.release(detach=True))
+        kind, xid, body = await frame()
+        assert (kind, body) == ("U", b"\1")
+        assert (await frame())[:2] == ("G", 7)              # the held frame, after the 'U'
+        answer(xid, struct.pack("<I", 41))
+        await woken
+        assert chan._next == 41                             # the next exec is 42: above the agent's old ones
+        chan._send(b"G", 8, struct.pack("<I", 1))
+        assert (await frame())[:2] == ("G", 8)              # and frames go straight out again
+    finally:
+        chan.close()
+        agent.close()
+
+
+def test_a_fork_from_memory_is_pinned_to_its_node_and_must_match_the_snapshot():
+    from bus.errors import InvalidRequest
+    from bus.messages import CreateRequest, Resources, SnapshotRecord
+    from placement.engine import _memory_pin
+    snap = SnapshotRecord(id="snap1", memory_node="n1", memory_kind="microvm", resources=Resources(memory=256 << 20))
+    req = CreateRequest(snapshot="snap1", memory=True, backend="microvm", resources=Resources(memory=256 << 20))
+    assert _memory_pin(req, snap) == "n1"
+    assert _memory_pin(msgspec.structs.replace(req, memory=False, backend="container"), snap) == ""
+    for bad, why in ((msgspec.structs.replace(req, backend="fullvm"), "not a fullvm"),
+                     (msgspec.structs.replace(req, resources=Resources(memory=512 << 20)), "fixes the resources")):
+        with pytest.raises(InvalidRequest, match=why):
+            _memory_pin(bad, snap)
+    with pytest.raises(InvalidRequest, match="has no memory"):
+        _memory_pin(req, msgspec.structs.replace(snap, memory_node=""))

@@ -38,6 +38,7 @@ class SandboxSpec:
                                 # command (a stateless worker: see edge/backends/fncall/)
     warm: bool = False          # started for a warm pool: worth a longer create for a faster first command
     privileged: bool = False    # a VM's commands keep every capability of the guest (kinds: "privileged")
+    memory: str = ""            # start from this memory snapshot the backend holds (save_memory), not layers
 
 
 class BackendError(Exception):
@@ -46,6 +47,15 @@ class BackendError(Exception):
 
 class LayerUnusable(BackendError):
     """A layer file of the node's cache could not be used (e.g. it does not mount): fetch it again."""
+
+
+class SnapshotGone(BackendError):
+    """A create from a memory snapshot this node no longer holds (its edge restarted, or it was deleted)."""
+
+
+class SpecRefused(BackendError):
+    """A create this backend will not start as asked, wherever it runs (e.g. a fork from a privileged VM's
+    memory that does not ask to be privileged): the request's fault, not the node's."""
 
 
 class CapacityExhausted(BackendError):
@@ -123,6 +133,18 @@ class Backend(abc.ABC):
         """Pack the sandbox's writable layer (its diff over its layers: files, modes, links, whiteouts)
         into the EROFS file dst while its processes are frozen; return the file's digest."""
         raise BackendError(f"{type(self).__name__} cannot snapshot sandboxes")
+
+    async def save_memory(self, sandbox_id: str, name: str) -> int:
+        """Keep the sandbox's memory and device state (and its disk as it was then) as `name`, from which
+        creates with SandboxSpec.memory=name go on; the bytes of RAM it holds."""
+        raise BackendError(f"{type(self).__name__} cannot snapshot memory")
+
+    def memories(self) -> list[str]:
+        """The memory snapshots this backend holds."""
+        return []
+
+    def drop_memory(self, name: str) -> None:
+        """Forget a memory snapshot (VMs started from it keep what they mapped)."""
 
     async def freeze(self, sandbox_id: str) -> None:
         """Stop every process of a sandbox where it is (no CPU, memory kept) until thaw()."""

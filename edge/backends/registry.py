@@ -320,6 +320,16 @@ class BackendSet(Backend):
     async def pack_upper(self, sandbox_id: str, dst: str) -> str:
         return await self.of(sandbox_id).pack_upper(sandbox_id, dst)
 
+    async def save_memory(self, sandbox_id: str, name: str) -> int:
+        return await self.of(sandbox_id).save_memory(sandbox_id, name)
+
+    def memories(self) -> list[str]:
+        return [m for b in self.backends.values() for m in b.memories()]
+
+    def drop_memory(self, name: str) -> None:
+        for b in self.backends.values():
+            b.drop_memory(name)
+
     async def freeze(self, sandbox_id: str) -> None:
         await self.of(sandbox_id).freeze(sandbox_id)
 

@@ -49,6 +49,27 @@ async def test_a_full_vm_is_a_whole_debian_and_each_restore_its_own(client, fvmn
     assert all(backend.residue(sb.id) == [] for sb in sbs)
 
 
+async def test_a_full_vm_forks_from_its_memory_with_its_services_running(client, fvmnode):
+    """A service systemd started before a memory snapshot runs on in the fork, as the same process;
+    the fork is still a whole OS with its own hostname and machine-id."""
+    backend = fvmnode.edge.backend.backends["fullvm"]
+    sb = await client.create(backend="fullvm", timeout=180)
+    fork = None
+    try:
+        await sb.exec("systemd-run --unit=ticker sh -c 'while :; do sleep 0.3; done' && "
+                      "systemctl show -p MainPID --value ticker > /root/pid", timeout=60)
+        snap = await sb.snapshot(memory=True, timeout=180)
+        (fork,) = await client.fork(snap, 1, timeout=180)
+        out = (await fork.exec("systemctl is-active ticker; cat /root/pid; systemctl show -p MainPID --value ticker; "
+                               "systemctl is-system-running; hostname; cat /etc/machine-id", timeout=60)).stdout.split()
+        mine = (await sb.exec("cat /etc/machine-id")).stdout.strip()
+        assert out[:5] == [b"active", out[1], out[1], b"running", fork.id.encode()], out   # the same process
+        assert out[5] != mine, "the fork shares its source's machine-id"
+    finally:
+        await asyncio.gather(*(x.destroy() for x in (sb, fork) if x is not None), return_exceptions=True)
+    assert backend.residue(sb.id) == [] and (fork is None or backend.residue(fork.id) == [])
+
+
 async def test_its_poweroff_ends_the_sandbox_failed_and_leaves_nothing(client, fvmnode):
     backend = fvmnode.edge.backend.backends["fullvm"]
     sb = await client.create(backend="fullvm", timeout=180)

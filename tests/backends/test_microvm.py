@@ -232,3 +232,79 @@ async def test_qemus_translation_cache_fits_its_cgroup_allowance(client, vmnode)
         assert max(anon) <= 64 << 20 < kinds.OVERHEAD["microvm"][0], sorted(anon)[-3:]
     finally:
         await sb.destroy()
+
+
+async def test_a_memory_snapshot_forks_go_on_with_its_running_processes(client, vmnode):
+    """snapshot(memory=True): forks go on from that instant. A process whose state lives only in its memory
+    (a counter from a random start) runs on in each fork from where it was; each fork is its own (hostname,
+    RNG); the source goes on too, and an exec streaming through the save loses and repeats no byte."""
+    backend = vmnode.edge.backend.backends["microvm"]
+    sb = await client.create(backend="microvm", timeout=120)
+    forks = []
+    try:
+        ticker = await sb.exec("n=$(od -An -N2 -tu2 /dev/urandom | tr -d ' '); echo $n > /root/start; "
+                               "while :; do n=$((n+1)); echo $n > /root/c; mv /root/c /root/count; sleep 0.2; done",  # (whole)
+                               background=True)
+        # frames in flight both ways while the VM is saved: 64 KiB chunks out, credit back
+        lines = await sb.exec("for i in $(seq 1 400); do echo line$i; head -c 65536 /dev/zero | tr '\\0' x; echo; "
+                              "done", background=True, max_output=32 << 20)
+        for _ in range(100):
+            if (await sb.exec("cat /root/count 2>/dev/null || true")).stdout.strip():
+                break
+        start = int((await sb.read_file("/root/start")).strip())
+        snap = await sb.snapshot(memory=True, timeout=120)
+        assert not lines.done, "the stream ended before the save: it tested nothing"
+        assert (snap.memory_node, snap.memory_kind) == ("k-vmt", "microvm")
+        assert snap.id in backend.memories()
+        assert (await lines.wait()).stdout == b"".join(b"line%d\n%s\n" % (i, b"x" * 65536) for i in range(1, 401))
+        forks = await client.fork(snap, 2, timeout=120)
+        assert [f.backend for f in forks] == ["microvm", "microvm"]
+        seen = []
+        for f in forks:
+            out = (await f.exec("hostname; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; "
+                                "cat /root/count; sleep 1; cat /root/count; ps -o args | grep -c '[w]hile :'")).stdout
+            name, rng, before, after, tickers = out.decode().split()
+            assert name == f.id
+            assert start < int(before) < int(after), (start, before, after)   # its memory's counter, running on
+            assert tickers == "1", out                                         # the source's process, not a new one
+            seen.append(rng)
+            assert (await f.exec("seq 1 5000 | wc -l")).stdout == b"5000\n"   # its own execs are not mixed with it
+        assert len(set(seen)) == 2
+        again = int((await sb.read_file("/root/count")).strip())
+        await asyncio.sleep(0.6)
+        assert int((await sb.read_file("/root/count")).strip()) > again     # the source's ticker goes on
+        await ticker.kill()
+        assert (await ticker.wait()).exit_code != 0
+        (files_only,) = await client.fork(snap, 1, memory=False, backend="microvm", timeout=120)
+        forks.append(files_only)
+        out = (await files_only.exec("cat /root/start; ps -o args | grep -c '[w]hile :' || true")).stdout.split()
+        assert out == [str(start).encode(), b"0"], out       # its files, none of its processes
+    finally:
+        await asyncio.gather(*(f.destroy() for f in forks), sb.destroy(), return_exceptions=True)
+    assert all(backend.residue(x.id) == [] for x in [sb, *forks])
+
+
+async def test_a_memory_snapshot_is_refused_or_forked_only_as_it_can_be(client, vmnode):
+    """Typed refusals, each leaving nothing: memory of a container (Unsupported, before anything is sent);
+    a fork of it at other resources or of no memory (InvalidRequest); a fork whose memory the node no longer
+    holds (ImageNotFound, not retried elsewhere)."""
+    backend = vmnode.edge.backend.backends["microvm"]
+    ct = await client.create(timeout=60)
+    sb = await client.create(backend="microvm", timeout=120)
+    try:
+        with pytest.raises(libdsec.Unsupported, match="memory"):
+            await ct.snapshot(memory=True)
+        plain = await sb.snapshot(timeout=120)
+        with pytest.raises(libdsec.InvalidRequest, match="has no memory"):
+            await client.create(from_snapshot=plain, memory=True, timeout=60)
+        snap = await sb.snapshot(memory=True, timeout=120)
+        with pytest.raises(libdsec.InvalidRequest, match="fixes the resources"):
+            await client.create(from_snapshot=snap, resources=libdsec.Resources(memory="512Mi"), timeout=60)
+        backend.drop_memory(snap.id)
+        with pytest.raises(libdsec.ImageNotFound, match="not held"):
+            await client.create(from_snapshot=snap, timeout=60)
+        assert backend.memories() == [] or snap.id not in backend.memories()
+        assert (await sb.exec("echo fine")).stdout == b"fine\n"
+    finally:
+        await asyncio.gather(ct.destroy(), sb.destroy(), return_exceptions=True)
+    assert backend.residue(sb.id) == []

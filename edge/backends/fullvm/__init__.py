@@ -26,7 +26,7 @@ from pathlib import Path
 from bus import kinds
 from edge.backends.base import BackendError, SandboxSpec
 from edge.backends.fullvm import osimage
-from edge.backends.microvm import MicroVMBackend, _VM
+from edge.backends.microvm import VM, MicroVMBackend
 
 __all__ = ["FullVMBackend", "leftovers"]
 
@@ -51,7 +51,7 @@ class FullVMBackend(MicroVMBackend):
     def _probe_layers(self) -> list[str]:
         return [str(osimage.path())]
 
-    async def _settle(self, vm: _VM) -> None:
+    async def _settle(self, vm: VM) -> None:
         """A template is saved once systemd finished booting (its restores start `running`, not starting).
         systemd answers `offline` until it mounted /run (the agent answers first), then `initializing` and
         `starting` until its boot's jobs ended. Each ask is an exec of its own: an exec sees the mounts of

@@ -48,16 +48,23 @@ class AgentChannel:
         self._execs: dict[int, _Exec] = {}
         self._next = 0
         self._calls: dict[int, asyncio.Future] = {}    # 'H' requests awaiting their answer
+        self._held: bytearray | None = None            # frames kept back while the agent is quiet
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.closed: asyncio.Future = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().add_reader(self._r, self._on_readable)
 
     # ------------------------------------------------------------ transport
 
-    def _send(self, kind: bytes, xid: int, payload: bytes = b"") -> None:
+    def _send(self, kind: bytes, xid: int, payload: bytes = b"", *, urgent: bool = False) -> None:
         if self.closed.done():
             raise SandboxGone(f"sandbox {self.sandbox_id} is not running (its agent is gone)")
         frame = HEAD.pack(5 + len(payload), kind[0], xid) + payload
+        if self._held is not None and not urgent:
+            self._held += frame
+            return
+        self._write(frame)
+
+    def _write(self, frame: bytes) -> None:
         if not self._out:
             try:
                 frame = frame[os.write(self._w, frame):]
@@ -183,12 +190,41 @@ class AgentChannel:
                                 else "thawing the writable layer", timeout)
         return [p.decode(errors="surrogateescape") for p in rest.split(b"\0")[:-1]]
 
-    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0) -> bytes:
-        """One request the agent answers with an errno and maybe more ('H' frames): what follows the errno."""
+    async def quiesce(self, timeout: float = 10.0) -> None:
+        """Before a VM's memory is saved: from now on every frame to the agent is held back, and the agent,
+        once it answered, sends nothing; so the channel's state in the VM is between frames both ways.
+        release() ends it."""
+        self._held = bytearray()
+        try:
+            await self._call(b"Q", b"", "quiescing its agent", timeout, urgent=True)
+        except BaseException:
+            await self._unhold()
+            raise
+
+    async def release(self, detach: bool, timeout: float = 10.0) -> None:
+        """The agent speaks again; the held frames follow. detach: this is a VM started from a memory
+        snapshot, whose agent quiesced under another edge: its running execs are nobody's (they run on, their
+        output is dropped) and this channel numbers its own execs above theirs."""
+        rest = await self._call(b"U", b"\1" if detach else b"\0", "waking its agent", timeout, urgent=True,
+                                then=self._unhold)
+        if detach and len(rest) >= 4:
+            self._next = max(self._next, struct.unpack_from("<I", rest)[0])
+
+    async def _unhold(self) -> None:
+        held, self._held = self._held, None
+        if held and not self.closed.done():
+            self._write(bytes(held))
+
+    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0, *, urgent: bool = False,
+                    then=None) -> bytes:
+        """One request the agent answers with an errno and maybe more ('H' frames): what follows the errno.
+        then: a coroutine function run once the request is sent (before its answer)."""
         self._next += 1
         xid = self._next
         call = self._calls[xid] = asyncio.get_running_loop().create_future()
-        self._send(kind, xid, payload)
+        self._send(kind, xid, payload, urgent=urgent)
+        if then is not None:
+            await then()
         done, _ = await asyncio.wait({call, self.closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if call not in done:
             self._calls.pop(xid, None)

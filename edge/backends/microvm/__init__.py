@@ -15,66 +15,46 @@ The guest's pid 1 is dsec-agent, which speaks the same framed channel as in a gV
 (gvisor/agent.py) over a virtio-serial port whose host end is one end of a socketpair; QEMU's monitor
 (QMP) is a second socketpair, used for suspend (stop/cont). Files are read and written by the trusted
 shell inside the guest, so paths resolve in the guest's root and nowhere else.
+
+Its parts: vm.py (one VM's state), boot.py (QEMU's launch and a cold boot), restore.py and template.py
+(templates), memory.py (memory snapshots), snapshot.py (the writable layer packed as a layer), qemu.py
+(the command line, confinement), qmp.py, accel.py, guest.py (what the guest boots).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus import kinds
 from edge.backends import cgroups, idmap
 from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, Limits, OutputSink, SandboxGone,
-                                SandboxSpec, TRUSTED_SHELL)
+                                SandboxSpec, SnapshotGone, TRUSTED_SHELL)
 from edge.backends.cgroups import CgroupError, NodeCgroups
-from edge.backends.gvisor.agent import AgentChannel
-from edge.backends.gvisor.host import _join, _remove_groups, valid_id
-from edge.backends.microvm import accel, guest, qemu, snapshot, template
-from edge.backends.microvm.qemu import cpus, disk_size, log_tail, qemu_processes
-from edge.backends.microvm.qmp import Qmp, QmpError
+from edge.backends.gvisor.host import _remove_groups, valid_id
+from edge.backends.microvm import accel, guest, snapshot, template
+from edge.backends.microvm.boot import Booting
+from edge.backends.microvm.memory import MemorySnapshots, fork_spec
+from edge.backends.microvm.restore import Restoring
+from edge.backends.microvm.vm import READY_TIMEOUT, VM
+from edge.backends.microvm.qemu import log_tail, qemu_processes
+from edge.backends.microvm.qmp import QmpError
 from edge.backends.rootfiles import file_error
 
-__all__ = ["MicroVMBackend", "leftovers"]
+__all__ = ["MicroVMBackend", "VM", "leftovers"]
 
-DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
-READY_TIMEOUT = float(os.environ.get("DSEC_VM_READY_TIMEOUT", "90"))   # a cold boot under TCG on a busy node
-IGNORE_SHARED = [{"capability": "x-ignore-shared", "state": True}]   # a template's RAM stays out of its state
 CLAIMED_KEPT = 4096         # claimed ids remembered for residue() after their destroy
-HOST_TASKS = 512            # QEMU's threads: a backstop only, the guest's pids limit is the guest's own
+DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
 
-@dataclass
-class _VM:
-    spec: SandboxSpec
-    ids: idmap.IdRange
-    key: str = ""               # names its dir, cgroups, uid lease and QEMU's -name: its first id (a warm one's)
-    proc: asyncio.subprocess.Process | None = None
-    chan: AgentChannel | None = None
-    qmp: Qmp | None = None
-    dying: asyncio.Future | None = None
-    frozen_since: float | None = None
-    frozen_total: float = 0.0
-    packing: asyncio.Lock = field(default_factory=asyncio.Lock)   # one snapshot at a time (one freeze)
-    watch: asyncio.Future | None = None                            # QEMU's exit, once it runs as a sandbox
-
-    def __post_init__(self) -> None:
-        self.key = self.key or self.spec.id
-
-    def frozen_for(self) -> float:
-        return self.frozen_total + (time.monotonic() - self.frozen_since if self.frozen_since is not None else 0.0)
-
-
-class MicroVMBackend(Backend):
+class MicroVMBackend(MemorySnapshots, Restoring, Booting, Backend):
     """One QEMU microvm per sandbox, its commands run by the guest's agent."""
 
     kind = kinds.MICROVM
@@ -90,11 +70,12 @@ class MicroVMBackend(Backend):
         self.accel = "tcg" if accel == "auto" else accel     # resolved by start()
         self._cgroups = NodeCgroups(self.label)
         self._ids = idmap.Allocator(self.label)
-        self._vms: dict[str, _VM] = {}
+        self._vms: dict[str, VM] = {}
         self._guest: guest.Guest | None = None
         self.use_templates = templates
         self._claimed: dict[str, str] = {}     # id -> key of sandboxes claimed from a warm pool (for residue())
         self._templates = template.Templates(self.state_dir / "templates")
+        self._memory_init()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -126,6 +107,7 @@ class MicroVMBackend(Backend):
         """Kill every QEMU of this node (its cgroups), remove its groups, VM dirs and templates, free its uid
         leases."""
         await self._templates.clear()        # a crashed edge's templates died with it (their RAM is memfds)
+        self._memory_clear()                 # and so did its memory snapshots
         problems = await self._cgroups.reconcile()
         for pid in qemu_processes(self.state_dir):
             with contextlib.suppress(ProcessLookupError):
@@ -164,11 +146,19 @@ class MicroVMBackend(Backend):
         if spec.limits.memory < least:
             raise BackendError(f"a {self.kind} needs at least {least >> 20} MiB of memory, "
                                f"asked {spec.limits.memory >> 20} MiB")
-        vm = self._vms[spec.id] = _VM(spec, idmap.IdRange(-1))
+        vm = self._vms[spec.id] = VM(spec, idmap.IdRange(-1))
         try:
             vm.ids = self._ids.lease(vm.key)
             groups = self._cgroups.create_sandbox(vm.key, self._host_limits(spec.limits))
-            if self.use_templates:
+            if spec.memory:
+                try:
+                    image = self.memory_image(spec.memory)
+                except BackendError as exc:
+                    raise SnapshotGone(str(exc)) from None
+                vm.spec = fork_spec(image, spec)
+                vm.hide = sorted({Path(p).parent for p in image.spec.layers})
+                await self._restore(vm, groups, image.tpl, fork=True)
+            elif self.use_templates:
                 await self._restore(vm, groups, await self._template(spec))
             else:
                 await asyncio.to_thread(self._make_disk, vm)
@@ -195,7 +185,7 @@ class MicroVMBackend(Backend):
     async def _probe_kvm(self) -> bool:
         """Whether the guest boots to its agent under KVM within accel.PROBE_TIMEOUT (a PVM host's
         /dev/kvm opens, and hangs the boot)."""
-        vm = _VM(SandboxSpec("probe.kvm", self._probe_layers(), Limits(memory=kinds.MIN_MEMORY[self.kind],
+        vm = VM(SandboxSpec("probe.kvm", self._probe_layers(), Limits(memory=kinds.MIN_MEMORY[self.kind],
                                                                         disk=16 << 20), kind=self.kind),
                  idmap.IdRange(-1))
         self.accel = "kvm"
@@ -214,190 +204,6 @@ class MicroVMBackend(Backend):
             if residue:
                 raise BackendError(f"the KVM probe left: {'; '.join(residue)}")
 
-    # ------------------------------------------------------------ templates
-
-    async def _template(self, spec: SandboxSpec) -> template.Template:
-        limits = spec.limits
-        key = template.key_of(self._guest, self.accel, limits.memory, cpus(limits), disk_size(limits), limits.pids,
-                              len(spec.layers), spec.privileged, layers=list(spec.layers))
-        return await self._templates.get(key, lambda path: self._build_template(path, spec))
-
-    async def _build_template(self, path: Path, spec: SandboxSpec) -> tuple[int, int]:
-        """Boot a VM of spec's layers and size with its RAM in a memfd, save its device state into path,
-        keep its disk as it was then; return the (sealed) memfd."""
-        vm = _VM(dataclasses.replace(spec, id=f"template.{path.name}", env={}), idmap.IdRange(-1))
-        ram = template.new_ram(spec.limits.memory)
-        try:
-            vm.ids = self._ids.lease(vm.key)
-            await asyncio.to_thread(self._make_disk, vm)
-            await self._boot(vm, self._cgroups.create_sandbox(vm.key, self._host_limits(spec.limits)), ram=ram)
-            await self._settle(vm)
-            state = os.open(path / "state", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                await vm.qmp.execute("getfd", fd=state, fdname="template")
-            finally:
-                os.close(state)
-            await vm.qmp.execute("migrate-set-capabilities", capabilities=IGNORE_SHARED)
-            await vm.qmp.execute("migrate", uri="fd:template")
-            deadline = time.monotonic() + READY_TIMEOUT
-            while (st := await vm.qmp.execute("query-migrate")).get("status") != "completed":
-                if st.get("status") in ("failed", "cancelled") or time.monotonic() > deadline:
-                    raise BackendError(f"saving the template failed: {st.get('error-desc', st.get('status'))}")
-                await asyncio.sleep(0.01)
-            vm.proc.kill()
-            await vm.proc.wait()
-            os.rename(self._dir(vm.key) / "disk.img", path / "disk.img")
-            template.seal(ram)
-        except BaseException as exc:
-            os.close(ram)
-            if isinstance(exc, (OSError, CgroupError, QmpError)):
-                raise BackendError(f"building the template failed: {exc}") from exc
-            if isinstance(exc, asyncio.TimeoutError):
-                raise BackendError(f"the template VM did not boot within {READY_TIMEOUT:.0f}s "
-                                   f"({log_tail(self._dir(vm.key) / 'console.log')})") from exc
-            raise
-        finally:
-            vm.dying = asyncio.get_running_loop().create_future()
-            residue = await self._teardown(vm)
-            if residue:
-                raise BackendError(f"the template VM left: {'; '.join(residue)}")
-        return ram, spec.limits.memory
-
-    async def _restore(self, vm: _VM, groups: dict[str, Path], tpl: template.Template) -> None:
-        """Start the VM from tpl: its own copy of the template's disk, the template's RAM copy-on-write."""
-        work = self._dir(vm.key)
-        await asyncio.to_thread(work.mkdir, 0o700)
-        await asyncio.to_thread(template.copy_sparse, tpl.disk, work / "disk.img")
-        state = os.open(tpl.state, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            exited = await self._spawn(vm, groups, ram=tpl.ram, incoming=state)
-        except BaseException:
-            os.close(state)
-            raise
-        try:
-            await vm.qmp.execute("migrate-set-capabilities", capabilities=IGNORE_SHARED)
-            await vm.qmp.execute("migrate-incoming", uri=f"fd:{state}")
-            vm.chan.ready.add_done_callback(lambda f: f.cancelled() or f.exception())   # wake() reports it
-            wake = asyncio.ensure_future(vm.chan.wake(vm.spec.id, READY_TIMEOUT))
-            await asyncio.wait({wake, exited}, return_when=asyncio.FIRST_COMPLETED)
-            if not wake.done() or wake.exception() is not None:
-                if not exited.done():    # the agent is gone: QEMU is on its way out (or wedged)
-                    await asyncio.wait({exited}, timeout=5)
-                wake.cancel()
-                with contextlib.suppress(BaseException):
-                    await wake
-                if exited.done():
-                    self._templates.drop(tpl.key)     # a template that does not restore is built again
-                    raise BackendError(f"sandbox {vm.spec.id}: the VM stopped while restoring from its template "
-                                       f"(QEMU exit {vm.proc.returncode}): {log_tail(work / 'qemu.log')}")
-                wake.result()
-        finally:
-            os.close(state)
-            if not exited.done():
-                exited.cancel()
-
-    # ------------------------------------------------------------ boot
-
-    def _make_disk(self, vm: _VM) -> None:
-        """The VM's dir and its writable disk: a sparse file of the disk limit, ext4 without a journal."""
-        work = self._dir(vm.key)
-        work.mkdir(mode=0o700)
-        disk = work / "disk.img"
-        with open(disk, "wb") as f:
-            f.truncate(disk_size(vm.spec.limits))
-        mk = subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-E", "lazy_itable_init=1",
-                             "-m", "0", str(disk)], capture_output=True, text=True)
-        if mk.returncode != 0:
-            raise BackendError(f"mkfs.ext4 of the VM's disk failed: {mk.stderr.strip()[-200:]}")
-
-    def _argv(self, vm: _VM, fds: dict[str, int], agent: int, monitor: int, console: int,
-              ram: int | None, incoming: int | None) -> list[str]:
-        return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.key), fds,
-                         agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming,
-                         machine=self.machine)
-
-    async def _settle(self, vm: _VM) -> None:
-        """Wait, before a template is saved, until its booted guest is at rest (a microVM is once its agent
-        answered)."""
-
-    def _probe_layers(self) -> list[str]:
-        """The layers the KVM probe boots (a microVM: none)."""
-        return []
-
-    def _host_limits(self, limits: Limits) -> Limits:
-        """The QEMU process's host groups: the VM's memory plus QEMU's own, its cpu, a backstop on threads."""
-        return Limits(cpu=limits.cpu, memory=limits.memory + kinds.OVERHEAD[self.kind][0], pids=HOST_TASKS,
-                      disk=limits.disk)
-
-    async def _boot(self, vm: _VM, groups: dict[str, Path], ram: int | None = None,
-                    timeout: float = READY_TIMEOUT) -> None:
-        """Boot: start QEMU, wait for the agent's ready frame."""
-        work = self._dir(vm.key)
-        exited = await self._spawn(vm, groups, ram=ram)
-        try:
-            done, _ = await asyncio.wait({vm.chan.ready, exited}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise asyncio.TimeoutError
-            if not vm.chan.ready.done() or vm.chan.ready.exception() is not None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(exited), 5)
-                raise BackendError(f"sandbox {vm.spec.id}: the VM stopped while booting (QEMU exit "
-                                   f"{vm.proc.returncode}): {log_tail(work / 'qemu.log')} {log_tail(work / 'console.log')}")
-        finally:
-            if not exited.done():
-                exited.cancel()
-
-    async def _spawn(self, vm: _VM, groups: dict[str, Path], *, ram: int | None = None,
-                     incoming: int | None = None) -> asyncio.Future:
-        """Start QEMU as the sandbox's uid inside its groups, its agent channel and monitor connected;
-        a future of its exit."""
-        work = self._dir(vm.key)
-        files = {"trusted": (self._guest.trusted, os.O_RDONLY), "disk": (work / "disk.img", os.O_RDWR),
-                 "disk_ro": (work / "disk.img", os.O_RDONLY)}
-        files.update({f"layer_{i}": (Path(p), os.O_RDONLY) for i, p in enumerate(vm.spec.layers)})
-        fds: dict[str, int] = {}
-        host_a, guest_a = socket.socketpair()
-        host_m, guest_m = socket.socketpair()
-        log = os.open(work / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        console = os.open(work / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            for name, (path, flags) in files.items():
-                fds[name] = os.open(path, flags | os.O_CLOEXEC)
-            tasks = [str(g / "tasks") for g in groups.values()]
-            uid = vm.ids.base
-
-            hide = [self.state_dir, *{Path(p).parent for p in vm.spec.layers}, Path("/dev/shm"), Path("/run/dsec")]
-            kvm = self.accel == "kvm"
-
-            def become() -> None:
-                _join(tasks)
-                qemu.confine(uid, hide, self._guest.kernel, kvm)
-            argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming)
-            extra = [fd for fd in (ram, incoming) if fd is not None]
-            try:
-                vm.proc = await asyncio.create_subprocess_exec(
-                    *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                    pass_fds=[*fds.values(), console, guest_a.fileno(), guest_m.fileno(), *extra], preexec_fn=become)
-            except subprocess.SubprocessError as exc:    # confine() failed in the child
-                raise BackendError(f"sandbox {vm.spec.id}: QEMU could not be confined: {exc}") from exc
-        finally:
-            for fd in (*fds.values(), log, console):
-                os.close(fd)
-            guest_a.close()
-            guest_m.close()
-        vm.qmp = Qmp(host_m)
-        r = host_a.detach()
-        vm.chan = AgentChannel(vm.spec.id, os.dup(r), r)
-        return asyncio.ensure_future(vm.proc.wait())
-
-    def _exited(self, vm: _VM) -> None:
-        """QEMU ended while nobody destroyed its VM (the guest crashed, powered off or was killed): told to
-        the edge, which destroys the sandbox as failed."""
-        if vm.dying is None and self._vms.get(vm.spec.id) is vm and self.died is not None:
-            self.died(vm.spec.id, f"its VM exited (QEMU status {vm.proc.returncode}: "
-                                  f"{log_tail(self._dir(vm.key) / 'console.log')})")
-
     async def destroy(self, sandbox_id: str) -> None:
         vm = self._vms.get(sandbox_id)
         if vm is None:
@@ -406,7 +212,7 @@ class MicroVMBackend(Backend):
             vm.dying = asyncio.ensure_future(self._destroy(vm))
         await asyncio.shield(vm.dying)
 
-    async def _destroy(self, vm: _VM) -> None:
+    async def _destroy(self, vm: VM) -> None:
         try:
             residue = await self._teardown(vm)
         finally:
@@ -415,7 +221,7 @@ class MicroVMBackend(Backend):
         if residue:
             raise BackendError(f"destroy {vm.spec.id} left: {'; '.join(residue)}")
 
-    async def _teardown(self, vm: _VM) -> list[str]:
+    async def _teardown(self, vm: VM) -> list[str]:
         """Kill QEMU (its whole freezer group), remove its groups and dir; what could not be removed."""
         residue: list[str] = []
         groups = self._cgroups.sandbox(vm.key)
@@ -488,7 +294,7 @@ class MicroVMBackend(Backend):
                 if suspended and vm.dying is None:
                     await vm.qmp.execute("stop")
 
-    def _live(self, sandbox_id: str) -> _VM:
+    def _live(self, sandbox_id: str) -> VM:
         vm = self._vms.get(sandbox_id)
         if vm is None or vm.dying is not None or vm.chan is None:
             raise SandboxGone(f"no such sandbox: {sandbox_id}")
@@ -512,7 +318,7 @@ class MicroVMBackend(Backend):
                 await asyncio.wait({vm.watch}, timeout=5)   # after: told to the edge (died) before we answer
             raise
 
-    async def _shell(self, vm: _VM, script: str, args: list[str], stdin: bytes | None,
+    async def _shell(self, vm: VM, script: str, args: list[str], stdin: bytes | None,
                      timeout: float = 60.0) -> tuple[int, bytes, bytes]:
         out = {"stdout": bytearray(), "stderr": bytearray()}
 
@@ -558,8 +364,10 @@ class MicroVMBackend(Backend):
         out.extend(f"uid range lease {i} ({key})" for i, key in self._ids.held().items() if key != idmap.DRAINING)
         out.extend(f"qemu process {pid}" for pid in qemu_processes(self.state_dir))
         out.extend(f"template {key}" for key in self._templates.held())
-        if self._templates.root.exists():
-            out.append(f"templates dir {self._templates.root}")
+        out.extend(f"memory snapshot {name}" for name in self.memories())
+        for root in (self._templates.root, self._memory_root):
+            if root.exists():
+                out.append(f"{root.name} dir {root}")
         return out
 
 

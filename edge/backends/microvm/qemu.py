@@ -24,10 +24,13 @@ OS_CMDLINE = "dsec.os=1 systemd.unified_cgroup_hierarchy=0 systemd.show_status=0
 
 
 def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: dict[str, int], *, agent: int,
-         monitor: int, console: int, ram: int | None, incoming: int | None, machine: str = "microvm") -> list[str]:
+         monitor: int, console: int, ram: int | None, incoming: int | None, machine: str = "microvm",
+         load: bool = False) -> list[str]:
     """QEMU's command line: drives are fds (fds: name -> fd; `disk` writable, `disk_ro` its probing twin),
     agent and monitor socket fds, console a file fd. With ram (a memfd): guest RAM in it, shared while a
-    template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd).
+    template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd);
+    load: shared, its content read from the incoming stream by a VM that never runs (-S), which makes a
+    memory snapshot's RAM.
     machine: microvm (virtio-mmio devices, the agent as pid 1) or q35 (virtio-pci, the root's systemd)."""
     limits = spec.limits
     bus = "device" if machine == "microvm" else "pci"
@@ -36,8 +39,8 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
     if ram is not None:
         machine += ",memory-backend=ram"
         memory = ["-object", f"memory-backend-file,id=ram,size={limits.memory >> 20}M,"
-                             f"mem-path=/proc/self/fd/{ram},share={'off' if incoming is not None else 'on'}",
-                  *(["-incoming", "defer"] if incoming is not None else [])]
+                             f"mem-path=/proc/self/fd/{ram},share={'off' if incoming is not None and not load else 'on'}",
+                  *(["-incoming", "defer"] if incoming is not None else []), *(["-S"] if load else [])]
     host = "template" if ram is not None else spec.id
     accel_opt = accel if accel == "kvm" else f"tcg,tb-size={TB_SIZE_MIB}"
     out = [qemu, "-M", machine, "-accel", accel_opt, *(["-cpu", "host"] if accel == "kvm" else []),
@@ -60,7 +63,10 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
             out += ["-add-fd", f"fd={fds['disk_ro']},set={n}"]
         elif name == "disk_ro":
             continue
-        out += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none{',readonly=on' if ro else ''}",
+        # no image locks: each drive is this QEMU's own fd, and a VM going on after its memory was saved takes
+        # its locks anew, which the fdset's probing twin of its disk refuses ("Failed to get shared 'write' lock")
+        out += ["-drive", f"id={name},file=/dev/fdset/{n},format=raw,if=none,file.locking=off"
+                          f"{',readonly=on' if ro else ''}",
                 "-device", f"virtio-blk-{bus},drive={name},serial=dsec-{name}"]
     return out
 

@@ -15,6 +15,12 @@
  *            'Z' u8 1: freeze a VM's writable layer (FIFREEZE of the filesystem under /.dsec/upper: writers
  *                wait, readers go on) and list its opaque dirs; u8 0: thaw it. Answered 'H' u32 errno,
  *                then, for a freeze, the opaque dirs' paths relative to the layer, each NUL-terminated
+ *            'Q' go quiet before a VM's memory is saved (answered 'H' u32 0, then no frame until 'U'): every
+ *                frame it wrote is out, it reads nothing of its execs, and the edge sends nothing more, so
+ *                the saved channel holds no half frame either way
+ *            'U' u8 detach: speak again (answered 'H' u32 0, u32 the highest exec id in use). With detach 1 (a VM started from a memory
+ *                snapshot, whose edge never started its execs) every running exec is let go: its processes
+ *                run on, their output is read and dropped, no frame names them again and their ids are free
  * Replies:   'R' ready (id 0, once)    'P' u32 pid: started    'F' stage\0errno\0text: never started
  *            'O' / 'e' stdout / stderr bytes    'A' one 'I' frame written    'C' its stdin is gone
  *            'X' i32 wait status, u64 cpu microseconds, u64 peak rss KiB: exited, pipes at EOF
@@ -62,6 +68,7 @@ struct exec {
     int status_known, status;
     struct rusage ru;
     long inflight;              /* output bytes sent, not yet credited */
+    int detached;               /* started by the edge of the VM a memory snapshot was taken of: no frames */
 };
 
 static struct exec execs[MAXEXEC];
@@ -75,6 +82,7 @@ static void sweep_groups(void);
 static int kill_group(uint32_t id);
 static void write_file(const char *path, const char *text);
 static int sigpipe[2];
+static int quiet;               /* between 'Q' and 'U': no frame goes out, no exec is read */
 static char *rbuf; static size_t rlen, rcap;
 
 /* In a VM its stderr is the kernel's log: "<3>" puts a fatal line past `quiet`, onto the console. */
@@ -103,7 +111,7 @@ static void reply(char type, uint32_t id, const void *a, size_t alen, const void
 }
 
 static struct exec *find(uint32_t id) {
-    for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid && execs[i].id == id) return &execs[i];
+    for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid && !execs[i].detached && execs[i].id == id) return &execs[i];
     return NULL;
 }
 
@@ -288,7 +296,7 @@ static void finish_if_done(struct exec *x) {
     uint64_t rss = (uint64_t)x->ru.ru_maxrss;
     int32_t st = x->status;
     memcpy(p, &st, 4); memcpy(p + 4, &cpu, 8); memcpy(p + 12, &rss, 8);
-    reply('X', x->id, p, 20, NULL, 0);
+    if (!x->detached) reply('X', x->id, p, 20, NULL, 0);
     if (groups_ok && nstale < MAXEXEC) { stale[nstale++] = x->id; sweep_groups(); }
     if (x->in >= 0) close(x->in);
     free(x->pend);
@@ -368,6 +376,25 @@ static void pump_stdin(struct exec *x) {
     if (x->pend) { free(x->pend); x->pend = NULL; reply('A', x->id, NULL, 0, NULL, 0); }
 }
 
+/* 'U' with detach: the execs of the VM this one was saved from are nobody's here (see the header); their stdin
+ * closes. Answers the highest id an exec or a pids group of one still holds: the new edge numbers above it,
+ * so no new exec joins an old one's group. */
+static uint32_t detach_all(void) {
+    uint32_t last = 0;
+    for (int i = 0; i < nstale; i++) if (stale[i] > last) last = stale[i];
+    for (int i = 0; i < MAXEXEC; i++) {
+        struct exec *x = &execs[i];
+        if (!x->pid) continue;
+        if (x->id > last) last = x->id;
+        x->detached = 1;
+        x->inflight = 0;
+        if (x->in >= 0) close(x->in);
+        x->in = -1;
+        free(x->pend); x->pend = NULL;
+    }
+    return last;
+}
+
 /* A full VM's /etc/machine-id: 128 random bits in hex, so no two restores of a template share it (what
  * read it while the template booted, journald's files, keeps the template's). 0 or an errno. */
 static uint32_t new_machine_id(void) {
@@ -444,6 +471,13 @@ static void request(char type, uint32_t id, const char *p, size_t n) {
     }
     if (type == 'W') { reply('H', id, (uint32_t[]){ wake(p, n) }, 4, NULL, 0); return; }
     if (type == 'Z') { freeze_upper(id, p, n); return; }
+    if (type == 'Q' || type == 'U') {
+        uint32_t last[2] = { 0, 0 };
+        if (type == 'U' && n >= 1 && p[0]) last[1] = detach_all();
+        quiet = type == 'Q';
+        reply('H', id, last, type == 'U' ? 8 : 4, NULL, 0);
+        return;
+    }
     struct exec *x = find(id);
     if (!x) { if (type == 'I') reply('C', id, NULL, 0, NULL, 0); return; }
     if (type == 'I') {
@@ -483,6 +517,7 @@ static void read_output(struct exec *x, int s) {
     ssize_t n = read(x->out[s], buf, sizeof buf);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
     if (n <= 0) { close(x->out[s]); x->out[s] = -1; finish_if_done(x); return; }
+    if (x->detached) return;
     x->inflight += n;
     reply(s ? 'e' : 'O', x->id, buf, (size_t)n, NULL, 0);
 }
@@ -589,8 +624,8 @@ int main(void) {
     for (;;) {
         int n = 0, k = 0;
         fds[n++] = (struct pollfd){ .fd = 0, .events = POLLIN };
-        fds[n++] = (struct pollfd){ .fd = sigpipe[0], .events = POLLIN };
-        for (int i = 0; i < MAXEXEC; i++) {
+        fds[n++] = (struct pollfd){ .fd = sigpipe[0], .events = quiet ? 0 : POLLIN };
+        for (int i = 0; i < MAXEXEC && !quiet; i++) {
             struct exec *x = &execs[i];
             if (!x->pid) continue;
             for (int s = 0; s < 2; s++) if (x->out[s] >= 0 && x->inflight < WINDOW) {
