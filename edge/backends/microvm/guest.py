@@ -45,6 +45,19 @@ class Guest:
     initrd: Path
     trusted: Path
     version: str
+    stub: Path = Path()     # what a restored VM is given as its kernel (stub_kernel)
+
+
+def stub_kernel(vmlinuz: bytes) -> bytes:
+    """A restored VM's -kernel: the real bzImage's boot header and setup code with 4 KiB of its payload.
+    QEMU keeps a -kernel's payload (and the initrd) in its own memory for the firmware to read at boot
+    (fw_cfg), ~13.5 MiB of Debian's cloud kernel in every QEMU; a restored VM's RAM comes from its
+    template, so it never boots them, and a reset ends it (-no-reboot). The header is the real one, so QEMU
+    sets the machine up exactly as for the template (the same option ROMs, RAM blocks and fw_cfg keys)."""
+    if vmlinuz[0x202:0x206] != b"HdrS":
+        raise GuestError("the guest kernel is not a bzImage (no HdrS header)")
+    setup_sects = vmlinuz[0x1f1] or 4
+    return vmlinuz[:(setup_sects + 1) * 512 + 4096]
 
 
 def kernel_dir() -> Path:
@@ -163,7 +176,11 @@ def build() -> Guest:
                 raise GuestError(f"mkfs.erofs of the trusted device failed: {mk.stderr.strip()[-300:]}")
             os.chmod(img, 0o444)
             os.replace(img, trusted)
-    return Guest(kdir / "vmlinuz", initrd, trusted, (kdir / "version").read_text().strip())
+    vmlinuz = (kdir / "vmlinuz").read_bytes()
+    stub = cache_dir() / f"stub-{_digest(vmlinuz)}.bzImage"
+    if not stub.exists():
+        _put(stub, stub_kernel(vmlinuz))
+    return Guest(kdir / "vmlinuz", initrd, trusted, (kdir / "version").read_text().strip(), stub)
 
 
 def _put(path: Path, data: bytes) -> None:

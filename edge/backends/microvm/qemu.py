@@ -16,6 +16,9 @@ SECCOMP = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 # much code would pass its cgroup's allowance for QEMU (kinds.OVERHEAD, 96 MiB) and be OOM-killed with its
 # guest well within its RAM. Bounded, a full cache is flushed and code translated again (slower, alive).
 TB_SIZE_MIB = 48
+# A restore is given guest.stub_kernel instead of the kernel and initrd it booted with (0: the real ones, to
+# measure what the stub saves: bench.backends)
+STUB_RESTORES = os.environ.get("DSEC_VM_STUB_KERNEL", "1") != "0"
 
 
 # A full VM (q35) boots the root's systemd (init.sh's dsec.os=1) with cgroup v1 hierarchies, as the agent's
@@ -46,7 +49,9 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
     out = [qemu, "-M", machine, "-accel", accel_opt, *(["-cpu", "host"] if accel == "kvm" else []),
            "-m", f"{limits.memory >> 20}M", *memory, "-smp", str(cpus(limits)), "-nodefaults",
            "-no-user-config", "-no-reboot", "-display", "none", "-sandbox", SECCOMP,
-           "-kernel", str(g.kernel), "-initrd", str(g.initrd),
+           # a restore's RAM holds its booted kernel: it gets a stub (guest.stub_kernel), and no initrd
+           *(["-kernel", str(g.stub)] if incoming is not None and STUB_RESTORES
+             else ["-kernel", str(g.kernel), "-initrd", str(g.initrd)]),
            "-append", f"{CMDLINE} dsec.layers={len(spec.layers)} dsec.host={host} dsec.pids={limits.pids}"
                      f"{' dsec.privileged=1' if spec.privileged else ''}{os_args}",
            "-name", str(work),    # what qemu_processes finds it by
