@@ -13,7 +13,7 @@ setup: system venv
 # dsec-enter helper), debootstrap (`dsec image build --debootstrap`), lxcfs (per-sandbox /proc views; each
 # edge runs its own, so Debian's service, which the package starts, is stopped and disabled), runsc (gVisor:
 # the gvisor backend kind), qemu-system-x86 and e2fsprogs (the microvm kind; its guest kernel is Debian's
-# cloud kernel, fetched into /var/cache/dsec/vm by `python -m edge.backends.microvm.guest`; the fullvm
+# cloud kernel, fetched into /var/cache/dsec/vm by `python -m edge.backends.microvm`; the fullvm
 # kind's Debian with systemd is debootstrapped there by `python -m edge.backends.fullvm`).
 # `apt-get update` runs once first.
 system:
@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 	@$(PY) -c "from edge.backends import native; native.ensure_built() or print('setup: no C compiler: execs use the slower fork path')"
-	@$(PY) -m edge.backends.microvm.guest || echo "setup: no microvm guest (the microvm backend stays off)"
+	@$(PY) -m edge.backends.microvm || echo "setup: no microvm guest (the microvm backend stays off)"
 	@$(PY) -m edge.backends.fullvm || echo "setup: no full-VM OS layer (the fullvm backend stays off)"
 
 

@@ -80,12 +80,16 @@ def booked(kind: str, r):
     return msgspec.structs.replace(r, memory=r.memory + memory, disk=r.disk + disk) if memory or disk else r
 
 
-def check_create_kind(kind: str, from_snapshot: bool = False, privileged: bool = False) -> None:
+def check_create_kind(kind: str, from_snapshot: bool = False, privileged: bool = False,
+                      network: bool = False) -> None:
     """A create of this kind is possible: the kind exists (InvalidRequest), has sandboxes (fncall has
-    calls instead) and, from a snapshot, can fork, and privileged, is a VM (Unsupported)."""
+    calls instead) and, from a snapshot, can fork, privileged, is a VM, and with a network policy other than
+    none, has a network (Unsupported)."""
     check_kind(kind)
     if privileged:
         require(kind, "privileged", "privileged sandboxes")
+    if network:
+        require(kind, "network", "network policies other than none")
     if not supports(kind, "exec"):
         raise Unsupported(f"backend {kind!r} has no sandboxes to create: use client.call()",
                           backend=kind, operation="create")

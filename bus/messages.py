@@ -6,6 +6,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from bus.network import Network
+
 WIRE_VERSION = 1
 
 
@@ -63,6 +65,7 @@ class CreateRequest(Wire, tag="create"):
     privileged: bool = False         # a VM whose commands keep every guest capability (kinds: "privileged")
     memory: bool = False             # start from the snapshot's memory too (its processes run on): only on the
                                      # node that holds it (SnapshotRecord.memory_node), of its kind and size
+    network: Network = Network()     # what it may reach (bus/network.py); kinds without "network": none only
 
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
@@ -382,6 +385,7 @@ class SandboxRecord(Wire, tag="sandbox"):
     suspended_at: float = 0.0
     version: int = 0                 # writes of this record so far: an older state never overwrites a newer one
     epoch: float = 0.0               # started_at of the edge run that made it (the reaper marks only a lost run's)
+    network: Network = Network()     # its network policy (bus/network.py)
 
 
 class Event(Wire, tag="event"):

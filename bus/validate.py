@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bus import kinds, subjects
+from bus import kinds, network, subjects
 from bus.errors import InvalidRequest
 from bus.callwire import CallRequest
 from bus.messages import CreateRequest, Resources, WarmPool
@@ -39,7 +39,8 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
             subjects.token(value, what)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-    kinds.check_create_kind(req.backend, bool(req.snapshot), req.privileged)
+    network.check(req.network)
+    kinds.check_create_kind(req.backend, bool(req.snapshot), req.privileged, req.network.mode != "none")
     if not req.deadline > 0:
         raise InvalidRequest("deadline must be an absolute unix time")
     if req.deadline > (now or time.time()) + MAX_WAIT:

@@ -14,7 +14,7 @@ from cli.main import fail, main, nats_option, run_async
 
 def resource_options(fn):
     """--image, --backend, --workspace, --toolkit, --cpu, --memory, --pids, --disk, --ttl, --env, --label,
-    --timeout, --priority, --privileged."""
+    --timeout, --priority, --privileged, --network, --allow."""
     for opt in reversed([
         click.option("--image", default="busybox", show_default=True, help="Base image name[@version]."),
         click.option("--backend", default="container", show_default=True, metavar="KIND",
@@ -33,6 +33,12 @@ def resource_options(fn):
                      help="latency goes ahead of queued batch requests; batch may burst to the cloud pool."),
         click.option("--privileged", is_flag=True,
                      help="VM kinds only: commands keep every capability of the guest's own kernel."),
+        click.option("--network", type=click.Choice(["none", "mirror-only", "proxied"]), default=None,
+                     help="none (default: loopback only), mirror-only (the node's package mirrors) or proxied "
+                          "(what --allow lists). [default: none, or proxied with --allow]"),
+        click.option("--allow", multiple=True, metavar="ENTRY",
+                     help="Proxied network: a host (pypi.org), *.domain, or range (198.51.100.0/24), each with an "
+                          "optional :port or :lo-hi (default 80 and 443). Repeatable."),
     ]):
         fn = opt(fn)
     return fn
@@ -50,13 +56,22 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
 
 
 async def _create(client: libdsec.AsyncClient, *, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl,
-                  env, label, timeout, priority, privileged):
+                  env, label, timeout, priority, privileged, network, allow):
     def queued(reason: str) -> None:
         click.echo(f"dsec: queued ({reason}); waiting up to {timeout:.0f}s", err=True)
     return await client.create(image=image, backend=backend, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
                                ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout,
                                priority=priority, on_queued=queued, workspace=workspace, toolkit=toolkit,
-                               privileged=privileged)
+                               privileged=privileged, network=_network(network, allow))
+
+
+def _network(mode: str | None, allow: tuple[str, ...]):
+    """--network and --allow -> create(network=...); --allow alone means proxied."""
+    if allow and mode not in (None, "proxied"):
+        fail(f"--allow takes --network proxied, not {mode}")
+    if allow or mode == "proxied":
+        return libdsec.Network(allow=list(allow))
+    return mode or "none"
 
 
 async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
@@ -133,13 +148,13 @@ async def ls(nats_url, all_states) -> None:
     async with libdsec.AsyncClient(nats_url) as client:
         recs = await client.list(all_states)
     projects = any(r.tenant != client.tenant for r in recs)
-    click.echo(f"{'ID':<20} {'STATE':<10} {'KIND':<10} {'NODE':<12} {'IMAGE':<14} {'CREATED':<20} "
+    click.echo(f"{'ID':<20} {'STATE':<10} {'KIND':<10} {'NODE':<12} {'IMAGE':<14} {'NETWORK':<12} {'CREATED':<20} "
                + ("EXPIRES  PROJECT" if projects else "EXPIRES"))
     for r in recs:
         created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
         expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") if r.expires_at else "-"
         owner = field(subjects.display_name(r.tenant)) if r.tenant != client.tenant else "-"
-        click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.backend):<10} {field(r.node):<12} {field(r.image):<14} {created:<20} "
+        click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.backend):<10} {field(r.node):<12} {field(r.image):<14} {r.network.summary():<12} {created:<20} "
                    + (f"{expires:<8} {owner}" if projects else expires))
 
 

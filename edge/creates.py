@@ -167,7 +167,7 @@ class CreateLane:
         """The started sandbox, registered (serviceable) before its ready record is written."""
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
-                            image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
+                            network=req.network, image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
                             layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch)
         running = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
@@ -264,7 +264,7 @@ class CreateLane:
         from the record; WAIT while another node is starting it."""
         now = time.time()
         mine = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="starting",
-                             image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources,
+                             network=req.network, image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources,
                              created_at=now, updated_at=now, request_id=req.request_id, version=1, epoch=self.epoch)
         revision = 0
         for _ in range(4):

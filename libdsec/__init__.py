@@ -5,6 +5,7 @@ from libdsec.errors import (AuthenticationFailed, BusError, BusUnavailable, Capa
                             ExecFailed, ExecTimeout, FileOpError, ImageNotFound, InvalidRequest, OutputIncomplete,
                             PlacementError, QuotaExceeded, RateLimited, RequestExpired, SandboxError, SandboxNotFound, SandboxSuspended,
                             PermissionDenied, Unsupported)
+from libdsec.network import Network
 from libdsec.resources import Resources
 from libdsec.exechandle import ExecHandle
 from libdsec.results import ExecResult, Exit, Output
@@ -16,6 +17,6 @@ from bus.messages import SnapshotRecord as Snapshot
 __all__ = [
     "AsyncClient", "AsyncSandbox", "AuthenticationFailed", "PermissionDenied", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
     "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-    "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+    "InvalidRequest", "Network", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
     "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported",
 ]

@@ -18,6 +18,7 @@ from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, Sand
                           SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder)
 from libdsec import calls, control, warmpools
 from libdsec.ids import new_id
+from libdsec.network import Network, to_wire as network_policy
 from libdsec.resources import Resources
 from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox
 
@@ -144,7 +145,7 @@ class AsyncClient:
                      priority: str = "latency", burst: bool | None = None,
                      on_queued=None, workspace: str | None = None, toolkit: str | None = None,
                      from_snapshot: SnapshotRecord | str | None = None, privileged: bool = False,
-                     memory: bool | None = None) -> AsyncSandbox:
+                     memory: bool | None = None, network: "Network | str | None" = None) -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
 
         image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
@@ -167,9 +168,15 @@ class AsyncClient:
         memory (from a snapshot taken with memory=True): go on from its memory, every process where it was,
         on the node that holds it, of its kind and resources (the defaults then). None (default): when the
         snapshot has memory and backend is not given or is its kind; False: from its files only, anywhere.
+
+        network: "none" (default: loopback only), "mirror-only" (the node's package mirrors) or
+        libdsec.Network(allow=[...]) (proxied; bus/network.py says what an entry may be). A bad policy
+        raises InvalidRequest; one other than none on a kind without the network capability, Unsupported
+        (no kind offers it yet: the data path is issue 16's), both before anything is sent.
         """
+        wire_network = network_policy(network)
         if backend is not None:   # a kind that does not exist or cannot do it: refused before anything is sent
-            check_create_kind(backend, from_snapshot is not None, privileged)
+            check_create_kind(backend, from_snapshot is not None, privileged, wire_network.mode != "none")
         snap = None
         if from_snapshot is not None:
             snap = await self.snapshot(from_snapshot)
@@ -182,7 +189,7 @@ class AsyncClient:
         elif memory:
             raise InvalidRequest("memory=True needs from_snapshot")
         backend = backend or kinds.CONTAINER
-        check_create_kind(backend, snap is not None, privileged)
+        check_create_kind(backend, snap is not None, privileged, wire_network.mode != "none")
         if snap is not None:   # its layers; its env, resources and labels unless given here
             env = {**snap.env, **(env or {})}
             labels = dict(snap.labels) if labels is None else labels
@@ -193,6 +200,8 @@ class AsyncClient:
             req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image, memory=bool(memory))
         if privileged:
             req = msgspec.structs.replace(req, privileged=True)
+        if wire_network.mode != "none":
+            req = msgspec.structs.replace(req, network=wire_network)
         return await self._create(req, timeout, on_queued)
 
     async def fork(self, snapshot: SnapshotRecord | str, n: int = 1, **kwargs: Any) -> list[AsyncSandbox]:
@@ -291,7 +300,7 @@ class AsyncClient:
                     # is gone. The sandbox's record says whether it was served meanwhile.
                     rec = await self._record_quiet(req.sandbox_id)
                     if rec is not None and rec.request_id == req.request_id and rec.state == "ready":
-                        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend)
+                        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend, rec.network)
                     continue
                 try:
                     reply = create_reply_decoder.decode(data)
@@ -299,7 +308,7 @@ class AsyncClient:
                     continue   # junk on our inbox is skipped
                 match reply:
                     case SandboxReady():
-                        return AsyncSandbox(self, reply.sandbox_id, reply.node, req.backend)
+                        return AsyncSandbox(self, reply.sandbox_id, reply.node, req.backend, req.network)
                     case Queued():
                         if not queued and on_queued is not None:
                             on_queued(reply.reason)
@@ -354,7 +363,7 @@ class AsyncClient:
         if rec.tenant != self.tenant:   # a tenant sees its projects' sandboxes; each project acts on its own
             raise PermissionDenied(f"sandbox {sandbox_id} is project {subjects.display_name(rec.tenant)}'s: act on "
                                    f"it with that project's credential")
-        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend)
+        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend, rec.network)
 
     async def _record(self, sandbox_id: str):
         """This tenant's record of a sandbox (any state), or None when it has none."""

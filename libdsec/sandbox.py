@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import kinds, subjects
 from bus.errors import InvalidRequest
+from bus.network import Network as WireNetwork
 from bus.messages import (DestroyRequest, ExecRequest, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
                           SnapshotRequest, SuspendRequest, WriteFile, encode, snapshot_decoder)
 from libdsec.exechandle import ExecHandle
@@ -49,11 +50,13 @@ def command_fields(cmd: Command) -> dict:
 class AsyncSandbox:
     """A handle on one running sandbox; any client may hold one for the same id."""
 
-    def __init__(self, client: "AsyncClient", sandbox_id: str, node: str, backend: str = "container") -> None:
+    def __init__(self, client: "AsyncClient", sandbox_id: str, node: str, backend: str = "container",
+                 network: WireNetwork | None = None) -> None:
         self.client = client
         self.id = sandbox_id
         self.node = node
         self.backend = backend   # its kind: operations the kind lacks are refused here (Unsupported)
+        self.network = network or WireNetwork()   # its network policy (mode, allow, bandwidth, max_connections)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(id={self.id!r}, node={self.node!r}, backend={self.backend!r})"

@@ -128,6 +128,13 @@ async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
     ({"ttl": 0}, libdsec.InvalidRequest, "ttl"),
     ({"resources": libdsec.Resources(cpu=4096)}, libdsec.InvalidRequest, "resources.cpu"),
     ({"resources": libdsec.Resources(memory="100Ti")}, libdsec.CapacityUnavailable, "no node can ever fit"),
+    ({"network": "open"}, libdsec.InvalidRequest, "network must be one of"),
+    ({"network": libdsec.Network(allow=["*"])}, libdsec.InvalidRequest, "allowing everything"),
+    ({"network": libdsec.Network(allow=["pypi.org:0"])}, libdsec.InvalidRequest, "ports are 1-65535"),
+    ({"network": libdsec.Network(allow=["198.51.100.1/24"])}, libdsec.InvalidRequest, "has host bits set"),
+    ({"network": libdsec.Network(allow=[f"h{i}.example.org" for i in range(257)])}, libdsec.InvalidRequest,
+     "at most 256"),
+    ({"network": libdsec.Network(allow=["pypi.org"])}, libdsec.Unsupported, "network policies"),   # no kind has one yet
 ])
 async def test_impossible_creates_fail_clearly(client, stack, kwargs, error, field):
     with pytest.raises(error, match=field.replace("(", r"\(")):
@@ -177,8 +184,10 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox + ".*")
+        from bus.network import Network
         cases = {"rfar": dict(deadline=_time.time() + 86400), "rhuge": dict(resources=Resources(memory=1 << 50)),
-                 "rttl": dict(ttl=0)}
+                 "rttl": dict(ttl=0), "rnet": dict(network=Network(mode="proxied", allow=["*.com"])),
+                 "rnetk": dict(network=Network(mode="proxied", allow=["pypi.org"]))}
         for rid, kw in cases.items():
             req = CreateRequest(request_id=rid, sandbox_id=f"sb{rid}", reply_to=f"{inbox}.{rid}",
                                 **{"deadline": _time.time() + 30, **kw})
@@ -188,6 +197,7 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
             msg = await sub.next_msg(timeout=10)
             reply = create_reply_decoder.decode(msg.data)
             codes[reply.request_id] = reply.code
-        assert codes == {"rfar": "invalid_request", "rhuge": "capacity_unavailable", "rttl": "invalid_request"}
+        assert codes == {"rfar": "invalid_request", "rhuge": "capacity_unavailable", "rttl": "invalid_request",
+                         "rnet": "invalid_request", "rnetk": "unsupported"}
     finally:
         await nc.close()

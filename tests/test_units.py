@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import msgspec
@@ -22,7 +23,7 @@ def test_public_names_are_pinned():
     assert sorted(libdsec.__all__) == sorted([
         "AsyncClient", "AsyncSandbox", "AuthenticationFailed", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",
         "EnvironmentFailure", "ExecFailed", "ExecHandle", "ExecResult", "ExecTimeout", "Exit", "FileOpError", "ImageNotFound",
-        "InvalidRequest", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
+        "InvalidRequest", "Network", "Output", "OutputIncomplete", "PlacementError", "QuotaExceeded", "RateLimited", "RequestExpired", "Resources", "Sandbox", "SandboxError",
         "PermissionDenied", "SandboxNotFound", "SandboxSuspended", "Snapshot", "Trajectory", "Unsupported"])
     for name in libdsec.__all__:
         assert getattr(libdsec, name) is not None
@@ -716,3 +717,40 @@ def test_a_restored_vms_stub_kernel_keeps_the_header_and_drops_the_payload():
     assert stub == image[:8 * 512 + 4096]
     with pytest.raises(GuestError, match="bzImage"):
         stub_kernel(b"\x7fELF" + bytes(8192))
+
+
+@pytest.mark.parametrize("entry,why", [
+    ("*", "allowing everything"), ("*.org", "a wildcard must name a domain"), ("pypi.*", "not a host name"),
+    ("Py Pi.org", "not a host name"), ("pypi..org", "not a host name"), ("pypi.org:http", "bad port"),
+    ("pypi.org:70000", "ports are 1-65535"), ("pypi.org:443-80", "ports are 1-65535"), ("10.0.0.1/33", "10.0.0.1/33"),
+    ("198.51.100.1/24", "host bits set"), ("2001:db8::/32", "in brackets"), ("[2001:db8::/32", "IPv6 range is written"),
+    ("1.2.3", "does not appear to be an IPv4"), ("", "non-empty"), ("a" * 64 + ".org", "not a host name"),
+])
+def test_a_malformed_network_entry_is_refused_naming_it(entry, why):
+    from bus.errors import InvalidRequest
+    from bus.network import parse_entry
+    with pytest.raises(InvalidRequest, match=re.escape(why)):
+        parse_entry(entry)
+
+
+def test_network_entries_parse_and_match_as_documented():
+    import ipaddress
+    from bus.errors import InvalidRequest
+    from bus.network import Network, check, matches, parse_entry
+    exact, wild, net, v6 = (parse_entry(e) for e in ("PyPI.org", "*.pythonhosted.org:443", "198.51.100.0/24:8000-8100",
+                                                       "[2001:db8::/32]:443"))
+    assert matches(exact, "pypi.org", None, 443) and matches(exact, "pypi.org.", None, 80)
+    assert not matches(exact, "pypi.org", None, 22) and not matches(exact, "evil-pypi.org", None, 443)
+    assert matches(wild, "files.pythonhosted.org", None, 443) and matches(wild, "a.b.pythonhosted.org", None, 443)
+    assert not matches(wild, "pythonhosted.org", None, 443) and not matches(wild, "files.pythonhosted.org", None, 80)
+    assert not matches(wild, "pythonhosted.org.evil.com", None, 443)
+    assert matches(net, None, ipaddress.ip_address("198.51.100.9"), 8050)
+    assert not matches(net, None, ipaddress.ip_address("198.51.101.9"), 8050)
+    assert not matches(net, "198.51.100.9", None, 8050)            # a name is never taken for an address
+    assert matches(v6, None, ipaddress.ip_address("2001:db8::1"), 443)
+    assert check(Network(mode="proxied", allow=["pypi.org"] * 256)).allow == ["pypi.org"] * 256
+    for bad, why in ((Network(mode="none", allow=["pypi.org"]), "takes no allow list"),
+                     (Network(mode="proxied", bandwidth=-1), "bandwidth"),
+                     (Network(mode="proxied", max_connections=70000), "max_connections")):
+        with pytest.raises(InvalidRequest, match=why):
+            check(bad)

@@ -40,12 +40,11 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.host import _remove_groups, valid_id
 from edge.backends.microvm import accel, guest, snapshot, template
-from edge.backends.microvm.boot import Booting
+from edge.backends.microvm.boot import Booting, boot_failure
 from edge.backends.microvm.memory import MemorySnapshots, fork_spec
 from edge.backends.microvm.restore import Restoring
-from edge.backends.microvm.vm import READY_TIMEOUT, VM
-from edge.backends.microvm.qemu import log_tail, qemu_processes
-from edge.backends.microvm.qmp import QmpError
+from edge.backends.microvm.vm import VM
+from edge.backends.microvm.qemu import qemu_processes
 from edge.backends.rootfiles import file_error
 
 __all__ = ["MicroVMBackend", "VM", "leftovers"]
@@ -175,11 +174,9 @@ class MicroVMBackend(MemorySnapshots, Restoring, Booting, Backend):
                 await self._teardown(vm)
             finally:
                 self._vms.pop(spec.id, None)
-            if isinstance(exc, (CgroupError, OSError, QmpError)):
-                raise BackendError(f"sandbox {spec.id}: {exc}") from exc
-            if isinstance(exc, asyncio.TimeoutError):
-                raise BackendError(f"sandbox {spec.id}: the VM did not boot within {READY_TIMEOUT:.0f}s "
-                                   f"({log_tail(self._dir(spec.id) / 'console.log')})") from exc
+            failure = boot_failure(exc, f"sandbox {spec.id}", self._dir(spec.id) / "console.log")
+            if failure is not None:
+                raise failure from exc
             raise
 
     async def _probe_kvm(self) -> bool:

@@ -15,8 +15,19 @@ from edge.backends.gvisor.agent import AgentChannel
 from edge.backends.gvisor.host import _join
 from edge.backends.microvm import qemu
 from edge.backends.microvm.qemu import disk_size, log_tail
-from edge.backends.microvm.qmp import Qmp
+from edge.backends.cgroups import CgroupError
+from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.microvm.vm import HOST_TASKS, READY_TIMEOUT, VM
+
+
+def boot_failure(exc: BaseException, what: str, console: Path) -> BackendError | None:
+    """The BackendError a failure while starting a VM becomes ("what: why"), or None for one raised as it
+    is (a BackendError already, a cancellation)."""
+    if isinstance(exc, (OSError, CgroupError, QmpError)):
+        return BackendError(f"{what}: {exc}")
+    if isinstance(exc, asyncio.TimeoutError):
+        return BackendError(f"{what}: the VM did not boot within {READY_TIMEOUT:.0f}s ({log_tail(console)})")
+    return None
 
 
 class Booting:

@@ -2,7 +2,7 @@
 installed into the host's /boot), an initramfs (init.sh, a static busybox, the few modules it loads) and
 the trusted device (an EROFS image of dsec-agent and the trusted shell, attached read-only).
 
-The kernel is fetched once, by `make setup` (`python -m edge.backends.microvm.guest`), into
+The kernel is fetched once, by `make setup` (`python -m edge.backends.microvm`), into
 $DSEC_VM_CACHE (default /var/cache/dsec/vm), outside any state dir. The initramfs and the trusted
 device are rebuilt there whenever their sources change (their names carry a digest of them).
 """
@@ -191,7 +191,7 @@ def _put(path: Path, data: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edge.backends.microvm.guest",
+    ap = argparse.ArgumentParser(prog="python -m edge.backends.microvm",
                                  description="Fetch Debian's cloud kernel into the VM cache and build the microVM "
                                              "guest's initramfs and trusted device (make setup runs this).")
     ap.parse_args(argv)

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from edge.backends import idmap
 from edge.backends.base import BackendError, SandboxSpec
-from edge.backends.cgroups import CgroupError
 from edge.backends.microvm import template
 from edge.backends.microvm.qemu import cpus, disk_size, log_tail
-from edge.backends.microvm.qmp import QmpError
+from edge.backends.microvm.boot import boot_failure
 from edge.backends.microvm.vm import IGNORE_SHARED, READY_TIMEOUT, VM
 
 
@@ -43,11 +42,9 @@ class Restoring:
             template.seal(ram)
         except BaseException as exc:
             os.close(ram)
-            if isinstance(exc, (OSError, CgroupError, QmpError)):
-                raise BackendError(f"building the template failed: {exc}") from exc
-            if isinstance(exc, asyncio.TimeoutError):
-                raise BackendError(f"the template VM did not boot within {READY_TIMEOUT:.0f}s "
-                                   f"({log_tail(self._dir(vm.key) / 'console.log')})") from exc
+            failure = boot_failure(exc, "building the template failed", self._dir(vm.key) / "console.log")
+            if failure is not None:
+                raise failure from exc
             raise
         finally:
             vm.dying = asyncio.get_running_loop().create_future()
