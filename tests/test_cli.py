@@ -80,7 +80,8 @@ def up(tmp_path_factory):
 
 def test_help_everywhere():
     for args in ([], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"],
-                 ["image", "ls"], ["edge"], ["placement"], ["demo"]):
+                 ["image", "ls"], ["edge"], ["placement"], ["demo"], ["snapshot"], ["snapshot", "take"],
+                 ["snapshot", "ls"], ["snapshot", "rm"], ["fork"]):
         p = dsec(*args, "--help")
         assert p.returncode == 0 and "Usage:" in p.stdout and len(p.stdout) > 100, args
 
@@ -112,6 +113,30 @@ def test_create_exec_ls_rm(up):
     line = one_clear_line(dsec("rm", "--nats", up["url"], sid))
     assert sid in line and "destroyed" in line
     assert sid not in dsec("ls", "--nats", up["url"]).stdout
+
+
+def test_snapshot_take_ls_fork_rm(up):
+    url = up["url"]
+    sid = dsec("create", "--nats", url).stdout.strip()
+    assert dsec("exec", "--nats", url, sid, "--", "sh", "-c", "echo kept > /tmp/f").returncode == 0
+    p = dsec("snapshot", "take", "--nats", url, sid, "--tag", "cli-step")
+    assert p.returncode == 0, p.stderr
+    snap = p.stdout.strip()
+    listed = dsec("snapshot", "ls", "--nats", url, "--tag", "cli-step").stdout
+    assert snap in listed and sid in listed, listed
+    p = dsec("fork", "--nats", url, "cli-step", "-n", "2")
+    assert p.returncode == 0, p.stderr
+    forks = p.stdout.split()
+    assert len(forks) == 2 and sid not in forks
+    for f in forks:
+        assert dsec("exec", "--nats", url, f, "--", "cat", "/tmp/f").stdout == "kept\n"
+    line = one_clear_line(dsec("snapshot", "rm", "--nats", url, snap))     # in use by the forks
+    assert "in use" in line and snap in line
+    line = one_clear_line(dsec("snapshot", "take", "--nats", url, sid, "--memory"))   # a container has no memory one
+    assert "does not support" in line and "memory" in line
+    assert dsec("rm", "--nats", url, sid, *forks).returncode == 0
+    assert dsec("snapshot", "rm", "--nats", url, snap).stdout.strip() == snap
+    assert snap not in dsec("snapshot", "ls", "--nats", url).stdout
 
 
 def test_retention_and_output_sizes_are_settable(up):
