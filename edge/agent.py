@@ -42,6 +42,7 @@ STOP_BUS_BUDGET = 1.5       # seconds for everything a stop does before the back
 HAND_BACK_BUDGET = 1.2      # seconds for handing waiting creates back at a stop
 OUTBOX_DRAIN = 1.5          # seconds a stop waits for the outbox to empty (what is left: next start)
 TTL_EVERY = 0.5             # seconds between two looks for expired sandboxes
+MEMORY_PRUNE_EVERY = 30.0   # seconds between two looks for memory snapshots whose snapshot was deleted
 
 
 class Edge:
@@ -298,14 +299,26 @@ class Edge:
 
     async def _ttl_loop(self) -> None:
         expiring = self._expiring
+        pruned = time.monotonic()
         while True:
             await asyncio.sleep(TTL_EVERY)
+            if time.monotonic() - pruned >= MEMORY_PRUNE_EVERY and self.box.backend.memories():
+                pruned = time.monotonic()
+                task = asyncio.ensure_future(self._prune_memories())
+                expiring.add(task)
+                task.add_done_callback(expiring.discard)
             now = time.time()
             for sid in [s for s, r in self.sandboxes.items()
                         if r.expires_at and r.expires_at < now and not r.suspended_since and not r.ending]:
                 task = asyncio.ensure_future(self._expire(sid))   # at once: one slow record holds no other
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
+
+    async def _prune_memories(self) -> None:
+        try:
+            await self.box.prune_memories()
+        except Exception as exc:   # a sick bus: looked at again next time
+            log.warning("memory snapshots not pruned: %s", exc)
 
     async def _expire(self, sandbox_id: str) -> None:
         try:

@@ -238,7 +238,7 @@ class Sandboxes:
             self.layers.adopt(own, layer_file)   # forks and rollbacks here need no fetch
         rec = running.record
         if memory:
-            await self._save_memory(sandbox_id, snap_id, rec.tenant)
+            await self._save_memory(sandbox_id, snap_id)
         snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
                               layers=[*running.layers, own],
                               image=rec.image, env=dict(running.spec.env) if running.spec else {},
@@ -250,24 +250,32 @@ class Sandboxes:
         except BaseException:
             self.backend.drop_memory(snap_id)     # (none unless memory): nobody can name it
             raise
+        if memory:
+            self._memory_owner[snap_id] = rec.tenant
         running.snapshots += 1
         await self.records.change(None, sandbox_id, publishes=lifecycle(
             rec, "snapshot", node=self.node, detail=f"{snap_id} {tag}".strip(), nth=running.snapshots))
         return snap
 
-    async def _save_memory(self, sandbox_id: str, snap_id: str, tenant: str) -> None:
-        """The backend keeps the VM's memory as snap_id; first it forgets those whose snapshot was deleted
-        (a node holds a bounded number: DSEC_VM_MEMORY_SNAPSHOTS)."""
+    async def prune_memories(self) -> None:
+        """Forget the memory snapshots whose snapshot record was deleted (the edge looks every
+        MEMORY_PRUNE_EVERY seconds while it holds any, and before it saves another)."""
         for name in self.backend.memories():
-            owner = self._memory_owner.get(name)
-            if owner is None or await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(owner, name)) is None:
+            owner = self._memory_owner.get(name)   # None: being taken (its record is not written yet)
+            if owner is not None and await self.bus.kv_get(streams.SNAPSHOTS_KV,
+                                                           subjects.record_key(owner, name)) is None:
                 self.backend.drop_memory(name)
                 self._memory_owner.pop(name, None)
+                log.info("memory snapshot %s dropped: its snapshot was deleted", name)
+
+    async def _save_memory(self, sandbox_id: str, snap_id: str) -> None:
+        """The backend keeps the VM's memory as snap_id; first it forgets those whose snapshot was deleted
+        (a node holds a bounded number: DSEC_VM_MEMORY_SNAPSHOTS)."""
+        await self.prune_memories()
         try:
             await self.backend.save_memory(sandbox_id, snap_id)
         except CapacityExhausted as exc:
             raise CapacityUnavailable(f"memory snapshot of {sandbox_id} refused: {exc}") from exc
-        self._memory_owner[snap_id] = tenant
 
     async def rollback(self, sandbox_id: str, snap: SnapshotRecord) -> None:
         """Restart the sandbox on the snapshot's layers with a fresh writable layer (same id, node,

@@ -308,3 +308,24 @@ async def test_a_memory_snapshot_is_refused_or_forked_only_as_it_can_be(client, 
     finally:
         await asyncio.gather(ct.destroy(), sb.destroy(), return_exceptions=True)
     assert backend.residue(sb.id) == []
+
+
+async def test_a_deleted_snapshots_memory_is_dropped_from_its_node(client, vmnode, monkeypatch):
+    """The node holds a memory snapshot's RAM while its snapshot exists, and drops it (memfd, dir) once the
+    snapshot is deleted, without waiting for another memory snapshot."""
+    import edge.agent
+    backend = vmnode.edge.backend.backends["microvm"]
+    monkeypatch.setattr(edge.agent, "MEMORY_PRUNE_EVERY", 0.2)
+    sb = await client.create(backend="microvm", timeout=120)
+    try:
+        snap = await sb.snapshot(memory=True, timeout=120)
+        await asyncio.sleep(1.0)
+        assert snap.id in backend.memories()                  # its record exists: kept
+        await client.delete_snapshot(snap)
+        for _ in range(100):
+            if snap.id not in backend.memories():
+                break
+            await asyncio.sleep(0.1)
+        assert snap.id not in backend.memories() and not (backend._memory_root / snap.id).exists()
+    finally:
+        await sb.destroy()
