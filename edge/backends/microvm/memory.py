@@ -17,7 +17,7 @@ The source's layer files are held open by fd, so a fork restores after the layer
 Like templates, memory snapshots live in memfds on their node: they fork only there (placement pins the
 create), and die with the edge (a create then fails ImageNotFound; its files stay usable through the
 snapshot's layers). A node holds at most DSEC_VM_MEMORY_SNAPSHOTS of them; the edge drops those whose
-snapshot record was deleted before it refuses a new one.
+snapshot record was deleted (edge/sandboxes.py, prune_memories).
 """
 from __future__ import annotations
 
