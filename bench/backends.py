@@ -15,8 +15,8 @@ Run: python -m bench.backends [--calls 2000] [--in-flight 64] [--samples 200] [-
   microvm    create -> ready p50/p99 (from a template) and exec `true` p50 through the SDK, fork of 8
              from a snapshot's files, snapshot(memory=True) and fork of 8 from it (a process running on
              in each), host memory per idle VM (MemAvailable drop and PSS over --idle-vms VMs)
-             and the host CPU they burn idle, and per idle bare VM with the stub kernel on and off (up
-             to 30 VMs each); baselines: the same QEMU driven without the bus (a
+             and the host CPU they burn idle (each memory technique on and off: bench.vm_memory);
+             baselines: the same QEMU driven without the bus (a
              bare restore of the template, a bare cold boot to the agent's first frame, and the bare
              virtio-serial round trip of `true` to the agent).
   fullvm     the same figures for full VMs (q35, Debian with systemd), beside the same QEMU without the bus.
@@ -273,7 +273,7 @@ def main() -> None:
         for kind in VMS:
             if kind in args.kinds:
                 from bench.vms import bare_vm, vm_rows
-                bare = asyncio.run(bare_vm(tmp_path, args.samples // 10 or 1, kind, min(args.idle_vms, 30)))
+                bare = asyncio.run(bare_vm(tmp_path, args.samples // 10 or 1, kind))
                 rows += vm_rows(sdk[kind], bare, kind)
                 if "container" in args.kinds:   # the bound: container exec + bare round trip + 1 ms
                     rows.append((kind, "exec `true` p50 vs its bound (ms)", sdk[kind]["exec_p50"],

@@ -99,26 +99,8 @@ async def vm_figures(client: libdsec.AsyncClient, n: int, idle: int, kind: str =
             "pss_mib": pss / per / 2**20, "rss_mib": rss / per / 2**20, "cpu_pct": cpu / per}
 
 
-async def _idle_mib(b, spec, n: int, first: int) -> float:
-    """MemAvailable drop per VM for n idle restored VMs (each ran `true`), held 5 s, then destroyed."""
-    async def sink(_stream, _data: bytes) -> None:
-        pass
-    await asyncio.sleep(2)
-    before = _mem_available()
-    ids = [f"bare{first + i}" for i in range(n)]
-    try:
-        for i, sid in enumerate(ids):
-            await b.create(spec(first + i))
-            await b.exec(sid, ["true"], env={}, cwd="/", stdin=None, timeout=60, sink=sink)
-        await asyncio.sleep(5)
-        return (before - _mem_available()) / n / 2**20
-    finally:
-        await asyncio.gather(*(b.destroy(sid) for sid in ids if sid in b.sandboxes()), return_exceptions=True)
-
-
-async def bare_vm(tmp: Path, n: int, kind: str = "microvm", idle: int = 0) -> dict:
-    """The same QEMU without the bus: restore p50/p99, 8 restores at once, cold boot p50, exec p50 (ms); and,
-    for idle > 0, the memory per idle VM with each technique on and off (MiB)."""
+async def bare_vm(tmp: Path, n: int, kind: str = "microvm") -> dict:
+    """The same QEMU without the bus: restore p50/p99, 8 restores at once, cold boot p50, exec p50 (ms)."""
     from edge.backends.base import Limits, SandboxSpec
     from edge.backends.fullvm import FullVMBackend
     from edge.backends.microvm import MicroVMBackend
@@ -150,15 +132,6 @@ async def bare_vm(tmp: Path, n: int, kind: str = "microvm", idle: int = 0) -> di
         await asyncio.gather(*(b.create(spec(100 + i)) for i in range(8)))
         eight = (time.perf_counter() - t0) * 1000
         await asyncio.gather(*(b.destroy(f"bare{100 + i}") for i in range(8)))
-        techniques = {}
-        if idle:
-            from edge.backends.microvm import qemu
-            techniques["stub_on"] = await _idle_mib(b, spec, idle, 1000)
-            qemu.STUB_RESTORES = False
-            try:
-                techniques["stub_off"] = await _idle_mib(b, spec, idle, 2000)
-            finally:
-                qemu.STUB_RESTORES = True
         b.use_templates = False
         for i in range(2):
             t0 = time.perf_counter()
@@ -168,7 +141,7 @@ async def bare_vm(tmp: Path, n: int, kind: str = "microvm", idle: int = 0) -> di
     finally:
         await b.stop()
     return {"restore_p50": _p(restores, 0.5), "restore_p99": _p(restores, 0.99), "eight_ms": eight,
-            "boot_p50": _p(boots, 0.5), "exec_p50": _p(execs, 0.5), "idle": idle, **techniques}
+            "boot_p50": _p(boots, 0.5), "exec_p50": _p(execs, 0.5)}
 
 
 def vm_rows(v: dict, bare: dict, kind: str = "microvm") -> list[tuple[str, str, float, float, str]]:
@@ -185,6 +158,4 @@ def vm_rows(v: dict, bare: dict, kind: str = "microvm") -> list[tuple[str, str, 
             (kind, f"host MiB / idle VM, MemAvailable ({v['held']})", v["avail_mib"], ram, "the VM's RAM size"),
             (kind, "host MiB / idle VM, PSS", v["pss_mib"], ram, "the VM's RAM size"),
             (kind, "host MiB / idle VM, RSS", v["rss_mib"], ram, "the VM's RAM size"),
-            (kind, "host CPU % / idle VM", v["cpu_pct"], 100.0, "one core"),
-            *([(kind, f"MiB / idle VM, stub kernel ({bare['idle']})", bare["stub_on"], bare["stub_off"],
-                "the same bare VMs given the real kernel and initrd")] if bare.get("idle") else [])]
+            (kind, "host CPU % / idle VM", v["cpu_pct"], 100.0, "one core")]

@@ -67,10 +67,6 @@ class ImageRegistry:
             raise InvalidRequest(f"{ref!r} is a {rec.layer_kind} layer, not a {kind} one")
         return [LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)]
 
-    async def snapshot_layers(self, snapshot_id: str, tenant: str) -> list[LayerRef]:
-        """The layers of a tenant's snapshot (its parents', then its own); ImageNotFound when absent."""
-        return list((await self.snapshot(snapshot_id, tenant)).layers)
-
     async def snapshot(self, snapshot_id: str, tenant: str) -> SnapshotRecord:
         """A tenant's snapshot record; ImageNotFound when absent (or another tenant's)."""
         raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, snapshot_id))

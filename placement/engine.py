@@ -320,7 +320,9 @@ class PlacementEngine:
         prefer = scoring.affinity(req.layers, req.resources, kind, req.tenant)
         for _ in range(BOOK_TRIES):
             nodes = self.ledger.nodes()
-            away = self.ledger.unresponsive() | {i.node for i in nodes if pin and i.node != pin}
+            away = self.ledger.unresponsive()
+            if pin:
+                away |= {i.node for i in nodes if i.node != pin}
             node, _ever = scoring.choose(nodes, r, pool=self.pool, exclude=frozenset(tried) | away,
                                          prefer=prefer, kind=kind)
             if node is None and req.avoid and tried == set(req.avoid):

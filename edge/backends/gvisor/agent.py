@@ -198,33 +198,38 @@ class AgentChannel:
         try:
             await self._call(b"Q", b"", "quiescing its agent", timeout, urgent=True)
         except BaseException:
-            await self._unhold()
+            self._unhold()
             raise
 
     async def release(self, detach: bool, timeout: float = 10.0) -> None:
         """The agent speaks again; the held frames follow. detach: this is a VM started from a memory
         snapshot, whose agent quiesced under another edge: its running execs are nobody's (they run on, their
         output is dropped) and this channel numbers its own execs above theirs."""
-        rest = await self._call(b"U", b"\1" if detach else b"\0", "waking its agent", timeout, urgent=True,
-                                then=self._unhold)
+        xid, call = self._request(b"U", b"\1" if detach else b"\0", urgent=True)
+        self._unhold()
+        rest = await self._answer(xid, call, "waking its agent", timeout)
         if detach and len(rest) >= 4:
             self._next = max(self._next, struct.unpack_from("<I", rest)[0])
 
-    async def _unhold(self) -> None:
+    def _unhold(self) -> None:
         held, self._held = self._held, None
         if held and not self.closed.done():
             self._write(bytes(held))
 
-    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0, *, urgent: bool = False,
-                    then=None) -> bytes:
-        """One request the agent answers with an errno and maybe more ('H' frames): what follows the errno.
-        then: a coroutine function run once the request is sent (before its answer)."""
+    async def _call(self, kind: bytes, payload: bytes, what: str, timeout: float = 10.0, *,
+                    urgent: bool = False) -> bytes:
+        """One request the agent answers with an errno and maybe more ('H' frames): what follows the errno."""
+        xid, call = self._request(kind, payload, urgent=urgent)
+        return await self._answer(xid, call, what, timeout)
+
+    def _request(self, kind: bytes, payload: bytes, *, urgent: bool = False) -> tuple[int, asyncio.Future]:
         self._next += 1
         xid = self._next
         call = self._calls[xid] = asyncio.get_running_loop().create_future()
         self._send(kind, xid, payload, urgent=urgent)
-        if then is not None:
-            await then()
+        return xid, call
+
+    async def _answer(self, xid: int, call: asyncio.Future, what: str, timeout: float) -> bytes:
         done, _ = await asyncio.wait({call, self.closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if call not in done:
             self._calls.pop(xid, None)

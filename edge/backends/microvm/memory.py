@@ -34,12 +34,10 @@ from edge.backends import idmap
 from edge.backends.base import BackendError, CapacityExhausted, SandboxSpec, SpecRefused
 from edge.backends.cgroups import CgroupError
 from edge.backends.microvm import template
-from edge.backends.microvm.qemu import log_tail
 from edge.backends.microvm.qmp import QmpError
 from edge.backends.microvm.vm import VM
 
 KEEP = int(os.environ.get("DSEC_VM_MEMORY_SNAPSHOTS", "8"))   # memory snapshots a node holds at most
-MIGRATE_TIMEOUT = 120.0
 
 
 @dataclass
@@ -192,26 +190,3 @@ class MemorySnapshots:
         residue = await self._teardown(loader)
         if residue:
             raise BackendError(f"the memory snapshot's loader VM left: {'; '.join(residue)}")
-
-    async def _migrate(self, vm, dst: Path, *, shared: bool) -> None:
-        """Migrate a stopped VM's state into the new file dst: RAM included unless shared (then a memfd RAM
-        shared with QEMU stays out, x-ignore-shared)."""
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            await vm.qmp.execute("getfd", fd=fd, fdname="save")
-        finally:
-            os.close(fd)
-        await vm.qmp.execute("migrate-set-capabilities",
-                             capabilities=[{"capability": "x-ignore-shared", "state": shared}])
-        await vm.qmp.execute("migrate", uri="fd:save")
-        await self._migrated(vm, "saving the VM's state")
-
-    async def _migrated(self, vm, what: str, exited: asyncio.Future | None = None) -> None:
-        """Until query-migrate says completed (either end); BackendError if it failed or took too long."""
-        deadline = time.monotonic() + MIGRATE_TIMEOUT
-        while (st := await vm.qmp.execute("query-migrate")).get("status") != "completed":
-            if st.get("status") in ("failed", "cancelled") or time.monotonic() > deadline \
-                    or (exited is not None and exited.done()):
-                raise BackendError(f"{what} failed: {st.get('error-desc', st.get('status'))} "
-                                   f"({log_tail(self._dir(vm.key) / 'qemu.log')})")
-            await asyncio.sleep(0.01)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 from edge.backends import idmap
@@ -15,9 +16,12 @@ from edge.backends.microvm.qemu import cpus, disk_size, log_tail
 from edge.backends.microvm.boot import boot_failure
 from edge.backends.microvm.vm import IGNORE_SHARED, READY_TIMEOUT, VM
 
+MIGRATE_TIMEOUT = 120.0
+
 
 class Restoring:
-    """MicroVMBackend's templates (a mixin: it uses the backend's QEMU spawning and teardown)."""
+    """MicroVMBackend's templates (a mixin: it uses the backend's QEMU spawning and teardown), and the
+    migration to and from a file that templates and memory snapshots (memory.py) are made of."""
 
     async def _template(self, spec: SandboxSpec) -> template.Template:
         limits = spec.limits
@@ -92,3 +96,26 @@ class Restoring:
             os.close(state)
             if not exited.done():
                 exited.cancel()
+
+    async def _migrate(self, vm: VM, dst: Path, *, shared: bool) -> None:
+        """Migrate a stopped VM's state into the new file dst: RAM included unless shared (then a memfd RAM
+        shared with QEMU stays out, x-ignore-shared)."""
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            await vm.qmp.execute("getfd", fd=fd, fdname="save")
+        finally:
+            os.close(fd)
+        await vm.qmp.execute("migrate-set-capabilities",
+                             capabilities=[{"capability": "x-ignore-shared", "state": shared}])
+        await vm.qmp.execute("migrate", uri="fd:save")
+        await self._migrated(vm, "saving the VM's state")
+
+    async def _migrated(self, vm: VM, what: str, exited: asyncio.Future | None = None) -> None:
+        """Until query-migrate says completed (either end); BackendError if it failed or took too long."""
+        deadline = time.monotonic() + MIGRATE_TIMEOUT
+        while (st := await vm.qmp.execute("query-migrate")).get("status") != "completed":
+            if st.get("status") in ("failed", "cancelled") or time.monotonic() > deadline \
+                    or (exited is not None and exited.done()):
+                raise BackendError(f"{what} failed: {st.get('error-desc', st.get('status'))} "
+                                   f"({log_tail(self._dir(vm.key) / 'qemu.log')})")
+            await asyncio.sleep(0.01)
