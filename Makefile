@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4
+SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4 \
+                nft openssl
 
 .PHONY: setup system venv demo test bench up clean
 
@@ -14,7 +15,8 @@ setup: system venv
 # edge runs its own, so Debian's service, which the package starts, is stopped and disabled), runsc (gVisor:
 # the gvisor backend kind), qemu-system-x86 and e2fsprogs (the microvm kind; its guest kernel is Debian's
 # cloud kernel, fetched into /var/cache/dsec/vm by `python -m edge.backends.microvm`; the fullvm
-# kind's Debian with systemd is debootstrapped there by `python -m edge.backends.fullvm`).
+# kind's Debian with systemd is debootstrapped there by `python -m edge.backends.fullvm`), nftables (Aether's
+# rules, through libnftables; Debian's nftables service stays disabled) and openssl (the network tests' CA).
 # `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
@@ -24,7 +26,7 @@ system:
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
-	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs >/dev/null && { \
+	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs nftables openssl >/dev/null && { \
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \
 	  pkill -f '^/usr/bin/lxcfs /var/lib/lxcfs' 2>/dev/null; umount -l /var/lib/lxcfs 2>/dev/null; true; }; \
 	fi

@@ -27,7 +27,8 @@ KINDS = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM, NOOP)
 SERVED = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM)   # what `dsec up` may run; noop is for tests/benchmarks
 
 CAPABILITIES: dict[str, frozenset[str]] = {
-    CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools"}),
+    CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
+                          "network"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -167,6 +167,17 @@ class RollbackRequest(Wire, tag="rollback"):
     deadline: float = 0.0
 
 
+class SetNetworkRequest(Wire, tag="set_network"):
+    """libdsec -> edge: change a running sandbox's network policy (sb.set_network); answered once the policy
+    is in force for every connection it opens after."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    network: Network = Network()
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
 class WriteFile(Wire, tag="write_file"):
     """libdsec -> edge: write a file inside the sandbox."""
 
@@ -198,7 +209,7 @@ class OkReply(Wire, tag="ok"):
 
 
 SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest, SnapshotRequest,
-                  RollbackRequest]
+                  RollbackRequest, SetNetworkRequest]
 OpReply = Union[OkReply, ErrorReply]
 
 
@@ -438,6 +449,8 @@ class TrajRecord(Wire, tag="traj"):
     live_stdin: bool = False         # its stdin was streamed while it ran (not kept in the trajectory)
     error_code: str = ""
     detail: str = ""
+    decisions: list[dict[str, Any]] = []   # type network: the proxy's decisions (verdict, name, address, port,
+    suppressed: dict[str, int] = {}        # bytes, reason), at most 20 per 10 s; past them only counted here
 
 
 class ImageRecord(Wire, tag="image"):

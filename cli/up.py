@@ -55,6 +55,15 @@ def edge_options(fn):
         click.option("--warm-max", default=32, show_default=True,
                      help="Warm-pool sandboxes this node keeps ready, all pools together (0: none; pools are set "
                           "with `dsec warm set`)."),
+        click.option("--aether/--no-aether", "aether", default=True, show_default=True,
+                     help="Run this node's Aether: sandbox networks (network= other than none) through its proxy "
+                          "and resolver. Without it such creates are refused here."),
+        click.option("--aether-dns", default="", metavar="IP[:PORT]",
+                     help="The resolver Aether asks for allowed names (default: the host's first nameserver)."),
+        click.option("--aether-allow-cidr", multiple=True, metavar="CIDR",
+                     help="A private range sandboxes may reach when their allow list names it (repeat for several). "
+                          "Private, link-local, CGNAT, metadata and IPv6 addresses are otherwise denied whatever a "
+                          "tenant lists; the host's own and the sandboxes' addresses always are."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
@@ -65,14 +74,15 @@ def edge_options(fn):
 
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
                 memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki",
-                layer_cache: str = "16Gi", warm_max: int = 32, backends: list[str] | None = None) -> EdgeConfig:
+                layer_cache: str = "16Gi", warm_max: int = 32, backends: list[str] | None = None,
+                network: dict | None = None) -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
     from libdsec.resources import parse_size
     from bus.errors import InvalidRequest
     fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
                     "memory_fraction": memory_fraction, "warm_max": warm_max, "kind_slots": {},
-                    "backends": list(backends or ["container"])}
+                    "backends": list(backends or ["container"]), **_network_fields(network or {})}
     if not 0 <= warm_max <= 1024:
         fail(f"--warm-max: between 0 and 1024, got {warm_max}")
     for name, value in (("max_output", max_output), ("traj_output", traj_output), ("layer_cache", layer_cache)):
@@ -111,6 +121,28 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
     except ValueError as exc:
         fail(str(exc))
     return EdgeConfig(**fields)
+
+
+def _network_fields(network: dict) -> dict:
+    """EdgeConfig's Aether fields from --aether, --aether-dns and --aether-allow-cidr (checked)."""
+    import ipaddress
+    from cli.main import fail
+    for cidr in network.get("aether_allow_cidr", ()):
+        try:
+            ipaddress.IPv4Network(cidr, strict=True)
+        except ValueError as exc:
+            fail(f"--aether-allow-cidr: {cidr!r} is not an IPv4 range ({exc})")
+    dns = network.get("aether_dns", "")
+    if dns:
+        host, _, port = dns.partition(":")
+        try:
+            ipaddress.IPv4Address(host)
+            if port and not 0 < int(port) < 65536:
+                raise ValueError(port)
+        except ValueError:
+            fail(f"--aether-dns: an IPv4 address with an optional port, got {dns!r}")
+    return {"aether": network.get("aether", True), "aether_dns": dns,
+            "aether_allow_cidr": list(network.get("aether_allow_cidr", ()))}
 
 
 def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int,
@@ -219,7 +251,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
-             traj_output: str, burst_threshold: float,
+             traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
@@ -232,7 +264,8 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
     from bus.streams import DAY, HOUR, OUT_STREAM, TRAJ_STREAM
     configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
-                      layer_cache, warm_max, chosen)
+                      layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
+                                                          aether_allow_cidr=aether_allow_cidr))
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
@@ -257,14 +290,16 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
 async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, node_id: str, slots: int, capacity: str,
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
-               traj_output: str, verbose: bool) -> None:
+               traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
+               verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
-                      layer_cache, warm_max, chosen)
+                      layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
+                                                          aether_allow_cidr=aether_allow_cidr))
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
                   backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")

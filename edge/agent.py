@@ -27,6 +27,7 @@ from edge.calls import CallLane
 from edge.capacity import Capacity, EdgeConfig
 from edge.creates import CreateLane
 from edge.lanes import replace_creates
+from edge.network import NodeNetwork
 from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
 from edge.ops import OpLane
@@ -78,6 +79,8 @@ class Edge:
         self.creates = CreateLane(bus, self.node, self.epoch, capacity=self.capacity, node_record=self.record,
                                   records=self.records, sandboxes=self.box, layers=self.layers, backend=backend,
                                   warm=self.warm, draining=lambda: self.draining)
+        self.network = NodeNetwork(self.node, config, self.box)
+        self.ops.network = self.network
         self._create_worker = None
         self._pool_worker = None
         self._tasks: list[asyncio.Task] = []
@@ -118,6 +121,8 @@ class Edge:
             raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
         self.capacity.accel = getattr(self.backend, "accelerators", {})
         self.backend.died = self._died
+        await self.network.start()
+        self.backend.network = self.network.aether
         if self.backend.kinds != self.config.backends:   # a backend it only found did not start: not offered
             self.config = msgspec.structs.replace(self.config, backends=self.backend.kinds)
             self.capacity.config = self.config
@@ -260,6 +265,8 @@ class Edge:
                 await self.backend.stop()
             except BackendError as exc:
                 log.error("backend stop incomplete: %s", exc)
+            finally:
+                await self.network.stop()
         for sid in list(self.sandboxes):
             await self._best_effort(self.box.gone_now(sid, "destroyed", "edge stopped", wait=False))
         await self.outbox.close(drain=OUTBOX_DRAIN)

@@ -31,6 +31,10 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat: float = 2.0            # seconds between inventory updates
     cpus: float = 0.0                 # 0: psutil.cpu_count()
     memory: int = 0                   # 0: psutil total RAM
+    aether: bool = True               # run the node's Aether (sandbox networks, aether/): off, every network
+                                      # but none is refused here
+    aether_dns: str = ""              # the resolver Aether asks for allowed names (ip[:port]; '': the host's)
+    aether_allow_cidr: list[str] = []   # private ranges the operator lets sandboxes reach (tenants cannot)
 
 
 @dataclass

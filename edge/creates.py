@@ -333,8 +333,8 @@ class CreateLane:
 
     def _take_warm(self, req: CreateRequest) -> str | None:
         """A warm sandbox matching the request, taken from its pool; never for a privileged one (warm ones
-        are not) nor one going on from a memory snapshot."""
-        if req.privileged or req.memory:
+        are not), one going on from a memory snapshot, nor one with a network (warm ones have loopback only)."""
+        if req.privileged or req.memory or req.network.mode != "none":
             return None
         return self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
 
@@ -394,4 +394,5 @@ def _ready(outcome: Outcome | None) -> bool:
 def _spec(req: CreateRequest, paths: list[str]) -> SandboxSpec:
     """What the backend starts for a create, its layers fetched to paths."""
     return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
-                       kind=req.backend, privileged=req.privileged, memory=req.snapshot if req.memory else "")
+                       kind=req.backend, privileged=req.privileged, memory=req.snapshot if req.memory else "",
+                       network=req.network if req.network.mode != "none" else None)

@@ -16,7 +16,8 @@ from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
 from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, OkReply, ReadFile, ResumeRequest, RollbackRequest,
-                          SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder, snapshot_decoder)
+                          SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder,
+                          snapshot_decoder)
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
 from edge.backends.base import BackendError, SandboxGone
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 NEEDS = {"write_file": "files", "read_file": "files", "suspend": "suspend", "resume": "suspend",
-         "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot"}   # op -> the capability (bus/kinds.py) it needs
+         "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot",
+         "set_network": "network"}   # op -> the capability (bus/kinds.py) it needs
 
 
 class OpLane:
@@ -40,6 +42,7 @@ class OpLane:
         self.execs = execs
         self.sandboxes = sandboxes
         self.outcomes: collections.Counter = collections.Counter()   # (message kind, verdict) -> ops handled
+        self.network = None          # the edge's NodeNetwork (edge/network.py), set by the edge
         self._worker = None
 
     @property
@@ -108,6 +111,9 @@ class OpLane:
                                                 tenant=tenant))
             case RollbackRequest():
                 await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op, tenant), tenant=tenant))
+            case SetNetworkRequest():
+                await self._answer(op, self._on(op.sandbox_id, "set_network", lambda: self.network.set_policy(
+                    op.sandbox_id, op.network), tenant=tenant))
         return Verdict.ACK
 
     async def _answer(self, op, work) -> None:

@@ -8,10 +8,11 @@ from bus import kinds, subjects
 from bus.errors import InvalidRequest
 from bus.network import Network as WireNetwork
 from bus.messages import (DestroyRequest, ExecRequest, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
-                          SnapshotRequest, SuspendRequest, WriteFile, encode, snapshot_decoder)
+                          SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, snapshot_decoder)
 from libdsec.exechandle import ExecHandle
 from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
+from libdsec.network import to_wire as network_policy
 from libdsec.results import Exit, Output
 
 if TYPE_CHECKING:
@@ -179,6 +180,17 @@ class AsyncSandbox:
         snap_id = snapshot if isinstance(snapshot, str) else snapshot.id
         await self.client._op(self.node, self.id, lambda rid, to, dl: RollbackRequest(
             request_id=rid, sandbox_id=self.id, snapshot_id=snap_id, reply_to=to, deadline=dl), timeout)
+
+    async def set_network(self, network: Any, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
+        """Change its network policy ("mirror-only" or libdsec.Network(allow=[...])): in force for every
+        connection it opens once this returns (connections open now go on). A bad policy raises
+        InvalidRequest and leaves the old one in force; a sandbox created with network "none" keeps it
+        (Unsupported)."""
+        self._needs("network", "set_network")
+        policy = network_policy(network)
+        await self.client._op(self.node, self.id, lambda rid, to, dl: SetNetworkRequest(
+            request_id=rid, sandbox_id=self.id, network=policy, reply_to=to, deadline=dl), timeout)
+        self.network = policy
 
     async def suspend(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Freeze this sandbox (see AsyncClient.suspend; a suspended one stays so); SandboxNotFound if it

@@ -16,6 +16,10 @@ from bus.server import NatsServer, free_port
 from tests import leaks
 
 NODE = "t1"
+# The network tests' upstream servers (tests/upstreams.py) live in a namespace of their own on this range,
+# which the session edge's operator allows (--aether-allow-cidr); nothing routes it off the machine.
+UPSTREAM_RANGE = "198.51.100.0/24"
+UPSTREAM = "198.51.100.2"
 # The tenants the suite acts as (each its own NATS account, with its credential under the session state dir).
 TENANTS = ["default", "tenant-b", "t", "quota-t", "quota-u", "quota-n", "quota-c", "slow", "legacy", "fnfree", "fnq",
            "flooder", "paged", "alice", "mallory"]
@@ -105,7 +109,8 @@ async def stack(nats_server, session_dir):
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
     st = Stack(session_dir / "state", nats_url=nats_server.url, metrics_port=None,
-               edge_config=EdgeConfig(node_id=NODE, slots=64))
+               edge_config=EdgeConfig(node_id=NODE, slots=64, aether_dns=f"{UPSTREAM}:53",
+                                      aether_allow_cidr=[UPSTREAM_RANGE]))
     st.edge_creds = lambda node: edge_creds(nats_server, node)
     st.nats_server = nats_server
     with leaks.live(NODE, session_dir / "state"):   # its kinds keep state in edge/, edge-fncall/...
@@ -204,6 +209,8 @@ async def no_leaks(request):
     assert sandbox_cgroups(NODE) == [], "per-sandbox cgroups left behind"
     assert host_residue(st.state_dir) == [], "host residue left behind"
     assert backend.leaks() == [], "the backends hold what no sandbox uses"
+    if st.edge.network.aether is not None:
+        assert st.edge.network.aether.leaks() == [], "sandbox networks no sandbox uses"
 
 
 def host_residue(state_dir: Path) -> list[str]:

@@ -80,9 +80,12 @@ def _residue() -> list[str]:
             out.append(f"qemu pid {proc.info['pid']} ({' '.join(cmd[cmd.index('-name') + 1:][:1] if '-name' in cmd else cmd[:1])})")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
+        if "aether.serve" in cmd and "--node" in cmd and not is_live(cmd[cmd.index("--node") + 1]):
+            out.append(f"aether proxy pid {proc.info['pid']} (node {cmd[cmd.index('--node') + 1]})")
     for i, (node, key) in sorted(idmap.leases().items()):
         if not is_live(node) and key != idmap.DRAINING:
             out.append(f"uid range lease {i} of node {node} ({key})")
+    out += _network_residue()
     owned = [str(p) + "/" for p in LIVE.values()]
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -94,3 +97,29 @@ def _residue() -> list[str]:
             if point.startswith("/run/dsec/gvisor/") and len(parts) > 4 and not is_live(parts[4]):
                 out.append(f"{fstype} mount {point}")
     return out
+
+
+def _network_residue() -> list[str]:
+    """Aether's host-side parts (aether/): veths, nft tables and /16 reservations of no live node."""
+    from aether import links, rules
+    from aether.nft import NftError
+    live = list(LIVE) + [n.split(".", 1)[0] for n in LIVE]
+    prefixes = {links.link_prefix(n) for n in live}
+    out = [f"veth {p.name}" for p in Path("/sys/class/net").iterdir()
+           if p.name.startswith(links.PREFIX) and len(p.name) > 8 and p.name[:8] not in prefixes]
+    try:
+        tables = rules.tables()
+    except NftError:
+        tables = []
+    out += [f"nft table {t}" for t in tables if t not in {rules.table_name(n) for n in live}]
+    marks = {links.route_mark(n) for n in live}
+    out += [f"route reservation {net} (mark {mark})" for mark, net in _in_thread(links.reservations).items()
+            if mark not in marks]
+    return out
+
+
+def _in_thread(fn):
+    """pyroute2's blocking calls must not run on a thread with a running event loop (the test's)."""
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        return ex.submit(fn).result()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from chronus.control import ExecControl, ExecResult, OutputSink, StreamName  # noqa: F401  (the exec contract)
 from chronus.shell import TRUSTED_DIR, TRUSTED_SHELL  # noqa: F401  (the trusted shell every backend mounts)
 from bus import kinds
+from bus.network import Network
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class SandboxSpec:
     warm: bool = False          # started for a warm pool: worth a longer create for a faster first command
     privileged: bool = False    # a VM's commands keep every capability of the guest (kinds: "privileged")
     memory: str = ""            # start from this memory snapshot the backend holds (save_memory), not layers
+    network: Network | None = None   # its network policy (Aether); None or mode none: loopback only
 
 
 class BackendError(Exception):
@@ -86,6 +88,7 @@ class Backend(abc.ABC):
     died: Callable[[str, str], None] | None = None   # set by the edge: (sandbox id, why) for one that ended
                                                      # by itself (a VM whose kernel crashed); it destroys it
     accel: str = ""                 # a VM kind's accelerator once started (kvm or tcg); '' for the others
+    network = None                  # set by the edge: the node's Aether (aether/node.py), None without one
     trusted_shell: str = TRUSTED_SHELL   # the shell string commands run with, inside its sandboxes
 
     @property

@@ -215,6 +215,17 @@ class BackendSet(Backend):
             b.died = hook
 
     @property
+    def network(self):
+        return getattr(self, "_network", None)
+
+    @network.setter
+    def network(self, aether) -> None:
+        """The node's Aether (or None), handed to every backend."""
+        self._network = aether
+        for b in self.backends.values():
+            b.network = aether
+
+    @property
     def accelerators(self) -> dict[str, str]:
         """kind -> the accelerator its VMs run with (kvm or tcg), for the kinds that run VMs."""
         return {k: b.accel for k, b in self.backends.items() if getattr(b, "accel", "")}

@@ -58,7 +58,7 @@ DEV_LINKS = (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/sel
 
 
 class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
-    """Start a sandbox init. fds: [ready pipe write end]."""
+    """Start a sandbox init. fds: [ready pipe write end] (+ [network namespace] with netns)."""
 
     hostname: str
     cgroups: list[str]          # group directories to join, one per controller
@@ -73,6 +73,9 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     base: str = "/"             # the node's state dir: overlay paths are given relative to it
     views: str = ""             # lxcfs's /proc dir: its files are bound over the sandbox's (procviews.py)
     scratch: int = 0            # > 0: a read-only root with a tmpfs of this many bytes at /tmp (fncall workers)
+    netns: bool = False         # join the network namespace of the 2nd fd (Aether's, made by the host)
+                                # instead of a new one with only lo
+    resolv: str = ""            # what /etc/resolv.conf says (a sandbox with a network)
 
 
 class Refresh(msgspec.Struct, tag="refresh", tag_field="kind", frozen=True):
@@ -182,8 +185,8 @@ class Zygote:
         return True
 
     def _launch(self, req: Launch, fds: list[int]) -> int:
-        if len(fds) != 1:
-            raise ValueError("launch needs exactly one fd (the ready pipe)")
+        if len(fds) != 1 + req.netns:
+            raise ValueError("launch needs the ready pipe's fd (and, with netns, the namespace's)")
         if req.uid_base <= 0:
             raise ValueError("launch needs the sandbox's uid range")
         userns = self.userns.get(req.uid_base)
@@ -193,7 +196,7 @@ class Zygote:
         try:
             pid = os.fork()
             if pid == 0:
-                _launch_child(req, fds[0], self.init_fd, self.lockdown, userns)
+                _launch_child(req, fds, self.init_fd, self.lockdown, userns)
         finally:
             kernel.setns(self.own_pidns, kernel.CLONE_NEWPID)
         self.inits.add(pid)
@@ -306,22 +309,28 @@ def _join(groups: list[str]) -> None:
             os.close(fd)
 
 
-def _launch_child(req: Launch, ready: int, init_fd: int, lockdown: kernel.Lockdown, userns: int) -> NoReturn:
+def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lockdown, userns: int) -> NoReturn:
     """PID 1 of a new sandbox: build its root, join its user namespace, lock down, become catatonit."""
+    ready = fds[0]
     try:
         gc.disable()
         os.setsid()        # own session, no controlling tty: kill(0) and /dev/tty never reach the edge's
         os.set_inheritable(ready, False)        # EOF on the ready pipe = catatonit is running
         _join(req.cgroups)
-        kernel.unshare(kernel.CLONE_NEWNS | kernel.CLONE_NEWNET | kernel.CLONE_NEWUTS | kernel.CLONE_NEWIPC
-                       | kernel.CLONE_NEWCGROUP)   # after joining: its cgroups read as "/" inside
-        _open_net_privileges()                   # the host's /proc/sys/net: now the new namespace's
+        kernel.unshare(kernel.CLONE_NEWNS | (0 if req.netns else kernel.CLONE_NEWNET) | kernel.CLONE_NEWUTS
+                       | kernel.CLONE_NEWIPC | kernel.CLONE_NEWCGROUP)   # after joining: its cgroups read as "/"
+        if req.netns:                            # Aether's: owned by the host's user namespace, so the
+            kernel.setns(fds[1], kernel.CLONE_NEWNET)   # sandbox's root has no CAP_NET_ADMIN over it
+            os.close(fds[1])
+        _open_net_privileges()                   # the host's /proc/sys/net: now the sandbox's namespace's
         kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
         _mount_root(req, userns)
         os.chdir(req.merged)
         kernel.pivot_root(".", ".")              # old root ends up stacked on /; detach it
         kernel.umount2(".", kernel.MNT_DETACH)
         os.chdir("/")
+        if req.resolv:                           # inside the new root: an image's symlink resolves in it
+            _write_resolv(req.resolv, req.uid_base)
         kernel.sethostname(req.hostname)
         kernel.loopback_up()
         null = os.open("/dev/null", os.O_RDWR)
@@ -352,6 +361,18 @@ def _open_net_privileges() -> None:
     for name, value in NET_SYSCTLS:
         with open(f"/proc/sys/{name}", "w") as f:
             f.write(value)
+
+
+def _write_resolv(text: str, owner: int) -> None:
+    """/etc/resolv.conf of the sandbox (its upper layer: the sandbox's root may change it, which gains it
+    nothing, as its every DNS query goes to Aether's resolver whatever server it names)."""
+    if os.path.islink("/etc/resolv.conf"):
+        os.unlink("/etc/resolv.conf")
+    os.makedirs("/etc", 0o755, exist_ok=True)
+    with open("/etc/resolv.conf", "w") as f:
+        f.write(text)
+    os.chmod("/etc/resolv.conf", 0o644)
+    os.chown("/etc/resolv.conf", owner, owner)   # the sandbox's root's, like the rest of its root
 
 
 def _mount_root(req: Launch, userns: int) -> None:

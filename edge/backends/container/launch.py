@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -9,7 +10,8 @@ import time
 from pathlib import Path
 
 from edge.backends import cgroups, execio, idmap, kernel, zygote
-from edge.backends.base import BackendError, CapacityExhausted, LayerUnusable, SandboxGone, SandboxSpec
+from edge.backends.base import (BackendError, CapacityExhausted, LayerUnusable, SandboxGone, SandboxSpec,
+                                SpecRefused)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.container.state import (ID_RE, KEYS_KEPT, LAUNCH_TIMEOUT, REAP_TIMEOUT, RELEASE_RETRIES, Core,
                                            Running)
@@ -44,7 +46,11 @@ class Launching(Core):
         sub: Path | None = None
         init: tuple[int, asyncio.Future] | None = None
         ids: idmap.IdRange | None = None
+        end = None
         try:
+            end = await self._attach_network(spec)
+            if end is not None:      # its commands find the proxy by HTTP(S)_PROXY too
+                spec = dataclasses.replace(spec, env={**end.proxy_env(self.network.port), **spec.env})
             ids = self._ids.lease(spec.id)
             layers = self._layers.acquire(spec.layers)
             sub = self._uppers.create(spec.id, spec.limits.disk)
@@ -55,9 +61,10 @@ class Launching(Core):
                 msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
                              trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty),
-                             base=str(self.state_dir), views=self._views.proc_dir, scratch=spec.scratch)
+                             base=str(self.state_dir), views=self._views.proc_dir, scratch=spec.scratch,
+                             netns=end is not None, resolv=end.resolv_conf() if end else "")
                 try:
-                    init = await self._launcher.request(msg, [ready_w])
+                    init = await self._launcher.request(msg, [ready_w] + ([end.netns] if end else []))
                 finally:
                     os.close(ready_w)
                 error = await asyncio.wait_for(execio.read_to_eof(ready_r), LAUNCH_TIMEOUT)
@@ -68,6 +75,8 @@ class Launching(Core):
             return Running(spec, init[0], init[1], layers, ids, pidfd=os.pidfd_open(init[0]))
         except BaseException as exc:
             await self._teardown(spec.id, init, groups, sub is not None, layers, ids)
+            if end is not None:
+                await self.network.detach(spec.id)
             if isinstance(exc, LayerError):
                 raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, LauncherError) and zygote.USERNS_EXHAUSTED in str(exc):
@@ -77,6 +86,18 @@ class Launching(Core):
             if isinstance(exc, asyncio.TimeoutError):
                 raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc
             raise
+
+    async def _attach_network(self, spec: SandboxSpec):
+        """The sandbox's network end from the node's Aether (None for loopback only)."""
+        if spec.network is None or spec.network.mode == "none":
+            return None
+        if self.network is None:
+            raise SpecRefused(f"sandbox {spec.id}: this node runs no Aether (network {spec.network.mode!r} "
+                              f"needs it: dsec edge without --no-aether)")
+        try:
+            return await self.network.attach(spec.id, spec.network)
+        except Exception as exc:
+            raise BackendError(f"sandbox {spec.id}: its network: {exc}") from exc
 
     async def claim(self, warm_id: str, spec: SandboxSpec) -> None:
         """Give a running, never used sandbox (a warm one) the identity of spec: its id, hostname and
@@ -137,6 +158,8 @@ class Launching(Core):
                 await sb.resident.stop()
             groups = self._cgroups.sandbox(sb.key)
             residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers, sb.ids)
+            if self.network is not None:
+                await self.network.detach(sb.spec.id)
         finally:
             self._sandboxes.pop(sb.spec.id, None)
             sb.close_files()

@@ -1,0 +1,256 @@
+"""A sandbox's network end: its own network namespace, joined to the host by a veth pair (pyroute2,
+no `ip` subprocess), addressed from the node's /16, its only route to the host end, where the node's
+Aether rules (rules.py) send every connection to the proxy and every DNS query to Aether's resolver.
+
+The namespace is made by the host (owned by the host's user namespace), so a sandbox's root, in a user
+namespace of its own, has no CAP_NET_ADMIN over it: it cannot change its address, routes or rules.
+Namespaces are made ahead into a pool, off the create path; the zygote joins one (setns) instead of
+making a fresh one. A namespace lives while an fd holds it (ours, then the sandbox's init), and its
+veth pair goes with it, so a dead edge leaks no link.
+
+Each end is one /30 of the node's /16: the host end .1, the sandbox .2. A veth is named
+dx<6 hex of the node id's crc32><slot in hex> (at most 12 characters), so two nodes on one host never
+collide and leftovers name their node.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import threading
+import zlib
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from edge.backends import kernel
+
+log = logging.getLogger(__name__)
+
+PREFIX = "dx"
+SLOTS = 16383                      # /30s in a /16, less the first
+POOL_BASE = ipaddress.IPv4Network("10.192.0.0/10")   # node subnets are /16s inside it
+RESERVED_METRIC = 1 << 24        # + a node's tag: the metric of its reservation
+UNREACHABLE = 7                    # RTN_UNREACHABLE
+SANDBOX_SYSCTLS = (("net/ipv6/conf/all/disable_ipv6", "1"), ("net/ipv6/conf/default/disable_ipv6", "1"),
+                   ("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647"))
+
+
+class LinkError(Exception):
+    """A sandbox's network end could not be made or removed."""
+
+
+def node_tag(node: str) -> str:
+    """6 hex digits naming the node in its links' names."""
+    return f"{zlib.crc32(node.encode()) & 0xFFFFFF:06x}"
+
+
+def link_prefix(node: str) -> str:
+    """What the name of every host-side link of this node starts with."""
+    return PREFIX + node_tag(node)
+
+
+def route_mark(node: str) -> int:
+    """The metric of the unreachable route that reserves a node's /16 (it names the node)."""
+    return RESERVED_METRIC + int(node_tag(node), 16)
+
+
+def host_routes() -> list[tuple[ipaddress.IPv4Network, int, int]]:
+    """(destination, type, metric) of every IPv4 route of the host's main table but the default."""
+    with IPRoute() as ipr:
+        out = []
+        for route in ipr.get_routes(family=2, table=254):
+            dst, length = route.get_attr("RTA_DST"), route["dst_len"]
+            if dst and length:
+                out.append((ipaddress.IPv4Network(f"{dst}/{length}", strict=False), route["type"],
+                            route.get_attr("RTA_PRIORITY") or 0))
+        return out
+
+
+def reserve_subnet(node: str) -> ipaddress.IPv4Network:
+    """The node's /16, reserved on the host by an unreachable route of its mark (its sandboxes' /30s are
+    more specific, so they route): the one it reserved before, else the first free one after its id's
+    hash among POOL_BASE's, skipping any a host route overlaps (another node's, a network's)."""
+    routes, mark = host_routes(), route_mark(node)
+    for net, kind, metric in routes:
+        if kind == UNREACHABLE and metric == mark and net.prefixlen == 16 and net.subnet_of(POOL_BASE):
+            return net
+    subnets = list(POOL_BASE.subnets(new_prefix=16))
+    start = zlib.crc32(node.encode()) % len(subnets)
+    for i in range(len(subnets)):
+        net = subnets[(start + i) % len(subnets)]
+        if not any(net.overlaps(taken) for taken, _, _ in routes):
+            with IPRoute() as ipr:
+                ipr.route("add", dst=str(net), type=UNREACHABLE, priority=mark)
+            return net
+    raise LinkError(f"no free /16 in {POOL_BASE} for node {node}'s sandboxes")
+
+
+def release_subnet(node: str) -> None:
+    """Drop the node's reservation (its sandboxes' links are gone)."""
+    mark = route_mark(node)
+    with IPRoute() as ipr:
+        for net, kind, metric in host_routes():
+            if kind == UNREACHABLE and metric == mark and net.subnet_of(POOL_BASE):
+                ipr.route("del", dst=str(net), type=UNREACHABLE, priority=mark)
+
+
+def reservations() -> dict[int, ipaddress.IPv4Network]:
+    """Every node's reservation on this host by mark (the leak check's view)."""
+    return {metric: net for net, kind, metric in host_routes()
+            if kind == UNREACHABLE and metric >= RESERVED_METRIC and net.subnet_of(POOL_BASE)}
+
+
+@dataclass
+class End:
+    """One sandbox's network: its namespace (fd held), slot and addresses."""
+
+    slot: int
+    netns: int                     # fd of the namespace; -1 once closed
+    ifname: str                    # the host end
+    gateway: str                   # host end's address: the sandbox's route, DNS server and proxy
+    address: str                   # the sandbox's
+    bandwidth: int = 0             # bytes/s each way its links are shaped to (0: not yet)
+
+    def resolv_conf(self) -> str:
+        """The sandbox's /etc/resolv.conf: the host end (every DNS query goes to Aether's resolver anyway)."""
+        return f"nameserver {self.gateway}\noptions timeout:2 attempts:2\n"
+
+    def proxy_env(self, port: int) -> dict[str, str]:
+        """HTTP(S)_PROXY and friends: the proxy on the host end (every TCP connection reaches it anyway)."""
+        url = f"http://{self.gateway}:{port}"
+        return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+                "NO_PROXY": "localhost,127.0.0.1", "no_proxy": "localhost,127.0.0.1"}
+
+    def close(self) -> None:
+        if self.netns >= 0:
+            os.close(self.netns)
+            self.netns = -1
+
+
+class Links:
+    """The node's sandbox network ends: made and configured on one thread (setns moves one thread only)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.prefix = link_prefix(node)
+        self.subnet = reserve_subnet(node)
+        self._free = list(range(SLOTS, 0, -1))
+        self._lock = threading.Lock()
+        self.making: set[str] = set()      # host ends being made now (not yet handed to anyone)
+
+    def close(self) -> None:
+        """Drop the node's reservation (every End freed first)."""
+        release_subnet(self.node)
+
+    def addresses(self, slot: int) -> tuple[str, str]:
+        """(host end, sandbox end) of a slot."""
+        base = int(self.subnet.network_address) + 4 * slot
+        return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
+
+    def make(self) -> End:
+        """A new namespace with its veth pair up and addressed. Blocking (~ms): call it off the event loop."""
+        with self._lock:
+            if not self._free:
+                raise LinkError(f"node {self.node} holds {SLOTS} sandbox networks already")
+            slot = self._free.pop()
+        gateway, address = self.addresses(slot)
+        end = End(slot, -1, f"{self.prefix}{slot:x}", gateway, address)
+        self.making.add(end.ifname)      # until its taker holds it (held(): off this thread)
+        try:
+            end.netns = _configure(end)
+        except (OSError, NetlinkError) as exc:
+            self.free(end)
+            raise LinkError(f"sandbox network {end.ifname}: {exc}") from exc
+        return end
+
+    def held(self, end: End) -> None:
+        """Its taker holds it now (the leak check counts it there)."""
+        self.making.discard(end.ifname)
+
+    def free(self, end: End) -> None:
+        """Close the namespace (its veth pair goes with it) and give the slot back."""
+        end.close()
+        self.making.discard(end.ifname)
+        try:
+            with IPRoute() as ipr:   # gone already unless another fd still holds the namespace
+                idx = ipr.link_lookup(ifname=end.ifname)
+                if idx:
+                    ipr.link("del", index=idx[0])
+        except NetlinkError as exc:
+            if exc.code != 19:   # ENODEV: it went with its namespace meanwhile
+                log.warning("removing %s: %s", end.ifname, exc)
+        with self._lock:
+            self._free.append(end.slot)
+
+    def leftovers(self) -> list[str]:
+        """Host links of this node's prefix (none once every End is freed)."""
+        with IPRoute() as ipr:
+            return sorted(name for link in ipr.get_links() if (name := link.get_attr("IFLA_IFNAME", ""))
+                          .startswith(self.prefix))
+
+
+def _configure(end: End) -> int:
+    """Make the namespace on this thread, configure both ends, come back; the namespace's fd."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    netns = -1
+    try:
+        kernel.unshare(kernel.CLONE_NEWNET)          # this thread only
+        try:
+            netns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            for name, value in SANDBOX_SYSCTLS:      # /proc/sys/net is the opener's namespace's
+                with open(f"/proc/sys/{name}", "w") as f:
+                    f.write(value)
+            # Inside: the pair, its sandbox end configured, the host end sent out to the host's namespace.
+            # (pyroute2 opens its socket on first use: it is used, and closed, while this thread is in.)
+            with IPRoute() as ipr:
+                ipr.link("add", ifname="eth0", kind="veth", peer={"ifname": end.ifname})
+                lo, eth0 = ipr.link_lookup(ifname="lo")[0], ipr.link_lookup(ifname="eth0")[0]
+                ipr.link("set", index=lo, state="up")
+                ipr.addr("add", index=eth0, address=end.address, prefixlen=30)
+                ipr.link("set", index=eth0, state="up")
+                ipr.route("add", gateway=end.gateway)
+                ipr.link("set", index=ipr.link_lookup(ifname=end.ifname)[0], net_ns_fd=own)
+        finally:
+            kernel.setns(own, kernel.CLONE_NEWNET)   # back home; it cannot fail with our own fd
+        with open(f"/proc/sys/net/ipv6/conf/{end.ifname}/disable_ipv6", "w") as f:
+            f.write("1")
+        with IPRoute() as ipr:
+            idx = ipr.link_lookup(ifname=end.ifname)[0]
+            ipr.addr("add", index=idx, address=end.gateway, prefixlen=30)
+            ipr.link("set", index=idx, state="up")
+        return netns
+    except BaseException:
+        if netns >= 0:
+            os.close(netns)
+        raise
+    finally:
+        os.close(own)
+
+
+MAX_RATE = (1 << 32) - 1           # tbf's rate field (bytes/s); a policy above it is not shaped further
+
+
+def tbf(end: End, rate: int) -> None:
+    """Shape both directions of a sandbox's link to rate bytes/s: a token bucket on the host end (what the
+    sandbox receives) and on its own end (what it sends; it cannot change it: no CAP_NET_ADMIN there)."""
+    rate = min(rate, MAX_RATE)
+    burst = max(rate // 20, 64 << 10)          # 50 ms of it, at least 64 KiB
+    params = {"rate": rate, "burst": burst, "latency": 50_000}   # latency in us: the queue it may hold
+
+    def apply(ipr: IPRoute, name: str) -> None:
+        ipr.tc("replace", kind="tbf", index=ipr.link_lookup(ifname=name)[0], handle=0x10000, **params)
+
+    with IPRoute() as ipr:
+        apply(ipr, end.ifname)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        kernel.setns(end.netns, kernel.CLONE_NEWNET)
+        try:
+            with IPRoute() as ipr:
+                apply(ipr, "eth0")
+        finally:
+            kernel.setns(own, kernel.CLONE_NEWNET)
+    finally:
+        os.close(own)

@@ -1,0 +1,282 @@
+"""Aether on one node, the edge's side: the node's links (links.py), rules (rules.py) and proxy process
+(serve.py), and the one hook every backend's network goes through:
+
+    end = await aether.attach(sandbox_id, policy)    # a namespace (container) with its policy in force
+    await aether.set_policy(sandbox_id, policy)      # in force for every connection opened after it returns
+    await aether.detach(sandbox_id)
+
+Namespaces are made ahead (POOL of them, off the create path). The proxy is supervised: if it dies it is
+started again on the same ports and told every sandbox's policy before it serves. Decisions it reports
+go to `on_report(sandbox_id, report)` (the edge puts them on the sandbox's trajectory).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ipaddress
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from aether import rules
+from aether.links import End, LinkError, Links, tbf
+from bus.network import DEFAULT_BANDWIDTH, Network
+
+log = logging.getLogger(__name__)
+
+POOL = 8                     # namespaces kept made ahead
+ANSWER_TIMEOUT = 5.0         # seconds the proxy has to answer an op
+START_TIMEOUT = 10.0
+RESTART_DELAY = 0.2
+
+
+class AetherError(Exception):
+    """The node's network could not be set up, or an op did not take effect."""
+
+
+def default_resolver() -> str:
+    """The host's first nameserver (what --aether-dns defaults to), or '' when it has none."""
+    try:
+        for line in Path("/etc/resolv.conf").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                ipaddress.IPv4Address(parts[1])
+                return parts[1]
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+class Aether:
+    """The node's sandbox networking."""
+
+    def __init__(self, node: str, dns: str = "", allow_cidrs: list[str] | tuple = (),
+                 on_report: Callable[[str, dict], None] | None = None, pool: int = POOL) -> None:
+        self.node, self.dns, self.allow_cidrs = node, dns or default_resolver(), list(allow_cidrs)
+        self.on_report = on_report or (lambda _sid, _r: None)
+        self.pool_size = pool
+        self.links: Links | None = None
+        self.port = self.dns_port = 0
+        self.attached: dict[str, tuple[End, Network]] = {}
+        self._pool: list[End] = []
+        self._proc: subprocess.Popen | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._answers: dict[int, asyncio.Future] = {}
+        self._seq = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._ready = asyncio.Event()
+        self._stopping = False
+        # One thread makes and frees namespaces (setns moves a thread: never the event loop's).
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aether-links")
+        self._fill_wanted = asyncio.Event()
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def _make(self) -> End:
+        """A new network end; one a cancelled caller no longer wants is freed, never left behind."""
+        fut = asyncio.get_running_loop().run_in_executor(self._thread, self.links.make)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self._in_thread(self.links.free, await fut)
+            raise
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            self.links = await self._in_thread(Links, self.node)
+            await self._spawn()
+            await self._in_thread(rules.install, self.node, self.port, self.dns_port)
+        except BaseException:
+            await self.stop()
+            raise
+        self._tasks += [asyncio.ensure_future(self._supervise()), asyncio.ensure_future(self._fill())]
+        self._fill_wanted.set()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._kill()
+        ends = self._pool + [end for end, _ in self.attached.values()]
+        self._pool, self.attached = [], {}
+        if self.links is not None:
+            for end in ends:
+                await self._in_thread(self.links.free, end)
+        with contextlib.suppress(Exception):
+            await self._in_thread(rules.remove, self.node)
+        if self.links is not None:
+            with contextlib.suppress(Exception):
+                await self._in_thread(self.links.close)
+        self._thread.shutdown(wait=False)
+
+    async def _spawn(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        repo = str(Path(__file__).resolve().parent.parent)
+        argv = [sys.executable, "-m", "aether.serve", "--control-fd", str(theirs.fileno()),
+                "--port", str(self.port), "--dns-port", str(self.dns_port), "--node", self.node,
+                "--sandboxes", str(self.links.subnet)]
+        if self.dns:
+            argv += ["--dns", self.dns]
+        for cidr in self.allow_cidrs:
+            argv += ["--allow-cidr", cidr]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": repo}
+        self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, env=env, cwd=repo, start_new_session=True)
+        theirs.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 22)
+        try:
+            hello = msgspec.json.decode(await asyncio.wait_for(reader.readline(), START_TIMEOUT))["hello"]
+        except (asyncio.TimeoutError, msgspec.DecodeError, KeyError, TypeError) as exc:
+            raise AetherError(f"the Aether proxy of node {self.node} did not start ({exc or 'timeout'})") from None
+        self.port, self.dns_port = hello["port"], hello["dns_port"]
+        self._tasks.append(asyncio.ensure_future(self._read(reader)))
+        for sid, (end, policy) in self.attached.items():   # a restart: every policy before it serves
+            await self._op({"op": "set", "address": end.address, "sandbox": sid,
+                            "policy": msgspec.to_builtins(policy)}, ready=False)
+        self._ready.set()
+
+    async def _kill(self) -> None:
+        self._ready.clear()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.wait)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        while line := await reader.readline():
+            try:
+                msg = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                continue
+            if "report" in msg:
+                for item in msg["report"]:
+                    try:
+                        self.on_report(item["sandbox"], item)
+                    except Exception:   # a report is never worth the reader
+                        log.exception("network report of %s", item.get("sandbox"))
+            elif (fut := self._answers.pop(msg.get("seq", 0), None)) is not None and not fut.done():
+                fut.set_result(msg.get("error"))
+        for fut in self._answers.values():
+            if not fut.done():
+                fut.set_exception(AetherError("the Aether proxy went away"))
+        self._answers.clear()
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.wait)
+            if self._stopping:
+                return
+            log.warning("the Aether proxy of node %s died (%s): starting it again", self.node, self._proc.returncode)
+            await self._kill()
+            await asyncio.sleep(RESTART_DELAY)
+            try:
+                await self._spawn()
+            except (AetherError, OSError) as exc:
+                log.error("the Aether proxy of node %s did not start again: %s", self.node, exc)
+
+    async def _fill(self) -> None:
+        while True:
+            await self._fill_wanted.wait()
+            self._fill_wanted.clear()
+            while len(self._pool) < self.pool_size:
+                try:
+                    end = await self._make()
+                except (LinkError, OSError) as exc:
+                    log.warning("making a sandbox network ahead: %s", exc)
+                    break
+                self._pool.append(end)   # held from now (an attach shapes it if it takes it first)
+                self.links.held(end)
+                try:
+                    await self._in_thread(shape, end, DEFAULT_BANDWIDTH)
+                    end.bandwidth = DEFAULT_BANDWIDTH
+                except Exception as exc:
+                    log.warning("shaping a sandbox network: %s", exc)
+
+    # ---- the hook ----------------------------------------------------------------------------------------
+
+    async def _op(self, msg: dict, ready: bool = True) -> None:
+        if ready:
+            await asyncio.wait_for(self._ready.wait(), ANSWER_TIMEOUT)
+        if self._writer is None:
+            raise AetherError("the Aether proxy is not running")
+        seq = next(self._seq)
+        fut = asyncio.get_running_loop().create_future()
+        self._answers[seq] = fut
+        self._writer.write(msgspec.json.encode({**msg, "seq": seq}) + b"\n")
+        try:
+            await self._writer.drain()
+            error = await asyncio.wait_for(fut, ANSWER_TIMEOUT)
+        except (asyncio.TimeoutError, ConnectionError) as exc:
+            raise AetherError(f"the Aether proxy did not take the change ({exc or 'timeout'})") from None
+        finally:
+            self._answers.pop(seq, None)
+        if error:
+            raise AetherError(error)
+
+    async def attach(self, sandbox_id: str, policy: Network) -> End:
+        """A network end for a sandbox with its policy in force (the pool's, else a new one)."""
+        if sandbox_id in self.attached:
+            raise AetherError(f"sandbox {sandbox_id} has a network already")
+        end = self._pool.pop() if self._pool else None
+        self._fill_wanted.set()
+        try:
+            if end is None:
+                end = await self._make()
+            self.attached[sandbox_id] = (end, policy)
+            self.links.held(end)
+            await self._apply(sandbox_id, end, policy)
+        except BaseException:
+            self.attached.pop(sandbox_id, None)
+            if end is not None:
+                await self._in_thread(self.links.free, end)
+            raise
+        return end
+
+    async def _apply(self, sandbox_id: str, end: End, policy: Network) -> None:
+        rate = policy.bandwidth or DEFAULT_BANDWIDTH
+        if end.bandwidth != rate:
+            await self._in_thread(shape, end, rate)
+            end.bandwidth = rate
+        await self._op({"op": "set", "address": end.address, "sandbox": sandbox_id,
+                        "policy": msgspec.to_builtins(policy)})
+
+    async def set_policy(self, sandbox_id: str, policy: Network) -> None:
+        """Change a sandbox's policy; in force for every connection it opens once this returns."""
+        end, _ = self.attached[sandbox_id]
+        await self._apply(sandbox_id, end, policy)
+        self.attached[sandbox_id] = (end, policy)
+
+    async def detach(self, sandbox_id: str) -> None:
+        """The sandbox's policy dropped and its network end freed (its namespace goes with its last fd)."""
+        item = self.attached.pop(sandbox_id, None)
+        if item is None:
+            return
+        with contextlib.suppress(AetherError, asyncio.TimeoutError):
+            await self._op({"op": "drop", "address": item[0].address}, ready=False)
+        await self._in_thread(self.links.free, item[0])
+
+    def leaks(self) -> list[str]:
+        """Links of this node no sandbox and no pool end holds."""
+        held = ({end.ifname for end in self._pool} | {end.ifname for end, _ in self.attached.values()}
+                | (set(self.links.making) if self.links else set()))
+        # pyroute2's blocking calls must not run on a thread with a running event loop: on ours
+        names = self._thread.submit(self.links.leftovers).result() if self.links else []
+        return [f"veth {name}" for name in names if name not in held]
+
+
+shape = tbf   # bandwidth of both directions of a sandbox's link (tc tbf on each end)

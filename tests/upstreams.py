@@ -1,0 +1,137 @@
+"""Upstream servers for the network tests, run inside a network namespace the test made (never on a route
+that leaves the machine): `python -m tests.upstreams LOG_DIR CERT KEY`.
+
+On 198.51.100.2 (the namespace's address):
+- :53/udp   DNS: the ZONE below, NXDOMAIN otherwise; every query name is logged (dns.log)
+- :80       HTTP: answers "host=<Host> path=<path>"; every request's Host is logged (http.log)
+- :443      HTTPS (the test CA's certificate for every *.test name): answers "tls host=<Host> sni=<SNI>"
+- :3128     an open HTTP proxy (CONNECT to anything): a relay a sandbox must not chain through
+- :7000     TCP echo
+- :9999/udp counts datagrams (udp.log)
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import struct
+import sys
+from pathlib import Path
+
+UP = "198.51.100.2"
+ZONE = {"allowed.test": UP, "other.test": UP, "denied.test": UP, "proxy.test": UP, "cdn.allowed.test": UP,
+        "rebind.test": "10.77.0.1", "metadata.test": "169.254.169.254"}
+
+
+def log(name: str, line: str) -> None:
+    with open(Path(sys.argv[1]) / name, "a") as f:
+        f.write(line + "\n")
+
+
+class Dns(asyncio.DatagramProtocol):
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        qid, flags = struct.unpack(">HH", data[:4])
+        pos, labels = 12, []
+        while data[pos]:
+            labels.append(data[pos + 1:pos + 1 + data[pos]].decode())
+            pos += 1 + data[pos]
+        qtype = struct.unpack(">H", data[pos + 1:pos + 3])[0]
+        question = data[12:pos + 5]
+        name = ".".join(labels).lower()
+        log("dns.log", name)
+        address = ZONE.get(name)
+        if address is None:
+            self.transport.sendto(struct.pack(">6H", qid, 0x8183, 1, 0, 0, 0) + question, addr)
+            return
+        answers = [struct.pack(">HHHIH", 0xC00C, 1, 1, 30, 4) + socket.inet_aton(address)] if qtype == 1 else []
+        self.transport.sendto(struct.pack(">6H", qid, 0x8180, 1, len(answers), 0, 0) + question + b"".join(answers),
+                              addr)
+
+
+class UdpSink(asyncio.DatagramProtocol):
+    def datagram_received(self, data: bytes, addr) -> None:
+        log("udp.log", f"{addr[0]} {len(data)}")
+
+
+async def _head(reader: asyncio.StreamReader) -> tuple[str, dict[str, str]]:
+    line = (await reader.readline()).decode("latin-1").strip()
+    headers = {}
+    while (h := (await reader.readline()).decode("latin-1").strip()):
+        k, _, v = h.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return line, headers
+
+
+async def http(reader, writer, tls: bool = False) -> None:
+    try:
+        while True:
+            line, headers = await _head(reader)
+            if not line:
+                break
+            sni = writer.get_extra_info("ssl_object").server_hostname if tls else ""
+            log("http.log", f"{'https' if tls else 'http'} {headers.get('host', '')} {line}")
+            if int(headers.get("content-length", 0)):
+                await reader.readexactly(int(headers["content-length"]))
+            path = line.split(" ")[1]
+            if path.startswith("/bytes/"):
+                body = b"x" * int(path[7:])
+            else:
+                body = (f"{'tls ' if tls else ''}host={headers.get('host', '')} path={path}"
+                        + (f" sni={sni}" if tls else "") + "\n").encode()
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+        pass
+    finally:
+        writer.close()
+
+
+async def open_proxy(reader, writer) -> None:
+    try:
+        line, _ = await _head(reader)
+        log("proxy.log", line)
+        host, port = line.split(" ")[1].rsplit(":", 1)
+        up_r, up_w = await asyncio.open_connection(ZONE.get(host, host), int(port))
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\n")
+
+        async def pipe(r, w):
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+            w.close()
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+    except (ConnectionError, ValueError, OSError):
+        writer.close()
+
+
+async def echo(reader, writer) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(sys.argv[2], sys.argv[3])
+    seen = {}
+
+    def sni_cb(sslobj, name, _ctx):
+        seen[id(sslobj)] = name
+    ctx.sni_callback = sni_cb
+    await loop.create_datagram_endpoint(Dns, local_addr=(UP, 53))
+    await loop.create_datagram_endpoint(UdpSink, local_addr=(UP, 9999))
+    servers = [await asyncio.start_server(http, UP, 80),
+               await asyncio.start_server(lambda r, w: http(r, w, True), UP, 443, ssl=ctx),
+               await asyncio.start_server(open_proxy, UP, 3128),
+               await asyncio.start_server(echo, UP, 7000)]
+    print("ready", flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
