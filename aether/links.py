@@ -14,10 +14,12 @@ collide and leftovers name their node.
 """
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 import os
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -113,16 +115,6 @@ class End:
     address: str                   # the sandbox's
     bandwidth: int = 0             # bytes/s each way its links are shaped to (0: not yet)
 
-    def resolv_conf(self) -> str:
-        """The sandbox's /etc/resolv.conf: the host end (every DNS query goes to Aether's resolver anyway)."""
-        return f"nameserver {self.gateway}\noptions timeout:2 attempts:2\n"
-
-    def proxy_env(self, port: int) -> dict[str, str]:
-        """HTTP(S)_PROXY and friends: the proxy on the host end (every TCP connection reaches it anyway)."""
-        url = f"http://{self.gateway}:{port}"
-        return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
-                "NO_PROXY": "localhost,127.0.0.1", "no_proxy": "localhost,127.0.0.1"}
-
     def close(self) -> None:
         if self.netns >= 0:
             os.close(self.netns)
@@ -136,7 +128,8 @@ class Links:
         self.node = node
         self.prefix = link_prefix(node)
         self.subnet = reserve_subnet(node)
-        self._free = list(range(SLOTS, 0, -1))
+        self._free = collections.deque(range(1, SLOTS + 1))   # first in, first out: a freed slot's
+        self.freed: dict[str, float] = {}                      # link may linger a moment (see free)
         self._lock = threading.Lock()
         self.making: set[str] = set()      # host ends being made now (not yet handed to anyone)
 
@@ -154,7 +147,7 @@ class Links:
         with self._lock:
             if not self._free:
                 raise LinkError(f"node {self.node} holds {SLOTS} sandbox networks already")
-            slot = self._free.pop()
+            slot = self._free.popleft()
         gateway, address = self.addresses(slot)
         end = End(slot, -1, f"{self.prefix}{slot:x}", gateway, address)
         self.making.add(end.ifname)      # until its taker holds it (held(): off this thread)
@@ -170,19 +163,22 @@ class Links:
         self.making.discard(end.ifname)
 
     def free(self, end: End) -> None:
-        """Close the namespace (its veth pair goes with it) and give the slot back."""
+        """Close our fd of the namespace and give the slot back. The namespace, and its veth pair with it, go
+        when its last holder (the sandbox's init) is gone: the kernel tears namespaces down in batches off
+        every caller's path, where deleting the link here would wait out an RCU grace period under the rtnl
+        lock that creates need. Slots are reused oldest first, long after their link went."""
         end.close()
         self.making.discard(end.ifname)
-        try:
-            with IPRoute() as ipr:   # gone already unless another fd still holds the namespace
-                idx = ipr.link_lookup(ifname=end.ifname)
-                if idx:
-                    ipr.link("del", index=idx[0])
-        except NetlinkError as exc:
-            if exc.code != 19:   # ENODEV: it went with its namespace meanwhile
-                log.warning("removing %s: %s", end.ifname, exc)
         with self._lock:
             self._free.append(end.slot)
+            self.freed[end.ifname] = time.monotonic()
+            while len(self.freed) > 4096:
+                self.freed.pop(next(iter(self.freed)))
+
+    def lingering(self, within: float) -> set[str]:
+        """Host ends freed less than `within` seconds ago (their links may not be gone yet)."""
+        now = time.monotonic()
+        return {name for name, at in self.freed.items() if now - at < within}
 
     def leftovers(self) -> list[str]:
         """Host links of this node's prefix (none once every End is freed)."""
@@ -192,9 +188,13 @@ class Links:
 
 
 def _configure(end: End) -> int:
-    """Make the namespace on this thread, configure both ends, come back; the namespace's fd."""
+    """Make the namespace on this thread, configure both ends, come back; the namespace's fd.
+
+    The pair is made from the host with its peer born in the namespace: moving a link between namespaces
+    waits for an RCU grace period under the rtnl lock, which every create's namespace work also needs."""
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     netns = -1
+    inside = None
     try:
         kernel.unshare(kernel.CLONE_NEWNET)          # this thread only
         try:
@@ -202,30 +202,31 @@ def _configure(end: End) -> int:
             for name, value in SANDBOX_SYSCTLS:      # /proc/sys/net is the opener's namespace's
                 with open(f"/proc/sys/{name}", "w") as f:
                     f.write(value)
-            # Inside: the pair, its sandbox end configured, the host end sent out to the host's namespace.
-            # (pyroute2 opens its socket on first use: it is used, and closed, while this thread is in.)
-            with IPRoute() as ipr:
-                ipr.link("add", ifname="eth0", kind="veth", peer={"ifname": end.ifname})
-                lo, eth0 = ipr.link_lookup(ifname="lo")[0], ipr.link_lookup(ifname="eth0")[0]
-                ipr.link("set", index=lo, state="up")
-                ipr.addr("add", index=eth0, address=end.address, prefixlen=30)
-                ipr.link("set", index=eth0, state="up")
-                ipr.route("add", gateway=end.gateway)
-                ipr.link("set", index=ipr.link_lookup(ifname=end.ifname)[0], net_ns_fd=own)
+            # pyroute2 opens its socket on first use: this one is used while this thread is inside, so it
+            # stays the namespace's after the thread leaves
+            inside = IPRoute()
+            inside.link("set", index=inside.link_lookup(ifname="lo")[0], state="up")
         finally:
             kernel.setns(own, kernel.CLONE_NEWNET)   # back home; it cannot fail with our own fd
-        with open(f"/proc/sys/net/ipv6/conf/{end.ifname}/disable_ipv6", "w") as f:
-            f.write("1")
         with IPRoute() as ipr:
+            ipr.link("add", ifname=end.ifname, kind="veth", peer={"ifname": "eth0", "net_ns_fd": netns})
             idx = ipr.link_lookup(ifname=end.ifname)[0]
+            with open(f"/proc/sys/net/ipv6/conf/{end.ifname}/disable_ipv6", "w") as f:
+                f.write("1")
             ipr.addr("add", index=idx, address=end.gateway, prefixlen=30)
             ipr.link("set", index=idx, state="up")
+        eth0 = inside.link_lookup(ifname="eth0")[0]
+        inside.addr("add", index=eth0, address=end.address, prefixlen=30)
+        inside.link("set", index=eth0, state="up")
+        inside.route("add", gateway=end.gateway)
         return netns
     except BaseException:
         if netns >= 0:
             os.close(netns)
         raise
     finally:
+        if inside is not None:
+            inside.close()
         os.close(own)
 
 

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -32,10 +33,13 @@ from bus.network import DEFAULT_BANDWIDTH, Network
 
 log = logging.getLogger(__name__)
 
-POOL = 8                     # namespaces kept made ahead
+POOL = 16                    # namespaces kept made ahead
+LOW_WATER = 4                # below it the pool is refilled at once, creates or not
+QUIET = 0.05                 # seconds without an attach before the pool is refilled above LOW_WATER
 ANSWER_TIMEOUT = 5.0         # seconds the proxy has to answer an op
 START_TIMEOUT = 10.0
 RESTART_DELAY = 0.2
+LINGER = 10.0                # seconds a freed end's link may outlive it (the kernel's batched teardown)
 
 
 class AetherError(Exception):
@@ -66,6 +70,8 @@ class Aether:
         self.links: Links | None = None
         self.port = self.dns_port = 0
         self.attached: dict[str, tuple[End, Network]] = {}
+        self._applying: dict[str, asyncio.Task] = {}      # attach's policy, being put in force
+        self._last_attach = 0.0
         self._pool: list[End] = []
         self._proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -115,6 +121,10 @@ class Aether:
         if self.links is not None:
             for end in ends:
                 await self._in_thread(self.links.free, end)
+            for _ in range(int(LINGER / 0.05)):        # the node's links gone before it says it stopped
+                if not await self._in_thread(self.links.leftovers):
+                    break
+                await asyncio.sleep(0.05)
         with contextlib.suppress(Exception):
             await self._in_thread(rules.remove, self.node)
         if self.links is not None:
@@ -194,6 +204,10 @@ class Aether:
             await self._fill_wanted.wait()
             self._fill_wanted.clear()
             while len(self._pool) < self.pool_size:
+                # Making one holds the interpreter for most of its ~25 ms: while creates come, and the pool
+                # is not low, it waits for a quiet moment rather than slow them down.
+                while len(self._pool) > LOW_WATER and time.monotonic() - self._last_attach < QUIET:
+                    await asyncio.sleep(QUIET)
                 try:
                     end = await self._make()
                 except (LinkError, OSError) as exc:
@@ -229,23 +243,25 @@ class Aether:
             raise AetherError(error)
 
     async def attach(self, sandbox_id: str, policy: Network) -> End:
-        """A network end for a sandbox with its policy in force (the pool's, else a new one)."""
+        """A network end for a sandbox (the pool's, else a new one). Its policy is being put in force
+        meanwhile: the backend awaits in_force() before the sandbox runs anything of its own."""
         if sandbox_id in self.attached:
             raise AetherError(f"sandbox {sandbox_id} has a network already")
         end = self._pool.pop() if self._pool else None
+        self._last_attach = time.monotonic()
         self._fill_wanted.set()
-        try:
-            if end is None:
-                end = await self._make()
-            self.attached[sandbox_id] = (end, policy)
-            self.links.held(end)
-            await self._apply(sandbox_id, end, policy)
-        except BaseException:
-            self.attached.pop(sandbox_id, None)
-            if end is not None:
-                await self._in_thread(self.links.free, end)
-            raise
+        if end is None:
+            end = await self._make()
+        self.attached[sandbox_id] = (end, policy)
+        self.links.held(end)
+        self._applying[sandbox_id] = asyncio.ensure_future(self._apply(sandbox_id, end, policy))
         return end
+
+    async def in_force(self, sandbox_id: str) -> None:
+        """Once the policy attach() began to apply is in force (AetherError if it could not be)."""
+        task = self._applying.pop(sandbox_id, None)
+        if task is not None:
+            await task
 
     async def _apply(self, sandbox_id: str, end: End, policy: Network) -> None:
         rate = policy.bandwidth or DEFAULT_BANDWIDTH
@@ -263,6 +279,10 @@ class Aether:
 
     async def detach(self, sandbox_id: str) -> None:
         """The sandbox's policy dropped and its network end freed (its namespace goes with its last fd)."""
+        task = self._applying.pop(sandbox_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         item = self.attached.pop(sandbox_id, None)
         if item is None:
             return
@@ -270,10 +290,22 @@ class Aether:
             await self._op({"op": "drop", "address": item[0].address}, ready=False)
         await self._in_thread(self.links.free, item[0])
 
+    def sandbox_env(self, end: End) -> dict[str, str]:
+        """Environment of a sandbox on this end: HTTP(S)_PROXY and friends (the proxy on its gateway; every
+        TCP connection reaches the proxy anyway)."""
+        url = f"http://{end.gateway}:{self.port}"
+        return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+                "NO_PROXY": "localhost,127.0.0.1", "no_proxy": "localhost,127.0.0.1"}
+
+    def sandbox_etc(self, end: End) -> dict[str, str]:
+        """Files of a sandbox's /etc on this end: resolv.conf names its gateway (every DNS query goes to
+        Aether's resolver anyway, whatever server it names)."""
+        return {"resolv.conf": f"nameserver {end.gateway}\noptions timeout:2 attempts:2\n"}
+
     def leaks(self) -> list[str]:
         """Links of this node no sandbox and no pool end holds."""
         held = ({end.ifname for end in self._pool} | {end.ifname for end, _ in self.attached.values()}
-                | (set(self.links.making) if self.links else set()))
+                | (set(self.links.making) | self.links.lingering(LINGER) if self.links else set()))
         # pyroute2's blocking calls must not run on a thread with a running event loop: on ours
         names = self._thread.submit(self.links.leftovers).result() if self.links else []
         return [f"veth {name}" for name in names if name not in held]

@@ -12,9 +12,11 @@ On 198.51.100.2 (the namespace's address):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,6 +133,53 @@ async def main() -> None:
                await asyncio.start_server(echo, UP, 7000)]
     print("ready", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+def make_certs(d: Path) -> tuple[Path, Path]:
+    """A test CA and a certificate for the *.test names it signs: (cert, key)."""
+    conf = d / "san.cnf"
+    conf.write_text("[req]\ndistinguished_name=dn\n[dn]\n[ext]\nsubjectAltName=DNS:*.test,DNS:allowed.test,"
+                    "DNS:other.test,DNS:denied.test\n")
+    _run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=dsec test CA",
+         "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    _run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=allowed.test", "-keyout",
+         str(d / "leaf.key"), "-out", str(d / "leaf.csr"))
+    _run("openssl", "x509", "-req", "-in", str(d / "leaf.csr"), "-CA", str(d / "ca.pem"), "-CAkey",
+         str(d / "ca.key"), "-CAcreateserial", "-days", "2", "-extfile", str(conf), "-extensions", "ext",
+         "-out", str(d / "leaf.pem"))
+    return d / "leaf.pem", d / "leaf.key"
+
+
+@contextlib.contextmanager
+def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
+    """The upstream namespace `ns` (UP; the host end .1 on `link`) with these servers; yields the logs' dir.
+    Everything goes with the namespace."""
+    (d / "logs").mkdir(exist_ok=True)
+    cert, key = make_certs(d)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    _run("ip", "netns", "add", ns)
+    proc = None
+    try:
+        _run("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "addr", "add", "198.51.100.1/24", "dev", link)
+        _run("ip", "link", "set", link, "up")
+        for cmd in (["ip", "addr", "add", f"{UP}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
+                    ["ip", "link", "set", "lo", "up"]):
+            _run("ip", "netns", "exec", ns, *cmd)
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.upstreams", str(d / "logs"),
+                                 str(cert), str(key)], stdout=subprocess.PIPE, cwd=Path(__file__).parent.parent)
+        if proc.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the upstream servers did not start")
+        yield d / "logs"
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 if __name__ == "__main__":

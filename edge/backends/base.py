@@ -91,6 +91,28 @@ class Backend(abc.ABC):
     network = None                  # set by the edge: the node's Aether (aether/node.py), None without one
     trusted_shell: str = TRUSTED_SHELL   # the shell string commands run with, inside its sandboxes
 
+    async def attach_network(self, spec: SandboxSpec):
+        """The one network hook: the sandbox's network end from the node's Aether (aether/node.py), its
+        policy in force; None for loopback only. The backend joins its sandbox to end.netns and calls
+        self.network.detach(spec.id) when the sandbox is gone."""
+        if spec.network is None or spec.network.mode == "none":
+            return None
+        if self.network is None:
+            raise SpecRefused(f"sandbox {spec.id}: this node runs no Aether (network {spec.network.mode!r} "
+                              f"needs it: dsec edge without --no-aether)")
+        try:
+            return await self.network.attach(spec.id, spec.network)
+        except Exception as exc:
+            raise BackendError(f"sandbox {spec.id}: its network: {exc}") from exc
+
+    async def network_in_force(self, spec: SandboxSpec) -> None:
+        """Wait until the policy attach_network began to apply is in force (before the sandbox runs anything
+        of its own); BackendError if it could not be."""
+        try:
+            await self.network.in_force(spec.id)
+        except Exception as exc:
+            raise BackendError(f"sandbox {spec.id}: its network policy: {exc}") from exc
+
     @property
     def capabilities(self) -> frozenset[str]:
         """What its sandboxes offer (the shared table: the SDK and placement refuse the rest)."""

@@ -75,7 +75,7 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     scratch: int = 0            # > 0: a read-only root with a tmpfs of this many bytes at /tmp (fncall workers)
     netns: bool = False         # join the network namespace of the 2nd fd (Aether's, made by the host)
                                 # instead of a new one with only lo
-    resolv: str = ""            # what /etc/resolv.conf says (a sandbox with a network)
+    etc: dict[str, str] = {}    # files written in its /etc (a sandbox with a network: resolv.conf, pip.conf)
 
 
 class Refresh(msgspec.Struct, tag="refresh", tag_field="kind", frozen=True):
@@ -329,10 +329,11 @@ def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lo
         kernel.pivot_root(".", ".")              # old root ends up stacked on /; detach it
         kernel.umount2(".", kernel.MNT_DETACH)
         os.chdir("/")
-        if req.resolv:                           # inside the new root: an image's symlink resolves in it
-            _write_resolv(req.resolv, req.uid_base)
+        for name, text in req.etc.items():       # inside the new root: an image's symlink resolves in it
+            _write_etc(name, text, req.uid_base)
         kernel.sethostname(req.hostname)
-        kernel.loopback_up()
+        if not req.netns:                        # Aether's has lo up (an ioctl here would wait for the
+            kernel.loopback_up()                 # rtnl lock, which every namespace's teardown holds)
         null = os.open("/dev/null", os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
@@ -363,16 +364,19 @@ def _open_net_privileges() -> None:
             f.write(value)
 
 
-def _write_resolv(text: str, owner: int) -> None:
-    """/etc/resolv.conf of the sandbox (its upper layer: the sandbox's root may change it, which gains it
-    nothing, as its every DNS query goes to Aether's resolver whatever server it names)."""
-    if os.path.islink("/etc/resolv.conf"):
-        os.unlink("/etc/resolv.conf")
+def _write_etc(name: str, text: str, owner: int) -> None:
+    """/etc/<name> of the sandbox, e.g. resolv.conf (its upper layer: the sandbox's root may change it, which
+    gains it nothing, as its every DNS query goes to Aether's resolver whatever server it names)."""
+    if "/" in name or name.startswith("."):
+        raise ValueError(f"not a file name in /etc: {name!r}")
+    path = f"/etc/{name}"
+    if os.path.islink(path):
+        os.unlink(path)
     os.makedirs("/etc", 0o755, exist_ok=True)
-    with open("/etc/resolv.conf", "w") as f:
+    with open(path, "w") as f:
         f.write(text)
-    os.chmod("/etc/resolv.conf", 0o644)
-    os.chown("/etc/resolv.conf", owner, owner)   # the sandbox's root's, like the rest of its root
+    os.chmod(path, 0o644)
+    os.chown(path, owner, owner)   # the sandbox's root's, like the rest of its root
 
 
 def _mount_root(req: Launch, userns: int) -> None:

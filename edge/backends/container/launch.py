@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 
 from edge.backends import cgroups, execio, idmap, kernel, zygote
-from edge.backends.base import (BackendError, CapacityExhausted, LayerUnusable, SandboxGone, SandboxSpec,
-                                SpecRefused)
+from edge.backends.base import BackendError, CapacityExhausted, LayerUnusable, SandboxGone, SandboxSpec
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.container.state import (ID_RE, KEYS_KEPT, LAUNCH_TIMEOUT, REAP_TIMEOUT, RELEASE_RETRIES, Core,
                                            Running)
@@ -48,9 +47,9 @@ class Launching(Core):
         ids: idmap.IdRange | None = None
         end = None
         try:
-            end = await self._attach_network(spec)
+            end = await self.attach_network(spec)
             if end is not None:      # its commands find the proxy by HTTP(S)_PROXY too
-                spec = dataclasses.replace(spec, env={**end.proxy_env(self.network.port), **spec.env})
+                spec = dataclasses.replace(spec, env={**self.network.sandbox_env(end), **spec.env})
             ids = self._ids.lease(spec.id)
             layers = self._layers.acquire(spec.layers)
             sub = self._uppers.create(spec.id, spec.limits.disk)
@@ -62,7 +61,7 @@ class Launching(Core):
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
                              trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty),
                              base=str(self.state_dir), views=self._views.proc_dir, scratch=spec.scratch,
-                             netns=end is not None, resolv=end.resolv_conf() if end else "")
+                             netns=end is not None, etc=self.network.sandbox_etc(end) if end else {})
                 try:
                     init = await self._launcher.request(msg, [ready_w] + ([end.netns] if end else []))
                 finally:
@@ -72,6 +71,8 @@ class Launching(Core):
                 os.close(ready_r)
             if error:
                 raise BackendError(f"sandbox {spec.id} failed to start: {error.decode(errors='replace')}")
+            if end is not None:      # its policy went to the proxy while it started
+                await self.network_in_force(spec)
             return Running(spec, init[0], init[1], layers, ids, pidfd=os.pidfd_open(init[0]))
         except BaseException as exc:
             await self._teardown(spec.id, init, groups, sub is not None, layers, ids)
@@ -86,18 +87,6 @@ class Launching(Core):
             if isinstance(exc, asyncio.TimeoutError):
                 raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc
             raise
-
-    async def _attach_network(self, spec: SandboxSpec):
-        """The sandbox's network end from the node's Aether (None for loopback only)."""
-        if spec.network is None or spec.network.mode == "none":
-            return None
-        if self.network is None:
-            raise SpecRefused(f"sandbox {spec.id}: this node runs no Aether (network {spec.network.mode!r} "
-                              f"needs it: dsec edge without --no-aether)")
-        try:
-            return await self.network.attach(spec.id, spec.network)
-        except Exception as exc:
-            raise BackendError(f"sandbox {spec.id}: its network: {exc}") from exc
 
     async def claim(self, warm_id: str, spec: SandboxSpec) -> None:
         """Give a running, never used sandbox (a warm one) the identity of spec: its id, hostname and

@@ -1,0 +1,132 @@
+"""Benchmark: Aether (issue 16). Beside a raw baseline measured in the same run:
+- create p50 with network="proxied" and with network="none" (target: proxied adds at most 2 ms), and a raw
+  `unshare` launch;
+- download throughput through the proxy from inside a sandbox, against the same download straight from the
+  host over the same upstream link (target: at least 0.5x);
+- sb.set_network: how long until the new policy is in force (its round trip).
+
+Run: python -m bench.network [--creates N] [--mib N]   (starts its own stack in this process, with an upstream
+     HTTP server in a network namespace of its own on 198.51.100.0/24: nothing leaves the machine)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import libdsec
+from bench.cycle import RAW, raw_baseline
+from cli.demo import percentile
+
+UP = "198.51.100.2"
+
+
+def fig(name: str, values: list[float], unit: str = "ms") -> str:
+    return f"  {name:<24} p50 {statistics.median(values):8.2f} {unit}  p99 {percentile(values, 99):8.2f} {unit}"
+
+
+async def creates(client, n: int, network) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        sb = await client.create("busybox", network=network)
+        out.append((time.perf_counter() - t0) * 1000)
+        await sb.destroy()
+    return out
+
+
+def host_download(size: int) -> float:
+    """MiB/s of busybox wget from the host straight to the upstream."""
+    t0 = time.perf_counter()
+    subprocess.run(["busybox", "wget", "-q", "-O", "/dev/null", f"http://{UP}/bytes/{size}"], check=True)
+    return size / (1 << 20) / (time.perf_counter() - t0)
+
+
+async def sandbox_download(sb, size: int) -> float:
+    """MiB/s of the same download from inside a sandbox, through the proxy: the exec's round trip less that
+    of an empty one (busybox's date has no nanoseconds)."""
+    t0 = time.perf_counter()
+    await sb.exec("true")
+    t1 = time.perf_counter()
+    r = await sb.exec(f"wget -q -O /dev/null http://allowed.test/bytes/{size}", timeout=120)
+    t2 = time.perf_counter()
+    assert r.exit_code == 0, r.stderr
+    return size / (1 << 20) / ((t2 - t1) - (t1 - t0))
+
+
+async def measure(url: str, n: int, mib: int) -> None:
+    async with libdsec.AsyncClient(url) as client:
+        await creates(client, 5, None)                              # warm-up: layer fetch, mounts
+        await creates(client, 5, libdsec.Network(allow=["allowed.test"]))
+        # Apart first (each run alone: a proxied run pays for refilling the pool of namespaces it drains),
+        # then interleaved (the refill lands on both kinds of create alike).
+        await asyncio.sleep(1.0)
+        none = await creates(client, n, None)
+        proxied = await creates(client, n, libdsec.Network(allow=["allowed.test"]))
+        print(f"create ({n} each, sequential, one run of each):")
+        print(fig("network none", none))
+        print(fig("network proxied", proxied))
+        print(f"  proxied adds {statistics.median(proxied) - statistics.median(none):+.2f} ms at p50 "
+              f"(target <= 2 ms)")
+        none, proxied = [], []
+        for _ in range(max(1, n // 10)):
+            none += await creates(client, 10, None)
+            proxied += await creates(client, 10, libdsec.Network(allow=["allowed.test"]))
+        print(f"create ({len(none)} each, interleaved by tens):")
+        print(fig("network none", none))
+        print(fig("network proxied", proxied))
+        size = mib << 20
+        fast = libdsec.Network(allow=["allowed.test"], bandwidth="3Gi")   # not the 100 Mbit/s default cap
+        async with await client.create("busybox", network=fast) as sb:
+            direct = [host_download(size) for _ in range(3)]
+            through = [await sandbox_download(sb, size) for _ in range(3)]
+            print(f"throughput ({mib} MiB over HTTP, best of 3):")
+            print(f"  direct from the host     {max(direct):8.1f} MiB/s")
+            print(f"  through the proxy        {max(through):8.1f} MiB/s  ({max(through) / max(direct):.2f}x "
+                  f"direct; target >= 0.5x; relay: splice(2))")
+            capped = libdsec.Network(allow=["allowed.test"], bandwidth="10Mi")
+            await sb.set_network(capped)
+            print(f"  with bandwidth=10Mi      {await sandbox_download(sb, 32 << 20):8.1f} MiB/s")
+            times = []
+            for i in range(50):
+                policy = libdsec.Network(allow=["allowed.test"] + (["other.test"] if i % 2 else []))
+                t0 = time.perf_counter()
+                await sb.set_network(policy)
+                times.append((time.perf_counter() - t0) * 1000)
+            print("set_network (in force when it returns):")
+            print(fig("round trip", times))
+
+
+def main(n: int, mib: int, raw_n: int) -> None:
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import upstreams
+    raw = raw_baseline(raw_n)
+    print(f"raw baseline: {' '.join(RAW)}")
+    print(fig("raw launch", raw))
+    with tempfile.TemporaryDirectory(prefix="dsec-bench-net-") as tmp, \
+            upstreams.running(Path(tmp), ns="aetherbench", link="aetherbench0"):
+        async def run() -> None:
+            from bus.server import free_port
+            st = Stack(Path(tmp) / "state", port=free_port(), metrics_port=None,
+                       edge_config=EdgeConfig(node_id="bench-net", slots=16, aether_dns=f"{UP}:53",
+                                              aether_allow_cidr=["198.51.100.0/24"]))
+            await st.start()
+            try:
+                await measure(st.url, n, mib)
+            finally:
+                await st.stop()
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--creates", type=int, default=100, help="creates of each kind (default 100)")
+    ap.add_argument("--mib", type=int, default=256, help="MiB per download (default 256)")
+    ap.add_argument("--raw", type=int, default=50, help="raw baseline launches (default 50)")
+    args = ap.parse_args()
+    main(args.creates, args.mib, args.raw)

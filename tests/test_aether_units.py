@@ -1,0 +1,99 @@
+"""Aether's parsers of untrusted bytes (aether/sniff.py, aether/dns.py) and its address guard
+(aether/policy.py): what they accept, and that junk never raises or reads past what it was given."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import random
+import ssl
+import struct
+
+import pytest
+
+from aether import dns, sniff
+from aether.policy import WINDOW, Decision, Guard, SandboxState
+from bus.network import Network
+
+
+def hello(name: str | None) -> bytes:
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    out = ssl.MemoryBIO()
+    obj = ctx.wrap_bio(ssl.MemoryBIO(), out, server_hostname=name)
+    with pytest.raises(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def test_a_client_hellos_server_name_is_read_and_junk_gives_none():
+    data = hello("Allowed.Test")
+    assert sniff.looks_tls(data) and sniff.client_hello_sni(data) == "allowed.test"
+    assert sniff.client_hello_sni(hello(None)) is None                    # no SNI at all
+    assert sniff.client_hello_sni(data[:len(data) // 2]) is None           # not whole yet
+    rng = random.Random(7)
+    for _ in range(2000):                                                  # truncated, flipped, random
+        junk = bytearray(data[:rng.randrange(len(data))] if rng.random() < 0.5 else os.urandom(rng.randrange(600)))
+        for _ in range(rng.randrange(4)):
+            if junk:
+                junk[rng.randrange(len(junk))] = rng.randrange(256)
+        sni = sniff.client_hello_sni(bytes(junk))
+        assert sni is None or isinstance(sni, str)
+
+
+def test_http_request_heads_are_read_strictly():
+    req = sniff.request_head(b"GET /x HTTP/1.1\r\nHost: Allowed.Test:8080\r\nContent-Length: 5\r\n\r\nhello")
+    assert (req.method, req.target, req.host, req.length, req.size) == ("GET", "/x", "allowed.test", 5, 63)
+    assert sniff.request_head(b"GET /x HTTP/1.1\r\nHost: a\r\n") is None                         # not whole
+    assert sniff.request_head(b"GET /x HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n").host is None     # two Hosts
+    assert sniff.request_head(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n").length == -1
+    assert sniff.request_head(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"
+                              ).length == -1
+    assert sniff.request_head(b"GET / SPDY/3\r\nHost: a\r\n\r\n") is None
+    assert sniff.request_head(b"GET /\r\n\r\n") is None
+    assert sniff.split_host("[2001:db8::1]:443") == ("2001:db8::1", 443)
+    assert sniff.split_host("pypi.org:99999")[1] == -1 and sniff.split_host("pypi.org", 80) == ("pypi.org", 80)
+
+
+def query(name: str, qtype: int = dns.A, flags: int = 0x0100) -> bytes:
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+    return struct.pack(">6H", 0x1234, flags, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", qtype, 1)
+
+
+def test_dns_questions_are_read_and_answered():
+    q = dns.parse_query(query("Allowed.Test"))
+    assert (q.id, q.name, q.qtype) == (0x1234, "allowed.test", dns.A)
+    reply = dns.answer(q, dns.NOERROR, ["198.51.100.2"], 30)
+    assert dns._parse_a_records(reply, 0x1234) == (dns.NOERROR, ["198.51.100.2"], 30)
+    assert dns._parse_a_records(dns.answer(q, dns.NXDOMAIN), 0x1234)[:2] == (dns.NXDOMAIN, [])
+    assert dns.parse_query(query("a.test", flags=0x8100)) is None             # a response, not a query
+    assert dns.parse_query(query("a.test")[:15]) is None
+    loop = struct.pack(">6H", 1, 0x0100, 1, 0, 0, 0) + b"\xc0\x0c" + struct.pack(">HH", 1, 1)
+    assert dns.parse_query(loop) is None                                     # a pointer to itself
+    for _ in range(2000):
+        assert dns.parse_query(os.urandom(random.randrange(40))) is None or True
+
+
+def test_the_guard_refuses_what_no_tenant_may_reach():
+    g = Guard(["198.51.100.0/24"], "10.250.0.0/16")
+    a = ipaddress.ip_address
+    assert g.denied(a("198.51.100.7")) is None                 # the operator's range
+    assert "host" in g.denied(a("127.0.0.1"))
+    assert "sandbox" in g.denied(a("10.250.3.4"))
+    for private in ("10.1.2.3", "192.168.1.1", "172.16.0.1", "169.254.169.254", "100.64.0.1", "203.0.113.9",
+                    "224.0.0.1", "0.0.0.0"):
+        assert g.denied(a(private)), private
+    assert "IPv6" in g.denied(a("2001:db8::1"))
+    assert g.denied(a("8.8.8.8")) is None
+
+
+def test_decisions_past_the_window_are_only_counted():
+    sb = SandboxState.of("sb1", Network(mode="proxied", allow=["a.test"]))
+    for i in range(500):
+        sb.note(Decision(0.0, "denied" if i % 2 else "allowed", "x.test", "", 80, bytes_in=10))
+    report = sb.take()
+    assert len(report["decisions"]) == 20
+    assert report["suppressed"] == {"allowed": 240, "denied": 240, "bytes": 4800}
+    assert sb.take() is None
+    sb.window_start -= WINDOW + 1                               # a new window writes again
+    sb.note(Decision(0.0, "denied", "y.test", "", 80))
+    assert len(sb.take()["decisions"]) == 1
