@@ -15,6 +15,7 @@ collide and leftovers name their node.
 from __future__ import annotations
 
 import collections
+import errno
 import ipaddress
 import logging
 import os
@@ -230,27 +231,41 @@ def _configure(end: End) -> int:
         os.close(own)
 
 
-MAX_RATE = (1 << 32) - 1           # tbf's rate field (bytes/s); a policy above it is not shaped further
+MAX_RATE = (1 << 32) - 1           # htb's rate field (bytes/s); a policy above it is not shaped further
 
 
-def tbf(end: End, rate: int) -> None:
-    """Shape both directions of a sandbox's link to rate bytes/s: a token bucket on the host end (what the
-    sandbox receives) and on its own end (what it sends; it cannot change it: no CAP_NET_ADMIN there)."""
+def shape(end: End, rate: int, local_port: int = 0) -> None:
+    """Shape both directions of a sandbox's link to rate bytes/s: HTB on the host end (what the sandbox
+    receives) and on its own end (what it sends; it cannot change it: no CAP_NET_ADMIN there). Traffic with
+    the node's own service on local_port of its gateway (the pip mirror) is not shaped: a class of its own,
+    chosen by address and port, so nothing else the sandbox sends or receives can ride it."""
     rate = min(rate, MAX_RATE)
     burst = max(rate // 20, 64 << 10)          # 50 ms of it, at least 64 KiB
-    params = {"rate": rate, "burst": burst, "latency": 50_000}   # latency in us: the queue it may hold
+    gw = int(ipaddress.IPv4Address(end.gateway))
 
-    def apply(ipr: IPRoute, name: str) -> None:
-        ipr.tc("replace", kind="tbf", index=ipr.link_lookup(ifname=name)[0], handle=0x10000, **params)
+    def apply(ipr: IPRoute, name: str, keys: list[str]) -> None:
+        idx = ipr.link_lookup(ifname=name)[0]
+        try:
+            ipr.tc("add", "htb", idx, 0x10000, default=0x10)
+        except NetlinkError as exc:
+            if exc.code != errno.EEXIST:
+                raise                           # shaped before: only the rate changes
+            ipr.tc("change-class", "htb", idx, 0x10010, parent=0x10000, rate=rate, ceil=rate, burst=burst)
+            return
+        ipr.tc("add-class", "htb", idx, 0x10010, parent=0x10000, rate=rate, ceil=rate, burst=burst)
+        if local_port:
+            ipr.tc("add-class", "htb", idx, 0x10020, parent=0x10000, rate=MAX_RATE, ceil=MAX_RATE, burst=1 << 20)
+            ipr.tc("add-filter", "u32", idx, parent=0x10000, prio=1, protocol=0x0800, target=0x10020, keys=keys)
 
-    with IPRoute() as ipr:
-        apply(ipr, end.ifname)
+    # u32 keys: value/mask+offset in the IPv4 header (no options: 20 bytes, then the TCP ports)
+    with IPRoute() as ipr:                      # to the sandbox: from the gateway's local_port
+        apply(ipr, end.ifname, [f"0x{gw:08x}/0xffffffff+12", f"0x{local_port << 16:08x}/0xffff0000+20"])
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         kernel.setns(end.netns, kernel.CLONE_NEWNET)
         try:
-            with IPRoute() as ipr:
-                apply(ipr, "eth0")
+            with IPRoute() as ipr:              # from the sandbox: to the gateway's local_port
+                apply(ipr, "eth0", [f"0x{gw:08x}/0xffffffff+16", f"0x{local_port:08x}/0x0000ffff+20"])
         finally:
             kernel.setns(own, kernel.CLONE_NEWNET)
     finally:

@@ -27,8 +27,8 @@ from typing import Callable
 
 import msgspec
 
-from aether import rules
-from aether.links import End, LinkError, Links, tbf
+from aether import mirrors as mirrors_mod, rules
+from aether.links import End, LinkError, Links, shape
 from bus.network import DEFAULT_BANDWIDTH, Network
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,10 @@ class Aether:
     """The node's sandbox networking."""
 
     def __init__(self, node: str, dns: str = "", allow_cidrs: list[str] | tuple = (),
-                 on_report: Callable[[str, dict], None] | None = None, pool: int = POOL) -> None:
+                 on_report: Callable[[str, dict], None] | None = None, pool: int = POOL,
+                 mirrors: dict[int, int] | None = None) -> None:
+        self.mirrors = mirrors or {}           # gateway port -> the local port of the node's mirror behind it
+        self._unshaped = mirrors_mod.PIP_PORT if mirrors_mod.PIP_PORT in self.mirrors else 0   # not capped
         self.node, self.dns, self.allow_cidrs = node, dns or default_resolver(), list(allow_cidrs)
         self.on_report = on_report or (lambda _sid, _r: None)
         self.pool_size = pool
@@ -142,6 +145,8 @@ class Aether:
             argv += ["--dns", self.dns]
         for cidr in self.allow_cidrs:
             argv += ["--allow-cidr", cidr]
+        for port, local in self.mirrors.items():
+            argv += ["--mirror", f"{port}=127.0.0.1:{local}"]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": repo}
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                       stdout=subprocess.DEVNULL, env=env, cwd=repo, start_new_session=True)
@@ -216,7 +221,7 @@ class Aether:
                 self._pool.append(end)   # held from now (an attach shapes it if it takes it first)
                 self.links.held(end)
                 try:
-                    await self._in_thread(shape, end, DEFAULT_BANDWIDTH)
+                    await self._in_thread(shape, end, DEFAULT_BANDWIDTH, self._unshaped)
                     end.bandwidth = DEFAULT_BANDWIDTH
                 except Exception as exc:
                     log.warning("shaping a sandbox network: %s", exc)
@@ -266,7 +271,7 @@ class Aether:
     async def _apply(self, sandbox_id: str, end: End, policy: Network) -> None:
         rate = policy.bandwidth or DEFAULT_BANDWIDTH
         if end.bandwidth != rate:
-            await self._in_thread(shape, end, rate)
+            await self._in_thread(shape, end, rate, self._unshaped)
             end.bandwidth = rate
         await self._op({"op": "set", "address": end.address, "sandbox": sandbox_id,
                         "policy": msgspec.to_builtins(policy)})
@@ -294,13 +299,19 @@ class Aether:
         """Environment of a sandbox on this end: HTTP(S)_PROXY and friends (the proxy on its gateway; every
         TCP connection reaches the proxy anyway)."""
         url = f"http://{end.gateway}:{self.port}"
-        return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
-                "NO_PROXY": "localhost,127.0.0.1", "no_proxy": "localhost,127.0.0.1"}
+        env = {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+               "NO_PROXY": f"localhost,127.0.0.1,{end.gateway}", "no_proxy": f"localhost,127.0.0.1,{end.gateway}"}
+        if mirrors_mod.PIP_PORT in self.mirrors:
+            env.update(mirrors_mod.sandbox_env(end.gateway))
+        return env
 
     def sandbox_etc(self, end: End) -> dict[str, str]:
         """Files of a sandbox's /etc on this end: resolv.conf names its gateway (every DNS query goes to
         Aether's resolver anyway, whatever server it names)."""
-        return {"resolv.conf": f"nameserver {end.gateway}\noptions timeout:2 attempts:2\n"}
+        files = {"resolv.conf": f"nameserver {end.gateway}\noptions timeout:2 attempts:2\n"}
+        if mirrors_mod.PIP_PORT in self.mirrors:
+            files.update(mirrors_mod.sandbox_etc(end.gateway))
+        return files
 
     def leaks(self) -> list[str]:
         """Links of this node no sandbox and no pool end holds."""
@@ -311,4 +322,3 @@ class Aether:
         return [f"veth {name}" for name in names if name not in held]
 
 
-shape = tbf   # bandwidth of both directions of a sandbox's link (tc tbf on each end)

@@ -63,6 +63,7 @@ class Connection:
         self.counted = [0, 0]     # bytes out (to upstream), in
         self.explicit = False
         self.http = False         # decided by an HTTP request: the next ones are read and checked too
+        self.host = ""            # what every request of such a connection must name (its Host)
 
     async def _more(self, timeout: float) -> bool:
         data = await asyncio.wait_for(relay.recv(self.sock), timeout)
@@ -93,6 +94,14 @@ class Connection:
                 raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
             self.sb.open += 1            # from its accept: one being decided counts too
             counted = True
+            mirror = self.proxy.mirrors.get(dport) if dst == self.proxy.gateway_of(self.peer) else None
+            if mirror is not None:   # the node's package mirror: any sandbox with a network may use it
+                self.name, self.address = f"mirror:{dport}", mirror[0]
+                upstream = await self._connect(mirror)
+                await self._relay(upstream)
+                self.proxy.note(self.sb, Decision(time.time(), "allowed", self.name, self.address, self.port,
+                                                  bytes_out=self.counted[0], bytes_in=self.counted[1]))
+                return
             self.explicit = dport == self.proxy.port and dst == self.proxy.gateway_of(self.peer)
             if self.explicit:        # the destination is the request's, not the proxy
                 self.address, self.port = "", 0
@@ -185,6 +194,14 @@ class Connection:
     async def _check(self, host: str, port: int, http: bool = False) -> tuple[str, int]:
         """The address to connect to for host:port, or Denied."""
         sb, guard = self.sb, self.proxy.guard
+        self.host = host
+        mirror = self.proxy.mirrors.get(port) if host == self.proxy.gateway_of(self.peer) else None
+        if mirror is not None:       # the node's mirror, asked through the proxy (HTTP_PROXY set, NO_PROXY not read)
+            self.name, self.address = f"mirror:{port}", mirror[0]
+            if http:
+                self._check_request(sniff.request_head(self.buf), host)
+                self.http = True
+            return mirror
         if _is_address(host):
             address = ipaddress.ip_address(host)
             self.address = host
@@ -228,6 +245,7 @@ class Connection:
     async def _connect(self, target: tuple[str, int]) -> socket.socket:
         up = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         up.setblocking(False)
+        up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a relay adds no Nagle wait of its own
         try:
             await asyncio.wait_for(asyncio.get_running_loop().sock_connect(up, target), CONNECT_TIMEOUT)
         except BaseException:
@@ -252,7 +270,7 @@ class Connection:
     async def _requests(self, up: socket.socket) -> None:
         """Client -> upstream, one request at a time, each checked (its Host, no CONNECT), its body passed
         by its Content-Length; an absolute-form target is sent in origin form."""
-        host = self.name or self.address
+        host = self.host or self.name or self.address
         while True:
             if not self.buf:
                 try:
@@ -290,8 +308,9 @@ class Connection:
 class Proxy:
     """The node's proxy state: sandboxes by address, the guard, the pins, where decisions go."""
 
-    def __init__(self, guard: Guard, pins: Pins, port: int) -> None:
+    def __init__(self, guard: Guard, pins: Pins, port: int, mirrors: dict[int, tuple[str, int]] | None = None) -> None:
         self.guard, self.pins, self.port = guard, pins, port
+        self.mirrors = mirrors or {}     # gateway port -> the node's mirror behind it
         self.sandboxes: dict[str, SandboxState] = {}
         self._reporting: set[SandboxState] = set()
 
@@ -310,6 +329,7 @@ class Proxy:
 
     async def accept(self, sock: socket.socket) -> None:
         sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             peer = sock.getpeername()[0]
         except OSError:

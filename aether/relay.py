@@ -3,26 +3,16 @@ enter Python), non-blocking, one pump per direction. Also the small awaitables t
 bytes with."""
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 import socket
+
+from edge.backends.execio import wait_fd
 
 CHUNK = 1 << 20
 PIPE_SIZE = 1 << 20
 F_SETPIPE_SZ = 1031
 FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
-
-
-async def _ready(fd: int, write: bool) -> None:
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: fut.done() or fut.set_result(None))
-    try:
-        await fut
-    finally:
-        remove(fd)
 
 
 async def recv(sock: socket.socket, size: int = 65536) -> bytes:
@@ -31,7 +21,7 @@ async def recv(sock: socket.socket, size: int = 65536) -> bytes:
         try:
             return sock.recv(size)
         except (BlockingIOError, InterruptedError):
-            await _ready(sock.fileno(), False)
+            await wait_fd(sock.fileno(), False)
 
 
 async def sendall(sock: socket.socket, data: bytes) -> None:
@@ -40,7 +30,7 @@ async def sendall(sock: socket.socket, data: bytes) -> None:
         try:
             view = view[sock.send(view):]
         except (BlockingIOError, InterruptedError):
-            await _ready(sock.fileno(), True)
+            await wait_fd(sock.fileno(), True)
 
 
 async def pump(src: socket.socket, dst: socket.socket, counted: list[int], index: int) -> None:
@@ -55,7 +45,7 @@ async def pump(src: socket.socket, dst: socket.socket, counted: list[int], index
             try:
                 n = os.splice(src.fileno(), w, CHUNK, flags=FLAGS)
             except (BlockingIOError, InterruptedError):
-                await _ready(src.fileno(), False)
+                await wait_fd(src.fileno(), False)
                 continue
             if n == 0:
                 break
@@ -63,7 +53,7 @@ async def pump(src: socket.socket, dst: socket.socket, counted: list[int], index
                 try:
                     m = os.splice(r, dst.fileno(), n, flags=FLAGS)
                 except (BlockingIOError, InterruptedError):
-                    await _ready(dst.fileno(), True)
+                    await wait_fd(dst.fileno(), True)
                     continue
                 n -= m
                 counted[index] += m

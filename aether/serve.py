@@ -141,7 +141,12 @@ async def main_async(args: argparse.Namespace) -> None:
         host, _, port = args.dns.rpartition(":") if args.dns.count(":") == 1 else (args.dns, "", "53")
         upstream = (host, int(port or 53))
     listener = _listener(args.port)
-    proxy = Proxy(Guard(args.allow_cidr, args.sandboxes), dns.Pins(upstream), listener.getsockname()[1])
+    mirrors = {}
+    for item in args.mirror:
+        port, _, target = item.partition("=")
+        host, _, tport = target.rpartition(":")
+        mirrors[int(port)] = (host, int(tport))
+    proxy = Proxy(Guard(args.allow_cidr, args.sandboxes), dns.Pins(upstream), listener.getsockname()[1], mirrors)
     loop = asyncio.get_running_loop()
     udp, _ = await loop.create_datagram_endpoint(lambda: Dns(proxy), local_addr=("0.0.0.0", args.dns_port),
                                                  reuse_port=False)
@@ -165,6 +170,8 @@ def main() -> None:
     parser.add_argument("--dns", default="", help="upstream resolver, ip[:port]")
     parser.add_argument("--allow-cidr", action="append", default=[], help="a private range sandboxes may reach")
     parser.add_argument("--sandboxes", default="", help="the node's sandbox subnet (never reachable)")
+    parser.add_argument("--mirror", action="append", default=[], metavar="PORT=HOST:PORT",
+                        help="a node mirror sandboxes reach at their gateway's PORT")
     parser.add_argument("--node", default="", help="the node (named on the command line for leftover checks)")
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a terminal ^C is for the edge, which stops us

@@ -3,7 +3,9 @@
   `unshare` launch;
 - download throughput through the proxy from inside a sandbox, against the same download straight from the
   host over the same upstream link (target: at least 0.5x);
-- sb.set_network: how long until the new policy is in force (its round trip).
+- sb.set_network: how long until the new policy is in force (its round trip);
+- a cached 1 MiB wheel from the node's pip mirror, inside a sandbox (target: p50 <= 5 ms);
+- N sandboxes installing the same wheel through the mirror: how often the upstream index served it.
 
 Run: python -m bench.network [--creates N] [--mib N]   (starts its own stack in this process, with an upstream
      HTTP server in a network namespace of its own on 198.51.100.0/24: nothing leaves the machine)
@@ -58,7 +60,7 @@ async def sandbox_download(sb, size: int) -> float:
     return size / (1 << 20) / ((t2 - t1) - (t1 - t0))
 
 
-async def measure(url: str, n: int, mib: int) -> None:
+async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_installs: int = 0) -> None:
     async with libdsec.AsyncClient(url) as client:
         await creates(client, 5, None)                              # warm-up: layer fetch, mounts
         await creates(client, 5, libdsec.Network(allow=["allowed.test"]))
@@ -99,9 +101,62 @@ async def measure(url: str, n: int, mib: int) -> None:
                 times.append((time.perf_counter() - t0) * 1000)
             print("set_network (in force when it returns):")
             print(fig("round trip", times))
+        await cached_wheel(client)
+        if n_installs:
+            await installs(client, url, logs, n_installs)
 
 
-def main(n: int, mib: int, raw_n: int) -> None:
+async def installs(client, url: str, logs: Path, n: int) -> None:
+    """n sandboxes (mirror-only, Debian with pip) install the same wheel at once: time, and how often the
+    upstream index served the file."""
+    import sys
+    dsec = str(Path(sys.executable).parent / "dsec")
+    r = await asyncio.to_thread(subprocess.run, [dsec, "image", "build", "--nats", url, "pip", "--debootstrap",
+                                                 "bookworm", "--packages", "python3-pip"], capture_output=True,
+                                text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-1000:]
+    sem = asyncio.Semaphore(16)                 # the node's slots
+
+    async def one() -> float:
+        async with sem:
+            async with await client.create("pip", network="mirror-only") as sb:
+                t0 = time.perf_counter()
+                r = await sb.exec("pip install --no-cache-dir --break-system-packages -q "
+                                  "--disable-pip-version-check dsecdemo", timeout=300)
+                assert r.exit_code == 0, r.stderr[-500:]
+                return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    times = await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - t0
+    served = (logs / "pypi.log").read_text().count('"GET /packages/dsecdemo-1.0-py3-none-any.whl ')
+    print(f"{n} sandboxes installing the same wheel through the mirror (16 at once): {wall:.1f} s, install p50 "
+          f"{statistics.median(times):.2f} s; upstream served the wheel {served} time(s)")
+
+
+async def cached_wheel(client, n: int = 50) -> None:
+    """p50 of a 1 MiB wheel from the node's pip mirror, once cached, from inside a mirror-only sandbox: n
+    downloads in one exec, less an empty exec, over n."""
+    async with await client.create("busybox", network="mirror-only") as sb:
+        url = "http://$(ip route | awk '/default/ {print $3}'):3141/index/dsecdemo/dsecdemo-1.0-py3-none-any.whl"
+        r = await sb.exec(f"wget -q -O /dev/null {url}", timeout=60)   # the mirror fetches it upstream once
+        # (then straight to the mirror, as pip goes: NO_PROXY names the gateway; busybox wget reads no NO_PROXY)
+        assert r.exit_code == 0, r.stderr
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            await sb.exec("true")
+            t1 = time.perf_counter()
+            r = await sb.exec(f"unset http_proxy HTTP_PROXY; u={url}; i=0; while [ $i -lt {n} ]; do wget -q -O /dev/null $u || exit 1; "
+                              f"i=$((i+1)); done", timeout=120)
+            t2 = time.perf_counter()
+            assert r.exit_code == 0, r.stderr
+            rounds.append(((t2 - t1) - (t1 - t0)) * 1000 / n)
+        print(f"cached 1 MiB wheel from the node's pip mirror, inside a sandbox ({n} x 5 rounds):")
+        print(f"  per download            p50 {statistics.median(rounds):8.2f} ms  (target <= 5 ms; busybox wget, "
+              f"a process each)")
+
+
+def main(n: int, mib: int, raw_n: int, n_installs: int) -> None:
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
     from tests import upstreams
@@ -109,15 +164,16 @@ def main(n: int, mib: int, raw_n: int) -> None:
     print(f"raw baseline: {' '.join(RAW)}")
     print(fig("raw launch", raw))
     with tempfile.TemporaryDirectory(prefix="dsec-bench-net-") as tmp, \
-            upstreams.running(Path(tmp), ns="aetherbench", link="aetherbench0"):
+            upstreams.running(Path(tmp), ns="aetherbench", link="aetherbench0") as logs:
         async def run() -> None:
             from bus.server import free_port
             st = Stack(Path(tmp) / "state", port=free_port(), metrics_port=None,
                        edge_config=EdgeConfig(node_id="bench-net", slots=16, aether_dns=f"{UP}:53",
-                                              aether_allow_cidr=["198.51.100.0/24"]))
+                                              aether_allow_cidr=["198.51.100.0/24"],
+                                              mirror_pypi=f"http://{UP}:8080/simple/"))
             await st.start()
             try:
-                await measure(st.url, n, mib)
+                await measure(st.url, n, mib, logs, n_installs)
             finally:
                 await st.stop()
         asyncio.run(run())
@@ -128,5 +184,8 @@ if __name__ == "__main__":
     ap.add_argument("--creates", type=int, default=100, help="creates of each kind (default 100)")
     ap.add_argument("--mib", type=int, default=256, help="MiB per download (default 256)")
     ap.add_argument("--raw", type=int, default=50, help="raw baseline launches (default 50)")
+    ap.add_argument("--installs", type=int, default=100,
+                    help="sandboxes installing one wheel through the mirror (default 100; 0: skip; builds a Debian "
+                         "image with pip the first time)")
     args = ap.parse_args()
-    main(args.creates, args.mib, args.raw)
+    main(args.creates, args.mib, args.raw, args.installs)

@@ -64,6 +64,11 @@ def edge_options(fn):
                      help="A private range sandboxes may reach when their allow list names it (repeat for several). "
                           "Private, link-local, CGNAT, metadata and IPv6 addresses are otherwise denied whatever a "
                           "tenant lists; the host's own and the sandboxes' addresses always are."),
+        click.option("--mirrors/--no-mirrors", "mirrors", default=True, show_default=True,
+                     help="Run this node's package mirrors with Aether (pip: proxpi, state under STATE_DIR): "
+                          "sandboxes with a network install from them, mirror-only ones from nothing else."),
+        click.option("--mirror-pypi", default="https://pypi.org/simple/", show_default=True, metavar="URL",
+                     help="The simple index the pip mirror caches."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
@@ -141,8 +146,12 @@ def _network_fields(network: dict) -> dict:
                 raise ValueError(port)
         except ValueError:
             fail(f"--aether-dns: an IPv4 address with an optional port, got {dns!r}")
+    pypi = network.get("mirror_pypi", "https://pypi.org/simple/")
+    if not pypi.startswith(("http://", "https://")):
+        fail(f"--mirror-pypi: an http(s) URL of a simple index, got {pypi!r}")
     return {"aether": network.get("aether", True), "aether_dns": dns,
-            "aether_allow_cidr": list(network.get("aether_allow_cidr", ()))}
+            "aether_allow_cidr": list(network.get("aether_allow_cidr", ())),
+            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi}
 
 
 def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int,
@@ -251,7 +260,8 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
-             traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], burst_threshold: float,
+             traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
+             mirror_pypi: str, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
@@ -265,7 +275,8 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
     configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
-                                                          aether_allow_cidr=aether_allow_cidr))
+                                                          aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
+                                                          mirror_pypi=mirror_pypi))
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
@@ -291,7 +302,7 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
                traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
-               verbose: bool) -> None:
+               mirrors: bool, mirror_pypi: str, verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
@@ -299,7 +310,8 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
     configs, chosen, optional = backend_choice(backends, fncall_workers, fncall_min, fncall_max)
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
-                                                          aether_allow_cidr=aether_allow_cidr))
+                                                          aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
+                                                          mirror_pypi=mirror_pypi))
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
                   backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")

@@ -79,7 +79,7 @@ class Edge:
         self.creates = CreateLane(bus, self.node, self.epoch, capacity=self.capacity, node_record=self.record,
                                   records=self.records, sandboxes=self.box, layers=self.layers, backend=backend,
                                   warm=self.warm, draining=lambda: self.draining)
-        self.network = NodeNetwork(self.node, config, self.box)
+        self.network = NodeNetwork(self.node, config, self.box, self.state_dir)
         self.ops.network = self.network
         self._create_worker = None
         self._pool_worker = None

@@ -35,6 +35,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
                                       # but none is refused here
     aether_dns: str = ""              # the resolver Aether asks for allowed names (ip[:port]; '': the host's)
     aether_allow_cidr: list[str] = []   # private ranges the operator lets sandboxes reach (tenants cannot)
+    mirrors: bool = True              # run the node's package mirrors (aether/mirrors.py) with Aether
+    mirror_pypi: str = "https://pypi.org/simple/"   # the index the pip mirror caches
 
 
 @dataclass

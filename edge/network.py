@@ -10,6 +10,7 @@ import dataclasses
 import collections
 import logging
 import time
+from pathlib import Path
 
 from bus import subjects
 from bus.errors import InvalidRequest, Unsupported
@@ -24,9 +25,10 @@ log = logging.getLogger(__name__)
 class NodeNetwork:
     """Aether for one edge (None inside when the node runs without it)."""
 
-    def __init__(self, node: str, config: EdgeConfig, box) -> None:
-        self.node, self.config, self.box = node, config, box
+    def __init__(self, node: str, config: EdgeConfig, box, state_dir: Path) -> None:
+        self.node, self.config, self.box, self.state_dir = node, config, box, Path(state_dir)
         self.aether = None
+        self.mirrors: list = []          # the node's mirror processes (aether/mirrors.py)
         self._reports: collections.Counter = collections.Counter()   # sandbox -> network records written
         self._writing: set[asyncio.Task] = set()
 
@@ -37,18 +39,42 @@ class NodeNetwork:
         from aether.links import LinkError
         from aether.nft import NftError
         from aether.node import Aether, AetherError
-        aether = Aether(self.node, self.config.aether_dns, self.config.aether_allow_cidr, on_report=self._report)
+        ports = await self._start_mirrors()
+        aether = Aether(self.node, self.config.aether_dns, self.config.aether_allow_cidr, on_report=self._report,
+                        mirrors=ports)
         try:
             await aether.start()
         except (AetherError, LinkError, NftError, OSError) as exc:
             log.warning("node %s runs without Aether (sandboxes get loopback only): %s", self.node, exc)
+            await self._stop_mirrors()
             return
         self.aether = aether
+
+    async def _start_mirrors(self) -> dict[int, int]:
+        """The node's mirrors (gateway port -> local port); one that cannot start is left out, with a warning."""
+        if not self.config.mirrors:
+            return {}
+        from aether import mirrors
+        pip = mirrors.pip_mirror(self.state_dir / "mirrors", self.node, self.config.mirror_pypi)
+        try:
+            await pip.start()
+        except (mirrors.MirrorError, OSError) as exc:
+            log.warning("node %s runs without its pip mirror: %s", self.node, exc)
+            await pip.stop()
+            return {}
+        self.mirrors = [pip]
+        return {mirrors.PIP_PORT: pip.port}
+
+    async def _stop_mirrors(self) -> None:
+        for m in self.mirrors:
+            await m.stop()
+        self.mirrors = []
 
     async def stop(self) -> None:
         if self.aether is not None:
             await self.aether.stop()
             self.aether = None
+        await self._stop_mirrors()
 
     async def set_policy(self, sandbox_id: str, policy: Network) -> None:
         """A running sandbox's new policy: in force once this returns, and in its record. A bad one is

@@ -110,7 +110,8 @@ async def stack(nats_server, session_dir):
     from edge.capacity import EdgeConfig
     st = Stack(session_dir / "state", nats_url=nats_server.url, metrics_port=None,
                edge_config=EdgeConfig(node_id=NODE, slots=64, aether_dns=f"{UPSTREAM}:53",
-                                      aether_allow_cidr=[UPSTREAM_RANGE]))
+                                      aether_allow_cidr=[UPSTREAM_RANGE],
+                                      mirror_pypi=f"http://{UPSTREAM}:8080/simple/"))
     st.edge_creds = lambda node: edge_creds(nats_server, node)
     st.nats_server = nats_server
     with leaks.live(NODE, session_dir / "state"):   # its kinds keep state in edge/, edge-fncall/...
@@ -119,6 +120,15 @@ async def stack(nats_server, session_dir):
         await st.stop()
     from edge.backends.registry import node_leftovers
     assert node_leftovers(session_dir / "state" / "edge", NODE) == []
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    """The network tests' upstream namespace (UPSTREAM, the host end .1) and its servers (tests/upstreams.py):
+    their logs' directory."""
+    from tests import upstreams
+    with upstreams.running(tmp_path_factory.mktemp("upstream")) as logs:
+        yield logs
 
 
 @contextlib.asynccontextmanager
@@ -130,6 +140,7 @@ async def extra_edge(stack, state_dir: Path, node: str, slots: int, backends: li
     from edge.backends.registry import config_for
     from edge.capacity import EdgeConfig
     kinds = backends or ["container"]
+    config.setdefault("mirrors", False)   # a pip mirror per extra node: only where a test asks for one
     st = Stack(state_dir, nats_url=stack.url, metrics_port=None, run_placement=False,
                edge_config=EdgeConfig(node_id=node, slots=slots, backends=kinds, **config),
                backends=[config_for(k, **(options or {}).get(k, {})) for k in kinds],

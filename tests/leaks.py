@@ -80,6 +80,13 @@ def _residue() -> list[str]:
             out.append(f"qemu pid {proc.info['pid']} ({' '.join(cmd[cmd.index('-name') + 1:][:1] if '-name' in cmd else cmd[:1])})")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
+        if "proxpi.server" in cmd:
+            try:
+                mirror_node = proc.environ().get("DSEC_MIRROR_NODE")
+            except psutil.Error:
+                mirror_node = None
+            if mirror_node is not None and not is_live(mirror_node):
+                out.append(f"pip mirror pid {proc.info['pid']} (node {mirror_node})")
         if "aether.serve" in cmd and "--node" in cmd and not is_live(cmd[cmd.index("--node") + 1]):
             out.append(f"aether proxy pid {proc.info['pid']} (node {cmd[cmd.index('--node') + 1]})")
     for i, (node, key) in sorted(idmap.leases().items()):

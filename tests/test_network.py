@@ -11,15 +11,7 @@ import pytest
 
 import libdsec
 from bus.errors import InvalidRequest, Unsupported
-from tests import upstreams
 from tests.conftest import UPSTREAM
-
-
-@pytest.fixture(scope="module")
-def upstream(tmp_path_factory):
-    """The upstream namespace (198.51.100.2, the host end .1) and its servers; their logs' directory."""
-    with upstreams.running(tmp_path_factory.mktemp("upstream")) as logs:
-        yield logs
 
 
 @pytest.fixture(params=["container"])
@@ -250,3 +242,23 @@ async def test_a_killed_proxy_is_started_again_with_every_policy(client, upstrea
         assert (await sh(sb, "wget -q -O- http://other.test/x"))[0] != 0          # its policy came back whole
         await sb.set_network(libdsec.Network(allow=["allowed.test", "other.test"]))
         assert await sh(sb, "wget -q -O- http://other.test/y") == (0, "host=other.test path=/y\n")
+
+
+async def test_bandwidth_is_capped_both_ways_and_changes_live(client, upstream):
+    import time
+    three = 3 << 20
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"],
+                                                                      bandwidth="1Mi")) as sb:
+        await sb.exec(f"head -c {three} /dev/zero > /tmp/up")
+        post = (f"(printf 'POST /post HTTP/1.1\\r\\nHost: allowed.test\\r\\nContent-Length: {three}\\r\\n"
+                f"Connection: close\\r\\n\\r\\n'; cat /tmp/up) | nc allowed.test 80")   # (busybox wget only GETs)
+        for command in (f"wget -q -O /dev/null http://allowed.test/bytes/{three}", post):   # down, up
+            t0 = time.monotonic()
+            r = await sb.exec(command, timeout=60)
+            assert r.exit_code == 0 and (command != post or b" 200 OK" in r.stdout), r
+            assert time.monotonic() - t0 > 2.0, command   # 3 MiB at 1 MiB/s: never faster than the cap
+        assert f"body {three}" in seen(upstream, "http.log")
+        await sb.set_network(libdsec.Network(allow=["allowed.test"], bandwidth="200Mi"))
+        t0 = time.monotonic()
+        r = await sb.exec(f"wget -q -O /dev/null http://allowed.test/bytes/{three}", timeout=60)
+        assert r.exit_code == 0 and time.monotonic() - t0 < 2.0

@@ -8,6 +8,7 @@ On 198.51.100.2 (the namespace's address):
 - :3128     an open HTTP proxy (CONNECT to anything): a relay a sandbox must not chain through
 - :7000     TCP echo
 - :9999/udp counts datagrams (udp.log)
+- :8080     a pypiserver index of wheels built here (make_wheel), its access log in pypi.log
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ async def http(reader, writer, tls: bool = False) -> None:
             sni = writer.get_extra_info("ssl_object").server_hostname if tls else ""
             log("http.log", f"{'https' if tls else 'http'} {headers.get('host', '')} {line}")
             if int(headers.get("content-length", 0)):
-                await reader.readexactly(int(headers["content-length"]))
+                got = await reader.readexactly(int(headers["content-length"]))
+                log("http.log", f"body {len(got)}")
             path = line.split(" ")[1]
             if path.startswith("/bytes/"):
                 body = b"x" * int(path[7:])
@@ -85,6 +87,8 @@ async def http(reader, writer, tls: bool = False) -> None:
                         + (f" sni={sni}" if tls else "") + "\n").encode()
             writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             await writer.drain()
+            if headers.get("connection", "").lower() == "close":
+                break
     except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
         pass
     finally:
@@ -139,6 +143,18 @@ def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True)
 
 
+def _wait_port(ns: str, port: int, timeout: float = 20.0) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c",
+                                f"import socket; socket.create_connection(({UP!r}, {port}), 1)"], capture_output=True)
+        if probe.returncode == 0:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"nothing answers on {UP}:{port} in {ns}")
+
+
 def make_certs(d: Path) -> tuple[Path, Path]:
     """A test CA and a certificate for the *.test names it signs: (cert, key)."""
     conf = d / "san.cnf"
@@ -154,6 +170,28 @@ def make_certs(d: Path) -> tuple[Path, Path]:
     return d / "leaf.pem", d / "leaf.key"
 
 
+def make_wheel(d: Path, name: str = "dsecdemo", version: str = "1.0", payload: int = 1 << 20) -> Path:
+    """A pure-Python wheel of `name`, built here (a zip with its dist-info), with `payload` bytes of data."""
+    import base64
+    import hashlib
+    import os
+    import zipfile
+    files = {f"{name}/__init__.py": f"VERSION = {version!r}\n".encode(),
+             f"{name}/data.bin": os.urandom(payload),
+             f"{name}-{version}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                                     .encode(),
+             f"{name}-{version}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: dsec-tests\nRoot-Is-Purelib: "
+                                                  b"true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+                     f"{len(data)}\n" for path, data in files.items())
+    files[f"{name}-{version}.dist-info/RECORD"] = (record + f"{name}-{version}.dist-info/RECORD,,\n").encode()
+    out = d / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for path, data in files.items():
+            z.writestr(path, data)
+    return out
+
+
 @contextlib.contextmanager
 def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
     """The upstream namespace `ns` (UP; the host end .1 on `link`) with these servers; yields the logs' dir.
@@ -162,7 +200,7 @@ def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
     cert, key = make_certs(d)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     _run("ip", "netns", "add", ns)
-    proc = None
+    proc = index = None
     try:
         _run("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "addr", "add", "198.51.100.1/24", "dev", link)
@@ -174,11 +212,19 @@ def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
                                  str(cert), str(key)], stdout=subprocess.PIPE, cwd=Path(__file__).parent.parent)
         if proc.stdout.readline().strip() != b"ready":
             raise RuntimeError("the upstream servers did not start")
+        (d / "wheels").mkdir(exist_ok=True)
+        make_wheel(d / "wheels")
+        index = subprocess.Popen(["ip", "netns", "exec", ns, str(Path(sys.executable).parent / "pypi-server"), "run",
+                                  "-v", "-i", UP, "-p", "8080", "-a", ".", "-P", ".", "--disable-fallback",
+                                  "--log-file", str(d / "logs" / "pypi.log"),
+                                  str(d / "wheels")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_port(ns, 8080)
         yield d / "logs"
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
+        for p in (proc, index):
+            if p is not None:
+                p.kill()
+                p.wait()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
