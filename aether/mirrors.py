@@ -20,12 +20,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bus.server import die_with_parent
+from edge.backends.execio import wait_fd
+
 log = logging.getLogger(__name__)
 
 PIP_PORT = 3141                  # the gateway port a sandbox's pip talks to
 DEFAULT_PYPI = "https://pypi.org/simple/"
 START_TIMEOUT = 20.0
 RESTART_DELAY = 0.5
+
+
+async def exited(proc: subprocess.Popen) -> int:
+    """proc's exit status, awaited on the event loop through a pidfd: a supervisor parked in proc.wait() would
+    hold one of the loop's default executor threads (6 on 2 cores) for its whole life, and a few nodes'
+    supervisors in one process would take them all."""
+    if proc.returncode is None:
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:               # gone and reaped meanwhile
+            pidfd = -1
+        if pidfd >= 0:
+            try:
+                await wait_fd(pidfd)
+            finally:
+                os.close(pidfd)
+    return proc.wait()                           # it has exited: reaps without blocking
 
 
 class MirrorError(Exception):
@@ -54,7 +74,8 @@ class Mirror:
 
     async def _spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=die_with_parent)   # a SIGKILLed edge leaves no mirror
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT
         while loop.time() < deadline:
@@ -69,9 +90,8 @@ class Mirror:
         raise MirrorError(f"the {self.name} mirror did not answer on port {self.port}")
 
     async def _supervise(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            await loop.run_in_executor(None, self.proc.wait)
+            await exited(self.proc)
             if self._stopping:
                 return
             log.warning("the %s mirror of node %s died (%s): starting it again", self.name, self.node,
@@ -87,7 +107,7 @@ class Mirror:
         self._stopping = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            await asyncio.get_running_loop().run_in_executor(None, self.proc.wait)
+            await exited(self.proc)
         if self._task is not None:
             self._task.cancel()
 

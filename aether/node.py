@@ -30,6 +30,7 @@ import msgspec
 from aether import mirrors as mirrors_mod, rules
 from aether.links import End, LinkError, Links, shape
 from bus.network import DEFAULT_BANDWIDTH, Network
+from bus.server import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,8 @@ class Aether:
             argv += ["--mirror", f"{port}=127.0.0.1:{local}"]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": repo}
         self._proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, env=env, cwd=repo, start_new_session=True)
+                                      stdout=subprocess.DEVNULL, env=env, cwd=repo, start_new_session=True,
+                                      preexec_fn=die_with_parent)   # a SIGKILLed edge leaves no proxy
         theirs.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=ours, limit=1 << 22)
         try:
@@ -170,7 +172,7 @@ class Aether:
             self._writer = None
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.wait)
+            await mirrors_mod.exited(self._proc)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():
@@ -193,7 +195,7 @@ class Aether:
 
     async def _supervise(self) -> None:
         while True:
-            await asyncio.get_running_loop().run_in_executor(None, self._proc.wait)
+            await mirrors_mod.exited(self._proc)
             if self._stopping:
                 return
             log.warning("the Aether proxy of node %s died (%s): starting it again", self.node, self._proc.returncode)

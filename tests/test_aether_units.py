@@ -97,3 +97,31 @@ def test_decisions_past_the_window_are_only_counted():
     sb.window_start -= WINDOW + 1                               # a new window writes again
     sb.note(Decision(0.0, "denied", "y.test", "", 80))
     assert len(sb.take()["decisions"]) == 1
+
+
+async def test_supervised_processes_hold_no_executor_thread():
+    """Seven supervised processes (a node's proxy and mirrors, several nodes in one process) leave the event
+    loop's default executor free: a supervisor parked in Popen.wait() held one thread each, and with six on
+    this machine every later to_thread waited forever."""
+    import asyncio
+    import sys
+    from aether import mirrors
+    procs = []
+    for _ in range(7):
+        port = mirrors._free_port()
+        m = mirrors.Mirror("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                           {"PATH": os.environ["PATH"]}, port, "t-units")
+        await m.start()
+        procs.append(m)
+    try:
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 42), 5) == 42
+        procs[0].proc.kill()                       # and one that dies is started again
+        for _ in range(100):
+            if procs[0].restarts and procs[0].proc.poll() is None:
+                break
+            await asyncio.sleep(0.05)
+        assert procs[0].restarts == 1
+    finally:
+        for m in procs:
+            await m.stop()
+    assert all(m.proc.poll() is not None for m in procs)
