@@ -148,6 +148,13 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
             elif rec.type != "exec":
                 stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
                 _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
+                for d in rec.decisions:        # a network record: the proxy's decisions, one a line
+                    where = f"{d.get('name') or d.get('address', '')}:{d.get('port', 0)}"
+                    said = d.get("reason") or f"{d.get('bytes_out', 0)} B out, {d.get('bytes_in', 0)} B in"
+                    _write(f"#   {d.get('verdict', '?')} {where} ({said})\n".encode(errors="replace"))
+                if rec.suppressed:
+                    _write(f"#   and {sum(v for k, v in rec.suppressed.items() if k != 'bytes')} more, only counted "
+                           f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
             else:
                 chunks, exit_rec, kept_only = await _output(bus, rec)
                 _write(f"$ {_command(rec)}\n".encode() + marked(chunks))

@@ -93,6 +93,14 @@ async def test_an_allowed_name_is_reached_and_every_decision_is_on_the_trajector
         assert all(d["address"] == UPSTREAM and d["bytes_in"] > 0 and d["bytes_out"] > 0 for d in allowed)
         denied = [d for d in decisions if d["verdict"] == "denied"]
         assert denied and denied[0]["name"] == "denied.test" and "not in the allow list" in denied[0]["reason"]
+    # and `dsec replay` prints them
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "dsec"), "replay", "--nats", client.url,
+                          "--sandbox", sb.id], capture_output=True, text=True, timeout=60).stdout
+    assert "#   denied denied.test:80 (denied.test:80 is not in the allow list)" in out, out
+    assert "#   allowed allowed.test:80 (" in out
 
 
 async def _sleep(seconds: float) -> None:
