@@ -141,6 +141,7 @@ async def extra_edge(stack, state_dir: Path, node: str, slots: int, backends: li
     from edge.capacity import EdgeConfig
     kinds = backends or ["container"]
     config.setdefault("mirrors", False)   # a pip mirror per extra node: only where a test asks for one
+    config.setdefault("aether", False)    # sandbox networks too (their pools' namespaces cost every node's start)
     st = Stack(state_dir, nats_url=stack.url, metrics_port=None, run_placement=False,
                edge_config=EdgeConfig(node_id=node, slots=slots, backends=kinds, **config),
                backends=[config_for(k, **(options or {}).get(k, {})) for k in kinds],
