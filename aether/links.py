@@ -28,6 +28,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from edge.backends import kernel
+from edge.backends.zygote import NET_SYSCTLS
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ POOL_BASE = ipaddress.IPv4Network("10.192.0.0/10")   # node subnets are /16s ins
 RESERVED_METRIC = 1 << 24        # + a node's tag: the metric of its reservation
 UNREACHABLE = 7                    # RTN_UNREACHABLE
 SANDBOX_SYSCTLS = (("net/ipv6/conf/all/disable_ipv6", "1"), ("net/ipv6/conf/default/disable_ipv6", "1"),
-                   ("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647"))
+                   *NET_SYSCTLS)    # and what the zygote opens in a namespace of its own (low ports, ping)
 
 
 class LinkError(Exception):

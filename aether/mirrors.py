@@ -15,47 +15,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from bus.server import die_with_parent
-from edge.backends.execio import wait_fd
+from bus.server import die_with_parent, free_port
+from edge.backends.execio import exited
 
 log = logging.getLogger(__name__)
 
 PIP_PORT = 3141                  # the gateway port a sandbox's pip talks to
-DEFAULT_PYPI = "https://pypi.org/simple/"
 START_TIMEOUT = 20.0
 RESTART_DELAY = 0.5
 
 
-async def exited(proc: subprocess.Popen) -> int:
-    """proc's exit status, awaited on the event loop through a pidfd: a supervisor parked in proc.wait() would
-    hold one of the loop's default executor threads (6 on 2 cores) for its whole life, and a few nodes'
-    supervisors in one process would take them all."""
-    if proc.returncode is None:
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:               # gone and reaped meanwhile
-            pidfd = -1
-        if pidfd >= 0:
-            try:
-                await wait_fd(pidfd)
-            finally:
-                os.close(pidfd)
-    return proc.wait()                           # it has exited: reaps without blocking
-
-
 class MirrorError(Exception):
     """A mirror could not be started (its tool is missing, or it did not answer)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Mirror:
@@ -116,7 +91,7 @@ def pip_mirror(state_dir: Path, node: str, upstream: str) -> Mirror:
     """proxpi over `upstream` (a simple index URL), its cache in state_dir/pip."""
     cache = state_dir / "pip"
     cache.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PROXPI_INDEX_URL": upstream,
            "PROXPI_CACHE_DIR": str(cache), "PROXPI_DOWNLOAD_TIMEOUT": "600", "PROXPI_INDEX_TTL": "300",
            "PROXPI_CONNECT_TIMEOUT": "10", "PROXPI_READ_TIMEOUT": "60", "PROXPI_CACHE_SIZE": str(10 << 30)}

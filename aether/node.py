@@ -31,6 +31,7 @@ from aether import mirrors as mirrors_mod, rules
 from aether.links import End, LinkError, Links, shape
 from bus.network import DEFAULT_BANDWIDTH, Network
 from bus.server import die_with_parent
+from edge.backends.execio import exited
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class Aether:
             self._writer = None
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
-            await mirrors_mod.exited(self._proc)
+            await exited(self._proc)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         while line := await reader.readline():
@@ -195,7 +196,7 @@ class Aether:
 
     async def _supervise(self) -> None:
         while True:
-            await mirrors_mod.exited(self._proc)
+            await exited(self._proc)
             if self._stopping:
                 return
             log.warning("the Aether proxy of node %s died (%s): starting it again", self.node, self._proc.returncode)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from bus.network import Network, Rule, matches, parse_entry
+from bus.network import DEFAULT_MAX_CONNECTIONS, Network, Rule, matches, parse_entry
 
 WINDOW = 10.0               # seconds over which a sandbox's decisions are counted
 DECISIONS_PER_WINDOW = 20   # written one by one per window; past it, only counted (a flood stays small)
@@ -93,18 +93,14 @@ class SandboxState:
 
     @property
     def max_connections(self) -> int:
-        from bus.network import DEFAULT_MAX_CONNECTIONS
         return self.policy.max_connections or DEFAULT_MAX_CONNECTIONS
 
     def name_allowed(self, name: str, port: int | None) -> bool:
         """Whether a rule names `name` (on port; any port when None: a DNS question)."""
         if self.policy.mode != "proxied":
             return False
-        for rule in self.rules:
-            if rule.net is None and (matches(rule, name, None, port) if port is not None
-                                     else matches(rule, name, None, rule.ports[0][0])):
-                return True
-        return False
+        return any(rule.net is None and matches(rule, name, None, rule.ports[0][0] if port is None else port)
+                   for rule in self.rules)
 
     def address_allowed(self, address: Address, port: int) -> bool:
         return self.policy.mode == "proxied" and any(r.net is not None and matches(r, None, address, port)

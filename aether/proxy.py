@@ -32,7 +32,7 @@ SO_ORIGINAL_DST = 80
 FIRST_BYTES = 10.0          # seconds a connection has to send its first bytes (TLS or HTTP, or raw)
 RAW_WAIT = 0.5              # transparent: a client that says nothing this long is a server-speaks-first one
 CONNECT_TIMEOUT = 10.0
-MAX_HELLO = 16 << 10 + 5
+MAX_HELLO = (16 << 10) + 5
 
 
 class Denied(Exception):
@@ -94,14 +94,6 @@ class Connection:
                 raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
             self.sb.open += 1            # from its accept: one being decided counts too
             counted = True
-            mirror = self.proxy.mirrors.get(dport) if dst == self.proxy.gateway_of(self.peer) else None
-            if mirror is not None:   # the node's package mirror: any sandbox with a network may use it
-                self.name, self.address = f"mirror:{dport}", mirror[0]
-                upstream = await self._connect(mirror)
-                await self._relay(upstream)
-                self.proxy.note(self.sb, Decision(time.time(), "allowed", self.name, self.address, self.port,
-                                                  bytes_out=self.counted[0], bytes_in=self.counted[1]))
-                return
             self.explicit = dport == self.proxy.port and dst == self.proxy.gateway_of(self.peer)
             if self.explicit:        # the destination is the request's, not the proxy
                 self.address, self.port = "", 0
@@ -196,7 +188,8 @@ class Connection:
         sb, guard = self.sb, self.proxy.guard
         self.host = host
         mirror = self.proxy.mirrors.get(port) if host == self.proxy.gateway_of(self.peer) else None
-        if mirror is not None:       # the node's mirror, asked through the proxy (HTTP_PROXY set, NO_PROXY not read)
+        if mirror is not None:       # the node's package mirror (straight, or asked through the proxy): any
+                                     # sandbox with a network may use it
             self.name, self.address = f"mirror:{port}", mirror[0]
             if http:
                 self._check_request(sniff.request_head(self.buf), host)

@@ -104,7 +104,7 @@ class Control:
             return
         if msg["op"] != "set":
             raise ValueError(f"unknown op {msg['op']!r}")
-        policy = check(msgspec.json.decode(msgspec.json.encode(msg["policy"]), type=Network))
+        policy = check(msgspec.convert(msg["policy"], Network))
         sb = self.proxy.sandboxes.get(address)
         if sb is not None and sb.sandbox == msg["sandbox"]:
             sb.update(policy)

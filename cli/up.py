@@ -13,7 +13,7 @@ import click
 
 from bus.kinds import KINDS
 from cli.main import DEFAULT_URL, main, run_async
-from edge.capacity import EdgeConfig
+from edge.capacity import DEFAULT_PYPI, EdgeConfig
 
 
 def state_dir_option(fn):
@@ -67,7 +67,7 @@ def edge_options(fn):
         click.option("--mirrors/--no-mirrors", "mirrors", default=True, show_default=True,
                      help="Run this node's package mirrors with Aether (pip: proxpi, state under STATE_DIR): "
                           "sandboxes with a network install from them, mirror-only ones from nothing else."),
-        click.option("--mirror-pypi", default="https://pypi.org/simple/", show_default=True, metavar="URL",
+        click.option("--mirror-pypi", default=DEFAULT_PYPI, show_default=True, metavar="URL",
                      help="The simple index the pip mirror caches."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
@@ -146,7 +146,7 @@ def _network_fields(network: dict) -> dict:
                 raise ValueError(port)
         except ValueError:
             fail(f"--aether-dns: an IPv4 address with an optional port, got {dns!r}")
-    pypi = network.get("mirror_pypi", "https://pypi.org/simple/")
+    pypi = network.get("mirror_pypi", DEFAULT_PYPI)
     if not pypi.startswith(("http://", "https://")):
         fail(f"--mirror-pypi: an http(s) URL of a simple index, got {pypi!r}")
     return {"aether": network.get("aether", True), "aether_dns": dns,

@@ -12,6 +12,9 @@ from bus import kinds
 from bus.messages import NodeInfo, Resources
 
 
+DEFAULT_PYPI = "https://pypi.org/simple/"
+
+
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     """How an edge sizes itself. Fields left at 0 are derived from the machine with psutil."""
 
@@ -36,7 +39,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     aether_dns: str = ""              # the resolver Aether asks for allowed names (ip[:port]; '': the host's)
     aether_allow_cidr: list[str] = []   # private ranges the operator lets sandboxes reach (tenants cannot)
     mirrors: bool = True              # run the node's package mirrors (aether/mirrors.py) with Aether
-    mirror_pypi: str = "https://pypi.org/simple/"   # the index the pip mirror caches
+    mirror_pypi: str = DEFAULT_PYPI   # the index the pip mirror caches
 
 
 @dataclass

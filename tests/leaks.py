@@ -87,6 +87,8 @@ def _residue() -> list[str]:
                 mirror_node = None
             if mirror_node is not None and not is_live(mirror_node):
                 out.append(f"pip mirror pid {proc.info['pid']} (node {mirror_node})")
+        if cmd[:1] and cmd[0].endswith("nats-server") and proc.info["ppid"] == 1 and "/dsec-" in " ".join(cmd):
+            out.append(f"nats-server pid {proc.info['pid']} (its test or stack is gone)")
         if "aether.serve" in cmd and "--node" in cmd and not is_live(cmd[cmd.index("--node") + 1]):
             out.append(f"aether proxy pid {proc.info['pid']} (node {cmd[cmd.index('--node') + 1]})")
     for i, (node, key) in sorted(idmap.leases().items()):

@@ -106,9 +106,10 @@ async def test_supervised_processes_hold_no_executor_thread():
     import asyncio
     import sys
     from aether import mirrors
+    from bus.server import free_port
     procs = []
     for _ in range(7):
-        port = mirrors._free_port()
+        port = free_port()
         m = mirrors.Mirror("http", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
                            {"PATH": os.environ["PATH"]}, port, "t-units")
         await m.start()

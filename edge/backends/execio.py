@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -73,6 +74,23 @@ async def wait_fd(fd: int, write: bool = False) -> None:
         await fut
     finally:
         remove(fd)
+
+
+async def exited(proc: subprocess.Popen) -> int:
+    """proc's exit status, awaited on the event loop through a pidfd: a supervisor parked in proc.wait() would
+    hold one of the loop's default executor threads (6 on 2 cores) for its whole life, and a few nodes'
+    supervisors in one process would take them all."""
+    if proc.returncode is None:
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:               # gone and reaped meanwhile
+            pidfd = -1
+        if pidfd >= 0:
+            try:
+                await wait_fd(pidfd)
+            finally:
+                os.close(pidfd)
+    return proc.wait()                           # it has exited: reaps without blocking
 
 
 async def pump(fd: int, name: str, sink: OutputSink) -> None:

@@ -320,9 +320,10 @@ def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lo
         kernel.unshare(kernel.CLONE_NEWNS | (0 if req.netns else kernel.CLONE_NEWNET) | kernel.CLONE_NEWUTS
                        | kernel.CLONE_NEWIPC | kernel.CLONE_NEWCGROUP)   # after joining: its cgroups read as "/"
         if req.netns:                            # Aether's: owned by the host's user namespace, so the
-            kernel.setns(fds[1], kernel.CLONE_NEWNET)   # sandbox's root has no CAP_NET_ADMIN over it
-            os.close(fds[1])
-        _open_net_privileges()                   # the host's /proc/sys/net: now the sandbox's namespace's
+            kernel.setns(fds[1], kernel.CLONE_NEWNET)   # sandbox's root has no CAP_NET_ADMIN over it; its
+            os.close(fds[1])                            # sysctls set when it was made (aether/links.py)
+        else:
+            _open_net_privileges()               # the host's /proc/sys/net: now the new namespace's
         kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
         _mount_root(req, userns)
         os.chdir(req.merged)
