@@ -235,16 +235,16 @@ def _configure(end: End) -> int:
 MAX_RATE = (1 << 32) - 1           # htb's rate field (bytes/s); a policy above it is not shaped further
 
 
-def shape(end: End, rate: int, local_port: int = 0) -> None:
+def shape(end: End, rate: int, local_ports: tuple[int, ...] = ()) -> None:
     """Shape both directions of a sandbox's link to rate bytes/s: HTB on the host end (what the sandbox
     receives) and on its own end (what it sends; it cannot change it: no CAP_NET_ADMIN there). Traffic with
-    the node's own service on local_port of its gateway (the pip mirror) is not shaped: a class of its own,
-    chosen by address and port, so nothing else the sandbox sends or receives can ride it."""
+    the node's own services on local_ports of its gateway (the package mirrors) is not shaped: a class of its
+    own, chosen by address and port, so nothing else the sandbox sends or receives can ride it."""
     rate = min(rate, MAX_RATE)
     burst = max(rate // 20, 64 << 10)          # 50 ms of it, at least 64 KiB
     gw = int(ipaddress.IPv4Address(end.gateway))
 
-    def apply(ipr: IPRoute, name: str, keys: list[str]) -> None:
+    def apply(ipr: IPRoute, name: str, keys: list[list[str]]) -> None:
         idx = ipr.link_lookup(ifname=name)[0]
         try:
             ipr.tc("add", "htb", idx, 0x10000, default=0x10)
@@ -254,19 +254,22 @@ def shape(end: End, rate: int, local_port: int = 0) -> None:
             ipr.tc("change-class", "htb", idx, 0x10010, parent=0x10000, rate=rate, ceil=rate, burst=burst)
             return
         ipr.tc("add-class", "htb", idx, 0x10010, parent=0x10000, rate=rate, ceil=rate, burst=burst)
-        if local_port:
+        if keys:
             ipr.tc("add-class", "htb", idx, 0x10020, parent=0x10000, rate=MAX_RATE, ceil=MAX_RATE, burst=1 << 20)
-            ipr.tc("add-filter", "u32", idx, parent=0x10000, prio=1, protocol=0x0800, target=0x10020, keys=keys)
+        for key in keys:
+            ipr.tc("add-filter", "u32", idx, parent=0x10000, prio=1, protocol=0x0800, target=0x10020, keys=key)
 
     # u32 keys: value/mask+offset in the IPv4 header (no options: 20 bytes, then the TCP ports)
     with IPRoute() as ipr:                      # to the sandbox: from the gateway's local_port
-        apply(ipr, end.ifname, [f"0x{gw:08x}/0xffffffff+12", f"0x{local_port << 16:08x}/0xffff0000+20"])
+        apply(ipr, end.ifname, [[f"0x{gw:08x}/0xffffffff+12", f"0x{port << 16:08x}/0xffff0000+20"]
+                                for port in local_ports])
     own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
         kernel.setns(end.netns, kernel.CLONE_NEWNET)
         try:
             with IPRoute() as ipr:              # from the sandbox: to the gateway's local_port
-                apply(ipr, "eth0", [f"0x{gw:08x}/0xffffffff+16", f"0x{local_port:08x}/0x0000ffff+20"])
+                apply(ipr, "eth0", [[f"0x{gw:08x}/0xffffffff+16", f"0x{port:08x}/0x0000ffff+20"]
+                                    for port in local_ports])
         finally:
             kernel.setns(own, kernel.CLONE_NEWNET)
     finally:

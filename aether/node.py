@@ -68,7 +68,7 @@ class Aether:
                  on_report: Callable[[str, dict], None] | None = None, pool: int = POOL,
                  mirrors: dict[int, int] | None = None) -> None:
         self.mirrors = mirrors or {}           # gateway port -> the local port of the node's mirror behind it
-        self._unshaped = mirrors_mod.PIP_PORT if mirrors_mod.PIP_PORT in self.mirrors else 0   # not capped
+        self._unshaped = tuple(sorted(self.mirrors))   # the mirrors' gateway ports: not capped
         self.node, self.dns, self.allow_cidrs = node, dns or default_resolver(), list(allow_cidrs)
         self.on_report = on_report or (lambda _sid, _r: None)
         self.pool_size = pool
@@ -304,16 +304,14 @@ class Aether:
         url = f"http://{end.gateway}:{self.port}"
         env = {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
                "NO_PROXY": f"localhost,127.0.0.1,{end.gateway}", "no_proxy": f"localhost,127.0.0.1,{end.gateway}"}
-        if mirrors_mod.PIP_PORT in self.mirrors:
-            env.update(mirrors_mod.sandbox_env(end.gateway))
+        env.update(mirrors_mod.sandbox_env(end.gateway, set(self.mirrors)))
         return env
 
     def sandbox_etc(self, end: End) -> dict[str, str]:
         """Files of a sandbox's /etc on this end: resolv.conf names its gateway (every DNS query goes to
         Aether's resolver anyway, whatever server it names)."""
         files = {"resolv.conf": f"nameserver {end.gateway}\noptions timeout:2 attempts:2\n"}
-        if mirrors_mod.PIP_PORT in self.mirrors:
-            files.update(mirrors_mod.sandbox_etc(end.gateway))
+        files.update(mirrors_mod.sandbox_etc(end.gateway, set(self.mirrors)))
         return files
 
     def leaks(self) -> list[str]:

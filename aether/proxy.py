@@ -164,6 +164,10 @@ class Connection:
             raise Denied(f"a tunnel to {self.name} carries neither TLS nor HTTP")
 
     async def _transparent(self, dst: str, dport: int) -> tuple[str, int]:
+        mirror = self.proxy.mirrors.get(dport) if dst == self.proxy.gateway_of(self.peer) else None
+        if mirror is not None:       # straight to the node's mirror: it alone reads the requests (apt's name the
+            self.name, self.address = f"mirror:{dport}", mirror[0]   # archive, as to a proxy: the mirror's
+            return mirror                                            # to serve or refuse)
         try:
             await self._more(RAW_WAIT)
         except asyncio.TimeoutError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import random
 import socket
 import subprocess
 import sys
@@ -42,11 +43,21 @@ def check_port_free(host: str, port: int, what: str) -> None:
             raise PortInUse(f"{what} port {host}:{port} is already in use") from None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on host (for tests and ephemeral servers)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", below: int = 0) -> int:
+    """An unused TCP port on host (for tests and ephemeral servers); with `below`, one under it (from 10000
+    up: for a tool that reads its port as a signed 16-bit number, like apt-cacher-ng)."""
+    if not below:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    for port in random.sample(range(10000, below), min(200, below - 10000)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port under {below} on {host}")
 
 
 def die_with_parent() -> None:

@@ -48,6 +48,17 @@ class StackCollector:
                 c = CounterMetricFamily(f"dsec_edge_{name}", f"Edge {name.replace('_', ' ')}", labels=["node"])
                 c.add_metric([edge.node], value)
                 yield c
+            network = edge.network
+            if network.mirrors:
+                up = CounterMetricFamily("dsec_mirror_upstream_bytes", "Bytes a package mirror fetched from upstream",
+                                         labels=["node", "mirror"])
+                restarts = CounterMetricFamily("dsec_mirror_restarts", "Times a package mirror was started again",
+                                               labels=["node", "mirror"])
+                for m in network.mirrors:
+                    up.add_metric([edge.node, m.name], m.upstream_bytes())
+                    restarts.add_metric([edge.node, m.name], m.restarts)
+                yield up
+                yield restarts
         if placement is not None:
             for name, value in (("placed", placement.placed), ("rejected", placement.rejected),
                                 ("bursted", placement.bursted), ("cas_conflicts", placement.ledger.conflicts),

@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import click
 
 from bus.kinds import KINDS
 from cli.main import DEFAULT_URL, main, run_async
-from edge.capacity import DEFAULT_PYPI, EdgeConfig
+from edge.capacity import DEFAULT_DEBIAN, DEFAULT_PYPI, EdgeConfig
 
 
 def state_dir_option(fn):
@@ -65,10 +66,14 @@ def edge_options(fn):
                           "Private, link-local, CGNAT, metadata and IPv6 addresses are otherwise denied whatever a "
                           "tenant lists; the host's own and the sandboxes' addresses always are."),
         click.option("--mirrors/--no-mirrors", "mirrors", default=True, show_default=True,
-                     help="Run this node's package mirrors with Aether (pip: proxpi, state under STATE_DIR): "
-                          "sandboxes with a network install from them, mirror-only ones from nothing else."),
+                     help="Run this node's package mirrors with Aether (pip: proxpi; apt: apt-cacher-ng; state "
+                          "under STATE_DIR): sandboxes with a network install from them, mirror-only ones from "
+                          "nothing else."),
         click.option("--mirror-pypi", default=DEFAULT_PYPI, show_default=True, metavar="URL",
                      help="The simple index the pip mirror caches."),
+        click.option("--mirror-apt", default=DEFAULT_DEBIAN, show_default=True, metavar="URL",
+                     help="The Debian mirror the apt mirror caches: sandboxes' apt asks for deb.debian.org (and "
+                          "its other names, debian-security beside it) and gets this mirror's files."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
@@ -149,9 +154,12 @@ def _network_fields(network: dict) -> dict:
     pypi = network.get("mirror_pypi", DEFAULT_PYPI)
     if not pypi.startswith(("http://", "https://")):
         fail(f"--mirror-pypi: an http(s) URL of a simple index, got {pypi!r}")
+    apt = network.get("mirror_apt", DEFAULT_DEBIAN)
+    if not re.match(r"^http://[^/\s]+(/\S*)?$", apt):
+        fail(f"--mirror-apt: an http URL of a Debian mirror, got {apt!r}")
     return {"aether": network.get("aether", True), "aether_dns": dns,
             "aether_allow_cidr": list(network.get("aether_allow_cidr", ())),
-            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi}
+            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi, "mirror_apt": apt}
 
 
 def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int,
@@ -261,7 +269,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
              traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
-             mirror_pypi: str, burst_threshold: float,
+             mirror_pypi: str, mirror_apt: str, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
@@ -276,7 +284,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
-                                                          mirror_pypi=mirror_pypi))
+                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt))
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
@@ -302,7 +310,7 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
                traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
-               mirrors: bool, mirror_pypi: str, verbose: bool) -> None:
+               mirrors: bool, mirror_pypi: str, mirror_apt: str, verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
@@ -311,7 +319,7 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
-                                                          mirror_pypi=mirror_pypi))
+                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt))
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
                   backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")

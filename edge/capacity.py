@@ -13,6 +13,7 @@ from bus.messages import NodeInfo, Resources
 
 
 DEFAULT_PYPI = "https://pypi.org/simple/"
+DEFAULT_DEBIAN = "http://deb.debian.org/debian"
 
 
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,6 +41,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     aether_allow_cidr: list[str] = []   # private ranges the operator lets sandboxes reach (tenants cannot)
     mirrors: bool = True              # run the node's package mirrors (aether/mirrors.py) with Aether
     mirror_pypi: str = DEFAULT_PYPI   # the index the pip mirror caches
+    mirror_apt: str = DEFAULT_DEBIAN  # the Debian mirror the apt mirror caches
 
 
 @dataclass

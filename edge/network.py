@@ -55,15 +55,20 @@ class NodeNetwork:
         if not self.config.mirrors:
             return {}
         from aether import mirrors
-        pip = mirrors.pip_mirror(self.state_dir / "mirrors", self.node, self.config.mirror_pypi)
-        try:
-            await pip.start()
-        except (mirrors.MirrorError, OSError) as exc:
-            log.warning("node %s runs without its pip mirror: %s", self.node, exc)
-            await pip.stop()
-            return {}
-        self.mirrors = [pip]
-        return {mirrors.PIP_PORT: pip.port}
+        base = self.state_dir / "mirrors"
+        for make, upstream in ((mirrors.pip_mirror, self.config.mirror_pypi),
+                               (mirrors.apt_mirror, self.config.mirror_apt)):
+            mirror = None
+            try:
+                mirror = make(base, self.node, upstream)
+                await mirror.start()
+            except (mirrors.MirrorError, OSError) as exc:
+                log.warning("node %s runs without its %s mirror: %s", self.node, make.__name__[:3], exc)
+                if mirror is not None:
+                    await mirror.stop()
+                continue
+            self.mirrors.append(mirror)
+        return {m.gateway_port: m.port for m in self.mirrors}
 
     async def _stop_mirrors(self) -> None:
         for m in self.mirrors:

@@ -80,13 +80,13 @@ def _residue() -> list[str]:
             out.append(f"qemu pid {proc.info['pid']} ({' '.join(cmd[cmd.index('-name') + 1:][:1] if '-name' in cmd else cmd[:1])})")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
-        if "proxpi.server" in cmd:
+        if "proxpi.server" in cmd or (cmd[:1] and cmd[0].endswith("apt-cacher-ng")):   # a node's mirrors
             try:
                 mirror_node = proc.environ().get("DSEC_MIRROR_NODE")
             except psutil.Error:
                 mirror_node = None
             if mirror_node is not None and not is_live(mirror_node):
-                out.append(f"pip mirror pid {proc.info['pid']} (node {mirror_node})")
+                out.append(f"mirror pid {proc.info['pid']} ({' '.join(cmd[:4])}; node {mirror_node})")
         if cmd[:1] and cmd[0].endswith("nats-server") and proc.info["ppid"] == 1 and "/dsec-" in " ".join(cmd):
             out.append(f"nats-server pid {proc.info['pid']} (its test or stack is gone)")
         if "aether.serve" in cmd and "--node" in cmd and not is_live(cmd[cmd.index("--node") + 1]):

@@ -126,3 +126,25 @@ async def test_supervised_processes_hold_no_executor_thread():
         for m in procs:
             await m.stop()
     assert all(m.proc.poll() is not None for m in procs)
+
+
+def test_the_apt_mirrors_upstream_bytes_are_read_from_whole_log_lines(tmp_path):
+    from aether.mirrors import _LogCount
+    log = tmp_path / "apt-cacher.log"
+    count = _LogCount(log)
+    log.write_bytes(b"1|I|1449|10.192.0.2|debrep/dists/dsec/Release\n1|O|1301|10.192.0.2|debrep/dists/dsec/Release\n"
+                    b"1|I|10500")   # a line still being written
+    assert count() == 1449
+    with open(log, "ab") as f:
+        f.write(b"38|10.192.0.2|debrep/pool/main/x.deb\n1|E|832|10.192.0.2| [HTTP error]\n1|I|junk|x|y\n")
+    assert count() == 1449 + 1050038 and count() == 1449 + 1050038   # read once, kept
+
+
+def test_mirror_files_name_only_the_mirrors_the_node_runs():
+    from aether import mirrors
+    both = mirrors.sandbox_etc("10.192.0.1", {mirrors.PIP_PORT, mirrors.APT_PORT})
+    assert set(both) == {"pip.conf", "apt/apt.conf.d/00dsec-mirror"}
+    assert both["apt/apt.conf.d/00dsec-mirror"] == 'Acquire::http::Proxy "http://10.192.0.1:3142/";\n'
+    assert set(mirrors.sandbox_etc("10.192.0.1", {mirrors.APT_PORT})) == {"apt/apt.conf.d/00dsec-mirror"}
+    assert mirrors.sandbox_env("10.192.0.1", {mirrors.APT_PORT}) == {}
+    assert mirrors.sandbox_env("10.192.0.1", {mirrors.PIP_PORT})["PIP_INDEX_URL"] == "http://10.192.0.1:3141/index/"

@@ -73,3 +73,61 @@ async def test_a_killed_mirror_gives_a_clear_error_then_recovers(client, upstrea
         assert mirror.proc is not old
         r = await sb.exec(f"{PIP} --timeout 10", timeout=120)
         assert r.exit_code == 0, r.stderr[-1000:]
+
+
+APT_INSTALLS = 4     # sandboxes installing the same Debian package at once (apt is slower than pip)
+DEB = "dsecdemo_1.0_all.deb"
+# The image's own sources name deb.debian.org (which the node's apt mirror serves from its --mirror-apt, here
+# the test's repository, suite dsec); unsigned, hence trusted=yes.
+APT_SOURCES = ("echo 'deb [trusted=yes] http://deb.debian.org/debian dsec main' > /etc/apt/sources.list && "
+               "rm -rf /etc/apt/sources.list.d/* && ")
+APT = "apt-get -q -o Acquire::Retries=0 -o Acquire::http::Timeout=5 -o Acquire::Languages=none"
+
+
+def debian_fetched(logs, path: str) -> int:
+    log = logs / "debian.log"
+    return log.read_text().count(f'"GET /debian/{path} ') if log.exists() else 0
+
+
+async def test_sandboxes_apt_install_through_the_node_mirror_and_upstream_sees_the_package_once(client, upstream,
+                                                                                                pip_image, stack):
+    apt = next(m for m in stack.edge.network.mirrors if m.name == "apt")
+    before = apt.upstream_bytes()
+    sbs = await asyncio.gather(*(client.create(pip_image, network="mirror-only") for _ in range(APT_INSTALLS)))
+    try:
+        r = await sbs[0].exec("cat /etc/apt/apt.conf.d/00dsec-mirror")
+        assert r.exit_code == 0 and b":3142/" in r.stdout, r
+        install = f"{APT_SOURCES}{APT} update && {APT} install -y dsecdemo && wc -c < /usr/share/dsecdemo/data.bin"
+        # one first, then the rest at once: apt-cacher-ng may start two upstream fetches of a file asked for twice
+        # in the same instant (and drop one), so the cold fetch is one sandbox's; the others read the cache
+        results = [await sbs[0].exec(install, timeout=180)]
+        results += await asyncio.gather(*(sb.exec(install, timeout=180) for sb in sbs[1:]))
+        assert [(r.exit_code, r.stdout.splitlines()[-1:]) for r in results] == [(0, [b"1048576"])] * APT_INSTALLS, \
+            [r.stderr[-800:] for r in results if r.exit_code]
+        assert debian_fetched(upstream, f"pool/main/{DEB}") == 1
+        fetched_bytes = apt.upstream_bytes() - before
+        assert 1 << 20 < fetched_bytes < (1 << 20) + (256 << 10), fetched_bytes   # the package once, the index
+        from cli.metrics import StackCollector
+        shown = {tuple(s.labels.values()): s.value for fam in StackCollector(stack).collect()
+                 if fam.name == "dsec_mirror_upstream_bytes" for s in fam.samples}
+        assert shown[(stack.edge.node, "apt")] >= before + fetched_bytes and (stack.edge.node, "pip") in shown
+        # the mirror is no relay: any other URL through it is refused, and CONNECT with it
+        relay = ("python3 -c \"import urllib.request as u, sys\ntry:\n u.build_opener(u.ProxyHandler({'http': "
+                 "'http://' + open('/etc/resolv.conf').read().split()[1] + ':3142'})).open('http://198.51.100.2/', "
+                 "timeout=10)\nexcept u.HTTPError as e:\n print(e.code)\"")
+        r = await sbs[0].exec(relay, timeout=30)
+        assert (r.exit_code, r.stdout) == (0, b"403\n"), r
+        # mirror-only: apt without the mirror, or with its config gone, reaches nothing (its lists came through
+        # the mirror; the package itself, out of apt's own cache, must be fetched again)
+        r = await sbs[1].exec(f"apt-get clean && cd /tmp && {APT} -o Acquire::http::Proxy=false download dsecdemo",
+                              timeout=60)
+        assert r.exit_code != 0 and b"dsecdemo" in r.stderr, r
+        r = await sbs[2].exec(f"rm /etc/apt/apt.conf.d/00dsec-mirror && apt-get clean && cd /tmp && {APT} download "
+                              "dsecdemo", timeout=60)
+        assert r.exit_code != 0 and b"dsecdemo" in r.stderr, r
+        r = await sbs[3].exec(f"apt-get clean && cd /tmp && {APT} download dsecdemo && wc -c < dsecdemo_1.0_all.deb",
+                              timeout=60)   # with it: from the node's cache
+        assert r.exit_code == 0 and int(r.stdout.split()[-1]) > 1 << 20, r
+        assert debian_fetched(upstream, f"pool/main/{DEB}") == 1
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in sbs))

@@ -9,6 +9,9 @@ On 198.51.100.2 (the namespace's address):
 - :7000     TCP echo
 - :9999/udp counts datagrams (udp.log)
 - :8080     a pypiserver index of wheels built here (make_wheel), its access log in pypi.log
+- :8081     a Debian repository made here (make_debian_repo: suite `dsec`, package dsecdemo) under /debian
+            (HTTP/1.1, connections kept open as a Debian mirror keeps them),
+            its access log in debian.log
 """
 from __future__ import annotations
 
@@ -192,6 +195,37 @@ def make_wheel(d: Path, name: str = "dsecdemo", version: str = "1.0", payload: i
     return out
 
 
+def make_debian_repo(d: Path, payload: int = 1 << 20) -> Path:
+    """A Debian repository (dpkg-deb, apt-ftparchive) at d/debian: suite `dsec`, component main, one package
+    dsecdemo 1.0 (all) installing /usr/share/dsecdemo/data.bin of `payload` bytes; unsigned (apt needs
+    [trusted=yes] for it)."""
+    import lzma
+    import os
+    pkg, repo = d / "debpkg", d / "debian"
+    (pkg / "DEBIAN").mkdir(parents=True, exist_ok=True)
+    (pkg / "usr/share/dsecdemo").mkdir(parents=True, exist_ok=True)
+    (pkg / "DEBIAN/control").write_text("Package: dsecdemo\nVersion: 1.0\nArchitecture: all\nMaintainer: dsec tests "
+                                        "<tests@example.invalid>\nDescription: a package built by the tests\n")
+    (pkg / "usr/share/dsecdemo/data.bin").write_bytes(os.urandom(payload))
+    (repo / "pool/main").mkdir(parents=True, exist_ok=True)
+    _run("dpkg-deb", "-b", "-Zgzip", str(pkg), str(repo / "pool/main/dsecdemo_1.0_all.deb"))
+    dist = repo / "dists/dsec"
+    for arch in ("amd64", "all"):
+        out = dist / f"main/binary-{arch}"
+        out.mkdir(parents=True, exist_ok=True)
+        packages = subprocess.run(["apt-ftparchive", "packages", "pool"], cwd=repo, check=True,
+                                  capture_output=True).stdout
+        (out / "Packages").write_bytes(packages)      # listed in Release as Debian's is (apt's key for the index)
+        (out / "Packages.xz").write_bytes(lzma.compress(packages))   # what apt fetches
+    release = subprocess.run(["apt-ftparchive", "-o", "APT::FTPArchive::Release::Suite=dsec",
+                              "-o", "APT::FTPArchive::Release::Codename=dsec",
+                              "-o", "APT::FTPArchive::Release::Components=main",
+                              "-o", "APT::FTPArchive::Release::Architectures=amd64 all", "release", "."],
+                             cwd=dist, check=True, capture_output=True).stdout
+    (dist / "Release").write_bytes(release)
+    return repo
+
+
 @contextlib.contextmanager
 def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
     """The upstream namespace `ns` (UP; the host end .1 on `link`) with these servers; yields the logs' dir.
@@ -200,7 +234,7 @@ def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
     cert, key = make_certs(d)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     _run("ip", "netns", "add", ns)
-    proc = index = None
+    proc = index = debian = None
     try:
         _run("ip", "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _run("ip", "addr", "add", "198.51.100.1/24", "dev", link)
@@ -218,15 +252,46 @@ def running(d: Path, ns: str = "aetherup", link: str = "aetherup0"):
                                   "-v", "-i", UP, "-p", "8080", "-a", ".", "-P", ".", "--disable-fallback",
                                   "--log-file", str(d / "logs" / "pypi.log"),
                                   str(d / "wheels")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        make_debian_repo(d)
+        with open(d / "logs" / "debian.log", "ab") as access:
+            debian = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "tests.upstreams", "--files",
+                                       str(d)], stdout=access, stderr=access, cwd=Path(__file__).parent.parent)
         _wait_port(ns, 8080)
+        _wait_port(ns, 8081)
         yield d / "logs"
     finally:
-        for p in (proc, index):
+        for p in (proc, index, debian):
             if p is not None:
                 p.kill()
                 p.wait()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+def serve_files(root: str) -> None:
+    """The Debian repository's server: files under root on UP:8081, HTTP/1.1 with connections kept open after a
+    404 too, as a Debian mirror keeps them (http.server closes one after any error, and a caching proxy that
+    sent several requests on it sees the rest fail); requests logged to stderr."""
+    import functools
+    import http.server
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def send_error(self, code, message=None, explain=None):
+            body = f"{code} {message or ''}\n".encode()
+            self.log_error("code %d, message %s", code, message)
+            self.send_response(code, message)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+    http.server.ThreadingHTTPServer((UP, 8081), functools.partial(Handler, directory=root)).serve_forever()
+
+
 if __name__ == "__main__":
-    asyncio.run(main())
+    if sys.argv[1] == "--files":
+        serve_files(sys.argv[2])
+    else:
+        asyncio.run(main())

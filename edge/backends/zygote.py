@@ -367,10 +367,15 @@ def _open_net_privileges() -> None:
 
 def _write_etc(name: str, text: str, owner: int) -> None:
     """/etc/<name> of the sandbox, e.g. resolv.conf (its upper layer: the sandbox's root may change it, which
-    gains it nothing, as its every DNS query goes to Aether's resolver whatever server it names)."""
-    if "/" in name or name.startswith("."):
-        raise ValueError(f"not a file name in /etc: {name!r}")
+    gains it nothing, as its every DNS query goes to Aether's resolver whatever server it names). A name in a
+    subdirectory (apt/apt.conf.d/...) is written only where the image has that directory (apt's config in an
+    image with apt)."""
+    parts = name.split("/")
+    if not name or any(not part or part.startswith(".") for part in parts):
+        raise ValueError(f"not a file name under /etc: {name!r}")
     path = f"/etc/{name}"
+    if len(parts) > 1 and not os.path.isdir(os.path.dirname(path)):
+        return
     if os.path.islink(path):
         os.unlink(path)
     os.makedirs("/etc", 0o755, exist_ok=True)
