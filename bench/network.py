@@ -4,7 +4,8 @@
 - download throughput through the proxy from inside a sandbox, against the same download straight from the
   host over the same upstream link (target: at least 0.5x);
 - sb.set_network: how long until the new policy is in force (its round trip);
-- a cached 1 MiB wheel from the node's pip mirror, inside a sandbox (target: p50 <= 5 ms);
+- a cached 1 MiB wheel from the node's pip mirror, inside a sandbox (target: p50 <= 5 ms), and a cached
+  1 MiB .deb from its apt mirror;
 - N sandboxes installing the same wheel through the mirror: how often the upstream index served it.
 
 Run: python -m bench.network [--creates N] [--mib N]   (starts its own stack in this process, with an upstream
@@ -101,7 +102,8 @@ async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_instal
                 times.append((time.perf_counter() - t0) * 1000)
             print("set_network (in force when it returns):")
             print(fig("round trip", times))
-        await cached_wheel(client)
+        await cached_file(client, "wheel from the node's pip mirror", WHEEL_URL)
+        await cached_file(client, ".deb from the node's apt mirror", DEB_URL, proxy=f"http://{GATEWAY}:3142")
         if n_installs:
             await installs(client, url, logs, n_installs)
 
@@ -133,25 +135,30 @@ async def installs(client, url: str, logs: Path, n: int) -> None:
           f"{statistics.median(times):.2f} s; upstream served the wheel {served} time(s)")
 
 
-async def cached_wheel(client, n: int = 50) -> None:
-    """p50 of a 1 MiB wheel from the node's pip mirror, once cached, from inside a mirror-only sandbox: n
-    downloads in one exec, less an empty exec, over n."""
+GATEWAY = "$(ip route | awk '/default/ {print $3}')"
+WHEEL_URL = f"http://{GATEWAY}:3141/index/dsecdemo/dsecdemo-1.0-py3-none-any.whl"
+DEB_URL = "http://deb.debian.org/debian/pool/main/dsecdemo_1.0_all.deb"
+
+
+async def cached_file(client, what: str, url: str, proxy: str = "", n: int = 50) -> None:
+    """p50 of a 1 MiB file from one of the node's mirrors, once cached, from inside a mirror-only sandbox: n
+    downloads in one exec, less an empty exec, over n. proxy: the sandbox's http_proxy for it (apt's way to
+    its mirror), else straight (pip's: NO_PROXY names the gateway; busybox wget reads no NO_PROXY)."""
+    env = f"export http_proxy={proxy}" if proxy else "unset http_proxy HTTP_PROXY"
     async with await client.create("busybox", network="mirror-only") as sb:
-        url = "http://$(ip route | awk '/default/ {print $3}'):3141/index/dsecdemo/dsecdemo-1.0-py3-none-any.whl"
-        r = await sb.exec(f"wget -q -O /dev/null {url}", timeout=60)   # the mirror fetches it upstream once
-        # (then straight to the mirror, as pip goes: NO_PROXY names the gateway; busybox wget reads no NO_PROXY)
+        r = await sb.exec(f"{env}; wget -q -O /dev/null {url}", timeout=60)   # the mirror fetches it upstream once
         assert r.exit_code == 0, r.stderr
         rounds = []
         for _ in range(5):
             t0 = time.perf_counter()
             await sb.exec("true")
             t1 = time.perf_counter()
-            r = await sb.exec(f"unset http_proxy HTTP_PROXY; u={url}; i=0; while [ $i -lt {n} ]; do wget -q -O /dev/null $u || exit 1; "
+            r = await sb.exec(f"{env}; u={url}; i=0; while [ $i -lt {n} ]; do wget -q -O /dev/null $u || exit 1; "
                               f"i=$((i+1)); done", timeout=120)
             t2 = time.perf_counter()
             assert r.exit_code == 0, r.stderr
             rounds.append(((t2 - t1) - (t1 - t0)) * 1000 / n)
-        print(f"cached 1 MiB wheel from the node's pip mirror, inside a sandbox ({n} x 5 rounds):")
+        print(f"cached 1 MiB {what}, inside a sandbox ({n} x 5 rounds):")
         print(f"  per download            p50 {statistics.median(rounds):8.2f} ms  (target <= 5 ms; busybox wget, "
               f"a process each)")
 
@@ -170,7 +177,8 @@ def main(n: int, mib: int, raw_n: int, n_installs: int) -> None:
             st = Stack(Path(tmp) / "state", port=free_port(), metrics_port=None,
                        edge_config=EdgeConfig(node_id="bench-net", slots=16, aether_dns=f"{UP}:53",
                                               aether_allow_cidr=["198.51.100.0/24"],
-                                              mirror_pypi=f"http://{UP}:8080/simple/"))
+                                              mirror_pypi=f"http://{UP}:8080/simple/",
+                                              mirror_apt=f"http://{UP}:8081/debian"))
             await st.start()
             try:
                 await measure(st.url, n, mib, logs, n_installs)

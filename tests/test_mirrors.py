@@ -84,6 +84,23 @@ APT_SOURCES = ("echo 'deb [trusted=yes] http://deb.debian.org/debian dsec main' 
 APT = "apt-get -q -o Acquire::Retries=0 -o Acquire::http::Timeout=5 -o Acquire::Languages=none"
 
 
+# python3 - URL 1|0 <<...: a GET of URL with the apt mirror as its proxy ($2 = 1), or of that path on the mirror itself;
+# prints the HTTP status of a refusal, or "refused" if the tunnel or connection was
+MIRROR_GET = """<<'EOF'
+import sys, urllib.request as u, urllib.error as e
+mirror = "http://" + open("/etc/resolv.conf").read().split()[1] + ":3142"
+url, proxied = sys.argv[1], sys.argv[2] == "1"
+opener = u.build_opener(u.ProxyHandler({"http": mirror, "https": mirror} if proxied else {}))
+try:
+    opener.open(url if proxied else mirror + url, timeout=10)
+    print("served")
+except e.HTTPError as exc:
+    print(exc.code)
+except (e.URLError, OSError):
+    print("refused")
+EOF"""
+
+
 def debian_fetched(logs, path: str) -> int:
     log = logs / "debian.log"
     return log.read_text().count(f'"GET /debian/{path} ') if log.exists() else 0
@@ -111,12 +128,13 @@ async def test_sandboxes_apt_install_through_the_node_mirror_and_upstream_sees_t
         shown = {tuple(s.labels.values()): s.value for fam in StackCollector(stack).collect()
                  if fam.name == "dsec_mirror_upstream_bytes" for s in fam.samples}
         assert shown[(stack.edge.node, "apt")] >= before + fetched_bytes and (stack.edge.node, "pip") in shown
-        # the mirror is no relay: any other URL through it is refused, and CONNECT with it
-        relay = ("python3 -c \"import urllib.request as u, sys\ntry:\n u.build_opener(u.ProxyHandler({'http': "
-                 "'http://' + open('/etc/resolv.conf').read().split()[1] + ':3142'})).open('http://198.51.100.2/', "
-                 "timeout=10)\nexcept u.HTTPError as e:\n print(e.code)\"")
-        r = await sbs[0].exec(relay, timeout=30)
-        assert (r.exit_code, r.stdout) == (0, b"403\n"), r
+        # the mirror is no relay: any other URL through it is refused, CONNECT with it; and it shows no
+        # maintenance page (apt-cacher-ng's report page can expire or delete its cache)
+        for url, proxied in (("http://198.51.100.2/", True), ("https://allowed.test/", True),
+                             ("http://deb.debian.org/acng-report.html", True), ("/acng-report.html", False),
+                             ("/debian/dists/dsec/Release", False)):
+            r = await sbs[0].exec(f"python3 - {url} {int(proxied)} {MIRROR_GET}", timeout=30)
+            assert r.exit_code == 0 and r.stdout in (b"403\n", b"404\n", b"500\n", b"refused\n"), (url, r)
         # mirror-only: apt without the mirror, or with its config gone, reaches nothing (its lists came through
         # the mirror; the package itself, out of apt's own cache, must be fetched again)
         r = await sbs[1].exec(f"apt-get clean && cd /tmp && {APT} -o Acquire::http::Proxy=false download dsecdemo",
