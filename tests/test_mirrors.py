@@ -107,7 +107,10 @@ def debian_fetched(logs, path: str) -> int:
 
 
 async def test_sandboxes_apt_install_through_the_node_mirror_and_upstream_sees_the_package_once(client, upstream,
-                                                                                                pip_image, stack):
+                                                                                                pip_image, stack,
+                                                                                                monkeypatch):
+    from aether import mirrors
+    monkeypatch.setattr(mirrors, "RESTART_DELAY", 3.0)   # down long enough for a download to meet it
     apt = next(m for m in stack.edge.network.mirrors if m.name == "apt")
     before = apt.upstream_bytes()
     sbs = await asyncio.gather(*(client.create(pip_image, network="mirror-only") for _ in range(APT_INSTALLS)))
@@ -146,6 +149,18 @@ async def test_sandboxes_apt_install_through_the_node_mirror_and_upstream_sees_t
         r = await sbs[3].exec(f"apt-get clean && cd /tmp && {APT} download dsecdemo && wc -c < dsecdemo_1.0_all.deb",
                               timeout=60)   # with it: from the node's cache
         assert r.exit_code == 0 and int(r.stdout.split()[-1]) > 1 << 20, r
+        # killed: a clear error, then it is back on the same port with its cache (upstream is not asked again)
+        old = apt.proc
+        old.kill()
+        r = await sbs[3].exec(f"apt-get clean && cd /tmp && rm -f {DEB} && {APT} download dsecdemo", timeout=60)
+        assert r.exit_code != 0 and b"dsecdemo_1.0_all.deb" in r.stderr, r   # apt names what it could not get
+        for _ in range(400):
+            if apt.proc is not old and apt.proc.poll() is None and apt.restarts:
+                break
+            await asyncio.sleep(0.05)
+        assert apt.proc is not old
+        r = await sbs[3].exec(f"apt-get clean && cd /tmp && rm -f {DEB} && {APT} download dsecdemo", timeout=60)
+        assert r.exit_code == 0, r
         assert debian_fetched(upstream, f"pool/main/{DEB}") == 1
     finally:
         await asyncio.gather(*(sb.destroy() for sb in sbs))
