@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import collections
 import errno
+import fcntl
 import ipaddress
 import logging
 import os
+import struct
 import threading
 import time
 import zlib
@@ -230,6 +232,42 @@ def _configure(end: End) -> int:
         if inside is not None:
             inside.close()
         os.close(own)
+
+
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
+TAP, BRIDGE = "tap0", "br0"
+
+
+def tap(end: End) -> int:
+    """The end made a VM's: in its namespace a tap (its fd, for QEMU: the tap lives while an fd of it is open)
+    and a bridge of the tap and eth0, whose address goes to the guest behind the tap (the namespace keeps
+    none). The host sees the guest's frames on the veth as a container's packets: the same rules, the same
+    shaping (eth0's egress, in the namespace), the same reverse-path check. Blocking: Aether's thread."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    fd = -1
+    try:
+        kernel.setns(end.netns, kernel.CLONE_NEWNET)
+        try:
+            fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", TAP.encode(), IFF_TAP | IFF_NO_PI))
+            with IPRoute() as ipr:
+                eth0, tap_i = ipr.link_lookup(ifname="eth0")[0], ipr.link_lookup(ifname=TAP)[0]
+                ipr.addr("del", index=eth0, address=end.address, prefixlen=30)   # its route goes with it
+                ipr.link("add", ifname=BRIDGE, kind="bridge", br_stp_state=0, br_forward_delay=0)
+                bridge = ipr.link_lookup(ifname=BRIDGE)[0]
+                ipr.link("set", index=eth0, master=bridge)
+                ipr.link("set", index=tap_i, master=bridge, state="up")
+                ipr.link("set", index=bridge, state="up")
+        finally:
+            kernel.setns(own, kernel.CLONE_NEWNET)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+    finally:
+        os.close(own)
+    return fd
 
 
 MAX_RATE = (1 << 32) - 1           # htb's rate field (bytes/s); a policy above it is not shaped further

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Callable
 
 import msgspec
+from pyroute2.netlink.exceptions import NetlinkError
 
 from aether import mirrors as mirrors_mod, rules
-from aether.links import End, LinkError, Links, shape
+from aether.links import End, LinkError, Links, shape, tap
 from bus.network import DEFAULT_BANDWIDTH, Network
 from bus.server import die_with_parent
 from edge.backends.execio import exited
@@ -264,6 +265,16 @@ class Aether:
         self.links.held(end)
         self._applying[sandbox_id] = asyncio.ensure_future(self._apply(sandbox_id, end, policy))
         return end
+
+    async def tap(self, sandbox_id: str) -> int:
+        """A VM's way onto its sandbox's end (links.tap): the tap's fd, for its QEMU."""
+        item = self.attached.get(sandbox_id)
+        if item is None:
+            raise AetherError(f"sandbox {sandbox_id} has no network")
+        try:
+            return await self._in_thread(tap, item[0])
+        except (OSError, NetlinkError) as exc:
+            raise AetherError(f"sandbox {sandbox_id}: its VM's tap: {exc}") from exc
 
     async def in_force(self, sandbox_id: str) -> None:
         """Once the policy attach() began to apply is in force (AetherError if it could not be)."""

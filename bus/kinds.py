@@ -32,9 +32,9 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                        "privileged", "memory_snapshot"}),
+                        "privileged", "memory_snapshot", "network"}),
     FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                       "privileged", "memory_snapshot"}),
+                       "privileged", "memory_snapshot", "network"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }
 

@@ -10,7 +10,8 @@ Per sandbox, a QEMU process:
 - gets the image's EROFS layers as read-only virtio-blk drives (the same files every VM of the node and
   every container use: one copy in the host's page cache), a sparse ext4 disk of the disk limit as the
   writable layer, and the trusted device (dsec-agent and the trusted shell, EROFS, read-only);
-- has no network device (`-nodefaults`, no `-netdev`), no display, no reboot.
+- has one network device, on a tap bridged to its sandbox's veth when it has a network (net.py, aether/),
+  else on an empty hub; no display, no reboot.
 The guest's pid 1 is dsec-agent, which speaks the same framed channel as in a gVisor sandbox
 (gvisor/agent.py) over a virtio-serial port whose host end is one end of a socketpair; QEMU's monitor
 (QMP) is a second socketpair, used for suspend (stop/cont). Files are read and written by the trusted
@@ -42,6 +43,7 @@ from edge.backends.gvisor.host import _remove_groups, valid_id
 from edge.backends.microvm import accel, guest, snapshot, template
 from edge.backends.microvm.boot import Booting, boot_failure
 from edge.backends.microvm.memory import MemorySnapshots, fork_spec
+from edge.backends.microvm.net import Networking
 from edge.backends.microvm.restore import Restoring
 from edge.backends.microvm.vm import VM
 from edge.backends.microvm.qemu import qemu_processes
@@ -53,7 +55,7 @@ CLAIMED_KEPT = 4096         # claimed ids remembered for residue() after their d
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
 
-class MicroVMBackend(MemorySnapshots, Restoring, Booting, Backend):
+class MicroVMBackend(MemorySnapshots, Restoring, Booting, Networking, Backend):
     """One QEMU microvm per sandbox, its commands run by the guest's agent."""
 
     kind = kinds.MICROVM
@@ -156,12 +158,17 @@ class MicroVMBackend(MemorySnapshots, Restoring, Booting, Backend):
                     raise SnapshotGone(str(exc)) from None
                 vm.spec = fork_spec(image, spec)
                 vm.hide = sorted({Path(p).parent for p in image.spec.layers})
+                await self._attach(vm)
                 await self._restore(vm, groups, image.tpl, fork=True)
             elif self.use_templates:
-                await self._restore(vm, groups, await self._template(spec))
+                tpl = await self._template(spec)
+                await self._attach(vm)
+                await self._restore(vm, groups, tpl)
             else:
                 await asyncio.to_thread(self._make_disk, vm)
+                await self._attach(vm)
                 await self._boot(vm, groups)
+            await self._configure_guest(vm)
             if spec.warm:     # a fresh QEMU translates the guest's code anew (TCG): a pool's VM pays it here
                 code, _, err = await self._shell(vm, WARM_UP, [], b"")
                 if code:
@@ -237,6 +244,7 @@ class MicroVMBackend(MemorySnapshots, Restoring, Booting, Backend):
             if groups["freezer"].exists() and not await cgroups.kill_tree(groups["freezer"]):
                 residue.append(f"processes survive in {groups['freezer']}")
             residue.extend(await _remove_groups(groups))
+            await self._detach(vm)
             shutil.rmtree(self._dir(vm.key), ignore_errors=True)
             if self._dir(vm.key).exists():
                 residue.append(f"VM dir {self._dir(vm.key)}")

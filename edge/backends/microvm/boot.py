@@ -49,7 +49,7 @@ class Booting:
               ram: int | None, incoming: int | None, load: bool = False) -> list[str]:
         return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.key), fds,
                          agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming,
-                         machine=self.machine, load=load)
+                         machine=self.machine, load=load, tap=vm.tap)
 
     async def _settle(self, vm: VM) -> None:
         """Wait, before a template is saved, until its booted guest is at rest (a microVM is once its agent
@@ -110,7 +110,7 @@ class Booting:
                 _join(tasks)
                 qemu.confine(uid, hide, self._guest.kernel, kvm)
             argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming, load)
-            extra = [fd for fd in (ram, incoming) if fd is not None]
+            extra = [fd for fd in (ram, incoming, vm.tap) if fd is not None]
             try:
                 vm.proc = await asyncio.create_subprocess_exec(
                     *argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -120,6 +120,9 @@ class Booting:
         finally:
             for fd in (*fds.values(), log, console):
                 os.close(fd)
+            if vm.tap is not None:     # QEMU has its own: the tap lives as long as QEMU
+                os.close(vm.tap)
+                vm.tap = None
             guest_a.close()
             guest_m.close()
         vm.qmp = Qmp(host_m)

@@ -21,8 +21,10 @@ from pathlib import Path
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"   # Debian's metapackage; its dependency is the versioned image
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
-           "virtio_blk", "virtio_console", "libcrc32c", "erofs", "overlay", "virtio-rng")
-# init.sh loads them in this order, virtio_mmio for a microvm, the virtio_pci ones for a full VM (q35)
+           "virtio_blk", "virtio_console", "libcrc32c", "erofs", "overlay", "virtio-rng", "failover",
+           "net_failover", "virtio_net")
+# init.sh loads them in this order, virtio_mmio for a microvm, the virtio_pci ones for a full VM (q35);
+# virtio_net (after the two it needs) for a VM's network (aether/: a tap bridged to the sandbox's veth)
 HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
 AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"

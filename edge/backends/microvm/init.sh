@@ -20,7 +20,8 @@ for a in $($B cat /proc/cmdline); do
 done
 bus=virtio_mmio
 [ -n "$OS" ] && bus="virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci"
-for m in virtio_ring virtio $bus virtio_blk virtio_console libcrc32c erofs overlay virtio-rng; do
+for m in virtio_ring virtio $bus virtio_blk virtio_console libcrc32c erofs overlay virtio-rng failover net_failover \
+    virtio_net; do
   $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/${m//-/_} ] || fail "insmod $m failed"
 done
 $B hostname "$HOST"

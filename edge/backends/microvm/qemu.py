@@ -23,18 +23,24 @@ STUB_RESTORES = os.environ.get("DSEC_VM_STUB_KERNEL", "1") != "0"
 
 # A full VM (q35) boots the root's systemd (init.sh's dsec.os=1) with cgroup v1 hierarchies, as the agent's
 # limit groups are (systemd 252 still offers them).
+MAC = "52:54:00:d5:ec:02"    # each VM's own link: one address for all
+
 OS_CMDLINE = "dsec.os=1 systemd.unified_cgroup_hierarchy=0 systemd.show_status=0"
 
 
 def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: dict[str, int], *, agent: int,
          monitor: int, console: int, ram: int | None, incoming: int | None, machine: str = "microvm",
-         load: bool = False) -> list[str]:
+         load: bool = False, tap: int | None = None) -> list[str]:
     """QEMU's command line: drives are fds (fds: name -> fd; `disk` writable, `disk_ro` its probing twin),
     agent and monitor socket fds, console a file fd. With ram (a memfd): guest RAM in it, shared while a
     template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd);
     load: shared, its content read from the incoming stream by a VM that never runs (-S), which makes a
     memory snapshot's RAM.
-    machine: microvm (virtio-mmio devices, the agent as pid 1) or q35 (virtio-pci, the root's systemd)."""
+    machine: microvm (virtio-mmio devices, the agent as pid 1) or q35 (virtio-pci, the root's systemd).
+    Every VM has one network device (templates are restored with or without a network): its backend is tap
+    (an fd: the sandbox's network, aether/) or else a hub port with nothing else on its hub (no traffic). The
+    tap is made without IFF_VNET_HDR, so it offers no offloads, like the hub port: a guest booted on a hub
+    port (a template) restores onto a tap with what it negotiated."""
     limits = spec.limits
     bus = "device" if machine == "microvm" else "pci"
     os_args = "" if machine == "microvm" else f" {OS_CMDLINE}"
@@ -60,7 +66,9 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
            "-device", f"virtio-serial-{bus}",
            "-chardev", f"socket,id=agent,fd={agent}", "-device", "virtserialport,chardev=agent,name=dsec.agent",
            "-chardev", f"socket,id=mon,fd={monitor}", "-mon", "chardev=mon,mode=control",
-           "-device", f"virtio-rng-{bus}"]
+           "-device", f"virtio-rng-{bus}",
+           "-netdev", f"tap,id=net0,fd={tap}" if tap is not None else "hubport,id=net0,hubid=0",
+           "-device", f"virtio-net-{bus},netdev=net0,mac={MAC}"]
     for n, (name, fd) in enumerate(fds.items(), start=1):
         ro = name != "disk"
         out += ["-add-fd", f"fd={fd},set={n}"]

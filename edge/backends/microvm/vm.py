@@ -33,6 +33,8 @@ class VM:
     packing: asyncio.Lock = field(default_factory=asyncio.Lock)   # one snapshot at a time (one freeze)
     watch: asyncio.Future | None = None                            # QEMU's exit, once it runs as a sandbox
     hide: list[Path] = field(default_factory=list)                 # more dirs QEMU must not see (its layers')
+    end: object | None = None                                      # its network end (aether/), if it has one
+    tap: int | None = None                                         # the edge's fd of its tap, until QEMU has it
 
     def __post_init__(self) -> None:
         self.key = self.key or self.spec.id
