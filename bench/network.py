@@ -6,7 +6,8 @@
 - sb.set_network: how long until the new policy is in force (its round trip);
 - a cached 1 MiB wheel from the node's pip mirror, inside a sandbox (target: p50 <= 5 ms), and a cached
   1 MiB .deb from its apt mirror;
-- N sandboxes installing the same wheel through the mirror: how often the upstream index served it.
+- N sandboxes installing the same wheel through the mirror: how often the upstream index served it;
+- with --vm-creates N: a microVM create without and with a network (its tap, bridge and guest setup).
 
 Run: python -m bench.network [--creates N] [--mib N]   (starts its own stack in this process, with an upstream
      HTTP server in a network namespace of its own on 198.51.100.0/24: nothing leaves the machine)
@@ -32,11 +33,14 @@ def fig(name: str, values: list[float], unit: str = "ms") -> str:
     return f"  {name:<24} p50 {statistics.median(values):8.2f} {unit}  p99 {percentile(values, 99):8.2f} {unit}"
 
 
-async def creates(client, n: int, network) -> list[float]:
+async def creates(client, n: int, network, backend: str = "container", first_exec: bool = False) -> list[float]:
+    """Create times (ms); first_exec: each until its first command (`true`) returned."""
     out = []
     for _ in range(n):
         t0 = time.perf_counter()
-        sb = await client.create("busybox", network=network)
+        sb = await client.create("busybox", network=network, backend=backend, timeout=120)
+        if first_exec:
+            await sb.exec("true")
         out.append((time.perf_counter() - t0) * 1000)
         await sb.destroy()
     return out
@@ -61,7 +65,32 @@ async def sandbox_download(sb, size: int) -> float:
     return size / (1 << 20) / ((t2 - t1) - (t1 - t0))
 
 
-async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_installs: int = 0) -> None:
+async def vm_creates(client, n: int) -> None:
+    """A microVM create (from its template) without and with a network (its tap, bridge and the guest's
+    setup by the trusted shell), sequential, interleaved by fives."""
+    allow = libdsec.Network(allow=["allowed.test"])
+    await creates(client, 2, None, "microvm")         # the template is built by the first
+    await creates(client, 2, allow, "microvm")
+    none, proxied = [], []
+    for _ in range(max(1, n // 5)):
+        none += await creates(client, 5, None, "microvm")
+        proxied += await creates(client, 5, allow, "microvm")
+    print(f"microvm create ({len(none)} each, interleaved by fives; this machine's accelerator):")
+    print(fig("network none", none))
+    print(fig("network proxied", proxied))
+    print(f"  proxied adds {statistics.median(proxied) - statistics.median(none):+.2f} ms at p50")
+    none, proxied = [], []
+    for _ in range(max(1, n // 5)):
+        none += await creates(client, 5, None, "microvm", first_exec=True)
+        proxied += await creates(client, 5, allow, "microvm", first_exec=True)
+    print("microvm create and its first command (`true`), as above:")
+    print(fig("network none", none))
+    print(fig("network proxied", proxied))
+    print(f"  proxied adds {statistics.median(proxied) - statistics.median(none):+.2f} ms at p50")
+
+
+async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_installs: int = 0,
+                  n_vm: int = 0) -> None:
     async with libdsec.AsyncClient(url) as client:
         await creates(client, 5, None)                              # warm-up: layer fetch, mounts
         await creates(client, 5, libdsec.Network(allow=["allowed.test"]))
@@ -104,6 +133,8 @@ async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_instal
             print(fig("round trip", times))
         await cached_file(client, "wheel from the node's pip mirror", WHEEL_URL)
         await cached_file(client, ".deb from the node's apt mirror", DEB_URL, proxy=f"http://{GATEWAY}:3142")
+        if n_vm:
+            await vm_creates(client, n_vm)
         if n_installs:
             await installs(client, url, logs, n_installs)
 
@@ -163,8 +194,9 @@ async def cached_file(client, what: str, url: str, proxy: str = "", n: int = 50)
               f"a process each)")
 
 
-def main(n: int, mib: int, raw_n: int, n_installs: int) -> None:
+def main(n: int, mib: int, raw_n: int, n_installs: int, n_vm: int) -> None:
     from cli.stack import Stack
+    from edge.backends.registry import config_for
     from edge.capacity import EdgeConfig
     from tests import upstreams
     raw = raw_baseline(raw_n)
@@ -174,14 +206,16 @@ def main(n: int, mib: int, raw_n: int, n_installs: int) -> None:
             upstreams.running(Path(tmp), ns="aetherbench", link="aetherbench0") as logs:
         async def run() -> None:
             from bus.server import free_port
+            kinds = ["container"] + (["microvm"] if n_vm else [])
             st = Stack(Path(tmp) / "state", port=free_port(), metrics_port=None,
-                       edge_config=EdgeConfig(node_id="bench-net", slots=16, aether_dns=f"{UP}:53",
+                       backends=[config_for(k) for k in kinds],
+                       edge_config=EdgeConfig(node_id="bench-net", slots=16, aether_dns=f"{UP}:53", backends=kinds,
                                               aether_allow_cidr=["198.51.100.0/24"],
                                               mirror_pypi=f"http://{UP}:8080/simple/",
                                               mirror_apt=f"http://{UP}:8081/debian"))
             await st.start()
             try:
-                await measure(st.url, n, mib, logs, n_installs)
+                await measure(st.url, n, mib, logs, n_installs, n_vm)
             finally:
                 await st.stop()
         asyncio.run(run())
@@ -195,5 +229,7 @@ if __name__ == "__main__":
     ap.add_argument("--installs", type=int, default=100,
                     help="sandboxes installing one wheel through the mirror (default 100; 0: skip; builds a Debian "
                          "image with pip the first time)")
+    ap.add_argument("--vm-creates", type=int, default=0,
+                    help="microVM creates without and with a network (default 0: skip)")
     args = ap.parse_args()
-    main(args.creates, args.mib, args.raw, args.installs)
+    main(args.creates, args.mib, args.raw, args.installs, args.vm_creates)

@@ -261,6 +261,8 @@ async def test_a_networked_vms_memory_forks_each_get_a_network_of_their_own(clie
                 assert served == f"host=other.test path=/f{i}" and f"/g{i}" not in seen(upstream, "http.log"), out
                 gateway = (await f.exec("ip route | awk '/default/ {print $3}'")).stdout.decode().strip()
                 assert address.endswith("/30") and proxy.startswith(f"http://{gateway}:"), out
+                resolv = (await f.exec("cat /etc/resolv.conf")).stdout.decode()
+                assert resolv.startswith(f"nameserver {gateway}\n"), resolv   # its own, written at create
                 addresses.add(address)
             code, out = await sh(sb, "ip -4 -o addr show eth0 | awk '{print $4}'; wget -q -O- http://allowed.test/s")
             addresses.add(out.split("\n")[0])
