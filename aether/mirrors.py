@@ -125,8 +125,7 @@ def pip_mirror(state_dir: Path, node: str, upstream: str) -> Mirror:
 def apt_mirror(state_dir: Path, node: str, upstream: str) -> Mirror:
     """apt-cacher-ng serving Debian's archive names from `upstream` (a Debian mirror's URL), its config,
     cache and logs in state_dir/apt."""
-    tool = shutil.which("apt-cacher-ng") or ("/usr/sbin/apt-cacher-ng" if os.path.exists("/usr/sbin/apt-cacher-ng")
-                                             else None)
+    tool = shutil.which("apt-cacher-ng", path=f"{os.environ.get('PATH', '')}:/usr/sbin")
     if tool is None:
         raise MirrorError("apt-cacher-ng is not installed (make setup installs it)")
     base = state_dir / "apt"

@@ -164,10 +164,9 @@ class Connection:
             raise Denied(f"a tunnel to {self.name} carries neither TLS nor HTTP")
 
     async def _transparent(self, dst: str, dport: int) -> tuple[str, int]:
-        mirror = self.proxy.mirrors.get(dport) if dst == self.proxy.gateway_of(self.peer) else None
+        mirror = self._mirror(dst, dport)
         if mirror is not None:       # straight to the node's mirror: it alone reads the requests (apt's name the
-            self.name, self.address = f"mirror:{dport}", mirror[0]   # archive, as to a proxy: the mirror's
-            return mirror                                            # to serve or refuse)
+            return mirror            # archive, as to a proxy: the mirror's to serve or refuse)
         try:
             await self._more(RAW_WAIT)
         except asyncio.TimeoutError:
@@ -191,10 +190,8 @@ class Connection:
         """The address to connect to for host:port, or Denied."""
         sb, guard = self.sb, self.proxy.guard
         self.host = host
-        mirror = self.proxy.mirrors.get(port) if host == self.proxy.gateway_of(self.peer) else None
-        if mirror is not None:       # the node's package mirror (straight, or asked through the proxy): any
-                                     # sandbox with a network may use it
-            self.name, self.address = f"mirror:{port}", mirror[0]
+        mirror = self._mirror(host, port)
+        if mirror is not None:       # the node's package mirror asked through the proxy (HTTP_PROXY)
             if http:
                 self._check_request(sniff.request_head(self.buf), host)
                 self.http = True
@@ -224,6 +221,14 @@ class Connection:
             self._check_request(sniff.request_head(self.buf), host)
             self.http = True
         return target
+
+    def _mirror(self, host: str, port: int) -> tuple[str, int] | None:
+        """The node's package mirror behind host:port when that is the sandbox's gateway and a mirror's port
+        (any sandbox with a network may use them), named so in its decision; else None."""
+        mirror = self.proxy.mirrors.get(port) if host == self.proxy.gateway_of(self.peer) else None
+        if mirror is not None:
+            self.name, self.address = f"mirror:{port}", mirror[0]
+        return mirror
 
     def _check_request(self, req: sniff.Request | None, host: str) -> None:
         if req is None:

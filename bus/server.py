@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
-import random
 import socket
 import subprocess
 import sys

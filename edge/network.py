@@ -56,14 +56,14 @@ class NodeNetwork:
             return {}
         from aether import mirrors
         base = self.state_dir / "mirrors"
-        for make, upstream in ((mirrors.pip_mirror, self.config.mirror_pypi),
-                               (mirrors.apt_mirror, self.config.mirror_apt)):
+        for name, make, upstream in (("pip", mirrors.pip_mirror, self.config.mirror_pypi),
+                                     ("apt", mirrors.apt_mirror, self.config.mirror_apt)):
             mirror = None
             try:
                 mirror = make(base, self.node, upstream)
                 await mirror.start()
             except (mirrors.MirrorError, OSError) as exc:
-                log.warning("node %s runs without its %s mirror: %s", self.node, make.__name__[:3], exc)
+                log.warning("node %s runs without its %s mirror: %s", self.node, name, exc)
                 if mirror is not None:
                     await mirror.stop()
                 continue

@@ -33,8 +33,8 @@ async def fullvm_node(stack, tmp_path_factory, upstream):
 
 @pytest.fixture(params=["container", "microvm", "fullvm"])
 def kind(request):
-    """The kinds with the network capability: a microVM's network is a tap in its sandbox's namespace,
-    bridged to its veth (the same rules and proxy). (gVisor: Debian's runsc of 2022 refuses
+    """The kinds with the network capability: a VM's (microvm, fullvm) network is a tap in its sandbox's
+    namespace, bridged to its veth (the same rules and proxy). (gVisor: Debian's runsc of 2022 refuses
     --network=sandbox on this kernel, whose every network namespace has /proc/sys/net/core/rmem_default,
     its probe of the host's; --network=host cannot set up its chroot under a user namespace.)"""
     if request.param in ("microvm", "fullvm"):

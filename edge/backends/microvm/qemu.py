@@ -19,12 +19,11 @@ TB_SIZE_MIB = 48
 # A restore is given guest.stub_kernel instead of the kernel and initrd it booted with (0: the real ones, to
 # measure what the stub saves: bench.backends)
 STUB_RESTORES = os.environ.get("DSEC_VM_STUB_KERNEL", "1") != "0"
+MAC = "52:54:00:d5:ec:02"    # the network device's: each VM is alone on its link, one address serves all
 
 
 # A full VM (q35) boots the root's systemd (init.sh's dsec.os=1) with cgroup v1 hierarchies, as the agent's
 # limit groups are (systemd 252 still offers them).
-MAC = "52:54:00:d5:ec:02"    # each VM's own link: one address for all
-
 OS_CMDLINE = "dsec.os=1 systemd.unified_cgroup_hierarchy=0 systemd.show_status=0"
 
 
