@@ -65,32 +65,27 @@ async def sandbox_download(sb, size: int) -> float:
     return size / (1 << 20) / ((t2 - t1) - (t1 - t0))
 
 
-async def vm_creates(client, n: int) -> None:
-    """A microVM create (from its template) without and with a network (its tap, bridge and the guest's
-    setup by the trusted shell), sequential, interleaved by fives."""
+async def kind_creates(client, kind: str, n: int) -> None:
+    """Creates of one kind (a microVM's from its template; gvisor's by runsc) without and with a network,
+    sequential, interleaved by fives: a VM's tap, bridge and guest setup by the trusted shell; gVisor's
+    netstack taking its veth."""
     allow = libdsec.Network(allow=["allowed.test"])
-    await creates(client, 2, None, "microvm")         # the template is built by the first
-    await creates(client, 2, allow, "microvm")
-    none, proxied = [], []
-    for _ in range(max(1, n // 5)):
-        none += await creates(client, 5, None, "microvm")
-        proxied += await creates(client, 5, allow, "microvm")
-    print(f"microvm create ({len(none)} each, interleaved by fives; this machine's accelerator):")
-    print(fig("network none", none))
-    print(fig("network proxied", proxied))
-    print(f"  proxied adds {statistics.median(proxied) - statistics.median(none):+.2f} ms at p50")
-    none, proxied = [], []
-    for _ in range(max(1, n // 5)):
-        none += await creates(client, 5, None, "microvm", first_exec=True)
-        proxied += await creates(client, 5, allow, "microvm", first_exec=True)
-    print("microvm create and its first command (`true`), as above:")
-    print(fig("network none", none))
-    print(fig("network proxied", proxied))
-    print(f"  proxied adds {statistics.median(proxied) - statistics.median(none):+.2f} ms at p50")
+    await creates(client, 2, None, kind)         # a microVM template is built by the first
+    await creates(client, 2, allow, kind)
+    for first_exec in (False, True):
+        none, proxied = [], []
+        for _ in range(max(1, n // 5)):
+            none += await creates(client, 5, None, kind, first_exec=first_exec)
+            proxied += await creates(client, 5, allow, kind, first_exec=first_exec)
+        print(f"{kind} create{' and its first command (`true`)' if first_exec else ''} ({len(none)} each, "
+              f"interleaved by fives; this machine's accelerator):")
+        print(fig("network none", none))
+        print(fig("network proxied", proxied))
+        print(f"  proxied adds {statistics.median(proxied) - statistics.median(none):+.2f} ms at p50")
 
 
 async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_installs: int = 0,
-                  n_vm: int = 0) -> None:
+                  n_vm: int = 0, n_gvisor: int = 0) -> None:
     async with libdsec.AsyncClient(url) as client:
         await creates(client, 5, None)                              # warm-up: layer fetch, mounts
         await creates(client, 5, libdsec.Network(allow=["allowed.test"]))
@@ -134,7 +129,9 @@ async def measure(url: str, n: int, mib: int, logs: Path | None = None, n_instal
         await cached_file(client, "wheel from the node's pip mirror", WHEEL_URL)
         await cached_file(client, ".deb from the node's apt mirror", DEB_URL, proxy=f"http://{GATEWAY}:3142")
         if n_vm:
-            await vm_creates(client, n_vm)
+            await kind_creates(client, "microvm", n_vm)
+        if n_gvisor:
+            await kind_creates(client, "gvisor", n_gvisor)
         if n_installs:
             await installs(client, url, logs, n_installs)
 
@@ -194,7 +191,7 @@ async def cached_file(client, what: str, url: str, proxy: str = "", n: int = 50)
               f"a process each)")
 
 
-def main(n: int, mib: int, raw_n: int, n_installs: int, n_vm: int) -> None:
+def main(n: int, mib: int, raw_n: int, n_installs: int, n_vm: int, n_gvisor: int) -> None:
     from cli.stack import Stack
     from edge.backends.registry import config_for
     from edge.capacity import EdgeConfig
@@ -206,7 +203,7 @@ def main(n: int, mib: int, raw_n: int, n_installs: int, n_vm: int) -> None:
             upstreams.running(Path(tmp), ns="aetherbench", link="aetherbench0") as logs:
         async def run() -> None:
             from bus.server import free_port
-            kinds = ["container"] + (["microvm"] if n_vm else [])
+            kinds = ["container"] + (["microvm"] if n_vm else []) + (["gvisor"] if n_gvisor else [])
             st = Stack(Path(tmp) / "state", port=free_port(), metrics_port=None,
                        backends=[config_for(k) for k in kinds],
                        edge_config=EdgeConfig(node_id="bench-net", slots=16, aether_dns=f"{UP}:53", backends=kinds,
@@ -215,7 +212,7 @@ def main(n: int, mib: int, raw_n: int, n_installs: int, n_vm: int) -> None:
                                               mirror_apt=f"http://{UP}:8081/debian"))
             await st.start()
             try:
-                await measure(st.url, n, mib, logs, n_installs, n_vm)
+                await measure(st.url, n, mib, logs, n_installs, n_vm, n_gvisor)
             finally:
                 await st.stop()
         asyncio.run(run())
@@ -231,5 +228,7 @@ if __name__ == "__main__":
                          "image with pip the first time)")
     ap.add_argument("--vm-creates", type=int, default=0,
                     help="microVM creates without and with a network (default 0: skip)")
+    ap.add_argument("--gvisor-creates", type=int, default=0,
+                    help="gVisor creates without and with a network (default 0: skip)")
     args = ap.parse_args()
-    main(args.creates, args.mib, args.raw, args.installs, args.vm_creates)
+    main(args.creates, args.mib, args.raw, args.installs, args.vm_creates, args.gvisor_creates)

@@ -134,8 +134,8 @@ async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
     ({"network": libdsec.Network(allow=["198.51.100.1/24"])}, libdsec.InvalidRequest, "has host bits set"),
     ({"network": libdsec.Network(allow=[f"h{i}.example.org" for i in range(257)])}, libdsec.InvalidRequest,
      "at most 256"),
-    ({"network": libdsec.Network(allow=["pypi.org"]), "backend": "gvisor"}, libdsec.Unsupported,
-     "network policies"),   # gVisor has no network (Debian's runsc of 2022 on this kernel: docs/network.md)
+    ({"network": libdsec.Network(allow=["pypi.org"]), "backend": "fncall"}, libdsec.Unsupported,
+     "network policies"),   # a function call has no network
 ])
 async def test_impossible_creates_fail_clearly(client, stack, kwargs, error, field):
     with pytest.raises(error, match=field.replace("(", r"\(")):
@@ -188,7 +188,7 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
         from bus.network import Network
         cases = {"rfar": dict(deadline=_time.time() + 86400), "rhuge": dict(resources=Resources(memory=1 << 50)),
                  "rttl": dict(ttl=0), "rnet": dict(network=Network(mode="proxied", allow=["*.com"])),
-                 "rnetk": dict(network=Network(mode="proxied", allow=["pypi.org"]), backend="gvisor")}
+                 "rnetk": dict(network=Network(mode="proxied", allow=["pypi.org"]), backend="fncall")}
         for rid, kw in cases.items():
             req = CreateRequest(request_id=rid, sandbox_id=f"sb{rid}", reply_to=f"{inbox}.{rid}",
                                 **{"deadline": _time.time() + 30, **kw})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ from edge.backends import cgroups, idmap, kernel
 from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, LayerUnusable, OutputSink,
                                 SandboxGone, SandboxSpec, TRUSTED_DIR)
 from edge.backends.cgroups import CgroupError, NodeCgroups
+from edge.backends.gvisor import net
 from edge.backends.gvisor.agent import AgentChannel
-from edge.backends.gvisor.host import (_join, _remove_groups, _tail, host_limits,
+from edge.backends.gvisor.host import (_remove_groups, _tail, host_limits,
                                         runsc_processes, valid_id)
 from edge.backends.layermounts import LayerError, LayerMounts
 from edge.backends.rootfiles import file_error
@@ -55,6 +57,7 @@ class _Sandbox:
     ids: idmap.IdRange
     layers: list[Path]
     chan: AgentChannel | None = None
+    end: object | None = None   # its network end (aether.links.End), None without a network
     dying: asyncio.Future | None = None
     frozen_since: float | None = None
     frozen_total: float = 0.0
@@ -65,7 +68,7 @@ class _Sandbox:
 
 
 class GvisorBackend(Backend):
-    """Sandboxes under runsc (ptrace platform, no network), one agent each."""
+    """Sandboxes under runsc (ptrace platform; a network through Aether, net.py), one agent each."""
 
     kind = kinds.GVISOR
 
@@ -86,6 +89,7 @@ class GvisorBackend(Backend):
         self._public = Path(os.environ.get("DSEC_RUN_DIR", "/run/dsec")) / "gvisor" / self.label
         self._trusted = self._public / "trusted"
         self._empty = self.state_dir / "empty"
+        self._visible_proc = self.state_dir / "proc"   # runsc's whole proc, in its own mount namespace (net.py)
         self._userns: dict[int, int] = {}        # range base -> fd of a user namespace mapping 0.. onto it
         self._sandboxes: dict[str, _Sandbox] = {}
         self._io_device = ""
@@ -111,6 +115,7 @@ class GvisorBackend(Backend):
             await asyncio.to_thread(self._prepare_trusted)
             self._layers.root.mkdir(exist_ok=True)
             self._empty.mkdir(exist_ok=True)
+            self._visible_proc.mkdir(exist_ok=True)
             (self.state_dir / "sandboxes").mkdir(exist_ok=True)
         except (OSError, UpperError, CgroupError, subprocess.CalledProcessError) as exc:
             await self._reconcile()
@@ -201,12 +206,17 @@ class GvisorBackend(Backend):
             raise BackendError(f"sandbox already exists: {spec.id}")
         sb = self._sandboxes[spec.id] = _Sandbox(spec, spec.id, idmap.IdRange(-1), [])
         try:
+            sb.end = await self.attach_network(spec)
+            if sb.end is not None:     # its commands find the proxy by HTTP(S)_PROXY too
+                sb.spec = dataclasses.replace(spec, env={**self.network.sandbox_env(sb.end), **spec.env})
             sb.ids = self._ids.lease(sb.key)
             sb.layers = self._layers.acquire(spec.layers)
             await asyncio.to_thread(self._prepare_root, sb)
             groups = self._cgroups.create_sandbox(sb.key, host_limits(spec.limits), self._io_device)
             sb.chan = await self._boot(sb, groups)
             sb.chan.closed.add_done_callback(lambda _: self._agent_gone(sb))
+            if sb.end is not None:     # its policy went to the proxy while it booted
+                await self.network_in_force(sb.spec)
         except BaseException as exc:
             sb.dying = asyncio.get_running_loop().create_future()
             try:
@@ -248,6 +258,12 @@ class GvisorBackend(Backend):
         rootfs = self._rootfs(sb.key)
         rootfs.mkdir(mode=0o711)
         kernel.mount("overlay", rootfs, "overlay", kernel.MS_NODEV | kernel.MS_NOSUID, opts)
+        if sb.end is not None:
+            root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                net.write_etc(root, self.network.sandbox_etc(sb.end), base)
+            finally:
+                os.close(root)
         (work / "bundle").mkdir()
         with open(work / "bundle" / "config.json", "w") as f:
             json.dump(self._oci_spec(sb, rootfs), f)
@@ -283,7 +299,8 @@ class GvisorBackend(Backend):
                        # else runsc puts a tmpfs (sentry memory) there, which write_file would not reach
                        {"destination": "/tmp", "type": "bind", "source": f"{rootfs}/tmp", "options": ["rbind"]}],
             "linux": {"uidMappings": ids, "gidMappings": ids,
-                      "namespaces": [{"type": t} for t in ("pid", "mount", "ipc", "uts", "network", "user")],
+                      "namespaces": [{"type": t} for t in ("pid", "mount", "ipc", "uts", "user")] + [
+                          {"type": "network", **({"path": net.netns_path(sb.end.netns)} if sb.end else {})}],
                       "resources": {"memory": {"limit": limits.memory}, "pids": {"limit": limits.pids},
                                     "cpu": {"quota": max(1000, int(limits.cpu * 100000)), "period": 100000}}},
         }
@@ -295,13 +312,17 @@ class GvisorBackend(Backend):
         from_r, from_w = os.pipe2(os.O_CLOEXEC)
         log = os.open(work / "agent.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         tasks = [str(g / "tasks") for g in groups.values()]
+        netns = sb.end.netns if sb.end is not None else -1
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        flags = [f for f in self.flags if f != "--network=none"] + [
+            "--network=sandbox" if sb.end is not None else "--network=none"]
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.runsc, *self.flags, "run", "--detach", "--bundle", str(work / "bundle"), sb.key,
-                stdin=to_r, stdout=from_w, stderr=log, preexec_fn=lambda: _join(tasks))
+                self.runsc, *flags, "run", "--detach", "--bundle", str(work / "bundle"), sb.key,
+                stdin=to_r, stdout=from_w, stderr=log, preexec_fn=lambda: net.launch_prep(tasks, netns, home, str(self._visible_proc)))
             rc = await asyncio.wait_for(proc.wait(), READY_TIMEOUT)
         finally:
-            for fd in (to_r, from_w, log):
+            for fd in (to_r, from_w, log, home):
                 os.close(fd)
         chan = AgentChannel(sb.spec.id, to_w, from_r)
         if rc != 0:
@@ -344,6 +365,9 @@ class GvisorBackend(Backend):
                 residue.append(f"processes survive in {groups['freezer']}")
             residue.extend(await _remove_groups(groups))
             residue.extend(await asyncio.to_thread(self._unmount, sb.key))
+            if sb.end is not None:     # its namespace goes once runsc's processes are gone
+                await self.network.detach(sb.spec.id)
+                sb.end = None
         finally:
             self._layers.release(sb.layers)
             sb.layers = []
