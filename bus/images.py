@@ -10,7 +10,7 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
-from bus.messages import ImageRecord, LayerRef, SnapshotRecord, image_decoder, snapshot_decoder
+from bus.messages import ImageConfig, ImageRecord, LayerRef, SnapshotRecord, image_decoder, snapshot_decoder
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
@@ -52,6 +52,15 @@ class ImageRegistry:
     async def resolve(self, ref: str, cache_for: float = 5.0, kind: str = "base") -> list[LayerRef]:
         """The layer of a reference to a `kind` layer (base, workspace, toolkit); ImageNotFound when it is
         not stored, InvalidRequest when it is a layer of another kind."""
+        rec = await self.lookup(ref, cache_for, kind)
+        return [LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)]
+
+    async def config(self, ref: str, cache_for: float = 5.0) -> ImageConfig:
+        """A base image's defaults (its OCI config when imported; empty for a built one)."""
+        return (await self.lookup(ref, cache_for)).config
+
+    async def lookup(self, ref: str, cache_for: float = 5.0, kind: str = "base") -> ImageRecord:
+        """The record a reference names (cached for cache_for seconds; see resolve)."""
         name, version = parse_ref(ref)
         hit = self._cache.get(ref)
         if hit and time.monotonic() - hit[0] < cache_for:
@@ -65,7 +74,7 @@ class ImageRegistry:
             self._cache[ref] = (time.monotonic(), rec)
         if rec.layer_kind != kind:
             raise InvalidRequest(f"{ref!r} is a {rec.layer_kind} layer, not a {kind} one")
-        return [LayerRef(name=rec.name, version=rec.version, digest=rec.digest, size=rec.size)]
+        return rec
 
     async def snapshot(self, snapshot_id: str, tenant: str) -> SnapshotRecord:
         """A tenant's snapshot record; ImageNotFound when absent (or another tenant's)."""
@@ -92,23 +101,24 @@ class ImageRegistry:
         versions = [r for r in await self.list() if r.name == name]
         return versions[-1] if versions else None
 
-    async def publish(self, name: str, layer_file: Path, digest: str,
-                      kind: str = "base") -> tuple[ImageRecord, bool]:
+    async def publish(self, name: str, layer_file: Path, digest: str, kind: str = "base",
+                      config: ImageConfig = ImageConfig()) -> tuple[ImageRecord, bool]:
         """Store a packed layer file as the next version of `name`: (its record, whether it is new). A
-        layer identical to the latest version is not stored again (same record, False); bytes already in
-        the object store under their digest (content-addressed) are not uploaded again."""
+        layer identical to the latest version, with the same config, is not stored again (same record,
+        False); bytes already in the object store under their digest (content-addressed) are not uploaded
+        again."""
         parse_ref(name)
         latest = await self._record(name) or await self._latest_version(name)
         if latest is not None and latest.layer_kind != kind:
             raise InvalidRequest(f"{name} is a {latest.layer_kind} layer: a new version cannot be a {kind} one")
-        if latest is not None and latest.digest == digest:
+        if latest is not None and latest.digest == digest and latest.config == config:
             return latest, False
         version = (latest.version if latest else 0) + 1
-        data = Path(layer_file).read_bytes()
+        size = Path(layer_file).stat().st_size
         if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
-            await self.bus.obj_put(streams.LAYERS_OBJ, digest, data)
-        rec = ImageRecord(name=name, version=version, layer_kind=kind, digest=digest, size=len(data),
-                          created_at=time.time())
+            await self.bus.obj_put_file(streams.LAYERS_OBJ, digest, layer_file)   # a chunk at a time
+        rec = ImageRecord(name=name, version=version, layer_kind=kind, digest=digest, size=size,
+                          created_at=time.time(), config=config)
         await self.bus.kv_put(streams.IMAGES_KV, f"{name}.{version}", rec)
         await self.bus.kv_put(streams.IMAGES_KV, name, rec)
         return rec, True

@@ -11,6 +11,7 @@ Capabilities:
   fork        start sandboxes from a running one's snapshot
   suspend     freeze a sandbox's processes and thaw them later
   network     a network policy (Aether)
+  users       commands as a non-root user of the image (exec(user=...), an imported image's User)
   warm_pools  keep ready sandboxes to claim
   call        stateless function calls (client.call), no sandbox id
   privileged  create(privileged=True): commands keep every capability of a guest kernel of their own, whose
@@ -28,7 +29,7 @@ SERVED = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM)   # what `dsec up` may run
 
 CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                          "network"}),
+                          "network", "users"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools", "network"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",

@@ -66,6 +66,9 @@ class CreateRequest(Wire, tag="create"):
     memory: bool = False             # start from the snapshot's memory too (its processes run on): only on the
                                      # node that holds it (SnapshotRecord.memory_node), of its kind and size
     network: Network = Network()     # what it may reach (bus/network.py); kinds without "network": none only
+    cwd: str = ""                    # set by placement from the image's config: every exec's default cwd...
+    user: str = ""                   # ...and user (its env goes under env)...
+    command: list[str] = []          # ...and its Entrypoint + Cmd (shown in the record: `dsec run` without one)
 
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
@@ -110,7 +113,8 @@ class ExecRequest(Wire, tag="exec"):
     argv: list[str] = []             # run as is (resolved inside the sandbox)...
     shell: str = ""                  # ...or a script for the edge's trusted shell (never the image's /bin/sh)
     env: dict[str, str] = {}
-    cwd: str = "/"
+    cwd: str = ""                    # "": the sandbox's default (its image's WorkingDir, else /)
+    user: str = ""                   # "": the sandbox's default (its image's User, else root); name or uid[:gid]
     stdin: bytes = b""
     timeout: float = 30.0
     deadline: float = 0.0
@@ -397,6 +401,9 @@ class SandboxRecord(Wire, tag="sandbox"):
     version: int = 0                 # writes of this record so far: an older state never overwrites a newer one
     epoch: float = 0.0               # started_at of the edge run that made it (the reaper marks only a lost run's)
     network: Network = Network()     # its network policy (bus/network.py)
+    command: list[str] = []          # its image's Entrypoint + Cmd (an imported image's; `dsec run` runs it)
+    user: str = ""                   # its execs' default user and cwd ("": root, /): an imported image's
+    cwd: str = ""
 
 
 class Event(Wire, tag="event"):
@@ -453,6 +460,17 @@ class TrajRecord(Wire, tag="traj"):
     suppressed: dict[str, int] = {}        # bytes, reason), at most 20 per 10 s; past them only counted here
 
 
+class ImageConfig(msgspec.Struct, frozen=True, omit_defaults=True):
+    """An imported image's defaults (its OCI config): env under every create's, the default cwd and user of
+    every exec, and what `dsec run --image` runs given no command (entrypoint + cmd)."""
+
+    env: dict[str, str] = {}
+    cwd: str = ""
+    user: str = ""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+
+
 class ImageRecord(Wire, tag="image"):
     """KV dsec-images: one version of a named layer, stored in object store dsec-layers."""
 
@@ -462,6 +480,7 @@ class ImageRecord(Wire, tag="image"):
     digest: str = ""
     size: int = 0
     created_at: float = 0.0
+    config: ImageConfig = ImageConfig()   # an imported image's defaults (none for a built one)
 
 
 class SnapshotRecord(Wire, tag="snapshot"):
@@ -476,7 +495,8 @@ class SnapshotRecord(Wire, tag="snapshot"):
     env: dict[str, str] = {}
     resources: Resources = Resources()
     labels: dict[str, str] = {}
-    cwd: str = "/"
+    cwd: str = "/"                   # its execs' default cwd and user (an imported image's; forks keep them)
+    user: str = ""
     size: int = 0                    # bytes of its own layer
     created_at: float = 0.0
     memory_node: str = ""            # a memory snapshot: the node holding its RAM and device state ("" none);

@@ -59,9 +59,9 @@ class ExecHost(Protocol):
         """The shell a sandbox's string commands run with (its backend's own)."""
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
-                  timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
-        """Run a command in the sandbox (the backend's exec): Gone when the sandbox does not run, RunFailed
-        when the command could not be run."""
+                  timeout: float, sink: OutputSink, control: ExecControl, user: str = "") -> ExecResult:
+        """Run a command in the sandbox (the backend's exec) as user ("": its default) in cwd ("": its
+        default): Gone when the sandbox does not run, RunFailed when the command could not be run."""
 
     async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str,
                        exit_subject: str) -> None:
@@ -275,7 +275,7 @@ class Execs:
         t0 = time.monotonic()
         try:
             res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell, self.host.trusted_shell(op.sandbox_id)), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
-                                      timeout=op.timeout, sink=relay.sink, control=control)
+                                      timeout=op.timeout, sink=relay.sink, control=control, user=op.user)
         except Gone:
             return self._gone_fields(await self.host.gone(op.sandbox_id, op.tenant), t0)
         except RunFailed as exc:
@@ -338,7 +338,7 @@ class Execs:
             raise InvalidRequest("shell script must not contain NUL bytes")
         if not 0 < op.timeout <= 7 * 24 * 3600:
             raise InvalidRequest(f"timeout must be > 0 seconds, got {op.timeout}")
-        if not op.cwd.startswith("/"):
+        if op.cwd and not op.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {op.cwd!r}")
         if op.deadline and time.time() > op.deadline:
             raise InvalidRequest("exec request expired before the node served it")

@@ -95,17 +95,26 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
 @nats_option
 @resource_options
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
-@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 @run_async
 async def run(nats_url, exec_timeout, argv, **options) -> None:
-    """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code.
+    """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code. Without
+    ARGV: the image's Entrypoint and Cmd (an imported image's config).
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await _create(client, **options)
         try:
-            code = await _stream_to_terminal(sb, list(argv), exec_timeout)
+            if not argv:
+                rec = await client._record(sb.id)
+                argv = tuple(rec.command if rec is not None else ())
+            if not argv:
+                click.echo(f"dsec: error: image {options['image']} has no Entrypoint or Cmd: give the command to run",
+                           err=True)
+                code = 2
+            else:
+                code = await _stream_to_terminal(sb, list(argv), exec_timeout)
         finally:
             try:
                 await sb.destroy()

@@ -77,7 +77,7 @@ def main() -> None:
 
 
 def _register() -> None:
-    from cli import admin, commands, demo, iam, image, replay, snapshots, top, up, warm  # noqa: F401  (commands attach themselves to `main`)
+    from cli import admin, commands, demo, iam, image, imports, replay, snapshots, top, up, warm  # noqa: F401  (commands attach themselves to `main`)
 
 
 _register()

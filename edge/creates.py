@@ -167,6 +167,7 @@ class CreateLane:
         """The started sandbox, registered (serviceable) before its ready record is written."""
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
+                            command=list(req.command), user=req.user, cwd=req.cwd,
                             network=req.network, image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
                             layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch)
@@ -394,5 +395,6 @@ def _ready(outcome: Outcome | None) -> bool:
 def _spec(req: CreateRequest, paths: list[str]) -> SandboxSpec:
     """What the backend starts for a create, its layers fetched to paths."""
     return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources),
+                       cwd=req.cwd, user=req.user,
                        kind=req.backend, privileged=req.privileged, memory=req.snapshot if req.memory else "",
                        network=req.network if req.network.mode != "none" else None)

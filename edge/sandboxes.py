@@ -20,16 +20,19 @@ from typing import Callable
 
 import msgspec
 
-from bus import streams, subjects
+from bus import kinds, streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, CapacityUnavailable, EnvironmentFailure, InvalidRequest, SandboxNotFound
+from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest,
+                        SandboxNotFound)
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
 from chronus.control import Gone, RunFailed
 from edge.backends.base import (TRUSTED_SHELL, BackendError, CapacityExhausted, ExecControl, ExecResult, OutputSink,
                                 SandboxGone, SnapshotTooLarge, SandboxSpec)
 from edge.backends.registry import BackendSet
 from edge.layercache import LayerCache
+from edge import users
 from edge.outbox import Publish
+from edge.users import ExecUser
 from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ class Running:
     restarts: int = 0                # rollbacks so far (names their events)
     snapshots: int = 0               # snapshots taken of it (names their events)
     ending: str = ""                 # the final state it is being destroyed into
+    users: dict = field(default_factory=dict)   # exec user name -> (users.ExecUser or None,), resolved once
 
     def next(self, **changes) -> SandboxRecord:
         """Its record with these changes, one version on."""
@@ -146,14 +150,42 @@ class Sandboxes:
             return TRUSTED_SHELL   # gone: the exec fails as gone, whatever it would have run
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
-                  timeout: float, sink: OutputSink, control: ExecControl) -> ExecResult:
+                  timeout: float, sink: OutputSink, control: ExecControl, user: str = "") -> ExecResult:
+        running = self.running.get(sandbox_id)
+        spec = running.spec if running is not None else None
+        cwd = cwd or (spec.cwd if spec is not None else "") or "/"     # the image's WorkingDir by default
         try:
+            who = await self._user(sandbox_id, running, user or (spec.user if spec is not None else ""))
+            if who is not None:
+                env = {"HOME": who.home, "USER": who.name or str(who.uid), "LOGNAME": who.name or str(who.uid),
+                       **env}
             return await self.backend.exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
-                                           sink=sink, control=control)
+                                           sink=sink, control=control, user=who)
         except SandboxGone as exc:
             raise Gone(str(exc)) from exc
-        except BackendError as exc:
+        except (BackendError, DsecError) as exc:
             raise RunFailed(str(exc)) from exc
+
+    async def _user(self, sandbox_id: str, running: Running | None, name: str) -> ExecUser | None:
+        """Who a command runs as: name resolved in the sandbox's own /etc/passwd and /etc/group (per
+        sandbox and name, once), None for its root."""
+        if name in users.ROOT_NAMES or running is None:
+            return None
+        hit = running.users.get(name)
+        if hit is not None:
+            return hit[0]
+        kind = running.record.backend or kinds.CONTAINER
+        if not kinds.supports(kind, "users"):
+            raise RunFailed(f"a {kind} sandbox runs commands as its root only (user {name!r} asked)")
+        files = []
+        for path in ("/etc/passwd", "/etc/group"):
+            try:
+                files.append((await self.backend.read_file(sandbox_id, path, 1 << 20)).decode(errors="replace"))
+            except BackendError:
+                files.append("")
+        who = users.resolve(name, *files)
+        running.users[name] = (who,)
+        return who
 
     async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str = "",
                        exit_subject: str = "") -> None:
@@ -242,6 +274,8 @@ class Sandboxes:
         snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
                               layers=[*running.layers, own],
                               image=rec.image, env=dict(running.spec.env) if running.spec else {},
+                              cwd=(running.spec.cwd if running.spec else "") or "/",
+                              user=running.spec.user if running.spec else "",
                               resources=rec.resources, labels=dict(rec.labels), size=size, created_at=time.time(),
                               memory_node=self.node if memory else "", memory_kind=rec.backend if memory else "")
         try:

@@ -197,7 +197,8 @@ class AsyncClient:
                                                pids=snap.resources.pids, disk=snap.resources.disk)
         req = self._request(image, backend, resources, ttl, env, labels, timeout, priority, burst, workspace, toolkit)
         if snap is not None:
-            req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image, memory=bool(memory))
+            req = msgspec.structs.replace(req, snapshot=snap.id, image=snap.image, memory=bool(memory),
+                                          cwd=snap.cwd if snap.cwd != "/" else "", user=snap.user)
         if privileged:
             req = msgspec.structs.replace(req, privileged=True)
         if wire_network.mode != "none":

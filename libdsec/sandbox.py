@@ -75,9 +75,9 @@ class AsyncSandbox:
         except SandboxNotFound:
             pass
 
-    async def _start(self, cmd: Command, timeout: float, cwd: str, env: dict[str, str] | None,
+    async def _start(self, cmd: Command, timeout: float, cwd: str | None, env: dict[str, str] | None,
                      stdin: Stdin, max_output: int, background: bool = False,
-                     keep_output: bool = True) -> ExecHandle:
+                     keep_output: bool = True, user: str | None = None) -> ExecHandle:
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
@@ -92,7 +92,7 @@ class AsyncSandbox:
                                  "(an async iterable streams any amount)")
         bus = self.client._need_bus()
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **command_fields(cmd), env=dict(env or {}),
-                          cwd=cwd, stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
+                          cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
                           max_output=max_output, live_stdin=live, background=background)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
@@ -109,28 +109,30 @@ class AsyncSandbox:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle
 
-    async def stream(self, cmd: Command, *, timeout: float = DEFAULT_EXEC_TIMEOUT, cwd: str = "/",
+    async def stream(self, cmd: Command, *, timeout: float = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
                      env: dict[str, str] | None = None, stdin: Stdin = None,
-                     max_output: int = DEFAULT_MAX_OUTPUT) -> AsyncIterator[Output | Exit]:
+                     max_output: int = DEFAULT_MAX_OUTPUT, user: str | None = None) -> AsyncIterator[Output | Exit]:
         """Yield Output per line as it is produced, then one Exit (timed_out set if the timeout fired).
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
         them (interactive; its end closes the command's stdin)."""
-        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False)
+        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False, user=user)
         try:
             async for ev in handle.stream():
                 yield ev
         finally:
             await handle.close()
 
-    async def exec(self, cmd: Command, *, timeout: float | None = None, cwd: str = "/",
+    async def exec(self, cmd: Command, *, timeout: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, stdin: Stdin = None,
-                   max_output: int = DEFAULT_MAX_OUTPUT, background: bool = False) -> Any:
+                   max_output: int = DEFAULT_MAX_OUTPUT, background: bool = False, user: str | None = None) -> Any:
         """Run a command to the end and return its ExecResult; ExecTimeout (with the partial output) if it
         outlived `timeout` (default 30 s). background=True returns an ExecHandle at once instead (default
-        timeout 24 h): stream its output, wait() for it or kill() it later."""
+        timeout 24 h): stream its output, wait() for it or kill() it later. cwd defaults to the image's
+        WorkingDir (else /); user to the image's User (else root): a name of the image's /etc/passwd or
+        uid[:gid] (kinds with the "users" capability), run with its groups and HOME."""
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
-        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background)
+        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user)
         if background:
             return handle
         try:

@@ -209,6 +209,11 @@ class PlacementEngine:
                 layers, pin = list(snap.layers), _memory_pin(req, snap)
             else:
                 layers = await self.images.compose(req.image, req.workspace, req.toolkit)
+                config = await self.images.config(req.image)   # an imported image's defaults (cached)
+                if config.env or config.cwd or config.user or config.entrypoint or config.cmd:
+                    req = msgspec.structs.replace(req, env={**config.env, **req.env}, cwd=req.cwd or config.cwd,
+                                                  user=req.user or config.user,
+                                                  command=[*config.entrypoint, *config.cmd])
             self._never_fits(req, pin)
             await self.quotas.admit(req)
         except BusError:

@@ -41,6 +41,8 @@ class SandboxSpec:
     privileged: bool = False    # a VM's commands keep every capability of the guest (kinds: "privileged")
     memory: str = ""            # start from this memory snapshot the backend holds (save_memory), not layers
     network: Network | None = None   # its network policy (Aether); None or mode none: loopback only
+    cwd: str = ""               # every exec's default cwd ("": /) and user ("": root): an imported image's
+    user: str = ""
 
 
 class BackendError(Exception):

@@ -310,9 +310,10 @@ class BackendSet(Backend):
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
                    stdin: bytes | None, timeout: float, sink: OutputSink,
-                   control: ExecControl | None = None) -> ExecResult:
+                   control: ExecControl | None = None, user=None) -> ExecResult:
+        extra = {"user": user} if user is not None else {}   # (kinds with "users" only: edge/sandboxes.py)
         return await self.of(sandbox_id).exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
-                                              sink=sink, control=control)
+                                              sink=sink, control=control, **extra)
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         await self.of(sandbox_id).write_file(sandbox_id, path, data, mode)

@@ -256,12 +256,17 @@ static void clean_slate(void) {
     syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
 }
 
-/* What one command is: "CAPMASK[,ipc]\0CWD\0TASKS...\0" (each \0-terminated, an empty one ends the
- * tasks files; ",ipc": an IPC namespace of its own, so no SysV object outlives a fncall call), and in
- * serve mode "\0ARGC\0ARGV...\0ENV...\0" after it. */
+/* What one command is: "CAPMASK[,ipc][,u=UID:GID[:GROUP...]]\0CWD\0TASKS...\0" (each \0-terminated, an
+ * empty one ends the tasks files; ",ipc": an IPC namespace of its own, so no SysV object outlives a fncall
+ * call; ",u=": run as that uid, gid and supplementary groups of the sandbox, not its root), and in serve
+ * mode "\0ARGC\0ARGV...\0ENV...\0" after it. */
+#define GROUPS_MAX 64
 struct command_line {
     unsigned long long keep;
     int fresh_ipc;
+    int as_user, ngroups;
+    uid_t uid;
+    gid_t gid, groups[GROUPS_MAX];
     const char *cwd;
     char *tasks, *tasks_end;
     char **argv, **envp;
@@ -286,7 +291,33 @@ static long read_setup(int fd) {
 static const char *parse_setup(size_t got, int with_command, struct command_line *c) {
     char *p = setup, *end = setup + got, *flags = NULL;
     c->keep = strtoull(p, &flags, 0);
-    c->fresh_ipc = flags && strcmp(flags, ",ipc") == 0;
+    c->fresh_ipc = 0;
+    c->as_user = 0;
+    c->ngroups = 0;
+    for (char *f = flags; f && *f == ','; ) {
+        f++;
+        if (strncmp(f, "ipc", 3) == 0 && (f[3] == ',' || !f[3])) { c->fresh_ipc = 1; f += 3; continue; }
+        if (strncmp(f, "u=", 2) != 0) return "setup: unknown flag";
+        char *q = f + 2;
+        unsigned long v[GROUPS_MAX + 2];
+        int n = 0;
+        for (;;) {
+            char *e;
+            errno = 0;
+            v[n] = strtoul(q, &e, 10);
+            if (e == q || errno || v[n] > 65535) return "setup: bad user";
+            n++;
+            q = e;
+            if (*q != ':' || n == GROUPS_MAX + 2) break;
+            q++;
+        }
+        if (n < 2) return "setup: a user needs uid:gid";
+        c->as_user = 1;
+        c->uid = (uid_t)v[0];
+        c->gid = (gid_t)v[1];
+        for (int k = 2; k < n; k++) c->groups[c->ngroups++] = (gid_t)v[k];
+        f = q;
+    }
     p += strlen(p) + 1;
     if (p >= end) return "setup without cwd";
     c->cwd = p;
@@ -371,6 +402,11 @@ static int command(void *unused) {
     while ((n = read(4, &c, 1)) < 0 && errno == EINTR) {}
     if (n != 1) _exit(127);                      /* the parent died, or could not write the maps */
     close(4);
+    if (child_line->as_user) {                   /* a user of the image: its groups, gid, uid (its caps go) */
+        if (setgroups((size_t)child_line->ngroups, child_line->groups)) fail("user", "setgroups");
+        if (setresgid(child_line->gid, child_line->gid, child_line->gid)) fail("user", "setgid");
+        if (setresuid(child_line->uid, child_line->uid, child_line->uid)) fail("user", "setuid");
+    }
     if (chdir(child_line->cwd)) fail("cwd", child_line->cwd);   /* as root of E now (its maps written) */
     sigprocmask(SIG_SETMASK, &child_mask, NULL);
     environ = child_line->envp;

@@ -1,0 +1,230 @@
+"""OCI/Docker import (issue 17, part A): images written here (tests/ociimages.py) imported by `dsec image
+import`, checked from inside sandboxes of them: the files, owners, modes, links and what the upper layers
+hid; the image's Env, WorkingDir and User on every exec; bad archives refused with one clear line."""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+import libdsec
+from bus import streams
+from edge import oci
+from tests import ociimages
+from tests.test_layers import dsec
+
+
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory) -> tuple[Path, list[bytes]]:
+    tmp = tmp_path_factory.mktemp("oci")
+    layers = ociimages.rich_layers(tmp)
+    return ociimages.oci_layout(tmp / "layout", layers), layers
+
+
+async def imported(url: str, name: str, *args: str) -> str:
+    p = await asyncio.to_thread(dsec, "image", "import", "--nats", url, name, *args)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+async def test_a_multi_layer_oci_image_round_trips(stack, client, rich, tmp_path):
+    layout, _ = rich
+    out = await imported(stack.url, "rich", "--oci-layout", str(layout))
+    assert out.startswith("rich@1 base sha256:")
+    async with await client.create(image="rich", timeout=60) as sb:
+        r = await sb.exec(["/bin/sh", "-c",
+                           "cd /data && ls -a . opaque; cat keep.txt; readlink sym; "
+                           "stat -c '%n %u %g %a %h' keep.txt hard1 hard2 opaque /bin/suid /work; "
+                           "[ $(stat -c %i hard1) = $(stat -c %i hard2) ] && echo same-inode; "
+                           "sha256sum big.bin | cut -c1-64"], user="root", cwd="/")
+        assert r.exit_code == 0, r
+        big = hashlib.sha256(ociimages.big_data()).hexdigest()
+        assert r.stdout.decode() == (
+            ".:\n.\n..\nbig.bin\nhard1\nhard2\nkeep.txt\nopaque\nsym\nxattr.txt\n\n"   # gone.txt: whited out
+            "opaque:\n.\n..\nnew.txt\n"                                                # old.txt: opaque dir
+            "keep v2\nkeep.txt\n"
+            "keep.txt 1000 2001 640 1\nhard1 0 0 600 2\nhard2 0 0 600 2\nopaque 0 0 750 2\n"
+            "/bin/suid 0 0 4755 1\n/work 1000 1000 755 2\n"
+            f"same-inode\n{big}\n")
+    # xattrs and the file capability are in the layer itself (mounted here, as the node does)
+    rec = await stack.bus.kv_get(streams.IMAGES_KV, "rich")
+    from bus.messages import image_decoder
+    digest = image_decoder.decode(rec).digest
+    layer = tmp_path / "rich.erofs"
+    await stack.bus.obj_get_file(streams.LAYERS_OBJ, digest, layer)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    from edge.backends import kernel
+    kernel.mount(str(layer), mnt, "erofs", kernel.MS_RDONLY)
+    try:
+        assert os.getxattr(mnt / "data/xattr.txt", "user.color") == b"blue"
+        assert os.getxattr(mnt / "bin/ping6", "security.capability") == ociimages.CAP_NET_BIND
+    finally:
+        kernel.umount2(str(mnt))
+    # the same image again: content-addressed, no new version
+    assert "unchanged" in await imported(stack.url, "rich", "--oci-layout", str(layout))
+
+
+async def test_the_image_config_is_every_execs_default(stack, client, rich, tmp_path):
+    layout, layers = rich
+    archive = ociimages.archive_of(layout, tmp_path / "rich.oci.tar")
+    await imported(stack.url, "richarc", "--oci-archive", str(archive))
+    async with await client.create(image="richarc", timeout=60) as sb:
+        r = await sb.exec(["/bin/sh", "-c", "id; pwd; echo $GREETING $HOME $USER; touch mine; stat -c %u:%g mine"])
+        assert r.stdout.decode() == ("uid=1000(app) gid=1000(app) groups=1000(app),2001(extra)\n/work\n"
+                                     "hello from the image /home/app app\n1000:1000\n"), r
+        r = await sb.exec("id -u; pwd; cat /etc/shadow-none 2>&1 >/dev/null; touch /etc/x", user="root", cwd="/tmp")
+        assert r.stdout.decode().startswith("0\n/tmp\n") and r.exit_code == 0, r
+        r = await sb.exec("touch /etc/y")        # the image's user is no root: its files are not its
+        assert r.exit_code != 0 and b"Permission denied" in r.stderr, r
+        r = await sb.exec("id -u; id -g", user="65534:2001")
+        assert r.stdout == b"65534\n2001\n", r
+        for bad, message in (("nosuchuser", "not in the image's /etc/passwd"),
+                             ("app:nosuchgroup", "not in the image's /etc/group"), ("99999", "0-65535")):
+            with pytest.raises(libdsec.ExecFailed, match=message):
+                await sb.exec("true", user=bad)
+        assert (await sb.exec("echo still")).stdout == b"still\n"
+    # `dsec run --image` without a command runs Entrypoint + Cmd, as the image's user, in its WorkingDir
+    p = await asyncio.to_thread(dsec, "run", "--nats", stack.url, "--image", "richarc")
+    assert (p.returncode, p.stdout) == (0, "entry hello from the image\n/work\n1000\n"), p.stderr
+
+
+async def test_a_docker_save_archive_imports(stack, client, rich, tmp_path):
+    _, layers = rich
+    archive = ociimages.docker_archive(tmp_path / "saved.tar", tmp_path, layers,
+                                       config={"Env": ["FROM_DOCKER=1"], "WorkingDir": "/data"})
+    assert (await imported(stack.url, "saved", "--docker-archive", str(archive))).startswith("saved@1 base")
+    async with await client.create(image="saved", timeout=60) as sb:
+        r = await sb.exec("echo $FROM_DOCKER; pwd; id -u; cat keep.txt opaque/new.txt")
+        assert r.stdout == b"1\n/data\n0\nkeep v2\nnew\n", r
+
+
+def _bad_layouts(tmp: Path) -> dict[str, tuple[Path, str]]:
+    base = ociimages.layer([(ociimages._info("ok.txt"), b"ok\n"), (ociimages._info("etc", tarfile.DIRTYPE, 0o755), None)])
+    dev = ociimages.layer([(ociimages._info("dev/evil", tarfile.CHRTYPE, devmajor=1, devminor=1), None)])
+    up = ociimages.layer([(ociimages._info("../../escape.txt"), b"out\n")])
+    # a symlink planted to the host's /etc, then a file written through it: stays inside the image
+    through = ociimages.layer([(ociimages._info("link", tarfile.SYMTYPE, linkname="/etc"), None),
+                               (ociimages._info("link/dsec-escape-test"), b"out\n")])
+    cases = {}
+    for name, layers, message in (("device", [base, dev], "device node"),
+                                  ("traversal", [base, up], "path traversal")):
+        cases[name] = (ociimages.oci_layout(tmp / name, layers), message)
+    big = ociimages.layer([(ociimages._info("big"), os.urandom(500_000))])
+    trunc = ociimages.oci_layout(tmp / "truncated", [base, big])
+    blob = max((trunc / "blobs/sha256").iterdir(), key=lambda p: p.stat().st_size)
+    blob.write_bytes(blob.read_bytes()[:250_000])
+    cases["truncated"] = (trunc, "does not match its digest")
+    # a docker save whose layer tar is cut short (its manifest names files, not digests)
+    saved = ociimages.docker_archive(tmp / "saved-cut.tar", tmp, [base, big])
+    with tarfile.open(saved) as tar:
+        names = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}
+    cut = max(names, key=lambda n: len(names[n]))
+    names[cut] = names[cut][:250_000]
+    with tarfile.open(tmp / "saved-cut2.tar", "w") as tar:
+        for n, data in names.items():
+            ti = tarfile.TarInfo(n)
+            ti.size = len(data)
+            tar.addfile(ti, io.BytesIO(data))
+    cases["docker-truncated"] = (tmp / "saved-cut2.tar", "layer 2")
+    cases["through"] = (ociimages.oci_layout(tmp / "through", [base, through]), "")
+    return cases
+
+
+async def test_bad_archives_are_refused_clearly(stack, client, tmp_path):
+    for name, (layout, message) in _bad_layouts(tmp_path).items():
+        how = "--docker-archive" if name.startswith("docker") else "--oci-layout"
+        p = await asyncio.to_thread(dsec, "image", "import", "--nats", stack.url, f"bad-{name}", how, str(layout))
+        if not message:     # the planted symlink resolves inside the image's root
+            assert p.returncode == 0, p.stderr
+            assert not os.path.exists("/etc/dsec-escape-test")
+            async with await client.create(image=f"bad-{name}", timeout=60) as sb:
+                assert (await sb.read_file("/etc/dsec-escape-test")) == b"out\n"
+            continue
+        assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, (name, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 or all(line.startswith("layer ") for line in
+                                                              p.stderr.strip().splitlines()[:-1]), p.stderr
+        assert await stack.bus.kv_get(streams.IMAGES_KV, f"bad-{name}") is None
+    assert not os.path.exists("/escape.txt")
+    for args, message in ((["--oci-layout", str(tmp_path / "nowhere")], "no such directory"),
+                          (["--docker-archive", __file__], "cannot read"),
+                          ([], "give exactly one of")):
+        p = await asyncio.to_thread(dsec, "image", "import", "--nats", stack.url, "bad-x", *args)
+        assert p.returncode != 0 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_whiteouts_apply_to_lower_layers_only(tmp_path):
+    """A layer's whiteout hides what is below it, never what the same layer adds (whatever the order)."""
+    info = ociimages._info
+    low = ociimages.layer([(info("d", tarfile.DIRTYPE, 0o755), None), (info("d/a"), b"low\n")])
+    top = ociimages.layer([(info("d/a"), b"top\n"), (info("d/.wh.a"), b""),
+                           (info("d/b"), b"b\n"), (info("d/.wh..wh..opq"), b"")])
+    layout = ociimages.oci_layout(tmp_path / "l", [low, top])
+    oci.apply_layers(oci.read_oci_layout(layout).layers, tmp_path / "root")
+    assert sorted(os.listdir(tmp_path / "root/d")) == ["a", "b"]
+    assert (tmp_path / "root/d/a").read_bytes() == b"top\n"
+
+
+def test_zstd_and_gzip_detection(tmp_path):
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        ti = tarfile.TarInfo("f")
+        ti.size = 2
+        tar.addfile(ti, io.BytesIO(b"hi"))
+    layout = ociimages.oci_layout(tmp_path / "l", [gzip.compress(raw.getvalue())],
+                                  media="application/vnd.oci.image.layer.v1.tar+zstd")
+    with pytest.raises(oci.OciError, match="zstd"):
+        oci.read_oci_layout(layout)
+    blob = max((layout / "blobs/sha256").iterdir(), key=lambda p: p.stat().st_size)
+    blob.write_bytes(blob.read_bytes()[:-1] + b"!")
+    with pytest.raises(oci.OciError, match="does not match its digest"):
+        oci.read_oci_layout(layout)
+
+
+async def test_a_snapshot_exports_and_imports_with_the_same_files(stack, client, rich, tmp_path):
+    layout, _ = rich
+    await imported(stack.url, "richexp", "--oci-layout", str(layout))
+    listing = ("cd / && find /data /work /opt -xdev | sort | while read -r f; do "   # (a directory's size and
+               "if [ -d \"$f\" ]; then stat -c '%n %u %g %a %F' \"$f\"; "       # link count are its filesystem's)
+               "else stat -c '%n %u %g %a %F %s' \"$f\"; fi; done; cat /data/keep.txt; readlink /data/sym; "
+               "[ $(stat -c %i /opt/w/one) = $(stat -c %i /opt/w/two) ] && echo linked")
+    async with await client.create(image="richexp", timeout=60) as sb:
+        r = await sb.exec("mkdir -p /opt/w/sub && echo one > /opt/w/one && ln /opt/w/one /opt/w/two && "
+                          "ln -s ../w/one /opt/w/sub/link && chown 1000:2001 /opt/w/one && chmod 4711 /opt/w/one && "
+                          "chmod 700 /opt/w/sub && rm /data/hard2 && rm -r /data/opaque && echo v3 > /data/keep.txt",
+                          user="root")
+        assert r.exit_code == 0, r
+        before = await sb.exec(listing, user="root")
+        snap = await sb.snapshot(tag="to-export")
+    async with await client.create(from_snapshot=snap.id, timeout=60) as fork:   # a fork keeps its defaults
+        assert (await fork.exec("pwd; id -u; cat /data/keep.txt")).stdout == b"/work\n1000\nv3\n"
+    out = tmp_path / "exported.tar"
+    p = await asyncio.to_thread(dsec, "image", "export", "--nats", stack.url, "--snapshot", snap.id, "-o", str(out))
+    assert p.returncode == 0 and out.is_file(), p.stderr
+    assert (await imported(stack.url, "fromsnap", "--oci-archive", str(out))).startswith("fromsnap@1 base")
+    async with await client.create(image="fromsnap", timeout=60) as sb:
+        after = await sb.exec(listing, user="root")
+        assert after.stdout == before.stdout and after.exit_code == 0, (before.stdout.decode(), after.stdout.decode())
+        assert b"/opt/w/one 1000 2001 4711 regular file 4\n" in after.stdout and after.stdout.endswith(b"linked\n")
+        assert b"/data/hard2" not in after.stdout and b"/data/opaque" not in after.stdout
+        assert (await sb.exec("pwd; echo $GREETING; id -un")).stdout == b"/work\nhello from the image\napp\n"
+    # an image exports too, its config with it
+    p = await asyncio.to_thread(dsec, "image", "export", "--nats", stack.url, "--image", "richexp",
+                                "-o", str(tmp_path / "img.tar"))
+    assert p.returncode == 0, p.stderr
+    img = oci.read_oci_layout(_unpacked(tmp_path / "img.tar", tmp_path / "img"))
+    assert (img.user, img.cwd, img.entrypoint) == ("app", "/work", ["/bin/sh", "-c"])
+    p = await asyncio.to_thread(dsec, "image", "export", "--nats", stack.url, "--snapshot", "no-such-snap",
+                                "-o", str(tmp_path / "x.tar"))
+    assert p.returncode != 0 and "Traceback" not in p.stderr and not (tmp_path / "x.tar").exists(), p.stderr
+
+
+def _unpacked(archive: Path, into: Path) -> Path:
+    oci.unpack_archive(archive, into)
+    return into
