@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4 \
-                nft openssl apt-cacher-ng apt-ftparchive
+                nft openssl apt-cacher-ng apt-ftparchive skopeo docker-registry
 
 .PHONY: setup system venv demo test bench up clean
 
@@ -18,7 +18,9 @@ setup: system venv
 # kind's Debian with systemd is debootstrapped there by `python -m edge.backends.fullvm`), nftables (Aether's
 # rules, through libnftables; Debian's nftables service stays disabled), openssl (the network tests' CA),
 # apt-cacher-ng (each node's apt mirror, run by its edge; Debian's service, which the package starts, is
-# stopped and disabled) and apt-utils (apt-ftparchive: the mirror tests' Debian repository).
+# stopped and disabled), apt-utils (apt-ftparchive: the mirror tests' Debian repository), skopeo (`dsec image
+# import --from docker://...`) and docker-registry (the registry the import test starts on loopback; Debian's
+# service, which the package starts, is stopped and disabled).
 # `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
@@ -28,11 +30,14 @@ system:
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
-	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs nftables openssl apt-cacher-ng apt-utils >/dev/null && { \
+	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs nftables openssl apt-cacher-ng apt-utils \
+	    skopeo docker-registry >/dev/null && { \
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \
 	  pkill -f '^/usr/bin/lxcfs /var/lib/lxcfs' 2>/dev/null; umount -l /var/lib/lxcfs 2>/dev/null; \
 	  (systemctl disable --now apt-cacher-ng.service || update-rc.d apt-cacher-ng disable) >/dev/null 2>&1; \
-	  pkill -f 'apt-cacher-ng -c /etc/apt-cacher-ng' 2>/dev/null; true; }; \
+	  pkill -f 'apt-cacher-ng -c /etc/apt-cacher-ng' 2>/dev/null; \
+	  (systemctl disable --now docker-registry.service || update-rc.d docker-registry disable) >/dev/null 2>&1; \
+	  pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry' 2>/dev/null; true; }; \
 	fi
 
 venv: $(VENV)/.installed

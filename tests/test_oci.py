@@ -228,3 +228,47 @@ async def test_a_snapshot_exports_and_imports_with_the_same_files(stack, client,
 def _unpacked(archive: Path, into: Path) -> Path:
     oci.unpack_archive(archive, into)
     return into
+
+
+@pytest.fixture
+def registry(tmp_path):
+    """Debian's docker-registry on a loopback port of its own, its storage under tmp_path (plain HTTP)."""
+    import socket
+    import subprocess
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "registry.yml").write_text(
+        f"version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {tmp_path / 'store'}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n")
+    proc = subprocess.Popen(["docker-registry", "serve", str(tmp_path / "registry.yml")],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "registry.log", "wb"))
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_registry_image_is_pulled_by_skopeo(stack, client, rich, registry):
+    import subprocess
+    layout, _ = rich
+    push = subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", f"oci:{layout}:latest",
+                           f"docker://{registry}/team/rich:v1"], capture_output=True, text=True, timeout=120)
+    assert push.returncode == 0, push.stderr
+    out = await imported(stack.url, "pulled", "--from", f"docker://{registry}/team/rich:v1", "--no-tls-verify")
+    assert out.startswith("pulled@1 base sha256:")
+    async with await client.create(image="pulled", timeout=60) as sb:
+        r = await sb.exec("id -un; pwd; cat /data/keep.txt; ls /data/opaque; ls /data/opaque 2>&1", user="root")
+        assert r.stdout == b"root\n/work\nkeep v2\nnew.txt\nnew.txt\n", r
+        r = await sb.exec("id -un; ls /data/opaque")      # 0750 root's: not the image's user's
+        assert r.stdout == b"app\n" and b"Permission denied" in r.stderr, r
+    p = await asyncio.to_thread(dsec, "image", "import", "--nats", stack.url, "nosuch", "--from",
+                                f"docker://{registry}/team/nosuch:v1", "--no-tls-verify")
+    assert p.returncode != 0 and "skopeo copy" in p.stderr and "Traceback" not in p.stderr, p.stderr
