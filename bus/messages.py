@@ -69,6 +69,7 @@ class CreateRequest(Wire, tag="create"):
     cwd: str = ""                    # set by placement from the image's config: every exec's default cwd...
     user: str = ""                   # ...and user (its env goes under env)...
     command: list[str] = []          # ...and its Entrypoint + Cmd (shown in the record: `dsec run` without one)
+    cpu_class: Literal["", "latency", "batch"] = ""   # "": by priority; batch runs at SCHED_IDLE, low cpu shares
 
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
@@ -402,6 +403,7 @@ class SandboxRecord(Wire, tag="sandbox"):
     epoch: float = 0.0               # started_at of the edge run that made it (the reaper marks only a lost run's)
     network: Network = Network()     # its network policy (bus/network.py)
     command: list[str] = []          # its image's Entrypoint + Cmd (an imported image's; `dsec run` runs it)
+    cpu_class: str = ""              # latency or batch (edge/backends/cgroups.py: CPU classes)
     user: str = ""                   # its execs' default user and cwd ("": root, /): an imported image's
     cwd: str = ""
 

@@ -14,7 +14,7 @@ from cli.main import fail, main, nats_option, run_async
 
 def resource_options(fn):
     """--image, --backend, --workspace, --toolkit, --cpu, --memory, --pids, --disk, --ttl, --env, --label,
-    --timeout, --priority, --privileged, --network, --allow."""
+    --timeout, --priority, --cpu-class, --privileged, --network, --allow."""
     for opt in reversed([
         click.option("--image", default="busybox", show_default=True, help="Base image name[@version]."),
         click.option("--backend", default="container", show_default=True, metavar="KIND",
@@ -31,6 +31,9 @@ def resource_options(fn):
         click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for the sandbox."),
         click.option("--priority", type=click.Choice(["latency", "batch"]), default="latency", show_default=True,
                      help="latency goes ahead of queued batch requests; batch may burst to the cloud pool."),
+        click.option("--cpu-class", type=click.Choice(["latency", "batch"]), default=None,
+                     help="batch: every process at SCHED_IDLE under low cpu shares, so latency sandboxes keep "
+                          "their CPU. [default: the priority's]"),
         click.option("--privileged", is_flag=True,
                      help="VM kinds only: commands keep every capability of the guest's own kernel."),
         click.option("--network", type=click.Choice(["none", "mirror-only", "proxied"]), default=None,
@@ -56,13 +59,13 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
 
 
 async def _create(client: libdsec.AsyncClient, *, image, backend, workspace, toolkit, cpu, memory, pids, disk, ttl,
-                  env, label, timeout, priority, privileged, network, allow):
+                  env, label, timeout, priority, privileged, network, allow, cpu_class):
     def queued(reason: str) -> None:
         click.echo(f"dsec: queued ({reason}); waiting up to {timeout:.0f}s", err=True)
     return await client.create(image=image, backend=backend, resources=libdsec.Resources(cpu=cpu, memory=memory, pids=pids, disk=disk),
                                ttl=ttl, env=pairs(env, "env"), labels=pairs(label, "label"), timeout=timeout,
                                priority=priority, on_queued=queued, workspace=workspace, toolkit=toolkit,
-                               privileged=privileged, network=_network(network, allow))
+                               privileged=privileged, network=_network(network, allow), cpu_class=cpu_class)
 
 
 def _network(mode: str | None, allow: tuple[str, ...]):

@@ -25,6 +25,15 @@ class StackCollector:
             g = GaugeMetricFamily("dsec_edge_sandboxes", "Sandboxes running on this node", labels=["node"])
             g.add_metric([edge.node], len(edge.sandboxes))
             yield g
+            classes = {"latency": 0, "batch": 0}
+            for running in list(edge.sandboxes.values()):
+                cls = running.record.cpu_class or "latency"
+                classes[cls] = classes.get(cls, 0) + 1
+            c = GaugeMetricFamily("dsec_edge_sandboxes_by_cpu_class", "Sandboxes running on this node by CPU class",
+                                  labels=["node", "cpu_class"])
+            for cls, n in classes.items():
+                c.add_metric([edge.node, cls], n)
+            yield c
             w = GaugeMetricFamily("dsec_edge_warm_ready", "Warm-pool sandboxes ready on this node",
                                   labels=["node", "pool"])
             for name, stock in sorted(edge.warm.pools.items()):

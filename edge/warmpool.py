@@ -46,9 +46,14 @@ YIELD_FOR = 0.05        # a refill waits up to this long for the creates in flig
 PAUSE = 5.0             # after a failed start, a pool waits this long before it tries again
 
 
-def limits(r: Resources) -> Limits:
+def limits(r: Resources, cpu_class: str = "latency") -> Limits:
     """The backend limits of a create's resources."""
-    return Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk)
+    return Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk, cpu_class=cpu_class)
+
+
+def cpu_class(req) -> str:
+    """A create's CPU class: its own, else its priority's."""
+    return req.cpu_class or ("batch" if req.priority == "batch" else "latency")
 
 
 @dataclass

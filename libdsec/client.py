@@ -145,7 +145,8 @@ class AsyncClient:
                      priority: str = "latency", burst: bool | None = None,
                      on_queued=None, workspace: str | None = None, toolkit: str | None = None,
                      from_snapshot: SnapshotRecord | str | None = None, privileged: bool = False,
-                     memory: bool | None = None, network: "Network | str | None" = None) -> AsyncSandbox:
+                     memory: bool | None = None, network: "Network | str | None" = None,
+                     cpu_class: str | None = None) -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
 
         image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
@@ -173,7 +174,13 @@ class AsyncClient:
         libdsec.Network(allow=[...]) (proxied; bus/network.py says what an entry may be). A bad policy
         raises InvalidRequest; one other than none on a kind without the network capability, Unsupported
         (no kind offers it yet: the data path is issue 16's), both before anything is sent.
+
+        cpu_class: "latency" or "batch" (default: the priority's). A batch sandbox's every process runs at
+        SCHED_IDLE under low cgroup cpu shares, so latency sandboxes keep their CPU when the node is busy; it
+        cannot raise its own class.
         """
+        if cpu_class not in (None, "latency", "batch"):
+            raise InvalidRequest(f"cpu_class must be 'latency' or 'batch', got {cpu_class!r}")
         wire_network = network_policy(network)
         if backend is not None:   # a kind that does not exist or cannot do it: refused before anything is sent
             check_create_kind(backend, from_snapshot is not None, privileged, wire_network.mode != "none")
@@ -201,6 +208,8 @@ class AsyncClient:
                                           cwd=snap.cwd if snap.cwd != "/" else "", user=snap.user)
         if privileged:
             req = msgspec.structs.replace(req, privileged=True)
+        if cpu_class is not None:
+            req = msgspec.structs.replace(req, cpu_class=cpu_class)
         if wire_network.mode != "none":
             req = msgspec.structs.replace(req, network=wire_network)
         return await self._create(req, timeout, on_queued)

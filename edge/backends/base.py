@@ -24,6 +24,7 @@ class Limits:
     memory: int = 256 << 20     # bytes; memory+swap is capped at the same value
     pids: int = 256             # max tasks in the sandbox's pids cgroup
     disk: int = 256 << 20       # bytes the writable layer may hold
+    cpu_class: str = "latency"  # batch: low cpu shares and SCHED_IDLE for every process (cgroups.py)
 
 
 @dataclass(frozen=True)

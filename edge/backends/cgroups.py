@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -28,6 +29,22 @@ EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
 # I/O a sandbox may make on the writable-layer pool's loop device (cgroup v1 blkio throttling). v1 throttles
 # what reaches the device in the sandbox's name: direct and synchronous writes (O_DIRECT, O_SYNC, fsync);
 # buffered writes are written back by the kernel's flusher, charged to no sandbox (docs/architecture.md).
+# CPU classes: a batch sandbox's group gets the smallest cpu.shares and, where the kernel has it (5.15+), cpu.idle
+# (the group itself is SCHED_IDLE towards its siblings: a waking latency task preempts it at once; its shares
+# then read 3); a latency one keeps the default 1024. Each of its processes runs at SCHED_IDLE (set by its
+# init's launch and every exec: the zygote, dsec-enter, the runsc and QEMU launches), which a process may not
+# leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host). Core scheduling would keep batch work off a latency
+# sandbox's SMT sibling; this kernel lacks it (and this machine has no SMT).
+BATCH_SHARES = 2
+
+
+def enter_class(cpu_class: str) -> None:
+    """In a sandbox's first host process (a forked child, before exec): its CPU class, which every process
+    it makes inherits and none may leave (see BATCH_SHARES)."""
+    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+    if cpu_class == "batch":
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
 IO_LIMITS = (("blkio.throttle.write_bps_device", 64 << 20), ("blkio.throttle.read_bps_device", 256 << 20),
              ("blkio.throttle.write_iops_device", 2000), ("blkio.throttle.read_iops_device", 8000))
 # Device nodes a sandbox may open (mknod of anything is allowed, opening it is not):
@@ -316,6 +333,10 @@ class NodeCgroups:
                 path.mkdir()
             period = int(read(groups["cpu"] / "cpu.cfs_period_us") or 100000)
             write(groups["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu * period))))
+            if limits.cpu_class == "batch":   # beside a latency sandbox's 1024, a batch one gets what is left
+                write(groups["cpu"] / "cpu.shares", str(BATCH_SHARES))
+                if (groups["cpu"] / "cpu.idle").exists():   # an idle group: preempted at once by a waking one
+                    write(groups["cpu"] / "cpu.idle", "1")
             # memory first: memsw may never be below memory, so with swap = memory it is set second.
             write(groups["memory"] / "memory.limit_in_bytes", str(limits.memory))
             if (groups["memory"] / "memory.memsw.limit_in_bytes").exists():   # absent without swapaccount

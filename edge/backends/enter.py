@@ -59,16 +59,16 @@ class Spawner:
         """Nothing held (kept for symmetry with start)."""
 
     def start(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
-              stdio: list[int], err_w: int, fresh_ipc: bool = False, user: str = "") -> asyncio.Future:
+              stdio: list[int], err_w: int, fresh_ipc: bool = False, flags: str = "") -> asyncio.Future:
         """spawn(), and a future of the command's raw wait status (the helper is reaped by it)."""
-        return watch_or_kill(self.spawn(init_pid, pidfd, tasks, argv, env, cwd, stdio, err_w, fresh_ipc, user))
+        return watch_or_kill(self.spawn(init_pid, pidfd, tasks, argv, env, cwd, stdio, err_w, fresh_ipc, flags))
 
     def spawn(self, init_pid: int, pidfd: int, tasks: list[str], argv: list[str], env: dict[str, str], cwd: str,
-              stdio: list[int], err_w: int, fresh_ipc: bool = False, user: str = "") -> int:
+              stdio: list[int], err_w: int, fresh_ipc: bool = False, flags: str = "") -> int:
         """Start dsec-enter for argv in the sandbox whose init is init_pid (pinned by pidfd); returns the
-        helper's host pid (its wait status is the command's). fresh_ipc: an IPC namespace of its own; user:
-        a user's setup flag (users.ExecUser.flag), "" for the sandbox's root."""
-        setup = setup_bytes(self.keep_mask, fresh_ipc, cwd, tasks, user)
+        helper's host pid (its wait status is the command's). fresh_ipc: an IPC namespace of its own; flags:
+        more setup flags (",idle" for a batch sandbox, a user's: users.ExecUser.flag)."""
+        setup = setup_bytes(self.keep_mask, fresh_ipc, cwd, tasks, flags)
         if len(setup) > SETUP_MAX:
             raise OSError(errno.E2BIG, "exec setup too large (cwd too long)")
         opened = open_sandbox(init_pid, pidfd)
@@ -265,9 +265,9 @@ def _command_setup(keep_mask: int, fresh_ipc: bool, cwd: str, argv: list[str], e
             + b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items()))
 
 
-def setup_bytes(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str], user: str = "") -> bytes:
-    """dsec-enter's setup: "CAPMASK[,ipc][,u=UID:GID...]\0CWD\0TASKS...\0" (its cgroup tasks files)."""
-    mask = hex(keep_mask) + (",ipc" if fresh_ipc else "") + user
+def setup_bytes(keep_mask: int, fresh_ipc: bool, cwd: str, tasks: list[str], flags: str = "") -> bytes:
+    """dsec-enter's setup: "CAPMASK[,ipc][,idle][,u=UID:GID...]\0CWD\0TASKS...\0" (its cgroup tasks files)."""
+    mask = hex(keep_mask) + (",ipc" if fresh_ipc else "") + flags
     return b"\0".join(s.encode() for s in (mask, cwd, *tasks)) + b"\0"
 
 

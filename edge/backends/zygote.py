@@ -36,6 +36,7 @@ from typing import NoReturn
 import msgspec
 
 from edge.backends import kernel
+from edge.backends.cgroups import enter_class
 
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())
@@ -76,6 +77,7 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     netns: bool = False         # join the network namespace of the 2nd fd (Aether's, made by the host)
                                 # instead of a new one with only lo
     etc: dict[str, str] = {}    # files written in its /etc (a sandbox with a network: resolv.conf, pip.conf)
+    idle: bool = False          # its CPU class is batch: its init (and so what it reaps) at SCHED_IDLE
 
 
 class Refresh(msgspec.Struct, tag="refresh", tag_field="kind", frozen=True):
@@ -339,6 +341,7 @@ def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lo
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         kernel.close_fds_except({0, 1, 2, ready, init_fd, userns})
+        enter_class("batch" if req.idle else "latency")
         kernel.setns(userns, kernel.CLONE_NEWUSER)   # last: host root is needed for everything above
         os.close(userns)
         os.setgroups([])

@@ -42,7 +42,8 @@ class Executing(Core):
         try:
             try:
                 exited = self._start_exec(sb, n, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
-                                          pipes, user.flag() if user is not None else "")
+                                          pipes, (",idle" if sb.spec.limits.cpu_class == "batch" else "")
+                                          + (user.flag() if user is not None else ""))
             finally:
                 pipes.close_child_ends()    # else our copies of the write ends would hide EOF
             if control is not None:
@@ -134,7 +135,7 @@ class Executing(Core):
         return None
 
     def _start_exec(self, sb: Running, n: int, argv: list[str], env: dict[str, str], cwd: str,
-                    pipes: "execio.Pipes", user: str = "") -> asyncio.Future:
+                    pipes: "execio.Pipes", flags: str = "") -> asyncio.Future:
         """Spawn dsec-enter for the command; a future of the command's wait status (see enter.py)."""
         if self._spawner is None:
             raise BackendError("container backend is not started")
@@ -142,12 +143,12 @@ class Executing(Core):
         tasks = sb.call_tasks or [f"{g}/tasks" for g in self._cgroups.exec_join(sb.key, n)]
         fresh_ipc = bool(sb.spec.scratch)
         with _starting(sb, argv):
-            if sb.spec.scratch and not user:   # a worker: through its own exec server (too large: one-shot)
+            if sb.spec.scratch and not flags:   # a worker: through its own exec server (too large: one-shot)
                 started = self._via_server(sb, lambda server: server.start(argv, env, cwd, ends[:3], ends[3], fresh_ipc))
                 if started is not None:
                     return started
             return self._spawner.start(sb.init_pid, sb.pidfd, tasks, argv, env, cwd, ends[:3], ends[3], fresh_ipc,
-                                       user)
+                                       flags)
 
 
 @contextlib.contextmanager

@@ -61,7 +61,8 @@ class Launching(Core):
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
                              trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty),
                              base=str(self.state_dir), views=self._views.proc_dir, scratch=spec.scratch,
-                             netns=end is not None, etc=self.network.sandbox_etc(end) if end else {})
+                             netns=end is not None, etc=self.network.sandbox_etc(end) if end else {},
+                             idle=spec.limits.cpu_class == "batch")
                 try:
                     init = await self._launcher.request(msg, [ready_w] + ([end.netns] if end else []))
                 finally:

@@ -25,7 +25,8 @@ def valid_id(sandbox_id: str) -> bool:
 
 def host_limits(limits: Limits) -> Limits:
     """The host cgroup limits of a sandbox: its own plus what sentry and gofer take."""
-    return Limits(cpu=limits.cpu, memory=limits.memory + SENTRY_MEMORY, pids=HOST_TASKS_BASE + HOST_TASKS_PER_PID * limits.pids,
+    return Limits(cpu=limits.cpu, memory=limits.memory + SENTRY_MEMORY, cpu_class=limits.cpu_class,
+                  pids=HOST_TASKS_BASE + HOST_TASKS_PER_PID * limits.pids,
                   disk=limits.disk)
 
 

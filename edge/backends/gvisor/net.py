@@ -17,6 +17,7 @@ import os
 import stat
 
 from edge.backends import kernel
+from edge.backends.cgroups import enter_class
 from edge.backends.gvisor.host import _join
 
 CORE_SYSCTLS = "/proc/sys/net/core"
@@ -28,12 +29,13 @@ def netns_path(netns_fd: int) -> str:
     return f"/proc/{os.getpid()}/fd/{netns_fd}"
 
 
-def launch_prep(tasks: list[str], netns: int, home: int, visible_proc: str) -> None:
+def launch_prep(tasks: list[str], netns: int, home: int, visible_proc: str, cpu_class: str = "latency") -> None:
     """In the forked runsc, before exec: join the sandbox's cgroups; with a network, enter a mount namespace
     of its own, mount a whole proc on visible_proc (an empty directory) and cover /proc/sys/net/core of the
     sandbox's network namespace (see the module's text). setns moves this (single-threaded) child only; it
     returns to home, the host's network namespace."""
     _join(tasks)
+    enter_class(cpu_class)                # sentry, gofer and every sandbox task inherit it
     if netns < 0:
         return
     kernel.unshare(kernel.CLONE_NEWNS)

@@ -15,7 +15,7 @@ from edge.backends.gvisor.agent import AgentChannel
 from edge.backends.gvisor.host import _join
 from edge.backends.microvm import qemu
 from edge.backends.microvm.qemu import disk_size, log_tail
-from edge.backends.cgroups import CgroupError
+from edge.backends.cgroups import CgroupError, enter_class
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.microvm.vm import HOST_TASKS, READY_TIMEOUT, VM
 
@@ -62,7 +62,7 @@ class Booting:
     def _host_limits(self, limits: Limits) -> Limits:
         """The QEMU process's host groups: the VM's memory plus QEMU's own, its cpu, a backstop on threads."""
         return Limits(cpu=limits.cpu, memory=limits.memory + kinds.OVERHEAD[self.kind][0], pids=HOST_TASKS,
-                      disk=limits.disk)
+                      disk=limits.disk, cpu_class=limits.cpu_class)
 
     async def _boot(self, vm: VM, groups: dict[str, Path], ram: int | None = None,
                     timeout: float = READY_TIMEOUT) -> None:
@@ -108,6 +108,7 @@ class Booting:
 
             def become() -> None:
                 _join(tasks)
+                enter_class(vm.spec.limits.cpu_class)
                 qemu.confine(uid, hide, self._guest.kernel, kvm)
             argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming, load)
             extra = [fd for fd in (ram, incoming, vm.tap) if fd is not None]

@@ -253,17 +253,19 @@ static void clean_slate(void) {
     struct rlimit none = {0, 0};
     if (setrlimit(RLIMIT_CORE, &none)) fail("setup", "rlimit core");
     umask(022);
+    struct rlimit nice = {0, 0};                   /* no way back from SCHED_IDLE, nor below nice 0 */
+    if (setrlimit(RLIMIT_NICE, &nice)) fail("setup", "rlimit nice");
     syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
 }
 
-/* What one command is: "CAPMASK[,ipc][,u=UID:GID[:GROUP...]]\0CWD\0TASKS...\0" (each \0-terminated, an
- * empty one ends the tasks files; ",ipc": an IPC namespace of its own, so no SysV object outlives a fncall
- * call; ",u=": run as that uid, gid and supplementary groups of the sandbox, not its root), and in serve
- * mode "\0ARGC\0ARGV...\0ENV...\0" after it. */
+/* What one command is: "CAPMASK[,ipc][,idle][,u=UID:GID[:GROUP...]]\0CWD\0TASKS...\0" (each \0-terminated,
+ * an empty one ends the tasks files; ",ipc": an IPC namespace of its own, so no SysV object outlives a fncall
+ * call; ",idle": at SCHED_IDLE (a batch sandbox's); ",u=": run as that uid, gid and supplementary groups of
+ * the sandbox, not its root), and in serve mode "\0ARGC\0ARGV...\0ENV...\0" after it. */
 #define GROUPS_MAX 64
 struct command_line {
     unsigned long long keep;
-    int fresh_ipc;
+    int fresh_ipc, idle;
     int as_user, ngroups;
     uid_t uid;
     gid_t gid, groups[GROUPS_MAX];
@@ -292,11 +294,13 @@ static const char *parse_setup(size_t got, int with_command, struct command_line
     char *p = setup, *end = setup + got, *flags = NULL;
     c->keep = strtoull(p, &flags, 0);
     c->fresh_ipc = 0;
+    c->idle = 0;
     c->as_user = 0;
     c->ngroups = 0;
     for (char *f = flags; f && *f == ','; ) {
         f++;
         if (strncmp(f, "ipc", 3) == 0 && (f[3] == ',' || !f[3])) { c->fresh_ipc = 1; f += 3; continue; }
+        if (strncmp(f, "idle", 4) == 0 && (f[4] == ',' || !f[4])) { c->idle = 1; f += 4; continue; }
         if (strncmp(f, "u=", 2) != 0) return "setup: unknown flag";
         char *q = f + 2;
         unsigned long v[GROUPS_MAX + 2];
@@ -396,6 +400,10 @@ static int command(void *unused) {
      * the filter (root of E with CAP_SYS_ADMIN there from the clone on: no no_new_privs needed for it)
      * and the capabilities. Nothing here fails but for want of memory or a kernel feature. */
     clean_slate();
+    if (child_line->idle) {                  /* a batch sandbox's command (and its forks): SCHED_IDLE */
+        struct sched_param none = {0};
+        if (sched_setscheduler(0, SCHED_IDLE, &none)) fail("setup", "SCHED_IDLE");
+    }
     command_filter();
     lockdown(child_line->keep);
     ssize_t n;
