@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4 \
-                nft openssl apt-cacher-ng apt-ftparchive skopeo docker-registry
+                nft openssl apt-cacher-ng apt-ftparchive skopeo docker-registry pkg-config fusermount3
 
 .PHONY: setup system venv demo test bench up clean
 
@@ -20,18 +20,20 @@ setup: system venv
 # apt-cacher-ng (each node's apt mirror, run by its edge; Debian's service, which the package starts, is
 # stopped and disabled), apt-utils (apt-ftparchive: the mirror tests' Debian repository), skopeo (`dsec image
 # import --from docker://...`) and docker-registry (the registry the import test starts on loopback; Debian's
-# service, which the package starts, is stopped and disabled).
+# service, which the package starts, is stopped and disabled), and libfuse3-dev, fuse3 and pkg-config (pyfuse3 is
+# built against them: lazily loaded layers).
 # `apt-get update` runs once first.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	ldd "$$(command -v busybox)" >/dev/null 2>&1 && missing="$$missing busybox-static"; \
+	pkg-config --exists fuse3 2>/dev/null || missing="$$missing libfuse3-dev"; \
 	$(PYTHON) -c "import venv, ensurepip" 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
 	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs nftables openssl apt-cacher-ng apt-utils \
-	    skopeo docker-registry >/dev/null && { \
+	    skopeo docker-registry libfuse3-dev fuse3 pkg-config >/dev/null && { \
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \
 	  pkill -f '^/usr/bin/lxcfs /var/lib/lxcfs' 2>/dev/null; umount -l /var/lib/lxcfs 2>/dev/null; \
 	  (systemctl disable --now apt-cacher-ng.service || update-rc.d apt-cacher-ng disable) >/dev/null 2>&1; \

@@ -117,7 +117,7 @@ class Bus(KvStore, StreamReads):
                     f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
         bus = cls(nc, listeners)
-        bus.refused, bus.creds = refused, creds
+        bus.refused, bus.creds, bus.url = refused, creds, url   # (url, creds: what a helper process connects with)
         bus.deletes_consumers = principal_of(creds) != "ops"
         return bus
 

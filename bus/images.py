@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from bus import streams, subjects
+from bus import chunks, streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
 from bus.messages import ImageConfig, ImageRecord, LayerRef, SnapshotRecord, image_decoder, snapshot_decoder
@@ -117,6 +117,8 @@ class ImageRegistry:
         size = Path(layer_file).stat().st_size
         if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
             await self.bus.obj_put_file(streams.LAYERS_OBJ, digest, layer_file)   # a chunk at a time
+        if not await self.bus.obj_has(streams.LAYERS_OBJ, chunks.manifest_name(digest)):
+            await chunks.publish(self.bus, Path(layer_file), digest)   # for nodes that load it lazily
         rec = ImageRecord(name=name, version=version, layer_kind=kind, digest=digest, size=size,
                           created_at=time.time(), config=config)
         await self.bus.kv_put(streams.IMAGES_KV, f"{name}.{version}", rec)

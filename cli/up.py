@@ -74,6 +74,9 @@ def edge_options(fn):
         click.option("--mirror-apt", default=DEFAULT_DEBIAN, show_default=True, metavar="URL",
                      help="The Debian mirror the apt mirror caches: sandboxes' apt asks for deb.debian.org (and "
                           "its other names, debian-security beside it) and gets this mirror's files."),
+        click.option("--lazy-layers/--no-lazy-layers", "lazy_layers", default=False, show_default=True,
+                     help="Start a sandbox before this node holds its whole image: a layer's chunks are fetched as "
+                          "they are read (a FUSE process per layer, each chunk checked), the rest behind them."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
@@ -159,7 +162,8 @@ def _network_fields(network: dict) -> dict:
         fail(f"--mirror-apt: an http URL of a Debian mirror, got {apt!r}")
     return {"aether": network.get("aether", True), "aether_dns": dns,
             "aether_allow_cidr": list(network.get("aether_allow_cidr", ())),
-            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi, "mirror_apt": apt}
+            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi, "mirror_apt": apt,
+            "lazy_layers": network.get("lazy_layers", False)}
 
 
 def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int,
@@ -269,7 +273,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
              traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
-             mirror_pypi: str, mirror_apt: str, burst_threshold: float,
+             mirror_pypi: str, mirror_apt: str, lazy_layers: bool, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
@@ -284,7 +288,8 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
-                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt))
+                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt,
+                                                          lazy_layers=lazy_layers))
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
@@ -310,7 +315,7 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
                traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
-               mirrors: bool, mirror_pypi: str, mirror_apt: str, verbose: bool) -> None:
+               mirrors: bool, mirror_pypi: str, mirror_apt: str, lazy_layers: bool, verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
@@ -319,7 +324,8 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
-                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt))
+                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt,
+                                                          lazy_layers=lazy_layers))
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
                   backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")

@@ -66,7 +66,7 @@ class Edge:
         self.records = SandboxRecords(bus, self.node, self.outbox)
         self.layers = LayerCache(bus, self.state_dir / "layer-cache", config.layer_cache, in_use=lambda: {
             la.digest for r in self.sandboxes.values() for la in r.layers} | self.warm.digests(),
-            on_change=lambda: self.record.changed())
+            on_change=lambda: self.record.changed(), lazy=config.lazy_layers, lazy_fill=config.lazy_fill)
         self.box = Sandboxes(bus, self.node, backend, self.records, self.layers, self.state_dir,
                              released=self._released, settle=lambda sid: self.execs.settle(sid))
         self.execs = Execs(bus, self.node, self.box, ExecLimits(config.max_output, config.traj_output,
@@ -121,6 +121,7 @@ class Edge:
             raise EnvironmentFailure(f"edge {self.node} cannot start: {exc}") from exc
         self.capacity.accel = getattr(self.backend, "accelerators", {})
         self.backend.died = self._died
+        self.layers.reconcile()          # after the backends unmounted what a dead run left on its files
         await self.network.start()
         self.backend.network = self.network.aether
         if self.backend.kinds != self.config.backends:   # a backend it only found did not start: not offered
@@ -267,6 +268,7 @@ class Edge:
                 log.error("backend stop incomplete: %s", exc)
             finally:
                 await self.network.stop()
+                await self.layers.stop()
         for sid in list(self.sandboxes):
             await self._best_effort(self.box.gone_now(sid, "destroyed", "edge stopped", wait=False))
         await self.outbox.close(drain=OUTBOX_DRAIN)

@@ -42,6 +42,8 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     mirrors: bool = True              # run the node's package mirrors (aether/mirrors.py) with Aether
     mirror_pypi: str = DEFAULT_PYPI   # the index the pip mirror caches
     mirror_apt: str = DEFAULT_DEBIAN  # the Debian mirror the apt mirror caches
+    lazy_layers: bool = False         # serve a layer not held yet from its chunks as they are read (lazylayers.py)
+    lazy_fill: bool = True            # ...and fetch the rest behind the reads, until it is whole
 
 
 @dataclass

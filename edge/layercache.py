@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bus import streams, subjects
+from bus import chunks, streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError, EnvironmentFailure
 from bus.messages import LayerRef
 from edge.erofs import file_digest
+from edge.lazylayers import LazyLayers, link_into
 
 
 KEEP_RECENT = 60.0   # seconds a layer just used is never evicted (a create may be about to mount it)
@@ -24,7 +25,8 @@ class LayerCache:
     the least recently used layers that no running sandbox uses are dropped (fetched again if needed)."""
 
     def __init__(self, bus: Bus, root: Path, max_bytes: int = 0,
-                 in_use: Callable[[], set[str]] = lambda: set(), on_change: Callable[[], None] = lambda: None) -> None:
+                 in_use: Callable[[], set[str]] = lambda: set(), on_change: Callable[[], None] = lambda: None,
+                 lazy: bool = False, lazy_fill: bool = True) -> None:
         self.bus = bus
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -37,8 +39,32 @@ class LayerCache:
             self._lru[f] = (f.stat().st_size, 0.0)
         self.hits = 0
         self.misses = 0
-        self.bytes_fetched = 0
+        self.whole_bytes = 0
         self.evictions = 0
+        # layers not held yet served from their chunks as read (issue 17, part B); None: fetched whole
+        self.lazy = LazyLayers(bus, self.root / "lazy", lazy_fill, self._completed) if lazy else None
+
+    @property
+    def bytes_fetched(self) -> int:
+        """Bytes fetched from the object store: whole layers and lazy layers' chunks."""
+        return self.whole_bytes + (self.lazy.bytes_fetched if self.lazy is not None else 0)
+
+    def reconcile(self) -> None:
+        """At start: unmount what a dead run's lazy layers left."""
+        if self.lazy is not None:
+            self.lazy.reconcile()
+
+    async def stop(self) -> None:
+        if self.lazy is not None:
+            await self.lazy.stop()
+
+    def _completed(self, digest: str, data: Path) -> None:
+        """A lazy layer is whole and matches its digest: later sandboxes mount it from the cache directly."""
+        path = self.root / (digest.replace(":", "-") + ".erofs")
+        if not path.exists():
+            link_into(data, path)
+            self._used(path)
+            self.on_change()
 
     @property
     def size(self) -> int:
@@ -88,6 +114,15 @@ class LayerCache:
             self.hits += 1
             self._used(path)
             return path
+        if self.lazy is not None:
+            served = self.lazy.layers.get(layer.digest)
+            if served is not None and served.ready is not None and served.ready.done() and not served.ready.exception():
+                self.hits += 1
+                return served.file
+            manifest = await chunks.manifest(self.bus, layer.digest)
+            if manifest is not None and (not layer.size or manifest.size == layer.size):
+                self.misses += served is None
+                return await self.lazy.open(layer, manifest)
         fut = self._fetching.get(layer.digest)
         if fut is None:
             fut = asyncio.get_running_loop().create_future()
@@ -134,7 +169,7 @@ class LayerCache:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        self.bytes_fetched += size
+        self.whole_bytes += size
         self._used(path)
         self._trim()
         self.on_change()

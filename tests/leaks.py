@@ -24,7 +24,7 @@ for _item in filter(None, os.environ.get("DSEC_TEST_FOREIGN", "").split(",")):
     LIVE[_node] = Path(_dir or "/nonexistent").resolve()
 BEFORE: set[str] = set()     # residue already on the host when the session began (a killed earlier run's)
 
-MOUNT_TYPES = ("erofs", "overlay", "btrfs")
+MOUNT_TYPES = ("erofs", "overlay", "btrfs", "fuse")   # fuse: a lazily loaded layer's (edge/lazyfuse.py)
 
 
 @contextlib.contextmanager
@@ -89,6 +89,10 @@ def _residue() -> list[str]:
                 out.append(f"mirror pid {proc.info['pid']} ({' '.join(cmd[:4])}; node {mirror_node})")
         if cmd[:1] and cmd[0].endswith("nats-server") and proc.info["ppid"] == 1 and "/dsec-" in " ".join(cmd):
             out.append(f"nats-server pid {proc.info['pid']} (its test or stack is gone)")
+        if "edge.lazyfuse" in cmd and "--dir" in cmd:       # a lazily loaded layer's FUSE process
+            where = cmd[cmd.index("--dir") + 1]
+            if not any(where.startswith(str(p) + "/") for p in LIVE.values()):
+                out.append(f"lazy layer pid {proc.info['pid']} ({where})")
         if "aether.serve" in cmd and "--node" in cmd and not is_live(cmd[cmd.index("--node") + 1]):
             out.append(f"aether proxy pid {proc.info['pid']} (node {cmd[cmd.index('--node') + 1]})")
     for i, (node, key) in sorted(idmap.leases().items()):

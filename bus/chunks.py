@@ -1,0 +1,106 @@
+"""Layers in chunks, for lazy loading (issue 17, part B): each published layer also gets a chunk manifest (the
+chunk size and the sha256 of every chunk, bound to the layer's digest and size), and its chunks are stored
+by their own digest, so a node can fetch the parts a sandbox reads and check each before serving a byte of
+it. All of it lives in the layers' object store (no other bucket, no other permission): `chunk-<sha256>`,
+`manifest-<layer digest>`, and `trace-<layer digest>` (the chunks a first run of the layer read first, in
+order: what the next cold start fetches ahead)."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import msgspec
+
+from bus import streams
+from bus.conn import Bus
+from bus.errors import BusError
+
+CHUNK_SIZE = 1 << 20
+TRACE_MAX = 4096        # chunk indices a trace keeps
+
+
+class ChunkManifest(msgspec.Struct, frozen=True):
+    """A layer's chunks: chunk i is bytes [i*chunk_size, min(size, (i+1)*chunk_size)) of the layer file."""
+
+    layer: str                       # the layer's digest (sha256:...)
+    size: int
+    chunk_size: int
+    chunks: list[str]                # sha256 hex of each chunk
+
+    def span(self, i: int) -> tuple[int, int]:
+        """(offset, length) of chunk i."""
+        off = i * self.chunk_size
+        return off, min(self.chunk_size, self.size - off)
+
+    def valid(self) -> bool:
+        return (self.size >= 0 and self.chunk_size > 0
+                and len(self.chunks) == (self.size + self.chunk_size - 1) // self.chunk_size)
+
+
+_decoder = msgspec.json.Decoder(ChunkManifest)
+
+
+def manifest_name(digest: str) -> str:
+    return f"manifest-{digest.replace(':', '-')}"
+
+
+def trace_name(digest: str) -> str:
+    return f"trace-{digest.replace(':', '-')}"
+
+
+def chunk_name(sha: str) -> str:
+    return f"chunk-{sha}"
+
+
+def decode_manifest(raw: bytes, digest: str) -> ChunkManifest | None:
+    """A manifest of the layer digest names, or None (junk, another layer's, inconsistent)."""
+    try:
+        m = _decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return m if m.layer == digest and m.valid() else None
+
+
+def make_manifest(path: Path, digest: str, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
+    size = os.path.getsize(path)
+    chunks = []
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk_size), b""):
+            chunks.append(hashlib.sha256(block).hexdigest())
+    return ChunkManifest(layer=digest, size=size, chunk_size=chunk_size, chunks=chunks)
+
+
+async def publish(bus: Bus, path: Path, digest: str, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
+    """Store a layer file's chunks (those not stored yet) and its manifest."""
+    manifest = make_manifest(path, digest, chunk_size)
+    with open(path, "rb") as f:
+        for i, sha in enumerate(manifest.chunks):
+            if await bus.obj_has(streams.LAYERS_OBJ, chunk_name(sha)):
+                continue
+            off, length = manifest.span(i)
+            f.seek(off)
+            await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), f.read(length))
+    await bus.obj_put(streams.LAYERS_OBJ, manifest_name(digest), msgspec.json.encode(manifest))
+    return manifest
+
+
+async def manifest(bus: Bus, digest: str) -> ChunkManifest | None:
+    """The layer's chunk manifest, or None (a layer published before manifests existed: fetched whole)."""
+    if not await bus.obj_has(streams.LAYERS_OBJ, manifest_name(digest)):
+        return None
+    try:
+        return decode_manifest(await bus.obj_get(streams.LAYERS_OBJ, manifest_name(digest)), digest)
+    except BusError:
+        return None
+
+
+async def trace(bus: Bus, digest: str) -> list[int]:
+    """The chunk indices an earlier first run of the layer read first (empty when none is recorded)."""
+    try:
+        if not await bus.obj_has(streams.LAYERS_OBJ, trace_name(digest)):
+            return []
+        raw = await bus.obj_get(streams.LAYERS_OBJ, trace_name(digest))
+        return [int(i) for i in msgspec.json.decode(raw)][:TRACE_MAX]
+    except (BusError, msgspec.DecodeError, ValueError, TypeError):
+        return []
