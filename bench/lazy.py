@@ -92,8 +92,8 @@ async def lazy_runs(files: int) -> None:
             await set_flag(st.bus, "bench-lazy-main", draining=True)
             dsec = str(Path(sys.executable).parent / "dsec")
             t0 = time.perf_counter()
-            subprocess.run([dsec, "image", "build", "--nats", st.url, "benchbig", "--from-dir", str(tmp / "root")],
-                           check=True, capture_output=True)
+            await asyncio.to_thread(subprocess.run, [dsec, "image", "build", "--nats", st.url, "benchbig",
+                                                     "--from-dir", str(tmp / "root")], check=True, capture_output=True)
             built = time.perf_counter() - t0
             layer = (await ImageRegistry(st.bus).resolve("benchbig"))[0]
             print(f"image: {files} files of 1 MiB, layer {layer.size / MIB:.0f} MiB, built and published (whole and "

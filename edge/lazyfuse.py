@@ -90,6 +90,7 @@ class LazyLayer(pyfuse3.Operations):
         self.order: list[int] = []          # chunks in the order reads first needed them
         self.seen: set[int] = set()
         self.first_read = 0.0
+        self.trace_stored = False
         self.completed = False
 
     # ------------------------------------------------------------------ chunks
@@ -197,12 +198,17 @@ class LazyLayer(pyfuse3.Operations):
         return os.pread(self.data, size, off)
 
     async def trace_later(self) -> None:
-        """Store the order of the first reads once they settled (TRACE_AFTER after the first)."""
+        """Store the order of the first reads once they settled (TRACE_AFTER after the first; or at a stop
+        before that: store_trace)."""
         while not self.first_read:
             await trio.sleep(0.2)
         await trio.sleep(TRACE_AFTER)
+        await self.store_trace()
+
+    async def store_trace(self) -> None:
         order = self.order[:chunks.TRACE_MAX]
-        if order:
+        if order and not self.trace_stored:
+            self.trace_stored = True
             try:
                 await trio.to_thread.run_sync(self.fetcher.put_trace, self.m.layer, order)
             except Exception as exc:   # noqa: BLE001  (a trace is a hint: losing it costs a prefetch)
@@ -248,6 +254,8 @@ async def _serve(ops: LazyLayer, prefetch: list[int], fill: bool) -> None:
         nursery.start_soon(ops.trace_later)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
+                with trio.move_on_after(2):          # a run stopped early still leaves its trace
+                    await ops.store_trace()
                 nursery.cancel_scope.cancel()
                 return
 
