@@ -7,7 +7,7 @@ cpu=0.1, memory=64Mi in batches, lets the host settle, and reports
 the drop of MemAvailable divided by the count (beside the same figure for N bare `unshare` + `sleep`
 processes, the raw baseline, measured in the same run). Then destroys them all.
 
-Run: python -m bench.density [--sandboxes 5000] [--batch 100] [--raw 500]
+Run: python -m bench.density [--sandboxes 10000] [--batch 100] [--raw 500]
 """
 from __future__ import annotations
 
@@ -52,18 +52,31 @@ def raw_baseline(n: int) -> float:
     return (before - after) / n
 
 
-async def fill(url: str, n: int, batch: int) -> tuple[int, float, float]:
-    """Create n idle sandboxes; returns (created, bytes per sandbox, seconds)."""
+def rate_at(marks: list[tuple[int, float]], at: int, width: int = 500) -> float:
+    """Creates per second over the batches from the one that passed `at` held, about `width` creates."""
+    start = next((i for i, (held, _) in enumerate(marks) if held > at), None)
+    if start is None or start == 0:
+        return 0.0
+    end = next((i for i in range(start, len(marks)) if marks[i][0] - marks[start - 1][0] >= width), len(marks) - 1)
+    made = marks[end][0] - marks[start - 1][0]
+    return made / max(1e-9, marks[end][1] - marks[start - 1][1])
+
+
+async def fill(url: str, n: int, batch: int, marks: list[tuple[int, float]]) -> tuple[int, float, float]:
+    """Create n idle sandboxes; returns (created, bytes per sandbox, seconds); marks gets (held, time) after
+    every batch (the create rate as the node fills)."""
     res = libdsec.Resources(cpu=0.1, memory="64Mi")
     async with libdsec.AsyncClient(url) as client:
         before = settled()
         t0 = time.monotonic()
         made: list[libdsec.AsyncSandbox] = []
+        marks.append((0, t0))
         try:
             while len(made) < n:
                 got = await asyncio.gather(*(client.create(resources=res) for _ in range(min(batch, n - len(made)))),
                                            return_exceptions=True)
                 made += [g for g in got if isinstance(g, libdsec.AsyncSandbox)]
+                marks.append((len(made), time.monotonic()))
                 errors = [g for g in got if not isinstance(g, libdsec.AsyncSandbox)]
                 if errors:
                     print(f"  stopped at {len(made)}: {type(errors[0]).__name__}: {errors[0]}", flush=True)
@@ -80,7 +93,7 @@ async def fill(url: str, n: int, batch: int) -> tuple[int, float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sandboxes", type=int, default=5000, help="idle sandboxes to create (default 5000)")
+    ap.add_argument("--sandboxes", type=int, default=10000, help="idle sandboxes to create (default 10000)")
     ap.add_argument("--batch", type=int, default=100, help="creates in flight at once (default 100)")
     ap.add_argument("--raw", type=int, default=500, help="bare processes for the raw baseline (default 500)")
     args = ap.parse_args()
@@ -91,10 +104,16 @@ def main() -> None:
     # the density of container sandboxes, with no fncall workers beside them.
     with dsec_up("--slots", str(n), "--cpu-overcommit", "1", "--memory-fraction", "1", "--backend", "container",
                  "--capacity", f"slots={n},cpu=1000,memory=400Gi,disk={n * 300}Mi") as (url, _):   # sparse pool
-        made, per, took = asyncio.run(fill(url, n, args.batch))
+        marks: list[tuple[int, float]] = []
+        made, per, took = asyncio.run(fill(url, n, args.batch, marks))
     print(f"raw baseline: {raw / MIB:.2f} MiB per bare namespaced process ({args.raw} of them)")
     print(f"density: {made} idle sandboxes (of {n}) in {took:.1f} s, {per / MIB:.2f} MiB of host memory each "
           f"(MemAvailable drop / count; {per / max(raw, 1):.1f}x raw)")
+    empty = rate_at(marks, 0)
+    for at in (0, n // 2, n * 9 // 10):
+        r = rate_at(marks, at)
+        print(f"  create rate with {at:>6} held: {r:7.1f}/s ({r / max(empty, 1e-9):.0%} of the empty node's)")
+    print("target: >= 10,000 held at <= 0.7 MiB each; the rate at 9,000 held within 20% of the empty node's")
 
 
 if __name__ == "__main__":

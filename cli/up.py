@@ -28,7 +28,9 @@ def edge_options(fn):
     """Options that size an edge."""
     for opt in reversed([
         click.option("--node-id", default="local", show_default=True, help="This node's id (subject token)."),
-        click.option("--slots", default=128, show_default=True, help="Max sandboxes on this node."),
+        click.option("--slots", default=0, show_default=True,
+                     help="Max sandboxes on this node; 0: its memory / 1 MiB, capped by the uid ranges (28,672) and "
+                          "kernel.pid_max / 2 (which caps it on a default Debian: 16,384)."),
         click.option("--capacity", default="", metavar="K=V,...",
                      help="What this node offers, overriding what is measured: slots=N, cpu=CORES, "
                           "memory=SIZE, disk=SIZE, and per backend kind KIND.slots=N (e.g. "

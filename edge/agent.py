@@ -24,7 +24,7 @@ from chronus.execs import ExecLimits, Execs
 from edge.backends.base import Backend, BackendError
 from edge.backends.registry import BackendSet
 from edge.calls import CallLane
-from edge.capacity import Capacity, EdgeConfig
+from edge.capacity import Capacity, EdgeConfig, default_slots
 from edge.creates import CreateLane
 from edge.lanes import replace_creates
 from edge.network import NodeNetwork
@@ -55,6 +55,10 @@ class Edge:
             backend = BackendSet({backend.kind: backend})
         self.backend = backend
         config = msgspec.structs.replace(config, backends=backend.kinds)   # it advertises what it runs
+        if config.slots <= 0:
+            slots, cap = default_slots(config.memory)
+            config = msgspec.structs.replace(config, slots=slots)
+            log.info("node %s: %d slots (memory / 1 MiB, capped by %s)", config.node_id, slots, cap)
         self.config = config
         self.node = subjects.token(config.node_id, "node id")
         self.capacity = Capacity(config)

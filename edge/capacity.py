@@ -14,6 +14,23 @@ from bus.messages import NodeInfo, Resources
 
 DEFAULT_PYPI = "https://pypi.org/simple/"
 DEFAULT_DEBIAN = "http://deb.debian.org/debian"
+SLOT_MEMORY = 1 << 20     # the host memory a slot stands for by default (an idle sandbox costs less: bench.density)
+PIDS_PER_SLOT = 2         # an idle sandbox's init, and one command
+
+
+def default_slots(memory: int = 0) -> tuple[int, str]:
+    """A node's default slot count and what capped it: its memory / SLOT_MEMORY, the uid ranges sandboxes
+    lease (edge/backends/idmap.py), and kernel.pid_max / PIDS_PER_SLOT."""
+    from edge.backends import idmap
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            pid_max = int(f.read())
+    except (OSError, ValueError):
+        pid_max = 32768
+    caps = {"memory": (memory or psutil.virtual_memory().total) // SLOT_MEMORY, "uid ranges": idmap.COUNT,
+            "pids": pid_max // PIDS_PER_SLOT}
+    which = min(caps, key=lambda k: caps[k])
+    return max(1, caps[which]), which
 
 
 class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -21,7 +38,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     node_id: str = "local"
     pool: str = "local"
-    slots: int = 128                  # max sandboxes at once, all kinds together
+    slots: int = 0                    # max sandboxes at once, all kinds together (0: default_slots())
     backends: list[str] = msgspec.field(default_factory=lambda: ["container"])   # the kinds it runs
     kind_slots: dict[str, int] = {}   # kind -> max sandboxes of it at once (unset: `slots`)
     cpu_overcommit: float = 16.0      # schedulable cores = physical cores x this
