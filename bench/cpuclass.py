@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -22,17 +21,14 @@ import time
 from pathlib import Path
 
 import libdsec
+from bench import io as io_bench
 from bench.stream import dsec_up
 
 SOURCE = Path(__file__).parent / "work_probe.c"
 
 
 def build(out: Path) -> bytes:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise SystemExit("bench.cpuclass needs a C compiler (make setup installs gcc)")
-    subprocess.run([cc, "-O1", "-s", "-static", "-o", str(out), str(SOURCE)], check=True)
-    return out.read_bytes()
+    return io_bench.build(out, SOURCE, "-O1")     # -O1: the work loop is not folded away
 
 
 async def probe(sb: libdsec.AsyncSandbox, n: int) -> tuple[int, int]:

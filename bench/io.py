@@ -22,11 +22,12 @@ from bench.stream import dsec_up
 SOURCE = Path(__file__).parent / "fsync_probe.c"
 
 
-def build(out: Path) -> bytes:
+def build(out: Path, source: Path = SOURCE, opt: str = "-O2") -> bytes:
+    """A static probe built from source with the host's compiler (any image runs it); its bytes."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise SystemExit("bench.io needs a C compiler (make setup installs gcc)")
-    subprocess.run([cc, "-O2", "-s", "-static", "-o", str(out), str(SOURCE)], check=True)
+        raise SystemExit("this benchmark needs a C compiler (make setup installs gcc)")
+    subprocess.run([cc, opt, "-s", "-static", "-o", str(out), str(source)], check=True)
     return out.read_bytes()
 
 
