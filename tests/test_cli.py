@@ -80,7 +80,7 @@ def up(tmp_path_factory):
 
 def test_help_everywhere():
     for args in ([], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"],
-                 ["image", "ls"], ["edge"], ["placement"], ["demo"], ["snapshot"], ["snapshot", "take"],
+                 ["image", "ls"], ["image", "import"], ["image", "export"], ["edge"], ["placement"], ["demo"], ["snapshot"], ["snapshot", "take"],
                  ["snapshot", "ls"], ["snapshot", "rm"], ["fork"]):
         p = dsec(*args, "--help")
         assert p.returncode == 0 and "Usage:" in p.stdout and len(p.stdout) > 100, args
