@@ -128,8 +128,9 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
                 fail(f"--capacity: unknown dimension {key!r} (slots, cpu, memory, disk, KIND.slots)")
         except (ValueError, InvalidRequest) as exc:
             fail(f"--capacity: bad value for {key}: {exc}")
-    if fields["slots"] < 1 or fields.get("cpus", 1) <= 0 or cpu_overcommit <= 0 or not 0 < memory_fraction <= 1:
-        fail("--capacity/--slots/--cpu-overcommit/--memory-fraction must be positive (memory fraction at most 1)")
+    if fields["slots"] < 0 or fields.get("cpus", 1) <= 0 or cpu_overcommit <= 0 or not 0 < memory_fraction <= 1:
+        fail("--capacity/--slots/--cpu-overcommit/--memory-fraction must be positive (memory fraction at most 1; "
+             "--slots 0: from the memory)")
     try:
         from bus import subjects
         subjects.token(node_id, "--node-id"), subjects.token(pool, "--pool")
