@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import shutil
 import subprocess
@@ -29,20 +28,7 @@ from pathlib import Path
 
 import libdsec
 
-MIB = 1 << 20
-
-
-def content(i: int) -> bytes:
-    head = hashlib.sha256(b"bench%d" % i).digest()
-    return (head * (MIB // len(head)))[:MIB]
-
-
-def make_root(root: Path, files: int) -> None:
-    from edge.erofs import busybox_rootfs
-    busybox_rootfs(root)
-    (root / "data").mkdir()
-    for i in range(files):
-        (root / "data" / f"f{i:04d}").write_bytes(content(i))
+from tests.ociimages import MIB, files_root as make_root
 
 
 async def cold_start(tmp: Path, node: str, lazy: bool, url: str, stack_bus) -> tuple[float, int, dict]:

@@ -71,6 +71,10 @@ class CreateRequest(Wire, tag="create"):
     command: list[str] = []          # ...and its Entrypoint + Cmd (shown in the record: `dsec run` without one)
     cpu_class: Literal["", "latency", "batch"] = ""   # "": by priority; batch runs at SCHED_IDLE, low cpu shares
 
+    def effective_cpu_class(self) -> str:
+        """Its CPU class: its own, else its priority's."""
+        return self.cpu_class or ("batch" if self.priority == "batch" else "latency")
+
     def may_burst(self) -> bool:
         """Whether this request may be routed to the burst pool (default: batch yes, latency no)."""
         return self.priority == "batch" if self.burst is None else self.burst

@@ -1,6 +1,8 @@
 """The Prometheus endpoint of `dsec up`: figures read live from the running components."""
 from __future__ import annotations
 
+import collections
+
 from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import start_http_server
@@ -25,10 +27,8 @@ class StackCollector:
             g = GaugeMetricFamily("dsec_edge_sandboxes", "Sandboxes running on this node", labels=["node"])
             g.add_metric([edge.node], len(edge.sandboxes))
             yield g
-            classes = {"latency": 0, "batch": 0}
-            for running in list(edge.sandboxes.values()):
-                cls = running.record.cpu_class or "latency"
-                classes[cls] = classes.get(cls, 0) + 1
+            classes = collections.Counter({"latency": 0, "batch": 0})
+            classes.update(running.record.cpu_class or "latency" for running in list(edge.sandboxes.values()))
             c = GaugeMetricFamily("dsec_edge_sandboxes_by_cpu_class", "Sandboxes running on this node by CPU class",
                                   labels=["node", "cpu_class"])
             for cls, n in classes.items():

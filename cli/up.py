@@ -90,14 +90,15 @@ def edge_options(fn):
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
                 memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki",
                 layer_cache: str = "16Gi", warm_max: int = 32, backends: list[str] | None = None,
-                network: dict | None = None) -> EdgeConfig:
+                network: dict | None = None, lazy_layers: bool = False) -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
     from libdsec.resources import parse_size
     from bus.errors import InvalidRequest
     fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
                     "memory_fraction": memory_fraction, "warm_max": warm_max, "kind_slots": {},
-                    "backends": list(backends or ["container"]), **_network_fields(network or {})}
+                    "backends": list(backends or ["container"]), "lazy_layers": lazy_layers,
+                    **_network_fields(network or {})}
     if not 0 <= warm_max <= 1024:
         fail(f"--warm-max: between 0 and 1024, got {warm_max}")
     for name, value in (("max_output", max_output), ("traj_output", traj_output), ("layer_cache", layer_cache)):
@@ -165,8 +166,7 @@ def _network_fields(network: dict) -> dict:
         fail(f"--mirror-apt: an http URL of a Debian mirror, got {apt!r}")
     return {"aether": network.get("aether", True), "aether_dns": dns,
             "aether_allow_cidr": list(network.get("aether_allow_cidr", ())),
-            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi, "mirror_apt": apt,
-            "lazy_layers": network.get("lazy_layers", False)}
+            "mirrors": network.get("mirrors", True), "mirror_pypi": pypi, "mirror_apt": apt}
 
 
 def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int,
@@ -291,8 +291,8 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
     cfg = edge_config(node_id, "local", slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
-                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt,
-                                                          lazy_layers=lazy_layers))
+                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt),
+                      lazy_layers)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
@@ -327,8 +327,8 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
     cfg = edge_config(node_id, pool, slots, capacity, cpu_overcommit, memory_fraction, max_output, traj_output,
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
-                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt,
-                                                          lazy_layers=lazy_layers))
+                                                          mirror_pypi=mirror_pypi, mirror_apt=mirror_apt),
+                      lazy_layers)
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
                   backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")

@@ -30,7 +30,7 @@ from edge.layercache import LayerCache
 from edge.noderecord import NodeRecord
 from edge.records import Outcome, SandboxRecords, lifecycle
 from edge.sandboxes import Running, Sandboxes, wait_stored
-from edge.warmpool import WarmPools, cpu_class, limits
+from edge.warmpool import WarmPools, limits
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class CreateLane:
         """The started sandbox, registered (serviceable) before its ready record is written."""
         now = time.time()
         rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, node=self.node, state="ready",
-                            command=list(req.command), user=req.user, cwd=req.cwd, cpu_class=cpu_class(req),
+                            command=list(req.command), user=req.user, cwd=req.cwd, cpu_class=req.effective_cpu_class(),
                             network=req.network, image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
                             layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch)
@@ -335,7 +335,7 @@ class CreateLane:
     def _take_warm(self, req: CreateRequest) -> str | None:
         """A warm sandbox matching the request, taken from its pool; never for a privileged one (warm ones
         are not), one going on from a memory snapshot, nor one with a network (warm ones have loopback only)."""
-        if req.privileged or req.memory or req.network.mode != "none" or cpu_class(req) != "latency":
+        if req.privileged or req.memory or req.network.mode != "none" or req.effective_cpu_class() != "latency":
             return None
         return self.warm.take(req.layers, req.resources, req.request_id, req.backend, req.tenant)
 
@@ -394,7 +394,7 @@ def _ready(outcome: Outcome | None) -> bool:
 
 def _spec(req: CreateRequest, paths: list[str]) -> SandboxSpec:
     """What the backend starts for a create, its layers fetched to paths."""
-    return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources, cpu_class(req)),
+    return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources, req.effective_cpu_class()),
                        cwd=req.cwd, user=req.user,
                        kind=req.backend, privileged=req.privileged, memory=req.snapshot if req.memory else "",
                        network=req.network if req.network.mode != "none" else None)

@@ -60,7 +60,7 @@ class LayerCache:
 
     def _completed(self, digest: str, data: Path) -> None:
         """A lazy layer is whole and matches its digest: later sandboxes mount it from the cache directly."""
-        path = self.root / (digest.replace(":", "-") + ".erofs")
+        path = self._path_of(digest)
         if not path.exists():
             link_into(data, path)
             self._used(path)
@@ -100,7 +100,10 @@ class LayerCache:
 
     def path(self, layer: LayerRef) -> Path:
         """Where a layer's file lives on this node."""
-        return self.root / (layer.digest.replace(":", "-") + ".erofs")
+        return self._path_of(layer.digest)
+
+    def _path_of(self, digest: str) -> Path:
+        return self.root / (digest.replace(":", "-") + ".erofs")
 
     async def ensure(self, layers: list[LayerRef]) -> list[str]:
         """Local paths of the layers (lowest first), fetching any that are missing."""

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -154,12 +153,6 @@ class LazyLayers:
             await asyncio.gather(lazy.reader, return_exceptions=True)
         self._unmount(lazy.dir / "mnt")
 
-    async def release(self, digest: str) -> None:
-        """Stop serving a layer nobody mounts (its cache stays for the next start)."""
-        lazy = self.layers.pop(digest, None)
-        if lazy is not None:
-            await self._stop(lazy)
-
     async def stop(self) -> None:
         await asyncio.gather(*(self._stop(lazy) for lazy in self.layers.values()), return_exceptions=True)
         self.layers.clear()
@@ -179,18 +172,6 @@ class LazyLayers:
             except OSError:
                 with contextlib.suppress(OSError):
                     kernel.umount2(str(point), kernel.MNT_DETACH)
-
-    def forget(self, digest: str) -> None:
-        """Drop a layer's cache (its chunks are fetched again): after a corrupt or refused one."""
-        lazy = self.layers.pop(digest, None)
-        if lazy is None:
-            shutil.rmtree(self._dir(digest), ignore_errors=True)
-
-    def leftovers(self) -> list[str]:
-        """FUSE mounts of this node with no process serving them."""
-        live = {str(lazy.dir / "mnt") for lazy in self.layers.values()
-                if lazy.proc is not None and lazy.proc.returncode is None}
-        return [p for p in mount_points() if p.startswith(f"{self.root}/") and p not in live]
 
 
 def link_into(data: Path, path: Path) -> None:

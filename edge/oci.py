@@ -131,7 +131,7 @@ def _with_config(layers: list[Path], config: dict) -> Image:
     env = {}
     for item in c.get("Env") or []:
         key, sep, value = item.partition("=")
-        if sep and key:
+        if sep and key and "\0" not in item:   # (a NUL would break every exec)
             env[key] = value
     cwd = c.get("WorkingDir") or ""
     if cwd and not cwd.startswith("/"):

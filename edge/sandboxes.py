@@ -29,10 +29,9 @@ from chronus.control import Gone, RunFailed
 from edge.backends.base import (TRUSTED_SHELL, BackendError, CapacityExhausted, ExecControl, ExecResult, OutputSink,
                                 SandboxGone, SnapshotTooLarge, SandboxSpec)
 from edge.backends.registry import BackendSet
-from edge.layercache import LayerCache
 from edge import users
+from edge.layercache import LayerCache
 from edge.outbox import Publish
-from edge.users import ExecUser
 from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
 
 log = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class Running:
     restarts: int = 0                # rollbacks so far (names their events)
     snapshots: int = 0               # snapshots taken of it (names their events)
     ending: str = ""                 # the final state it is being destroyed into
-    users: dict = field(default_factory=dict)   # exec user name -> (users.ExecUser or None,), resolved once
+    users: dict[str, "users.ExecUser | None"] = field(default_factory=dict)   # exec user name -> whom, resolved once
 
     def next(self, **changes) -> SandboxRecord:
         """Its record with these changes, one version on."""
@@ -166,14 +165,13 @@ class Sandboxes:
         except (BackendError, DsecError) as exc:
             raise RunFailed(str(exc)) from exc
 
-    async def _user(self, sandbox_id: str, running: Running | None, name: str) -> ExecUser | None:
+    async def _user(self, sandbox_id: str, running: Running | None, name: str) -> users.ExecUser | None:
         """Who a command runs as: name resolved in the sandbox's own /etc/passwd and /etc/group (per
         sandbox and name, once), None for its root."""
         if name in users.ROOT_NAMES or running is None:
             return None
-        hit = running.users.get(name)
-        if hit is not None:
-            return hit[0]
+        if name in running.users:
+            return running.users[name]
         kind = running.record.backend or kinds.CONTAINER
         if not kinds.supports(kind, "users"):
             raise RunFailed(f"a {kind} sandbox runs commands as its root only (user {name!r} asked)")
@@ -183,8 +181,7 @@ class Sandboxes:
                 files.append((await self.backend.read_file(sandbox_id, path, 1 << 20)).decode(errors="replace"))
             except BackendError:
                 files.append("")
-        who = users.resolve(name, *files)
-        running.users[name] = (who,)
+        who = running.users[name] = users.resolve(name, *files)
         return who
 
     async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str = "",

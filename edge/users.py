@@ -63,6 +63,7 @@ def resolve(spec: str, passwd: str, group: str) -> ExecUser | None:
     if uid == 0 and gid == 0:
         return None
     name = entry[0] if entry else ""
-    extra = sorted({gid} | {_id(g[2], "gid") for g in groups if name and name in g[3].split(",") and g[2].isdigit()})
+    extra = sorted({gid} | {int(g[2]) for g in groups if name and name in g[3].split(",")
+                            and g[2].isdigit() and int(g[2]) <= 65535})   # (one beyond the range is not the user's)
     home = entry[5] if entry and entry[5].startswith("/") else "/"
     return ExecUser(uid=uid, gid=gid, groups=tuple(extra[:64]), home=home, name=name)

@@ -51,11 +51,6 @@ def limits(r: Resources, cpu_class: str = "latency") -> Limits:
     return Limits(cpu=r.cpu, memory=r.memory, pids=r.pids, disk=r.disk, cpu_class=cpu_class)
 
 
-def cpu_class(req) -> str:
-    """A create's CPU class: its own, else its priority's."""
-    return req.cpu_class or ("batch" if req.priority == "batch" else "latency")
-
-
 @dataclass
 class Stock:
     """One pool on this edge: its settings, resolved layers and ready sandboxes."""

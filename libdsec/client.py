@@ -172,8 +172,8 @@ class AsyncClient:
 
         network: "none" (default: loopback only), "mirror-only" (the node's package mirrors) or
         libdsec.Network(allow=[...]) (proxied; bus/network.py says what an entry may be). A bad policy
-        raises InvalidRequest; one other than none on a kind without the network capability, Unsupported
-        (no kind offers it yet: the data path is issue 16's), both before anything is sent.
+        raises InvalidRequest; one other than none on a kind without the network capability (fncall),
+        Unsupported, both before anything is sent.
 
         cpu_class: "latency" or "batch" (default: the priority's). A batch sandbox's every process runs at
         SCHED_IDLE under low cgroup cpu shares, so latency sandboxes keep their CPU when the node is busy; it

@@ -23,7 +23,8 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
-from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, Queued, SandboxReady, SnapshotRecord,
+from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, ImageConfig, Queued, SandboxReady,
+                          SnapshotRecord,
                           SandboxRecord, create_decoder, encode, heartbeat_decoder)
 from bus.pull import Delivery, Verdict
 from bus import validate
@@ -210,7 +211,7 @@ class PlacementEngine:
             else:
                 layers = await self.images.compose(req.image, req.workspace, req.toolkit)
                 config = await self.images.config(req.image)   # an imported image's defaults (cached)
-                if config.env or config.cwd or config.user or config.entrypoint or config.cmd:
+                if config != ImageConfig():
                     req = msgspec.structs.replace(req, env={**config.env, **req.env}, cwd=req.cwd or config.cwd,
                                                   user=req.user or config.user,
                                                   command=[*config.entrypoint, *config.cmd])

@@ -161,3 +161,21 @@ def docker_archive(out: Path, tmp: Path, layers: list[bytes], config: dict = CON
     (root / "manifest.json").write_text(json.dumps([{"Config": f"{cid}.json", "RepoTags": ["test:latest"],
                                                       "Layers": names}]))
     return archive_of(root, out)
+
+
+MIB = 1 << 20
+
+
+def mib_of(i: int, salt: bytes = b"lazy") -> bytes:
+    """File i's MiB of a many-file image: different in every file (no chunk is shared by two)."""
+    head = hashlib.sha256(salt + b"%d" % i).digest()
+    return (head * (MIB // len(head)))[:MIB]
+
+
+def files_root(root: Path, files: int, salt: bytes = b"lazy") -> Path:
+    """A busybox root with /data/f0000.. of 1 MiB each (the lazy-loading tests' and bench.lazy's image)."""
+    busybox_rootfs(root)
+    (root / "data").mkdir()
+    for i in range(files):
+        (root / "data" / f"f{i:04d}").write_bytes(mib_of(i, salt))
+    return root

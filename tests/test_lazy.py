@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import hashlib
 import os
-from pathlib import Path
 
 import pytest
 
@@ -17,27 +16,13 @@ import libdsec
 from bus import chunks, streams
 from bus.images import ImageRegistry
 from bus.nodes import set_flag
-from edge.erofs import busybox_rootfs
+from tests import ociimages
 from tests.conftest import extra_edge
 from tests.test_layers import build
 
 pytestmark = pytest.mark.timeout(600)
 
-MIB = 1 << 20
-
-
-def content(i: int) -> bytes:
-    """File i's MiB: different in every file (no chunk is shared by two)."""
-    head = hashlib.sha256(b"lazy%d" % i).digest()
-    return (head * (MIB // len(head)))[:MIB]
-
-
-def make_root(root: Path, files: int) -> Path:
-    busybox_rootfs(root)
-    (root / "data").mkdir()
-    for i in range(files):
-        (root / "data" / f"f{i:04d}").write_bytes(content(i))
-    return root
+content, make_root = ociimages.mib_of, ociimages.files_root
 
 
 @pytest.fixture(scope="module")

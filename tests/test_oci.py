@@ -171,7 +171,7 @@ def test_whiteouts_apply_to_lower_layers_only(tmp_path):
     assert (tmp_path / "root/d/a").read_bytes() == b"top\n"
 
 
-def test_zstd_and_gzip_detection(tmp_path):
+def test_zstd_layers_and_digest_mismatches_are_refused(tmp_path):
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
         ti = tarfile.TarInfo("f")

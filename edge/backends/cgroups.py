@@ -26,9 +26,6 @@ CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices", "blkio"
 # memory (its cpu time and peak), pids and memory (its limit events). In cpu and devices it joins
 # the sandbox's group: fewer mkdir/rmdir/attach per exec (and in blkio).
 EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
-# I/O a sandbox may make on the writable-layer pool's loop device (cgroup v1 blkio throttling). v1 throttles
-# what reaches the device in the sandbox's name: direct and synchronous writes (O_DIRECT, O_SYNC, fsync);
-# buffered writes are written back by the kernel's flusher, charged to no sandbox (docs/architecture.md).
 # CPU classes: a batch sandbox's group gets the smallest cpu.shares and, where the kernel has it (5.15+), cpu.idle
 # (the group itself is SCHED_IDLE towards its siblings: a waking latency task preempts it at once; its shares
 # then read 3); a latency one keeps the default 1024. Each of its processes runs at SCHED_IDLE (set by its
@@ -45,6 +42,9 @@ def enter_class(cpu_class: str) -> None:
     if cpu_class == "batch":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
+# I/O a sandbox may make on the writable-layer pool's loop device (cgroup v1 blkio throttling). v1 throttles
+# what reaches the device in the sandbox's name: direct and synchronous writes (O_DIRECT, O_SYNC, fsync);
+# buffered writes are written back by the kernel's flusher, charged to no sandbox (docs/architecture.md).
 IO_LIMITS = (("blkio.throttle.write_bps_device", 64 << 20), ("blkio.throttle.read_bps_device", 256 << 20),
              ("blkio.throttle.write_iops_device", 2000), ("blkio.throttle.read_iops_device", 8000))
 # Device nodes a sandbox may open (mknod of anything is allowed, opening it is not):

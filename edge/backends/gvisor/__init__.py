@@ -319,8 +319,8 @@ class GvisorBackend(Backend):
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.runsc, *flags, "run", "--detach", "--bundle", str(work / "bundle"), sb.key,
-                stdin=to_r, stdout=from_w, stderr=log, preexec_fn=lambda: net.launch_prep(tasks, netns, home, str(self._visible_proc),
-                                                                     sb.spec.limits.cpu_class))
+                stdin=to_r, stdout=from_w, stderr=log,
+                preexec_fn=lambda: net.launch_prep(tasks, netns, home, str(self._visible_proc), sb.spec.limits.cpu_class))
             rc = await asyncio.wait_for(proc.wait(), READY_TIMEOUT)
         finally:
             for fd in (to_r, from_w, log, home):
