@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import subprocess
 import time
+from pathlib import Path
 
 import libdsec
 from bench.stream import dsec_up
@@ -28,6 +31,41 @@ def mem_available() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+BREAKDOWN = ("Slab", "Percpu", "PageTables", "KernelStack", "AnonPages", "Shmem", "Cached")
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo's fields, in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, value = line.split(":", 1)
+            out[name] = int(value.split()[0]) * 1024
+    return out
+
+
+def shrinker_map_bytes(probes: int = 20) -> float:
+    """Bytes of shrinker map a new memory cgroup gets on this host now: the kmalloc-1k objects that `probes`
+    fresh memcgs add, per memcg. The kernel sizes it by the most superblocks ever alive at once since boot
+    (64 per 1 KiB unit), so it says what this host's history costs every sandbox (edge/backends/nodemounts.py)."""
+    def objects() -> int:
+        with open("/proc/slabinfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("kmalloc-1k "))
+    base = Path("/sys/fs/cgroup/memory") / f"dsec-bench-probe-{os.getpid()}"
+    base.mkdir()
+    try:
+        before = objects()
+        for i in range(probes):
+            (base / str(i)).mkdir()
+        grown = objects() - before
+    finally:
+        for i in range(probes):
+            with contextlib.suppress(OSError):
+                (base / str(i)).rmdir()
+        base.rmdir()
+    return grown * 1024 / probes
 
 
 def settled() -> int:
@@ -62,12 +100,14 @@ def rate_at(marks: list[tuple[int, float]], at: int, width: int = 500) -> float:
     return made / max(1e-9, marks[end][1] - marks[start - 1][1])
 
 
-async def fill(url: str, n: int, batch: int, marks: list[tuple[int, float]]) -> tuple[int, float, float]:
+async def fill(url: str, n: int, batch: int, marks: list[tuple[int, float]],
+               parts: dict[str, float]) -> tuple[int, float, float]:
     """Create n idle sandboxes; returns (created, bytes per sandbox, seconds); marks gets (held, time) after
-    every batch (the create rate as the node fills)."""
+    every batch (the create rate as the node fills), parts the growth of each BREAKDOWN field per sandbox."""
     res = libdsec.Resources(cpu=0.1, memory="64Mi")
     async with libdsec.AsyncClient(url) as client:
         before = settled()
+        fields = meminfo()
         t0 = time.monotonic()
         made: list[libdsec.AsyncSandbox] = []
         marks.append((0, t0))
@@ -84,6 +124,8 @@ async def fill(url: str, n: int, batch: int, marks: list[tuple[int, float]]) -> 
             took = time.monotonic() - t0
             await asyncio.sleep(2)
             after = settled()
+            grown = meminfo()
+            parts.update({k: (grown[k] - fields[k]) / max(1, len(made)) for k in BREAKDOWN if k in grown})
             return len(made), (before - after) / max(1, len(made)), took
         finally:
             for i in range(0, len(made), batch):
@@ -105,10 +147,16 @@ def main() -> None:
     with dsec_up("--slots", str(n), "--cpu-overcommit", "1", "--memory-fraction", "1", "--backend", "container",
                  "--capacity", f"slots={n},cpu=1000,memory=400Gi,disk={n * 300}Mi") as (url, _):   # sparse pool
         marks: list[tuple[int, float]] = []
-        made, per, took = asyncio.run(fill(url, n, args.batch, marks))
+        parts: dict[str, float] = {}
+        made, per, took = asyncio.run(fill(url, n, args.batch, marks, parts))
+        shrinker = shrinker_map_bytes()   # the host's high-water mark: it stays after the sandboxes are gone
     print(f"raw baseline: {raw / MIB:.2f} MiB per bare namespaced process ({args.raw} of them)")
     print(f"density: {made} idle sandboxes (of {n}) in {took:.1f} s, {per / MIB:.2f} MiB of host memory each "
           f"(MemAvailable drop / count; {per / max(raw, 1):.1f}x raw)")
+    print("  of which, per sandbox (meminfo growth / count): "
+          + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in parts.items()))
+    print(f"  shrinker map of a memory cgroup made now: {shrinker / 1024:.0f} KiB (in Slab; sized by the most "
+          f"superblocks ever alive at once on this host since boot, about {shrinker / 16:,.0f})")
     empty = rate_at(marks, 0)
     for at in (0, n // 2, n * 9 // 10):
         r = rate_at(marks, at)

@@ -8,7 +8,8 @@ image file (state_dir/uppers.btrfs), formatted and mounted once per start (the `
 BTRFS_IOC_SUBVOL_CREATE (~0.2 ms), BTRFS_IOC_QGROUP_LIMIT (qgroupid 0 = the subvolume of the fd,
 max_rfer = max_excl = the cap) and BTRFS_IOC_SNAP_DESTROY (~2 ms). The qgroup of a deleted
 subvolume goes away by itself once btrfs has dropped the subvolume in the background.
-Each sandbox's subvolume holds upper/ and work/ (the overlay's) and merged/ (its mountpoint).
+Each sandbox's subvolume holds upper/ and work/ (the overlay's), merged/ (its mountpoint) and shm/ (its
+/dev/shm, made at launch: capped with the layer).
 
 Host disk: the qgroup counts a subvolume's metadata (tree blocks) as well as its data, so 50,000 empty
 files hit the cap like data does. What the sparse image itself takes on the host is bounded by formatting

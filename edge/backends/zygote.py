@@ -52,10 +52,7 @@ MASKED_SYS_FILES = ("kernel/vmcoreinfo",)
 # Files lxcfs computes for the reading sandbox (its memory, cpu quota, uptime): bound over /proc's.
 PROC_VIEWS = ("meminfo", "cpuinfo", "stat", "uptime", "diskstats", "swaps")
 READONLY_PROC = ("sys", "irq", "bus", "fs")
-DEVICES = (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9),
-           ("tty", 5, 0))
-DEV_LINKS = (("ptmx", "pts/ptmx"), ("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-             ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2"))
+
 
 
 class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
@@ -73,6 +70,9 @@ class Launch(msgspec.Struct, tag="launch", tag_field="kind", frozen=True):
     empty: str = ""             # the lowerdir of a sandbox without layers (a plain dir: not idmapped)
     base: str = "/"             # the node's state dir: overlay paths are given relative to it
     views: str = ""             # lxcfs's /proc dir: its files are bound over the sandbox's (procviews.py)
+    devices: str = ""           # the node's read-only /dev tmpfs and its sysfs of a bare network namespace,
+    sysfs: str = ""             # bound at /dev and /sys (nodemounts.py)
+    shm: str = ""               # a directory of its writable layer, made and bound at /dev/shm
     scratch: int = 0            # > 0: a read-only root with a tmpfs of this many bytes at /tmp (fncall workers)
     netns: bool = False         # join the network namespace of the 2nd fd (Aether's, made by the host)
                                 # instead of a new one with only lo
@@ -411,34 +411,25 @@ def _mount_root(req: Launch, userns: int) -> None:
         _bind(f"{root}/proc/{name}", f"{root}/proc/{name}", readonly=True)
     for name in MASKED_PROC:
         _bind("/dev/null", f"{root}/proc/{name}", readonly=False)
-    kernel.mount("sysfs", f"{root}/sys", "sysfs", nosuid | kernel.MS_RDONLY)
-    # Masked dirs: read-only binds of the trusted tmpfs's empty dir (shared by the node's sandboxes), or,
-    # without one, of one tmpfs of this sandbox's. Every superblock a sandbox adds costs each memory
-    # cgroup on the host a slot in its shrinker map, for as long as the host runs (docs/architecture.md).
-    empty_dir = f"{req.trusted}/{TRUSTED_EMPTY}" if req.trusted and os.path.isdir(f"{req.trusted}/{TRUSTED_EMPTY}") else ""
+    _bind(req.sysfs, f"{root}/sys", readonly=True)
+    # Masked dirs: read-only binds of the trusted tmpfs's empty dir (shared by the node's sandboxes).
+    # Every superblock a sandbox adds costs each memory cgroup on the host a slot in its shrinker map,
+    # for as long as the host runs (nodemounts.py).
+    empty_dir = f"{req.trusted}/{TRUSTED_EMPTY}"
     for name in MASKED_SYS_DIRS:
-        if not os.path.isdir(f"{root}/sys/{name}"):
-            continue
-        if empty_dir:
+        if os.path.isdir(f"{root}/sys/{name}"):
             _bind(empty_dir, f"{root}/sys/{name}", readonly=True)
-        else:
-            empty_dir = f"{root}/sys/{name}"
-            kernel.mount("tmpfs", empty_dir, "tmpfs", nosuid | kernel.MS_RDONLY, "size=4k,mode=555")
     for name in MASKED_SYS_FILES:
         _bind("/dev/null", f"{root}/sys/{name}", readonly=False)
     if req.views:                   # every one is there (procviews checked when lxcfs started)
         for name in PROC_VIEWS:
             _bind(f"{req.views}/{name}", f"{root}/proc/{name}", readonly=False)
-    _mount_dev(f"{root}/dev", req.uid_base)
-    if req.trusted:
-        _mount_trusted(req.trusted, f"{root}/.dsec")
+    _mount_dev(req, f"{root}/dev")
+    _mount_trusted(req.trusted, f"{root}/.dsec")
     if req.scratch:   # the image's files stay as they are; what a command writes goes to /tmp (or /dev/shm)
         kernel.mount("tmpfs", f"{root}/tmp", "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV,
                      f"size={req.scratch},mode=1777,uid={req.uid_base},gid={req.uid_base}")
         kernel.mount(None, root, None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY | kernel.MS_NODEV)
-        # /dev too (its nodes are the same for every call; /dev/shm, a bind of its own, stays writable)
-        kernel.mount(None, f"{root}/dev", None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY
-                     | kernel.MS_NOSUID | kernel.MS_NOEXEC)
 
 
 def _mount_trusted(src: str, target: str) -> None:
@@ -462,22 +453,19 @@ def _bind(src: str, target: str, readonly: bool) -> None:
                      | kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC)
 
 
-def _mount_dev(dev: str, base: int) -> None:
-    """A minimal /dev on tmpfs (the sandbox root's): a few char devices, a private devpts, /dev/shm."""
-    # One tmpfs for /dev and /dev/shm (a bind of its shm dir, nodev): one superblock fewer per sandbox.
-    kernel.mount("tmpfs", dev, "tmpfs", kernel.MS_NOSUID | kernel.MS_NOEXEC, f"mode=755,size=64m,uid={base},gid={base}")
-    for name, major, minor in DEVICES:
-        os.mknod(f"{dev}/{name}", 0o666 | 0o020000, os.makedev(major, minor))
-        os.chmod(f"{dev}/{name}", 0o666)
-    for name, target in DEV_LINKS:
-        os.symlink(target, f"{dev}/{name}")
-    os.mkdir(f"{dev}/pts")
+def _mount_dev(req: Launch, dev: str) -> None:
+    """/dev: the node's device tmpfs, read-only (the same nodes for every sandbox), with a devpts of the
+    sandbox's own at /dev/pts and a directory of its writable layer (its root's) at /dev/shm."""
+    kernel.mount(req.devices, dev, None, kernel.MS_BIND)
+    kernel.mount(None, dev, None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY | kernel.MS_NOSUID
+                 | kernel.MS_NOEXEC)
     kernel.mount("devpts", f"{dev}/pts", "devpts", kernel.MS_NOSUID | kernel.MS_NOEXEC,
-                 f"newinstance,ptmxmode=0666,mode=0620,gid={base + 5}")   # tty: gid 5 inside
-    os.mkdir(f"{dev}/shm")
-    os.chmod(f"{dev}/shm", 0o1777)
-    os.chown(f"{dev}/shm", base, base)
-    kernel.mount(f"{dev}/shm", f"{dev}/shm", None, kernel.MS_BIND)
+                 f"newinstance,ptmxmode=0666,mode=0620,gid={req.uid_base + 5}")   # tty: gid 5 inside
+    if not os.path.isdir(req.shm):   # (a restored writable layer may have it already)
+        os.mkdir(req.shm)
+    os.chmod(req.shm, 0o1777)
+    os.chown(req.shm, req.uid_base, req.uid_base)
+    kernel.mount(req.shm, f"{dev}/shm", None, kernel.MS_BIND)
     kernel.mount(None, f"{dev}/shm", None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_NOSUID | kernel.MS_NODEV
                  | kernel.MS_NOEXEC)
 

@@ -47,6 +47,8 @@ class ContainerBackend(Lifecycle, Launching, Executing, Files, Freezing, Resetti
         self._layers = LayerMounts(self.state_dir / "layers")
         self._empty = self.state_dir / "empty"     # the lowerdir of a sandbox without layers
         self._trusted = self.state_dir / "trusted"  # the trusted shell, bind-mounted at /.dsec in every sandbox
+        self._devices = self.state_dir / "devices"  # bound at /dev and /sys in every sandbox (nodemounts.py)
+        self._sysfs = self.state_dir / "sysfs"
         self._launcher = Launcher(init_binary, label=f"{self.state_dir}:{node_id}")
         self._sandboxes: dict[str, Running] = {}
         self._keys: collections.OrderedDict[str, str] = collections.OrderedDict()   # claimed id -> key

@@ -60,6 +60,7 @@ class Launching(Core):
                 msg = Launch(hostname=spec.id, cgroups=[str(p) for p in groups.values()], lowers=lowers,
                              upper=str(sub / "upper"), work=str(sub / "work"), merged=str(sub / "merged"),
                              trusted=str(self._trusted), uid_base=ids.base, empty=str(self._empty),
+                             devices=str(self._devices), sysfs=str(self._sysfs), shm=str(sub / "shm"),
                              base=str(self.state_dir), views=self._views.proc_dir, scratch=spec.scratch,
                              netns=end is not None, etc=self.network.sandbox_etc(end) if end else {},
                              idle=spec.limits.cpu_class == "batch")

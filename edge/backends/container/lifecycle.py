@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from edge.backends import cgroups, enter, idmap, kernel, native, procviews, zygote
+from edge.backends import cgroups, enter, idmap, kernel, native, nodemounts, procviews, zygote
 from edge.backends.base import BackendError, SandboxGone
 from edge.backends.cgroups import NodeCgroups
 from edge.backends.container.state import Core
@@ -37,6 +37,8 @@ class Lifecycle(Core):
             await asyncio.to_thread(self._uppers.setup)
             self._io_device = self._uppers.device()
             await asyncio.to_thread(self._prepare_trusted)
+            await asyncio.to_thread(nodemounts.prepare_devices, self._devices)
+            await asyncio.to_thread(nodemounts.prepare_sysfs, self._sysfs)
             self._layers.root.mkdir(exist_ok=True)
             self._empty.mkdir(exist_ok=True)
             await self._launcher.start()
