@@ -217,8 +217,58 @@ class OkReply(Wire, tag="ok"):
     data: bytes = b""
 
 
+FILE_OPS = ("stat", "list", "mkdir", "remove", "rename", "read", "write")
+FILE_PIECE = 512 << 10   # bytes per read or write piece of a file op (a 100 MiB file is 200 requests)
+
+
+class FileOp(Wire, tag="file_op"):
+    """libdsec -> edge: one file-tree operation in the sandbox's root (edge/backends/treeops.py).
+
+    stat/list/mkdir/remove name `path` (list goes `depth` levels down); rename moves path to `dest`; read
+    returns up to `length` bytes from `offset`; write puts `data` at `offset` (0 creates or truncates,
+    with `mode`; later pieces must start where the file ends)."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    op: str = "stat"
+    path: str = ""
+    dest: str = ""
+    depth: int = 1
+    offset: int = 0
+    length: int = FILE_PIECE
+    data: bytes = b""
+    mode: int = 0o644
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
+class FileEntry(msgspec.Struct, frozen=True):
+    """One entry of a sandbox's file tree, owners as the sandbox sees them."""
+
+    name: str
+    path: str
+    type: str               # file, dir, symlink or other
+    size: int = 0
+    mode: int = 0           # permission bits
+    permissions: str = ""   # as ls shows them: rwxr-xr-x
+    uid: int = 0
+    gid: int = 0
+    mtime: float = 0.0
+    symlink_target: str = ""
+
+
+class FileOpResult(msgspec.Struct, frozen=True):
+    """What a file op returns (in OkReply.data): the fields its op fills."""
+
+    entry: FileEntry | None = None
+    entries: list[FileEntry] = []
+    made: bool = False
+    data: bytes = b""
+    size: int = 0
+
+
 SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest, SnapshotRequest,
-                  RollbackRequest, SetNetworkRequest]
+                  RollbackRequest, SetNetworkRequest, FileOp]
 OpReply = Union[OkReply, ErrorReply]
 
 
@@ -553,6 +603,7 @@ create_decoder = msgspec.json.Decoder(CreateRequest)
 create_reply_decoder = msgspec.json.Decoder(CreateReply)
 op_decoder = msgspec.json.Decoder(SandboxOp)
 op_reply_decoder = msgspec.json.Decoder(OpReply)
+file_result_decoder = msgspec.json.Decoder(FileOpResult)
 output_decoder = msgspec.json.Decoder(OutputRecord)
 
 

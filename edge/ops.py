@@ -15,11 +15,12 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
-from bus.messages import (DestroyRequest, ErrorReply, ExecRequest, OkReply, ReadFile, ResumeRequest, RollbackRequest,
+from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, OkReply, ReadFile, ResumeRequest, RollbackRequest,
                           SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder,
                           snapshot_decoder)
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
+from edge.backends.treeops import MAX_DEPTH
 from edge.backends.base import BackendError, SandboxGone
 from edge.records import Outcome
 from edge.sandboxes import Sandboxes
@@ -27,7 +28,7 @@ from edge.sandboxes import Sandboxes
 log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
-NEEDS = {"write_file": "files", "read_file": "files", "suspend": "suspend", "resume": "suspend",
+NEEDS = {"write_file": "files", "read_file": "files", "file_op": "file_tree", "suspend": "suspend", "resume": "suspend",
          "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot",
          "set_network": "network"}   # op -> the capability (bus/kinds.py) it needs
 
@@ -100,6 +101,8 @@ class OpLane:
                     op.sandbox_id, op.path, op.data, op.mode), FileOpError, tenant))
             case ReadFile():
                 await self._answer(op, self._read(op, tenant))
+            case FileOp():
+                await self._answer(op, self._file_op(op, tenant))
             case SuspendRequest():
                 await self._answer(op, self._on(op.sandbox_id, "suspend", lambda: sb.suspend(op.sandbox_id), tenant=tenant))
             case ResumeRequest():
@@ -161,6 +164,18 @@ class OpLane:
             raise InvalidRequest(f"limit: read_file returns at most {MAX_READ} bytes per call, got {op.limit}")
         return await self._on(op.sandbox_id, "read_file", lambda: self.sandboxes.backend.read_file(
             op.sandbox_id, op.path, op.limit), FileOpError, tenant)
+
+    async def _file_op(self, op: FileOp, tenant: str) -> bytes:
+        if op.op not in FILE_OPS:
+            raise InvalidRequest(f"op: one of {', '.join(FILE_OPS)}, got {op.op!r}")
+        if not 0 < op.length <= 2 * FILE_PIECE or op.offset < 0 or len(op.data) > 2 * FILE_PIECE:
+            raise InvalidRequest(f"a file op moves 1..{2 * FILE_PIECE} bytes per piece, from offset >= 0")
+        if not 1 <= op.depth <= MAX_DEPTH:
+            raise InvalidRequest(f"depth must be 1..{MAX_DEPTH}, got {op.depth}")
+        if not op.path.startswith("/") or "\0" in op.path or (op.op == "rename" and not op.dest.startswith("/")):
+            raise InvalidRequest(f"paths must be absolute: {op.path!r}")
+        return await self._on(op.sandbox_id, "file_op", lambda: self.sandboxes.backend.file_op(op.sandbox_id, op),
+                              FileOpError, tenant)
 
     async def _rollback(self, op: RollbackRequest, tenant: str) -> None:
         raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, op.snapshot_id))

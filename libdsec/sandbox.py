@@ -10,6 +10,7 @@ from bus.network import Network as WireNetwork
 from bus.messages import (DestroyRequest, ExecRequest, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
                           SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, snapshot_decoder)
 from libdsec.exechandle import ExecHandle
+from libdsec.files import AsyncFiles
 from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
 from libdsec.network import to_wire as network_policy
@@ -58,6 +59,7 @@ class AsyncSandbox:
         self.node = node
         self.backend = backend   # its kind: operations the kind lacks are refused here (Unsupported)
         self.network = network or WireNetwork()   # its network policy (mode, allow, bandwidth, max_connections)
+        self.files = AsyncFiles(self)             # its file tree, files of any size (libdsec/files.py)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(id={self.id!r}, node={self.node!r}, backend={self.backend!r})"

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 from libdsec.client import AsyncClient
 from libdsec.exechandle import ExecHandle as AsyncExecHandle
+from libdsec.files import AsyncFiles
 from bus.errors import InvalidRequest
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
@@ -102,6 +103,20 @@ class ExecHandle:
         self._loop.run(self._inner.close())
 
 
+class Files:
+    """Synchronous sb.files (see libdsec.files.AsyncFiles for each method)."""
+
+    def __init__(self, loop: _Loop, inner: AsyncFiles) -> None:
+        self._loop = loop
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)   # get_info, exists, list, make_dir, remove, rename, read, write
+        if name.startswith("_") or not callable(method):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: self._loop.run(method(*args, **kwargs))
+
+
 class Sandbox:
     """Synchronous handle on one sandbox (see AsyncSandbox for each method)."""
 
@@ -110,6 +125,7 @@ class Sandbox:
         self._inner = inner
         self.id = inner.id
         self.node = inner.node
+        self.files = Files(client._loop, inner.files)
 
     def __repr__(self) -> str:
         return f"Sandbox(id={self.id!r}, node={self.node!r})"
@@ -143,6 +159,22 @@ class Sandbox:
     def destroy(self, **kwargs: Any) -> None:
         """Destroy it."""
         self._client._loop.run(self._inner.destroy(**kwargs))
+
+    def snapshot(self, **kwargs: Any):
+        """Snapshot it (tag=, memory=); the SnapshotRecord."""
+        return self._client._loop.run(self._inner.snapshot(**kwargs))
+
+    def rollback(self, snapshot, **kwargs: Any) -> None:
+        """Put it back to a snapshot of its own."""
+        self._client._loop.run(self._inner.rollback(snapshot, **kwargs))
+
+    def suspend(self, **kwargs: Any) -> None:
+        """Stop its processes; its memory stays."""
+        self._client._loop.run(self._inner.suspend(**kwargs))
+
+    def resume(self, **kwargs: Any) -> None:
+        """Run it again after suspend."""
+        self._client._loop.run(self._inner.resume(**kwargs))
 
 
 class Client:
@@ -187,6 +219,18 @@ class Client:
     def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[Sandbox]:
         """Create n sandboxes in one round (all or none)."""
         return [Sandbox(self, s) for s in self._loop.run(self._async.create_many(n, image, **kwargs))]
+
+    def fork(self, snapshot, n: int = 1, **kwargs: Any) -> list[Sandbox]:
+        """n new sandboxes from a snapshot (create's keyword arguments apply)."""
+        return [Sandbox(self, s) for s in self._loop.run(self._async.fork(snapshot, n, **kwargs))]
+
+    def snapshots(self, tag: str | None = None) -> list:
+        """This tenant's snapshots (with tag, only those)."""
+        return self._loop.run(self._async.snapshots(tag))
+
+    def delete_snapshot(self, ref) -> None:
+        """Delete a snapshot (its record and layers)."""
+        self._loop.run(self._async.delete_snapshot(ref))
 
     def get(self, sandbox_id: str) -> Sandbox:
         """Attach to a sandbox by id."""

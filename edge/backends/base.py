@@ -148,6 +148,11 @@ class Backend(abc.ABC):
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file inside the sandbox's root (symlinks resolved inside the root)."""
 
+    async def file_op(self, sandbox_id: str, op) -> bytes:
+        """One file-tree op (bus.messages.FileOp) in the sandbox's root; its encoded FileOpResult. Kinds with
+        the file_tree capability have it."""
+        raise BackendError(f"{type(self).__name__} has no file-tree operations")
+
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Kill every process, unmount, remove cgroups and the writable layer. Idempotent."""

@@ -321,6 +321,9 @@ class BackendSet(Backend):
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         return await self.of(sandbox_id).read_file(sandbox_id, path, limit)
 
+    async def file_op(self, sandbox_id: str, op) -> bytes:
+        return await self.of(sandbox_id).file_op(sandbox_id, op)
+
     async def destroy(self, sandbox_id: str) -> None:
         backend = self.of(sandbox_id)
         try:

@@ -1,4 +1,4 @@
-"""File operations in a sandbox's root filesystem, from the edge (write_file / read_file).
+"""File operations in a sandbox's root filesystem, from the edge (write_file / read_file, and the tree ops).
 
 Paths resolve inside the sandbox root (openat2 RESOLVE_IN_ROOT, see kernel.open_in_root). A file the
 edge creates belongs to the sandbox's root (its range base on the host), as if the sandbox had made it:
@@ -9,7 +9,8 @@ from __future__ import annotations
 import errno
 import os
 
-from edge.backends import enter, kernel
+from bus.messages import FileOp, FileOpResult, encode
+from edge.backends import enter, kernel, treeops
 from edge.backends.base import BackendError, SandboxGone
 
 
@@ -76,6 +77,41 @@ def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int, scra
         os.close(root)
 
 
+def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, scratch: bool = False) -> bytes:
+    """One FileOp (treeops.py) in the sandbox's root; its FileOpResult, encoded."""
+    root, rel = _opened(sandbox_id, init_pid, pidfd, op.path, scratch)
+    try:
+        match op.op:
+            case "stat":
+                result = FileOpResult(entry=treeops.stat(root, rel, base))
+            case "list":
+                result = FileOpResult(entries=treeops.listing(root, rel, op.depth, base))
+            case "mkdir":
+                result = FileOpResult(made=treeops.make_dir(root, rel, base))
+            case "remove":
+                treeops.remove(root, rel)
+                result = FileOpResult()
+            case "rename":
+                if _where(op.dest, scratch)[0] != _where(op.path, scratch)[0]:
+                    raise OSError(errno.EXDEV, "across mounts")
+                result = FileOpResult(entry=treeops.rename(root, rel, _where(op.dest, scratch)[1], base))
+            case "read":
+                data, size = treeops.read_at(root, rel, op.offset, op.length)
+                result = FileOpResult(data=data, size=size)
+            case "write":
+                treeops.write_at(root, rel, op.data, op.offset, op.mode & 0o7777, base)
+                result = FileOpResult()
+            case _:
+                raise BackendError(f"unknown file op {op.op!r}")
+        return encode(result)
+    except OSError as exc:
+        raise file_error(exc, op.path, creating=op.op in ("mkdir", "write", "rename")) from exc
+    except (ValueError, OverflowError) as exc:
+        raise BackendError(f"{exc}: {op.path}") from exc
+    finally:
+        os.close(root)
+
+
 def file_error(exc: OSError, path: str, creating: bool) -> BackendError:
     """One clear line for a failed sandbox file operation."""
     if exc.errno == errno.ENOENT:
@@ -88,5 +124,6 @@ def file_error(exc: OSError, path: str, creating: bool) -> BackendError:
                 errno.EXDEV: "outside the sandbox root filesystem (/proc, /sys and /dev are not accessible)",
                 errno.EROFS: "read-only file system", errno.EDQUOT: "disk quota exceeded",
                 errno.ENOSPC: "no space left on the writable layer", errno.ENXIO: "not a regular file",
-                errno.EBADFD: "not a regular file"}
+                errno.EBADFD: "not a regular file", errno.EEXIST: "already exists",
+                errno.ENOTEMPTY: "directory not empty"}
     return BackendError(f"{messages.get(exc.errno, exc.strerror)}: {path}")

@@ -6,13 +6,14 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from bus.messages import FileOp
 from edge.backends import cgroups, rootfiles
 from edge.backends.cgroups import NodeCgroups
 from edge.backends.container.state import Core
 
 
 class Files(Core):
-    """write_file / read_file, limit events, cgroup paths."""
+    """write_file / read_file / file_op, limit events, cgroup paths."""
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Create or truncate a file in the sandbox root filesystem (symlinks resolved inside it)."""
@@ -26,6 +27,13 @@ class Files(Core):
         sb = self._live(sandbox_id)
         pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
         return await asyncio.to_thread(rootfiles.read, sandbox_id, sb.init_pid, pidfd, path, limit,
+                                       bool(sb.spec.scratch))
+
+    async def file_op(self, sandbox_id: str, op: FileOp) -> bytes:
+        """One file-tree op in the sandbox root (rootfiles.tree_op); its encoded FileOpResult."""
+        sb = self._live(sandbox_id)
+        pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
+        return await asyncio.to_thread(rootfiles.tree_op, sandbox_id, sb.init_pid, pidfd, op, sb.ids.base,
                                        bool(sb.spec.scratch))
 
     def cgroup_dir(self, sandbox_id: str, controller: str) -> Path:

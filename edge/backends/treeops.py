@@ -1,0 +1,194 @@
+"""File-tree operations in a sandbox's root, from the edge: stat, list, mkdir, remove, rename, and
+chunked reads and writes at an offset (files of any size, moved a piece per request).
+
+Every path resolves inside the root (kernel.open_in_root: openat2 RESOLVE_IN_ROOT | NO_XDEV |
+NO_MAGICLINKS). An operation on a path's last component (stat of a symlink, remove, rename) opens the
+parent that way and acts on the name relative to it, so a planted symlink is never followed out of the
+root. Removal walks by fds (shutil.rmtree with dir_fd, which never follows a symlink). What the edge
+creates belongs to the sandbox's root (its range base on the host), never to host root.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat as st
+
+from bus.messages import FileEntry
+from edge.backends import kernel
+from edge.backends.base import BackendError
+
+MAX_ENTRIES = 10_000    # one list answer (its entries fit a bus message)
+MAX_DEPTH = 16
+
+
+def _normal(path: str) -> str:
+    """An absolute sandbox path, normalised (no //, ., .. or trailing /)."""
+    return os.path.normpath("/" + path.lstrip("/"))
+
+
+def _split(path: str) -> tuple[str, str]:
+    """(parent, name) of an absolute sandbox path; the root itself has no name."""
+    parent, name = os.path.split(_normal(path))
+    if not name:
+        raise BackendError("not on the sandbox root itself: /")
+    return parent, name
+
+
+def _dir_in_root(root: int, path: str) -> int:
+    """An O_PATH fd of directory path, resolved as kernel.open_in_root does (O_PATH takes no other flags)."""
+    return kernel.openat2(root, path, os.O_PATH | os.O_DIRECTORY, 0,
+                          kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS | kernel.RESOLVE_NO_XDEV)
+
+
+def _parent(root: int, path: str) -> tuple[int, str]:
+    """(an O_PATH fd of path's parent, resolved inside root; the last component's name)."""
+    parent, name = _split(path)
+    return _dir_in_root(root, parent), name
+
+
+def _kind(mode: int) -> str:
+    if st.S_ISDIR(mode):
+        return "dir"
+    if st.S_ISREG(mode):
+        return "file"
+    if st.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def entry(pfd: int, name: str, path: str, base: int) -> FileEntry:
+    """The entry `name` in dir pfd (not following a symlink); owners as the sandbox sees them."""
+    s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+    target = os.readlink(name, dir_fd=pfd) if st.S_ISLNK(s.st_mode) else ""
+    return FileEntry(name=name, path=path, type=_kind(s.st_mode), size=s.st_size, mode=st.S_IMODE(s.st_mode),
+                     permissions=st.filemode(s.st_mode)[1:], uid=_inside(s.st_uid, base), gid=_inside(s.st_gid, base),
+                     mtime=s.st_mtime, symlink_target=target)
+
+
+def _inside(host_id: int, base: int) -> int:
+    """A host uid/gid as the sandbox sees it (65534, nobody, for one outside its range)."""
+    return host_id - base if base <= host_id < base + 65536 else 65534
+
+
+def stat(root: int, path: str, base: int) -> FileEntry:
+    if _normal(path) == "/":
+        s = os.stat(".", dir_fd=root)
+        return FileEntry(name="/", path="/", type="dir", size=s.st_size, mode=st.S_IMODE(s.st_mode),
+                         permissions=st.filemode(s.st_mode)[1:], uid=_inside(s.st_uid, base),
+                         gid=_inside(s.st_gid, base), mtime=s.st_mtime)
+    pfd, name = _parent(root, path)
+    try:
+        return entry(pfd, name, _normal(path), base)
+    finally:
+        os.close(pfd)
+
+
+def listing(root: int, path: str, depth: int, base: int) -> list[FileEntry]:
+    """The entries under directory path, down to depth levels (1: its own entries), sorted by path."""
+    if not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(f"depth must be 1..{MAX_DEPTH}, got {depth}")
+    top = _normal(path)
+    out: list[FileEntry] = []
+    fd = kernel.open_in_root(root, top, os.O_RDONLY | os.O_DIRECTORY)
+    _walk(fd, top, depth, base, out)
+    return sorted(out, key=lambda e: e.path)
+
+
+def _walk(fd: int, path: str, depth: int, base: int, out: list[FileEntry]) -> None:
+    """Entries of dir fd (closed here) into out; directories again while depth allows (by fd, O_NOFOLLOW)."""
+    try:
+        for name in os.listdir(fd):
+            if len(out) >= MAX_ENTRIES:
+                raise OverflowError(f"more than {MAX_ENTRIES} entries: list a smaller tree or a smaller depth")
+            e = entry(fd, name, f"{path.rstrip('/')}/{name}", base)
+            out.append(e)
+            if e.type == "dir" and depth > 1:
+                try:
+                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError:   # unreadable, or another mount (its entries are not the root's)
+                    continue
+                if os.fstat(sub).st_dev != os.fstat(fd).st_dev:
+                    os.close(sub)
+                    continue
+                _walk(sub, e.path, depth - 1, base, out)
+    finally:
+        os.close(fd)
+
+
+def make_dir(root: int, path: str, base: int) -> bool:
+    """Create path and its missing parents, owned by the sandbox's root; False when it was there. Each
+    parent is resolved from the root again (a symlink among them means what it means inside the sandbox)."""
+    parts = [p for p in _normal(path).split("/") if p]
+    made = False
+    for i, part in enumerate(parts):
+        pfd = _dir_in_root(root, "/" + "/".join(parts[:i]))
+        try:
+            os.mkdir(part, 0o755, dir_fd=pfd)
+            os.chown(part, base, base, dir_fd=pfd, follow_symlinks=False)
+            made = True
+        except FileExistsError:
+            made = False
+        finally:
+            os.close(pfd)
+    os.close(_dir_in_root(root, "/" + "/".join(parts)))   # ENOTDIR when a file was there
+    return made
+
+
+def remove(root: int, path: str) -> None:
+    """Remove a file, a symlink (not what it points to) or a whole directory tree."""
+    pfd, name = _parent(root, path)
+    try:
+        s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        if st.S_ISDIR(s.st_mode):
+            real = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)   # rmtree wants no O_PATH
+            try:
+                shutil.rmtree(name, dir_fd=real)
+            finally:
+                os.close(real)
+        else:
+            os.unlink(name, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+
+
+def rename(root: int, src: str, dest: str, base: int) -> FileEntry:
+    """Move src to dest (replacing a file there); the entry at dest."""
+    sfd, sname = _parent(root, src)
+    try:
+        dfd, dname = _parent(root, dest)
+        try:
+            os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
+            return entry(dfd, dname, _normal(dest), base)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
+def read_at(root: int, path: str, offset: int, length: int) -> tuple[bytes, int]:
+    """(up to length bytes of regular file path from offset, its whole size)."""
+    fd = kernel.open_in_root(root, path, os.O_RDONLY)
+    try:
+        if not st.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ENXIO, "not a regular file")
+        return os.pread(fd, length, offset), os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int) -> None:
+    """Write data at offset of path: offset 0 creates or truncates it (exactly mode, owned by owner);
+    a later piece extends what the first made."""
+    if offset == 0:
+        kernel.write_in_root(root, path, data, mode, owner)
+        return
+    fd = kernel.open_in_root(root, path, os.O_WRONLY)
+    try:
+        if not st.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ENXIO, "not a regular file")
+        if os.fstat(fd).st_size != offset:   # pieces come in order, each once: anything else is a lost piece
+            raise OSError(errno.EINVAL, f"the file holds {os.fstat(fd).st_size} bytes, not {offset}: a piece was lost")
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)

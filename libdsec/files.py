@@ -1,0 +1,95 @@
+"""sb.files: the file tree of a sandbox (stat, list, mkdir, remove, rename) and files of any size, moved
+in pieces of bus.messages.FILE_PIECE bytes, one op each, in order (edge/backends/treeops.py)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bus.errors import FileOpError, InvalidRequest
+from bus.messages import FILE_PIECE, FileEntry, FileOp, FileOpResult, file_result_decoder
+
+if TYPE_CHECKING:
+    from libdsec.sandbox import AsyncSandbox
+
+DEFAULT_TIMEOUT = 30.0   # per piece or op
+
+
+class AsyncFiles:
+    """File operations of one sandbox; every path resolves inside its root (a planted symlink never
+    leads out of it). Errors are FileOpError with one clear line ("no such file: /x", ...)."""
+
+    def __init__(self, sandbox: "AsyncSandbox") -> None:
+        self._sb = sandbox
+
+    async def _op(self, op: str, path: str, timeout: float = DEFAULT_TIMEOUT, **fields) -> FileOpResult:
+        self._sb._needs("file_tree", f"files.{op}")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
+        sb = self._sb
+        data = await sb.client._op(sb.node, sb.id, lambda rid, to, dl: FileOp(
+            request_id=rid, sandbox_id=sb.id, op=op, path=path, reply_to=to, deadline=dl, **fields), timeout)
+        return file_result_decoder.decode(data)
+
+    async def get_info(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> FileEntry:
+        """The entry at path (a symlink itself, not what it points to)."""
+        entry = (await self._op("stat", path, timeout)).entry
+        assert entry is not None
+        return entry
+
+    async def exists(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """Whether anything (a dangling symlink too) is at path."""
+        try:
+            await self._op("stat", path, timeout)
+            return True
+        except FileOpError as err:
+            if str(err).startswith(("no such file", "no such directory", "not a directory")):
+                return False
+            raise
+
+    async def list(self, path: str, *, depth: int = 1, timeout: float = DEFAULT_TIMEOUT) -> list[FileEntry]:
+        """The entries under directory path, depth levels down (1: its own), sorted by path."""
+        return (await self._op("list", path, timeout, depth=depth)).entries
+
+    async def make_dir(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """Make directory path and its missing parents; False when it was already there."""
+        return (await self._op("mkdir", path, timeout)).made
+
+    async def remove(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Remove a file, a symlink or a whole directory tree."""
+        await self._op("remove", path, timeout)
+
+    async def rename(self, old_path: str, new_path: str, *, timeout: float = DEFAULT_TIMEOUT) -> FileEntry:
+        """Move old_path to new_path; the entry now at new_path."""
+        if not isinstance(new_path, str) or not new_path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute (start with /): {new_path!r}")
+        entry = (await self._op("rename", old_path, timeout, dest=new_path)).entry
+        assert entry is not None
+        return entry
+
+    async def read(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+        """The whole file, any size, a piece per request. A file that changes while it is read gives
+        FileOpError rather than a mix of its old and new bytes."""
+        first = await self._op("read", path, timeout, offset=0, length=FILE_PIECE)
+        parts, got = [first.data], len(first.data)
+        while got < first.size:
+            piece = await self._op("read", path, timeout, offset=got, length=FILE_PIECE)
+            if piece.size != first.size or not piece.data:
+                raise FileOpError(f"changed while read: {path} ({first.size} bytes, then {piece.size})")
+            parts.append(piece.data)
+            got += len(piece.data)
+        if got != first.size:
+            raise FileOpError(f"changed while read: {path} ({first.size} bytes, then {got})")
+        return b"".join(parts)
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
+                    timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Create or truncate path with data (any size), a piece per request, in order."""
+        if isinstance(data, str):
+            data = data.encode()
+        view = memoryview(data)
+        offset = 0
+        while True:
+            piece = bytes(view[offset:offset + FILE_PIECE])
+            await self._op("write", path, timeout, offset=offset, data=piece, mode=mode)
+            offset += len(piece)
+            if offset >= len(data):
+                return

@@ -1,0 +1,92 @@
+"""sb.files (issue 18): the file tree of a sandbox and files of any size, resolved inside its root."""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+import libdsec
+
+pytestmark = pytest.mark.timeout(300)
+
+
+async def test_a_100_mib_file_goes_in_and_out_byte_exact(client):
+    """No 700 kB limit: 100 MiB of random bytes written in pieces, read back whole and by the sandbox."""
+    data = os.urandom(100 << 20)
+    async with await client.create(resources=libdsec.Resources(memory="512Mi", disk="1Gi")) as sb:
+        await sb.files.make_dir("/data")
+        await sb.files.write("/data/big.bin", data, mode=0o600)
+        inside = (await sb.exec("sha256sum /data/big.bin; stat -c '%s %a %u' /data/big.bin")).stdout.decode()
+        assert inside.split()[0] == hashlib.sha256(data).hexdigest(), inside
+        assert inside.split()[2:] == [str(len(data)), "600", "0"], inside
+        assert await sb.files.read("/data/big.bin") == data
+        await sb.files.write("/data/empty", b"")
+        assert await sb.files.read("/data/empty") == b""
+
+
+async def test_tree_operations_and_what_they_return(client):
+    async with await client.create() as sb:
+        assert await sb.files.make_dir("/w/a/b") is True
+        assert await sb.files.make_dir("/w/a/b") is False
+        await sb.files.write("/w/a/f.txt", "hello")
+        assert (await sb.exec("ln -s f.txt /w/a/link && chmod 640 /w/a/f.txt")).exit_code == 0
+        info = await sb.files.get_info("/w/a/f.txt")
+        assert (info.name, info.path, info.type, info.size, info.permissions, info.uid, info.gid) == \
+            ("f.txt", "/w/a/f.txt", "file", 5, "rw-r-----", 0, 0), info
+        link = await sb.files.get_info("/w/a/link")
+        assert (link.type, link.symlink_target) == ("symlink", "f.txt"), link
+        assert [e.path for e in await sb.files.list("/w")] == ["/w/a"]
+        assert [(e.path, e.type) for e in await sb.files.list("/w", depth=3)] == [
+            ("/w/a", "dir"), ("/w/a/b", "dir"), ("/w/a/f.txt", "file"), ("/w/a/link", "symlink")]
+        moved = await sb.files.rename("/w/a/f.txt", "/w/g.txt")
+        assert (moved.path, moved.size) == ("/w/g.txt", 5)
+        assert await sb.files.exists("/w/g.txt") and not await sb.files.exists("/w/a/f.txt")
+        assert await sb.files.exists("/w/a/link")   # dangling now: still there
+        await sb.files.remove("/w/a")
+        assert [e.path for e in await sb.files.list("/w")] == ["/w/g.txt"]
+        assert (await sb.exec("cat /w/g.txt")).stdout == b"hello"
+
+
+async def test_bad_paths_get_one_clear_line_and_the_sandbox_stays_well(client):
+    async with await client.create() as sb:
+        with pytest.raises(libdsec.InvalidRequest, match="absolute"):
+            await sb.files.list("tmp")
+        with pytest.raises(libdsec.FileOpError, match="no such file: /nope"):
+            await sb.files.get_info("/nope")
+        with pytest.raises(libdsec.FileOpError, match="no such file"):
+            await sb.files.read("/nope/x")
+        with pytest.raises(libdsec.FileOpError, match="root itself"):
+            await sb.files.remove("/")
+        with pytest.raises(libdsec.FileOpError, match="not a directory"):
+            await sb.files.make_dir("/etc/passwd/x")
+        with pytest.raises(libdsec.FileOpError, match="not a directory"):
+            await sb.files.list("/etc/passwd")
+        with pytest.raises(libdsec.InvalidRequest, match="depth"):
+            await sb.files.list("/", depth=0)
+        assert not await sb.files.exists("/nope/deeper")
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_planted_symlinks_never_lead_out_of_the_root(client, tmp_path):
+    """The attack from inside: links to / , to the host's files through /proc and out of the tree; every
+    operation through them stays in the sandbox (the host file is untouched, the link itself is removed)."""
+    canary = tmp_path / "canary"
+    canary.write_text("host")
+    async with await client.create() as sb:
+        r = await sb.exec(f"mkdir -p /t && ln -s / /t/root && ln -s /proc/1/root{tmp_path} /t/host && "
+                          f"ln -s ../../../../..{tmp_path} /t/up && mkdir -p {tmp_path} && echo mine > {canary}")
+        assert r.exit_code == 0, r.stderr
+        await sb.files.write("/t/up/canary", "written")          # resolves to the sandbox's own copy
+        assert canary.read_text() == "host"
+        assert (await sb.exec(f"cat {canary}")).stdout == b"written"
+        with pytest.raises(libdsec.FileOpError):
+            await sb.files.list("/t/host")                        # a magic link: refused
+        await sb.files.remove("/t/up/canary")
+        assert canary.read_text() == "host"
+        await sb.files.make_dir("/t/root/made")                    # the sandbox's /made
+        assert not os.path.exists("/made") and await sb.files.exists("/made")
+        await sb.files.remove("/t/root")                           # the link, not the root
+        assert (await sb.exec("ls /etc/passwd")).exit_code == 0
+        await sb.files.rename("/t/up", "/t/moved")
+        assert canary.read_text() == "host" and tmp_path.exists()
