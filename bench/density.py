@@ -46,7 +46,7 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def shrinker_map_bytes(probes: int = 20) -> float:
+def shrinker_map_bytes(probes: int = 50) -> float:
     """Bytes of shrinker map a new memory cgroup gets on this host now: the kmalloc-1k objects that `probes`
     fresh memcgs add, per memcg. The kernel sizes it by the most superblocks ever alive at once since boot
     (64 per 1 KiB unit), so it says what this host's history costs every sandbox (edge/backends/nodemounts.py)."""
@@ -126,6 +126,7 @@ async def fill(url: str, n: int, batch: int, marks: list[tuple[int, float]],
             after = settled()
             grown = meminfo()
             parts.update({k: (grown[k] - fields[k]) / max(1, len(made)) for k in BREAKDOWN if k in grown})
+            parts["shrinker map"] = shrinker_map_bytes()   # of a memcg made now, with them all held
             return len(made), (before - after) / max(1, len(made)), took
         finally:
             for i in range(0, len(made), batch):
@@ -149,10 +150,10 @@ def main() -> None:
         marks: list[tuple[int, float]] = []
         parts: dict[str, float] = {}
         made, per, took = asyncio.run(fill(url, n, args.batch, marks, parts))
-        shrinker = shrinker_map_bytes()   # the host's high-water mark: it stays after the sandboxes are gone
     print(f"raw baseline: {raw / MIB:.2f} MiB per bare namespaced process ({args.raw} of them)")
     print(f"density: {made} idle sandboxes (of {n}) in {took:.1f} s, {per / MIB:.2f} MiB of host memory each "
           f"(MemAvailable drop / count; {per / max(raw, 1):.1f}x raw)")
+    shrinker = parts.pop("shrinker map")
     print("  of which, per sandbox (meminfo growth / count): "
           + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in parts.items()))
     print(f"  shrinker map of a memory cgroup made now: {shrinker / 1024:.0f} KiB (in Slab; sized by the most "

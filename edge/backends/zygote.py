@@ -35,7 +35,7 @@ from typing import NoReturn
 
 import msgspec
 
-from edge.backends import kernel
+from edge.backends import kernel, nskeeper
 from edge.backends.cgroups import enter_class
 
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
@@ -134,7 +134,7 @@ class Zygote:
         self.init_fd = os.open(init_binary, os.O_PATH | os.O_CLOEXEC)
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         self.inits: set[int] = set()
-        self.userns: dict[int, int] = {}   # uid range base -> its user namespace (kept: made once per range)
+        self.userns = nskeeper.Keeper()   # uid range base -> its user namespace (kept: made once per range)
         self.lockdown = kernel.Lockdown(KEEP_CAPS)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(Request)
@@ -146,6 +146,7 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_w)
         gc.freeze()     # fork children then copy fewer pages: the collector leaves old objects alone
+        self.userns.start()
         self._send(Hello(os.getpid()))
         while True:
             ready, _, _ = select.select([self.sock, wake_r], [], [])
@@ -166,6 +167,8 @@ class Zygote:
                 return
             if pid == 0:
                 return
+            if pid == self.userns.pid:
+                raise SystemExit(f"zygote: the user namespace keeper exited (status {status})")
             self.inits.discard(pid)
             self._send(Exited(pid, status))
 
@@ -193,7 +196,12 @@ class Zygote:
             raise ValueError("launch needs the sandbox's uid range")
         userns = self.userns.get(req.uid_base)
         if userns is None:
-            userns = self.userns[req.uid_base] = sandbox_userns(req.uid_base)
+            userns = sandbox_userns(req.uid_base)
+            try:
+                self.userns.put(req.uid_base, userns)
+            except OSError:
+                os.close(userns)
+                raise
         kernel.unshare(kernel.CLONE_NEWPID)
         try:
             pid = os.fork()
@@ -201,6 +209,7 @@ class Zygote:
                 _launch_child(req, fds, self.init_fd, self.lockdown, userns)
         finally:
             kernel.setns(self.own_pidns, kernel.CLONE_NEWPID)
+            os.close(userns)
         self.inits.add(pid)
         return pid
 
@@ -255,6 +264,11 @@ def sandbox_userns(base: int) -> int:
         try:
             os.close(go_w)
             os.close(rep_r)
+            # A proc of its own: through the host's, every user namespace's /proc/sys/user dentries pile up
+            # under one parent and each lookup compares them all (proc_sys_compare: O(sandboxes) per create).
+            kernel.unshare(kernel.CLONE_NEWNS)
+            kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
+            kernel.mount("proc", "/proc", "proc", kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC)
             os.setgroups([])
             os.setresgid(base, base, base)
             os.setresuid(base, base, base)
@@ -324,8 +338,6 @@ def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lo
         if req.netns:                            # Aether's: owned by the host's user namespace, so the
             kernel.setns(fds[1], kernel.CLONE_NEWNET)   # sandbox's root has no CAP_NET_ADMIN over it; its
             os.close(fds[1])                            # sysctls set when it was made (aether/links.py)
-        else:
-            _open_net_privileges()               # the host's /proc/sys/net: now the new namespace's
         kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
         _mount_root(req, userns)
         os.chdir(req.merged)
@@ -361,10 +373,12 @@ def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lo
 NET_SYSCTLS = (("net/ipv4/ip_unprivileged_port_start", "0"), ("net/ipv4/ping_group_range", "0 2147483647"))
 
 
-def _open_net_privileges() -> None:
-    """Let every uid of the (new) network namespace bind ports below 1024 and ping."""
+def _open_net_privileges(proc: str) -> None:
+    """Let every uid of the (new) network namespace bind ports below 1024 and ping. Written through the
+    sandbox's own proc mount: through the host's, every namespace's /proc/sys/net dentries pile up under one
+    parent, and each lookup there compares them all (proc_sys_compare: O(sandboxes) per create)."""
     for name, value in NET_SYSCTLS:
-        with open(f"/proc/sys/{name}", "w") as f:
+        with open(f"{proc}/sys/{name}", "w") as f:
             f.write(value)
 
 
@@ -407,6 +421,8 @@ def _mount_root(req: Launch, userns: int) -> None:
             os.chmod(f"{root}/{name}", mode)
     nosuid = kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC
     kernel.mount("proc", f"{root}/proc", "proc", nosuid)
+    if not req.netns:                # (Aether's namespace had its sysctls set when it was made)
+        _open_net_privileges(f"{root}/proc")
     for name in READONLY_PROC:
         _bind(f"{root}/proc/{name}", f"{root}/proc/{name}", readonly=True)
     for name in MASKED_PROC:
