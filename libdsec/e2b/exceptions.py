@@ -1,0 +1,69 @@
+"""E2B's exception classes, and how DSec's errors map onto them (docs/e2b.md)."""
+from __future__ import annotations
+
+from bus import errors
+
+
+class SandboxException(Exception):
+    """Base of every sandbox error."""
+
+
+class TimeoutException(SandboxException):
+    """A request, a command or the sandbox timed out."""
+
+
+class InvalidArgumentException(SandboxException):
+    """An argument is invalid (or names something DSec does not offer)."""
+
+
+class NotEnoughSpaceException(SandboxException):
+    """No space left (the sandbox's disk limit, or no node with room)."""
+
+
+class NotFoundException(SandboxException):
+    """Something was not found."""
+
+
+class FileNotFoundException(NotFoundException):
+    """A file or directory was not found."""
+
+
+class SandboxNotFoundException(NotFoundException):
+    """The sandbox was not found (or has ended)."""
+
+
+class AuthenticationException(Exception):
+    """The credential was refused (like E2B's, not a SandboxException)."""
+
+
+class TemplateException(SandboxException):
+    """The template (DSec image) cannot be used."""
+
+
+class RateLimitException(SandboxException):
+    """A quota or rate limit was hit."""
+
+
+def mapped(err: errors.DsecError) -> Exception:
+    """The E2B exception for one of DSec's errors (its message kept; the original is its __cause__)."""
+    text = str(err)
+    match err:
+        case errors.SandboxNotFound():
+            return SandboxNotFoundException(text)
+        case errors.FileOpError() if text.startswith(("no such file", "no such directory")):
+            return FileNotFoundException(text)
+        case errors.FileOpError() if "quota" in text or "no space" in text:
+            return NotEnoughSpaceException(text)
+        case errors.ExecTimeout() | errors.RequestExpired():
+            return TimeoutException(text)
+        case errors.InvalidRequest() | errors.Unsupported():
+            return InvalidArgumentException(text)
+        case errors.ImageNotFound():
+            return TemplateException(text)
+        case errors.RateLimited() | errors.QuotaExceeded():
+            return RateLimitException(text)
+        case errors.CapacityUnavailable():
+            return NotEnoughSpaceException(text)
+        case errors.AuthenticationFailed() | errors.PermissionDenied():
+            return AuthenticationException(text)
+    return SandboxException(text)

@@ -1,0 +1,48 @@
+"""SandboxInfo, SandboxQuery and SandboxState, as in E2B."""
+from __future__ import annotations
+
+import datetime
+import enum
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+
+class SandboxState(str, enum.Enum):
+    """A sandbox's state: running, or paused (DSec's suspended)."""
+
+    RUNNING = "running"
+    PAUSED = "paused"
+
+
+@dataclass
+class SandboxQuery:
+    """Which sandboxes list() returns: all of these labels (metadata) and one of these states."""
+
+    metadata: Optional[Dict[str, str]] = None
+    state: Optional[List[SandboxState]] = None
+
+
+@dataclass
+class SandboxInfo:
+    """A sandbox, as list() and get_info() give it."""
+
+    sandbox_id: str
+    template_id: str
+    name: Optional[str]
+    metadata: Dict[str, str]
+    started_at: datetime.datetime
+    end_at: datetime.datetime
+    state: SandboxState
+    cpu_count: float
+    memory_mb: int
+    envd_version: str = "dsec"
+
+
+def info_of(rec) -> SandboxInfo:
+    """A SandboxInfo from DSec's SandboxRecord."""
+    utc = datetime.timezone.utc
+    return SandboxInfo(sandbox_id=rec.sandbox_id, template_id=rec.image, name=rec.image, metadata=dict(rec.labels),
+                       started_at=datetime.datetime.fromtimestamp(rec.created_at, utc),
+                       end_at=datetime.datetime.fromtimestamp(rec.expires_at or rec.created_at, utc),
+                       state=SandboxState.PAUSED if rec.suspended else SandboxState.RUNNING,
+                       cpu_count=rec.resources.cpu, memory_mb=rec.resources.memory >> 20)

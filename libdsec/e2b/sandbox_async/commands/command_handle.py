@@ -1,0 +1,96 @@
+"""AsyncCommandHandle: a command started with background=True."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable, Optional
+
+from bus.errors import DsecError
+from libdsec.e2b.exceptions import mapped
+from libdsec.e2b.sandbox.commands.command_handle import CommandExitException, CommandResult
+from libdsec.exechandle import ExecHandle
+from libdsec.results import Exit, Output
+
+OutputHandler = Callable[[str], Any]
+
+
+async def _call(handler: Optional[OutputHandler], text: str) -> None:
+    if handler is not None:
+        result = handler(text)
+        if inspect.isawaitable(result):
+            await result
+
+
+class AsyncCommandHandle:
+    """A running command: wait() for its result, kill() it. Output goes to the handlers as it arrives
+    (a line at a time) and is kept for the result. pid is None: DSec does not report it yet (docs/e2b.md)."""
+
+    def __init__(self, handle: ExecHandle, on_stdout: Optional[OutputHandler] = None,
+                 on_stderr: Optional[OutputHandler] = None) -> None:
+        self._handle = handle
+        self.pid: Optional[int] = None
+        self._stdout: list[str] = []
+        self._stderr: list[str] = []
+        self._on = {"stdout": on_stdout, "stderr": on_stderr}
+        self._result: Optional[CommandResult] = None
+        self._pump = asyncio.ensure_future(self._read())
+
+    @property
+    def stdout(self) -> str:
+        """What it printed to stdout so far."""
+        return "".join(self._stdout)
+
+    @property
+    def stderr(self) -> str:
+        """What it printed to stderr so far."""
+        return "".join(self._stderr)
+
+    @property
+    def exit_code(self) -> Optional[int]:
+        """Its exit code once it ended, else None."""
+        return self._result.exit_code if self._result else None
+
+    async def _read(self) -> CommandResult:
+        try:
+            async for ev in self._handle.stream():
+                if isinstance(ev, Output):
+                    text = ev.data.decode(errors="replace")
+                    (self._stdout if ev.stream == "stdout" else self._stderr).append(text)
+                    await _call(self._on[ev.stream], text)
+                elif isinstance(ev, Exit):
+                    error = "timed out" if ev.timed_out else None
+                    self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=ev.exit_code,
+                                                 error=error)
+        except DsecError as err:
+            raise mapped(err) from err
+        finally:
+            await self._handle.close()
+        if self._result is None:
+            self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=-1,
+                                         error="the command's output ended without its exit")
+        return self._result
+
+    async def wait(self, on_stdout: Optional[OutputHandler] = None,
+                   on_stderr: Optional[OutputHandler] = None) -> CommandResult:
+        """Wait for the end; CommandExitException when the exit code is not 0. Handlers given here get
+        what arrives from now on."""
+        if on_stdout is not None:
+            self._on["stdout"] = on_stdout
+        if on_stderr is not None:
+            self._on["stderr"] = on_stderr
+        result = await asyncio.shield(self._pump)
+        if result.exit_code != 0:
+            raise CommandExitException(stderr=result.stderr, stdout=result.stdout, exit_code=result.exit_code,
+                                       error=result.error)
+        return result
+
+    async def kill(self) -> bool:
+        """Kill its whole process tree; False when it had already ended."""
+        try:
+            return await self._handle.kill()
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def disconnect(self) -> None:
+        """Stop reading its output here (it keeps running; its output stays in the trajectory)."""
+        self._pump.cancel()

@@ -1,0 +1,130 @@
+"""Sandbox: E2B's synchronous sandbox on DSec, the AsyncSandbox run on a private event loop thread."""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, List, Optional
+
+from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery
+from libdsec.e2b.sandbox_async import main as aio
+from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
+from libdsec.sync import _Loop
+
+_loop: Optional[_Loop] = None
+_lock = threading.Lock()
+
+
+def run(coro) -> Any:
+    """Run a coroutine on the facade's loop thread (started on first use) and return its result."""
+    global _loop
+    with _lock:
+        if _loop is None:
+            _loop = _Loop()
+    return _loop.run(coro)
+
+
+class Commands:
+    """sandbox.commands (see AsyncCommands.run)."""
+
+    def __init__(self, inner: aio.AsyncCommands) -> None:
+        self._inner = inner
+
+    def run(self, cmd: str, background: Optional[bool] = None, **kwargs: Any) -> Any:
+        """Run cmd: a CommandResult (CommandExitException on a non-zero exit), or with background=True a
+        CommandHandle at once."""
+        result = run(self._inner.run(cmd, background=background, **kwargs))
+        return CommandHandle(run, result) if background else result
+
+
+class Filesystem:
+    """sandbox.files (see AsyncFilesystem); read(format="stream") gives an iterator."""
+
+    def __init__(self, inner: aio.AsyncFilesystem) -> None:
+        self._inner = inner
+
+    def read(self, path: str, format: str = "text", **kwargs: Any) -> Any:
+        if format == "stream":
+            return iter([bytes(run(self._inner.read(path, "bytes", **kwargs)))])
+        return run(self._inner.read(path, format, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)   # write, write_files, list, exists, get_info, remove, rename, make_dir
+        if name.startswith("_") or not callable(method):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: run(method(*args, **kwargs))
+
+
+class by_id:
+    """sb.kill() on an instance, Sandbox.kill(id) on the class (the async one's, run here)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, cls):
+        fn = getattr(aio.AsyncSandbox, self.name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return run(fn(obj.sandbox_id, *args, **kwargs) if obj is not None else fn(*args, **kwargs))
+        return functools.wraps(fn)(call)
+
+
+class SandboxPaginator:
+    """Pages of list(): has_next, next_token, next_items()."""
+
+    def __init__(self, inner: aio.AsyncSandboxPaginator) -> None:
+        self._inner = inner
+
+    @property
+    def has_next(self) -> bool:
+        return self._inner.has_next
+
+    @property
+    def next_token(self) -> str:
+        return self._inner.next_token
+
+    def next_items(self) -> List[SandboxInfo]:
+        return run(self._inner.next_items())
+
+
+class Sandbox:
+    """E2B's Sandbox: `Sandbox.create(...)` (or `with Sandbox.create() as sb:`), .commands, .files, kill()."""
+
+    kill = by_id("kill")
+    get_info = by_id("get_info")
+    pause = by_id("pause")
+
+    def __init__(self, inner: aio.AsyncSandbox) -> None:
+        self._inner = inner
+        self.sandbox_id = inner.sandbox_id
+        self.commands = Commands(inner.commands)
+        self.files = Filesystem(inner.files)
+
+    def __repr__(self) -> str:
+        return f"Sandbox(sandbox_id={self.sandbox_id!r})"
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.kill()
+
+    @classmethod
+    def create(cls, template: Optional[str] = None, timeout: Optional[int] = None, **kwargs: Any) -> "Sandbox":
+        """See AsyncSandbox.create."""
+        return cls(run(aio.AsyncSandbox.create(template, timeout, **kwargs)))
+
+    @classmethod
+    def connect(cls, sandbox_id: str, timeout: Optional[int] = None, **kwargs: Any) -> "Sandbox":
+        """Attach to a running sandbox; a paused one is resumed."""
+        return cls(run(aio.AsyncSandbox.connect(sandbox_id, timeout, **kwargs)))
+
+    @staticmethod
+    def list(query: Optional[SandboxQuery] = None, limit: Optional[int] = None, next_token: Optional[str] = None,
+             **kwargs: Any) -> SandboxPaginator:
+        return SandboxPaginator(aio.AsyncSandbox.list(query, limit, next_token, **kwargs))
+
+    def is_running(self, **kwargs: Any) -> bool:
+        return run(self._inner.is_running(**kwargs))
+
+    def set_timeout(self, timeout: int, **kwargs: Any) -> None:
+        run(self._inner.set_timeout(timeout, **kwargs))

@@ -1,0 +1,103 @@
+"""The E2B facade (issue 18): E2B-style agent code, unchanged after libdsec.e2b.install(), on a real stack."""
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def e2b_env(stack, monkeypatch):
+    monkeypatch.setenv("DSEC_URL", stack.url)
+    import libdsec.e2b
+    libdsec.e2b.install()
+    yield
+    for name in [m for m in sys.modules if m == "e2b" or m.startswith("e2b.")]:
+        del sys.modules[name]
+
+
+async def test_agent_code_written_for_e2b_runs_unchanged(e2b_env):
+    await asyncio.to_thread(_agent_loop)   # the stack serves on this loop meanwhile
+
+
+def _agent_loop() -> None:
+    """What an E2B rollout does, written against `e2b` as its users write it."""
+    from e2b import Sandbox, SandboxQuery
+    from e2b.exceptions import InvalidArgumentException, SandboxNotFoundException
+    from e2b.sandbox.commands.command_handle import CommandExitException
+    from e2b.sandbox.filesystem.filesystem import FileType
+
+    with pytest.raises(InvalidArgumentException, match="nonsense"):
+        Sandbox.create(template="busybox", nonsense=1)
+    with pytest.raises(InvalidArgumentException, match="pause"):
+        Sandbox.create(template="busybox", lifecycle={"on_timeout": "pause"})
+    sbx = Sandbox.create(template="busybox", timeout=120, metadata={"job": "e2b-t1"}, envs={"A": "1"},
+                         api_key="e2b_ignored", domain="ignored.example")
+    r = sbx.commands.run("echo $A; echo err >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("1\n", "err\n", 0)
+    seen: list[str] = []
+    r = sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=seen.append, envs={"B": "2"}, cwd="/tmp")
+    assert seen == ["1\n", "2\n", "3\n"] and r.stdout == "1\n2\n3\n"
+    assert sbx.commands.run("pwd; echo $B", cwd="/tmp", envs={"B": "2"}).stdout == "/tmp\n2\n"
+    with pytest.raises(CommandExitException) as ei:
+        sbx.commands.run("echo partial; exit 3")
+    assert (ei.value.exit_code, ei.value.stdout) == (3, "partial\n")
+    h = sbx.commands.run("echo started; sleep 60", background=True)
+    assert h.kill() is True
+    with pytest.raises(CommandExitException) as ei:
+        h.wait()
+    assert ei.value.exit_code == 137 and "started" in ei.value.stdout
+
+    info = sbx.files.write("/work/sub/a.txt", "hello")       # parents made, as E2B does
+    assert (info.path, info.type) == ("/work/sub/a.txt", FileType.FILE)
+    assert sbx.files.read("/work/sub/a.txt") == "hello"
+    assert sbx.files.read("/work/sub/a.txt", format="bytes") == bytearray(b"hello")
+    entries = sbx.files.list("/work", depth=2)
+    assert [(e.path, e.type) for e in entries] == [("/work/sub", FileType.DIR), ("/work/sub/a.txt", FileType.FILE)]
+    assert entries[1].size == 5 and entries[1].permissions == "rw-r--r--" and entries[1].owner == "0"
+    assert sbx.files.make_dir("/work/d") is True and sbx.files.exists("/work/d")
+    moved = sbx.files.rename("/work/sub/a.txt", "/work/d/b.txt")
+    assert moved.name == "b.txt" and not sbx.files.exists("/work/sub/a.txt")
+    sbx.files.remove("/work/d")
+    assert not sbx.files.exists("/work/d/b.txt")
+    with pytest.raises(Exception) as ei:
+        sbx.files.read("/work/missing")
+    assert type(ei.value).__name__ == "FileNotFoundException"
+
+    got = sbx.get_info()
+    assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"job": "e2b-t1"} and got.template_id == "busybox"
+    assert sbx.is_running()
+    listed = Sandbox.list(query=SandboxQuery(metadata={"job": "e2b-t1"})).next_items()
+    assert [i.sandbox_id for i in listed] == [sbx.sandbox_id]
+    assert Sandbox.list(query=SandboxQuery(metadata={"job": "nobody"})).next_items() == []
+
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert again.commands.run("cat /work/sub/../d 2>/dev/null || echo gone").stdout == "gone\n"
+    assert sbx.kill() is True
+    assert Sandbox.kill(sbx.sandbox_id) is False                 # never raises for a missing one
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sbx.sandbox_id)
+
+
+async def test_the_async_sandbox_in_the_callers_loop(e2b_env):
+    from e2b import AsyncSandbox
+    from e2b.exceptions import NotFoundException
+    sbx = await AsyncSandbox.create(template="busybox")
+    try:
+        out: list[str] = []
+        r = await sbx.commands.run("echo one; echo two >&2", on_stderr=out.append)
+        assert (r.stdout, out) == ("one\n", ["two\n"])
+        await sbx.files.write("/x.bin", b"\x00\xff" * 300_000)
+        assert await sbx.files.read("/x.bin", format="bytes") == bytearray(b"\x00\xff" * 300_000)
+        assert await sbx.pause() == sbx.sandbox_id
+        assert not await sbx.is_running()
+        back = await AsyncSandbox.connect(sbx.sandbox_id)     # resumes it
+        assert await back.is_running()
+        assert (await back.commands.run("echo back")).stdout == "back\n"
+    finally:
+        assert await sbx.kill() is True
+    with pytest.raises(NotFoundException):
+        await AsyncSandbox.get_info(sbx.sandbox_id)
