@@ -70,6 +70,7 @@ class CreateRequest(Wire, tag="create"):
     user: str = ""                   # ...and user (its env goes under env)...
     command: list[str] = []          # ...and its Entrypoint + Cmd (shown in the record: `dsec run` without one)
     cpu_class: Literal["", "latency", "batch"] = ""   # "": by priority; batch runs at SCHED_IDLE, low cpu shares
+    on_timeout: Literal["destroy", "suspend"] = "destroy"   # at its TTL: destroyed, or suspended (resume to go on)
 
     def effective_cpu_class(self) -> str:
         """Its CPU class: its own, else its priority's."""
@@ -187,6 +188,17 @@ class SetNetworkRequest(Wire, tag="set_network"):
     deadline: float = 0.0
 
 
+class SetTimeoutRequest(Wire, tag="set_timeout"):
+    """libdsec -> edge: the sandbox now expires `timeout` seconds from now (shorter or longer; 0: at once).
+    A suspended sandbox's count starts again when it is resumed."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    timeout: float = 0.0
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
 class WriteFile(Wire, tag="write_file"):
     """libdsec -> edge: write a file inside the sandbox."""
 
@@ -268,7 +280,7 @@ class FileOpResult(msgspec.Struct, frozen=True):
 
 
 SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest, SnapshotRequest,
-                  RollbackRequest, SetNetworkRequest, FileOp]
+                  RollbackRequest, SetNetworkRequest, FileOp, SetTimeoutRequest]
 OpReply = Union[OkReply, ErrorReply]
 
 
@@ -460,13 +472,15 @@ class SandboxRecord(Wire, tag="sandbox"):
     cpu_class: str = ""              # latency or batch (edge/backends/cgroups.py: CPU classes)
     user: str = ""                   # its execs' default user and cwd ("": root, /): an imported image's
     cwd: str = ""
+    on_timeout: str = "destroy"      # what its TTL does: destroy it, or suspend it (CreateRequest.on_timeout)
 
 
 class Event(Wire, tag="event"):
     """Lifecycle event on dsec.evt.<tenant>.<sandbox>."""
 
     type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost, suspended,
-                                     # resumed, retried (an environment failure, placed again), task_failed
+                                     # resumed, retried (an environment failure, placed again), task_failed,
+                                     # timeout_set (its expiry rewritten)
     sandbox_id: str = ""
     tenant: str = "default"
     node: str = ""

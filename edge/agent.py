@@ -335,6 +335,10 @@ class Edge:
 
     async def _expire(self, sandbox_id: str) -> None:
         try:
+            running = self.sandboxes.get(sandbox_id)
+            if running is not None and running.record.on_timeout == "suspend":   # kept, frozen: resume goes on
+                await self.box.suspend(sandbox_id)
+                return
             await self.box.destroy(sandbox_id, state="expired", reason="ttl reached")
         except KeyError:
             pass    # destroyed by a request meanwhile

@@ -170,7 +170,8 @@ class CreateLane:
                             command=list(req.command), user=req.user, cwd=req.cwd, cpu_class=req.effective_cpu_class(),
                             network=req.network, image=req.image, backend=req.backend, labels=dict(req.labels), resources=req.resources, created_at=now,
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
-                            layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch)
+                            layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch,
+                            on_timeout=req.on_timeout)
         running = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
         self.sandboxes.add(running)
         return running

@@ -15,7 +15,8 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
-from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, OkReply, ReadFile, ResumeRequest, RollbackRequest,
+from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, OkReply, ReadFile,
+                          SetTimeoutRequest, ResumeRequest, RollbackRequest,
                           SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder,
                           snapshot_decoder)
 from bus.pull import Delivery, Verdict
@@ -28,6 +29,7 @@ from edge.sandboxes import Sandboxes
 log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
+MAX_TIMEOUT = 30 * 24 * 3600.0   # the longest set_timeout (a month)
 NEEDS = {"write_file": "files", "read_file": "files", "file_op": "file_tree", "suspend": "suspend", "resume": "suspend",
          "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot",
          "set_network": "network"}   # op -> the capability (bus/kinds.py) it needs
@@ -103,6 +105,9 @@ class OpLane:
                 await self._answer(op, self._read(op, tenant))
             case FileOp():
                 await self._answer(op, self._file_op(op, tenant))
+            case SetTimeoutRequest():
+                await self._answer(op, self._on(op.sandbox_id, "set_timeout", lambda: self._set_timeout(op),
+                                                tenant=tenant))
             case SuspendRequest():
                 await self._answer(op, self._on(op.sandbox_id, "suspend", lambda: sb.suspend(op.sandbox_id), tenant=tenant))
             case ResumeRequest():
@@ -164,6 +169,11 @@ class OpLane:
             raise InvalidRequest(f"limit: read_file returns at most {MAX_READ} bytes per call, got {op.limit}")
         return await self._on(op.sandbox_id, "read_file", lambda: self.sandboxes.backend.read_file(
             op.sandbox_id, op.path, op.limit), FileOpError, tenant)
+
+    async def _set_timeout(self, op: SetTimeoutRequest) -> None:
+        if not 0 <= op.timeout <= MAX_TIMEOUT:
+            raise InvalidRequest(f"timeout must be 0..{MAX_TIMEOUT:.0f} seconds, got {op.timeout}")
+        await self.sandboxes.set_timeout(op.sandbox_id, op.timeout)
 
     async def _file_op(self, op: FileOp, tenant: str) -> bytes:
         if op.op not in FILE_OPS:

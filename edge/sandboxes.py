@@ -52,6 +52,7 @@ class Running:
     layers: list[LayerRef] = field(default_factory=list)   # its layers, lowest first
     restarts: int = 0                # rollbacks so far (names their events)
     snapshots: int = 0               # snapshots taken of it (names their events)
+    timeouts: int = 0                # set_timeout calls so far (names their events)
     ending: str = ""                 # the final state it is being destroyed into
     users: dict[str, "users.ExecUser | None"] = field(default_factory=dict)   # exec user name -> whom, resolved once
 
@@ -245,6 +246,15 @@ class Sandboxes:
         running.suspended_since = 0.0
         await self.record(running, event="resumed", nth=running.suspends, suspended=False,
                           expires_at=running.expires_at or running.record.expires_at)
+
+    async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
+        """It expires `seconds` from now (0: at the TTL loop's next look); a suspended one's count starts
+        when it is resumed (resume moves the expiry on by the time it was suspended)."""
+        running = self.running[sandbox_id]
+        running.expires_at = (running.suspended_since or time.time()) + max(0.0, seconds)
+        running.timeouts += 1
+        await self.record(running, event="timeout_set", nth=running.timeouts, detail=f"{seconds:g}s",
+                          expires_at=running.expires_at)
 
     # ---- snapshots and rollback ------------------------------------------------------------------------
 

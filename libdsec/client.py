@@ -146,7 +146,7 @@ class AsyncClient:
                      on_queued=None, workspace: str | None = None, toolkit: str | None = None,
                      from_snapshot: SnapshotRecord | str | None = None, privileged: bool = False,
                      memory: bool | None = None, network: "Network | str | None" = None,
-                     cpu_class: str | None = None) -> AsyncSandbox:
+                     cpu_class: str | None = None, on_timeout: str = "destroy") -> AsyncSandbox:
         """Create one sandbox and wait until it runs.
 
         image is the base layer (name or name@version; name = its latest version); workspace and toolkit,
@@ -178,7 +178,12 @@ class AsyncClient:
         cpu_class: "latency" or "batch" (default: the priority's). A batch sandbox's every process runs at
         SCHED_IDLE under low cgroup cpu shares, so latency sandboxes keep their CPU when the node is busy; it
         cannot raise its own class.
+
+        on_timeout: what its ttl does: "destroy" (default) or "suspend" (kinds with the suspend capability:
+        its processes stop and its memory stays; resume() goes on, set_timeout() gives it time again).
         """
+        if on_timeout not in ("destroy", "suspend"):
+            raise InvalidRequest(f"on_timeout must be 'destroy' or 'suspend', got {on_timeout!r}")
         if cpu_class not in (None, "latency", "batch"):
             raise InvalidRequest(f"cpu_class must be 'latency' or 'batch', got {cpu_class!r}")
         wire_network = network_policy(network)
@@ -210,6 +215,9 @@ class AsyncClient:
             req = msgspec.structs.replace(req, privileged=True)
         if cpu_class is not None:
             req = msgspec.structs.replace(req, cpu_class=cpu_class)
+        if on_timeout != "destroy":
+            kinds.require(backend, "suspend", "on_timeout='suspend'")
+            req = msgspec.structs.replace(req, on_timeout=on_timeout)
         if wire_network.mode != "none":
             req = msgspec.structs.replace(req, network=wire_network)
         return await self._create(req, timeout, on_queued)

@@ -86,8 +86,9 @@ class ExecHandle:
                 self._stdin.cancel()
             await self._stream.close()
 
-    async def stream(self) -> AsyncIterator[Output | Exit]:
-        """Each line as it is produced (the last partial line at the end), then the Exit."""
+    async def stream(self, lines: bool = True) -> AsyncIterator[Output | Exit]:
+        """Each line as it is produced (the last partial line at the end), then the Exit. lines=False: each
+        chunk as it arrives instead, a line not finished yet too (what a running `cat` printed so far)."""
         while True:
             while self._pending:
                 yield self._pending.popleft()
@@ -96,7 +97,11 @@ class ExecHandle:
                 if not self._keep:
                     self._chunks[self._read] = None
                 self._read += 1
-                self._pending.extend(self._lines.feed(name, data))
+                if lines:
+                    self._pending.extend(self._lines.feed(name, data))
+                else:   # what an earlier stream(lines=True) held back of a line comes first
+                    self._pending.extend([o for o in self._lines.flush() if o.stream == name])
+                    self._pending.append(Output(name, data))  # type: ignore[arg-type]
                 continue
             if self._reader.done():
                 if not self._flushed:

@@ -8,7 +8,8 @@ from bus import kinds, subjects
 from bus.errors import InvalidRequest
 from bus.network import Network as WireNetwork
 from bus.messages import (DestroyRequest, ExecRequest, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
-                          SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, snapshot_decoder)
+                          SetNetworkRequest, SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile, encode,
+                          snapshot_decoder)
 from libdsec.exechandle import ExecHandle
 from libdsec.files import AsyncFiles
 from libdsec.execstream import EXIT_GRACE, ExecStream
@@ -113,13 +114,15 @@ class AsyncSandbox:
 
     async def stream(self, cmd: Command, *, timeout: float = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
                      env: dict[str, str] | None = None, stdin: Stdin = None,
-                     max_output: int = DEFAULT_MAX_OUTPUT, user: str | None = None) -> AsyncIterator[Output | Exit]:
+                     max_output: int = DEFAULT_MAX_OUTPUT, user: str | None = None,
+                     lines: bool = True) -> AsyncIterator[Output | Exit]:
         """Yield Output per line as it is produced, then one Exit (timed_out set if the timeout fired).
+        lines=False: per chunk as it arrives, a line not finished yet too.
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
         them (interactive; its end closes the command's stdin)."""
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False, user=user)
         try:
-            async for ev in handle.stream():
+            async for ev in handle.stream(lines):
                 yield ev
         finally:
             await handle.close()
@@ -208,6 +211,14 @@ class AsyncSandbox:
         self._needs("suspend", "resume")
         await self.client._op(self.node, self.id, lambda rid, to, dl: ResumeRequest(
             request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout)
+
+    async def set_timeout(self, seconds: float, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
+        """It now expires `seconds` from now, shorter or longer than before (0: at once); a suspended one's
+        count starts when it is resumed."""
+        if not isinstance(seconds, (int, float)) or seconds < 0:
+            raise InvalidRequest(f"seconds must be a number >= 0, got {seconds!r}")
+        await self.client._op(self.node, self.id, lambda rid, to, dl: SetTimeoutRequest(
+            request_id=rid, sandbox_id=self.id, timeout=float(seconds), reply_to=to, deadline=dl), timeout)
 
     async def destroy(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Destroy it; SandboxNotFound if it is already gone."""

@@ -176,6 +176,10 @@ class Sandbox:
         """Run it again after suspend."""
         self._client._loop.run(self._inner.resume(**kwargs))
 
+    def set_timeout(self, seconds: float, **kwargs: Any) -> None:
+        """It now expires `seconds` from now (0: at once)."""
+        self._client._loop.run(self._inner.set_timeout(seconds, **kwargs))
+
 
 class Client:
     """Synchronous SDK entry point; use as `with Client(url) as client`."""

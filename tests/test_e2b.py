@@ -25,6 +25,7 @@ async def test_agent_code_written_for_e2b_runs_unchanged(e2b_env):
 
 def _agent_loop() -> None:
     """What an E2B rollout does, written against `e2b` as its users write it."""
+    import time
     from e2b import Sandbox, SandboxQuery
     from e2b.exceptions import InvalidArgumentException, SandboxNotFoundException
     from e2b.sandbox.commands.command_handle import CommandExitException
@@ -32,51 +33,66 @@ def _agent_loop() -> None:
 
     with pytest.raises(InvalidArgumentException, match="nonsense"):
         Sandbox.create(template="busybox", nonsense=1)
-    with pytest.raises(InvalidArgumentException, match="pause"):
-        Sandbox.create(template="busybox", lifecycle={"on_timeout": "pause"})
+    with pytest.raises(InvalidArgumentException, match="on_timeout"):
+        Sandbox.create(template="busybox", lifecycle={"on_timeout": "hibernate"})
     sbx = Sandbox.create(template="busybox", timeout=120, metadata={"job": "e2b-t1"}, envs={"A": "1"},
                          api_key="e2b_ignored", domain="ignored.example")
-    r = sbx.commands.run("echo $A; echo err >&2")
-    assert (r.stdout, r.stderr, r.exit_code) == ("1\n", "err\n", 0)
-    seen: list[str] = []
-    r = sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=seen.append, envs={"B": "2"}, cwd="/tmp")
-    assert seen == ["1\n", "2\n", "3\n"] and r.stdout == "1\n2\n3\n"
-    assert sbx.commands.run("pwd; echo $B", cwd="/tmp", envs={"B": "2"}).stdout == "/tmp\n2\n"
-    with pytest.raises(CommandExitException) as ei:
-        sbx.commands.run("echo partial; exit 3")
-    assert (ei.value.exit_code, ei.value.stdout) == (3, "partial\n")
-    h = sbx.commands.run("echo started; sleep 60", background=True)
-    assert h.kill() is True
-    with pytest.raises(CommandExitException) as ei:
-        h.wait()
-    assert ei.value.exit_code == 137 and "started" in ei.value.stdout
+    try:
+        r = sbx.commands.run("echo $A; echo err >&2")
+        assert (r.stdout, r.stderr, r.exit_code) == ("1\n", "err\n", 0)
+        seen: list[str] = []
+        r = sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=seen.append, envs={"B": "2"}, cwd="/tmp")
+        assert "".join(seen) == "1\n2\n3\n" == r.stdout
+        assert sbx.commands.run("pwd; echo $B", cwd="/tmp", envs={"B": "2"}).stdout == "/tmp\n2\n"
+        with pytest.raises(CommandExitException) as ei:
+            sbx.commands.run("echo partial; exit 3")
+        assert (ei.value.exit_code, ei.value.stdout) == (3, "partial\n")
+        parts: list[str] = []                                     # a line not finished yet arrives as it is
+        h = sbx.commands.run("printf 'abc'; sleep 30; echo def", background=True, on_stdout=parts.append)
+        for _ in range(100):
+            if parts:
+                break
+            time.sleep(0.05)
+        assert parts == ["abc"] and h.stdout == "abc"
+        assert h.kill() is True
+        h = sbx.commands.run("echo started; sleep 60", background=True)
+        for _ in range(100):
+            if h.stdout:
+                break
+            time.sleep(0.05)
+        assert h.kill() is True
+        with pytest.raises(CommandExitException) as ei:
+            h.wait()
+        assert ei.value.exit_code == 137 and "started" in ei.value.stdout
 
-    info = sbx.files.write("/work/sub/a.txt", "hello")       # parents made, as E2B does
-    assert (info.path, info.type) == ("/work/sub/a.txt", FileType.FILE)
-    assert sbx.files.read("/work/sub/a.txt") == "hello"
-    assert sbx.files.read("/work/sub/a.txt", format="bytes") == bytearray(b"hello")
-    entries = sbx.files.list("/work", depth=2)
-    assert [(e.path, e.type) for e in entries] == [("/work/sub", FileType.DIR), ("/work/sub/a.txt", FileType.FILE)]
-    assert entries[1].size == 5 and entries[1].permissions == "rw-r--r--" and entries[1].owner == "0"
-    assert sbx.files.make_dir("/work/d") is True and sbx.files.exists("/work/d")
-    moved = sbx.files.rename("/work/sub/a.txt", "/work/d/b.txt")
-    assert moved.name == "b.txt" and not sbx.files.exists("/work/sub/a.txt")
-    sbx.files.remove("/work/d")
-    assert not sbx.files.exists("/work/d/b.txt")
-    with pytest.raises(Exception) as ei:
-        sbx.files.read("/work/missing")
-    assert type(ei.value).__name__ == "FileNotFoundException"
+        info = sbx.files.write("/work/sub/a.txt", "hello")       # parents made, as E2B does
+        assert (info.path, info.type) == ("/work/sub/a.txt", FileType.FILE)
+        assert sbx.files.read("/work/sub/a.txt") == "hello"
+        assert sbx.files.read("/work/sub/a.txt", format="bytes") == bytearray(b"hello")
+        entries = sbx.files.list("/work", depth=2)
+        assert [(e.path, e.type) for e in entries] == [("/work/sub", FileType.DIR), ("/work/sub/a.txt", FileType.FILE)]
+        assert entries[1].size == 5 and entries[1].permissions == "rw-r--r--" and entries[1].owner == "0"
+        assert sbx.files.make_dir("/work/d") is True and sbx.files.exists("/work/d")
+        moved = sbx.files.rename("/work/sub/a.txt", "/work/d/b.txt")
+        assert moved.name == "b.txt" and not sbx.files.exists("/work/sub/a.txt")
+        sbx.files.remove("/work/d")
+        assert not sbx.files.exists("/work/d/b.txt")
+        with pytest.raises(Exception) as ei:
+            sbx.files.read("/work/missing")
+        assert type(ei.value).__name__ == "FileNotFoundException"
 
-    got = sbx.get_info()
-    assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"job": "e2b-t1"} and got.template_id == "busybox"
-    assert sbx.is_running()
-    listed = Sandbox.list(query=SandboxQuery(metadata={"job": "e2b-t1"})).next_items()
-    assert [i.sandbox_id for i in listed] == [sbx.sandbox_id]
-    assert Sandbox.list(query=SandboxQuery(metadata={"job": "nobody"})).next_items() == []
+        got = sbx.get_info()
+        assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"job": "e2b-t1"} and got.template_id == "busybox"
+        assert sbx.is_running()
+        listed = Sandbox.list(query=SandboxQuery(metadata={"job": "e2b-t1"})).next_items()
+        assert [i.sandbox_id for i in listed] == [sbx.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"job": "nobody"})).next_items() == []
 
-    again = Sandbox.connect(sbx.sandbox_id)
-    assert again.commands.run("cat /work/sub/../d 2>/dev/null || echo gone").stdout == "gone\n"
-    assert sbx.kill() is True
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.commands.run("cat /work/sub/../d 2>/dev/null || echo gone").stdout == "gone\n"
+    finally:
+        killed = sbx.kill()
+    assert killed is True
     assert Sandbox.kill(sbx.sandbox_id) is False                 # never raises for a missing one
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect(sbx.sandbox_id)
@@ -101,3 +117,25 @@ async def test_the_async_sandbox_in_the_callers_loop(e2b_env):
         assert await sbx.kill() is True
     with pytest.raises(NotFoundException):
         await AsyncSandbox.get_info(sbx.sandbox_id)
+
+
+async def test_timeouts_pause_and_connect_extends_never_shortens(e2b_env):
+    import time
+    from e2b import AsyncSandbox, SandboxState
+    sbx = await AsyncSandbox.create(template="busybox", timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        await sbx.files.write("/kept", "yes")
+        await asyncio.sleep(3.5)
+        info = await sbx.get_info()
+        assert info.state == SandboxState.PAUSED            # paused at its timeout, not killed
+        back = await AsyncSandbox.connect(sbx.sandbox_id, timeout=60)
+        assert await back.is_running() and await back.files.read("/kept") == "yes"
+        end = (await back.get_info()).end_at.timestamp()
+        assert abs(end - (time.time() + 60)) < 5
+        await AsyncSandbox.connect(sbx.sandbox_id, timeout=5)   # never shortens
+        assert abs((await back.get_info()).end_at.timestamp() - end) < 1
+        await back.set_timeout(1)                               # set_timeout does
+        await asyncio.sleep(2.5)
+        assert (await back.get_info()).state == SandboxState.PAUSED
+    finally:
+        assert await sbx.kill() is True

@@ -142,3 +142,18 @@ async def test_a_flood_is_capped_and_does_not_slow_another_sandbox(client):
     p99 = latencies[int(len(latencies) * 0.99) - 1]
     assert p99 < 0.2, f"line latency p99 {p99 * 1000:.1f} ms beside a flood"   # target 20 ms: see bench.stream
     assert peak - rss0 < 200 * MIB, f"edge RSS grew {(peak - rss0) / MIB:.0f} MiB"
+
+
+async def test_chunks_as_they_arrive_show_a_line_not_finished(client):
+    """stream(lines=False): what a running command printed so far, a partial line too, then the rest;
+    the bytes joined are what it wrote."""
+    async with await client.create() as sb:
+        got: list[tuple[str, bytes]] = []
+        agen = sb.stream("printf 'half'; sleep 2; printf ' done\\nnext'; echo tail >&2", lines=False)
+        first = await asyncio.wait_for(agen.__anext__(), 1.5)   # long before the command ends
+        assert (first.stream, first.data) == ("stdout", b"half")
+        async for ev in agen:
+            got.append((ev.stream, ev.data) if isinstance(ev, libdsec.Output) else ("exit", ev.exit_code))
+        assert got[-1] == ("exit", 0)
+        assert b"half" + b"".join(d for s, d in got if s == "stdout") == b"half done\nnext"
+        assert b"".join(d for s, d in got if s == "stderr") == b"tail\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import time
 from typing import IO, Any, Dict, List, Optional, Union
 
 from bus.apiwire import ListSandboxes, SandboxPage
@@ -199,27 +200,34 @@ class AsyncSandbox:
         metadata as its labels and envs in every command. E2B-only arguments (api_key, domain, ...) are
         accepted and ignored; others are refused."""
         _refuse_unknown(kwargs)
-        if lifecycle and lifecycle.get("on_timeout", "kill") != "kill":
-            raise InvalidArgumentException("lifecycle on_timeout='pause' is not offered yet: the sandbox is "
-                                           "destroyed at its timeout")
+        on_timeout = (lifecycle or {}).get("on_timeout", "kill")
+        if on_timeout not in ("kill", "pause") or set(lifecycle or {}) - {"on_timeout"}:
+            raise InvalidArgumentException(f"lifecycle: only on_timeout 'kill' or 'pause' is offered, got {lifecycle!r}")
         c = await client()
         try:
             native = await c.create(template or os.environ.get("DSEC_E2B_TEMPLATE", DEFAULT_TEMPLATE),
-                                    ttl=float(timeout or DEFAULT_TIMEOUT), labels=dict(metadata or {}), env=envs)
+                                    ttl=float(timeout or DEFAULT_TIMEOUT), labels=dict(metadata or {}), env=envs,
+                                    on_timeout="suspend" if on_timeout == "pause" else "destroy")
         except DsecError as err:
             raise mapped(err) from err
         return cls(native)
 
     @classmethod
     async def connect(cls, sandbox_id: str, timeout: Optional[int] = None, **kwargs: Any) -> "AsyncSandbox":
-        """Attach to a running sandbox; a paused one is resumed."""
+        """Attach to a running sandbox; a paused one is resumed. Its timeout becomes `timeout` seconds from
+        now when that is later than it was (never earlier; a paused one without `timeout` gets 300 s)."""
         _refuse_unknown(kwargs)
         c = await client()
         try:
             native = await c.get(sandbox_id)
             rec = await c._record(sandbox_id)
-            if rec is not None and rec.suspended:
-                await native.resume()
+            if rec is not None:
+                left = rec.expires_at - (rec.suspended_at if rec.suspended else time.time())
+                want = timeout if timeout is not None else (DEFAULT_TIMEOUT if rec.suspended else None)
+                if want is not None and want > left:
+                    await native.set_timeout(want)   # before resume: a paused one's count starts then
+                if rec.suspended:
+                    await native.resume()
         except DsecError as err:
             raise mapped(err) from err
         return cls(native)
@@ -266,8 +274,12 @@ class AsyncSandbox:
             raise mapped(err) from err
         return sandbox_id
 
-    async def set_timeout(self, timeout: int, **kwargs: Any) -> None:
-        raise InvalidArgumentException("set_timeout is not offered yet: give timeout= to create()")
-
+    @by_id
+    async def set_timeout(cls, sandbox_id: str, timeout: int, **kwargs: Any) -> None:
+        """It now ends `timeout` seconds from now, earlier or later than before (0: now)."""
+        try:
+            await (await (await client()).get(sandbox_id)).set_timeout(timeout)
+        except DsecError as err:
+            raise mapped(err) from err
 
 __all__ = ["AsyncSandbox", "AsyncSandboxPaginator", "AsyncCommands", "AsyncFilesystem", "CommandResult"]

@@ -92,6 +92,7 @@ class Sandbox:
     kill = by_id("kill")
     get_info = by_id("get_info")
     pause = by_id("pause")
+    set_timeout = by_id("set_timeout")
 
     def __init__(self, inner: aio.AsyncSandbox) -> None:
         self._inner = inner
@@ -125,6 +126,3 @@ class Sandbox:
 
     def is_running(self, **kwargs: Any) -> bool:
         return run(self._inner.is_running(**kwargs))
-
-    def set_timeout(self, timeout: int, **kwargs: Any) -> None:
-        run(self._inner.set_timeout(timeout, **kwargs))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import inspect
 from typing import Any, Callable, Optional
 
@@ -23,7 +24,7 @@ async def _call(handler: Optional[OutputHandler], text: str) -> None:
 
 class AsyncCommandHandle:
     """A running command: wait() for its result, kill() it. Output goes to the handlers as it arrives
-    (a line at a time) and is kept for the result. pid is None: DSec does not report it yet (docs/e2b.md)."""
+    (chunks: a line not finished yet too) and is kept for the result. pid is None: DSec does not report it yet (docs/e2b.md)."""
 
     def __init__(self, handle: ExecHandle, on_stdout: Optional[OutputHandler] = None,
                  on_stderr: Optional[OutputHandler] = None) -> None:
@@ -32,6 +33,8 @@ class AsyncCommandHandle:
         self._stdout: list[str] = []
         self._stderr: list[str] = []
         self._on = {"stdout": on_stdout, "stderr": on_stderr}
+        # a chunk may end inside a UTF-8 character: each stream decodes on across its chunks
+        self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in self._on}
         self._result: Optional[CommandResult] = None
         self._pump = asyncio.ensure_future(self._read())
 
@@ -52,12 +55,16 @@ class AsyncCommandHandle:
 
     async def _read(self) -> CommandResult:
         try:
-            async for ev in self._handle.stream():
+            async for ev in self._handle.stream(lines=False):
                 if isinstance(ev, Output):
-                    text = ev.data.decode(errors="replace")
+                    text = self._decoders[ev.stream].decode(ev.data)
                     (self._stdout if ev.stream == "stdout" else self._stderr).append(text)
                     await _call(self._on[ev.stream], text)
                 elif isinstance(ev, Exit):
+                    for name, decoder in self._decoders.items():   # a cut character at the very end
+                        tail = decoder.decode(b"", final=True)
+                        if tail:
+                            (self._stdout if name == "stdout" else self._stderr).append(tail)
                     error = "timed out" if ev.timed_out else None
                     self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=ev.exit_code,
                                                  error=error)

@@ -1,0 +1,71 @@
+"""A running sandbox's expiry rewritten (sb.set_timeout) and a TTL that suspends (on_timeout="suspend")."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import libdsec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _record(client, sid):
+    rec = await client._record(sid)
+    assert rec is not None
+    return rec
+
+
+async def test_set_timeout_shortens_and_lengthens(client):
+    long, short = await client.create(ttl=600), await client.create(ttl=2)
+    try:
+        await long.set_timeout(1)
+        await short.set_timeout(30)
+        before = time.time()
+        assert abs((await _record(client, short.id)).expires_at - (before + 30)) < 3
+        await asyncio.sleep(3.5)
+        with pytest.raises(libdsec.SandboxNotFound) as ei:
+            await long.exec("true")
+        assert ei.value.reason == "expired"
+        assert (await _record(client, long.id)).state == "expired"
+        assert (await short.exec("echo alive")).stdout == b"alive\n"   # past its first 2 s
+        await short.set_timeout(0)                                     # at once
+        await asyncio.sleep(1.5)
+        assert (await _record(client, short.id)).state == "expired"
+    finally:
+        for sb in (long, short):
+            try:
+                await sb.destroy()
+            except libdsec.SandboxNotFound:
+                pass
+
+
+async def test_a_ttl_that_suspends_keeps_the_sandbox(client):
+    sb = await client.create(ttl=1.5, on_timeout="suspend")
+    try:
+        await sb.exec("echo kept > /tmp/state")
+        await asyncio.sleep(3)
+        rec = await _record(client, sb.id)
+        assert (rec.state, rec.suspended, rec.on_timeout) == ("ready", True, "suspend")
+        with pytest.raises(libdsec.SandboxSuspended):
+            await sb.exec("true")
+        await sb.set_timeout(20)                       # counts from the resume
+        await sb.resume()
+        await asyncio.sleep(1)
+        assert (await sb.exec("cat /tmp/state")).stdout == b"kept\n"
+        rec = await _record(client, sb.id)
+        assert not rec.suspended and rec.expires_at > time.time() + 15
+    finally:
+        await sb.destroy()
+
+
+async def test_bad_timeouts_are_refused(client):
+    with pytest.raises(libdsec.InvalidRequest, match="on_timeout"):
+        await client.create(on_timeout="later")
+    with pytest.raises(libdsec.Unsupported):
+        await client.create(backend="fncall", on_timeout="suspend")
+    async with await client.create() as sb:
+        with pytest.raises(libdsec.InvalidRequest):
+            await sb.set_timeout(-1)
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
