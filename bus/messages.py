@@ -250,6 +250,7 @@ class FileOp(Wire, tag="file_op"):
     length: int = FILE_PIECE
     data: bytes = b""
     mode: int = 0o644
+    metadata: dict[str, str] = {}   # write at offset 0: stored as the file's user.<key> xattrs
     reply_to: str = ""
     deadline: float = 0.0
 
@@ -267,6 +268,7 @@ class FileEntry(msgspec.Struct, frozen=True):
     gid: int = 0
     mtime: float = 0.0
     symlink_target: str = ""
+    metadata: dict[str, str] = {}   # its user.* xattrs, "user." taken off
 
 
 class FileOpResult(msgspec.Struct, frozen=True):

@@ -21,7 +21,7 @@ from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, Exec
                           snapshot_decoder)
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
-from edge.backends.treeops import MAX_DEPTH
+from edge.backends.treeops import MAX_DEPTH, check_metadata
 from edge.backends.base import BackendError, SandboxGone
 from edge.records import Outcome
 from edge.sandboxes import Sandboxes
@@ -182,6 +182,10 @@ class OpLane:
             raise InvalidRequest(f"a file op moves 1..{2 * FILE_PIECE} bytes per piece, from offset >= 0")
         if not 1 <= op.depth <= MAX_DEPTH:
             raise InvalidRequest(f"depth must be 1..{MAX_DEPTH}, got {op.depth}")
+        try:
+            check_metadata(op.metadata)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         if not op.path.startswith("/") or "\0" in op.path or (op.op == "rename" and not op.dest.startswith("/")):
             raise InvalidRequest(f"paths must be absolute: {op.path!r}")
         return await self._on(op.sandbox_id, "file_op", lambda: self.sandboxes.backend.file_op(op.sandbox_id, op),

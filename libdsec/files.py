@@ -80,16 +80,20 @@ class AsyncFiles:
             raise FileOpError(f"changed while read: {path} ({first.size} bytes, then {got})")
         return b"".join(parts)
 
-    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, metadata: dict[str, str] | None = None,
                     timeout: float = DEFAULT_TIMEOUT) -> None:
-        """Create or truncate path with data (any size), a piece per request, in order."""
+        """Create or truncate path with data (any size), a piece per request, in order. metadata: kept as the
+        file's user.<key> extended attributes (get_info(...).metadata gives them back)."""
+        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise InvalidRequest("metadata must map str to str")
         if isinstance(data, str):
             data = data.encode()
         view = memoryview(data)
         offset = 0
         while True:
             piece = bytes(view[offset:offset + FILE_PIECE])
-            await self._op("write", path, timeout, offset=offset, data=piece, mode=mode)
+            await self._op("write", path, timeout, offset=offset, data=piece, mode=mode,
+                           metadata=dict(metadata or {}) if offset == 0 else {})
             offset += len(piece)
             if offset >= len(data):
                 return

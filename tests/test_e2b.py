@@ -72,6 +72,9 @@ def _agent_loop() -> None:
         entries = sbx.files.list("/work", depth=2)
         assert [(e.path, e.type) for e in entries] == [("/work/sub", FileType.DIR), ("/work/sub/a.txt", FileType.FILE)]
         assert entries[1].size == 5 and entries[1].permissions == "rw-r--r--" and entries[1].owner == "0"
+        sbx.files.write("/work/m", "x", metadata={"k": "v"})
+        assert sbx.files.get_info("/work/m").metadata == {"k": "v"}
+        sbx.files.remove("/work/m")
         assert sbx.files.make_dir("/work/d") is True and sbx.files.exists("/work/d")
         moved = sbx.files.rename("/work/sub/a.txt", "/work/d/b.txt")
         assert moved.name == "b.txt" and not sbx.files.exists("/work/sub/a.txt")

@@ -48,6 +48,21 @@ async def test_tree_operations_and_what_they_return(client):
         assert (await sb.exec("cat /w/g.txt")).stdout == b"hello"
 
 
+async def test_metadata_is_kept_as_user_xattrs(client):
+    async with await client.create() as sb:
+        await sb.files.write("/m.txt", "x", metadata={"owner": "agent-7", "step": "12"})
+        info = await sb.files.get_info("/m.txt")
+        assert info.metadata == {"owner": "agent-7", "step": "12"}
+        assert [e.metadata for e in await sb.files.list("/") if e.path == "/m.txt"] == [info.metadata]
+        await sb.files.write("/m.txt", "y")                       # a rewrite keeps the file's own xattrs
+        assert (await sb.files.get_info("/m.txt")).metadata == info.metadata
+        with pytest.raises(libdsec.InvalidRequest, match="metadata"):
+            await sb.files.write("/n.txt", "x", metadata={"": "v"})
+        with pytest.raises(libdsec.InvalidRequest, match="metadata"):
+            await sb.files.write("/n.txt", "x", metadata={"k": "v" * 5000})
+        assert not await sb.files.exists("/n.txt")
+
+
 async def test_bad_paths_get_one_clear_line_and_the_sandbox_stays_well(client):
     async with await client.create() as sb:
         with pytest.raises(libdsec.InvalidRequest, match="absolute"):

@@ -99,7 +99,7 @@ def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, s
                 data, size = treeops.read_at(root, rel, op.offset, op.length)
                 result = FileOpResult(data=data, size=size)
             case "write":
-                treeops.write_at(root, rel, op.data, op.offset, op.mode & 0o7777, base)
+                treeops.write_at(root, rel, op.data, op.offset, op.mode & 0o7777, base, dict(op.metadata))
                 result = FileOpResult()
             case _:
                 raise BackendError(f"unknown file op {op.op!r}")

@@ -20,6 +20,8 @@ from edge.backends.base import BackendError
 
 MAX_ENTRIES = 10_000    # one list answer (its entries fit a bus message)
 MAX_DEPTH = 16
+MAX_META_KEY = 250      # "user." + key within XATTR_NAME_MAX (255)
+MAX_META_VALUE = 4096   # each value (one filesystem block holds them all on ext4; btrfs allows more)
 
 
 def _normal(path: str) -> str:
@@ -61,9 +63,33 @@ def entry(pfd: int, name: str, path: str, base: int) -> FileEntry:
     """The entry `name` in dir pfd (not following a symlink); owners as the sandbox sees them."""
     s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
     target = os.readlink(name, dir_fd=pfd) if st.S_ISLNK(s.st_mode) else ""
+    meta = _metadata(pfd, name) if st.S_ISREG(s.st_mode) or st.S_ISDIR(s.st_mode) else {}
     return FileEntry(name=name, path=path, type=_kind(s.st_mode), size=s.st_size, mode=st.S_IMODE(s.st_mode),
                      permissions=st.filemode(s.st_mode)[1:], uid=_inside(s.st_uid, base), gid=_inside(s.st_gid, base),
-                     mtime=s.st_mtime, symlink_target=target)
+                     mtime=s.st_mtime, symlink_target=target, metadata=meta)
+
+
+def _metadata(pfd: int, name: str) -> dict[str, str]:
+    """The user.* xattrs of `name` in dir pfd ("user." taken off; values as UTF-8, bad bytes replaced)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=pfd)
+    except OSError:
+        return {}
+    try:
+        return {k[5:]: os.getxattr(fd, k).decode(errors="replace") for k in os.listxattr(fd) if k.startswith("user.")}
+    except OSError:   # a filesystem without user xattrs
+        return {}
+    finally:
+        os.close(fd)
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """ValueError for metadata that cannot be user.* xattrs."""
+    for key, value in metadata.items():
+        if not key or "\0" in key or len(key.encode()) > MAX_META_KEY or "\0" in value \
+                or len(value.encode()) > MAX_META_VALUE:
+            raise ValueError(f"metadata: keys of 1..{MAX_META_KEY} bytes and values of at most {MAX_META_VALUE} "
+                             f"bytes, without NUL (got key {key[:40]!r})")
 
 
 def _inside(host_id: int, base: int) -> int:
@@ -177,11 +203,20 @@ def read_at(root: int, path: str, offset: int, length: int) -> tuple[bytes, int]
         os.close(fd)
 
 
-def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int) -> None:
-    """Write data at offset of path: offset 0 creates or truncates it (exactly mode, owned by owner);
-    a later piece extends what the first made."""
+def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int,
+             metadata: dict[str, str] | None = None) -> None:
+    """Write data at offset of path: offset 0 creates or truncates it (exactly mode, owned by owner, with
+    metadata as its user.* xattrs); a later piece extends what the first made."""
     if offset == 0:
+        check_metadata(metadata or {})
         kernel.write_in_root(root, path, data, mode, owner)
+        if metadata:
+            fd = kernel.open_in_root(root, path, os.O_RDONLY)
+            try:
+                for key, value in metadata.items():
+                    os.setxattr(fd, f"user.{key}", value.encode())
+            finally:
+                os.close(fd)
         return
     fd = kernel.open_in_root(root, path, os.O_WRONLY)
     try:

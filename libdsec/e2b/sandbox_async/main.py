@@ -109,14 +109,14 @@ class AsyncFilesystem:
         return pieces()
 
     async def write(self, path: str, data: Union[str, bytes, IO], user: Optional[str] = None,
-                    request_timeout: Optional[float] = None) -> WriteInfo:
-        """Create or overwrite path (its missing parent directories are made)."""
+                    request_timeout: Optional[float] = None, metadata: Optional[Dict[str, str]] = None) -> WriteInfo:
+        """Create or overwrite path (its missing parent directories are made); metadata: its user.* xattrs."""
         if hasattr(data, "read"):
             data = data.read()
         parent = os.path.dirname(path.rstrip("/"))
         if parent not in ("", "/"):
             await self._do(self._files.make_dir(parent))
-        await self._do(self._files.write(path, data))
+        await self._do(self._files.write(path, data, metadata=metadata))
         return WriteInfo(name=os.path.basename(path), type=FileType.FILE, path=path)
 
     async def write_files(self, files: List[WriteEntry], user: Optional[str] = None,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import datetime
 import enum
-from dataclasses import dataclass
-from typing import IO, Optional, Union
+from dataclasses import dataclass, field
+from typing import IO, Dict, Optional, Union
 
 from bus.messages import FileEntry
 
@@ -31,6 +31,7 @@ class EntryInfo:
     group: str
     modified_time: datetime.datetime
     symlink_target: Optional[str] = None
+    metadata: Dict[str, str] = field(default_factory=dict)   # its user.* xattrs
 
 
 @dataclass
@@ -55,4 +56,4 @@ def entry_info(e: FileEntry) -> EntryInfo:
     return EntryInfo(name=e.name, type=FileType.DIR if e.type == "dir" else FileType.FILE, path=e.path, size=e.size,
                      mode=e.mode, permissions=e.permissions, owner=str(e.uid), group=str(e.gid),
                      modified_time=datetime.datetime.fromtimestamp(e.mtime, datetime.timezone.utc),
-                     symlink_target=e.symlink_target or None)
+                     symlink_target=e.symlink_target or None, metadata=dict(e.metadata))
