@@ -32,7 +32,7 @@ MOVE_MOUNT_F_EMPTY_PATH = 0x4
 MOUNT_ATTR_NOSUID = 0x00000002
 MOUNT_ATTR_IDMAP = 0x00100000
 
-# Per-namespace limits of every sandbox's user namespace (/proc/sys/user/*; see zygote.sandbox_userns).
+# Per-namespace limits of every sandbox's user namespace (/proc/sys/user/*; see nskeeper.sandbox_userns).
 USERNS_PER_SANDBOX = 1024
 USERNS_LIMITS = (("max_inotify_instances", "128"), ("max_inotify_watches", "65536"),
                  ("max_user_namespaces", str(USERNS_PER_SANDBOX)), ("max_fanotify_groups", "16"),

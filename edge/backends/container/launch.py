@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from edge.backends import cgroups, execio, idmap, kernel, zygote
+from edge.backends import cgroups, execio, idmap, kernel, nskeeper
 from edge.backends.base import BackendError, CapacityExhausted, LayerUnusable, SandboxGone, SandboxSpec
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.container.state import (ID_RE, KEYS_KEPT, LAUNCH_TIMEOUT, REAP_TIMEOUT, RELEASE_RETRIES, Core,
@@ -82,7 +82,7 @@ class Launching(Core):
                 await self.network.detach(spec.id)
             if isinstance(exc, LayerError):
                 raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
-            if isinstance(exc, LauncherError) and zygote.USERNS_EXHAUSTED in str(exc):
+            if isinstance(exc, LauncherError) and nskeeper.USERNS_EXHAUSTED in str(exc):
                 raise CapacityExhausted(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, (UpperError, CgroupError, LauncherError, OSError)):
                 raise BackendError(f"sandbox {spec.id}: {exc}") from exc
