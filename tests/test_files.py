@@ -27,6 +27,8 @@ async def test_a_100_mib_file_goes_in_and_out_byte_exact(client):
 
 async def test_tree_operations_and_what_they_return(client):
     async with await client.create() as sb:
+        root = await sb.files.get_info("/")
+        assert (root.name, root.path, root.type, root.uid) == ("/", "/", "dir", 0), root
         assert await sb.files.make_dir("/w/a/b") is True
         assert await sb.files.make_dir("/w/a/b") is False
         await sb.files.write("/w/a/f.txt", "hello")

@@ -92,9 +92,10 @@ def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, s
                 treeops.remove(root, rel)
                 result = FileOpResult()
             case "rename":
-                if _where(op.dest, scratch)[0] != _where(op.path, scratch)[0]:
+                dest_mount, dest = _where(op.dest, scratch)
+                if dest_mount != _where(op.path, scratch)[0]:
                     raise OSError(errno.EXDEV, "across mounts")
-                result = FileOpResult(entry=treeops.rename(root, rel, _where(op.dest, scratch)[1], base))
+                result = FileOpResult(entry=treeops.rename(root, rel, dest, base))
             case "read":
                 data, size = treeops.read_at(root, rel, op.offset, op.length)
                 result = FileOpResult(data=data, size=size)
@@ -106,7 +107,7 @@ def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, s
         return encode(result)
     except OSError as exc:
         raise file_error(exc, op.path, creating=op.op in ("mkdir", "write", "rename")) from exc
-    except (ValueError, OverflowError) as exc:
+    except OverflowError as exc:   # a listing past treeops.MAX_ENTRIES
         raise BackendError(f"{exc}: {op.path}") from exc
     finally:
         os.close(root)

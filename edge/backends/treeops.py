@@ -14,6 +14,8 @@ import os
 import shutil
 import stat as st
 
+import msgspec
+
 from bus.messages import FileEntry
 from edge.backends import kernel
 from edge.backends.base import BackendError
@@ -99,10 +101,7 @@ def _inside(host_id: int, base: int) -> int:
 
 def stat(root: int, path: str, base: int) -> FileEntry:
     if _normal(path) == "/":
-        s = os.stat(".", dir_fd=root)
-        return FileEntry(name="/", path="/", type="dir", size=s.st_size, mode=st.S_IMODE(s.st_mode),
-                         permissions=st.filemode(s.st_mode)[1:], uid=_inside(s.st_uid, base),
-                         gid=_inside(s.st_gid, base), mtime=s.st_mtime)
+        return msgspec.structs.replace(entry(root, ".", "/", base), name="/")
     pfd, name = _parent(root, path)
     try:
         return entry(pfd, name, _normal(path), base)
@@ -111,9 +110,8 @@ def stat(root: int, path: str, base: int) -> FileEntry:
 
 
 def listing(root: int, path: str, depth: int, base: int) -> list[FileEntry]:
-    """The entries under directory path, down to depth levels (1: its own entries), sorted by path."""
-    if not 1 <= depth <= MAX_DEPTH:
-        raise ValueError(f"depth must be 1..{MAX_DEPTH}, got {depth}")
+    """The entries under directory path, down to depth levels (1: its own entries, up to MAX_DEPTH: the op
+    lane checks it), sorted by path."""
     top = _normal(path)
     out: list[FileEntry] = []
     fd = kernel.open_in_root(root, top, os.O_RDONLY | os.O_DIRECTORY)
@@ -196,9 +194,10 @@ def read_at(root: int, path: str, offset: int, length: int) -> tuple[bytes, int]
     """(up to length bytes of regular file path from offset, its whole size)."""
     fd = kernel.open_in_root(root, path, os.O_RDONLY)
     try:
-        if not st.S_ISREG(os.fstat(fd).st_mode):
+        s = os.fstat(fd)
+        if not st.S_ISREG(s.st_mode):
             raise OSError(errno.ENXIO, "not a regular file")
-        return os.pread(fd, length, offset), os.fstat(fd).st_size
+        return os.pread(fd, length, offset), s.st_size
     finally:
         os.close(fd)
 
@@ -206,9 +205,8 @@ def read_at(root: int, path: str, offset: int, length: int) -> tuple[bytes, int]
 def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int,
              metadata: dict[str, str] | None = None) -> None:
     """Write data at offset of path: offset 0 creates or truncates it (exactly mode, owned by owner, with
-    metadata as its user.* xattrs); a later piece extends what the first made."""
+    metadata as its user.* xattrs, checked by the op lane); a later piece extends what the first made."""
     if offset == 0:
-        check_metadata(metadata or {})
         kernel.write_in_root(root, path, data, mode, owner)
         if metadata:
             fd = kernel.open_in_root(root, path, os.O_RDONLY)
@@ -220,10 +218,11 @@ def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: i
         return
     fd = kernel.open_in_root(root, path, os.O_WRONLY)
     try:
-        if not st.S_ISREG(os.fstat(fd).st_mode):
+        s = os.fstat(fd)
+        if not st.S_ISREG(s.st_mode):
             raise OSError(errno.ENXIO, "not a regular file")
-        if os.fstat(fd).st_size != offset:   # pieces come in order, each once: anything else is a lost piece
-            raise OSError(errno.EINVAL, f"the file holds {os.fstat(fd).st_size} bytes, not {offset}: a piece was lost")
+        if s.st_size != offset:   # pieces come in order, each once: anything else is a lost piece
+            raise OSError(errno.EINVAL, f"the file holds {s.st_size} bytes, not {offset}: a piece was lost")
         os.pwrite(fd, data, offset)
     finally:
         os.close(fd)

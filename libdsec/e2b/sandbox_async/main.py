@@ -7,7 +7,7 @@ import os
 import time
 from typing import IO, Any, Dict, List, Optional, Union
 
-from bus.apiwire import ListSandboxes, SandboxPage
+from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage
 from bus.errors import DsecError, SandboxNotFound
 from libdsec.client import AsyncClient
 from libdsec.e2b.exceptions import InvalidArgumentException, SandboxException, SandboxNotFoundException, mapped
@@ -161,9 +161,8 @@ class AsyncSandboxPaginator:
         if not self.has_next:
             raise SandboxException("no more items")
         c = await client()
-        req = ListSandboxes(states=["ready"], labels=dict(self._query.metadata or {}), next_token=self.next_token)
-        if self._limit:
-            req = ListSandboxes(states=["ready"], labels=req.labels, next_token=self.next_token, limit=self._limit)
+        req = ListSandboxes(states=["ready"], labels=dict(self._query.metadata or {}), next_token=self.next_token,
+                            limit=self._limit or MAX_PAGE)
         try:
             page = await c._ask(req, SandboxPage)
         except DsecError as err:
