@@ -16,7 +16,8 @@ import msgspec
 from bus import streams
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import ExitRecord, decode_output, event_decoder, sandbox_decoder
+from bus.messages import event_decoder, sandbox_decoder
+from bus.execwire import ExitRecord, decode_output
 
 TERMINAL_EVENTS = {"destroyed", "expired", "failed", "node_lost"}
 

@@ -24,8 +24,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
-from bus.messages import (ErrorReply, Event, ExecInput, ExecRequest, ExecSignal, ExitRecord, OkReply, SandboxRecord,
-                          TrajRecord, control_decoder, decode_output, encode)
+from bus.messages import ErrorReply, Event, ExecRequest, OkReply, SandboxRecord, TrajRecord, encode
+from bus.execwire import ExecInput, ExecSignal, ExitRecord, control_decoder, decode_output
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import TRAJ_OUTPUT, OutputRelay
 from chronus.shell import command_argv

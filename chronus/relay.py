@@ -31,7 +31,8 @@ import msgspec
 from bus.streams import OUT_STREAM
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import ExitRecord, OutputChunk, chunk_message, decode_output, encode
+from bus.messages import encode
+from bus.execwire import ExitRecord, OutputChunk, chunk_message, decode_output
 
 log = logging.getLogger(__name__)
 

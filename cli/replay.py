@@ -14,7 +14,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import ExitRecord, OutputChunk, TrajRecord, decode_output, encode
+from bus.messages import TrajRecord, encode
+from bus.execwire import ExitRecord, OutputChunk, decode_output
 from cli.main import connect, fail, main, nats_option, run_async
 from cli.termsafe import Terminal
 from libdsec.execstream import LineSplitter

@@ -25,7 +25,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import Event, ExitRecord, SandboxRecord, TrajRecord, decode_output, encode, sandbox_decoder
+from bus.messages import Event, SandboxRecord, TrajRecord, encode, sandbox_decoder
+from bus.execwire import ExitRecord, decode_output
 from edge.outbox import Change, Outbox, Publish
 
 log = logging.getLogger(__name__)

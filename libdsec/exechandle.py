@@ -17,7 +17,8 @@ import msgspec
 
 from bus.conn import Bus
 from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError, from_code
-from bus.messages import ErrorReply, ExecInput, ExecSignal, ExitRecord, op_reply_decoder
+from bus.messages import ErrorReply, op_reply_decoder
+from bus.execwire import ExecInput, ExecSignal, ExitRecord
 from libdsec.execstream import EXIT_GRACE, ExecStream, LineSplitter, exit_of
 from libdsec.results import ExecResult, Exit, Output
 

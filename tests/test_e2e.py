@@ -128,7 +128,7 @@ async def test_events_and_kv_record(client, stack):
 
 async def test_output_readable_later_from_stream(client, stack):
     from bus import streams, subjects
-    from bus.messages import ExitRecord, OutputChunk, decode_output
+    from bus.execwire import ExitRecord, OutputChunk, decode_output
     async with await client.create() as sb:
         await sb.exec("echo later")
         node = sb.node
@@ -143,7 +143,8 @@ async def test_output_readable_later_from_stream(client, stack):
 async def test_redelivered_exec_never_runs_twice(client, stack):
     """The same exec id published twice (a retry past the dedupe window, or a redelivery) runs once."""
     from bus import streams, subjects
-    from bus.messages import ExecRequest, ExitRecord, encode, output_decoder
+    from bus.messages import ExecRequest, encode
+    from bus.execwire import ExitRecord, output_decoder
     async with await client.create() as sb:
         req = ExecRequest(exec_id="xonce1", sandbox_id=sb.id, argv=["sh", "-c", "echo run >> /tmp/count"],
                           timeout=10)

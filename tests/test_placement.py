@@ -16,7 +16,7 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
 from bus.messages import (Booking, CreateRequest, ExecRequest, NodeInfo, Quota, Resources, SandboxRecord, encode,
-                          event_decoder, node_decoder, output_decoder, sandbox_decoder)
+                          event_decoder, node_decoder, sandbox_decoder)
 from bus.server import free_port
 from tests.conftest import own_server
 from placement import ledger as ledger_mod

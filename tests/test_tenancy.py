@@ -11,7 +11,8 @@ import pytest
 
 import libdsec
 from bus import subjects
-from bus.messages import ErrorReply, ExecSignal, op_reply_decoder
+from bus.messages import ErrorReply, op_reply_decoder
+from bus.execwire import ExecSignal
 from libdsec.sandbox import AsyncSandbox
 
 

@@ -10,8 +10,8 @@ import pytest
 
 import libdsec
 from bus import errors
-from bus.messages import (Booking, CreateRequest, ExitRecord, NodeInfo, OutputChunk, Resources, create_decoder,
-                          decode_output, encode, output_decoder, salvage)
+from bus.messages import Booking, CreateRequest, NodeInfo, Resources, create_decoder, encode, salvage
+from bus.execwire import ExitRecord, OutputChunk, decode_output, output_decoder
 from chronus import relay as relay_mod
 from libdsec.execstream import LineSplitter
 from libdsec.resources import parse_size
@@ -327,14 +327,14 @@ class _OutBus:
 
 def _out(exec_id, n, exit_code=0):
     """n one-line chunks and an exit record, as dsec.out messages (payload, headers)."""
-    from bus.messages import ExitRecord, chunk_message
+    from bus.execwire import ExitRecord, chunk_message
     msgs = [chunk_message(OutputChunk(exec_id=exec_id, seq=i, stream="stdout", data=b"%d\n" % i))
             for i in range(1, n + 1)]
     return msgs + [(encode(ExitRecord(exec_id=exec_id, seq=n + 1, exit_code=exit_code)), None)]
 
 
 async def _read_all(es, wait=30):
-    from bus.messages import ExitRecord
+    from bus.execwire import ExitRecord
     got = []
     async for rec in es.records(wait):
         if isinstance(rec, ExitRecord):

@@ -1,0 +1,96 @@
+"""The exec protocol's wire messages besides the request (bus/messages.py's ExecRequest, on the op lane):
+what an exec publishes on dsec.out.<tenant>.<node>.<sandbox>.<exec> (its start, its output chunks, its exit)
+and what reaches a running exec on dsec.in.<node>.<tenant>.<sandbox>.<exec> (live stdin, signals)."""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+from bus.messages import WIRE_VERSION, Wire
+
+# ---- output (dsec.out.<tenant>.<node>.<sandbox>.<exec>) ----------------------------------------
+
+class OutputChunk(Wire, tag="out"):
+    """edge -> anyone: a chunk of one stream of one exec, whole lines where it can.
+
+    seq orders all records of the exec (both streams and the exit record); stream_seq numbers the
+    chunks of one stream. partial: the chunk ends inside a line (a line longer than a chunk, or one
+    not finished yet) that the next chunk of the same stream continues; join them to rebuild it."""
+
+    exec_id: str = ""
+    seq: int = 0
+    stream: Literal["stdout", "stderr"] = "stdout"
+    data: bytes = b""
+    stream_seq: int = 0
+    partial: bool = False
+
+
+class ExitRecord(Wire, tag="exit"):
+    """edge -> anyone: the final record of an exec."""
+
+    exec_id: str = ""
+    seq: int = 0
+    exit_code: int = 0
+    duration: float = 0.0
+    cpu_time: float = 0.0
+    peak_memory: int = 0
+    timed_out: bool = False
+    truncated: bool = False
+    error_code: str = ""      # set when the exec could not run at all (e.g. sandbox_not_found)
+    error: str = ""
+    reason: str = ""          # for sandbox_not_found: destroyed, expired, node_lost, never_existed
+
+
+OutputRecord = Union[OutputChunk, ExitRecord]
+
+
+# ---- a running exec's input (core request/reply on dsec.in.<node>.<tenant>.<sandbox>.<exec>) -------------
+
+class ExecInput(Wire, tag="stdin"):
+    """libdsec -> edge: the next piece of a live stdin (seq from 1, in order); eof closes it. Answered
+    OkReply once the command's pipe took it (flow control); a repeated seq is answered, not rewritten."""
+
+    exec_id: str = ""
+    seq: int = 0
+    data: bytes = b""
+    eof: bool = False
+
+
+class ExecSignal(Wire, tag="signal"):
+    """libdsec -> edge: send a signal to every process of a running exec (9: kill its whole tree)."""
+
+    exec_id: str = ""
+    signal: int = 9
+
+
+ExecControlMsg = Union[ExecInput, ExecSignal]
+
+
+output_decoder = msgspec.json.Decoder(OutputRecord)
+
+
+# Output chunks travel raw: the bytes are the message payload (no JSON, no base64) and the framing is
+# in NATS headers, which every NATS client reads. Exit records stay JSON. See docs/streams.md.
+def chunk_message(c: OutputChunk) -> tuple[bytes, dict[str, str]]:
+    """The payload and headers of one output chunk on dsec.out."""
+    return c.data, {"Dsec-Kind": "out", "Dsec-V": str(WIRE_VERSION), "Dsec-Exec": c.exec_id, "Dsec-Seq": str(c.seq),
+                    "Dsec-Stream": c.stream, "Dsec-Stream-Seq": str(c.stream_seq),
+                    "Dsec-Partial": "1" if c.partial else "0"}
+
+
+def decode_output(data: bytes, headers: dict[str, str] | None) -> OutputRecord:
+    """An output record from a dsec.out message (raw chunk with headers, or a JSON exit record);
+    msgspec.ValidationError / DecodeError for anything else."""
+    if headers and headers.get("Dsec-Kind") == "out":
+        try:
+            stream = headers["Dsec-Stream"]
+            if stream not in ("stdout", "stderr"):
+                raise ValueError(stream)
+            return OutputChunk(exec_id=headers.get("Dsec-Exec", ""), seq=int(headers["Dsec-Seq"]), stream=stream,
+                               data=data, stream_seq=int(headers.get("Dsec-Stream-Seq", "0")),
+                               partial=headers.get("Dsec-Partial") == "1")
+        except (KeyError, ValueError) as exc:
+            raise msgspec.ValidationError(f"bad output chunk headers: {exc}") from None
+    return output_decoder.decode(data)
+control_decoder = msgspec.json.Decoder(ExecControlMsg)
