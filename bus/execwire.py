@@ -11,6 +11,15 @@ from bus.messages import WIRE_VERSION, Wire
 
 # ---- output (dsec.out.<tenant>.<node>.<sandbox>.<exec>) ----------------------------------------
 
+class StartRecord(Wire, tag="start"):
+    """edge -> anyone: the command started, before any of its output (seq 1). pid: its process id in the
+    sandbox's pid namespace. Backends that cannot say publish none: the output then starts at seq 1."""
+
+    exec_id: str = ""
+    seq: int = 0
+    pid: int = 0
+
+
 class OutputChunk(Wire, tag="out"):
     """edge -> anyone: a chunk of one stream of one exec, whole lines where it can.
 
@@ -40,21 +49,25 @@ class ExitRecord(Wire, tag="exit"):
     error_code: str = ""      # set when the exec could not run at all (e.g. sandbox_not_found)
     error: str = ""
     reason: str = ""          # for sandbox_not_found: destroyed, expired, node_lost, never_existed
+    pid: int = 0              # as its start record said (0: none)
 
 
-OutputRecord = Union[OutputChunk, ExitRecord]
+OutputRecord = Union[OutputChunk, StartRecord, ExitRecord]
 
 
 # ---- a running exec's input (core request/reply on dsec.in.<node>.<tenant>.<sandbox>.<exec>) -------------
 
 class ExecInput(Wire, tag="stdin"):
     """libdsec -> edge: the next piece of a live stdin (seq from 1, in order); eof closes it. Answered
-    OkReply once the command's pipe took it (flow control); a repeated seq is answered, not rewritten."""
+    OkReply once the command's pipe took it (flow control); a repeated seq is answered, not rewritten.
+    seq 0 with a piece_id: written after whatever came before, from any client (send_stdin by pid); a
+    repeated piece_id is answered, not rewritten."""
 
     exec_id: str = ""
     seq: int = 0
     data: bytes = b""
     eof: bool = False
+    piece_id: str = ""
 
 
 class ExecSignal(Wire, tag="signal"):
@@ -67,11 +80,35 @@ class ExecSignal(Wire, tag="signal"):
 ExecControlMsg = Union[ExecInput, ExecSignal]
 
 
+# ---- the running execs of a sandbox (the op lane's ListProcesses answers with a ProcessList) ------------
+
+class ProcessEntry(msgspec.Struct, frozen=True):
+    """One running exec: its id (its output subject's last token), its pid (0: not started yet, or its
+    backend does not say) and how it was started."""
+
+    exec_id: str
+    pid: int = 0
+    argv: list[str] = []
+    shell: str = ""
+    env: dict[str, str] = {}
+    cwd: str = ""
+    user: str = ""
+    started_at: float = 0.0
+    timeout: float = 0.0
+    live_stdin: bool = False
+    background: bool = False
+
+
+class ProcessList(msgspec.Struct, frozen=True):
+    processes: list[ProcessEntry] = []
+
+
 output_decoder = msgspec.json.Decoder(OutputRecord)
+process_list_decoder = msgspec.json.Decoder(ProcessList)
 
 
 # Output chunks travel raw: the bytes are the message payload (no JSON, no base64) and the framing is
-# in NATS headers, which every NATS client reads. Exit records stay JSON. See docs/streams.md.
+# in NATS headers, which every NATS client reads. Start and exit records stay JSON. See docs/streams.md.
 def chunk_message(c: OutputChunk) -> tuple[bytes, dict[str, str]]:
     """The payload and headers of one output chunk on dsec.out."""
     return c.data, {"Dsec-Kind": "out", "Dsec-V": str(WIRE_VERSION), "Dsec-Exec": c.exec_id, "Dsec-Seq": str(c.seq),

@@ -199,6 +199,15 @@ class SetTimeoutRequest(Wire, tag="set_timeout"):
     deadline: float = 0.0
 
 
+class ListProcesses(Wire, tag="list_processes"):
+    """libdsec -> edge: the sandbox's running execs; answered OkReply(data=bus.execwire.ProcessList)."""
+
+    request_id: str = ""
+    sandbox_id: str = ""
+    reply_to: str = ""
+    deadline: float = 0.0
+
+
 class WriteFile(Wire, tag="write_file"):
     """libdsec -> edge: write a file inside the sandbox."""
 
@@ -282,7 +291,7 @@ class FileOpResult(msgspec.Struct, frozen=True):
 
 
 SandboxOp = Union[ExecRequest, DestroyRequest, WriteFile, ReadFile, SuspendRequest, ResumeRequest, SnapshotRequest,
-                  RollbackRequest, SetNetworkRequest, FileOp, SetTimeoutRequest]
+                  RollbackRequest, SetNetworkRequest, FileOp, SetTimeoutRequest, ListProcesses]
 OpReply = Union[OkReply, ErrorReply]
 
 
@@ -468,6 +477,7 @@ class TrajRecord(Wire, tag="traj"):
     failure_class: str = ""          # environment or task, on failures (see Event)
     background: bool = False         # started with background=True (the client did not wait for it)
     live_stdin: bool = False         # its stdin was streamed while it ran (not kept in the trajectory)
+    pid: int = 0                     # its process id in the sandbox (0: its backend does not say)
     error_code: str = ""
     detail: str = ""
     decisions: list[dict[str, Any]] = []   # type network: the proxy's decisions (verdict, name, address, port,
@@ -549,8 +559,8 @@ def layer_mark(digest: str) -> str:
     return digest.rpartition(":")[2][:16]
 
 
-def encode(msg: Wire) -> bytes:
-    """Encode any wire message to JSON."""
+def encode(msg: msgspec.Struct) -> bytes:
+    """Encode any wire message (or a struct carried in one) to JSON."""
     return _ENCODER.encode(msg)
 
 

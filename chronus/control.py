@@ -29,8 +29,10 @@ class ExecControl:
     command runs (in order; each write resolves True once the pipe took it, False when the command's
     stdin is gone) and signals to its processes."""
 
-    def __init__(self, live_stdin: bool = False) -> None:
+    def __init__(self, live_stdin: bool = False, on_start: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.live_stdin = live_stdin      # stdin comes through write(), after the request's bytes
+        self.pid = 0                      # the command's pid in its sandbox, once the backend said (started)
+        self._on_start = on_start
         self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
         self._signal: Callable[[int], Awaitable[bool]] | None = None
         self.closed = False
@@ -56,6 +58,15 @@ class ExecControl:
             _, fut = self._queue.get_nowait()
             if not fut.done():
                 fut.set_result(False)
+
+    async def started(self, pid: int) -> None:
+        """For the backend: the command runs as pid (in the sandbox's pid namespace). Called once, before
+        any of its output reaches the sink, so its start record comes first."""
+        if self.pid or pid <= 0:
+            return
+        self.pid = pid
+        if self._on_start is not None:
+            await self._on_start(pid)
 
     def on_signal(self, fn: Callable[[int], Awaitable[bool]]) -> None:
         """For the backend: how to signal the exec's processes."""

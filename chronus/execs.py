@@ -25,7 +25,8 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
 from bus.messages import ErrorReply, Event, ExecRequest, OkReply, SandboxRecord, TrajRecord, encode
-from bus.execwire import ExecInput, ExecSignal, ExitRecord, control_decoder, decode_output
+from bus.execwire import (ExecInput, ExecSignal, ExitRecord, ProcessEntry, ProcessList, control_decoder,
+                          decode_output)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import TRAJ_OUTPUT, OutputRelay
 from chronus.shell import command_argv
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
 MAX_SIGNAL = 64
+REMEMBERED_PIECES = 64   # piece ids of stdin sent by pid kept per exec, to answer a retry without writing again
 STDIN_ANSWER_WAIT = 4.0   # a repeated stdin piece is answered within this (busy, if still not written)
 MAX_BACKGROUND_PER_EXEC_SLOT = 4   # background execs a node runs at once: this times max_execs
 SETTLE_WAIT = 2.0         # a destroy waits this long for its sandbox's execs to record their ends
@@ -82,15 +84,25 @@ class ExecLimits:
 
 
 class LiveExec:
-    """A running exec as its control subject sees it: the backend's controls and the stdin seq."""
+    """A running exec as its control subject sees it: the backend's controls, the stdin seq and the
+    request (what the sandbox's process list shows)."""
 
-    def __init__(self, sandbox_id: str, control: ExecControl, tenant: str = "") -> None:
-        self.sandbox_id = sandbox_id
-        self.tenant = tenant
+    def __init__(self, op: ExecRequest, control: ExecControl) -> None:
+        self.op = op
+        self.sandbox_id = op.sandbox_id
+        self.tenant = op.tenant
         self.control = control
+        self.started_at = time.time()
         self.next_seq = 1
         self.last: tuple[int, asyncio.Future] | None = None   # the latest stdin write, for a repeated seq
+        self.appended: collections.OrderedDict[str, asyncio.Future] = collections.OrderedDict()  # by piece_id
         self.recorded = asyncio.Event()   # its exit and trajectory records are out (or given up on)
+
+    def entry(self) -> ProcessEntry:
+        op = self.op
+        return ProcessEntry(exec_id=op.exec_id, pid=self.control.pid, argv=list(op.argv), shell=op.shell,
+                            env=dict(op.env), cwd=op.cwd, user=op.user, started_at=self.started_at, timeout=op.timeout,
+                            live_stdin=op.live_stdin, background=op.background)
 
 
 class Execs:
@@ -135,6 +147,11 @@ class Execs:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*pending), wait)
 
+    def processes(self, sandbox_id: str, tenant: str) -> ProcessList:
+        """The sandbox's execs still running, oldest first."""
+        return ProcessList(processes=[live.entry() for live in self._live.values()
+                                      if live.sandbox_id == sandbox_id and live.tenant == tenant])
+
     # ---- live stdin and signals ---------------------------------------------------------------
 
     async def _on_control(self, data: bytes, subject: str):
@@ -157,6 +174,8 @@ class Execs:
     async def _stdin(live: LiveExec, msg: ExecInput):
         if not live.control.live_stdin:
             return ErrorReply(code=InvalidRequest.code, message="this exec was not started with a live stdin")
+        if msg.seq == 0:
+            return await Execs._append(live, msg)
         if msg.seq < live.next_seq:          # a retry: the same answer as the first time (once written)
             written = True
             if live.last is not None and live.last[0] == msg.seq:
@@ -170,10 +189,37 @@ class Execs:
         if live.last is not None and not live.last[1].done():   # one piece in flight at a time: bounded memory
             return ErrorReply(code="stdin_busy", message=f"stdin piece {live.last[0]} is still being written")
         live.next_seq += 1
+        live.last = (msg.seq, Execs._write(live, msg))
+        return await Execs._answer_write(live.last[1])
+
+    @staticmethod
+    async def _append(live: LiveExec, msg: ExecInput):
+        """A piece sent by pid (seq 0): written after whatever came before; its piece_id, seen again, is
+        answered as the first time (a retry), never written twice."""
+        if not msg.piece_id or len(msg.piece_id) > 64:
+            return ErrorReply(code=InvalidRequest.code, message="a stdin piece without seq needs a piece_id (1..64)")
+        done = live.appended.get(msg.piece_id)
+        if done is None:
+            busy = (live.last[1] if live.last else None, next(reversed(live.appended.values()), None))
+            if any(f is not None and not f.done() for f in busy):
+                return ErrorReply(code="stdin_busy", message="an earlier stdin piece is still being written")
+            done = live.appended[msg.piece_id] = Execs._write(live, msg)
+            if len(live.appended) > REMEMBERED_PIECES:
+                live.appended.popitem(last=False)
+        try:
+            return await asyncio.wait_for(Execs._answer_write(done), STDIN_ANSWER_WAIT)
+        except asyncio.TimeoutError:
+            return ErrorReply(code="stdin_busy", message=f"stdin piece {msg.piece_id} is still being written")
+
+    @staticmethod
+    def _write(live: LiveExec, msg: ExecInput) -> asyncio.Future:
         done = live.control.write(msg.data)
         if msg.eof:
             done = live.control.write(None)
-        live.last = (msg.seq, done)
+        return done
+
+    @staticmethod
+    async def _answer_write(done: asyncio.Future):
         if not await asyncio.shield(done):
             return ErrorReply(code="stdin_closed", message="the command closed its stdin")
         return OkReply()
@@ -223,7 +269,7 @@ class Execs:
             return Verdict.ACK
         relay = OutputRelay(self.bus, subjects.output(op.tenant, self.node, op.sandbox_id, op.exec_id), op.exec_id,
                             min(op.max_output, self.limits.max_output), self.limits.traj_output)
-        live = LiveExec(op.sandbox_id, ExecControl(live_stdin=op.live_stdin), op.tenant)
+        live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started))
         self._live[op.exec_id] = live
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
             task = asyncio.ensure_future(self._execute(op, relay, None))
@@ -320,7 +366,7 @@ class Execs:
             stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
             stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
             error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
-            live_stdin=op.live_stdin, failure_class="task" if task_failed else "")
+            live_stdin=op.live_stdin, failure_class="task" if task_failed else "", pid=relay.pid)
         out = [(subjects.trajectory(rec.tenant, job, op.sandbox_id), encode(traj), f"{op.exec_id}-traj")]
         if task_failed:
             out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(

@@ -32,7 +32,7 @@ from bus.streams import OUT_STREAM
 from bus.conn import Bus
 from bus.errors import BusError
 from bus.messages import encode
-from bus.execwire import ExitRecord, OutputChunk, chunk_message, decode_output
+from bus.execwire import ExitRecord, OutputChunk, StartRecord, chunk_message, decode_output
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class OutputRelay:
         self.digests = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
         self.kept = {"stdout": bytearray(), "stderr": bytearray()}
         self.traj_output = max(0, traj_output)
+        self.pid = 0                          # as the start record said
 
     async def sink(self, stream: str, data: bytes) -> None:
         """Accept a chunk read from the command (the backend awaits this: backpressure)."""
@@ -149,12 +150,7 @@ class OutputRelay:
                     data, headers = chunk_message(OutputChunk(
                         exec_id=self.exec_id, seq=self.seq, stream=stream, data=piece,
                         stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n")))
-                    headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
-                    while len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES:
-                        await self._settle_oldest()
-                    ack = await self._send(data, headers)
-                    self._unacked.append(_Unacked(self.seq, piece, headers, ack, time.monotonic()))
-                    self._unacked_bytes += len(piece)
+                    await self._windowed(data, headers)
             self._reap_acked()
 
     def _reap_acked(self) -> None:
@@ -162,6 +158,23 @@ class OutputRelay:
         while self._unacked and self._unacked[0].ack.done() and not self._unacked[0].ack.cancelled() \
                 and self._unacked[0].ack.exception() is None:
             self._unacked_bytes -= len(self._unacked.pop(0).data)
+
+    async def started(self, pid: int) -> None:
+        """Publish the start record (the backend reports it before any output: it takes the next seq, 1)."""
+        await self.flush()
+        async with self._lock:
+            self.pid = pid
+            self.seq += 1
+            await self._windowed(encode(StartRecord(exec_id=self.exec_id, seq=self.seq, pid=pid)), {})
+
+    async def _windowed(self, data: bytes, headers: dict[str, str]) -> None:
+        """Publish record self.seq once the window has room (under its own msg id); its ack is collected later."""
+        headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
+        while len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES:
+            await self._settle_oldest()
+        ack = await self._send(data, headers)
+        self._unacked.append(_Unacked(self.seq, data, headers, ack, time.monotonic()))
+        self._unacked_bytes += len(data)
 
     async def _send(self, data: bytes, headers: dict[str, str]) -> asyncio.Future:
         """Publish one chunk (no wait for its ack); a connection that refuses even that is tried again."""
@@ -217,7 +230,7 @@ class OutputRelay:
         await self.drained()
         if self._exit is None:
             self.seq += 1
-            self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, **fields)
+            self._exit = ExitRecord(exec_id=self.exec_id, seq=self.seq, truncated=self.truncated, pid=self.pid, **fields)
         delay, first = 0.05, time.monotonic()
         while True:
             try:

@@ -7,6 +7,7 @@ import re
 import shlex
 import sys
 import time
+from typing import NamedTuple
 
 import click
 import msgspec
@@ -15,7 +16,7 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
 from bus.messages import TrajRecord, encode
-from bus.execwire import ExitRecord, OutputChunk, decode_output
+from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
 from cli.main import connect, fail, main, nats_option, run_async
 from cli.termsafe import Terminal
 from libdsec.execstream import LineSplitter
@@ -27,11 +28,27 @@ NO_NEWLINE = b"\\ no newline at end\n"
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
 
-async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRecord | None, bool]:
-    """The exec's full output in order and its exit record, from dsec.out (byte-identical to what the
-    SDK saw); when that has aged out, the part kept in the trajectory record, no exit record, and True."""
+class Stored(NamedTuple):
+    """An exec's records from dsec.out: its start record (if its kind reports one), its chunks in order, its
+    exit record; kept_only: they aged out, the chunks are the part its trajectory record kept."""
+
+    start: StartRecord | None
+    chunks: list[OutputChunk]
+    exit: ExitRecord | None
+    kept_only: bool
+
+    def aged_out(self) -> int:
+        """Records the exit record counts before it that dsec.out no longer holds."""
+        if self.exit is None:
+            return 0
+        return self.exit.seq - 1 - len(self.chunks) - (self.start is not None)
+
+
+async def _output(bus: Bus, rec: TrajRecord) -> Stored:
+    """The exec's full output in order and its start and exit records, from dsec.out (byte-identical to what
+    the SDK saw); when that has aged out, the part kept in the trajectory record."""
     chunks: dict[int, OutputChunk] = {}
-    exit_rec = None
+    exit_rec = start = None
     for subject in (subjects.output(rec.tenant, rec.node, rec.sandbox_id, rec.exec_id),
                     f"dsec.out.{rec.sandbox_id}.{rec.exec_id}"):   # (stored before the subject named tenant and node)
         async for data, headers in bus.read_subject(streams.OUT_STREAM, subject, with_headers=True):
@@ -41,15 +58,18 @@ async def _output(bus: Bus, rec: TrajRecord) -> tuple[list[OutputChunk], ExitRec
                 continue
             if isinstance(r, OutputChunk):
                 chunks.setdefault(r.seq, r)
+            elif isinstance(r, StartRecord):
+                start = r
             else:
                 exit_rec = r
-        if chunks or exit_rec is not None:
+        if chunks or exit_rec is not None or start is not None:
             break
     if chunks or exit_rec is not None or not (rec.stdout or rec.stderr):
-        return [chunks[k] for k in sorted(chunks)], exit_rec, False
-    return [c for c in (OutputChunk(exec_id=rec.exec_id, seq=1, stream="stdout", data=rec.stdout, stream_seq=1),
-                        OutputChunk(exec_id=rec.exec_id, seq=2, stream="stderr", data=rec.stderr, stream_seq=1))
-            if c.data], None, True
+        return Stored(start, [chunks[k] for k in sorted(chunks)], exit_rec, False)
+    return Stored(start, [c for c in (OutputChunk(exec_id=rec.exec_id, seq=1, stream="stdout", data=rec.stdout,
+                                                  stream_seq=1),
+                                      OutputChunk(exec_id=rec.exec_id, seq=2, stream="stderr", data=rec.stderr,
+                                                  stream_seq=1)) if c.data], None, True)
 
 
 def _command(rec: TrajRecord) -> str:
@@ -142,10 +162,11 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
             if fmt == "json":
                 _write(msgspec.json.encode({"seq": item.seq, **msgspec.to_builtins(rec)}) + b"\n")
                 if rec.type == "exec":
-                    chunks, exit_rec, kept_only = await _output(bus, rec)
-                    if not kept_only:   # the trajectory record above already holds the part it kept
-                        for record in (*chunks, *([exit_rec] if exit_rec else [])):
-                            _write(encode(record) + b"\n")
+                    out = await _output(bus, rec)
+                    if not out.kept_only:   # the trajectory record above already holds the part it kept
+                        for record in (out.start, *out.chunks, out.exit):
+                            if record is not None:
+                                _write(encode(record) + b"\n")
             elif rec.type != "exec":
                 stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
                 _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
@@ -157,18 +178,19 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
                     _write(f"#   and {sum(v for k, v in rec.suppressed.items() if k != 'bytes')} more, only counted "
                            f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
             else:
-                chunks, exit_rec, kept_only = await _output(bus, rec)
-                _write(f"$ {_command(rec)}\n".encode() + marked(chunks))
-                if kept_only:
+                out = await _output(bus, rec)
+                _write(f"$ {_command(rec)}\n".encode() + marked(out.chunks))
+                if out.kept_only:
                     if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:
                         _write(f"# (output aged out of dsec.out: only the first {len(rec.stdout)} of {rec.stdout_bytes}"
                                f" stdout and {len(rec.stderr)} of {rec.stderr_bytes} stderr bytes were kept)\n".encode())
-                elif exit_rec is not None and len(chunks) < exit_rec.seq - 1:
-                    _write(f"# ({exit_rec.seq - 1 - len(chunks)} output records aged out of dsec.out)\n".encode())
+                elif out.aged_out() > 0:
+                    _write(f"# ({out.aged_out()} output records aged out of dsec.out)\n".encode())
                 status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
                     (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {rec.detail}]"
                                                                          if rec.error_code else "")
-                _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s\n".encode())
+                pid = f", pid {rec.pid}" if rec.pid else ""
+                _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s{pid}\n".encode())
             if follow and sandbox_id and rec.type in ENDS:
                 break
         if count == 0:

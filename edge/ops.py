@@ -15,10 +15,9 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
-from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, OkReply, ReadFile,
-                          SetTimeoutRequest, ResumeRequest, RollbackRequest,
-                          SetNetworkRequest, SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder,
-                          snapshot_decoder)
+from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, ListProcesses, OkReply,
+                          ReadFile, ResumeRequest, RollbackRequest, SetNetworkRequest, SetTimeoutRequest,
+                          SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder, snapshot_decoder)
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
 from edge.backends.treeops import MAX_DEPTH, check_metadata
@@ -108,6 +107,9 @@ class OpLane:
             case SetTimeoutRequest():
                 await self._answer(op, self._on(op.sandbox_id, "set_timeout", lambda: self._set_timeout(op),
                                                 tenant=tenant))
+            case ListProcesses():
+                await self._answer(op, self._on(op.sandbox_id, "list_processes", lambda: self._processes(op, tenant),
+                                                tenant=tenant))
             case SuspendRequest():
                 await self._answer(op, self._on(op.sandbox_id, "suspend", lambda: sb.suspend(op.sandbox_id), tenant=tenant))
             case ResumeRequest():
@@ -169,6 +171,9 @@ class OpLane:
             raise InvalidRequest(f"limit: read_file returns at most {MAX_READ} bytes per call, got {op.limit}")
         return await self._on(op.sandbox_id, "read_file", lambda: self.sandboxes.backend.read_file(
             op.sandbox_id, op.path, op.limit), FileOpError, tenant)
+
+    async def _processes(self, op: ListProcesses, tenant: str) -> bytes:
+        return encode(self.execs.processes(op.sandbox_id, tenant))
 
     async def _set_timeout(self, op: SetTimeoutRequest) -> None:
         if not 0 <= op.timeout <= MAX_TIMEOUT:

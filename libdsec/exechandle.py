@@ -13,19 +13,12 @@ import signal as signals
 import time
 from typing import AsyncIterable, AsyncIterator
 
-import msgspec
-
 from bus.conn import Bus
-from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError, from_code
-from bus.messages import ErrorReply, op_reply_decoder
-from bus.execwire import ExecInput, ExecSignal, ExitRecord
+from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError
+from bus.execwire import ExecInput, ExitRecord, StartRecord
+from libdsec.execcontrol import STDIN_PIECE, ExecControls
 from libdsec.execstream import EXIT_GRACE, ExecStream, LineSplitter, exit_of
 from libdsec.results import ExecResult, Exit, Output
-
-STDIN_PIECE = 256 << 10   # bytes of live stdin per message
-CONTROL_WAIT = 5.0        # seconds one stdin/signal request waits for the node (then asked again)
-NODE_GONE_AFTER = 30.0    # seconds nobody serves the node's control subject before giving up
-NOT_YET = 0.02            # pause before asking again while the node has not started the exec
 
 
 class ExecHandle:
@@ -37,11 +30,10 @@ class ExecHandle:
                  timeout: float, keep_output: bool = True) -> None:
         self.id = exec_id
         self.sandbox_id = sandbox_id
-        self._bus = bus
-        self._control = control      # its dsec.in subject (live stdin, signals)
         self._stream = stream
         self._timeout = timeout
-        self._give_up = time.monotonic() + timeout + EXIT_GRACE
+        self._controls = ExecControls(bus, control, exec_id, time.monotonic() + timeout + EXIT_GRACE,
+                                      alive=lambda: self._exit is None and self._error is None, ended=stream.ended)
         self._keep = keep_output     # False (sb.stream): chunks are dropped once stream() has read them
         self._chunks: list[tuple[str, bytes] | None] = []
         self._read = 0               # chunks stream() has split into lines so far
@@ -51,6 +43,8 @@ class ExecHandle:
         self._exit: ExitRecord | None = None
         self._error: BaseException | None = None
         self._arrived = asyncio.Event()
+        self.pid = 0                 # its pid in the sandbox, once its start record came (started())
+        self._started = asyncio.Event()
         self._reader = asyncio.ensure_future(self._read_records())
         self._stdin: asyncio.Task | None = None
         self._stdin_error: BaseException | None = None
@@ -72,10 +66,16 @@ class ExecHandle:
     async def _read_records(self) -> None:
         try:
             async for rec in self._stream.records(self._timeout + EXIT_GRACE):
+                if isinstance(rec, StartRecord):
+                    self.pid = rec.pid
+                    self._started.set()
+                    continue
                 if isinstance(rec, ExitRecord):
                     self._exit = rec
+                    self.pid = self.pid or rec.pid
                     return
                 self._chunks.append((rec.stream, rec.data))
+                self._started.set()   # output without a start record: its kind does not report pids
                 self._arrived.set()
         except BaseException as exc:
             self._error = exc
@@ -83,9 +83,16 @@ class ExecHandle:
                 raise
         finally:
             self._arrived.set()
+            self._started.set()
             if self._stdin is not None and not self._stdin.done() and self._exit is None:
                 self._stdin.cancel()
             await self._stream.close()
+
+    async def started(self) -> int:
+        """Its pid in the sandbox once it started (0: its kind does not report pids, or it never started:
+        wait() says why)."""
+        await self._started.wait()
+        return self.pid
 
     async def stream(self, lines: bool = True) -> AsyncIterator[Output | Exit]:
         """Each line as it is produced (the last partial line at the end), then the Exit. lines=False: each
@@ -133,7 +140,7 @@ class ExecHandle:
                               stdout=stdout, stderr=stderr, truncated=ex.truncated)
         return ExecResult(exit_code=ex.exit_code, stdout=stdout, stderr=stderr, duration=ex.duration,
                           cpu_time=ex.cpu_time, peak_memory=ex.peak_memory, timed_out=False,
-                          truncated=ex.truncated, exec_id=ex.exec_id)
+                          truncated=ex.truncated, exec_id=ex.exec_id, pid=ex.pid)
 
     def _end(self) -> Exit:
         """The Exit; else the failure that ended the reading, the typed error of an exec that never ran,
@@ -166,10 +173,16 @@ class ExecHandle:
     async def kill(self, signal: int = signals.SIGKILL) -> bool:
         """Send signal to every process of the exec (SIGKILL, the default, kills its whole tree);
         False when it had already ended. SandboxError when its node does not answer for 30 s."""
-        if isinstance(signal, bool) or not isinstance(signal, int) or not 0 < signal <= 64:
-            raise InvalidRequest(f"signal must be 1..64, got {signal!r}")
-        reply = await self._ask(ExecSignal(exec_id=self.id, signal=int(signal)))
-        return reply is not None
+        return await self._controls.signal(signal)
+
+    async def send_stdin(self, data: bytes | str, *, eof: bool = False) -> bool:
+        """Write data to its live stdin (an exec started with stdin=True, or one attached to), after whatever
+        any client sent before; eof=True closes its stdin after it. False when it ended or closed its stdin."""
+        return await self._controls.send(data, eof)
+
+    async def close_stdin(self) -> bool:
+        """End its live stdin (the command reads EOF); False when it had ended already."""
+        return await self.send_stdin(b"", eof=True)
 
     async def _pump_stdin(self, source: AsyncIterable[bytes | str]) -> None:
         seq = 0
@@ -183,48 +196,14 @@ class ExecHandle:
                     raise InvalidRequest(f"stdin pieces must be bytes or str, got {type(item).__name__}")
                 for off in range(0, len(data), STDIN_PIECE):
                     seq += 1
-                    if await self._ask(ExecInput(exec_id=self.id, seq=seq, data=data[off:off + STDIN_PIECE])) is None:
+                    if await self._controls.ask(ExecInput(exec_id=self.id, seq=seq,
+                                                          data=data[off:off + STDIN_PIECE])) is None:
                         return   # the exec ended or closed its stdin: the rest has nowhere to go
         except asyncio.CancelledError:
             raise
         except Exception as exc:   # the caller's source failed: end the command's stdin, report it at the end
             self._stdin_error = exc
         try:
-            await self._ask(ExecInput(exec_id=self.id, seq=seq + 1, eof=True))
+            await self._controls.ask(ExecInput(exec_id=self.id, seq=seq + 1, eof=True))
         except DsecError as exc:
             self._stdin_error = self._stdin_error or exc
-
-    async def _ask(self, msg: ExecInput | ExecSignal):
-        """Send a control message until the node answers it; None when the exec is not running any
-        more (or its stdin is closed). Typed errors for a refused message; SandboxError when nobody has
-        served the node's control subject for NODE_GONE_AFTER seconds."""
-        tries = 0
-        unserved_since: float | None = None
-        while self._exit is None and self._error is None and time.monotonic() < self._give_up:
-            tries += 1
-            if tries % 10 == 0 and await self._stream.ended():
-                return None          # its exit record is stored: nothing runs to answer
-            try:
-                raw = await self._bus.request(self._control, msg, timeout=CONTROL_WAIT)
-            except DsecError:        # no answer in time (a full pipe), or the connection is moving
-                await asyncio.sleep(NOT_YET)
-                continue
-            if raw is None:          # nobody serves the node's control subject: the edge is down
-                unserved_since = unserved_since or time.monotonic()
-                if time.monotonic() - unserved_since > NODE_GONE_AFTER:
-                    raise SandboxError(f"exec {self.id}: its node has not answered for {NODE_GONE_AFTER:.0f}s")
-                await asyncio.sleep(NOT_YET * 10)
-                continue
-            unserved_since = None
-            try:
-                reply = op_reply_decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return None
-            if not isinstance(reply, ErrorReply):
-                return reply
-            if reply.code == "stdin_closed":
-                return None
-            if reply.code not in ("exec_not_running", "stdin_busy"):
-                raise from_code(reply.code, reply.message)
-            await asyncio.sleep(NOT_YET)   # not started yet, ended (its exit record tells), or busy
-        return None

@@ -20,7 +20,7 @@ from bus.conn import Bus
 from bus.apiwire import ReadOutput, StoredOutput
 from bus.errors import BusError, DsecError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
 from bus.messages import event_decoder
-from bus.execwire import ExitRecord, OutputChunk, decode_output
+from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
 from libdsec import control
 from libdsec.results import Exit, Output
 
@@ -52,7 +52,7 @@ class ExecStream:
         self._sub = None
         self._evt_sub = None
         self._unlisten = lambda: None
-        self._held: dict[int, OutputChunk | ExitRecord] = {}
+        self._held: dict[int, OutputChunk | StartRecord | ExitRecord] = {}
         self._next = 1
         self._resume_at = 0     # DSEC_OUT seq up to which everything on the subject was consumed
         self._moved = False     # the connection moved since the stream was last read
@@ -60,8 +60,11 @@ class ExecStream:
         self._renumbered: ExitRecord | None = None   # an exit record numbered afresh (a restarted edge's)
         self.finished = False   # the exit record was read, or the exec is known lost
 
-    async def open(self) -> None:
-        """Subscribe to the output subject."""
+    async def open(self, replay: bool = False) -> None:
+        """Subscribe to the output subject; replay: read what it already holds first (attaching to an exec
+        started elsewhere: its first records were published before this subscription)."""
+        if replay:
+            self._on_reconnect()
         async def _cb(data: bytes, _subject: str, headers: dict | None) -> None:
             self._queue.put_nowait((data, headers))
         self._sub = await self.bus.subscribe(self.subject, _cb, with_headers=True)
@@ -115,7 +118,7 @@ class ExecStream:
                     pass
         self._sub = self._evt_sub = None
 
-    async def records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
+    async def records(self, wait: float) -> AsyncIterator[OutputChunk | StartRecord | ExitRecord]:
         """Records in order until the exit record; SandboxError if none comes within `wait` seconds,
         OutputIncomplete if the stream no longer holds all of them."""
         async for rec in self._records(wait):
@@ -123,7 +126,7 @@ class ExecStream:
                 self.finished = True
             yield rec
 
-    async def _records(self, wait: float) -> AsyncIterator[OutputChunk | ExitRecord]:
+    async def _records(self, wait: float) -> AsyncIterator[OutputChunk | StartRecord | ExitRecord]:
         start = time.monotonic()
         heard, quiet = start, QUIET_CHECK
         gap_since: float | None = None
@@ -196,7 +199,7 @@ class ExecStream:
                         return
             gap_since = (gap_since or time.monotonic()) if self._held else None
 
-    async def _caught_up(self, give_up: float) -> AsyncIterator[OutputChunk | ExitRecord]:
+    async def _caught_up(self, give_up: float) -> AsyncIterator[OutputChunk | StartRecord | ExitRecord]:
         """What reading the subject back brings, in order; then OutputIncomplete if a record is missing."""
         out, err = await self._catch_up(give_up)
         for rec in out:
@@ -204,7 +207,7 @@ class ExecStream:
         if err is not None:
             raise err
 
-    def _in_order(self) -> list[OutputChunk | ExitRecord]:
+    def _in_order(self) -> list[OutputChunk | StartRecord | ExitRecord]:
         """The held records that now follow on without a gap, taken off the hold."""
         out = []
         while self._next in self._held:
@@ -226,7 +229,7 @@ class ExecStream:
             self._ended(rec.state, rec.reason)
         return False
 
-    async def _catch_up(self, give_up: float) -> tuple[list[OutputChunk | ExitRecord], OutputIncomplete | None]:
+    async def _catch_up(self, give_up: float) -> tuple[list[OutputChunk | StartRecord | ExitRecord], OutputIncomplete | None]:
         """Read the subject back from DSEC_OUT (retried through bus errors until give_up): the records that
         now follow on, and OutputIncomplete when the exit record is known and the stream, read to its
         end, lacks some record before it."""
@@ -320,7 +323,7 @@ def exit_of(rec: ExitRecord) -> Exit:
     if rec.error_code:
         raise from_code(rec.error_code, rec.error, reason=rec.reason or rec.error_code)
     return Exit(exit_code=rec.exit_code, duration=rec.duration, cpu_time=rec.cpu_time, peak_memory=rec.peak_memory,
-                timed_out=rec.timed_out, truncated=rec.truncated, exec_id=rec.exec_id)
+                timed_out=rec.timed_out, truncated=rec.truncated, exec_id=rec.exec_id, pid=rec.pid)
 
 
 class LineSplitter:

@@ -24,6 +24,7 @@ class Exit:
     timed_out: bool = False
     truncated: bool = False
     exec_id: str = ""           # its output is on dsec.out.<tenant>.<node>.<sandbox>.<exec_id>, its record in the trajectory
+    pid: int = 0                # its pid in the sandbox (0: it never started, or its kind does not say)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class ExecResult:
     timed_out: bool = False
     truncated: bool = False
     exec_id: str = ""
+    pid: int = 0
 
     @property
     def ok(self) -> bool:

@@ -7,10 +7,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 from bus import kinds, subjects
 from bus.errors import InvalidRequest
 from bus.network import Network as WireNetwork
-from bus.messages import (DestroyRequest, ExecRequest, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
+from bus.execwire import ProcessEntry, process_list_decoder
+from bus.messages import (DestroyRequest, ExecRequest, ListProcesses, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
                           SetNetworkRequest, SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile, encode,
                           snapshot_decoder)
 from libdsec.exechandle import ExecHandle
+from libdsec.execcontrol import ExecControls
 from libdsec.files import AsyncFiles
 from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from libdsec.client import AsyncClient
 
 Command = str | Sequence[str]
-Stdin = bytes | str | AsyncIterable[bytes | str] | None
+Stdin = bytes | str | AsyncIterable[bytes | str] | bool | None
 DEFAULT_EXEC_TIMEOUT = 30.0
 DEFAULT_BACKGROUND_TIMEOUT = 24 * 3600.0
 DEFAULT_OP_TIMEOUT = 30.0
@@ -87,7 +89,7 @@ class AsyncSandbox:
         self._needs("exec", "exec")
         if live:
             self._needs("live_stdin", "live stdin")
-        if live and not hasattr(stdin, "__aiter__"):
+        if live and stdin is not True and not hasattr(stdin, "__aiter__"):
             raise InvalidRequest("stdin must be bytes, str or an async iterable of bytes/str")
         first = b"" if live or stdin is None else (stdin.encode() if isinstance(stdin, str) else bytes(stdin))
         if len(first) > MAX_FILE_OP:
@@ -108,9 +110,73 @@ class AsyncSandbox:
             raise
         handle = ExecHandle(bus, subjects.exec_input(self.node, self.client.tenant, self.id, req.exec_id), self.id,
                             req.exec_id, stream, timeout, keep_output)
-        if live:
+        if live and stdin is not True:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle
+
+    async def processes(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> list[ProcessEntry]:
+        """Its execs still running, oldest first: exec_id, pid (in the sandbox), argv or shell, env, cwd,
+        user, started_at, timeout."""
+        self._needs("exec", "processes")
+        data = await self.client._op(self.node, self.id, lambda rid, to, dl: ListProcesses(
+            request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout)
+        return process_list_decoder.decode(data).processes
+
+    async def _running(self, exec_id: str | None = None, pid: int | None = None) -> ProcessEntry | None:
+        """The running exec of that id (or pid); InvalidRequest for a pid that none has."""
+        if exec_id is None and (isinstance(pid, bool) or not isinstance(pid, int)):
+            raise InvalidRequest(f"pid must be an int, got {pid!r}")
+        entry = next((p for p in await self.processes() if (p.exec_id == exec_id if exec_id else p.pid == pid)), None)
+        if entry is None and not exec_id:
+            raise InvalidRequest(f"no running command of sandbox {self.id} has pid {pid}")
+        return entry
+
+    def _stream(self, exec_id: str) -> ExecStream:
+        return ExecStream(self.client._need_bus(), self.node, self.id, exec_id, self.client.tenant,
+                          record=lambda: self.client._record_quiet(self.id))
+
+    async def attach(self, exec_id: str | None = None, *, pid: int | None = None,
+                     keep_output: bool = True) -> ExecHandle:
+        """A handle on an exec started before (by any client, a crashed one too), by its exec id or its pid
+        while it runs: its output from the first byte on (what DSEC_OUT holds), its end, kill() and, for an
+        exec started with stdin=True, send_stdin(). InvalidRequest when no running exec has that pid."""
+        entry = await self._running(exec_id, pid)
+        exec_id = entry.exec_id if entry is not None else exec_id
+        try:
+            subjects.token(exec_id, "exec_id")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        left = max(1.0, entry.started_at + entry.timeout - time.time()) if entry is not None else 1.0
+        stream = self._stream(exec_id)
+        await stream.open(replay=True)
+        return ExecHandle(self.client._need_bus(), subjects.exec_input(self.node, self.client.tenant, self.id, exec_id),
+                          self.id, exec_id, stream, left, keep_output)
+
+    def _controls(self, entry: ProcessEntry) -> ExecControls:
+        left = max(1.0, entry.started_at + entry.timeout - time.time()) + EXIT_GRACE
+        return ExecControls(self.client._need_bus(), subjects.exec_input(self.node, self.client.tenant, self.id,
+                                                                          entry.exec_id),
+                            entry.exec_id, time.monotonic() + left, ended=self._stream(entry.exec_id).ended)
+
+    async def kill_process(self, pid: int, signal: int = 9) -> bool:
+        """Send signal to the running exec whose pid is `pid` (SIGKILL, the default: its whole process tree);
+        False when no running exec has that pid (it ended), or it ended meanwhile."""
+        try:
+            entry = await self._running(pid=pid)
+        except InvalidRequest:
+            if isinstance(pid, int) and not isinstance(pid, bool):
+                return False
+            raise
+        assert entry is not None
+        return await self._controls(entry).signal(signal)
+
+    async def send_stdin(self, pid: int, data: bytes | str, *, eof: bool = False) -> bool:
+        """Write data to the live stdin of the running exec whose pid is `pid` (started with stdin=True), after
+        whatever any client sent before; eof=True closes it after. False when it ended or closed its stdin;
+        InvalidRequest when no running exec has that pid, or it has no live stdin."""
+        entry = await self._running(pid=pid)
+        assert entry is not None
+        return await self._controls(entry).send(data, eof)
 
     async def stream(self, cmd: Command, *, timeout: float = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
                      env: dict[str, str] | None = None, stdin: Stdin = None,
@@ -134,7 +200,9 @@ class AsyncSandbox:
         outlived `timeout` (default 30 s). background=True returns an ExecHandle at once instead (default
         timeout 24 h): stream its output, wait() for it or kill() it later. cwd defaults to the image's
         WorkingDir (else /); user to the image's User (else root): a name of the image's /etc/passwd or
-        uid[:gid] (kinds with the "users" capability), run with its groups and HOME."""
+        uid[:gid] (kinds with the "users" capability), run with its groups and HOME. stdin as stream()'s, or
+        True with background=True: a live stdin written later, by this or any client, with
+        handle.send_stdin() / close_stdin() (sb.attach(pid=...) finds it again)."""
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user)

@@ -98,6 +98,23 @@ class ExecHandle:
         """Signal its processes (SIGKILL by default); False when it had already ended."""
         return self._loop.run(self._inner.kill(signal))
 
+    @property
+    def pid(self) -> int:
+        """Its pid in the sandbox once its start record was read (started() waits for it)."""
+        return self._inner.pid
+
+    def started(self) -> int:
+        """Wait until it started; its pid in the sandbox (0: its kind does not say)."""
+        return self._loop.run(self._inner.started())
+
+    def send_stdin(self, data: bytes | str, *, eof: bool = False) -> bool:
+        """Write to its live stdin (started with stdin=True); False when it ended or closed its stdin."""
+        return self._loop.run(self._inner.send_stdin(data, eof=eof))
+
+    def close_stdin(self) -> bool:
+        """End its live stdin."""
+        return self._loop.run(self._inner.close_stdin())
+
     def close(self) -> None:
         """Stop listening."""
         self._loop.run(self._inner.close())
@@ -139,7 +156,7 @@ class Sandbox:
     def exec(self, cmd, **kwargs: Any) -> Any:
         """Run a command to the end and return its ExecResult; background=True returns an ExecHandle
         (stream(), wait(), kill()) at once. Live stdin (an async iterable) needs the AsyncClient."""
-        if kwargs.get("stdin") is not None and hasattr(kwargs["stdin"], "__aiter__"):
+        if kwargs.get("stdin") is not None and hasattr(kwargs["stdin"], "__aiter__"):   # (stdin=True is fine)
             raise InvalidRequest("a streamed (async iterable) stdin needs the AsyncClient; give bytes or str here")
         result = self._client._loop.run(self._inner.exec(cmd, **kwargs))
         return ExecHandle(self._client._loop, result) if kwargs.get("background") else result
@@ -179,6 +196,22 @@ class Sandbox:
     def set_timeout(self, seconds: float, **kwargs: Any) -> None:
         """It now expires `seconds` from now (0: at once)."""
         self._client._loop.run(self._inner.set_timeout(seconds, **kwargs))
+
+    def processes(self, **kwargs: Any) -> list:
+        """Its running execs (ProcessEntry: exec_id, pid, argv/shell, env, cwd, ...)."""
+        return self._client._loop.run(self._inner.processes(**kwargs))
+
+    def attach(self, exec_id: str | None = None, *, pid: int | None = None) -> ExecHandle:
+        """A handle on an exec started before, by exec id or pid (its output from the first byte on)."""
+        return ExecHandle(self._client._loop, self._client._loop.run(self._inner.attach(exec_id, pid=pid)))
+
+    def kill_process(self, pid: int, signal: int = 9) -> bool:
+        """Signal the running exec with that pid; False when none has it."""
+        return self._client._loop.run(self._inner.kill_process(pid, signal))
+
+    def send_stdin(self, pid: int, data: bytes | str, *, eof: bool = False) -> bool:
+        """Write to the live stdin of the running exec with that pid."""
+        return self._client._loop.run(self._inner.send_stdin(pid, data, eof=eof))
 
 
 class Client:

@@ -142,3 +142,45 @@ async def test_timeouts_pause_and_connect_extends_never_shortens(e2b_env):
         assert (await back.get_info()).state == SandboxState.PAUSED
     finally:
         assert await sbx.kill() is True
+
+
+async def test_commands_by_pid_list_kill_stdin_and_connect(e2b_env):
+    await asyncio.to_thread(_by_pid)
+
+
+def _by_pid() -> None:
+    """E2B's process surface: a pid on every handle, commands.list/kill/send_stdin/connect by it, from a
+    second Sandbox object too (as a restarted client would)."""
+    from e2b import Sandbox
+    from e2b.exceptions import NotFoundException
+    from e2b.sandbox.commands.command_handle import CommandExitException
+    sbx = Sandbox.create(template="busybox", timeout=120)
+    try:
+        h = sbx.commands.run("echo $$; cat", background=True, stdin=True)
+        assert h.pid > 1
+        listed = sbx.commands.list()
+        assert [(p.pid, p.cmd, p.args) for p in listed] == [(h.pid, "sh", ["-c", "echo $$; cat"])]
+        assert listed[0].tag
+        sbx.commands.send_stdin(h.pid, "to cat\n")
+        other = Sandbox.connect(sbx.sandbox_id)                 # another client's view
+        again = other.commands.connect(h.pid)
+        assert again.pid == h.pid
+        other.commands.close_stdin(h.pid)
+        res = again.wait()
+        assert (res.exit_code, res.stdout) == (0, f"{h.pid}\nto cat\n")
+        assert h.wait().stdout == f"{h.pid}\nto cat\n"
+        assert sbx.commands.list() == []
+        with pytest.raises(NotFoundException):
+            sbx.commands.send_stdin(h.pid, "late")
+        with pytest.raises(NotFoundException):
+            sbx.commands.connect(h.pid)
+
+        s = sbx.commands.run("sleep 60", background=True)
+        assert sbx.commands.kill(s.pid) is True
+        with pytest.raises(CommandExitException) as ei:
+            s.wait()
+        assert ei.value.exit_code == 137
+        assert sbx.commands.kill(s.pid) is False                # ended: not found, never raises
+        assert sbx.commands.run("echo $$").exit_code == 0
+    finally:
+        sbx.kill()

@@ -29,6 +29,7 @@ class Pipes:
         self.error_r, self.error_w = os.pipe2(os.O_CLOEXEC)
         for fd in (self.stdin_w, self.stdout_r, self.stderr_r, self.error_r):
             os.set_blocking(fd, False)
+        self.early = b""   # read from the error pipe before the end (started_pid)
 
     def child_ends(self) -> list[int]:
         """The ends the command gets: stdin read, stdout write, stderr write, error write."""
@@ -47,12 +48,25 @@ class Pipes:
             os.close(fd)
         return fd
 
-    def read_error(self) -> bytes:
-        """What the child wrote to the error pipe (empty once execve succeeded)."""
+    async def started_pid(self, exited: asyncio.Future) -> int:
+        """The pid the command's process writes first on the error pipe (its pid in the sandbox), once it
+        is there; 0 when the pipe closes or the command ends without it. What is read is kept for read_error."""
+        reading = asyncio.ensure_future(wait_fd(self.error_r))
         try:
-            return os.read(self.error_r, 4096)
+            await asyncio.wait([reading, exited], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+        with contextlib.suppress(BlockingIOError):
+            self.early += os.read(self.error_r, 4096)
+        return split_report(self.early)[0]
+
+    def read_error(self) -> bytes:
+        """What the child wrote to the error pipe: its pid record, then a failure report if it failed."""
+        try:
+            return self.early + os.read(self.error_r, 4096)
         except BlockingIOError:
-            return b""
+            return self.early
 
     def close(self) -> None:
         """Close every fd still open."""
@@ -93,8 +107,11 @@ async def exited(proc: subprocess.Popen) -> int:
     return proc.wait()                           # it has exited: reaps without blocking
 
 
-async def pump(fd: int, name: str, sink: OutputSink) -> None:
-    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF."""
+async def pump(fd: int, name: str, sink: OutputSink, after: asyncio.Future | None = None) -> None:
+    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF; from
+    when `after` is done (the command's start reported)."""
+    if after is not None:
+        await asyncio.shield(after)
     while True:
         try:
             chunk = os.read(fd, CHUNK)
@@ -180,8 +197,19 @@ def exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
+def split_report(report: bytes) -> tuple[int, bytes]:
+    """What a command's process wrote on its error pipe: (its pid, 0 if it wrote none; the failure report
+    after it, empty once it exec'd)."""
+    if report.startswith(b"pid:"):
+        line, newline, rest = report.partition(b"\n")
+        if newline and line[4:].isdigit():
+            return int(line[4:]), rest
+    return 0, report
+
+
 def exec_failure(report: bytes, argv: list[str], cwd: str) -> str | None:
-    """Turn the child's error report (stage, errno, text) into one clear line."""
+    """Turn the child's error report (stage, errno, text; after its pid record) into one clear line."""
+    report = split_report(report)[1]
     if not report:
         return None
     stage, code, text = (report.decode(errors="replace").split("\0") + ["", ""])[:3]
@@ -245,8 +273,9 @@ async def supervise(exited: asyncio.Future, groups: dict[str, Path], pipes: Pipe
         feeder = asyncio.ensure_future(feed_live(pipes.take("stdin_w"), stdin or b"", control))
     else:
         feeder = asyncio.ensure_future(feed(pipes.take("stdin_w"), stdin or b""))
-    pumps = [asyncio.ensure_future(pump(pipes.stdout_r, "stdout", sink)),
-             asyncio.ensure_future(pump(pipes.stderr_r, "stderr", sink))]
+    start = asyncio.ensure_future(report_start(pipes, exited, control)) if control is not None else None
+    pumps = [asyncio.ensure_future(pump(pipes.stdout_r, "stdout", sink, start)),
+             asyncio.ensure_future(pump(pipes.stderr_r, "stderr", sink, start))]
     # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
     everything = asyncio.gather(asyncio.shield(exited), *pumps)
     try:
@@ -256,11 +285,19 @@ async def supervise(exited: asyncio.Future, groups: dict[str, Path], pipes: Pipe
         everything.cancel()
         if everything.done() and not everything.cancelled():
             everything.exception()      # retrieved: errors were raised above already
-        for task in (feeder, *pumps):
+        tasks = [feeder, *pumps] + ([start] if start is not None else [])
+        for task in tasks:
             task.cancel()
         # Wait until they unregistered their fds: the caller closes them next, and a closed
         # fd number may at once be reused by another exec's pipe.
-        await asyncio.gather(feeder, *pumps, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def report_start(pipes: Pipes, exited: asyncio.Future, control: ExecControl) -> None:
+    """Tell control the command's pid as soon as its process wrote it (before any output is read)."""
+    pid = await pipes.started_pid(exited)
+    if pid:
+        await control.started(pid)
 
 async def signal_exec(groups: dict[str, Path], sig: int) -> bool:
     """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left."""

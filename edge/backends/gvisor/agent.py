@@ -133,6 +133,8 @@ class AgentChannel:
                 ack = ex.acks.pop(0)
                 if not ack.done():
                     ack.set_result(kind == "A")
+        elif kind == "P" and len(payload) >= 4:   # started (before any of its output on this channel)
+            ex.queue.put_nowait(("started", struct.unpack_from("<I", payload)[0]))
         elif kind == "F":
             ex.failure = payload
         elif kind == "X":
@@ -259,7 +261,7 @@ class AgentChannel:
             if control is not None:
                 control.on_signal(lambda sig: self._signal(xid, sig))
             feeder = asyncio.ensure_future(self._feed(xid, ex, stdin or b"", control))
-            drain = asyncio.ensure_future(self._drain(xid, ex, sink))
+            drain = asyncio.ensure_future(self._drain(xid, ex, sink, control))
             timed_out = False
             try:
                 try:
@@ -291,13 +293,19 @@ class AgentChannel:
             raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
 
-    async def _drain(self, xid: int, ex: _Exec, sink: OutputSink) -> tuple[int, float, int]:
-        """Hand output to the sink in order, granting credit back; the exit status once it comes."""
+    async def _drain(self, xid: int, ex: _Exec, sink: OutputSink,
+                     control: ExecControl | None) -> tuple[int, float, int]:
+        """Hand output to the sink in order, granting credit back (and the pid to control when it started);
+        the exit status once it comes."""
         owed = 0
         while True:
             kind, data = await ex.queue.get()
             if kind == "exit":
                 return data
+            if kind == "started":
+                if control is not None:
+                    await control.started(data)
+                continue
             if kind == "gone":
                 raise SandboxGone(f"sandbox {self.sandbox_id} is not running ({data})")
             await sink(kind, data)

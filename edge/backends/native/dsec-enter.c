@@ -17,8 +17,9 @@
  *      seccomp filter, capabilities, its own session, and execs the command;
  *   4. this helper stays the command's parent, out of sight, with every signal blocked (a signal the
  *      edge sends to the exec's processes reaches the command, not it), waits for it and exits the same
- *      way (its exit code, or killed by the same signal), so the edge watches one child of its own. If
- *      anything in the command's process failed, it reports that on the error pipe and exits 127. If
+ *      way (its exit code, or killed by the same signal), so the edge watches one child of its own. The
+ *      command's process first writes "pid:N\n" (its pid in the sandbox) on the error pipe; if
+ *      anything in it failed after that, it reports that there too and exits 127. If
  *      the helper is killed (a timeout kills the exec's whole cgroup), the sandbox's init reaps the
  *      command.
  *
@@ -410,6 +411,9 @@ static int command(void *unused) {
     while ((n = read(4, &c, 1)) < 0 && errno == EINTR) {}
     if (n != 1) _exit(127);                      /* the parent died, or could not write the maps */
     close(4);
+    char started[24];                            /* "pid:N\n" first on the error pipe: its pid in the sandbox */
+    int len = snprintf(started, sizeof started, "pid:%d\n", (int)getpid());
+    if (write(3, started, (size_t)len) != len) _exit(127);
     if (child_line->as_user) {                   /* a user of the image: its groups, gid, uid (its caps go) */
         if (setgroups((size_t)child_line->ngroups, child_line->groups)) fail("user", "setgroups");
         if (setresgid(child_line->gid, child_line->gid, child_line->gid)) fail("user", "setgid");

@@ -8,9 +8,12 @@ import time
 from typing import IO, Any, Dict, List, Optional, Union
 
 from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage
-from bus.errors import DsecError, SandboxNotFound
+from bus.errors import DsecError, InvalidRequest, SandboxNotFound
+from bus.execwire import ProcessEntry
 from libdsec.client import AsyncClient
-from libdsec.e2b.exceptions import InvalidArgumentException, SandboxException, SandboxNotFoundException, mapped
+from libdsec.e2b.exceptions import (InvalidArgumentException, NotFoundException, SandboxException,
+                                   SandboxNotFoundException, mapped)
+from libdsec.e2b.sandbox.commands.main import ProcessInfo
 from libdsec.e2b.sandbox.commands.command_handle import CommandResult
 from libdsec.e2b.sandbox.filesystem.filesystem import EntryInfo, FileType, WriteEntry, WriteInfo, entry_info
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SandboxState, info_of
@@ -69,16 +72,69 @@ class AsyncCommands:
         """Run cmd (a shell line, run by the sandbox's trusted sh). Foreground: the CommandResult, or
         CommandExitException for a non-zero exit; background=True: an AsyncCommandHandle at once.
         user: "root", "user" or any account of the image (None: the image's default user)."""
-        if stdin:
-            raise InvalidArgumentException("stdin=True (send_stdin by pid) is not offered yet: give the input "
-                                           "in the command, or use libdsec's exec(stdin=...)")
         try:
             handle = await self._sb.exec(cmd, background=True, env=envs, cwd=cwd, user=user,
-                                         timeout=NO_LIMIT if not timeout else float(timeout))
+                                         timeout=NO_LIMIT if not timeout else float(timeout),
+                                         stdin=True if stdin else None)
+            await handle.started()   # as E2B's: the handle comes with its pid
         except DsecError as err:
             raise mapped(err) from err
         h = AsyncCommandHandle(handle, on_stdout, on_stderr)
         return h if background else await h.wait()
+
+    async def list(self, request_timeout: Optional[float] = None) -> List[ProcessInfo]:
+        """The sandbox's running commands (tag: DSec's exec id; a shell line shows as sh -c LINE)."""
+        try:
+            return [process_info(p) for p in await self._sb.processes()]
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def kill(self, pid: int, request_timeout: Optional[float] = None) -> bool:
+        """Kill the command with that pid and its whole process tree; False when no running command has it."""
+        try:
+            return await self._sb.kill_process(pid)
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def send_stdin(self, pid: int, data: str, request_timeout: Optional[float] = None) -> None:
+        """Write data to the stdin of the command with that pid (started with stdin=True)."""
+        try:
+            if not await self._sb.send_stdin(pid, data):
+                raise SandboxException(f"the command with pid {pid} ended or closed its stdin")
+        except DsecError as err:
+            raise _not_found(err, pid) from err
+
+    async def close_stdin(self, pid: int, request_timeout: Optional[float] = None) -> None:
+        """End the stdin of the command with that pid (it reads EOF)."""
+        try:
+            await self._sb.send_stdin(pid, b"", eof=True)
+        except DsecError as err:
+            raise _not_found(err, pid) from err
+
+    async def connect(self, pid: int, timeout: Optional[float] = 60, request_timeout: Optional[float] = None,
+                      on_stdout: Optional[OutputHandler] = None,
+                      on_stderr: Optional[OutputHandler] = None) -> AsyncCommandHandle:
+        """A handle on the running command with that pid (from another client, or after a restart): its output
+        from its first byte on, then wait() and kill() as run()'s handle."""
+        try:
+            handle = await self._sb.attach(pid=pid)
+            await handle.started()
+        except DsecError as err:
+            raise _not_found(err, pid) from err
+        return AsyncCommandHandle(handle, on_stdout, on_stderr)
+
+
+def _not_found(err: DsecError, pid: int) -> Exception:
+    """No running command has the pid: E2B's NotFoundException; else the mapped error."""
+    if isinstance(err, InvalidRequest) and "has pid" in str(err):
+        return NotFoundException(f"no running command has pid {pid}")
+    return mapped(err)
+
+
+def process_info(p: ProcessEntry) -> ProcessInfo:
+    """A running exec as E2B's ProcessInfo."""
+    cmd, args = ("sh", ["-c", p.shell]) if p.shell else (p.argv[0], list(p.argv[1:]))
+    return ProcessInfo(pid=p.pid, tag=p.exec_id, cmd=cmd, args=args, envs=dict(p.env), cwd=p.cwd or None)
 
 
 class AsyncFilesystem:

@@ -35,6 +35,16 @@ class Commands:
         result = run(self._inner.run(cmd, background=background, **kwargs))
         return CommandHandle(run, result) if background else result
 
+    def connect(self, pid: int, **kwargs: Any) -> CommandHandle:
+        """A handle on the running command with that pid (see AsyncCommands.connect)."""
+        return CommandHandle(run, run(self._inner.connect(pid, **kwargs)))
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._inner, name)   # list, kill, send_stdin, close_stdin
+        if name.startswith("_") or not callable(method):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: run(method(*args, **kwargs))
+
 
 class Filesystem:
     """sandbox.files (see AsyncFilesystem); read(format="stream") gives an iterator."""

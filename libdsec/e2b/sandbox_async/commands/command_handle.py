@@ -24,12 +24,12 @@ async def _call(handler: Optional[OutputHandler], text: str) -> None:
 
 class AsyncCommandHandle:
     """A running command: wait() for its result, kill() it. Output goes to the handlers as it arrives
-    (chunks: a line not finished yet too) and is kept for the result. pid is None: DSec does not report it yet (docs/e2b.md)."""
+    (chunks: a line not finished yet too) and is kept for the result. pid: its pid in the sandbox."""
 
     def __init__(self, handle: ExecHandle, on_stdout: Optional[OutputHandler] = None,
                  on_stderr: Optional[OutputHandler] = None) -> None:
         self._handle = handle
-        self.pid: Optional[int] = None
+        self.pid: int = handle.pid
         self._stdout: list[str] = []
         self._stderr: list[str] = []
         self._on = {"stdout": on_stdout, "stderr": on_stderr}

@@ -1,0 +1,107 @@
+"""A command's pid (its start record, before any output), the sandbox's running commands (sb.processes),
+attaching to one by id or pid from another client, and a live stdin written by pid (send_stdin): issue 18's
+commands surface on the native SDK."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import libdsec
+from bus import streams, subjects
+from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _stored(stack, tenant: str, sb, exec_id: str) -> list:
+    return [decode_output(d, h) async for d, h in stack.bus.read_subject(
+        streams.OUT_STREAM, subjects.output(tenant, sb.node, sb.id, exec_id), with_headers=True)]
+
+
+async def _first_output(handle) -> bytes:
+    async for ev in handle.stream(lines=False):
+        assert isinstance(ev, libdsec.Output), ev
+        return ev.data
+    raise AssertionError("no output")
+
+
+async def test_a_command_reports_its_pid_in_the_sandbox_before_its_output(client, stack):
+    async with await client.create() as sb:
+        handle = await sb.exec("echo $$; exec sleep 30", background=True)   # the shell's pid is the exec's
+        try:
+            pid = await handle.started()
+            assert pid > 1 and handle.pid == pid
+            assert await _first_output(handle) == f"{pid}\n".encode()
+            seen = await sb.exec(f"cat /proc/{pid}/cmdline")   # the sandbox's own view of that pid
+            assert seen.stdout == b"sleep\x0030\x00"
+            listed = await sb.processes()
+            assert [(p.exec_id, p.pid, p.shell, p.background) for p in listed] == [
+                (handle.id, pid, "echo $$; exec sleep 30", True)]
+        finally:
+            assert await handle.kill()
+            await handle.close()
+        done = await sb.exec("echo $$")
+        assert done.pid == int(done.stdout) and done.pid != pid
+        assert await sb.processes() == []
+        recs = await _stored(stack, client.tenant, sb, handle.id)
+    assert isinstance(recs[0], StartRecord) and (recs[0].seq, recs[0].pid) == (1, pid)
+    assert isinstance(recs[1], OutputChunk) and (recs[1].seq, recs[1].data) == (2, f"{pid}\n".encode())
+    assert isinstance(recs[-1], ExitRecord) and recs[-1].pid == pid and recs[-1].exit_code == 128 + 9
+
+
+async def test_a_command_that_cannot_start_has_no_pid_and_says_why(client, stack):
+    async with await client.create() as sb:
+        handle = await sb.exec(["/no/such/program"], background=True)
+        with pytest.raises(libdsec.ExecFailed, match="command not found: /no/such/program"):
+            await handle.wait()
+        assert handle.pid > 0   # its process existed (the pid was reported), its execve failed
+        with pytest.raises(libdsec.ExecFailed, match="no such directory: /nowhere"):
+            await sb.exec("true", cwd="/nowhere")
+
+
+async def test_another_client_attaches_by_pid_replays_the_output_and_writes_stdin(client, stack):
+    async with await client.create() as sb:
+        handle = await sb.exec("echo ready; cat; echo done >&2", background=True, stdin=True)
+        pid = await handle.started()
+        assert await handle.send_stdin("one\n")
+        async for ev in handle.stream():
+            if ev.data == b"one\n":
+                break
+        async with libdsec.AsyncClient(stack.url) as other:   # a second process, e.g. after a client restart
+            again = await other.get(sb.id)
+            attached = await again.attach(pid=pid)
+            assert attached.id == handle.id and await attached.started() == pid
+            assert await attached.send_stdin(b"two\n", eof=True)
+            res = await attached.wait()
+        assert (res.exit_code, res.stdout, res.stderr, res.pid) == (0, b"ready\none\ntwo\n", b"done\n", pid)
+        first = await handle.wait()
+        assert (first.stdout, first.stderr) == (b"ready\none\ntwo\n", b"done\n")
+        with pytest.raises(libdsec.InvalidRequest, match="has pid 999999"):
+            await sb.attach(pid=999999)
+        later = await sb.attach(handle.id)     # ended: its stored output and exit, all the same
+        assert (await later.wait()).stdout == b"ready\none\ntwo\n"
+
+
+async def test_a_stdin_piece_sent_again_is_written_once(client, stack):
+    """A piece retried under its piece_id (a lost reply) is answered, not written twice; pieces go in order."""
+    from bus.execwire import ExecInput
+    async with await client.create() as sb:
+        handle = await sb.exec("cat", background=True, stdin=True)
+        await handle.started()
+        control = subjects.exec_input(sb.node, client.tenant, sb.id, handle.id)
+        for piece_id, data in (("p1", b"a\n"), ("p1", b"a\n"), ("p2", b"b\n"), ("p1", b"a\n")):
+            raw = await stack.bus.request(control, ExecInput(exec_id=handle.id, data=data, piece_id=piece_id),
+                                          timeout=5)
+            assert b'"kind":"ok"' in raw, raw
+        raw = await stack.bus.request(control, ExecInput(exec_id=handle.id, data=b"x"), timeout=5)
+        assert b"needs a piece_id" in raw
+        plain = await sb.exec("sleep 30", background=True)   # no live stdin: refused, clearly
+        await plain.started()
+        with pytest.raises(libdsec.InvalidRequest, match="not started with a live stdin"):
+            await plain.send_stdin("x")
+        assert await plain.kill()
+        await plain.close()
+        assert await handle.close_stdin()
+        assert (await handle.wait()).stdout == b"a\nb\n"
+        assert not await handle.send_stdin("late")   # ended: False, no error
