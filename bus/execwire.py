@@ -13,7 +13,8 @@ from bus.messages import WIRE_VERSION, Wire
 
 class StartRecord(Wire, tag="start"):
     """edge -> anyone: the command started, before any of its output (seq 1). pid: its process id in the
-    sandbox's pid namespace. Backends that cannot say publish none: the output then starts at seq 1."""
+    sandbox's pid namespace (0: a watch, in place now; no process). Backends that cannot say publish none:
+    the output then starts at seq 1."""
 
     exec_id: str = ""
     seq: int = 0

@@ -127,6 +127,8 @@ class ExecRequest(Wire, tag="exec"):
     max_output: int = 16 << 20
     live_stdin: bool = False         # more stdin comes on dsec.in.<node>.<tenant>.<sandbox>.<exec_id> (ExecInput)
     background: bool = False         # the client does not wait for it: the node acks it once started
+    watch: str = ""                  # instead of a command: this directory's changes, a JSON line each on
+    recursive: bool = False          # stdout (edge/backends/watcher.py), until signalled or its timeout
 
 
 class DestroyRequest(Wire, tag="destroy"):
@@ -478,6 +480,7 @@ class TrajRecord(Wire, tag="traj"):
     background: bool = False         # started with background=True (the client did not wait for it)
     live_stdin: bool = False         # its stdin was streamed while it ran (not kept in the trajectory)
     pid: int = 0                     # its process id in the sandbox (0: its backend does not say)
+    watch: str = ""                  # a directory watch (files.watch), not a command
     error_code: str = ""
     detail: str = ""
     decisions: list[dict[str, Any]] = []   # type network: the proxy's decisions (verdict, name, address, port,

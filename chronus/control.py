@@ -32,6 +32,7 @@ class ExecControl:
     def __init__(self, live_stdin: bool = False, on_start: Callable[[int], Awaitable[None]] | None = None) -> None:
         self.live_stdin = live_stdin      # stdin comes through write(), after the request's bytes
         self.pid = 0                      # the command's pid in its sandbox, once the backend said (started)
+        self._started = False
         self._on_start = on_start
         self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
         self._signal: Callable[[int], Awaitable[bool]] | None = None
@@ -60,13 +61,14 @@ class ExecControl:
                 fut.set_result(False)
 
     async def started(self, pid: int) -> None:
-        """For the backend: the command runs as pid (in the sandbox's pid namespace). Called once, before
-        any of its output reaches the sink, so its start record comes first."""
-        if self.pid or pid <= 0:
+        """For the backend: the command runs as pid (in the sandbox's pid namespace; 0: it has no process, a
+        watch). Once, before any of its output reaches the sink, so its start record comes first."""
+        if self._started:
             return
-        self.pid = pid
+        self._started = True
+        self.pid = max(0, pid)
         if self._on_start is not None:
-            await self._on_start(pid)
+            await self._on_start(self.pid)
 
     def on_signal(self, fn: Callable[[int], Awaitable[bool]]) -> None:
         """For the backend: how to signal the exec's processes."""

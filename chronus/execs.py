@@ -65,6 +65,10 @@ class ExecHost(Protocol):
         """Run a command in the sandbox (the backend's exec) as user ("": its default) in cwd ("": its
         default): Gone when the sandbox does not run, RunFailed when the command could not be run."""
 
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl) -> ExecResult:
+        """Stream a directory's changes to sink until control's signal or the timeout; Gone / RunFailed as run."""
+
     async def timeline(self, sandbox_id: str, messages: list[tuple[str, bytes, str]], after_exit: str,
                        exit_subject: str) -> None:
         """Publish (subject, data, msg id) messages on the sandbox's timeline, durably and in its order,
@@ -141,7 +145,11 @@ class Execs:
 
     async def settle(self, sandbox_id: str, wait: float = SETTLE_WAIT) -> None:
         """Wait (a bounded time) until the execs of a sandbox being destroyed have recorded their ends,
-        so its `destroyed` record comes after theirs on the timeline."""
+        so its `destroyed` record comes after theirs on the timeline. Its watches (no process to kill with
+        it) are stopped here."""
+        for live in list(self._live.values()):
+            if live.sandbox_id == sandbox_id and live.op.watch:
+                await live.control.signal(9)
         pending = [live.recorded.wait() for live in self._recording.values() if live.sandbox_id == sandbox_id]
         if pending:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -150,7 +158,7 @@ class Execs:
     def processes(self, sandbox_id: str, tenant: str) -> ProcessList:
         """The sandbox's execs still running, oldest first."""
         return ProcessList(processes=[live.entry() for live in self._live.values()
-                                      if live.sandbox_id == sandbox_id and live.tenant == tenant])
+                                      if live.sandbox_id == sandbox_id and live.tenant == tenant and not live.op.watch])
 
     # ---- live stdin and signals ---------------------------------------------------------------
 
@@ -320,8 +328,14 @@ class Execs:
         when the platform ended its sandbox under it)."""
         t0 = time.monotonic()
         try:
-            res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell, self.host.trusted_shell(op.sandbox_id)), env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None,
-                                      timeout=op.timeout, sink=relay.sink, control=control, user=op.user)
+            if op.watch:
+                res = await self.host.watch(op.sandbox_id, op.watch, op.recursive, timeout=op.timeout, sink=relay.sink,
+                                            control=control)
+            else:
+                res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell,
+                                                                      self.host.trusted_shell(op.sandbox_id)),
+                                          env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None, timeout=op.timeout,
+                                          sink=relay.sink, control=control, user=op.user)
         except Gone:
             return self._gone_fields(await self.host.gone(op.sandbox_id, op.tenant), t0)
         except RunFailed as exc:
@@ -335,7 +349,7 @@ class Execs:
             log.exception("exec %s failed", op.exec_id)
             return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=ExecFailed.code,
                         error=f"exec failed on the node: {exc.__class__.__name__}: {exc}")
-        if res.exit_code != 0 and self.host.ending(op.sandbox_id):   # killed with its sandbox
+        if (res.exit_code != 0 or op.watch) and self.host.ending(op.sandbox_id):   # ended with its sandbox
             return self._ended_fields(op.sandbox_id, t0)
         return dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
                     peak_memory=res.peak_memory, timed_out=res.timed_out)
@@ -366,7 +380,7 @@ class Execs:
             stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
             stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
             error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
-            live_stdin=op.live_stdin, failure_class="task" if task_failed else "", pid=relay.pid)
+            live_stdin=op.live_stdin, failure_class="task" if task_failed else "", pid=relay.pid, watch=op.watch)
         out = [(subjects.trajectory(rec.tenant, job, op.sandbox_id), encode(traj), f"{op.exec_id}-traj")]
         if task_failed:
             out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
@@ -376,12 +390,22 @@ class Execs:
 
     @staticmethod
     def _check(op: ExecRequest) -> None:
+        if op.watch and (op.argv or op.shell or op.stdin or op.live_stdin):
+            raise InvalidRequest("a watch runs no command: no argv, shell or stdin")
+        if op.watch and (not op.watch.startswith("/") or "\0" in op.watch):
+            raise InvalidRequest(f"watch: an absolute path, got {op.watch!r}")
+        if op.watch:
+            return Execs._check_times(op)
         if op.shell and op.argv:
             raise InvalidRequest("give argv or shell, not both")
         if not op.shell and (not op.argv or not all(op.argv)):
             raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
         if "\0" in op.shell:
             raise InvalidRequest("shell script must not contain NUL bytes")
+        Execs._check_times(op)
+
+    @staticmethod
+    def _check_times(op: ExecRequest) -> None:
         if not 0 < op.timeout <= 7 * 24 * 3600:
             raise InvalidRequest(f"timeout must be > 0 seconds, got {op.timeout}")
         if op.cwd and not op.cwd.startswith("/"):

@@ -73,6 +73,8 @@ async def _output(bus: Bus, rec: TrajRecord) -> Stored:
 
 
 def _command(rec: TrajRecord) -> str:
+    if rec.watch:
+        return f"# watch {rec.watch} (its changes, a JSON line each)"
     return rec.shell if rec.shell else shlex.join(rec.argv)
 
 

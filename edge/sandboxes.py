@@ -166,6 +166,19 @@ class Sandboxes:
         except (BackendError, DsecError) as exc:
             raise RunFailed(str(exc)) from exc
 
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl) -> ExecResult:
+        """A directory watch (files.watch) in a sandbox of a kind that has them."""
+        try:
+            kind = self.backend.kind_of(sandbox_id)
+            if kind:
+                kinds.require(kind, "watch", "files.watch")
+            return await self.backend.watch(sandbox_id, path, recursive, timeout=timeout, sink=sink, control=control)
+        except SandboxGone as exc:
+            raise Gone(str(exc)) from exc
+        except (BackendError, DsecError) as exc:
+            raise RunFailed(str(exc)) from exc
+
     async def _user(self, sandbox_id: str, running: Running | None, name: str) -> users.ExecUser | None:
         """Who a command runs as: name resolved in the sandbox's own /etc/passwd and /etc/group (per
         sandbox and name, once), None for its root."""

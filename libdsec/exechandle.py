@@ -44,6 +44,7 @@ class ExecHandle:
         self._error: BaseException | None = None
         self._arrived = asyncio.Event()
         self.pid = 0                 # its pid in the sandbox, once its start record came (started())
+        self.start_seen = False      # its start record came
         self._started = asyncio.Event()
         self._reader = asyncio.ensure_future(self._read_records())
         self._stdin: asyncio.Task | None = None
@@ -67,7 +68,7 @@ class ExecHandle:
         try:
             async for rec in self._stream.records(self._timeout + EXIT_GRACE):
                 if isinstance(rec, StartRecord):
-                    self.pid = rec.pid
+                    self.pid, self.start_seen = rec.pid, True
                     self._started.set()
                     continue
                 if isinstance(rec, ExitRecord):

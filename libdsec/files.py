@@ -2,15 +2,20 @@
 in pieces of bus.messages.FILE_PIECE bytes, one op each, in order (edge/backends/treeops.py)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator
 
-from bus.errors import FileOpError, InvalidRequest
+import msgspec
+
+from bus.errors import ExecFailed, FileOpError, InvalidRequest
 from bus.messages import FILE_PIECE, FileEntry, FileOp, FileOpResult, file_result_decoder
+from libdsec.exechandle import ExecHandle
+from libdsec.results import Output
 
 if TYPE_CHECKING:
     from libdsec.sandbox import AsyncSandbox
 
 DEFAULT_TIMEOUT = 30.0   # per piece or op
+DEFAULT_WATCH = 3600.0   # seconds a watch lasts unless stopped
 
 
 class AsyncFiles:
@@ -97,3 +102,62 @@ class AsyncFiles:
             offset += len(piece)
             if offset >= len(data):
                 return
+
+    async def watch(self, path: str, *, recursive: bool = False, timeout: float = DEFAULT_WATCH) -> "DirWatch":
+        """Watch directory path (and, recursive, every directory below it, new ones too) for `timeout`
+        seconds: events() yields a FileEvent per change as it happens (create, write, remove, rename, chmod;
+        name relative to path; `overflow` when the node's queue overflowed and events were lost) until
+        stop(), the timeout or the directory's removal. Returns once the watch is in place: every change made
+        after it is reported. FileOpError when path is no directory of the sandbox."""
+        self._sb._needs("watch", "files.watch")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
+        handle = await self._sb._start("", timeout, None, None, None, 16 << 20, background=True, keep_output=False,
+                                       what={"watch": path, "recursive": bool(recursive)})
+        await handle.started()   # in place: every change from now on is reported
+        if not handle.start_seen:   # it ended without starting: why
+            try:
+                await handle.wait()
+            except ExecFailed as err:
+                raise FileOpError(str(err)) from None
+            finally:
+                await handle.close()
+            raise FileOpError(f"the watch of {path} ended before it started")
+        return DirWatch(handle, path)
+
+
+class FileEvent(msgspec.Struct, frozen=True):
+    """A change under a watched directory: type create/write/remove/rename/chmod (or overflow: some were
+    lost), name relative to it ("" for the directory itself)."""
+
+    type: str
+    name: str = ""
+
+
+_events = msgspec.json.Decoder(FileEvent)
+
+
+class DirWatch:
+    """A running watch: `async for ev in w.events()`, then stop() (or leave it to its timeout)."""
+
+    def __init__(self, handle: ExecHandle, path: str) -> None:
+        self._handle = handle
+        self.path = path
+        self.id = handle.id
+
+    async def events(self) -> AsyncIterator[FileEvent]:
+        """Each event as it happens, until the watch ends; SandboxNotFound when its sandbox ended under it."""
+        async for ev in self._handle.stream():
+            if isinstance(ev, Output):
+                if ev.data.endswith(b"\n"):
+                    yield _events.decode(ev.data)
+            else:
+                return
+
+    async def stop(self) -> None:
+        """End the watch (events already produced can still be read from events())."""
+        await self._handle.kill(15)
+
+    async def close(self) -> None:
+        """Stop listening here (the watch ends at stop() or its timeout)."""
+        await self._handle.close()

@@ -82,7 +82,8 @@ class AsyncSandbox:
 
     async def _start(self, cmd: Command, timeout: float, cwd: str | None, env: dict[str, str] | None,
                      stdin: Stdin, max_output: int, background: bool = False,
-                     keep_output: bool = True, user: str | None = None) -> ExecHandle:
+                     keep_output: bool = True, user: str | None = None, what: dict | None = None) -> ExecHandle:
+        """Send an exec (what: its fields instead of cmd's, e.g. a watch) and a handle on it."""
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
@@ -96,7 +97,7 @@ class AsyncSandbox:
             raise InvalidRequest(f"stdin: at most {MAX_FILE_OP} bytes in one exec request, got {len(first)} "
                                  "(an async iterable streams any amount)")
         bus = self.client._need_bus()
-        req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **command_fields(cmd), env=dict(env or {}),
+        req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **(what or command_fields(cmd)), env=dict(env or {}),
                           cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
                           max_output=max_output, live_stdin=live, background=background)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,

@@ -184,3 +184,55 @@ def _by_pid() -> None:
         assert sbx.commands.run("echo $$").exit_code == 0
     finally:
         sbx.kill()
+
+
+async def test_watch_dir_in_both_flavours(e2b_env):
+    from e2b import AsyncSandbox
+    from e2b.exceptions import FileNotFoundException
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEventType
+    sbx = await AsyncSandbox.create(template="busybox")
+    try:
+        await sbx.files.make_dir("/w")
+        seen: list = []
+        ended: list = []
+        handle = await sbx.files.watch_dir("/w", seen.append, on_exit=ended.append, recursive=True)
+        await sbx.files.write("/w/sub/new.txt", "hi")       # makes /w/sub first
+        for _ in range(100):
+            if len(seen) >= 6 and (seen[-1].name, seen[-1].type) == ("sub/new.txt", FilesystemEventType.CHMOD):
+                break
+            await asyncio.sleep(0.05)
+        E = FilesystemEventType   # the edge's write: made and owned by the sandbox's root, truncated, written, moded
+        got = [(e.name, e.type) for e in seen]
+        got = [ev for i, ev in enumerate(got) if i == 0 or got[i - 1] != ev]   # inotify merges a repeat not yet read
+        assert got == [("sub", E.CREATE), ("sub", E.CHMOD), ("sub/new.txt", E.CREATE), ("sub/new.txt", E.CHMOD),
+                       ("sub/new.txt", E.WRITE), ("sub/new.txt", E.CHMOD)]
+        assert isinstance(seen[0], FilesystemEvent)
+        await handle.stop()
+        assert ended == [None]
+        with pytest.raises(FileNotFoundException):
+            await sbx.files.watch_dir("/missing", seen.append)
+        await asyncio.to_thread(_sync_watch, sbx.sandbox_id)
+    finally:
+        await sbx.kill()
+
+
+def _sync_watch(sandbox_id: str) -> None:
+    from e2b import Sandbox
+    from e2b.exceptions import SandboxException
+    from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+    import time
+    sbx = Sandbox.connect(sandbox_id)
+    w = sbx.files.watch_dir("/w")
+    sbx.commands.run("echo a > /w/f; rm /w/f")
+    got: list = []
+    for _ in range(100):
+        got += w.get_new_events()
+        if len(got) >= 3:
+            break
+        time.sleep(0.05)
+    assert [(e.name, e.type) for e in got] == [("f", FilesystemEventType.CREATE), ("f", FilesystemEventType.WRITE),
+                                               ("f", FilesystemEventType.REMOVE)]
+    assert w.get_new_events() == []
+    w.stop()
+    with pytest.raises(SandboxException, match="already stopped"):
+        w.get_new_events()

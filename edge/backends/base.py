@@ -153,6 +153,12 @@ class Backend(abc.ABC):
         the file_tree capability have it."""
         raise BackendError(f"{type(self).__name__} has no file-tree operations")
 
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl | None = None) -> ExecResult:
+        """Hand a directory's changes to sink (stdout, JSON lines: edge/backends/watcher.py) until control's
+        signal or the timeout. Kinds with the watch capability have it."""
+        raise BackendError(f"{type(self).__name__} has no directory watches")
+
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """Kill every process, unmount, remove cgroups and the writable layer. Idempotent."""

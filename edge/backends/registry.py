@@ -324,6 +324,11 @@ class BackendSet(Backend):
     async def file_op(self, sandbox_id: str, op) -> bytes:
         return await self.of(sandbox_id).file_op(sandbox_id, op)
 
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl | None = None) -> ExecResult:
+        return await self.of(sandbox_id).watch(sandbox_id, path, recursive, timeout=timeout, sink=sink,
+                                               control=control)
+
     async def destroy(self, sandbox_id: str) -> None:
         backend = self.of(sandbox_id)
         try:

@@ -33,6 +33,16 @@ def _root_fd(sandbox_id: str, init_pid: int, pidfd: int, sub: str = "") -> int:
         os.close(pidfd)
 
 
+def open_dir(sandbox_id: str, init_pid: int, pidfd: int, path: str) -> int:
+    """An O_PATH fd of directory path, resolved inside the sandbox's root (OSError when it is none);
+    pidfd is closed either way."""
+    root = _root_fd(sandbox_id, init_pid, pidfd)
+    try:
+        return treeops.dir_in_root(root, path)
+    finally:
+        os.close(root)
+
+
 def _where(path: str, scratch: bool) -> tuple[str, str]:
     """(mount, path inside it): the root for a sandbox, its scratch mount for a worker's /tmp or /dev/shm
     (symlinks there resolve inside that mount)."""

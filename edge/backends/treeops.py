@@ -39,7 +39,7 @@ def _split(path: str) -> tuple[str, str]:
     return parent, name
 
 
-def _dir_in_root(root: int, path: str) -> int:
+def dir_in_root(root: int, path: str) -> int:
     """An O_PATH fd of directory path, resolved as kernel.open_in_root does (O_PATH takes no other flags)."""
     return kernel.openat2(root, path, os.O_PATH | os.O_DIRECTORY, 0,
                           kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS | kernel.RESOLVE_NO_XDEV)
@@ -48,7 +48,7 @@ def _dir_in_root(root: int, path: str) -> int:
 def _parent(root: int, path: str) -> tuple[int, str]:
     """(an O_PATH fd of path's parent, resolved inside root; the last component's name)."""
     parent, name = _split(path)
-    return _dir_in_root(root, parent), name
+    return dir_in_root(root, parent), name
 
 
 def _kind(mode: int) -> str:
@@ -146,7 +146,7 @@ def make_dir(root: int, path: str, base: int) -> bool:
     parts = [p for p in _normal(path).split("/") if p]
     made = False
     for i, part in enumerate(parts):
-        pfd = _dir_in_root(root, "/" + "/".join(parts[:i]))
+        pfd = dir_in_root(root, "/" + "/".join(parts[:i]))
         try:
             os.mkdir(part, 0o755, dir_fd=pfd)
             os.chown(part, base, base, dir_fd=pfd, follow_symlinks=False)
@@ -155,7 +155,7 @@ def make_dir(root: int, path: str, base: int) -> bool:
             made = False
         finally:
             os.close(pfd)
-    os.close(_dir_in_root(root, "/" + "/".join(parts)))   # ENOTDIR when a file was there
+    os.close(dir_in_root(root, "/" + "/".join(parts)))   # ENOTDIR when a file was there
     return made
 
 

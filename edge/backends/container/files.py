@@ -7,7 +7,8 @@ from collections import Counter
 from pathlib import Path
 
 from bus.messages import FileOp
-from edge.backends import cgroups, rootfiles
+from edge.backends import cgroups, rootfiles, watcher
+from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.cgroups import NodeCgroups
 from edge.backends.container.state import Core
 
@@ -35,6 +36,17 @@ class Files(Core):
         pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
         return await asyncio.to_thread(rootfiles.tree_op, sandbox_id, sb.init_pid, pidfd, op, sb.ids.base,
                                        bool(sb.spec.scratch))
+
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl | None = None) -> ExecResult:
+        """A directory's changes (watcher.py), resolved inside the sandbox's root each time a directory is added."""
+        sb = self._live(sandbox_id)
+        if sb.spec.scratch:
+            raise BackendError("a worker's directories cannot be watched")
+
+        def opener(p: str) -> int:
+            return rootfiles.open_dir(sandbox_id, sb.init_pid, os.dup(sb.pidfd), p)
+        return await watcher.watch(opener, path, recursive, timeout, sink, control, sb.frozen_for)
 
     def cgroup_dir(self, sandbox_id: str, controller: str) -> Path:
         """The sandbox's group directory in one controller (tests read limit events there)."""

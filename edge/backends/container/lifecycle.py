@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from edge.backends import cgroups, enter, idmap, kernel, native, nodemounts, procviews, zygote
+from edge.backends import cgroups, enter, idmap, kernel, native, nodemounts, procviews, watcher, zygote
 from edge.backends.base import BackendError, SandboxGone
 from edge.backends.cgroups import NodeCgroups
 from edge.backends.container.state import Core
@@ -158,6 +158,8 @@ class Lifecycle(Core):
             out.append(f"{len(idle)} idle layer mounts kept (at most {IDLE_KEEP})")
         uppers = self._uppers.root
         out += [f"writable layer {p}" for p in (sorted(uppers.iterdir()) if uppers.is_dir() else [])]
+        if watcher.running():
+            out.append(f"{watcher.running()} directory watches running")
         return out
 
 

@@ -5,7 +5,7 @@ import asyncio
 import functools
 import os
 import time
-from typing import IO, Any, Dict, List, Optional, Union
+from typing import IO, Any, Callable, Dict, List, Optional, Union
 
 from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage
 from bus.errors import DsecError, InvalidRequest, SandboxNotFound
@@ -17,7 +17,9 @@ from libdsec.e2b.sandbox.commands.main import ProcessInfo
 from libdsec.e2b.sandbox.commands.command_handle import CommandResult
 from libdsec.e2b.sandbox.filesystem.filesystem import EntryInfo, FileType, WriteEntry, WriteInfo, entry_info
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SandboxState, info_of
+from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, OutputHandler
+from libdsec.e2b.sandbox_async.filesystem.watch_handle import AsyncWatchHandle
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
 DEFAULT_TEMPLATE = "base"     # E2B's default template: DSec's `base` image (docs/e2b.md builds it)
@@ -201,6 +203,17 @@ class AsyncFilesystem:
 
     async def make_dir(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None) -> bool:
         return await self._do(self._files.make_dir(path))
+
+    async def watch_dir(self, path: str, on_event: Callable[[FilesystemEvent], Any],
+                        on_exit: Optional[Callable[[Optional[Exception]], Any]] = None, user: Optional[str] = None,
+                        request_timeout: Optional[float] = None, timeout: Optional[float] = 60,
+                        recursive: bool = False) -> AsyncWatchHandle:
+        """Call on_event for each change under path (recursive: in every directory below it too) for `timeout`
+        seconds (0: no limit); returns once the watch is in place. FileNotFoundException when path is no
+        directory."""
+        watch = await self._do(self._files.watch(path, recursive=recursive,
+                                                 timeout=NO_LIMIT if not timeout else float(timeout)))
+        return AsyncWatchHandle(watch, on_event, on_exit)
 
 
 class AsyncSandboxPaginator:

@@ -5,9 +5,11 @@ import functools
 import threading
 from typing import Any, List, Optional
 
+from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery
 from libdsec.e2b.sandbox_async import main as aio
 from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
+from libdsec.e2b.sandbox_sync.filesystem.watch_handle import WatchHandle
 from libdsec.sync import _Loop
 
 _loop: Optional[_Loop] = None
@@ -51,6 +53,14 @@ class Filesystem:
 
     def __init__(self, inner: aio.AsyncFilesystem) -> None:
         self._inner = inner
+
+    def watch_dir(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None,
+                  recursive: bool = False, timeout: Optional[float] = 0) -> WatchHandle:
+        """Watch path (recursive: every directory below it too) until stop(); get_new_events() polls what
+        happened since the last call. FileNotFoundException when path is no directory."""
+        events: List[FilesystemEvent] = []
+        inner = run(self._inner.watch_dir(path, events.append, recursive=recursive, timeout=timeout))
+        return WatchHandle(run, inner, events)
 
     def read(self, path: str, format: str = "text", **kwargs: Any) -> Any:
         if format == "stream":

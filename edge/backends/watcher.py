@@ -1,0 +1,232 @@
+"""Watching a directory of a sandbox from the edge (files.watch / E2B's watch_dir): inotify on the directory
+resolved inside the sandbox's root, its events handed to the exec sink as JSON lines.
+
+The directory is opened as treeops opens any path (openat2 RESOLVE_IN_ROOT | NO_XDEV | NO_MAGICLINKS) and
+watched through its fd's /proc/self/fd link, so a planted symlink never leads the watch out of the root.
+Recursive watches add each subdirectory the same way, relative to its parent's fd without following a
+symlink, when the watch starts and when one is made or moved in. A watch holds at most MAX_DIRS
+directories; the edge runs at most MAX_WATCHES at once (inotify watches are host root's, a shared budget).
+Event names are relative to the watched directory; types follow E2B (fsnotify): create, write, remove,
+rename, chmod. A full inotify queue is reported once as an `overflow` event (events were lost).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import struct
+import time
+from typing import Callable
+
+import msgspec
+
+from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink
+from edge.backends.execio import wait_fd, wait_unfrozen
+
+MAX_DIRS = 4096        # directories one recursive watch follows
+MAX_WATCHES = 256      # watches an edge runs at once
+BATCH = 64 << 10       # bytes of events read at once
+
+IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
+IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
+IN_Q_OVERFLOW, IN_IGNORED, IN_ONLYDIR, IN_EXCL_UNLINK, IN_ISDIR = 0x4000, 0x8000, 0x1000000, 0x4000000, 0x40000000
+IN_NONBLOCK, IN_CLOEXEC = os.O_NONBLOCK, os.O_CLOEXEC
+MASK = (IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
+        | IN_MOVE_SELF | IN_ONLYDIR | IN_EXCL_UNLINK)   # (no IN_DONT_FOLLOW: the fd's /proc link is followed)
+TYPES = ((IN_CREATE, "create"), (IN_MOVED_TO, "create"), (IN_MODIFY, "write"), (IN_DELETE, "remove"),
+         (IN_MOVED_FROM, "rename"), (IN_ATTRIB, "chmod"))
+HEAD = struct.Struct("iIII")   # wd, mask, cookie, len
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_running = 0
+
+
+def running() -> int:
+    """Watches running on this edge now."""
+    return _running
+
+
+class Event(msgspec.Struct, frozen=True):
+    """One line of a watch's output."""
+
+    type: str      # create, write, remove, rename, chmod; overflow (events were lost)
+    name: str = ""
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return ret
+
+
+class Watch:
+    """The inotify instance of one watch of `base`: wd -> the directory's path relative to base. opener(path)
+    gives an O_PATH fd of a sandbox path resolved inside its root (held only while its watch is added: a
+    held fd would keep the sandbox's mounts busy)."""
+
+    def __init__(self, opener: Callable[[str], int], base: str, recursive: bool) -> None:
+        self.fd = _check(_libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
+        self.opener, self.base, self.recursive = opener, base.rstrip("/") or "/", recursive
+        self.dirs: dict[int, str] = {}
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def start(self) -> None:
+        """Watch base (BackendError when it is no directory of the sandbox), and, recursive, what is below."""
+        try:
+            fd = self.opener(self.base)
+        except OSError as exc:
+            raise BackendError(f"no such directory: {self.base}" if exc.errno in (errno.ENOENT, errno.ENOTDIR)
+                               else f"cannot watch {self.base}: {exc.strerror}") from None
+        try:
+            self._add(fd, "")
+        finally:
+            os.close(fd)
+
+    def _add(self, dir_fd: int, rel: str) -> None:
+        """Watch the directory open at dir_fd; recursive, every directory below it too (each opened relative
+        to its parent, never through a symlink; depth first, without recursion: any depth)."""
+        self._watch(dir_fd, rel)
+        if not self.recursive:
+            return
+        todo = [(os.dup(dir_fd), rel)]
+        try:
+            while todo:
+                fd, at = todo.pop()
+                try:
+                    with contextlib.suppress(OSError):   # a directory gone meanwhile: its events end there
+                        for name in os.listdir(f"/proc/self/fd/{fd}"):
+                            try:
+                                sub = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                              dir_fd=fd)
+                            except OSError:
+                                continue   # not a directory (a symlink to one is not followed), or gone
+                            path = f"{at}/{name}" if at else name
+                            try:
+                                self._watch(sub, path)
+                            except BaseException:
+                                os.close(sub)
+                                raise
+                            todo.append((sub, path))
+                finally:
+                    os.close(fd)
+        finally:
+            for fd, _ in todo:
+                os.close(fd)
+
+    def _watch(self, dir_fd: int, rel: str) -> None:
+        if len(self.dirs) >= MAX_DIRS:
+            raise BackendError(f"a watch follows at most {MAX_DIRS} directories")
+        try:
+            wd = _check(_libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(), MASK), "inotify_add_watch")
+        except OSError as exc:   # ENOSPC: host root's inotify watches are used up
+            raise BackendError(f"cannot watch {self.base}/{rel}: {exc.strerror}") from None
+        self.dirs[wd] = rel
+
+    def events(self, data: bytes) -> list[Event]:
+        """The events in one read, as lines to hand out; new directories are watched (recursive)."""
+        out: list[Event] = []
+        at = 0
+        while at + HEAD.size <= len(data):
+            wd, mask, _cookie, size = HEAD.unpack_from(data, at)
+            name = data[at + HEAD.size:at + HEAD.size + size].split(b"\0", 1)[0].decode(errors="surrogateescape")
+            at += HEAD.size + size
+            if mask & IN_Q_OVERFLOW:
+                out.append(Event("overflow"))
+                continue
+            rel = self.dirs.get(wd)
+            if rel is None:
+                continue
+            if mask & IN_IGNORED:
+                self.dirs.pop(wd, None)
+                continue
+            if mask & (IN_DELETE_SELF | IN_MOVE_SELF):
+                if not rel:   # the watched directory itself went: reported once, then the watch ends
+                    out.append(Event("remove" if mask & IN_DELETE_SELF else "rename", ""))
+                    self.dirs.clear()
+                continue
+            path = f"{rel}/{name}" if rel else name
+            for bit, kind in TYPES:
+                if mask & bit:
+                    out.append(Event(kind, path))
+                    break
+            if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
+                self._add_new(path)
+        return out
+
+    def _add_new(self, path: str) -> None:
+        """A directory made or moved in below a watched one: watched too (past MAX_DIRS, or gone: not)."""
+        with contextlib.suppress(OSError, BackendError):
+            fd = self.opener(f"{self.base.rstrip('/')}/{path}")
+            try:
+                self._add(fd, path)
+            finally:
+                os.close(fd)
+
+
+async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeout: float, sink: OutputSink,
+                control: ExecControl | None, frozen_for=lambda: 0.0) -> ExecResult:
+    """Hand the directory's events to sink (stdout, a JSON line each) until control's signal, the timeout
+    (timed_out) or the directory's end; its ExecResult (exit 0 when the directory went, 128+signal when
+    stopped)."""
+    global _running
+    if _running >= MAX_WATCHES:
+        raise BackendError(f"this node runs its limit of {MAX_WATCHES} directory watches")
+    started = time.monotonic()
+    w = Watch(opener, path, recursive)
+    _running += 1
+    try:
+        await asyncio.to_thread(w.start)
+        stopped = asyncio.get_running_loop().create_future()
+
+        async def stop(sig: int) -> bool:
+            if stopped.done():
+                return False
+            stopped.set_result(sig)
+            return True
+        if control is not None:
+            control.on_signal(stop)
+            await control.started(0)   # the watch is in place: files.watch() returns now
+        pump = asyncio.ensure_future(_pump(w, sink, stopped))
+        timed_out = False
+        try:
+            await wait_unfrozen(pump, timeout, frozen_for)
+        except asyncio.TimeoutError:
+            timed_out = True
+        finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+        if not timed_out and not pump.cancelled() and pump.exception() is not None:
+            raise pump.exception()  # type: ignore[misc]
+        sig = stopped.result() if stopped.done() else 0
+        return ExecResult(exit_code=128 + (9 if timed_out else sig) if timed_out or sig else 0,
+                          duration=time.monotonic() - started, cpu_time=0.0, peak_memory=0, timed_out=timed_out)
+    finally:
+        _running -= 1
+        w.close()
+
+
+async def _pump(w: Watch, sink: OutputSink, stopped: asyncio.Future) -> None:
+    while not stopped.done():
+        try:
+            data = os.read(w.fd, BATCH)
+        except BlockingIOError:
+            reading = asyncio.ensure_future(wait_fd(w.fd))
+            await asyncio.wait([reading, stopped], return_when=asyncio.FIRST_COMPLETED)
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            continue
+        lines = w.events(data)
+        if lines:
+            await sink("stdout", b"".join(_encode(e) + b"\n" for e in lines))
+        if not w.dirs:   # the watched directory is gone (or its filesystem unmounted: every watch ignored)
+            return

@@ -1,0 +1,32 @@
+"""Filesystem events, as in E2B."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+
+class FilesystemEventType(enum.Enum):
+    """What happened to an entry of a watched directory."""
+
+    CHMOD = "chmod"
+    CREATE = "create"
+    REMOVE = "remove"
+    RENAME = "rename"
+    WRITE = "write"
+
+
+@dataclass
+class FilesystemEvent:
+    """One change: name relative to the watched directory."""
+
+    name: str
+    type: FilesystemEventType
+
+
+def event_of(ev) -> Optional[FilesystemEvent]:
+    """DSec's FileEvent as E2B's (None for DSec's `overflow`, which E2B has no type for)."""
+    try:
+        return FilesystemEvent(name=ev.name, type=FilesystemEventType(ev.type))
+    except ValueError:
+        return None

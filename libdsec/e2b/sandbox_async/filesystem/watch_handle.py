@@ -1,0 +1,51 @@
+"""AsyncWatchHandle: a running watch_dir, its events handed to on_event as they happen."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Callable, Optional
+
+from bus.errors import DsecError
+from libdsec.e2b.exceptions import mapped
+from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent, event_of
+from libdsec.files import DirWatch
+
+
+async def _call(fn: Optional[Callable[..., Any]], *args: Any) -> None:
+    if fn is not None:
+        result = fn(*args)
+        if inspect.isawaitable(result):
+            await result
+
+
+class AsyncWatchHandle:
+    """stop() ends the watch; on_exit(None | exception) is called once when it ends, however it ends."""
+
+    def __init__(self, watch: DirWatch, on_event: Callable[[FilesystemEvent], Any],
+                 on_exit: Optional[Callable[[Optional[Exception]], Any]] = None) -> None:
+        self._watch = watch
+        self._on_event, self._on_exit = on_event, on_exit
+        self._pump = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        error: Optional[Exception] = None
+        try:
+            async for ev in self._watch.events():
+                mine = event_of(ev)
+                if mine is not None:
+                    await _call(self._on_event, mine)
+        except DsecError as err:
+            error = mapped(err)
+        except Exception as exc:   # the caller's on_event failed: the watch ends, on_exit says why
+            error = exc
+        finally:
+            await self._watch.close()
+        await _call(self._on_exit, error)
+
+    async def stop(self) -> None:
+        """Stop watching (events already produced are still handed out)."""
+        try:
+            await self._watch.stop()
+        except DsecError as err:
+            raise mapped(err) from err
+        await asyncio.shield(self._pump)

@@ -1,0 +1,111 @@
+"""sb.files.watch (issue 18, E2B's watch_dir): a directory's changes streamed as they happen, from the edge's
+inotify on the directory resolved inside the sandbox's root."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import libdsec
+from edge.backends import watcher
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def _take(w, n: int, within: float = 10.0) -> list[tuple[str, str]]:
+    """The next n events of a watch."""
+    got: list[tuple[str, str]] = []
+
+    async def read() -> None:
+        async for ev in w.events():
+            got.append((ev.type, ev.name))
+            if len(got) == n:
+                return
+    try:
+        await asyncio.wait_for(read(), within)
+    except asyncio.TimeoutError:
+        raise AssertionError(f"{len(got)} of {n} events within {within}s: {got}") from None
+    return got
+
+
+async def test_a_watch_streams_each_change_as_it_happens(client):
+    async with await client.create() as sb:
+        await sb.exec("mkdir -p /w/d")
+        w = await sb.files.watch("/w")
+        try:
+            await sb.exec("echo x > /w/a")
+            assert await _take(w, 2) == [("create", "a"), ("write", "a")]
+            await sb.exec("chmod 600 /w/a; mv /w/a /w/b; rm /w/b; echo y > /w/d/deeper; mkdir /w/e")
+            assert await _take(w, 5) == [("chmod", "a"), ("rename", "a"), ("create", "b"), ("remove", "b"),
+                                         ("create", "e")]          # /w/d/deeper: not recursive, not seen
+            assert await sb.processes() == []                       # a watch is no process of the sandbox
+        finally:
+            await w.stop()
+        assert [e async for e in w.events()] == []                 # it ended
+        await w.close()
+    assert watcher._running == 0
+
+
+async def test_a_recursive_watch_follows_new_directories_but_no_symlink(client, tmp_path):
+    """Planted symlinks (to its /, its /tmp, and a path that is a directory on the host) are not followed:
+    nothing happening there, or in the host's directory, is reported."""
+    async with await client.create() as sb:
+        await sb.exec(f"mkdir -p /r/sub; ln -s / /r/up; ln -s /tmp /r/tmp; ln -s {tmp_path} /r/host")
+        with pytest.raises(libdsec.FileOpError, match="no such directory"):   # resolved in its root: none there
+            await sb.files.watch("/r/host")
+        w = await sb.files.watch("/r", recursive=True)
+        try:
+            await sb.exec("echo 1 > /r/sub/f; mkdir /r/new")
+            assert await _take(w, 3) == [("create", "sub/f"), ("write", "sub/f"), ("create", "new")]
+            (tmp_path / "from-the-host").write_text("x")
+            await sb.exec("echo 2 > /r/new/g; touch /zz /tmp/zz; rm -r /r/sub")   # through the symlinks: nothing
+            assert await _take(w, 4) == [("create", "new/g"), ("write", "new/g"), ("remove", "sub/f"),
+                                         ("remove", "sub")]
+        finally:
+            await w.stop()
+            await w.close()
+
+
+async def test_watching_what_is_no_directory_is_a_clear_error(client):
+    async with await client.create() as sb:
+        await sb.exec("echo f > /file")
+        for path, why in (("/nope", "no such directory: /nope"), ("/file", "no such directory: /file")):
+            with pytest.raises(libdsec.FileOpError, match=why):
+                await sb.files.watch(path)
+        with pytest.raises(libdsec.InvalidRequest, match="absolute"):
+            await sb.files.watch("relative")
+        assert (await sb.exec("echo fine")).stdout == b"fine\n"
+
+
+async def test_a_watch_ends_with_its_directory_or_its_sandbox(client):
+    sb = await client.create()
+    await sb.exec("mkdir /gone /kept")
+    gone = await sb.files.watch("/gone")
+    kept = await sb.files.watch("/kept")
+    await sb.exec("rmdir /gone")
+    assert await _take(gone, 1) == [("remove", "")]
+    assert [e async for e in gone.events()] == []
+    await gone.close()
+    await sb.destroy()
+    with pytest.raises(libdsec.SandboxNotFound):
+        [e async for e in kept.events()]
+    await kept.close()
+    for _ in range(50):
+        if watcher._running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert watcher._running == 0
+
+
+async def test_a_deep_tree_is_watched_to_its_bottom(client):
+    """1,200 levels (past Python's recursion limit): the walk is no recursion."""
+    deep = "/".join(["a"] * 1200)
+    async with await client.create() as sb:
+        await sb.exec(f"mkdir -p /t/{deep}")
+        w = await sb.files.watch("/t", recursive=True)
+        try:
+            await sb.exec(f"cd /t/{deep} && echo x > bottom")
+            assert await _take(w, 2) == [("create", f"{deep}/bottom"), ("write", f"{deep}/bottom")]
+        finally:
+            await w.stop()
+            await w.close()
