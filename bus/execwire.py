@@ -78,7 +78,15 @@ class ExecSignal(Wire, tag="signal"):
     signal: int = 9
 
 
-ExecControlMsg = Union[ExecInput, ExecSignal]
+class ExecResize(Wire, tag="resize"):
+    """libdsec -> edge: a running exec's terminal (started with pty_rows/pty_cols) now has this size."""
+
+    exec_id: str = ""
+    rows: int = 24
+    cols: int = 80
+
+
+ExecControlMsg = Union[ExecInput, ExecSignal, ExecResize]
 
 
 # ---- the running execs of a sandbox (the op lane's ListProcesses answers with a ProcessList) ------------

@@ -16,6 +16,7 @@ Capabilities:
   call        stateless function calls (client.call), no sandbox id
   privileged  create(privileged=True): commands keep every capability of a guest kernel of their own, whose
               only promise is that the host and other sandboxes are untouched (VM kinds only)
+  pty         commands on a terminal of the sandbox's own devpts (sb.terminal), resized while they run
   watch       files.watch: a directory's changes streamed as they happen (inotify, from the edge)
   memory_snapshot  snapshot(memory=True): the VM's RAM and device state too, so its forks go on from the
               same instant, processes running (they run on the node holding it: docs/backends.md)
@@ -30,7 +31,7 @@ SERVED = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM)   # what `dsec up` may run
 
 CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                          "network", "users", "file_tree", "watch"}),
+                          "network", "users", "file_tree", "watch", "pty"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools", "network"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",

@@ -127,6 +127,8 @@ class ExecRequest(Wire, tag="exec"):
     max_output: int = 16 << 20
     live_stdin: bool = False         # more stdin comes on dsec.in.<node>.<tenant>.<sandbox>.<exec_id> (ExecInput)
     background: bool = False         # the client does not wait for it: the node acks it once started
+    pty_rows: int = 0                # > 0: the command runs on a terminal of this size (its stdin, stdout and
+    pty_cols: int = 0                # stderr; its output one stream, stdout); resized with ExecResize
     watch: str = ""                  # instead of a command: this directory's changes, a JSON line each on
     recursive: bool = False          # stdout (edge/backends/watcher.py), until signalled or its timeout
 

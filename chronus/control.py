@@ -36,6 +36,7 @@ class ExecControl:
         self._on_start = on_start
         self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
         self._signal: Callable[[int], Awaitable[bool]] | None = None
+        self._resize: Callable[[int, int], None] | None = None
         self.closed = False
 
     def write(self, data: bytes | None) -> asyncio.Future:
@@ -55,6 +56,7 @@ class ExecControl:
         """The command's stdin is gone (or the exec ended): every queued and later write fails."""
         self.closed = True
         self._signal = None
+        self._resize = None
         while not self._queue.empty():
             _, fut = self._queue.get_nowait()
             if not fut.done():
@@ -73,6 +75,17 @@ class ExecControl:
     def on_signal(self, fn: Callable[[int], Awaitable[bool]]) -> None:
         """For the backend: how to signal the exec's processes."""
         self._signal = fn
+
+    def on_resize(self, fn: Callable[[int, int], None]) -> None:
+        """For the backend: how to resize the exec's terminal (rows, cols)."""
+        self._resize = fn
+
+    def resize(self, rows: int, cols: int) -> bool:
+        """Resize its terminal; False when it has none (or runs no more)."""
+        if self._resize is None:
+            return False
+        self._resize(rows, cols)
+        return True
 
     async def signal(self, sig: int) -> bool:
         """Send sig to every process of the exec; False when it is not running (yet, or any more)."""

@@ -25,7 +25,7 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
 from bus.messages import ErrorReply, Event, ExecRequest, OkReply, SandboxRecord, TrajRecord, encode
-from bus.execwire import (ExecInput, ExecSignal, ExitRecord, ProcessEntry, ProcessList, control_decoder,
+from bus.execwire import (ExecInput, ExecResize, ExecSignal, ExitRecord, ProcessEntry, ProcessList, control_decoder,
                           decode_output)
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import TRAJ_OUTPUT, OutputRelay
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 REMEMBERED_EXECS = 100_000  # exec ids kept to refuse a redelivered exec
 MAX_SIGNAL = 64
+MAX_PTY = 4096            # rows or columns of a terminal, at most
 REMEMBERED_PIECES = 64   # piece ids of stdin sent by pid kept per exec, to answer a retry without writing again
 STDIN_ANSWER_WAIT = 4.0   # a repeated stdin piece is answered within this (busy, if still not written)
 MAX_BACKGROUND_PER_EXEC_SLOT = 4   # background execs a node runs at once: this times max_execs
@@ -61,9 +62,11 @@ class ExecHost(Protocol):
         """The shell a sandbox's string commands run with (its backend's own)."""
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
-                  timeout: float, sink: OutputSink, control: ExecControl, user: str = "") -> ExecResult:
+                  timeout: float, sink: OutputSink, control: ExecControl, user: str = "",
+                  pty: tuple[int, int] | None = None) -> ExecResult:
         """Run a command in the sandbox (the backend's exec) as user ("": its default) in cwd ("": its
-        default): Gone when the sandbox does not run, RunFailed when the command could not be run."""
+        default), on a terminal of pty's (rows, cols) if given: Gone when the sandbox does not run,
+        RunFailed when the command could not be run."""
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
                     control: ExecControl) -> ExecResult:
@@ -171,6 +174,12 @@ class Execs:
         parts = subject.split(".")   # dsec.in.<node>.<tenant>.<sandbox>.<exec>: only its own tenant reaches it
         if live is None or parts[3:] != [live.tenant, live.sandbox_id, msg.exec_id]:
             return ErrorReply(code="exec_not_running", message=f"exec {msg.exec_id} is not running on this node")
+        if isinstance(msg, ExecResize):
+            if not (0 < msg.rows <= MAX_PTY and 0 < msg.cols <= MAX_PTY):
+                return ErrorReply(code=InvalidRequest.code, message=f"rows and cols must be 1..{MAX_PTY}")
+            if live.control.resize(msg.rows, msg.cols):
+                return OkReply()
+            return ErrorReply(code=InvalidRequest.code, message=f"exec {msg.exec_id} runs on no terminal")
         if isinstance(msg, ExecSignal):
             if not 0 < msg.signal <= MAX_SIGNAL:
                 return ErrorReply(code=InvalidRequest.code, message=f"signal must be 1..{MAX_SIGNAL}, got {msg.signal}")
@@ -335,7 +344,8 @@ class Execs:
                 res = await self.host.run(op.sandbox_id, command_argv(op.argv, op.shell,
                                                                       self.host.trusted_shell(op.sandbox_id)),
                                           env=dict(op.env), cwd=op.cwd, stdin=op.stdin or None, timeout=op.timeout,
-                                          sink=relay.sink, control=control, user=op.user)
+                                          sink=relay.sink, control=control, user=op.user,
+                                          pty=(op.pty_rows, op.pty_cols) if op.pty_rows else None)
         except Gone:
             return self._gone_fields(await self.host.gone(op.sandbox_id, op.tenant), t0)
         except RunFailed as exc:
@@ -398,6 +408,8 @@ class Execs:
             return Execs._check_times(op)
         if op.shell and op.argv:
             raise InvalidRequest("give argv or shell, not both")
+        if (op.pty_rows or op.pty_cols) and not (0 < op.pty_rows <= MAX_PTY and 0 < op.pty_cols <= MAX_PTY):
+            raise InvalidRequest(f"a terminal's rows and cols must be 1..{MAX_PTY}, got {op.pty_rows}x{op.pty_cols}")
         if not op.shell and (not op.argv or not all(op.argv)):
             raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
         if "\0" in op.shell:

@@ -150,7 +150,8 @@ class Sandboxes:
             return TRUSTED_SHELL   # gone: the exec fails as gone, whatever it would have run
 
     async def run(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str, stdin: bytes | None,
-                  timeout: float, sink: OutputSink, control: ExecControl, user: str = "") -> ExecResult:
+                  timeout: float, sink: OutputSink, control: ExecControl, user: str = "",
+                  pty: tuple[int, int] | None = None) -> ExecResult:
         running = self.running.get(sandbox_id)
         spec = running.spec if running is not None else None
         cwd = cwd or (spec.cwd if spec is not None else "") or "/"     # the image's WorkingDir by default
@@ -159,8 +160,14 @@ class Sandboxes:
             if who is not None:
                 env = {"HOME": who.home, "USER": who.name or str(who.uid), "LOGNAME": who.name or str(who.uid),
                        **env}
+            if pty is not None:
+                kind = self.backend.kind_of(sandbox_id)
+                if kind:
+                    kinds.require(kind, "pty", "a terminal")
+                env = {"TERM": "xterm-256color", **env}
             return await self.backend.exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
-                                           sink=sink, control=control, user=who)
+                                           sink=sink, control=control, user=who,
+                                           **({"pty": pty} if pty is not None else {}))
         except SandboxGone as exc:
             raise Gone(str(exc)) from exc
         except (BackendError, DsecError) as exc:

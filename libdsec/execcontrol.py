@@ -12,7 +12,7 @@ import msgspec
 
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, SandboxError, from_code
-from bus.execwire import ExecInput, ExecSignal
+from bus.execwire import ExecInput, ExecResize, ExecSignal
 from bus.messages import ErrorReply, op_reply_decoder
 from libdsec.ids import new_id
 
@@ -60,7 +60,13 @@ class ExecControls:
                 return False
         return True
 
-    async def ask(self, msg: ExecInput | ExecSignal):
+    async def resize(self, rows: int, cols: int) -> bool:
+        """Resize its terminal (an exec started on one: sb.terminal); False when it had ended."""
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 4096 for v in (rows, cols)):
+            raise InvalidRequest(f"rows and cols must be 1..4096, got {rows!r}x{cols!r}")
+        return await self.ask(ExecResize(exec_id=self.exec_id, rows=rows, cols=cols)) is not None
+
+    async def ask(self, msg: ExecInput | ExecSignal | ExecResize):
         """Send a control message until the node answers it; None when the exec is not running any
         more (or its stdin is closed). Typed errors for a refused message; SandboxError when nobody has
         served the node's control subject for NODE_GONE_AFTER seconds."""

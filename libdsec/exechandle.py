@@ -181,6 +181,10 @@ class ExecHandle:
         any client sent before; eof=True closes its stdin after it. False when it ended or closed its stdin."""
         return await self._controls.send(data, eof)
 
+    async def resize(self, rows: int, cols: int) -> bool:
+        """Resize its terminal (sb.terminal); False when it had ended; InvalidRequest when it has none."""
+        return await self._controls.resize(rows, cols)
+
     async def close_stdin(self) -> bool:
         """End its live stdin (the command reads EOF); False when it had ended already."""
         return await self.send_stdin(b"", eof=True)

@@ -32,6 +32,7 @@ PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec i
 PUBLISH_RETRY_FOR = 10.0   # ...kept up this long: a stream leader moving to another server takes seconds
 PUBLISH_TRY = 1.0       # seconds one try waits for its ack (a stream without a leader answers nothing)
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
+LOGIN_SHELL = "if [ -x /bin/bash ]; then exec /bin/bash -i -l; fi; exec /.dsec/sh -i"   # sb.terminal()'s default
 
 
 def argv_of(cmd: Command) -> list[str]:
@@ -82,7 +83,8 @@ class AsyncSandbox:
 
     async def _start(self, cmd: Command, timeout: float, cwd: str | None, env: dict[str, str] | None,
                      stdin: Stdin, max_output: int, background: bool = False,
-                     keep_output: bool = True, user: str | None = None, what: dict | None = None) -> ExecHandle:
+                     keep_output: bool = True, user: str | None = None, what: dict | None = None,
+                     pty: tuple[int, int] | None = None) -> ExecHandle:
         """Send an exec (what: its fields instead of cmd's, e.g. a watch) and a handle on it."""
         if not isinstance(timeout, (int, float)) or not timeout > 0:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -99,7 +101,8 @@ class AsyncSandbox:
         bus = self.client._need_bus()
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **(what or command_fields(cmd)), env=dict(env or {}),
                           cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
-                          max_output=max_output, live_stdin=live, background=background)
+                          max_output=max_output, live_stdin=live, background=background,
+                          pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()
@@ -114,6 +117,25 @@ class AsyncSandbox:
         if live and stdin is not True:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle
+
+    async def terminal(self, cmd: Command | None = None, *, rows: int = 24, cols: int = 80, cwd: str | None = None,
+                       env: dict[str, str] | None = None, user: str | None = None,
+                       timeout: float = DEFAULT_BACKGROUND_TIMEOUT) -> ExecHandle:
+        """A command on a terminal of the sandbox's own (default: an interactive login bash where the image has
+        one, else the trusted sh): its output one byte stream (stream(lines=False): Output("stdout", bytes)),
+        its input handle.send_stdin(bytes) as typed, handle.resize(rows, cols); TERM=xterm-256color unless env
+        sets it. Like any background exec it has a pid, is listed, attached to and killed by pid."""
+        self._needs("pty", "terminal")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 4096 for v in (rows, cols)):
+            raise InvalidRequest(f"rows and cols must be 1..4096, got {rows!r}x{cols!r}")
+        return await self._start(cmd or LOGIN_SHELL, timeout, cwd, env, True, DEFAULT_MAX_OUTPUT, background=True,
+                                 user=user, pty=(rows, cols))
+
+    async def resize_terminal(self, pid: int, rows: int, cols: int) -> bool:
+        """Resize the terminal of the running exec with that pid; False when it ended meanwhile."""
+        entry = await self._running(pid=pid)
+        assert entry is not None
+        return await self._controls(entry).resize(rows, cols)
 
     async def processes(self, *, timeout: float = DEFAULT_OP_TIMEOUT) -> list[ProcessEntry]:
         """Its execs still running, oldest first: exec_id, pid (in the sandbox), argv or shell, env, cwd,

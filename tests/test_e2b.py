@@ -236,3 +236,41 @@ def _sync_watch(sandbox_id: str) -> None:
     w.stop()
     with pytest.raises(SandboxException, match="already stopped"):
         w.get_new_events()
+
+
+async def test_pty_as_e2b_has_it(e2b_env):
+    from e2b import AsyncSandbox
+    from e2b.sandbox.commands.command_handle import PtySize
+    sbx = await AsyncSandbox.create(template="busybox")
+    try:
+        data = bytearray()
+        term = await sbx.pty.create(PtySize(rows=24, cols=80), data.extend, envs={"X": "y"})
+        assert term.pid > 1
+        await sbx.pty.send_stdin(term.pid, b"echo pty-$((3+4)) $X $LANG; stty size\n")
+        for _ in range(200):
+            if b"24 80\r\n" in data:
+                break
+            await asyncio.sleep(0.05)
+        await sbx.pty.resize(term.pid, PtySize(rows=40, cols=120))
+        await sbx.pty.send_stdin(term.pid, b"stty size\n")
+        for _ in range(200):
+            if b"40 120\r\n" in data:
+                break
+            await asyncio.sleep(0.05)
+        assert b"pty-7 y C.UTF-8\r\n24 80\r\n" in data and b"40 120\r\n" in data
+        assert await sbx.pty.kill(term.pid) is True
+        assert await sbx.pty.kill(term.pid) is False
+        await asyncio.to_thread(_sync_pty, sbx.sandbox_id)
+    finally:
+        await sbx.kill()
+
+
+def _sync_pty(sandbox_id: str) -> None:
+    from e2b import Sandbox
+    from e2b.sandbox.commands.command_handle import PtySize
+    sbx = Sandbox.connect(sandbox_id)
+    term = sbx.pty.create(PtySize(rows=10, cols=50))
+    sbx.pty.send_stdin(term.pid, b"echo sync-$((5*5)); exit 0\n")
+    got = bytearray()
+    result = term.wait(on_pty=got.extend)       # what came before wait() too
+    assert result.exit_code == 0 and b"sync-25\r\n" in got

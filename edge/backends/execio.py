@@ -7,8 +7,11 @@ import asyncio
 import contextlib
 import errno
 import os
+import fcntl
 import signal
+import struct
 import subprocess
+import termios
 import time
 from pathlib import Path
 
@@ -78,6 +81,31 @@ class Pipes:
                 setattr(self, name, -1)
 
 
+class PtyPipes(Pipes):
+    """A terminal's: the command's stdin, stdout and stderr are the slave; its output is one stream, read
+    from the master (stdout; stderr is at EOF at once), its stdin written to the master."""
+
+    def __init__(self, master: int, slave: int) -> None:   # (no pipes of Pipes': the terminal is its stdio)
+        self.error_r, self.error_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self.error_r, False)
+        self.stderr_r, no_stderr = os.pipe2(os.O_CLOEXEC)
+        os.close(no_stderr)
+        self.master = master
+        os.set_blocking(master, False)
+        self.stdout_r, self.stdin_w = master, os.dup(master)
+        self.stdin_r, self.stdout_w, self.stderr_w = slave, os.dup(slave), os.dup(slave)
+        self.early = b""
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the terminal's size (the command gets SIGWINCH)."""
+        if self.master >= 0 and self.stdout_r == self.master:
+            fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def close(self) -> None:
+        super().close()
+        self.master = -1
+
+
 async def wait_fd(fd: int, write: bool = False) -> None:
     """Return when fd is readable (or writable); the fd is unregistered before returning or raising."""
     loop = asyncio.get_running_loop()
@@ -118,6 +146,10 @@ async def pump(fd: int, name: str, sink: OutputSink, after: asyncio.Future | Non
         except BlockingIOError:
             await wait_fd(fd)
             continue
+        except OSError as exc:   # a terminal's master once every slave fd is closed
+            if exc.errno == errno.EIO:
+                return
+            raise
         if not chunk:
             return
         await sink(name, chunk)

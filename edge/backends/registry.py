@@ -310,8 +310,10 @@ class BackendSet(Backend):
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
                    stdin: bytes | None, timeout: float, sink: OutputSink,
-                   control: ExecControl | None = None, user=None) -> ExecResult:
+                   control: ExecControl | None = None, user=None, pty=None) -> ExecResult:
         extra = {"user": user} if user is not None else {}   # (kinds with "users" only: edge/sandboxes.py)
+        if pty is not None:                                   # (kinds with "pty" only)
+            extra["pty"] = pty
         return await self.of(sandbox_id).exec(sandbox_id, argv, env=env, cwd=cwd, stdin=stdin, timeout=timeout,
                                               sink=sink, control=control, **extra)
 

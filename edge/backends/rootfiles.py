@@ -7,7 +7,9 @@ never to host root.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import struct
 
 from bus.messages import FileOp, FileOpResult, encode
 from edge.backends import enter, kernel, treeops
@@ -41,6 +43,26 @@ def open_dir(sandbox_id: str, init_pid: int, pidfd: int, path: str) -> int:
         return treeops.dir_in_root(root, path)
     finally:
         os.close(root)
+
+
+TIOCGPTPEER, TIOCSPTLCK = 0x5441, 0x40045431
+
+
+def open_pty(sandbox_id: str, init_pid: int, pidfd: int) -> tuple[int, int]:
+    """(master, slave) of a new terminal of the sandbox's own devpts: its /dev/pts/ptmx opened inside its root,
+    unlocked, the slave opened from the master (TIOCGPTPEER); pidfd is closed either way."""
+    root = _root_fd(sandbox_id, init_pid, pidfd)
+    try:
+        master = kernel.openat2(root, "dev/pts/ptmx", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC, 0,
+                                kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS)
+    finally:
+        os.close(root)
+    try:
+        fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
+        return master, fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except BaseException:
+        os.close(master)
+        raise
 
 
 def _where(path: str, scratch: bool) -> tuple[str, str]:

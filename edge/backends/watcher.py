@@ -154,6 +154,8 @@ class Watch:
                     out.append(Event("remove" if mask & IN_DELETE_SELF else "rename", ""))
                     self.dirs.clear()
                 continue
+            if not name:   # about a directory itself (its mode): its parent's watch reports it, under its name
+                continue
             path = f"{rel}/{name}" if rel else name
             for bit, kind in TYPES:
                 if mask & bit:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import time
 from typing import NamedTuple
 
-from edge.backends import enter, execio
+from edge.backends import enter, execio, rootfiles
 from edge.backends.base import BackendError, CommandNotStarted, ExecControl, ExecResult, OutputSink, SandboxGone
 from edge.backends.cgroups import CallGroup, CgroupError, NodeCgroups
 from edge.backends.container.state import DEFAULT_ENV, Core, Running
@@ -28,26 +29,35 @@ class Executing(Core):
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
                    stdin: bytes | None, timeout: float, sink: OutputSink,
-                   control: ExecControl | None = None, user=None) -> ExecResult:
+                   control: ExecControl | None = None, user=None, pty: tuple[int, int] | None = None) -> ExecResult:
         """Run argv inside the sandbox (timeout <= 0: none); see ExecFailed for commands that never start.
-        user: a users.ExecUser to run as (None: the sandbox's root)."""
+        user: a users.ExecUser to run as (None: the sandbox's root); pty: (rows, cols) of a terminal of the
+        sandbox's own devpts to run it on (its output one stream, stdout)."""
         sb = self._live(sandbox_id)
         if not argv:
             raise BackendError("empty command")
         worker = bool(sb.spec.scratch)   # one command at a time, in one group kept for all of them
-        n = 0 if worker else next(sb.execs)
-        groups = self._exec_groups(sb, n)
-        pipes = execio.Pipes()
+        if pty is not None and worker:
+            raise BackendError("a worker's calls run on no terminal")
+        pipes = self._terminal(sb, pty, user) if pty is not None else execio.Pipes()
+        try:
+            n = 0 if worker else next(sb.execs)
+            groups = self._exec_groups(sb, n)
+        except BaseException:
+            pipes.close()
+            raise
         started = time.monotonic()
         try:
             try:
                 exited = self._start_exec(sb, n, list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/",
                                           pipes, (",idle" if sb.spec.limits.cpu_class == "batch" else "")
-                                          + (user.flag() if user is not None else ""))
+                                          + (",tty" if pty is not None else "") + (user.flag() if user is not None else ""))
             finally:
                 pipes.close_child_ends()    # else our copies of the write ends would hide EOF
             if control is not None:
                 control.on_signal(lambda sig: execio.signal_exec(groups, sig))
+                if isinstance(pipes, execio.PtyPipes):
+                    control.on_resize(pipes.resize)
             status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
                                                      sb.frozen_for)
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
@@ -63,6 +73,23 @@ class Executing(Core):
         if failure and not timed_out:
             raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
+
+    def _terminal(self, sb: Running, size: tuple[int, int], user) -> "execio.PtyPipes":
+        """A terminal of the sandbox's own devpts (its ptmx opened inside its root, the peer by TIOCGPTPEER: no
+        path the sandbox could plant), owned by whom the command runs as, sized rows x cols."""
+        try:
+            master, slave = rootfiles.open_pty(sb.spec.id, sb.init_pid, os.dup(sb.pidfd))
+        except OSError as exc:
+            raise BackendError(f"no terminal for {sb.spec.id}: {exc.strerror}") from exc
+        try:
+            os.fchown(slave, sb.ids.base + (user.uid if user is not None else 0), -1)
+            pipes = execio.PtyPipes(master, slave)
+        except BaseException:
+            os.close(master)
+            os.close(slave)
+            raise
+        pipes.resize(*size)
+        return pipes
 
     def _exec_groups(self, sb: Running, n: int) -> dict:
         """The cgroups of exec n; a worker's one group, kept for all its calls, made at its first."""

@@ -76,6 +76,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <poll.h>
 #include <sys/resource.h>
@@ -259,14 +260,15 @@ static void clean_slate(void) {
     syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, (char *)NULL);   /* none on kernels without keys */
 }
 
-/* What one command is: "CAPMASK[,ipc][,idle][,u=UID:GID[:GROUP...]]\0CWD\0TASKS...\0" (each \0-terminated,
- * an empty one ends the tasks files; ",ipc": an IPC namespace of its own, so no SysV object outlives a fncall
- * call; ",idle": at SCHED_IDLE (a batch sandbox's); ",u=": run as that uid, gid and supplementary groups of
+/* What one command is: "CAPMASK[,ipc][,idle][,tty][,u=UID:GID[:GROUP...]]\0CWD\0TASKS...\0" (each
+ * \0-terminated, an empty one ends the tasks files; ",ipc": an IPC namespace of its own, so no SysV object
+ * outlives a fncall call; ",idle": at SCHED_IDLE (a batch sandbox's); ",tty": its stdin is a terminal of the
+ * sandbox's own devpts, made its controlling terminal; ",u=": run as that uid, gid and supplementary groups of
  * the sandbox, not its root), and in serve mode "\0ARGC\0ARGV...\0ENV...\0" after it. */
 #define GROUPS_MAX 64
 struct command_line {
     unsigned long long keep;
-    int fresh_ipc, idle;
+    int fresh_ipc, idle, tty;
     int as_user, ngroups;
     uid_t uid;
     gid_t gid, groups[GROUPS_MAX];
@@ -296,12 +298,14 @@ static const char *parse_setup(size_t got, int with_command, struct command_line
     c->keep = strtoull(p, &flags, 0);
     c->fresh_ipc = 0;
     c->idle = 0;
+    c->tty = 0;
     c->as_user = 0;
     c->ngroups = 0;
     for (char *f = flags; f && *f == ','; ) {
         f++;
         if (strncmp(f, "ipc", 3) == 0 && (f[3] == ',' || !f[3])) { c->fresh_ipc = 1; f += 3; continue; }
         if (strncmp(f, "idle", 4) == 0 && (f[4] == ',' || !f[4])) { c->idle = 1; f += 4; continue; }
+        if (strncmp(f, "tty", 3) == 0 && (f[3] == ',' || !f[3])) { c->tty = 1; f += 3; continue; }
         if (strncmp(f, "u=", 2) != 0) return "setup: unknown flag";
         char *q = f + 2;
         unsigned long v[GROUPS_MAX + 2];
@@ -397,6 +401,7 @@ static int command(void *unused) {
     }
     ERR_FD = 3;                                    /* (the parent's copy is put back: we share its memory) */
     setsid();           /* own session (and autogroup) at once: kill(0) or /dev/tty never reach anyone else's */
+    if (child_line->tty && ioctl(0, TIOCSCTTY, 0)) fail("setup", "controlling terminal");
     /* What needs neither E's maps nor the cgroups is done while the parent writes them: the clean slate,
      * the filter (root of E with CAP_SYS_ADMIN there from the clone on: no no_new_privs needed for it)
      * and the capabilities. Nothing here fails but for want of memory or a kernel feature. */

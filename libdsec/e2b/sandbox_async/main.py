@@ -19,6 +19,7 @@ from libdsec.e2b.sandbox.filesystem.filesystem import EntryInfo, FileType, Write
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SandboxState, info_of
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, OutputHandler
+from libdsec.e2b.sandbox_async.commands.pty import AsyncPty
 from libdsec.e2b.sandbox_async.filesystem.watch_handle import AsyncWatchHandle
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
@@ -250,6 +251,7 @@ class AsyncSandbox:
         self.sandbox_id = native.id
         self.commands = AsyncCommands(native)
         self.files = AsyncFilesystem(native)
+        self.pty = AsyncPty(native, _not_found)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(sandbox_id={self.sandbox_id!r})"

@@ -9,6 +9,7 @@ from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery
 from libdsec.e2b.sandbox_async import main as aio
 from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
+from libdsec.e2b.sandbox_sync.commands.pty import Pty
 from libdsec.e2b.sandbox_sync.filesystem.watch_handle import WatchHandle
 from libdsec.sync import _Loop
 
@@ -119,6 +120,7 @@ class Sandbox:
         self.sandbox_id = inner.sandbox_id
         self.commands = Commands(inner.commands)
         self.files = Filesystem(inner.files)
+        self.pty = Pty(run, inner.pty)
 
     def __repr__(self) -> str:
         return f"Sandbox(sandbox_id={self.sandbox_id!r})"

@@ -27,9 +27,13 @@ class AsyncCommandHandle:
     (chunks: a line not finished yet too) and is kept for the result. pid: its pid in the sandbox."""
 
     def __init__(self, handle: ExecHandle, on_stdout: Optional[OutputHandler] = None,
-                 on_stderr: Optional[OutputHandler] = None) -> None:
+                 on_stderr: Optional[OutputHandler] = None, on_pty: Optional[Callable[[bytes], Any]] = None,
+                 pty: bool = False) -> None:
         self._handle = handle
         self.pid: int = handle.pid
+        self._pty = pty or on_pty is not None   # a terminal's: its output is bytes for on_pty, not text
+        self._on_pty = on_pty
+        self._pty_held: list[bytes] = []        # what came while no on_pty was given (wait(on_pty) gets it)
         self._stdout: list[str] = []
         self._stderr: list[str] = []
         self._on = {"stdout": on_stdout, "stderr": on_stderr}
@@ -56,7 +60,12 @@ class AsyncCommandHandle:
     async def _read(self) -> CommandResult:
         try:
             async for ev in self._handle.stream(lines=False):
-                if isinstance(ev, Output):
+                if isinstance(ev, Output) and self._pty:
+                    if self._on_pty is None:
+                        self._pty_held.append(ev.data)
+                    else:
+                        await _call(self._on_pty, ev.data)
+                elif isinstance(ev, Output):
                     text = self._decoders[ev.stream].decode(ev.data)
                     (self._stdout if ev.stream == "stdout" else self._stderr).append(text)
                     await _call(self._on[ev.stream], text)
@@ -77,14 +86,19 @@ class AsyncCommandHandle:
                                          error="the command's output ended without its exit")
         return self._result
 
-    async def wait(self, on_stdout: Optional[OutputHandler] = None,
-                   on_stderr: Optional[OutputHandler] = None) -> CommandResult:
+    async def wait(self, on_stdout: Optional[OutputHandler] = None, on_stderr: Optional[OutputHandler] = None,
+                   on_pty: Optional[Callable[[bytes], Any]] = None) -> CommandResult:
         """Wait for the end; CommandExitException when the exit code is not 0. Handlers given here get
         what arrives from now on."""
         if on_stdout is not None:
             self._on["stdout"] = on_stdout
         if on_stderr is not None:
             self._on["stderr"] = on_stderr
+        if on_pty is not None:
+            held, self._pty_held = self._pty_held, []
+            for data in held:
+                await _call(on_pty, data)
+            self._on_pty = on_pty
         result = await asyncio.shield(self._pump)
         if result.exit_code != 0:
             raise CommandExitException(stderr=result.stderr, stdout=result.stdout, exit_code=result.exit_code,

@@ -28,9 +28,11 @@ class CommandHandle:
         return self._inner.exit_code
 
     def wait(self, on_stdout: Optional[Callable[[str], None]] = None,
-             on_stderr: Optional[Callable[[str], None]] = None) -> CommandResult:
-        """Wait for the end; CommandExitException when the exit code is not 0."""
-        return self._run(self._inner.wait(on_stdout, on_stderr))
+             on_stderr: Optional[Callable[[str], None]] = None,
+             on_pty: Optional[Callable[[bytes], None]] = None) -> CommandResult:
+        """Wait for the end; CommandExitException when the exit code is not 0. A terminal's output goes to
+        on_pty as bytes (from the start, what came before too)."""
+        return self._run(self._inner.wait(on_stdout, on_stderr, on_pty))
 
     def kill(self) -> bool:
         """Kill its whole process tree; False when it had already ended."""
