@@ -264,7 +264,8 @@ class FileOp(Wire, tag="file_op"):
     data: bytes = b""
     mode: int = 0o644
     metadata: dict[str, str] = {}   # write at offset 0: stored as the file's user.<key> xattrs
-    reply_to: str = ""
+    user: str = ""                  # as whom (permissions checked as, owner of what it makes); "": the
+    reply_to: str = ""              # sandbox's default user (its image's User, else root)
     deadline: float = 0.0
 
 

@@ -193,8 +193,10 @@ class OpLane:
             raise InvalidRequest(str(exc)) from None
         if not op.path.startswith("/") or "\0" in op.path or (op.op == "rename" and not op.dest.startswith("/")):
             raise InvalidRequest(f"paths must be absolute: {op.path!r}")
-        return await self._on(op.sandbox_id, "file_op", lambda: self.sandboxes.backend.file_op(op.sandbox_id, op),
-                              FileOpError, tenant)
+        async def work() -> bytes:
+            who = await self.sandboxes.file_user(op.sandbox_id, op.user)
+            return await self.sandboxes.backend.file_op(op.sandbox_id, op, who)
+        return await self._on(op.sandbox_id, "file_op", work, FileOpError, tenant)
 
     async def _rollback(self, op: RollbackRequest, tenant: str) -> None:
         raw = (await self.bus.kv_get(streams.SNAPSHOTS_KV, subjects.record_key(tenant, op.snapshot_id))

@@ -22,8 +22,8 @@ import msgspec
 
 from bus import kinds, streams, subjects
 from bus.conn import Bus
-from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, InvalidRequest,
-                        SandboxNotFound)
+from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, FileOpError,
+                        InvalidRequest, SandboxNotFound)
 from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
 from chronus.control import Gone, RunFailed
 from edge.backends.base import (TRUSTED_SHELL, BackendError, CapacityExhausted, ExecControl, ExecResult, OutputSink,
@@ -185,6 +185,14 @@ class Sandboxes:
             raise Gone(str(exc)) from exc
         except (BackendError, DsecError) as exc:
             raise RunFailed(str(exc)) from exc
+
+    async def file_user(self, sandbox_id: str, name: str) -> users.ExecUser | None:
+        """Whom a file op runs as: name, else the sandbox's default user (its image's User, else root)."""
+        running = self.running.get(sandbox_id)
+        try:
+            return await self._user(sandbox_id, running, name or (running.spec.user if running is not None else ""))
+        except RunFailed as exc:
+            raise FileOpError(str(exc)) from None
 
     async def _user(self, sandbox_id: str, running: Running | None, name: str) -> users.ExecUser | None:
         """Who a command runs as: name resolved in the sandbox's own /etc/passwd and /etc/group (per

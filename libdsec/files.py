@@ -20,63 +20,71 @@ DEFAULT_WATCH = 3600.0   # seconds a watch lasts unless stopped
 
 class AsyncFiles:
     """File operations of one sandbox; every path resolves inside its root (a planted symlink never
-    leads out of it). Errors are FileOpError with one clear line ("no such file: /x", ...)."""
+    leads out of it). Errors are FileOpError with one clear line ("no such file: /x", ...). Each runs as
+    `user` (a name or uid[:gid] of the image; default: the sandbox's default user, its image's User, else
+    root): permissions are checked as that user and what it creates is that user's."""
 
     def __init__(self, sandbox: "AsyncSandbox") -> None:
         self._sb = sandbox
 
-    async def _op(self, op: str, path: str, timeout: float = DEFAULT_TIMEOUT, **fields) -> FileOpResult:
+    async def _op(self, op: str, path: str, timeout: float = DEFAULT_TIMEOUT, user: str | None = None,
+                  **fields) -> FileOpResult:
         self._sb._needs("file_tree", f"files.{op}")
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
+        if user is not None and not isinstance(user, str):
+            raise InvalidRequest(f"user must be a name or uid[:gid] string, got {user!r}")
         sb = self._sb
         data = await sb.client._op(sb.node, sb.id, lambda rid, to, dl: FileOp(
-            request_id=rid, sandbox_id=sb.id, op=op, path=path, reply_to=to, deadline=dl, **fields), timeout)
+            request_id=rid, sandbox_id=sb.id, op=op, path=path, reply_to=to, deadline=dl, user=user or "",
+            **fields), timeout)
         return file_result_decoder.decode(data)
 
-    async def get_info(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> FileEntry:
+    async def get_info(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> FileEntry:
         """The entry at path (a symlink itself, not what it points to)."""
-        entry = (await self._op("stat", path, timeout)).entry
+        entry = (await self._op("stat", path, timeout, user)).entry
         assert entry is not None
         return entry
 
-    async def exists(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+    async def exists(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> bool:
         """Whether anything (a dangling symlink too) is at path."""
         try:
-            await self._op("stat", path, timeout)
+            await self._op("stat", path, timeout, user)
             return True
         except FileOpError as err:
             if str(err).startswith(("no such file", "no such directory", "not a directory")):
                 return False
             raise
 
-    async def list(self, path: str, *, depth: int = 1, timeout: float = DEFAULT_TIMEOUT) -> list[FileEntry]:
+    async def list(self, path: str, *, depth: int = 1, timeout: float = DEFAULT_TIMEOUT,
+                   user: str | None = None) -> list[FileEntry]:
         """The entries under directory path, depth levels down (1: its own), sorted by path."""
-        return (await self._op("list", path, timeout, depth=depth)).entries
+        return (await self._op("list", path, timeout, user, depth=depth)).entries
 
-    async def make_dir(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> bool:
+    async def make_dir(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> bool:
         """Make directory path and its missing parents; False when it was already there."""
-        return (await self._op("mkdir", path, timeout)).made
+        return (await self._op("mkdir", path, timeout, user)).made
 
-    async def remove(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    async def remove(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> None:
         """Remove a file, a symlink or a whole directory tree."""
-        await self._op("remove", path, timeout)
+        await self._op("remove", path, timeout, user)
 
-    async def rename(self, old_path: str, new_path: str, *, timeout: float = DEFAULT_TIMEOUT) -> FileEntry:
+    async def rename(self, old_path: str, new_path: str, *, timeout: float = DEFAULT_TIMEOUT,
+                     user: str | None = None) -> FileEntry:
         """Move old_path to new_path; the entry now at new_path."""
         if not isinstance(new_path, str) or not new_path.startswith("/"):
             raise InvalidRequest(f"path must be absolute (start with /): {new_path!r}")
-        entry = (await self._op("rename", old_path, timeout, dest=new_path)).entry
+        entry = (await self._op("rename", old_path, timeout, user, dest=new_path)).entry
         assert entry is not None
         return entry
 
-    async def read(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+    async def read(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> bytes:
         """The whole file, any size, a piece per request. A file that changes while it is read gives
         FileOpError rather than a mix of its old and new bytes."""
-        first = await self._op("read", path, timeout, offset=0, length=FILE_PIECE)
+        first = await self._op("read", path, timeout, user, offset=0, length=FILE_PIECE)
         parts, got = [first.data], len(first.data)
         while got < first.size:
-            piece = await self._op("read", path, timeout, offset=got, length=FILE_PIECE)
+            piece = await self._op("read", path, timeout, user, offset=got, length=FILE_PIECE)
             if piece.size != first.size or not piece.data:
                 raise FileOpError(f"changed while read: {path} ({first.size} bytes, then {piece.size})")
             parts.append(piece.data)
@@ -86,7 +94,7 @@ class AsyncFiles:
         return b"".join(parts)
 
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, metadata: dict[str, str] | None = None,
-                    timeout: float = DEFAULT_TIMEOUT) -> None:
+                    timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> None:
         """Create or truncate path with data (any size), a piece per request, in order. metadata: kept as the
         file's user.<key> extended attributes (get_info(...).metadata gives them back)."""
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -97,7 +105,7 @@ class AsyncFiles:
         offset = 0
         while True:
             piece = bytes(view[offset:offset + FILE_PIECE])
-            await self._op("write", path, timeout, offset=offset, data=piece, mode=mode,
+            await self._op("write", path, timeout, user, offset=offset, data=piece, mode=mode,
                            metadata=dict(metadata or {}) if offset == 0 else {})
             offset += len(piece)
             if offset >= len(data):

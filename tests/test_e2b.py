@@ -159,7 +159,7 @@ def _by_pid() -> None:
         h = sbx.commands.run("echo $$; cat", background=True, stdin=True)
         assert h.pid > 1
         listed = sbx.commands.list()
-        assert [(p.pid, p.cmd, p.args) for p in listed] == [(h.pid, "sh", ["-c", "echo $$; cat"])]
+        assert [(p.pid, p.cmd, p.args) for p in listed] == [(h.pid, "/bin/bash", ["-l", "-c", "echo $$; cat"])]
         assert listed[0].tag
         sbx.commands.send_stdin(h.pid, "to cat\n")
         other = Sandbox.connect(sbx.sandbox_id)                 # another client's view
@@ -274,3 +274,51 @@ def _sync_pty(sandbox_id: str) -> None:
     got = bytearray()
     result = term.wait(on_pty=got.extend)       # what came before wait() too
     assert result.exit_code == 0 and b"sync-25\r\n" in got
+
+
+async def test_snapshots_and_fork(e2b_env):
+    await asyncio.to_thread(_snapshots)
+
+
+def _snapshots() -> None:
+    """create_snapshot -> create(snapshot_id) -> list_snapshots -> fork(count) -> delete_snapshot, as E2B code does."""
+    from e2b import Sandbox
+    from e2b.exceptions import InvalidArgumentException
+    sbx = Sandbox.create(template="busybox", timeout=120)
+    made: list = []
+    snap = None
+    try:
+        sbx.files.write("/state/step", "12")
+        snap = sbx.create_snapshot(name="step-12")
+        assert snap.snapshot_id.startswith("snap") and snap.names == ["step-12"]
+        assert sbx.commands.run("echo alive").stdout == "alive\n"        # frozen only while it was taken
+        child = Sandbox.create(snap.snapshot_id, timeout=60)
+        made.append(child)
+        assert child.files.read("/state/step") == "12" and child.sandbox_id != sbx.sandbox_id
+        mine = sbx.list_snapshots().next_items()
+        assert [s.snapshot_id for s in mine] == [snap.snapshot_id]
+        assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots(name="step-12").next_items()]
+        pages = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id, limit=1)
+        assert pages.next_items() and not pages.has_next
+
+        sbx.files.write("/state/step", "13")
+        forks = sbx.fork(count=2, timeout=60)
+        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        made += forks
+        for f in forks:
+            assert f.files.read("/state/step") == "13"
+        forks[0].files.write("/state/step", "mine")                     # each its own
+        assert forks[1].files.read("/state/step") == "13" and sbx.files.read("/state/step") == "13"
+        with pytest.raises(InvalidArgumentException, match="count"):
+            sbx.fork(count=0)
+        with pytest.raises(InvalidArgumentException, match="in use"):   # child runs on it
+            Sandbox.delete_snapshot(snap.snapshot_id)
+        child.kill()
+        made.remove(child)
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
+        snap = None
+    finally:
+        for s in made:
+            s.kill()
+        sbx.kill()

@@ -107,3 +107,26 @@ async def test_planted_symlinks_never_lead_out_of_the_root(client, tmp_path):
         assert (await sb.exec("ls /etc/passwd")).exit_code == 0
         await sb.files.rename("/t/up", "/t/moved")
         assert canary.read_text() == "host" and tmp_path.exists()
+
+
+async def test_file_ops_as_a_user_are_checked_as_it_and_make_its_files(client):
+    """user=: permissions checked as that user of the sandbox (its root's files refused), and what it writes or
+    makes is its own (0644 files, 0755 directories); the default is the sandbox's root, as before."""
+    async with await client.create() as sb:
+        await sb.exec("mkdir -p /home/u && chown 1000:1000 /home/u && echo secret > /root/s && chmod 600 /root/s "
+                      "&& chmod 700 /root")
+        await sb.files.write("/home/u/a.txt", "mine", user="1000:1000")
+        assert await sb.files.make_dir("/home/u/d/e", user="1000:1000") is True
+        seen = await sb.exec("stat -c '%n %u:%g %a' /home/u/a.txt /home/u/d /home/u/d/e")
+        assert seen.stdout.decode().splitlines() == ["/home/u/a.txt 1000:1000 644", "/home/u/d 1000:1000 755",
+                                                     "/home/u/d/e 1000:1000 755"]
+        for attempt in (sb.files.read("/root/s", user="1000:1000"), sb.files.write("/etc/passwd", "x", user="1000:1000"),
+                        sb.files.remove("/root/s", user="1000:1000"), sb.files.make_dir("/etc/new", user="1000:1000"),
+                        sb.files.list("/root", user="1000:1000")):
+            with pytest.raises(libdsec.FileOpError, match="permission denied"):
+                await attempt
+        assert await sb.files.read("/root/s") == b"secret\n"                 # its root may
+        assert (await sb.files.get_info("/home/u/a.txt", user="1000:1000")).size == 4
+        with pytest.raises(libdsec.InvalidRequest, match="nobody-here"):
+            await sb.files.read("/root/s", user="nobody-here")
+        assert (await sb.exec("cat /etc/passwd | head -1")).stdout.startswith(b"root:")   # untouched

@@ -98,7 +98,7 @@ async def test_tenant_b_cannot_reach_tenant_a_through_the_platforms_subjects(sta
                 await mallory.nc.request(subject, payload, timeout=1.5)
 
         # forged exit records and lane messages go nowhere (mallory's account exports nothing to DSEC)
-        forged = encode(ExitRecord(exec_id=r.exec_id, seq=2, exit_code=0))
+        forged = encode(ExitRecord(exec_id=r.exec_id, seq=3, exit_code=0))
         await mallory.nc.publish(out_subject, forged)
         await mallory.nc.publish(subjects.node_ops(sb.node, "mallory", sb.id), b"{}")
         await mallory.nc.publish(f"dsec.node.{sb.node}.create", b"{}")
@@ -147,8 +147,8 @@ async def test_tenant_b_cannot_reach_tenant_a_through_the_platforms_subjects(sta
         # A's view is intact: the stream holds the real exit record only, A's sandbox answers as before
         stored = [decode_output(d, h) async for d, h in stack.bus.read_subject(streams.OUT_STREAM, out_subject,
                                                                                 with_headers=True)]
-        assert [type(x).__name__ for x in stored] == ["OutputChunk", "ExitRecord"]
-        assert stored[-1].exit_code == 0 and stored[-1].seq == 2
+        assert [type(x).__name__ for x in stored] == ["StartRecord", "OutputChunk", "ExitRecord"]
+        assert stored[-1].exit_code == 0 and stored[-1].seq == 3
         await asyncio.sleep(0.2)
         assert not [s for s in seen if ".alice." in s], seen   # none of A's output, events or replies
 

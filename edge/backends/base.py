@@ -148,9 +148,9 @@ class Backend(abc.ABC):
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file inside the sandbox's root (symlinks resolved inside the root)."""
 
-    async def file_op(self, sandbox_id: str, op) -> bytes:
-        """One file-tree op (bus.messages.FileOp) in the sandbox's root; its encoded FileOpResult. Kinds with
-        the file_tree capability have it."""
+    async def file_op(self, sandbox_id: str, op, user=None) -> bytes:
+        """One file-tree op (bus.messages.FileOp) in the sandbox's root as user (users.ExecUser; None: its
+        root); its encoded FileOpResult. Kinds with the file_tree capability have it."""
         raise BackendError(f"{type(self).__name__} has no file-tree operations")
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,

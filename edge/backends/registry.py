@@ -323,8 +323,8 @@ class BackendSet(Backend):
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         return await self.of(sandbox_id).read_file(sandbox_id, path, limit)
 
-    async def file_op(self, sandbox_id: str, op) -> bytes:
-        return await self.of(sandbox_id).file_op(sandbox_id, op)
+    async def file_op(self, sandbox_id: str, op, user=None) -> bytes:
+        return await self.of(sandbox_id).file_op(sandbox_id, op, **({"user": user} if user is not None else {}))
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
                     control: ExecControl | None = None) -> ExecResult:

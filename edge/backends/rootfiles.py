@@ -6,13 +6,14 @@ never to host root.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import struct
 
 from bus.messages import FileOp, FileOpResult, encode
-from edge.backends import enter, kernel, treeops
+from edge.backends import enter, fscreds, kernel, treeops
 from edge.backends.base import BackendError, SandboxGone
 
 
@@ -109,40 +110,49 @@ def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int, scra
         os.close(root)
 
 
-def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, scratch: bool = False) -> bytes:
-    """One FileOp (treeops.py) in the sandbox's root; its FileOpResult, encoded."""
+def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, scratch: bool = False,
+            who: tuple[int, int, tuple[int, ...]] | None = None) -> bytes:
+    """One FileOp (treeops.py) in the sandbox's root; its FileOpResult, encoded. who: the host uid, gid and
+    groups of the sandbox user it runs as (every permission checked as it, what it makes its own); None: the
+    sandbox's root (what it makes is given to the root's host uid, base)."""
     root, rel = _opened(sandbox_id, init_pid, pidfd, op.path, scratch)
+    owner = None if who is not None else base   # (as a user, what it makes is its own already)
     try:
-        match op.op:
-            case "stat":
-                result = FileOpResult(entry=treeops.stat(root, rel, base))
-            case "list":
-                result = FileOpResult(entries=treeops.listing(root, rel, op.depth, base))
-            case "mkdir":
-                result = FileOpResult(made=treeops.make_dir(root, rel, base))
-            case "remove":
-                treeops.remove(root, rel)
-                result = FileOpResult()
-            case "rename":
-                dest_mount, dest = _where(op.dest, scratch)
-                if dest_mount != _where(op.path, scratch)[0]:
-                    raise OSError(errno.EXDEV, "across mounts")
-                result = FileOpResult(entry=treeops.rename(root, rel, dest, base))
-            case "read":
-                data, size = treeops.read_at(root, rel, op.offset, op.length)
-                result = FileOpResult(data=data, size=size)
-            case "write":
-                treeops.write_at(root, rel, op.data, op.offset, op.mode & 0o7777, base, dict(op.metadata))
-                result = FileOpResult()
-            case _:
-                raise BackendError(f"unknown file op {op.op!r}")
-        return encode(result)
+        with fscreds.as_user(*who) if who is not None else contextlib.nullcontext():
+            return _tree_op(root, rel, op, base, owner, scratch)
     except OSError as exc:
         raise file_error(exc, op.path, creating=op.op in ("mkdir", "write", "rename")) from exc
     except OverflowError as exc:   # a listing past treeops.MAX_ENTRIES
         raise BackendError(f"{exc}: {op.path}") from exc
     finally:
         os.close(root)
+
+
+def _tree_op(root: int, rel: str, op: FileOp, base: int, owner: int | None, scratch: bool) -> bytes:
+    match op.op:
+        case "stat":
+            result = FileOpResult(entry=treeops.stat(root, rel, base))
+        case "list":
+            result = FileOpResult(entries=treeops.listing(root, rel, op.depth, base))
+        case "mkdir":
+            result = FileOpResult(made=treeops.make_dir(root, rel, owner))
+        case "remove":
+            treeops.remove(root, rel)
+            result = FileOpResult()
+        case "rename":
+            dest_mount, dest = _where(op.dest, scratch)
+            if dest_mount != _where(op.path, scratch)[0]:
+                raise OSError(errno.EXDEV, "across mounts")
+            result = FileOpResult(entry=treeops.rename(root, rel, dest, base))
+        case "read":
+            data, size = treeops.read_at(root, rel, op.offset, op.length)
+            result = FileOpResult(data=data, size=size)
+        case "write":
+            treeops.write_at(root, rel, op.data, op.offset, op.mode & 0o7777, owner, dict(op.metadata))
+            result = FileOpResult()
+        case _:
+            raise BackendError(f"unknown file op {op.op!r}")
+    return encode(result)
 
 
 def file_error(exc: OSError, path: str, creating: bool) -> BackendError:

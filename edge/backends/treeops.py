@@ -140,16 +140,18 @@ def _walk(fd: int, path: str, depth: int, base: int, out: list[FileEntry]) -> No
         os.close(fd)
 
 
-def make_dir(root: int, path: str, base: int) -> bool:
-    """Create path and its missing parents, owned by the sandbox's root; False when it was there. Each
-    parent is resolved from the root again (a symlink among them means what it means inside the sandbox)."""
+def make_dir(root: int, path: str, owner: int | None) -> bool:
+    """Create path and its missing parents (0755), given to host uid/gid owner (None: the creator's, a user's
+    fsuid); False when it was there. Each parent is resolved from the root again (a symlink among them means
+    what it means inside the sandbox)."""
     parts = [p for p in _normal(path).split("/") if p]
     made = False
     for i, part in enumerate(parts):
         pfd = dir_in_root(root, "/" + "/".join(parts[:i]))
         try:
             os.mkdir(part, 0o755, dir_fd=pfd)
-            os.chown(part, base, base, dir_fd=pfd, follow_symlinks=False)
+            if owner is not None:
+                os.chown(part, owner, owner, dir_fd=pfd, follow_symlinks=False)
             made = True
         except FileExistsError:
             made = False
@@ -202,7 +204,7 @@ def read_at(root: int, path: str, offset: int, length: int) -> tuple[bytes, int]
         os.close(fd)
 
 
-def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int,
+def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int | None,
              metadata: dict[str, str] | None = None) -> None:
     """Write data at offset of path: offset 0 creates or truncates it (exactly mode, owned by owner, with
     metadata as its user.* xattrs, checked by the op lane); a later piece extends what the first made."""

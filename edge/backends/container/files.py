@@ -30,12 +30,15 @@ class Files(Core):
         return await asyncio.to_thread(rootfiles.read, sandbox_id, sb.init_pid, pidfd, path, limit,
                                        bool(sb.spec.scratch))
 
-    async def file_op(self, sandbox_id: str, op: FileOp) -> bytes:
-        """One file-tree op in the sandbox root (rootfiles.tree_op); its encoded FileOpResult."""
+    async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
+        """One file-tree op in the sandbox root (rootfiles.tree_op) as user (a users.ExecUser; None: its
+        root); its encoded FileOpResult."""
         sb = self._live(sandbox_id)
+        base = sb.ids.base
+        who = None if user is None else (base + user.uid, base + user.gid, tuple(base + g for g in user.groups))
         pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
-        return await asyncio.to_thread(rootfiles.tree_op, sandbox_id, sb.init_pid, pidfd, op, sb.ids.base,
-                                       bool(sb.spec.scratch))
+        return await asyncio.to_thread(rootfiles.tree_op, sandbox_id, sb.init_pid, pidfd, op, base,
+                                       bool(sb.spec.scratch), who)
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
                     control: ExecControl | None = None) -> ExecResult:

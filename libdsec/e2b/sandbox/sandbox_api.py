@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 
@@ -46,3 +46,16 @@ def info_of(rec) -> SandboxInfo:
                        end_at=datetime.datetime.fromtimestamp(rec.expires_at or rec.created_at, utc),
                        state=SandboxState.PAUSED if rec.suspended else SandboxState.RUNNING,
                        cpu_count=rec.resources.cpu, memory_mb=rec.resources.memory >> 20)
+
+
+@dataclass
+class SnapshotInfo:
+    """A snapshot: its id (give it to create() as the template) and names (its tag, when it has one)."""
+
+    snapshot_id: str
+    names: List[str] = field(default_factory=list)
+
+
+def snapshot_info(rec) -> SnapshotInfo:
+    """A SnapshotInfo from DSec's SnapshotRecord."""
+    return SnapshotInfo(snapshot_id=rec.id, names=[rec.tag] if rec.tag else [])

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
-from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery
+from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SnapshotInfo
 from libdsec.e2b.sandbox_async import main as aio
 from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
 from libdsec.e2b.sandbox_sync.commands.pty import Pty
@@ -76,16 +76,18 @@ class Filesystem:
 
 
 class by_id:
-    """sb.kill() on an instance, Sandbox.kill(id) on the class (the async one's, run here)."""
+    """sb.kill() on an instance, Sandbox.kill(id) on the class (the async one's, run here); wrap(result) makes
+    what the caller gets; run=False for a method that returns at once (a paginator)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, wrap: Callable[[Any], Any] = lambda r: r, run: bool = True) -> None:
+        self.name, self.wrap, self.run = name, wrap, run
 
     def __get__(self, obj, cls):
         fn = getattr(aio.AsyncSandbox, self.name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return run(fn(obj.sandbox_id, *args, **kwargs) if obj is not None else fn(*args, **kwargs))
+            result = fn(obj.sandbox_id, *args, **kwargs) if obj is not None else fn(*args, **kwargs)
+            return self.wrap(run(result) if self.run else result)
         return functools.wraps(fn)(call)
 
 
@@ -107,6 +109,28 @@ class SandboxPaginator:
         return run(self._inner.next_items())
 
 
+class SnapshotPaginator:
+    """Pages of list_snapshots(): has_next, next_token, next_items()."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+
+    @property
+    def has_next(self) -> bool:
+        return self._inner.has_next
+
+    @property
+    def next_token(self) -> str:
+        return self._inner.next_token
+
+    def next_items(self) -> List[SnapshotInfo]:
+        return run(self._inner.next_items())
+
+
+def _forks(made: List[Any]) -> List[Any]:
+    return [Sandbox(m) if isinstance(m, aio.AsyncSandbox) else m for m in made]
+
+
 class Sandbox:
     """E2B's Sandbox: `Sandbox.create(...)` (or `with Sandbox.create() as sb:`), .commands, .files, kill()."""
 
@@ -114,6 +138,13 @@ class Sandbox:
     get_info = by_id("get_info")
     pause = by_id("pause")
     set_timeout = by_id("set_timeout")
+    create_snapshot = by_id("create_snapshot")
+    list_snapshots = by_id("list_snapshots", wrap=lambda p: SnapshotPaginator(p), run=False)
+    fork = by_id("fork", wrap=lambda made: _forks(made))
+
+    @classmethod
+    def delete_snapshot(cls, snapshot_id: str, **kwargs: Any) -> bool:
+        return run(aio.AsyncSandbox.delete_snapshot(snapshot_id, **kwargs))
 
     def __init__(self, inner: aio.AsyncSandbox) -> None:
         self._inner = inner

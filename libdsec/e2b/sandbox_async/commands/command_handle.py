@@ -7,7 +7,7 @@ import inspect
 from typing import Any, Callable, Optional
 
 from bus.errors import DsecError
-from libdsec.e2b.exceptions import mapped
+from libdsec.e2b.exceptions import SandboxException, mapped
 from libdsec.e2b.sandbox.commands.command_handle import CommandExitException, CommandResult
 from libdsec.exechandle import ExecHandle
 from libdsec.results import Exit, Output
@@ -109,6 +109,21 @@ class AsyncCommandHandle:
         """Kill its whole process tree; False when it had already ended."""
         try:
             return await self._handle.kill()
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def send_stdin(self, data) -> None:
+        """Write data (str or bytes) to its stdin (started with stdin=True)."""
+        try:
+            if not await self._handle.send_stdin(data):
+                raise SandboxException("the command ended or closed its stdin")
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def close_stdin(self) -> None:
+        """End its stdin (it reads EOF)."""
+        try:
+            await self._handle.close_stdin()
         except DsecError as err:
             raise mapped(err) from err
 

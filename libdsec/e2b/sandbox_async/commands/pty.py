@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, Optional
 from bus.errors import DsecError
 from libdsec.e2b.exceptions import mapped
 from libdsec.e2b.sandbox.commands.command_handle import PtySize
+from libdsec.e2b.sandbox_async.commands.command import not_found
 from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
@@ -17,9 +18,8 @@ class AsyncPty:
     """create() a terminal (an interactive login bash where the image has one, else the trusted sh), then
     send_stdin/resize/kill by its pid, or connect() to it from another client."""
 
-    def __init__(self, sb: NativeSandbox, not_found: Callable[[DsecError, int], Exception]) -> None:
+    def __init__(self, sb: NativeSandbox) -> None:
         self._sb = sb
-        self._not_found = not_found
 
     async def create(self, size: PtySize, on_data: PtyHandler, user: Optional[str] = None, cwd: Optional[str] = None,
                      envs: Optional[Dict[str, str]] = None, timeout: Optional[float] = 60,
@@ -42,7 +42,7 @@ class AsyncPty:
             handle = await self._sb.attach(pid=pid)
             await handle.started()
         except DsecError as err:
-            raise self._not_found(err, pid) from err
+            raise not_found(err, pid) from err
         return AsyncCommandHandle(handle, on_pty=on_data, pty=True)
 
     async def send_stdin(self, pid: int, data: bytes, request_timeout: Optional[float] = None) -> None:
@@ -50,14 +50,14 @@ class AsyncPty:
         try:
             await self._sb.send_stdin(pid, data)
         except DsecError as err:
-            raise self._not_found(err, pid) from err
+            raise not_found(err, pid) from err
 
     async def resize(self, pid: int, size: PtySize, request_timeout: Optional[float] = None) -> None:
         """Resize the terminal with that pid (its programs get SIGWINCH)."""
         try:
             await self._sb.resize_terminal(pid, size.rows, size.cols)
         except DsecError as err:
-            raise self._not_found(err, pid) from err
+            raise not_found(err, pid) from err
 
     async def kill(self, pid: int, request_timeout: Optional[float] = None) -> bool:
         """Kill the terminal's whole process tree; False when no running command has the pid."""

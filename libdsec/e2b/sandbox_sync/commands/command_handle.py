@@ -38,6 +38,14 @@ class CommandHandle:
         """Kill its whole process tree; False when it had already ended."""
         return self._run(self._inner.kill())
 
+    def send_stdin(self, data) -> None:
+        """Write data to its stdin (started with stdin=True)."""
+        self._run(self._inner.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        """End its stdin."""
+        self._run(self._inner.close_stdin())
+
     def disconnect(self) -> None:
         """Stop reading its output here (it keeps running)."""
         self._run(self._inner.disconnect())

@@ -1,0 +1,116 @@
+"""AsyncCommands: sandbox.commands of E2B's async sandbox (E2B's module: e2b.sandbox_async.commands.command).
+
+A command line runs as E2B's does, under `/bin/bash -l -c` where the image has bash (the trusted sh starts it:
+the relay depends on no binary of the sandbox; an image without bash runs it in the trusted sh itself), as the
+image's default user (`user` in the base image) in its working directory (/home/user there)."""
+from __future__ import annotations
+
+import shlex
+from typing import Any, Dict, List, Optional
+
+from bus.errors import DsecError, InvalidRequest
+from bus.execwire import ProcessEntry
+from libdsec.e2b.exceptions import NotFoundException, SandboxException, mapped
+from libdsec.e2b.sandbox.commands.main import ProcessInfo
+from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, OutputHandler
+from libdsec.sandbox import AsyncSandbox as NativeSandbox
+
+NO_LIMIT = 24 * 3600.0   # a command timeout of 0 (E2B: no limit)
+
+
+LOGIN = "if [ -x /bin/bash ]; then exec /bin/bash -l -c "
+
+
+def login_shell(cmd: str) -> str:
+    """The trusted sh's script for a command line: bash -l -c it where the image has bash, else run it here."""
+    return f"{LOGIN}{shlex.quote(cmd)}; fi\n{cmd}"
+
+
+def command_line(script: str) -> str | None:
+    """The command line of a login_shell script (None: the script is not one)."""
+    head, newline, cmd = script.partition("\n")
+    return cmd if newline and head == f"{LOGIN}{shlex.quote(cmd)}; fi" else None
+
+
+class AsyncCommands:
+    """sandbox.commands: run a command in the foreground or the background."""
+
+    def __init__(self, sb: NativeSandbox) -> None:
+        self._sb = sb
+
+    async def run(self, cmd: str, background: Optional[bool] = None, envs: Optional[Dict[str, str]] = None,
+                  user: Optional[str] = None, cwd: Optional[str] = None, on_stdout: Optional[OutputHandler] = None,
+                  on_stderr: Optional[OutputHandler] = None, stdin: Optional[bool] = None,
+                  timeout: Optional[float] = 60, request_timeout: Optional[float] = None) -> Any:
+        """Run cmd (a shell line, run by the sandbox's trusted sh). Foreground: the CommandResult, or
+        CommandExitException for a non-zero exit; background=True: an AsyncCommandHandle at once.
+        user: "root", "user" or any account of the image (None: the image's default user)."""
+        try:
+            if not isinstance(cmd, str) or not cmd or "\0" in cmd:
+                raise InvalidRequest("cmd must be a non-empty string without NUL bytes")
+            handle = await self._sb.exec(login_shell(cmd), background=True, env=envs, cwd=cwd, user=user,
+                                         timeout=NO_LIMIT if not timeout else float(timeout),
+                                         stdin=True if stdin else None)
+            await handle.started()   # as E2B's: the handle comes with its pid
+        except DsecError as err:
+            raise mapped(err) from err
+        h = AsyncCommandHandle(handle, on_stdout, on_stderr)
+        return h if background else await h.wait()
+
+    async def list(self, request_timeout: Optional[float] = None) -> List[ProcessInfo]:
+        """The sandbox's running commands (tag: DSec's exec id; a shell line shows as sh -c LINE)."""
+        try:
+            return [process_info(p) for p in await self._sb.processes()]
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def kill(self, pid: int, request_timeout: Optional[float] = None) -> bool:
+        """Kill the command with that pid and its whole process tree; False when no running command has it."""
+        try:
+            return await self._sb.kill_process(pid)
+        except DsecError as err:
+            raise mapped(err) from err
+
+    async def send_stdin(self, pid: int, data: str, request_timeout: Optional[float] = None) -> None:
+        """Write data to the stdin of the command with that pid (started with stdin=True)."""
+        try:
+            if not await self._sb.send_stdin(pid, data):
+                raise SandboxException(f"the command with pid {pid} ended or closed its stdin")
+        except DsecError as err:
+            raise not_found(err, pid) from err
+
+    async def close_stdin(self, pid: int, request_timeout: Optional[float] = None) -> None:
+        """End the stdin of the command with that pid (it reads EOF)."""
+        try:
+            await self._sb.send_stdin(pid, b"", eof=True)
+        except DsecError as err:
+            raise not_found(err, pid) from err
+
+    async def connect(self, pid: int, timeout: Optional[float] = 60, request_timeout: Optional[float] = None,
+                      on_stdout: Optional[OutputHandler] = None,
+                      on_stderr: Optional[OutputHandler] = None) -> AsyncCommandHandle:
+        """A handle on the running command with that pid (from another client, or after a restart): its output
+        from its first byte on, then wait() and kill() as run()'s handle."""
+        try:
+            handle = await self._sb.attach(pid=pid)
+            await handle.started()
+        except DsecError as err:
+            raise not_found(err, pid) from err
+        return AsyncCommandHandle(handle, on_stdout, on_stderr)
+
+
+def not_found(err: DsecError, pid: int) -> Exception:
+    """No running command has the pid: E2B's NotFoundException; else the mapped error."""
+    if isinstance(err, InvalidRequest) and "has pid" in str(err):
+        return NotFoundException(f"no running command has pid {pid}")
+    return mapped(err)
+
+
+def process_info(p: ProcessEntry) -> ProcessInfo:
+    """A running exec as E2B's ProcessInfo: a command run() started shows as E2B's do (/bin/bash -l -c CMD)."""
+    line = command_line(p.shell) if p.shell else None
+    if line is not None:
+        cmd, args = "/bin/bash", ["-l", "-c", line]
+    else:
+        cmd, args = ("sh", ["-c", p.shell]) if p.shell else (p.argv[0], list(p.argv[1:]))
+    return ProcessInfo(pid=p.pid, tag=p.exec_id, cmd=cmd, args=args, envs=dict(p.env), cwd=p.cwd or None)
