@@ -52,6 +52,7 @@ $(VENV)/.installed: pyproject.toml
 	@$(PY) -c "from edge.backends import native; native.ensure_built() or print('setup: no C compiler: execs use the slower fork path')"
 	@$(PY) -m edge.backends.microvm || echo "setup: no microvm guest (the microvm backend stays off)"
 	@$(PY) -m edge.backends.fullvm || echo "setup: no full-VM OS layer (the fullvm backend stays off)"
+	@$(PY) -m edge.e2bbase || echo "setup: no E2B base root (dsec image build base --e2b-base will fetch it)"
 
 
 demo: setup

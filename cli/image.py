@@ -11,8 +11,8 @@ import click
 import msgspec
 
 from bus import streams
-from bus.messages import sandbox_decoder, snapshot_decoder
-from edge import debootstrap
+from bus.messages import ImageConfig, sandbox_decoder, snapshot_decoder
+from edge import debootstrap, e2bbase
 from cli.main import connect, main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
@@ -37,17 +37,31 @@ def image() -> None:
               help="With --debootstrap: Debian packages to include (e.g. python3,git).")
 @click.option("--mirror", default=None, metavar="URL",
               help="With --debootstrap: the Debian archive (default: the one this machine's apt uses).")
+@click.option("--e2b-base", "e2b_base", is_flag=True,
+              help="E2B's default template: a Debian (bookworm, debootstrapped and cached) with bash, python3, pip, "
+                   "curl, git and sudo, and the user `user` (home /home/user, passwordless sudo) its commands run "
+                   "as by default (docs/e2b.md).")
 @click.option("--kind", type=click.Choice(["base", "workspace", "toolkit"]), default="base", show_default=True,
               help="Layer kind: a base image, or a workspace or toolkit layer that sandboxes stack over a base "
                    "(create --workspace/--toolkit).")
 @run_async
 async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path | None, suite: str | None,
-                packages: str, mirror: str | None, kind: str) -> None:
+                packages: str, mirror: str | None, kind: str, e2b_base: bool) -> None:
     """Pack a directory, a tar or a debootstrapped Debian root into an EROFS layer and store it as the next
     version of NAME. Only this layer is built and uploaded; an unchanged layer makes no new version."""
     name_only, version = parse_ref(name)
     if version is not None:
         raise InvalidRequest("image build takes a NAME without @version (versions are assigned)")
+    config = ImageConfig()
+    if e2b_base:
+        if from_dir is not None or from_tar is not None or suite is not None or packages or mirror or kind != "base":
+            raise InvalidRequest("--e2b-base makes the whole image: no --from-dir, --from-tar, --debootstrap, "
+                                 "--packages, --mirror or --kind with it")
+        try:
+            from_dir = await asyncio.to_thread(e2bbase.root, lambda line: click.echo(line, err=True))
+        except (LayerBuildError, OSError) as exc:
+            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
+        config = e2bbase.CONFIG
     if [from_dir, from_tar, suite].count(None) != 2:
         raise InvalidRequest("give exactly one of --from-dir DIR, --from-tar FILE or --debootstrap SUITE")
     if (packages or mirror) and suite is None:
@@ -74,7 +88,7 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
             raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
         bus = await connect(nats_url, "dsec-image", "admin")
         try:
-            rec, new = await ImageRegistry(bus).publish(name_only, layer, digest, kind)
+            rec, new = await ImageRegistry(bus).publish(name_only, layer, digest, kind, config)
         finally:
             await bus.close()
     click.echo(f"{rec.name}@{rec.version} {rec.layer_kind} {rec.digest} {rec.size} bytes"

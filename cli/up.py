@@ -79,6 +79,10 @@ def edge_options(fn):
         click.option("--lazy-layers/--no-lazy-layers", "lazy_layers", default=False, show_default=True,
                      help="Start a sandbox before this node holds its whole image: a layer's chunks are fetched as "
                           "they are read (a FUSE process per layer, each chunk checked), the rest behind them."),
+        click.option("--max-paused", default=24.0, show_default=True, metavar="HOURS",
+                     type=click.FloatRange(min=0, min_open=True),
+                     help="How long a suspended sandbox (suspend, E2B's pause, a TTL with on_timeout=suspend) keeps "
+                          "its slot and memory; then it is destroyed as expired."),
         click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
@@ -90,7 +94,7 @@ def edge_options(fn):
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
                 memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki",
                 layer_cache: str = "16Gi", warm_max: int = 32, backends: list[str] | None = None,
-                network: dict | None = None, lazy_layers: bool = False) -> EdgeConfig:
+                network: dict | None = None, lazy_layers: bool = False, max_paused: float = 24.0) -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
     from libdsec.resources import parse_size
@@ -98,6 +102,7 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
     fields: dict = {"node_id": node_id, "pool": pool, "slots": slots, "cpu_overcommit": cpu_overcommit,
                     "memory_fraction": memory_fraction, "warm_max": warm_max, "kind_slots": {},
                     "backends": list(backends or ["container"]), "lazy_layers": lazy_layers,
+                    "max_paused": max_paused * 3600.0,
                     **_network_fields(network or {})}
     if not 0 <= warm_max <= 1024:
         fail(f"--warm-max: between 0 and 1024, got {warm_max}")
@@ -276,7 +281,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
              traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
-             mirror_pypi: str, mirror_apt: str, lazy_layers: bool, burst_threshold: float,
+             mirror_pypi: str, mirror_apt: str, lazy_layers: bool, max_paused: float, burst_threshold: float,
              burst_pool: str, max_waiting: int, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
@@ -292,7 +297,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
                                                           mirror_pypi=mirror_pypi, mirror_apt=mirror_apt),
-                      lazy_layers)
+                      lazy_layers, max_paused)
     stack = Stack(state_dir, nats_url=nats_url, host=host, port=port, metrics_port=metrics_port or None,
                   edge_config=cfg, backends=configs, optional_kinds=optional, auth=auth, creds=creds,
                   placement_options=dict(burst_threshold=burst_threshold, burst_pool=burst_pool,
@@ -318,7 +323,8 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
                cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
                traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
-               mirrors: bool, mirror_pypi: str, mirror_apt: str, lazy_layers: bool, verbose: bool) -> None:
+               mirrors: bool, mirror_pypi: str, mirror_apt: str, lazy_layers: bool, max_paused: float,
+               verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).
     It heartbeats its capacity and usage into KV dsec-nodes and pulls only as many creates as it has room for."""
     from cli.stack import Stack
@@ -328,7 +334,7 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
                       layer_cache, warm_max, chosen, dict(aether=aether, aether_dns=aether_dns,
                                                           aether_allow_cidr=aether_allow_cidr, mirrors=mirrors,
                                                           mirror_pypi=mirror_pypi, mirror_apt=mirror_apt),
-                      lazy_layers)
+                      lazy_layers, max_paused)
     stack = Stack(state_dir, nats_url=nats_url, metrics_port=None, edge_config=cfg, run_placement=False,
                   backends=configs, optional_kinds=optional, creds=creds)
     await _serve_until_signal(stack, f"dsec: edge {node_id} ready on {nats_url}")

@@ -320,9 +320,10 @@ class Edge:
                 task = asyncio.ensure_future(self._prune_memories())
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
-            now = time.time()
-            for sid in [s for s, r in self.sandboxes.items()
-                        if r.expires_at and r.expires_at < now and not r.suspended_since and not r.ending]:
+            now, max_paused = time.time(), self.config.max_paused
+            for sid in [s for s, r in self.sandboxes.items() if not r.ending and (
+                        (r.expires_at and r.expires_at < now and not r.suspended_since)
+                        or (r.suspended_since and now - r.suspended_since > max_paused))]:
                 task = asyncio.ensure_future(self._expire(sid))   # at once: one slow record holds no other
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
@@ -336,6 +337,10 @@ class Edge:
     async def _expire(self, sandbox_id: str) -> None:
         try:
             running = self.sandboxes.get(sandbox_id)
+            if running is not None and running.suspended_since:   # kept frozen past --max-paused
+                await self.box.destroy(sandbox_id, state="expired",
+                                       reason=f"suspended longer than --max-paused ({_span(self.config.max_paused)})")
+                return
             if running is not None and running.record.on_timeout == "suspend":   # kept, frozen: resume goes on
                 await self.box.suspend(sandbox_id)
                 return
@@ -344,3 +349,11 @@ class Edge:
             pass    # destroyed by a request meanwhile
         except Exception:   # never let one failure end TTL enforcement for the node
             log.exception("ttl destroy of %s failed", sandbox_id)
+
+
+def _span(seconds: float) -> str:
+    """24 h, 90 min, 2 s."""
+    for unit, size in (("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:g} {unit}"
+    return f"{seconds:g} s"

@@ -49,6 +49,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     traj_output: int = 64 << 10       # bytes of each stream kept in an exec's trajectory record
     layer_cache: int = 16 << 30       # bytes of layers kept on the node (LRU beyond, never one in use)
     warm_max: int = 32                # warm-pool sandboxes kept ready on the node, all pools together
+    max_paused: float = 24 * 3600.0   # seconds a suspended sandbox is kept, then destroyed as expired
     heartbeat: float = 2.0            # seconds between inventory updates
     cpus: float = 0.0                 # 0: psutil.cpu_count()
     memory: int = 0                   # 0: psutil total RAM

@@ -69,3 +69,26 @@ async def test_bad_timeouts_are_refused(client):
         with pytest.raises(libdsec.InvalidRequest):
             await sb.set_timeout(-1)
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
+
+
+async def test_a_sandbox_suspended_past_max_paused_is_destroyed_as_expired(client, stack):
+    """--max-paused (default 24 h): a suspended sandbox keeps its slot and memory that long, not forever."""
+    import msgspec
+    old = stack.edge.config
+    stack.edge.config = msgspec.structs.replace(old, max_paused=2.0)
+    try:
+        sb = await client.create(ttl=600, on_timeout="suspend")
+        kept = await client.create(ttl=600)
+        await sb.suspend()
+        await asyncio.sleep(1.0)
+        assert (await _record(client, sb.id)).state == "ready"        # within max_paused: kept
+        for _ in range(60):
+            rec = await _record(client, sb.id)
+            if rec.state != "ready":
+                break
+            await asyncio.sleep(0.2)
+        assert (rec.state, rec.reason) == ("expired", "suspended longer than --max-paused (2 s)")
+        assert (await kept.exec("echo running")).stdout == b"running\n"   # a running one is no paused one
+        await kept.destroy()
+    finally:
+        stack.edge.config = old
