@@ -400,8 +400,8 @@ class Execs:
 
     @staticmethod
     def _check(op: ExecRequest) -> None:
-        if op.watch and (op.argv or op.shell or op.stdin or op.live_stdin):
-            raise InvalidRequest("a watch runs no command: no argv, shell or stdin")
+        if op.watch and (op.argv or op.shell or op.stdin):
+            raise InvalidRequest("a watch runs no command: no argv, shell or stdin (a live stdin takes its marks)")
         if op.watch and (not op.watch.startswith("/") or "\0" in op.watch):
             raise InvalidRequest(f"watch: an absolute path, got {op.watch!r}")
         if op.watch:

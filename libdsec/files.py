@@ -2,6 +2,7 @@
 in pieces of bus.messages.FILE_PIECE bytes, one op each, in order (edge/backends/treeops.py)."""
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
@@ -9,6 +10,7 @@ import msgspec
 from bus.errors import ExecFailed, FileOpError, InvalidRequest
 from bus.messages import FILE_PIECE, FileEntry, FileOp, FileOpResult, file_result_decoder
 from libdsec.exechandle import ExecHandle
+from libdsec.ids import new_id
 from libdsec.results import Output
 
 if TYPE_CHECKING:
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT = 30.0   # per piece or op
 DEFAULT_WATCH = 3600.0   # seconds a watch lasts unless stopped
+FLUSH_WAIT = 10.0        # seconds a watch's flush() waits for its mark
 
 
 class AsyncFiles:
@@ -96,7 +99,8 @@ class AsyncFiles:
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, metadata: dict[str, str] | None = None,
                     timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> None:
         """Create or truncate path with data (any size), a piece per request, in order. metadata: kept as the
-        file's user.<key> extended attributes (get_info(...).metadata gives them back)."""
+        file's user.<key> extended attributes (get_info(...).metadata gives them back), in place of any it had
+        (a write without metadata clears them)."""
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise InvalidRequest("metadata must map str to str")
         if isinstance(data, str):
@@ -120,7 +124,7 @@ class AsyncFiles:
         self._sb._needs("watch", "files.watch")
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
-        handle = await self._sb._start("", timeout, None, None, None, 16 << 20, background=True, keep_output=False,
+        handle = await self._sb._start("", timeout, None, None, True, 16 << 20, background=True, keep_output=False,
                                        what={"watch": path, "recursive": bool(recursive)})
         await handle.started()   # in place: every change from now on is reported
         if not handle.start_seen:   # it ended without starting: why
@@ -152,15 +156,40 @@ class DirWatch:
         self._handle = handle
         self.path = path
         self.id = handle.id
+        self._marks: dict[str, asyncio.Future] = {}
 
     async def events(self) -> AsyncIterator[FileEvent]:
         """Each event as it happens, until the watch ends; SandboxNotFound when its sandbox ended under it."""
-        async for ev in self._handle.stream():
-            if isinstance(ev, Output):
-                if ev.data.endswith(b"\n"):
-                    yield _events.decode(ev.data)
-            else:
-                return
+        try:
+            async for ev in self._handle.stream():
+                if not isinstance(ev, Output):
+                    return
+                if not ev.data.endswith(b"\n"):
+                    continue
+                event = _events.decode(ev.data)
+                if event.type == "mark":   # a flush() came back: what came before it is all here
+                    waiter = self._marks.pop(event.name, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(None)
+                    continue
+                yield event
+        finally:
+            for waiter in self._marks.values():
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def flush(self, timeout: float = FLUSH_WAIT) -> None:
+        """Return once every change made before this call has come out of events() (which must be being
+        read meanwhile): the edge reads what its inotify queue holds, then sends a mark back."""
+        name = new_id("m")
+        waiter = self._marks[name] = asyncio.get_running_loop().create_future()
+        try:
+            if await self._handle.send_stdin(name):
+                await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except asyncio.TimeoutError:
+            raise FileOpError(f"the watch of {self.path} did not answer within {timeout:.0f}s") from None
+        finally:
+            self._marks.pop(name, None)
 
     async def stop(self) -> None:
         """End the watch (events already produced can still be read from events())."""

@@ -71,7 +71,7 @@ def _agent_loop() -> None:
         assert sbx.files.read("/work/sub/a.txt", format="bytes") == bytearray(b"hello")
         entries = sbx.files.list("/work", depth=2)
         assert [(e.path, e.type) for e in entries] == [("/work/sub", FileType.DIR), ("/work/sub/a.txt", FileType.FILE)]
-        assert entries[1].size == 5 and entries[1].permissions == "rw-r--r--" and entries[1].owner == "0"
+        assert entries[1].size == 5 and entries[1].permissions == "-rw-r--r--" and entries[1].owner == "root"
         sbx.files.write("/work/m", "x", metadata={"k": "v"})
         assert sbx.files.get_info("/work/m").metadata == {"k": "v"}
         sbx.files.remove("/work/m")
@@ -111,7 +111,7 @@ async def test_the_async_sandbox_in_the_callers_loop(e2b_env):
         assert (r.stdout, out) == ("one\n", ["two\n"])
         await sbx.files.write("/x.bin", b"\x00\xff" * 300_000)
         assert await sbx.files.read("/x.bin", format="bytes") == bytearray(b"\x00\xff" * 300_000)
-        assert await sbx.pause() == sbx.sandbox_id
+        assert await sbx.pause() is True and await sbx.pause() is False   # paused already: False
         assert not await sbx.is_running()
         back = await AsyncSandbox.connect(sbx.sandbox_id)     # resumes it
         assert await back.is_running()
@@ -322,3 +322,60 @@ def _snapshots() -> None:
         for s in made:
             s.kill()
         sbx.kill()
+
+
+async def test_the_details_e2b_code_relies_on(e2b_env):
+    await asyncio.to_thread(_details)
+
+
+def _details() -> None:
+    """What E2B's own tests found: metadata in user.e2b.*, header-token keys, timeouts as TimeoutException,
+    a killed sandbox's command as a TimeoutException, iteration over a handle, stream reads as context
+    managers, relative cwd, list order and pages, lifecycle forms, Secret refused."""
+    import datetime
+    import time
+    from e2b import Sandbox, SandboxQuery, Secret
+    from e2b.exceptions import InvalidArgumentException, TimeoutException
+    tag = f"details-{time.time_ns()}"
+    first = Sandbox.create(template="busybox", timeout=120, metadata={"t": tag},
+                           lifecycle={"on_timeout": {"action": "pause", "keep_memory": None}})
+    second = Sandbox.create(template="busybox", timeout=120, metadata={"t": tag}, lifecycle={"on_timeout": None})
+    try:
+        info = first.files.write("/m.txt", "x", metadata={"author": "me"})
+        assert info.metadata == {"author": "me"}
+        assert first.files.get_info("/m.txt").metadata == {"author": "me"}
+        first.files.write("/m.txt", "y")
+        assert first.files.get_info("/m.txt").metadata is None           # a rewrite without metadata clears it
+        for bad in ({"bad key": "v"}, {"": "v"}, {"k": "a\nb"}, {"k\n": "v"}):
+            with pytest.raises(InvalidArgumentException):
+                first.files.write("/m.txt", "z", metadata=bad)
+        with pytest.raises(TimeoutException):
+            first.commands.run("sleep 10", timeout=1)
+        h = first.commands.run("echo one; sleep 0.2; echo two >&2", background=True)
+        assert [c for c in h] == [("one\n", None, None), (None, "two\n", None)]
+        with first.files.read("/m.txt", format="stream") as stream:
+            assert b"".join(stream) == b"y"
+        first.files.make_dir("/home/user/sub")
+        assert first.commands.run("pwd", cwd="sub").stdout == "/home/user/sub\n"   # relative: the user's home
+
+        listed = Sandbox.list(query=SandboxQuery(metadata={"t": tag}))
+        assert [s.sandbox_id for s in listed.next_items()] == [second.sandbox_id, first.sandbox_id]   # newest first
+        assert listed.next_token is None and not listed.has_next
+        pages = Sandbox.list(query=SandboxQuery(metadata={"t": tag}), limit=1, order="asc")
+        assert [s.sandbox_id for s in pages.next_items()] == [first.sandbox_id] and pages.has_next
+        assert [s.sandbox_id for s in pages.next_items()] == [second.sandbox_id] and pages.next_token is None
+        later = second.get_info().started_at + datetime.timedelta(seconds=1)
+        assert Sandbox.list(query=SandboxQuery(metadata={"t": tag}, started_after=later)).next_items() == []
+        assert len(Sandbox.list(query=SandboxQuery(metadata={"t": tag}, template="busybox")).next_items()) == 2
+
+        running = second.commands.run("sleep 60", background=True)
+        second.kill()
+        with pytest.raises(TimeoutException, match="killed or reached its end of life"):
+            running.wait()
+        with pytest.raises(InvalidArgumentException, match="keep_memory"):
+            Sandbox.create(template="busybox", lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+        with pytest.raises(InvalidArgumentException, match="secrets"):
+            Secret()
+    finally:
+        first.kill()
+        second.kill()

@@ -56,8 +56,10 @@ async def test_metadata_is_kept_as_user_xattrs(client):
         info = await sb.files.get_info("/m.txt")
         assert info.metadata == {"owner": "agent-7", "step": "12"}
         assert [e.metadata for e in await sb.files.list("/") if e.path == "/m.txt"] == [info.metadata]
-        await sb.files.write("/m.txt", "y")                       # a rewrite keeps the file's own xattrs
-        assert (await sb.files.get_info("/m.txt")).metadata == info.metadata
+        await sb.files.write("/m.txt", "y", metadata={"step": "13"})   # a rewrite's metadata replaces the old
+        assert (await sb.files.get_info("/m.txt")).metadata == {"step": "13"}
+        await sb.files.write("/m.txt", "z")                               # none: none left
+        assert (await sb.files.get_info("/m.txt")).metadata == {}
         with pytest.raises(libdsec.InvalidRequest, match="metadata"):
             await sb.files.write("/n.txt", "x", metadata={"": "v"})
         with pytest.raises(libdsec.InvalidRequest, match="metadata"):

@@ -105,3 +105,18 @@ async def test_a_stdin_piece_sent_again_is_written_once(client, stack):
         assert await handle.close_stdin()
         assert (await handle.wait()).stdout == b"a\nb\n"
         assert not await handle.send_stdin("late")   # ended: False, no error
+
+
+async def test_a_killed_command_is_gone_when_kill_returns(client):
+    """kill_process(pid) returns once the pid is reaped: `kill -0 PID` in the sandbox fails at once (a zombie
+    left for its init to reap would still answer it)."""
+    async with await client.create() as sb:
+        for _ in range(3):
+            handle = await sb.exec("exec sleep 30", background=True)
+            pid = await handle.started()
+            assert await sb.kill_process(pid) is True
+            probe = await sb.exec(f"kill -0 {pid}")
+            assert probe.exit_code != 0, probe
+            assert (await handle.wait()).exit_code == 128 + 9
+            await handle.close()
+        assert await sb.kill_process(pid) is False                 # gone: nothing to kill

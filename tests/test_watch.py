@@ -109,3 +109,26 @@ async def test_a_deep_tree_is_watched_to_its_bottom(client):
         finally:
             await w.stop()
             await w.close()
+
+
+async def test_flush_returns_once_every_earlier_change_is_out(client):
+    """flush(): the edge reads what inotify holds, then a mark comes back; events() holds all changes made
+    before it. A file written by files.write shows as create, write, chmod (no separate truncation)."""
+    async with await client.create() as sb:
+        await sb.exec("mkdir /f && chown 1000:1000 /f")
+        w = await sb.files.watch("/f")
+        seen: list[tuple[str, str]] = []
+
+        async def read() -> None:
+            async for ev in w.events():
+                seen.append((ev.type, ev.name))
+        reader = asyncio.ensure_future(read())
+        try:
+            for n in range(1, 6):   # as a user: what it makes is its own already (no chown, no chmod for it)
+                await sb.files.write(f"/f/{n}.txt", "x" * n, user="1000:1000")
+                await w.flush()
+                assert seen[-3:] == [("create", f"{n}.txt"), ("write", f"{n}.txt"), ("chmod", f"{n}.txt")], seen
+        finally:
+            await w.stop()
+            await asyncio.wait_for(reader, 10)
+            await w.close()

@@ -346,6 +346,16 @@ async def signal_exec(groups: dict[str, Path], sig: int) -> bool:
             os.kill(pid, sig)
     return bool(pids)
 
+REAP_WAIT = 2.0   # seconds a killed command's pid may take to be reaped (its helper's end, then the init's wait)
+
+
+async def reaped(proc_path: str) -> None:
+    """Wait until a process's /proc entry (in its sandbox's own /proc) is gone, at most REAP_WAIT."""
+    give_up = time.monotonic() + REAP_WAIT
+    while os.path.exists(proc_path) and time.monotonic() < give_up:
+        await asyncio.sleep(0.005)
+
+
 async def kill_exec(groups: dict[str, Path]) -> None:
     if not await cgroups.kill_tree(groups["freezer"]):
         raise BackendError(f"cannot kill the processes of {groups['freezer']}")

@@ -247,12 +247,11 @@ def _regular(fd: int, path: str) -> os.stat_result:
 def write_in_root(root_fd: int, path: str, data: bytes, mode: int, owner: int | None = None) -> None:
     """Create or truncate a regular file under root_fd (see open_in_root) with exactly mode; a file this
     call created (owned by us, host root) is given to host uid/gid owner."""
-    fd = open_in_root(root_fd, path, os.O_WRONLY | os.O_CREAT, mode)
-    try:
+    fd = open_in_root(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)   # (a FIFO or device: no
+    try:                                                                              # truncation, refused below)
         st = _regular(fd, path)
         if owner is not None and st.st_uid == os.geteuid():
             os.fchown(fd, owner, owner)
-        os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]

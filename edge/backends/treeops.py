@@ -207,16 +207,19 @@ def read_at(root: int, path: str, offset: int, length: int) -> tuple[bytes, int]
 def write_at(root: int, path: str, data: bytes, offset: int, mode: int, owner: int | None,
              metadata: dict[str, str] | None = None) -> None:
     """Write data at offset of path: offset 0 creates or truncates it (exactly mode, owned by owner, with
-    metadata as its user.* xattrs, checked by the op lane); a later piece extends what the first made."""
-    if offset == 0:
+    metadata as its user.* xattrs, checked by the op lane, in place of those it had); a later piece extends
+    what the first made."""
+    if offset == 0:   # its metadata becomes exactly `metadata` (a rewrite without any clears the old)
         kernel.write_in_root(root, path, data, mode, owner)
-        if metadata:
-            fd = kernel.open_in_root(root, path, os.O_RDONLY)
-            try:
-                for key, value in metadata.items():
-                    os.setxattr(fd, f"user.{key}", value.encode())
-            finally:
-                os.close(fd)
+        fd = kernel.open_in_root(root, path, os.O_RDONLY)
+        try:
+            for name in os.listxattr(fd):
+                if name.startswith("user.") and name[5:] not in (metadata or {}):
+                    os.removexattr(fd, name)
+            for key, value in (metadata or {}).items():
+                os.setxattr(fd, f"user.{key}", value.encode())
+        finally:
+            os.close(fd)
         return
     fd = kernel.open_in_root(root, path, os.O_WRONLY)
     try:

@@ -198,15 +198,19 @@ async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeou
         if control is not None:
             control.on_signal(stop)
             await control.started(0)   # the watch is in place: files.watch() returns now
-        pump = asyncio.ensure_future(_pump(w, sink, stopped))
+        turn = asyncio.Lock()   # one reader of the inotify fd and writer of the sink at a time
+        pump = asyncio.ensure_future(_pump(w, sink, stopped, turn))
+        marks = asyncio.ensure_future(_marks(w, sink, control, turn)) if control is not None else None
         timed_out = False
         try:
             await wait_unfrozen(pump, timeout, frozen_for)
         except asyncio.TimeoutError:
             timed_out = True
         finally:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
+            for task in (pump, marks):
+                if task is not None:
+                    task.cancel()
+            await asyncio.gather(*(t for t in (pump, marks) if t is not None), return_exceptions=True)
         if not timed_out and not pump.cancelled() and pump.exception() is not None:
             raise pump.exception()  # type: ignore[misc]
         sig = stopped.result() if stopped.done() else 0
@@ -217,18 +221,36 @@ async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeou
         w.close()
 
 
-async def _pump(w: Watch, sink: OutputSink, stopped: asyncio.Future) -> None:
-    while not stopped.done():
+async def _pump(w: Watch, sink: OutputSink, stopped: asyncio.Future, turn: asyncio.Lock) -> None:
+    while not stopped.done() and w.dirs:   # (no dirs: the directory is gone, or its filesystem unmounted)
+        reading = asyncio.ensure_future(wait_fd(w.fd))
+        await asyncio.wait([reading, stopped], return_when=asyncio.FIRST_COMPLETED)
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        async with turn:
+            await _drain(w, sink)
+
+
+async def _drain(w: Watch, sink: OutputSink, then: list[Event] | None = None) -> None:
+    """Hand out every event queued now (then the events in `then`)."""
+    lines: list[Event] = []
+    while True:
         try:
             data = os.read(w.fd, BATCH)
         except BlockingIOError:
-            reading = asyncio.ensure_future(wait_fd(w.fd))
-            await asyncio.wait([reading, stopped], return_when=asyncio.FIRST_COMPLETED)
-            reading.cancel()
-            await asyncio.gather(reading, return_exceptions=True)
-            continue
-        lines = w.events(data)
-        if lines:
-            await sink("stdout", b"".join(_encode(e) + b"\n" for e in lines))
-        if not w.dirs:   # the watched directory is gone (or its filesystem unmounted: every watch ignored)
-            return
+            break
+        lines += w.events(data)
+    lines += then or []
+    if lines:
+        await sink("stdout", b"".join(_encode(e) + b"\n" for e in lines))
+
+
+async def _marks(w: Watch, sink: OutputSink, control: ExecControl, turn: asyncio.Lock) -> None:
+    """Each piece written to the watch's stdin (files.watch's flush) comes back as a `mark` event named by it,
+    after every event queued when it came: the client then knows it has all that happened before."""
+    while True:
+        data, done = await control.next_input()
+        if data is not None:
+            async with turn:
+                await _drain(w, sink, [Event("mark", data.decode(errors="replace")[:64])])
+        done.set_result(True)

@@ -13,12 +13,16 @@ import sys
 
 from libdsec.e2b.exceptions import (AuthenticationException, FileNotFoundException, InvalidArgumentException,
                                     NotEnoughSpaceException, NotFoundException, RateLimitException,
-                                    SandboxException, SandboxNotFoundException, TemplateException,
+                                    SandboxException, SandboxNotFoundException, Secret, TemplateException,
                                     TimeoutException)
 from libdsec.e2b.sandbox.commands.command_handle import (CommandExitException, CommandResult, PtyOutput, PtySize,
                                                          Stderr, Stdout)
 from libdsec.e2b.sandbox.commands.main import ProcessInfo
 from libdsec.e2b.sandbox.filesystem.filesystem import EntryInfo, FileType, WriteEntry, WriteInfo
+from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEventType
+from libdsec.e2b.sandbox.sandbox_api import SnapshotInfo
+from libdsec.e2b.sandbox_async.filesystem.watch_handle import AsyncWatchHandle
+from libdsec.e2b.sandbox_sync.filesystem.watch_handle import WatchHandle
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SandboxState
 from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, OutputHandler
 from libdsec.e2b.sandbox_async.main import AsyncSandbox, AsyncSandboxPaginator
@@ -38,9 +42,10 @@ def install() -> None:
 
 __all__ = [
     "AsyncCommandHandle", "AsyncSandbox", "AsyncSandboxPaginator", "AuthenticationException", "CommandExitException",
-    "CommandHandle", "CommandResult", "EntryInfo", "FileNotFoundException", "FileType", "InvalidArgumentException",
+    "AsyncWatchHandle", "CommandHandle", "CommandResult", "EntryInfo", "FileNotFoundException", "FileType",
+    "FilesystemEvent", "FilesystemEventType", "InvalidArgumentException", "SnapshotInfo", "WatchHandle",
     "NotEnoughSpaceException", "NotFoundException", "OutputHandler", "ProcessInfo", "PtyOutput", "PtySize",
     "RateLimitException", "Sandbox", "SandboxException", "SandboxInfo", "SandboxNotFoundException",
-    "SandboxPaginator", "SandboxQuery", "SandboxState", "Stderr", "Stdout", "TemplateException",
+    "SandboxPaginator", "SandboxQuery", "SandboxState", "Secret", "Stderr", "Stdout", "TemplateException",
     "TimeoutException", "WriteEntry", "WriteInfo", "install",
 ]

@@ -67,3 +67,15 @@ def mapped(err: errors.DsecError) -> Exception:
         case errors.AuthenticationFailed() | errors.PermissionDenied():
             return AuthenticationException(text)
     return SandboxException(text)
+
+
+class Secret:
+    """E2B's secrets (values its platform injects into a sandbox, IAM tokens): DSec injects none, so making
+    one is refused with this error rather than silently doing nothing."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise InvalidArgumentException("secrets are not offered by DSec: pass values with envs= instead")
+
+    @classmethod
+    def iam_token(cls, *args: object, **kwargs: object) -> "Secret":
+        raise InvalidArgumentException("IAM tokens are not offered by DSec")

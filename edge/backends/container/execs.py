@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import os
+import signal
 import time
 from typing import NamedTuple
 
@@ -55,7 +56,7 @@ class Executing(Core):
             finally:
                 pipes.close_child_ends()    # else our copies of the write ends would hide EOF
             if control is not None:
-                control.on_signal(lambda sig: execio.signal_exec(groups, sig))
+                control.on_signal(lambda sig: self._signal(sb, groups, sig, control))
                 if isinstance(pipes, execio.PtyPipes):
                     control.on_resize(pipes.resize)
             status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
@@ -73,6 +74,15 @@ class Executing(Core):
         if failure and not timed_out:
             raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
+
+    @staticmethod
+    async def _signal(sb: Running, groups: dict, sig: int, control: ExecControl) -> bool:
+        """Signal the exec's processes; after a SIGKILL, return once its command's pid is gone from the
+        sandbox (reaped, not a zombie any more: `kill -0 PID` inside fails), at most REAP_WAIT later."""
+        sent = await execio.signal_exec(groups, sig)
+        if sent and sig == signal.SIGKILL and control.pid:
+            await execio.reaped(f"/proc/{sb.init_pid}/root/proc/{control.pid}")
+        return sent
 
     def _terminal(self, sb: Running, size: tuple[int, int], user) -> "execio.PtyPipes":
         """A terminal of the sandbox's own devpts (its ptmx opened inside its root, the peer by TIOCGPTPEER: no

@@ -20,6 +20,8 @@ class SandboxQuery:
 
     metadata: Optional[Dict[str, str]] = None
     state: Optional[List[SandboxState]] = None
+    template: Optional[str] = None                       # its template (image) only
+    started_after: Optional[datetime.datetime] = None    # started after this moment only
 
 
 @dataclass

@@ -51,6 +51,28 @@ async def client() -> AsyncClient:
     return c
 
 
+def _on_timeout(lifecycle: Optional[Dict[str, Any]]) -> str:
+    """DSec's on_timeout for E2B's lifecycle: {"on_timeout": "kill" | "pause" | {"action": ..., "keep_memory": ...}}
+    (None or missing: kill). keep_memory=False (a filesystem-only pause, cold boot on resume) is refused: a
+    container keeps its memory while suspended; auto_resume=True too (nothing resumes a sandbox by itself)."""
+    lc = dict(lifecycle or {})
+    if set(lc) - {"on_timeout", "auto_resume"}:
+        raise InvalidArgumentException(f"lifecycle: on_timeout and auto_resume only, got {sorted(lc)}")
+    if lc.get("auto_resume"):
+        raise InvalidArgumentException("lifecycle: auto_resume is not offered (resume with connect())")
+    action = lc.get("on_timeout")
+    if isinstance(action, dict):
+        if action.get("keep_memory") is False:
+            raise InvalidArgumentException("lifecycle: keep_memory=False (a filesystem-only pause) is not offered: "
+                                           "a paused sandbox keeps its memory")
+        action = action.get("action")
+    if action in (None, "kill"):
+        return "destroy"
+    if action == "pause":
+        return "suspend"
+    raise InvalidArgumentException(f"lifecycle: on_timeout 'kill' or 'pause', got {action!r}")
+
+
 def _refuse_unknown(kwargs: Dict[str, Any]) -> None:
     unknown = sorted(set(kwargs) - set(IGNORED))
     if unknown:
@@ -58,29 +80,51 @@ def _refuse_unknown(kwargs: Dict[str, Any]) -> None:
 
 
 class AsyncSandboxPaginator:
-    """Pages of list(): has_next, next_token, await next_items()."""
+    """Pages of list(): has_next, next_token (None at the end), await next_items(). The server filters by
+    metadata and state; the facade orders by start time (order="desc", newest first, as E2B; or "asc") and
+    filters by template and started_after, then pages."""
 
-    def __init__(self, query: Optional[SandboxQuery], limit: Optional[int], next_token: Optional[str]) -> None:
+    def __init__(self, query: Optional[SandboxQuery], limit: Optional[int], next_token: Optional[str],
+                 order: str = "desc") -> None:
+        if order not in ("asc", "desc"):
+            raise InvalidArgumentException(f"order must be 'asc' or 'desc', got {order!r}")
         self._query = query or SandboxQuery()
-        self._limit = limit
-        self.next_token = next_token or ""
+        self._limit = limit or MAX_PAGE
+        self._order = order
+        self.next_token: Optional[str] = next_token
         self.has_next = True
+        self._all: Optional[List[SandboxInfo]] = None
+
+    async def _everything(self) -> List[SandboxInfo]:
+        c = await client()
+        q, out, token = self._query, [], ""
+        while True:
+            req = ListSandboxes(states=["ready"], labels=dict(q.metadata or {}), next_token=token, limit=MAX_PAGE)
+            try:
+                page = await c._ask(req, SandboxPage)
+            except DsecError as err:
+                raise mapped(err) from err
+            out += page.records
+            token = page.next_token
+            if not token:
+                break
+        wanted = set(q.state or [SandboxState.RUNNING, SandboxState.PAUSED])
+        infos = [i for i in map(info_of, sorted(out, key=lambda r: (r.created_at, r.sandbox_id)))
+                 if i.state in wanted and (not q.template or i.template_id == q.template)
+                 and (q.started_after is None or i.started_at >= q.started_after)]
+        return infos[::-1] if self._order == "desc" else infos
 
     async def next_items(self) -> List[SandboxInfo]:
-        """The next page (filtered on the server by metadata; states: running and paused)."""
+        """The next page."""
         if not self.has_next:
             raise SandboxException("no more items")
-        c = await client()
-        req = ListSandboxes(states=["ready"], labels=dict(self._query.metadata or {}), next_token=self.next_token,
-                            limit=self._limit or MAX_PAGE)
-        try:
-            page = await c._ask(req, SandboxPage)
-        except DsecError as err:
-            raise mapped(err) from err
-        self.next_token = page.next_token
-        self.has_next = bool(page.next_token)
-        wanted = set(self._query.state or [SandboxState.RUNNING, SandboxState.PAUSED])
-        return [i for i in map(info_of, page.records) if i.state in wanted]
+        if self._all is None:
+            self._all = await self._everything()
+        start = int(self.next_token) if self.next_token and self.next_token.isdigit() else 0
+        page = self._all[start:start + self._limit]
+        self.has_next = start + self._limit < len(self._all)
+        self.next_token = str(start + self._limit) if self.has_next else None
+        return page
 
 
 class AsyncSandbox:
@@ -92,6 +136,7 @@ class AsyncSandbox:
         self.commands = AsyncCommands(native)
         self.files = AsyncFilesystem(native)
         self.pty = AsyncPty(native)
+        self._envd_version = "dsec"   # (E2B's sandboxes name their in-sandbox daemon's version; DSec has none)
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(sandbox_id={self.sandbox_id!r})"
@@ -110,20 +155,18 @@ class AsyncSandbox:
         metadata as its labels and envs in every command. E2B-only arguments (api_key, domain, ...) are
         accepted and ignored; others are refused."""
         _refuse_unknown(kwargs)
-        on_timeout = (lifecycle or {}).get("on_timeout", "kill")
-        if on_timeout not in ("kill", "pause") or set(lifecycle or {}) - {"on_timeout"}:
-            raise InvalidArgumentException(f"lifecycle: only on_timeout 'kill' or 'pause' is offered, got {lifecycle!r}")
+        on_timeout = _on_timeout(lifecycle)
         c = await client()
         template = template or os.environ.get("DSEC_E2B_TEMPLATE", DEFAULT_TEMPLATE)
         source = {"from_snapshot": template} if snapshots.is_snapshot(template) else {"image": template}
         try:
             native = await c.create(**source, ttl=float(timeout or DEFAULT_TIMEOUT), labels=dict(metadata or {}),
-                                    env=envs, on_timeout="suspend" if on_timeout == "pause" else "destroy")
+                                    env=envs, on_timeout=on_timeout)
         except DsecError as err:
             raise mapped(err) from err
         return cls(native)
 
-    @classmethod
+    @by_id
     async def connect(cls, sandbox_id: str, timeout: Optional[int] = None, **kwargs: Any) -> "AsyncSandbox":
         """Attach to a running sandbox; a paused one is resumed. Its timeout becomes `timeout` seconds from
         now when that is later than it was (never earlier; a paused one without `timeout` gets 300 s)."""
@@ -158,10 +201,10 @@ class AsyncSandbox:
 
     @staticmethod
     def list(query: Optional[SandboxQuery] = None, limit: Optional[int] = None, next_token: Optional[str] = None,
-             **kwargs: Any) -> AsyncSandboxPaginator:
-        """A paginator over this tenant's running and paused sandboxes."""
+             order: str = "desc", **kwargs: Any) -> AsyncSandboxPaginator:
+        """A paginator over this tenant's running and paused sandboxes (newest first)."""
         _refuse_unknown(kwargs)
-        return AsyncSandboxPaginator(query, limit, next_token)
+        return AsyncSandboxPaginator(query, limit, next_token, order)
 
     @by_id
     async def get_info(cls, sandbox_id: str, **kwargs: Any) -> SandboxInfo:
@@ -177,13 +220,20 @@ class AsyncSandbox:
         return rec is not None and rec.state == "ready" and not rec.suspended
 
     @by_id
-    async def pause(cls, sandbox_id: str, **kwargs: Any) -> str:
-        """Suspend it (processes stop, memory stays); connect() resumes it. Returns its id."""
+    async def pause(cls, sandbox_id: str, keep_memory: bool = True, **kwargs: Any) -> bool:
+        """Suspend it (processes stop, memory stays: a container keeps its memory whatever keep_memory says);
+        connect() resumes it. True, or False when it was paused already."""
+        c = await client()
         try:
-            await (await (await client()).get(sandbox_id)).suspend()
+            rec = await c._record(sandbox_id)
+            if rec is not None and rec.state == "ready" and rec.suspended:
+                return False
+            await (await c.get(sandbox_id)).suspend()
         except DsecError as err:
             raise mapped(err) from err
-        return sandbox_id
+        return True
+
+    beta_pause = pause   # E2B's older name
 
     @by_id
     async def create_snapshot(cls, sandbox_id: str, name: Optional[str] = None, **kwargs: Any) -> SnapshotInfo:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SnapshotInfo
 from libdsec.e2b.sandbox_async import main as aio
+from libdsec.e2b.sandbox_async.filesystem.filesystem import PIECE
 from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
 from libdsec.e2b.sandbox_sync.commands.pty import Pty
 from libdsec.e2b.sandbox_sync.filesystem.watch_handle import WatchHandle
@@ -56,16 +57,18 @@ class Filesystem:
         self._inner = inner
 
     def watch_dir(self, path: str, user: Optional[str] = None, request_timeout: Optional[float] = None,
-                  recursive: bool = False, timeout: Optional[float] = 0) -> WatchHandle:
-        """Watch path (recursive: every directory below it too) until stop(); get_new_events() polls what
-        happened since the last call. FileNotFoundException when path is no directory."""
+                  recursive: bool = False, timeout: Optional[float] = 0, include_entry: bool = False,
+                  allow_network_mounts: bool = False) -> WatchHandle:
+        """Watch path (recursive: every directory below it too) until stop(); get_new_events() gives what
+        happened since the last call, up to the call. FileNotFoundException when path is no directory."""
         events: List[FilesystemEvent] = []
-        inner = run(self._inner.watch_dir(path, events.append, recursive=recursive, timeout=timeout))
+        inner = run(self._inner.watch_dir(path, events.append, user=user, recursive=recursive, timeout=timeout,
+                                          include_entry=include_entry))
         return WatchHandle(run, inner, events)
 
     def read(self, path: str, format: str = "text", **kwargs: Any) -> Any:
         if format == "stream":
-            return iter([bytes(run(self._inner.read(path, "bytes", **kwargs)))])
+            return FileStreamReader(bytes(run(self._inner.read(path, "bytes", **kwargs))))
         return run(self._inner.read(path, format, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
@@ -73,6 +76,32 @@ class Filesystem:
         if name.startswith("_") or not callable(method):
             raise AttributeError(name)
         return lambda *args, **kwargs: run(method(*args, **kwargs))
+
+
+class FileStreamReader:
+    """read(format="stream"): an iterator of the file's bytes, usable as a context manager; close() ends it."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data, self._at = data, 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        if self._at >= len(self._data):
+            raise StopIteration
+        piece = self._data[self._at:self._at + PIECE]
+        self._at += len(piece)
+        return piece
+
+    def close(self) -> None:
+        self._at = len(self._data)
+
+    def __enter__(self) -> "FileStreamReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class by_id:
@@ -141,6 +170,8 @@ class Sandbox:
     create_snapshot = by_id("create_snapshot")
     list_snapshots = by_id("list_snapshots", wrap=lambda p: SnapshotPaginator(p), run=False)
     fork = by_id("fork", wrap=lambda made: _forks(made))
+    connect = by_id("connect", wrap=lambda inner: Sandbox(inner))
+    beta_pause = by_id("beta_pause")
 
     @classmethod
     def delete_snapshot(cls, snapshot_id: str, **kwargs: Any) -> bool:
@@ -152,6 +183,7 @@ class Sandbox:
         self.commands = Commands(inner.commands)
         self.files = Filesystem(inner.files)
         self.pty = Pty(run, inner.pty)
+        self._envd_version = inner._envd_version
 
     def __repr__(self) -> str:
         return f"Sandbox(sandbox_id={self.sandbox_id!r})"
@@ -166,11 +198,6 @@ class Sandbox:
     def create(cls, template: Optional[str] = None, timeout: Optional[int] = None, **kwargs: Any) -> "Sandbox":
         """See AsyncSandbox.create."""
         return cls(run(aio.AsyncSandbox.create(template, timeout, **kwargs)))
-
-    @classmethod
-    def connect(cls, sandbox_id: str, timeout: Optional[int] = None, **kwargs: Any) -> "Sandbox":
-        """Attach to a running sandbox; a paused one is resumed."""
-        return cls(run(aio.AsyncSandbox.connect(sandbox_id, timeout, **kwargs)))
 
     @staticmethod
     def list(query: Optional[SandboxQuery] = None, limit: Optional[int] = None, next_token: Optional[str] = None,

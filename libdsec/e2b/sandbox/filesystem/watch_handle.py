@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 class FilesystemEventType(enum.Enum):
@@ -18,10 +18,12 @@ class FilesystemEventType(enum.Enum):
 
 @dataclass
 class FilesystemEvent:
-    """One change: name relative to the watched directory."""
+    """One change: name relative to the watched directory; entry (watch_dir(include_entry=True)): what is at it
+    now, None when nothing is."""
 
     name: str
     type: FilesystemEventType
+    entry: Optional[Any] = None
 
 
 def event_of(ev) -> Optional[FilesystemEvent]:

@@ -13,6 +13,7 @@ from bus.execwire import ProcessEntry
 from libdsec.e2b.exceptions import NotFoundException, SandboxException, mapped
 from libdsec.e2b.sandbox.commands.main import ProcessInfo
 from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, OutputHandler
+from libdsec.e2b.sandbox_async.filesystem.filesystem import absolute
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
 NO_LIMIT = 24 * 3600.0   # a command timeout of 0 (E2B: no limit)
@@ -48,7 +49,8 @@ class AsyncCommands:
         try:
             if not isinstance(cmd, str) or not cmd or "\0" in cmd:
                 raise InvalidRequest("cmd must be a non-empty string without NUL bytes")
-            handle = await self._sb.exec(login_shell(cmd), background=True, env=envs, cwd=cwd, user=user,
+            handle = await self._sb.exec(login_shell(cmd), background=True, env=envs,
+                                         cwd=absolute(cwd, user) if cwd else None, user=user,
                                          timeout=NO_LIMIT if not timeout else float(timeout),
                                          stdin=True if stdin else None)
             await handle.started()   # as E2B's: the handle comes with its pid

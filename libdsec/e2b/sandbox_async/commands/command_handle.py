@@ -7,12 +7,15 @@ import inspect
 from typing import Any, Callable, Optional
 
 from bus.errors import DsecError
-from libdsec.e2b.exceptions import SandboxException, mapped
+from bus.errors import SandboxNotFound
+from libdsec.e2b.exceptions import SandboxException, TimeoutException, mapped
 from libdsec.e2b.sandbox.commands.command_handle import CommandExitException, CommandResult
 from libdsec.exechandle import ExecHandle
 from libdsec.results import Exit, Output
 
 OutputHandler = Callable[[str], Any]
+TIMED_OUT = "timed out"
+END = object()   # the end of a handle's events
 
 
 async def _call(handler: Optional[OutputHandler], text: str) -> None:
@@ -40,6 +43,7 @@ class AsyncCommandHandle:
         # a chunk may end inside a UTF-8 character: each stream decodes on across its chunks
         self._decoders = {name: codecs.getincrementaldecoder("utf-8")(errors="replace") for name in self._on}
         self._result: Optional[CommandResult] = None
+        self.events: asyncio.Queue = asyncio.Queue()   # (stdout, stderr, pty) per chunk, then END (iteration)
         self._pump = asyncio.ensure_future(self._read())
 
     @property
@@ -61,6 +65,7 @@ class AsyncCommandHandle:
         try:
             async for ev in self._handle.stream(lines=False):
                 if isinstance(ev, Output) and self._pty:
+                    self.events.put_nowait((None, None, ev.data))
                     if self._on_pty is None:
                         self._pty_held.append(ev.data)
                     else:
@@ -68,19 +73,26 @@ class AsyncCommandHandle:
                 elif isinstance(ev, Output):
                     text = self._decoders[ev.stream].decode(ev.data)
                     (self._stdout if ev.stream == "stdout" else self._stderr).append(text)
+                    self.events.put_nowait((text, None, None) if ev.stream == "stdout" else (None, text, None))
                     await _call(self._on[ev.stream], text)
                 elif isinstance(ev, Exit):
                     for name, decoder in self._decoders.items():   # a cut character at the very end
                         tail = decoder.decode(b"", final=True)
                         if tail:
                             (self._stdout if name == "stdout" else self._stderr).append(tail)
-                    error = "timed out" if ev.timed_out else None
+                    error = TIMED_OUT if ev.timed_out else None
                     self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=ev.exit_code,
                                                  error=error)
+        except SandboxNotFound as err:   # as E2B says it: the command's connection timed out, the sandbox gone
+            exc = TimeoutException(f"{err}: the sandbox was killed or reached its end of life")
+            self.events.put_nowait(exc)
+            raise exc from err
         except DsecError as err:
+            self.events.put_nowait(mapped(err))
             raise mapped(err) from err
         finally:
             await self._handle.close()
+            self.events.put_nowait(END)
         if self._result is None:
             self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=-1,
                                          error="the command's output ended without its exit")
@@ -100,6 +112,9 @@ class AsyncCommandHandle:
                 await _call(on_pty, data)
             self._on_pty = on_pty
         result = await asyncio.shield(self._pump)
+        if result.error == TIMED_OUT:
+            raise TimeoutException(f"the command timed out (its process tree was killed); output so far: "
+                                   f"{result.stdout[-200:]!r}")
         if result.exit_code != 0:
             raise CommandExitException(stderr=result.stderr, stdout=result.stdout, exit_code=result.exit_code,
                                        error=result.error)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from bus.errors import DsecError
 from libdsec.e2b.exceptions import mapped
@@ -22,9 +22,10 @@ class AsyncWatchHandle:
     """stop() ends the watch; on_exit(None | exception) is called once when it ends, however it ends."""
 
     def __init__(self, watch: DirWatch, on_event: Callable[[FilesystemEvent], Any],
-                 on_exit: Optional[Callable[[Optional[Exception]], Any]] = None) -> None:
+                 on_exit: Optional[Callable[[Optional[Exception]], Any]] = None,
+                 entry: Optional[Callable[[str], Awaitable[Any]]] = None) -> None:
         self._watch = watch
-        self._on_event, self._on_exit = on_event, on_exit
+        self._on_event, self._on_exit, self._entry = on_event, on_exit, entry
         self._pump = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
@@ -33,6 +34,8 @@ class AsyncWatchHandle:
             async for ev in self._watch.events():
                 mine = event_of(ev)
                 if mine is not None:
+                    if self._entry is not None:
+                        mine.entry = await self._entry(mine.name)
                     await _call(self._on_event, mine)
         except DsecError as err:
             error = mapped(err)
@@ -41,6 +44,13 @@ class AsyncWatchHandle:
         finally:
             await self._watch.close()
         await _call(self._on_exit, error)
+
+    async def flush(self) -> None:
+        """Return once every change made before this call was handed to on_event."""
+        try:
+            await self._watch.flush()
+        except DsecError as err:
+            raise mapped(err) from err
 
     async def stop(self) -> None:
         """Stop watching (events already produced are still handed out)."""

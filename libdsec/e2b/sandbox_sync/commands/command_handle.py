@@ -1,10 +1,11 @@
 """CommandHandle: the synchronous AsyncCommandHandle."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 from libdsec.e2b.sandbox.commands.command_handle import CommandResult
-from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle
+from libdsec.e2b.exceptions import TimeoutException
+from libdsec.e2b.sandbox_async.commands.command_handle import END, TIMED_OUT, AsyncCommandHandle
 
 
 class CommandHandle:
@@ -26,6 +27,20 @@ class CommandHandle:
     @property
     def exit_code(self) -> Optional[int]:
         return self._inner.exit_code
+
+    def __iter__(self) -> Iterator[Tuple[Optional[str], Optional[str], Optional[bytes]]]:
+        """(stdout, stderr, pty) per chunk as it arrives, one of them set; at the end TimeoutException if it
+        timed out (a non-zero exit ends the iteration: wait() tells it)."""
+        while True:
+            item = self._run(self._inner.events.get())
+            if item is END:
+                result = self._inner._result
+                if result is not None and result.error == TIMED_OUT:
+                    raise TimeoutException("the command timed out (its process tree was killed)")
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
     def wait(self, on_stdout: Optional[Callable[[str], None]] = None,
              on_stderr: Optional[Callable[[str], None]] = None,

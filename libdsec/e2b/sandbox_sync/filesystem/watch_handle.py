@@ -18,6 +18,7 @@ class WatchHandle:
         """The events since the last call (or since the watch started)."""
         if self._closed:
             raise SandboxException("The watcher is already stopped")
+        self._run(self._inner.flush())   # every change made before now is in
         new, self._events[:] = list(self._events), []
         return new
 
