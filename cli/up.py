@@ -226,17 +226,22 @@ def _say(message: str, err: bool = False) -> None:
         pass
 
 
-async def _serve_until_signal(stack, ready_line: str) -> None:
+async def _serve_until_signal(stack, ready_line: str, after=None) -> None:
+    """Start the stack, say ready, run after() (a coroutine function) beside it, stop at SIGINT/SIGTERM."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1` shows where it is stuck
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stack.start()   # cleans up after itself when it fails
+    extra = asyncio.ensure_future(after()) if after is not None else None
     try:
         _say(ready_line)
         await stop.wait()
     finally:
+        if extra is not None:
+            extra.cancel()
+            await asyncio.gather(extra, return_exceptions=True)
         _say("dsec: stopping (destroying sandboxes)", err=True)
         try:
             await asyncio.wait_for(stack.stop(), STOP_WATCHDOG)
@@ -274,6 +279,10 @@ async def _serve_until_signal(stack, ready_line: str) -> None:
                                     "the trajectory after that (new streams: 6; unset: keep what the stream has).")
 @edge_options
 @placement_options
+@click.option("--e2b-base", "e2b_base", is_flag=True,
+              help="After start, publish the `base` image (E2B's default template, edge/e2bbase.py) unless the "
+                   "store has one, from /var/cache/dsec (a first build debootstraps it, about a minute). Without "
+                   "it, E2B code's first Sandbox.create() builds it (libdsec.e2b).")
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
 async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str, port: int, servers: int, metrics_port: int, auth: bool,
@@ -282,7 +291,7 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
              cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
              traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
              mirror_pypi: str, mirror_apt: str, lazy_layers: bool, max_paused: float, burst_threshold: float,
-             burst_pool: str, max_waiting: int, verbose: bool) -> None:
+             burst_pool: str, max_waiting: int, e2b_base: bool, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
     and a metrics endpoint. Prints `dsec: ready <url>` when it can serve a create. Ctrl-C (or SIGTERM)
     destroys every sandbox and stops everything within 10 s."""
@@ -305,7 +314,13 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
                   stream_ages={name: age for name, age in ((TRAJ_STREAM, traj_retention and traj_retention * DAY),
                                                            (OUT_STREAM, output_retention and output_retention * HOUR))
                                if age})
-    await _serve_until_signal(stack, f"dsec: ready {stack.url}")
+    async def base_image() -> None:   # E2B's default template, for Sandbox.create() with no template
+        from edge import e2bbase
+        try:
+            await e2bbase.ensure_published(stack.bus, lambda line: _say(f"dsec: {line}", err=True))
+        except Exception as exc:   # no debootstrap, no mirror: the rest of DSec runs on
+            _say(f"dsec: the E2B base image was not built ({exc}): dsec image build base --e2b-base", err=True)
+    await _serve_until_signal(stack, f"dsec: ready {stack.url}", base_image if e2b_base else None)
 
 
 @main.command()

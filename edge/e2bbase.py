@@ -67,9 +67,35 @@ def root(log=print) -> Path:
     """The base's root, debootstrapped once and cached (edge/debootstrap.py), with E2B's user in it."""
     from edge import debootstrap
     made = debootstrap.root_for(SUITE, sorted(PACKAGES), debootstrap.apt_mirror(), log)
-    add_user(made)
+    add_user(made)   # (idempotent: a root it changed packs to the same bytes again)
     return made
 
 
 if __name__ == "__main__":   # `make setup`: the root cached ahead (the build then only packs it)
     print(f"E2B base root: {root()}")
+
+
+async def ensure_published(bus, log=print, name: str = "base") -> bool:
+    """Publish the base image as `name` unless the store has an image of that name; True when it did. The root
+    and its packed layer are cached outside any state dir ($DSEC_CACHE), so a fresh `dsec up` only uploads."""
+    import asyncio
+    from bus.errors import ImageNotFound
+    from bus.images import ImageRegistry
+    from edge.erofs import pack_dir
+    registry = ImageRegistry(bus)
+    try:
+        await registry.resolve(name, cache_for=0)
+        return False
+    except ImageNotFound:
+        pass
+    made = await asyncio.to_thread(root, log)
+    layer = made.parent / "e2b-base.erofs"
+    digest_file = made.parent / "e2b-base.digest"
+    if not (layer.exists() and digest_file.exists()):
+        tmp = layer.with_name(f".e2b-base.{os.getpid()}.erofs")
+        digest = await asyncio.to_thread(pack_dir, made, tmp)
+        os.replace(tmp, layer)
+        digest_file.write_text(digest)
+    rec, _ = await registry.publish(name, layer, digest_file.read_text().strip(), "base", CONFIG)
+    log(f"E2B base image published as {rec.name}@{rec.version} ({rec.size >> 20} MiB)")
+    return True

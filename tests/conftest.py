@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -197,6 +198,17 @@ async def client(stack):
     import libdsec
     async with libdsec.AsyncClient(stack.url) as c:
         yield c
+
+
+@pytest.fixture
+def e2b_env(stack, monkeypatch):
+    """`import e2b` is the facade (libdsec.e2b.install()), against the session stack, for one test."""
+    monkeypatch.setenv("DSEC_URL", stack.url)
+    import libdsec.e2b
+    libdsec.e2b.install()
+    yield
+    for name in [m for m in sys.modules if m == "e2b" or m.startswith("e2b.")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(autouse=True)

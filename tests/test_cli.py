@@ -302,6 +302,24 @@ def test_sandbox_bytes_are_escaped_on_a_terminal_and_exact_in_a_pipe(up):
     assert piped.stdout == b"ok\x1b]52;c;cHduZWQ=\x07\x1b[2A\x1b[2Kforged\rhide\xc2\x9bx\xff\n", piped.stdout
 
 
+def test_e2b_code_on_a_fresh_dsec_up_builds_base_on_first_use(up):
+    """Sandbox.create() with E2B's default template on a `dsec up` whose store has no `base`: the facade builds it
+    (from the cache outside the state dir) on first use, then its commands run as `user`."""
+    code = ("import time, libdsec.e2b\n"
+            "libdsec.e2b.install()\n"
+            "from e2b import Sandbox\n"
+            "t = time.monotonic()\n"
+            "sbx = Sandbox.create()\n"
+            "print(sbx.commands.run('whoami; pwd').stdout, end='')\n"
+            "sbx.kill()\n"
+            "print(f'first create {time.monotonic() - t:.1f} s')\n")
+    env = {**os.environ, "DSEC_URL": up["url"], "DSEC_STATE_DIR": str(up["state"])}
+    env.pop("DSEC_CREDS", None)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("user\n/home/user\nfirst create "), p.stdout
+
+
 def test_ctrl_c_to_the_group_cleans_everything_within_10s(up):
     """Runs last in this module: SIGINT to the whole process group, with sandboxes running."""
     for _ in range(3):

@@ -9,16 +9,6 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def e2b_env(stack, monkeypatch):
-    monkeypatch.setenv("DSEC_URL", stack.url)
-    import libdsec.e2b
-    libdsec.e2b.install()
-    yield
-    for name in [m for m in sys.modules if m == "e2b" or m.startswith("e2b.")]:
-        del sys.modules[name]
-
-
 async def test_agent_code_written_for_e2b_runs_unchanged(e2b_env):
     await asyncio.to_thread(_agent_loop)   # the stack serves on this loop meanwhile
 

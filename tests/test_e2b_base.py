@@ -34,16 +34,6 @@ def test_the_user_is_added_once_whatever_the_root_had(tmp_path):
     assert {(p.stat().st_uid, p.stat().st_gid) for p in (home, home / ".bashrc")} == {(1000, 1000)}
 
 
-@pytest.fixture
-def e2b_env(stack, monkeypatch):
-    monkeypatch.setenv("DSEC_URL", stack.url)
-    import libdsec.e2b
-    libdsec.e2b.install()
-    yield
-    for name in [m for m in sys.modules if m == "e2b" or m.startswith("e2b.")]:
-        del sys.modules[name]
-
-
 async def _base_built(stack) -> None:
     """`dsec image build base --e2b-base` into the session's store, once (again: unchanged, no new version)."""
     p = await asyncio.to_thread(subprocess.run, [DSEC, "image", "build", "--nats", stack.url, "base", "--e2b-base"],

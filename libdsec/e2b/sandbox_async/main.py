@@ -8,9 +8,10 @@ import time
 from typing import Any, Dict, List, Optional
 
 from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage
-from bus.errors import DsecError, SandboxNotFound
+from bus.errors import DsecError, ImageNotFound, SandboxNotFound
 from libdsec.client import AsyncClient
-from libdsec.e2b.exceptions import InvalidArgumentException, SandboxException, SandboxNotFoundException, mapped
+from libdsec.e2b.exceptions import (InvalidArgumentException, SandboxException, SandboxNotFoundException,
+                                   TemplateException, mapped)
 from libdsec.e2b.sandbox.commands.command_handle import CommandResult
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SandboxState, SnapshotInfo, info_of
 from libdsec.e2b.sandbox_async import snapshots
@@ -27,15 +28,19 @@ _clients: Dict[asyncio.AbstractEventLoop, AsyncClient] = {}
 
 
 class by_id:
-    """A method of a sandbox by id: sb.kill() on an instance, AsyncSandbox.kill(id) on the class."""
+    """A method of a sandbox by id: sb.kill() on an instance, AsyncSandbox.kill(id) on the class. with_native:
+    on an instance it also gets the native sandbox (_native=), saving a lookup of its record."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, with_native: bool = False) -> None:
         self.fn = fn
+        self.with_native = with_native
         self.__doc__ = fn.__doc__
 
     def __get__(self, obj, cls):
         if obj is None:
             return functools.partial(self.fn, cls)
+        if self.with_native:
+            return functools.partial(self.fn, cls, obj.sandbox_id, _native=obj._native)
         return functools.partial(self.fn, cls, obj.sandbox_id)
 
 
@@ -49,6 +54,34 @@ async def client() -> AsyncClient:
         await c.connect()
         _clients[loop] = c
     return c
+
+
+BUILD_BASE_WAIT = 900.0   # seconds a first use may take to build `base` (a cold debootstrap, packing, upload)
+
+
+async def build_base() -> None:
+    """Build DSec's `base` image with `dsec image build base --e2b-base` against DSEC_URL (the CLI of the
+    server package, with the admin credential it finds: a local `dsec up`'s under DSEC_STATE_DIR);
+    TemplateException with the command to run when it cannot."""
+    import shutil
+    import sys
+    cli = os.path.join(os.path.dirname(sys.executable), "dsec")
+    cli = cli if os.access(cli, os.X_OK) else shutil.which("dsec")
+    how = "dsec image build base --e2b-base (docs/e2b.md)"
+    if cli is None:
+        raise TemplateException(f"the `base` image is not built here and no `dsec` CLI is at hand: run {how}")
+    proc = await asyncio.create_subprocess_exec(
+        cli, "image", "build", "--nats", os.environ.get("DSEC_URL", "nats://127.0.0.1:4222"), "base", "--e2b-base",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), BUILD_BASE_WAIT)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise TemplateException(f"building the `base` image took over {BUILD_BASE_WAIT:.0f} s: run {how}") from None
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+        raise TemplateException(f"the `base` image could not be built ({tail[0]}): run {how}")
 
 
 def _on_timeout(lifecycle: Optional[Dict[str, Any]]) -> str:
@@ -157,14 +190,21 @@ class AsyncSandbox:
         _refuse_unknown(kwargs)
         on_timeout = _on_timeout(lifecycle)
         c = await client()
+        default = template is None and "DSEC_E2B_TEMPLATE" not in os.environ
         template = template or os.environ.get("DSEC_E2B_TEMPLATE", DEFAULT_TEMPLATE)
         source = {"from_snapshot": template} if snapshots.is_snapshot(template) else {"image": template}
-        try:
-            native = await c.create(**source, ttl=float(timeout or DEFAULT_TIMEOUT), labels=dict(metadata or {}),
-                                    env=envs, on_timeout=on_timeout)
-        except DsecError as err:
-            raise mapped(err) from err
-        return cls(native)
+        for first in (True, False):
+            try:
+                native = await c.create(**source, ttl=float(timeout or DEFAULT_TIMEOUT),
+                                        labels=dict(metadata or {}), env=envs, on_timeout=on_timeout)
+                return cls(native)
+            except ImageNotFound as err:
+                if not (default and first):
+                    raise mapped(err) from err
+                await build_base()   # E2B's default template on first use, then once more
+            except DsecError as err:
+                raise mapped(err) from err
+        raise AssertionError("unreachable")
 
     @by_id
     async def connect(cls, sandbox_id: str, timeout: Optional[int] = None, **kwargs: Any) -> "AsyncSandbox":
@@ -186,18 +226,19 @@ class AsyncSandbox:
             raise mapped(err) from err
         return cls(native)
 
-    @by_id
-    async def kill(cls, sandbox_id: str, **kwargs: Any) -> bool:
+    async def _kill(cls, sandbox_id: str, _native: Optional[NativeSandbox] = None, **kwargs: Any) -> bool:
         """Destroy it (sb.kill() or AsyncSandbox.kill(id)): True, or False when it was not found; a missing
         sandbox never raises."""
         try:
-            native = await (await client()).get(sandbox_id)
+            native = _native or await (await client()).get(sandbox_id)
             await native.destroy()
             return True
         except SandboxNotFound:
             return False
         except DsecError as err:
             raise mapped(err) from err
+
+    kill = by_id(_kill, with_native=True)
 
     @staticmethod
     def list(query: Optional[SandboxQuery] = None, limit: Optional[int] = None, next_token: Optional[str] = None,

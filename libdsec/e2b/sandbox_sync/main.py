@@ -6,7 +6,7 @@ import threading
 from typing import Any, Callable, Iterator, List, Optional
 
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
-from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SnapshotInfo
+from libdsec.e2b.sandbox.sandbox_api import SandboxQuery
 from libdsec.e2b.sandbox_async import main as aio
 from libdsec.e2b.sandbox_async.filesystem.filesystem import PIECE
 from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
@@ -121,25 +121,7 @@ class by_id:
 
 
 class SandboxPaginator:
-    """Pages of list(): has_next, next_token, next_items()."""
-
-    def __init__(self, inner: aio.AsyncSandboxPaginator) -> None:
-        self._inner = inner
-
-    @property
-    def has_next(self) -> bool:
-        return self._inner.has_next
-
-    @property
-    def next_token(self) -> str:
-        return self._inner.next_token
-
-    def next_items(self) -> List[SandboxInfo]:
-        return run(self._inner.next_items())
-
-
-class SnapshotPaginator:
-    """Pages of list_snapshots(): has_next, next_token, next_items()."""
+    """Pages of list() (SandboxInfo) or list_snapshots() (SnapshotInfo): has_next, next_token, next_items()."""
 
     def __init__(self, inner) -> None:
         self._inner = inner
@@ -149,11 +131,14 @@ class SnapshotPaginator:
         return self._inner.has_next
 
     @property
-    def next_token(self) -> str:
+    def next_token(self) -> Optional[str]:
         return self._inner.next_token
 
-    def next_items(self) -> List[SnapshotInfo]:
+    def next_items(self) -> List[Any]:
         return run(self._inner.next_items())
+
+
+SnapshotPaginator = SandboxPaginator
 
 
 def _forks(made: List[Any]) -> List[Any]:
