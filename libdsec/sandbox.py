@@ -53,6 +53,11 @@ def command_fields(cmd: Command) -> dict:
     return {"argv": argv_of(cmd)}
 
 
+def _left(entry: ProcessEntry) -> float:
+    """Seconds a running exec has left before its timeout (at least 1)."""
+    return max(1.0, entry.started_at + entry.timeout - time.time())
+
+
 class AsyncSandbox:
     """A handle on one running sandbox; any client may hold one for the same id."""
 
@@ -169,14 +174,14 @@ class AsyncSandbox:
             subjects.token(exec_id, "exec_id")
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        left = max(1.0, entry.started_at + entry.timeout - time.time()) if entry is not None else 1.0
+        left = _left(entry) if entry is not None else 1.0
         stream = self._stream(exec_id)
         await stream.open(replay=True)
         return ExecHandle(self.client._need_bus(), subjects.exec_input(self.node, self.client.tenant, self.id, exec_id),
                           self.id, exec_id, stream, left, keep_output)
 
     def _controls(self, entry: ProcessEntry) -> ExecControls:
-        left = max(1.0, entry.started_at + entry.timeout - time.time()) + EXIT_GRACE
+        left = _left(entry) + EXIT_GRACE
         return ExecControls(self.client._need_bus(), subjects.exec_input(self.node, self.client.tenant, self.id,
                                                                           entry.exec_id),
                             entry.exec_id, time.monotonic() + left, ended=self._stream(entry.exec_id).ended)

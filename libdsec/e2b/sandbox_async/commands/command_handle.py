@@ -18,9 +18,10 @@ TIMED_OUT = "timed out"
 END = object()   # the end of a handle's events
 
 
-async def _call(handler: Optional[OutputHandler], text: str) -> None:
-    if handler is not None:
-        result = handler(text)
+async def call_handler(fn: Optional[Callable[..., Any]], *args: Any) -> None:
+    """Call a user's handler (on_stdout, on_event, ...), awaiting it when it is a coroutine function."""
+    if fn is not None:
+        result = fn(*args)
         if inspect.isawaitable(result):
             await result
 
@@ -69,12 +70,12 @@ class AsyncCommandHandle:
                     if self._on_pty is None:
                         self._pty_held.append(ev.data)
                     else:
-                        await _call(self._on_pty, ev.data)
+                        await call_handler(self._on_pty, ev.data)
                 elif isinstance(ev, Output):
                     text = self._decoders[ev.stream].decode(ev.data)
                     (self._stdout if ev.stream == "stdout" else self._stderr).append(text)
                     self.events.put_nowait((text, None, None) if ev.stream == "stdout" else (None, text, None))
-                    await _call(self._on[ev.stream], text)
+                    await call_handler(self._on[ev.stream], text)
                 elif isinstance(ev, Exit):
                     for name, decoder in self._decoders.items():   # a cut character at the very end
                         tail = decoder.decode(b"", final=True)
@@ -109,7 +110,7 @@ class AsyncCommandHandle:
         if on_pty is not None:
             held, self._pty_held = self._pty_held, []
             for data in held:
-                await _call(on_pty, data)
+                await call_handler(on_pty, data)
             self._on_pty = on_pty
         result = await asyncio.shield(self._pump)
         if result.error == TIMED_OUT:

@@ -2,20 +2,13 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 from typing import Any, Awaitable, Callable, Optional
 
 from bus.errors import DsecError
 from libdsec.e2b.exceptions import mapped
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent, event_of
+from libdsec.e2b.sandbox_async.commands.command_handle import call_handler
 from libdsec.files import DirWatch
-
-
-async def _call(fn: Optional[Callable[..., Any]], *args: Any) -> None:
-    if fn is not None:
-        result = fn(*args)
-        if inspect.isawaitable(result):
-            await result
 
 
 class AsyncWatchHandle:
@@ -36,14 +29,14 @@ class AsyncWatchHandle:
                 if mine is not None:
                     if self._entry is not None:
                         mine.entry = await self._entry(mine.name)
-                    await _call(self._on_event, mine)
+                    await call_handler(self._on_event, mine)
         except DsecError as err:
             error = mapped(err)
         except Exception as exc:   # the caller's on_event failed: the watch ends, on_exit says why
             error = exc
         finally:
             await self._watch.close()
-        await _call(self._on_exit, error)
+        await call_handler(self._on_exit, error)
 
     async def flush(self) -> None:
         """Return once every change made before this call was handed to on_event."""
