@@ -66,6 +66,34 @@ async def test_a_recursive_watch_follows_new_directories_but_no_symlink(client, 
             await w.close()
 
 
+async def test_what_a_new_directory_holds_before_its_watch_is_added_is_reported_once(client):
+    """mkdir -p and files made in the same breath as their directory: made before the edge could add the new
+    directory's watch, they are reported as created when it is added; never missed, never twice."""
+    async with await client.create() as sb:
+        await sb.exec("mkdir /n")
+        w = await sb.files.watch("/n", recursive=True)
+        seen: list[tuple[str, str]] = []
+
+        async def read() -> None:
+            async for ev in w.events():
+                seen.append((ev.type, ev.name))
+        reader = asyncio.ensure_future(read())
+        try:
+            for i in range(8):
+                made = [f"{i}", f"{i}/b", f"{i}/b/c", f"{i}/b/c/f", f"{i}/b/g", f"{i}/h"]
+                await sb.exec(f"cd /n && mkdir -p {i}/b/c && echo x > {i}/b/c/f && touch {i}/b/g {i}/h")
+                await w.flush()
+                created = sorted(name for kind, name in seen if kind == "create" and name.split("/")[0] == f"{i}")
+                assert created == sorted(made), seen
+            await sb.exec("echo y > /n/0/b/c/later")   # the dirs found by the listing are watched too
+            await w.flush()
+            assert ("create", "0/b/c/later") in seen, seen
+        finally:
+            await w.stop()
+            await asyncio.wait_for(reader, 10)
+            await w.close()
+
+
 async def test_watching_what_is_no_directory_is_a_clear_error(client):
     async with await client.create() as sb:
         await sb.exec("echo f > /file")

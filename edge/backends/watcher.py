@@ -4,7 +4,9 @@ resolved inside the sandbox's root, its events handed to the exec sink as JSON l
 The directory is opened as treeops opens any path (openat2 RESOLVE_IN_ROOT | NO_XDEV | NO_MAGICLINKS) and
 watched through its fd's /proc/self/fd link, so a planted symlink never leads the watch out of the root.
 Recursive watches add each subdirectory the same way, relative to its parent's fd without following a
-symlink, when the watch starts and when one is made or moved in. A watch holds at most MAX_DIRS
+symlink, when the watch starts and when one is made or moved in. What a new directory already holds when its
+watch is added (made before inotify could see it) is reported as created, and the one inotify create that
+may still come for such an entry is dropped. A watch holds at most MAX_DIRS
 directories; the edge runs at most MAX_WATCHES at once (inotify watches are host root's, a shared budget).
 Event names are relative to the watched directory; types follow E2B (fsnotify): create, write, remove,
 rename, chmod. A full inotify queue is reported once as an `overflow` event (events were lost).
@@ -76,6 +78,7 @@ class Watch:
         self.fd = _check(_libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
         self.opener, self.base, self.recursive = opener, base.rstrip("/") or "/", recursive
         self.dirs: dict[int, str] = {}
+        self.seen: set[str] = set()   # entries reported as found in a new directory, whose create may follow
 
     def close(self) -> None:
         os.close(self.fd)
@@ -92,9 +95,10 @@ class Watch:
         finally:
             os.close(fd)
 
-    def _add(self, dir_fd: int, rel: str) -> None:
+    def _add(self, dir_fd: int, rel: str, found: list[Event] | None = None) -> None:
         """Watch the directory open at dir_fd; recursive, every directory below it too (each opened relative
-        to its parent, never through a symlink; depth first, without recursion: any depth)."""
+        to its parent, never through a symlink; depth first, without recursion: any depth). found: a create
+        event is added to it for every entry below (listed after its directory's watch is in place)."""
         self._watch(dir_fd, rel)
         if not self.recursive:
             return
@@ -105,12 +109,15 @@ class Watch:
                 try:
                     with contextlib.suppress(OSError):   # a directory gone meanwhile: its events end there
                         for name in os.listdir(f"/proc/self/fd/{fd}"):
+                            path = f"{at}/{name}" if at else name
+                            if found is not None:
+                                found.append(Event("create", path))
+                                self.seen.add(path)
                             try:
                                 sub = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
                                               dir_fd=fd)
                             except OSError:
                                 continue   # not a directory (a symlink to one is not followed), or gone
-                            path = f"{at}/{name}" if at else name
                             try:
                                 self._watch(sub, path)
                             except BaseException:
@@ -157,22 +164,29 @@ class Watch:
             if not name:   # about a directory itself (its mode): its parent's watch reports it, under its name
                 continue
             path = f"{rel}/{name}" if rel else name
+            if path in self.seen:
+                self.seen.discard(path)   # reported already, as found in its new directory: this create was it
+                if mask & (IN_CREATE | IN_MOVED_TO):
+                    continue
             for bit, kind in TYPES:
                 if mask & bit:
                     out.append(Event(kind, path))
                     break
             if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
-                self._add_new(path)
+                out += self._add_new(path)
         return out
 
-    def _add_new(self, path: str) -> None:
-        """A directory made or moved in below a watched one: watched too (past MAX_DIRS, or gone: not)."""
+    def _add_new(self, path: str) -> list[Event]:
+        """A directory made or moved in below a watched one: watched too (past MAX_DIRS, or gone: not); a
+        create event for each entry it already holds."""
+        found: list[Event] = []
         with contextlib.suppress(OSError, BackendError):
             fd = self.opener(f"{self.base.rstrip('/')}/{path}")
             try:
-                self._add(fd, path)
+                self._add(fd, path, found)
             finally:
                 os.close(fd)
+        return found
 
 
 async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeout: float, sink: OutputSink,
@@ -240,6 +254,7 @@ async def _drain(w: Watch, sink: OutputSink, then: list[Event] | None = None) ->
         except BlockingIOError:
             break
         lines += w.events(data)
+    w.seen.clear()   # any create queued before a new directory's listing has been read by now
     lines += then or []
     if lines:
         await sink("stdout", b"".join(_encode(e) + b"\n" for e in lines))
