@@ -32,7 +32,8 @@ SERVED = (CONTAINER, FNCALL, GVISOR, MICROVM, FULLVM)   # what `dsec up` may run
 CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
                           "network", "users", "file_tree", "watch", "pty"}),
-    GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools", "network"}),
+    GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools", "network", "file_tree",
+                       "watch"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
                         "privileged", "memory_snapshot", "network"}),
@@ -75,6 +76,15 @@ def require(kind: str, capability: str, operation: str = "") -> None:
         raise Unsupported(f"backend {kind!r} does not support {operation or capability} "
                           f"(it offers: {', '.join(sorted(CAPABILITIES.get(kind, ()))) or 'nothing'})",
                           backend=kind, operation=operation or capability)
+
+
+ROOT_NAMES = ("", "root", "0", "0:0", "root:root")   # users that are a sandbox's root (every kind has it)
+
+
+def require_user(kind: str, user: str | None, operation: str) -> None:
+    """Unsupported when user names someone besides the sandbox's root and the kind lacks "users"."""
+    if user is not None and user not in ROOT_NAMES:
+        require(kind, "users", f"{operation} as user {user!r}")
 
 
 def booked(kind: str, r):

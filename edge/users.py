@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.errors import InvalidRequest
+from bus.kinds import ROOT_NAMES
 
-ROOT_NAMES = ("", "root", "0", "0:0", "root:root")
+__all__ = ["ExecUser", "ROOT_NAMES", "resolve"]
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import msgspec
 
+from bus import kinds
 from bus.errors import ExecFailed, FileOpError, InvalidRequest
 from bus.messages import FILE_PIECE, FileEntry, FileOp, FileOpResult, file_result_decoder
 from libdsec.exechandle import ExecHandle
@@ -37,6 +38,7 @@ class AsyncFiles:
             raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
         if user is not None and not isinstance(user, str):
             raise InvalidRequest(f"user must be a name or uid[:gid] string, got {user!r}")
+        kinds.require_user(self._sb.backend, user, f"files.{op}")
         sb = self._sb
         data = await sb.client._op(sb.node, sb.id, lambda rid, to, dl: FileOp(
             request_id=rid, sandbox_id=sb.id, op=op, path=path, reply_to=to, deadline=dl, user=user or "",

@@ -95,6 +95,7 @@ class AsyncSandbox:
             raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
         self._needs("exec", "exec")
+        kinds.require_user(self.backend, user, "exec")
         if live:
             self._needs("live_stdin", "live stdin")
         if live and stdin is not True and not hasattr(stdin, "__aiter__"):

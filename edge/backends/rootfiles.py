@@ -116,6 +116,15 @@ def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, s
     groups of the sandbox user it runs as (every permission checked as it, what it makes its own); None: the
     sandbox's root (what it makes is given to the root's host uid, base)."""
     root, rel = _opened(sandbox_id, init_pid, pidfd, op.path, scratch)
+    try:
+        return tree_op_in(root, rel, op, base, scratch, who)
+    finally:
+        os.close(root)
+
+
+def tree_op_in(root: int, rel: str, op: FileOp, base: int, scratch: bool = False,
+               who: tuple[int, int, tuple[int, ...]] | None = None) -> bytes:
+    """tree_op in the root open at fd root (rel: op.path inside it), which stays open."""
     owner = None if who is not None else base   # (as a user, what it makes is its own already)
     try:
         with fscreds.as_user(*who) if who is not None else contextlib.nullcontext():
@@ -124,8 +133,6 @@ def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, s
         raise file_error(exc, op.path, creating=op.op in ("mkdir", "write", "rename")) from exc
     except OverflowError as exc:   # a listing past treeops.MAX_ENTRIES
         raise BackendError(f"{exc}: {op.path}") from exc
-    finally:
-        os.close(root)
 
 
 def _tree_op(root: int, rel: str, op: FileOp, base: int, owner: int | None, scratch: bool) -> bytes:

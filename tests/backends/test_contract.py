@@ -75,6 +75,10 @@ async def test_each_capability_works_or_is_refused_before_anything_starts(stack,
                 "files": lambda s: s.write_file("/tmp/x", b"1", timeout=2),
                 "suspend": lambda s: s.suspend(timeout=2),
                 "snapshot": lambda s: s.snapshot(timeout=2),
+                "file_tree": lambda s: s.files.list("/", timeout=5),
+                "watch": lambda s: s.files.watch("/", timeout=30),
+                "pty": lambda s: s.terminal(["sh", "-c", "exit 0"], timeout=30),
+                "users": lambda s: s.exec("id -u", user="1000", timeout=30),
             }
             for cap, call in checks.items():
                 if kinds.supports(kind, cap):
@@ -83,9 +87,20 @@ async def test_each_capability_works_or_is_refused_before_anything_starts(stack,
                         await sb.resume()
                     elif cap == "snapshot":
                         await client.delete_snapshot(got)
+                    elif cap == "file_tree":
+                        assert "tmp" in [e.name for e in got]
+                    elif cap == "watch":
+                        await got.stop()
+                        await got.close()
+                    elif cap == "pty":
+                        assert (await got.wait()).exit_code == 0
+                    elif cap == "users":
+                        assert got.stdout == b"1000\n"
                 else:
                     for target in (sb, nowhere):
-                        with pytest.raises(libdsec.Unsupported, match=f"{kind}.*{cap}|{cap}.*{kind}") as err:
+                        word = {"pty": "terminal", "users": "as user", "file_tree": "files.list",
+                                "watch": "files.watch"}.get(cap, cap)   # what the refusal names
+                        with pytest.raises(libdsec.Unsupported, match=f"{kind}.*{word}|{word}.*{kind}") as err:
                             await call(target)
                         assert err.value.backend == kind
         finally:
@@ -145,6 +160,44 @@ async def test_files_stay_inside_the_root(client, kind, tmp_path):
             await sb.read_file("/tmp/up")   # resolves inside the root, where the host's file is not
         with pytest.raises(libdsec.FileOpError):
             await sb.read_file("/no/such/file")
+
+
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree") and kinds.supports(k, "watch")])
+async def test_the_file_tree_and_watches_work_alike_where_offered(client, kind, tmp_path):
+    """Where a kind offers them (the others refuse: the capability test), tree ops resolve inside the root
+    and a watch sees what the sandbox's own commands do."""
+    (tmp_path / "host-only").mkdir()
+    async with await fresh(client, kind) as sb:
+        await sb.exec(f"mkdir -p /t/d && echo hi > /t/d/f && ln -s {tmp_path} /t/host && ln -s / /t/up")
+        assert [(e.name, e.type) for e in await sb.files.list("/t")] == [("d", "dir"), ("host", "symlink"),
+                                                                        ("up", "symlink")]
+        info = await sb.files.get_info("/t/d/f")
+        assert (info.size, info.type, info.uid, info.gid) == (3, "file", 0, 0)
+        assert not await sb.files.exists("/t/host/host-only")   # resolved in its root, where it is not
+        assert await sb.files.make_dir("/t/e/g")
+        await sb.files.rename("/t/d/f", "/t/e/g/f")
+        assert (await sb.exec("cat /t/e/g/f; stat -c %u /t/e/g")).stdout == b"hi\n0\n"
+        data = bytes(range(256)) * 8192   # 2 MiB: several pieces
+        await sb.files.write("/t/big", data)
+        assert await sb.files.read("/t/big") == data
+        await sb.files.remove("/t/e")
+        assert (await sb.exec("ls /t")).stdout == b"big\nd\nhost\nup\n"
+        w = await sb.files.watch("/t", recursive=True)
+        got: list[tuple[str, str]] = []
+
+        async def read() -> None:
+            async for ev in w.events():
+                got.append((ev.type, ev.name))
+        reader = asyncio.ensure_future(read())
+        try:
+            await sb.exec("mkdir -p /t/n/m && echo x > /t/n/m/f && rm /t/big && touch /t/up/outside")
+            await w.flush()
+        finally:
+            await w.stop()
+            await asyncio.wait_for(reader, 10)
+            await w.close()
+        created = sorted(n for t, n in got if t == "create")
+        assert created == ["n", "n/m", "n/m/f"] and ("remove", "big") in got, got   # nothing through /t/up
 
 
 @pytest.mark.parametrize("kind", REAL)

@@ -158,9 +158,7 @@ class Lifecycle(Core):
             out.append(f"{len(idle)} idle layer mounts kept (at most {IDLE_KEEP})")
         uppers = self._uppers.root
         out += [f"writable layer {p}" for p in (sorted(uppers.iterdir()) if uppers.is_dir() else [])]
-        if watcher.running():
-            out.append(f"{watcher.running()} directory watches running")
-        return out
+        return out + watcher.leaks()
 
 
 def leftovers(state_dir: Path, node_id: str) -> list[str]:

@@ -8,8 +8,8 @@ owned by host root. Its pid 1 is dsec-agent (native/dsec-agent.c, bind-mounted r
 with the trusted shell), which runs every exec; see gvisor/agent.py for the channel. `runsc run
 --detach` is started inside the sandbox's host cgroups (--ignore-cgroups: runsc's own v1 setup is not
 used), so memory, pids and cpu limits hold for sentry, gofer and the sandbox's processes together, and
-destroy kills by freezer group whatever runsc leaves. Files are read and written host-side in the root
-(openat2 RESOLVE_IN_ROOT); --file-access=shared makes the sentry see those writes at once.
+destroy kills by freezer group whatever runsc leaves. Files are read, written, listed and watched
+host-side in the root (gvisor/files.py); --file-access=shared makes the sentry see those writes at once.
 """
 from __future__ import annotations
 
@@ -25,16 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bus import kinds
-from edge.backends import cgroups, idmap, kernel
+from edge.backends import cgroups, idmap, kernel, watcher
 from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, LayerUnusable, OutputSink,
                                 SandboxGone, SandboxSpec, TRUSTED_DIR)
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor import net
 from edge.backends.gvisor.agent import AgentChannel
+from edge.backends.gvisor.files import RootFiles
 from edge.backends.gvisor.host import (_remove_groups, _tail, host_limits,
                                         runsc_processes, valid_id)
 from edge.backends.layermounts import LayerError, LayerMounts
-from edge.backends.rootfiles import file_error
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
 
 __all__ = ["GvisorBackend", "leftovers"]
@@ -67,7 +67,7 @@ class _Sandbox:
         return self.frozen_total + (time.monotonic() - self.frozen_since if self.frozen_since is not None else 0.0)
 
 
-class GvisorBackend(Backend):
+class GvisorBackend(RootFiles, Backend):
     """Sandboxes under runsc (ptrace platform; a network through Aether, net.py), one agent each."""
 
     kind = kinds.GVISOR
@@ -445,30 +445,6 @@ class GvisorBackend(Backend):
         return await sb.chan.exec(list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/", stdin,
                                   timeout, sink, control, sb.frozen_for)
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        """Create or truncate a file in merged/ (symlinks resolved inside it), owned by the sandbox root."""
-        sb = self._live(sandbox_id)
-        await asyncio.to_thread(self._in_root, sb, path, lambda root: kernel.write_in_root(
-            root, path, data, mode & 0o7777, sb.ids.base), True)
-
-    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
-        """Read a file of merged/ (symlinks resolved inside it), at most limit bytes."""
-        sb = self._live(sandbox_id)
-        return await asyncio.to_thread(self._in_root, sb, path, lambda root: kernel.read_in_root(root, path, limit),
-                                       False)
-
-    def _in_root(self, sb: _Sandbox, path: str, op, creating: bool):
-        try:
-            root = os.open(self._rootfs(sb.key), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
-        try:
-            return op(root)
-        except OSError as exc:
-            raise file_error(exc, path, creating) from exc
-        finally:
-            os.close(root)
-
     # ------------------------------------------------------------ checks
 
     def residue(self, sandbox_id: str) -> list[str]:
@@ -490,6 +466,9 @@ class GvisorBackend(Backend):
             out.append(f"bundle {self._dir(key)}")
         out.extend(f"runsc process {pid}" for pid in runsc_processes(self.state_dir, key))
         return out
+
+    def leaks(self) -> list[str]:
+        return watcher.leaks()
 
     def leftovers(self) -> list[str]:
         """Everything of this backend on the host: mounts, cgroups, loop devices, leases, runsc processes."""

@@ -1,0 +1,70 @@
+"""Files of gVisor sandboxes, from the host: the sandbox's root is an overlay mounted on the host (the
+gofer serves it to the sentry, --file-access=shared), so every operation resolves inside that mount as the
+container backend's do (openat2 RESOLVE_IN_ROOT, rootfiles.py/treeops.py), and a directory watch is the
+host's inotify on it (watcher.py): what the sandbox writes goes through the gofer into the same mount."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+from bus.messages import FileOp
+from edge.backends import kernel, rootfiles, treeops, watcher
+from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink, SandboxGone
+from edge.backends.rootfiles import file_error
+
+
+class RootFiles:
+    """write_file / read_file / file_op / watch of a backend whose sandboxes' roots are host mounts
+    (self._rootfs(key)), running ones found by self._live(id) (with .key, .ids.base, .spec.id, .frozen_for)."""
+
+    def _root(self, sb) -> int:
+        """An O_PATH fd of the sandbox's root mount (SandboxGone when it is no more)."""
+        try:
+            return os.open(self._rootfs(sb.key), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
+
+    def _in_root(self, sb, op):
+        """op(root fd) on a fresh fd of the sandbox's root, closed after."""
+        root = self._root(sb)
+        try:
+            return op(root)
+        finally:
+            os.close(root)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create or truncate a file in the root (symlinks resolved inside it), owned by the sandbox's root."""
+        sb = self._live(sandbox_id)
+
+        def write(root: int) -> None:
+            try:
+                kernel.write_in_root(root, path, data, mode & 0o7777, sb.ids.base)
+            except OSError as exc:
+                raise file_error(exc, path, True) from exc
+        await asyncio.to_thread(self._in_root, sb, write)
+
+    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
+        """Read a file of the root (symlinks resolved inside it), at most limit bytes."""
+        sb = self._live(sandbox_id)
+
+        def read(root: int) -> bytes:
+            try:
+                return kernel.read_in_root(root, path, limit)
+            except OSError as exc:
+                raise file_error(exc, path, False) from exc
+        return await asyncio.to_thread(self._in_root, sb, read)
+
+    async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
+        """One file-tree op in the root, as the sandbox's root (these kinds have no "users" capability)."""
+        if user is not None:
+            raise BackendError(f"a {self.kind} sandbox's files are handled as its root only")
+        sb = self._live(sandbox_id)
+        return await asyncio.to_thread(self._in_root, sb,
+                                       lambda root: rootfiles.tree_op_in(root, op.path, op, sb.ids.base))
+
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl | None = None) -> ExecResult:
+        """A directory's changes (watcher.py), resolved inside the root each time a directory is added."""
+        sb = self._live(sandbox_id)
+        return await watcher.watch(lambda p: self._in_root(sb, lambda root: treeops.dir_in_root(root, p)),
+                                   path, recursive, timeout, sink, control, sb.frozen_for)
