@@ -325,7 +325,7 @@ def _details() -> None:
     import datetime
     import time
     from e2b import Sandbox, SandboxQuery, Secret
-    from e2b.exceptions import InvalidArgumentException, TimeoutException
+    from e2b.exceptions import FileNotFoundException, InvalidArgumentException, TimeoutException
     tag = f"details-{time.time_ns()}"
     first = Sandbox.create(template="busybox", timeout=120, metadata={"t": tag},
                            lifecycle={"on_timeout": {"action": "pause", "keep_memory": None}})
@@ -347,6 +347,14 @@ def _details() -> None:
             assert b"".join(stream) == b"y"
         first.files.make_dir("/home/user/sub")
         assert first.commands.run("pwd", cwd="sub").stdout == "/home/user/sub\n"   # relative: the user's home
+        # /proc and /sys: the sandbox's own, as a program of it reads them (not the host's; not refused)
+        boot = first.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+        assert first.files.read("/proc/sys/kernel/random/boot_id") == boot
+        assert first.files.read("/proc/1/cmdline", format="bytes") == first.commands.run(
+            "cat /proc/1/cmdline").stdout.encode()
+        assert first.files.read("/proc/self/status").startswith("Name:\tcat\n")
+        with pytest.raises(FileNotFoundException):
+            first.files.read("/proc/no-such-file")
 
         listed = Sandbox.list(query=SandboxQuery(metadata={"t": tag}))
         assert [s.sandbox_id for s in listed.next_items()] == [second.sandbox_id, first.sandbox_id]   # newest first

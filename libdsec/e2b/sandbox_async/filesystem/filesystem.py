@@ -9,7 +9,7 @@ from __future__ import annotations
 import posixpath
 from typing import IO, Any, AsyncIterator, Callable, Dict, List, Optional, Union
 
-from bus.errors import DsecError
+from bus.errors import DsecError, FileOpError
 from libdsec.e2b.exceptions import FileNotFoundException, InvalidArgumentException, mapped
 from libdsec.e2b.sandbox.filesystem.filesystem import (EntryInfo, FileType, WriteEntry, WriteInfo, entry_info,
                                                        metadata_xattrs)
@@ -19,6 +19,9 @@ from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
 NO_LIMIT = 24 * 3600.0   # a watch timeout of 0 (E2B: no limit)
 PIECE = 1 << 20          # bytes a stream read hands out at once
+
+
+KERNEL_VIEWS = ("/proc/", "/sys/", "/dev/")   # mounts of the sandbox's own, read from inside it
 
 
 def absolute(path: str, user: Optional[str]) -> str:
@@ -70,6 +73,7 @@ class AsyncFilesystem:
     """sandbox.files: the sandbox's file tree; paths resolve inside its root."""
 
     def __init__(self, sb: NativeSandbox) -> None:
+        self._sb = sb
         self._files = sb.files
         self._names: Optional[Dict[str, Dict[int, str]]] = None
 
@@ -98,12 +102,26 @@ class AsyncFilesystem:
         transfer encoding, nothing to do here (the bus moves the bytes)."""
         if format not in ("text", "bytes", "stream"):
             raise InvalidArgumentException(f"format must be text, bytes or stream, got {format!r}")
-        data = await self._do(self._files.read(absolute(path, user), user=user))
+        path = absolute(path, user)
+        if path.startswith(KERNEL_VIEWS):
+            data = await self._kernel_view(path, user)
+        else:
+            data = await self._do(self._files.read(path, user=user))
         if format == "text":
             return data.decode(errors="replace")
         if format == "bytes":
             return bytearray(data)
         return AsyncFileStreamReader(data)
+
+    async def _kernel_view(self, path: str, user: Optional[str]) -> bytes:
+        """A file of the sandbox's /proc, /sys or /dev (its own kernel views, which the edge's file operations do
+        not enter), read by `cat` inside the sandbox as user: what a program of the sandbox reads there."""
+        res = await self._do(self._sb.exec(["cat", "--", path], user=user))
+        if res.exit_code:
+            why = res.stderr.decode(errors="replace").strip()
+            raise mapped(FileOpError(f"no such file: {path}" if "No such file" in why
+                                     else f"cannot read {path}: {why or f'cat exited {res.exit_code}'}"))
+        return res.stdout
 
     async def write(self, path: str, data: Union[str, bytes, IO], user: Optional[str] = None,
                     request_timeout: Optional[float] = None, gzip: bool = False,
