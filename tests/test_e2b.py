@@ -176,6 +176,48 @@ def _by_pid() -> None:
         sbx.kill()
 
 
+_FIRST_CLIENT = """
+import os, signal, sys
+import libdsec.e2b
+libdsec.e2b.install()
+from e2b import Sandbox
+sbx = Sandbox.create(template="busybox", timeout=120)
+h = sbx.commands.run("echo start; read line; echo got $line; for i in 1 2 3; do echo $i; sleep 0.2; done",
+                     background=True, stdin=True)
+print(sbx.sandbox_id, h.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)   # the client process dies: no close, no goodbye
+"""
+_SECOND_CLIENT = """
+import sys
+import libdsec.e2b
+libdsec.e2b.install()
+from e2b import Sandbox
+sbx = Sandbox.connect(sys.argv[1])
+pid = int(sys.argv[2])
+assert pid in [p.pid for p in sbx.commands.list()], sbx.commands.list()
+h = sbx.commands.connect(pid)
+sbx.commands.send_stdin(pid, "hello\\n")
+res = h.wait()
+sys.stdout.write(res.stdout)
+assert sbx.kill()
+"""
+
+
+async def test_a_command_outlives_its_client_process_and_another_process_reattaches(e2b_env):
+    """The first client process is SIGKILLed right after starting a command; a second process connects by
+    the sandbox's id and the command's pid, writes its stdin, and gets all its output from the start."""
+    first = await asyncio.create_subprocess_exec(sys.executable, "-c", _FIRST_CLIENT,
+                                                 stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(first.communicate(), 120)
+    assert first.returncode == -9
+    sandbox_id, pid = out.decode().split()
+    second = await asyncio.create_subprocess_exec(sys.executable, "-c", _SECOND_CLIENT, sandbox_id, pid,
+                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(second.communicate(), 120)
+    assert second.returncode == 0, err.decode()[-2000:]
+    assert out == b"start\ngot hello\n1\n2\n3\n"
+
+
 async def test_watch_dir_in_both_flavours(e2b_env):
     from e2b import AsyncSandbox
     from e2b.exceptions import FileNotFoundException
