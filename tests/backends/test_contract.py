@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 
 import pytest
@@ -174,6 +175,11 @@ async def test_the_file_tree_and_watches_work_alike_where_offered(client, kind, 
         info = await sb.files.get_info("/t/d/f")
         assert (info.size, info.type, info.uid, info.gid) == (3, "file", 0, 0)
         assert not await sb.files.exists("/t/host/host-only")   # resolved in its root, where it is not
+        with pytest.raises(libdsec.FileOpError, match="no such directory"):
+            await sb.files.write("/t/host/host-only/x", "w")
+        await sb.files.make_dir("/t/up/made-here")                # the sandbox's /made-here, not the host's
+        assert await sb.files.exists("/made-here") and not os.path.exists("/made-here")
+        assert list((tmp_path / "host-only").iterdir()) == []
         assert await sb.files.make_dir("/t/e/g")
         await sb.files.rename("/t/d/f", "/t/e/g/f")
         assert (await sb.exec("cat /t/e/g/f; stat -c %u /t/e/g")).stdout == b"hi\n0\n"
