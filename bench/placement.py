@@ -32,7 +32,8 @@ import psutil
 import libdsec
 from bus import streams
 from bus.conn import Bus
-from bus.messages import CreateRequest, engine_decoder
+from bus.messages import CreateRequest
+from bus.records import engine_decoder
 from bus.server import NatsServer, die_with_parent, free_port
 from cli.demo import percentile
 

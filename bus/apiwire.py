@@ -11,7 +11,8 @@ from typing import Union
 
 import msgspec
 
-from bus.messages import ErrorReply, Quota, SandboxRecord, SnapshotRecord, WarmPool, Wire
+from bus.messages import ErrorReply, Wire
+from bus.records import Quota, SandboxRecord, SnapshotRecord, WarmPool
 
 MAX_PAGE = 500             # records per reply (a reply stays well under the server's 1 MiB max payload)
 

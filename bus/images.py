@@ -10,7 +10,8 @@ import msgspec
 from bus import chunks, streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
-from bus.messages import ImageConfig, ImageRecord, LayerRef, SnapshotRecord, image_decoder, snapshot_decoder
+from bus.messages import LayerRef
+from bus.records import ImageConfig, ImageRecord, SnapshotRecord, image_decoder, snapshot_decoder
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 

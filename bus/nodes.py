@@ -12,7 +12,8 @@ import msgspec
 
 from bus import streams
 from bus.conn import Bus
-from bus.messages import NodeInfo, encode, node_decoder
+from bus.messages import encode
+from bus.records import NodeInfo, node_decoder
 
 
 def decode_node(key: str, raw: bytes | None) -> NodeInfo | None:

@@ -7,7 +7,8 @@ import time
 from bus import kinds, network, subjects
 from bus.errors import InvalidRequest
 from bus.callwire import CallRequest
-from bus.messages import CreateRequest, Resources, WarmPool
+from bus.messages import CreateRequest, Resources
+from bus.records import WarmPool
 
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20

@@ -42,7 +42,7 @@ from pathlib import Path
 import libdsec
 from bus import streams
 from bus.conn import kv_watch
-from bus.messages import engine_decoder
+from bus.records import engine_decoder
 from bus.nodes import decode_node
 from chaos.harness import Harness, node_lost
 from chaos.verdict import check

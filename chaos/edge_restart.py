@@ -24,7 +24,7 @@ from pathlib import Path
 
 import libdsec
 from bus import streams
-from bus.messages import sandbox_decoder
+from bus.records import sandbox_decoder
 from bus.server import NatsServer, die_with_parent, free_port
 
 NODE = "chaos-edge"

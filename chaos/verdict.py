@@ -16,7 +16,7 @@ import msgspec
 from bus import streams
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import event_decoder, sandbox_decoder
+from bus.records import event_decoder, sandbox_decoder
 from bus.execwire import ExitRecord, decode_output
 
 TERMINAL_EVENTS = {"destroyed", "expired", "failed", "node_lost"}

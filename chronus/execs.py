@@ -24,7 +24,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
-from bus.messages import ErrorReply, Event, ExecRequest, OkReply, SandboxRecord, TrajRecord, encode
+from bus.messages import ErrorReply, ExecRequest, OkReply, encode
+from bus.records import Event, SandboxRecord, TrajRecord
 from bus.execwire import (ExecInput, ExecResize, ExecSignal, ExitRecord, ProcessEntry, ProcessList, control_decoder,
                           decode_output)
 from bus.pull import Delivery, Lease, Verdict

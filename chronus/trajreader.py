@@ -13,7 +13,7 @@ from nats.js import api
 from bus import streams, subjects
 from bus.conn import Bus, DurableReader
 from bus.errors import InvalidRequest
-from bus.messages import traj_decoder
+from bus.records import traj_decoder
 from libdsec.trajectories import BATCH, WAIT, Trajectory
 
 

@@ -8,7 +8,7 @@ import click
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.messages import Quota, quota_decoder
+from bus.records import Quota, quota_decoder
 from cli.main import connect, fail, main, nats_option, run_async
 from bus import nodes
 from placement import quota as quotas

@@ -230,7 +230,7 @@ async def iam_set(name: str, state_dir: Path, nats_url: str, rate: float | None,
     """Set tenant (or TENANT/PROJECT) NAME's limits (kept in its quota record, read by every placement
     engine). A project's sandboxes and requests count against its own limits and its tenant's."""
     from bus import streams
-    from bus.messages import Quota, quota_decoder
+    from bus.records import Quota, quota_decoder
     from libdsec.resources import parse_size
     from placement import quota as quotas
     found = _load(state_dir)

@@ -11,7 +11,7 @@ import click
 import msgspec
 
 from bus import streams
-from bus.messages import ImageConfig, sandbox_decoder, snapshot_decoder
+from bus.records import ImageConfig, sandbox_decoder, snapshot_decoder
 from edge import debootstrap, e2bbase
 from cli.main import connect, main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir

@@ -12,7 +12,7 @@ import click
 
 from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
-from bus.messages import ImageConfig
+from bus.records import ImageConfig
 from cli.image import image
 from cli.main import connect, nats_option, run_async
 from edge import oci

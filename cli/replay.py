@@ -15,7 +15,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import TrajRecord, encode
+from bus.messages import encode
+from bus.records import TrajRecord
 from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
 from cli.main import connect, fail, main, nats_option, run_async
 from cli.termsafe import Terminal

@@ -10,7 +10,7 @@ import click
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import engine_decoder
+from bus.records import engine_decoder
 from cli.admin import node_rows, read_nodes
 from cli.main import connect, main, nats_option, run_async
 

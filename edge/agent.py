@@ -18,7 +18,8 @@ import msgspec
 from bus import lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import EnvironmentFailure
-from bus.messages import SandboxRecord, create_decoder
+from bus.messages import create_decoder
+from bus.records import SandboxRecord
 from bus.nodes import set_flag
 from chronus.execs import ExecLimits, Execs
 from edge.backends.base import Backend, BackendError

@@ -27,7 +27,8 @@ from bus.conn import Bus, kv_watch
 from bus.errors import BusError, DsecError, EnvironmentFailure, ExecFailed, ImageNotFound, InvalidRequest
 from bus.images import ImageRegistry
 from bus.callwire import CallReply, CallRequest, call_decoder
-from bus.messages import ErrorReply, Quota, Resources, TrajRecord, encode, quota_decoder
+from bus.messages import ErrorReply, Resources, encode
+from bus.records import Quota, TrajRecord, quota_decoder
 from bus.pull import Delivery, Lease, Verdict
 from chronus.shell import command_argv
 from edge.backends.base import BackendError

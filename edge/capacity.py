@@ -9,7 +9,8 @@ import msgspec
 import psutil
 
 from bus import kinds
-from bus.messages import NodeInfo, Resources
+from bus.messages import Resources
+from bus.records import NodeInfo
 
 
 DEFAULT_PYPI = "https://pypi.org/simple/"

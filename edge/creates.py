@@ -20,7 +20,8 @@ from bus import streams, subjects, validate
 from bus.conn import Bus
 from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, ImageNotFound, InvalidRequest,
                         RequestExpired, SandboxNotFound)
-from bus.messages import CreateRequest, ErrorReply, SandboxReady, SandboxRecord, encode
+from bus.messages import CreateRequest, ErrorReply, SandboxReady, encode
+from bus.records import SandboxRecord
 from bus.nodes import decode_node
 from bus.pull import Delivery, Lease, Verdict
 from edge.backends.base import (Backend, BackendError, CapacityExhausted, LayerUnusable, SandboxSpec, SnapshotGone,

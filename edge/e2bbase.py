@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from bus.messages import ImageConfig
+from bus.records import ImageConfig
 
 SUITE = "bookworm"
 PACKAGES = ["bash", "ca-certificates", "curl", "git", "python3", "python3-pip", "python3-venv", "sudo"]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from bus import subjects
 from bus.errors import InvalidRequest, Unsupported
-from bus.messages import TrajRecord, encode
+from bus.messages import encode
+from bus.records import TrajRecord
 from bus.network import Network, check
 from edge.capacity import EdgeConfig
 from edge.outbox import Publish

@@ -23,7 +23,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError
-from bus.messages import Heartbeat, encode, node_decoder
+from bus.messages import encode
+from bus.records import Heartbeat, node_decoder
 from edge.capacity import Capacity
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,11 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
 from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
-from bus.messages import (FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, ListProcesses, OkReply,
-                          ReadFile, ResumeRequest, RollbackRequest, SetNetworkRequest, SetTimeoutRequest,
-                          SnapshotRequest, SuspendRequest, WriteFile, encode, op_decoder, snapshot_decoder)
+from bus.messages import (
+    FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, ListProcesses, OkReply, ReadFile,
+    ResumeRequest, RollbackRequest, SetNetworkRequest, SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile,
+    encode, op_decoder)
+from bus.records import snapshot_decoder
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
 from edge.backends.treeops import MAX_DEPTH, check_metadata

@@ -30,7 +30,7 @@ from typing import Awaitable, Callable
 import msgspec
 
 from bus.errors import BusError
-from bus.messages import SandboxRecord
+from bus.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 

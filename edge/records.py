@@ -25,7 +25,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import Event, SandboxRecord, TrajRecord, encode, sandbox_decoder
+from bus.messages import encode
+from bus.records import Event, SandboxRecord, TrajRecord, sandbox_decoder
 from bus.execwire import ExitRecord, decode_output
 from edge.outbox import Change, Outbox, Publish
 

@@ -24,7 +24,8 @@ from bus import kinds, streams, subjects
 from bus.conn import Bus
 from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, FileOpError,
                         InvalidRequest, SandboxNotFound)
-from bus.messages import LayerRef, SandboxRecord, SnapshotRecord
+from bus.messages import LayerRef
+from bus.records import SandboxRecord, SnapshotRecord
 from chronus.control import Gone, RunFailed
 from edge.backends.base import (TRUSTED_SHELL, BackendError, CapacityExhausted, ExecControl, ExecResult, OutputSink,
                                 SandboxGone, SnapshotTooLarge, SandboxSpec)

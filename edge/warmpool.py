@@ -29,7 +29,8 @@ import msgspec
 from bus import streams
 from bus.conn import Bus, kv_watch
 from bus.errors import DsecError, ImageNotFound, InvalidRequest
-from bus.messages import LayerRef, Resources, WarmPool, pool_key, warm_pool_decoder
+from bus.messages import LayerRef, Resources
+from bus.records import WarmPool, pool_key, warm_pool_decoder
 from bus.images import ImageRegistry
 from edge.backends.base import Backend, BackendError, Limits, SandboxGone, SandboxSpec
 from edge.capacity import Capacity

@@ -12,7 +12,7 @@ from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 from libdsec.sync import Client, Sandbox
 from libdsec.trajectories import Trajectory
-from bus.messages import SnapshotRecord as Snapshot
+from bus.records import SnapshotRecord as Snapshot
 
 __all__ = [
     "AsyncClient", "AsyncSandbox", "AuthenticationFailed", "PermissionDenied", "BusError", "CallResult", "BusUnavailable", "CapacityUnavailable", "Client", "DsecError",

@@ -14,8 +14,10 @@ from bus.kinds import check_create_kind
 from bus.conn import Bus
 from bus.errors import (CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
                          from_code)
-from bus.messages import (CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SandboxRecord, SnapshotRecord,
-                          SuspendRequest, WarmPool, create_reply_decoder, encode, op_reply_decoder)
+from bus.messages import (
+    CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest, create_reply_decoder, encode,
+    op_reply_decoder)
+from bus.records import SandboxRecord, SnapshotRecord, WarmPool
 from libdsec import calls, control, warmpools
 from libdsec.ids import new_id
 from libdsec.network import Network, to_wire as network_policy

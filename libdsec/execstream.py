@@ -19,7 +19,7 @@ from bus import subjects
 from bus.conn import Bus
 from bus.apiwire import ReadOutput, StoredOutput
 from bus.errors import BusError, DsecError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
-from bus.messages import event_decoder
+from bus.records import event_decoder
 from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
 from libdsec import control
 from libdsec.results import Exit, Output

@@ -8,9 +8,10 @@ from bus import kinds, subjects
 from bus.errors import InvalidRequest
 from bus.network import Network as WireNetwork
 from bus.execwire import ProcessEntry, process_list_decoder
-from bus.messages import (DestroyRequest, ExecRequest, ListProcesses, ReadFile, ResumeRequest, RollbackRequest, SnapshotRecord,
-                          SetNetworkRequest, SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile, encode,
-                          snapshot_decoder)
+from bus.messages import (
+    DestroyRequest, ExecRequest, ListProcesses, ReadFile, ResumeRequest, RollbackRequest, SetNetworkRequest,
+    SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile, encode)
+from bus.records import SnapshotRecord, snapshot_decoder
 from libdsec.exechandle import ExecHandle
 from libdsec.execcontrol import ExecControls
 from libdsec.files import AsyncFiles

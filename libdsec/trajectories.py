@@ -15,7 +15,7 @@ import msgspec
 from bus import subjects
 from bus.apiwire import AckTrajectories, CloseTrajectories, Done, FetchTrajectories, TrajectoryBatch
 from bus.errors import BusError, InvalidRequest
-from bus.messages import TrajRecord, traj_decoder
+from bus.records import TrajRecord, traj_decoder
 from libdsec import control
 from libdsec.ids import new_id
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bus.messages import WarmPool
+from bus.records import WarmPool
 from bus.validate import check_warm_pool
 from libdsec.resources import Resources
 

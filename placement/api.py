@@ -22,7 +22,8 @@ from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, Q
                          api_request_decoder)
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
-from bus.messages import ErrorReply, Quota, SandboxRecord, Wire, encode, engine_decoder, sandbox_decoder
+from bus.messages import ErrorReply, Wire, encode
+from bus.records import Quota, SandboxRecord, engine_decoder, sandbox_decoder
 from placement.snapshots import Snapshots
 from placement.streamapi import StreamReadsApi
 from placement.warmpools import WarmPools

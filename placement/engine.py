@@ -23,9 +23,8 @@ import msgspec
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import BusError, CapacityUnavailable, DsecError, InvalidRequest, RequestExpired, SandboxNotFound
-from bus.messages import (Booking, CreateRequest, EngineStats, ErrorReply, ImageConfig, Queued, SandboxReady,
-                          SnapshotRecord,
-                          SandboxRecord, create_decoder, encode, heartbeat_decoder)
+from bus.messages import CreateRequest, ErrorReply, Queued, SandboxReady, create_decoder, encode
+from bus.records import Booking, EngineStats, ImageConfig, SnapshotRecord, SandboxRecord, heartbeat_decoder
 from bus.pull import Delivery, Verdict
 from bus import validate
 from placement import scoring

@@ -21,7 +21,8 @@ import msgspec
 from bus import streams
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import Booking, Heartbeat, NodeInfo, encode
+from bus.messages import encode
+from bus.records import Booking, Heartbeat, NodeInfo
 from bus.nodes import decode_node
 from placement import scoring
 

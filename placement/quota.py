@@ -19,8 +19,8 @@ import msgspec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import QuotaExceeded
-from bus.messages import (CreateRequest, Hold, Quota, TenantUsage, encode, quota_decoder, sandbox_decoder,
-                          usage_decoder)
+from bus.messages import CreateRequest, encode
+from bus.records import Hold, Quota, TenantUsage, quota_decoder, sandbox_decoder, usage_decoder
 
 GRACE = 5.0    # seconds after its request's deadline a hold with no sandbox record still counts
 PRUNE_ABOVE = 512   # holds beyond which ended ones are released (keeps the record small)...

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bus import streams
-from bus.messages import LayerRef, NodeInfo, Resources, layer_mark, pool_key
+from bus.messages import LayerRef, Resources
+from bus.records import NodeInfo, layer_mark, pool_key
 
 SCAN_ALL = 4      # up to this many live nodes, look at all of them
 K = 4             # beyond, sample this many fitting candidates

@@ -10,7 +10,7 @@ from bus import streams, subjects
 from bus.apiwire import DeleteSnapshot, Done, GetSnapshot, ListSnapshots, SnapshotList
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
-from bus.messages import SnapshotRecord, snapshot_decoder
+from bus.records import SnapshotRecord, snapshot_decoder
 
 
 class Snapshots:

@@ -11,7 +11,8 @@ from bus import streams
 from bus.apiwire import DeleteWarmPool, Done, ListWarmPools, SetWarmPool, WarmPoolList, WarmPoolState
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest
-from bus.messages import WarmPool, encode, node_decoder, pool_key, warm_pool_decoder
+from bus.messages import encode
+from bus.records import WarmPool, node_decoder, pool_key, warm_pool_decoder
 from bus.validate import check_warm_pool
 
 DEFAULT_OWNER = "default"   # the owner of a pool written before pools had owners

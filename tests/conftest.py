@@ -180,7 +180,7 @@ async def hold_layers(stack, other, image: str) -> None:
     """Have another node fetch an image's layers, and wait until its node record (what placement sees)
     lists them."""
     from bus import streams
-    from bus.messages import layer_mark, node_decoder
+    from bus.records import layer_mark, node_decoder
     from bus.images import ImageRegistry
     layers = await ImageRegistry(stack.bus).compose(image)
     await other.edge.layers.ensure(layers)

@@ -18,7 +18,7 @@ import pytest
 
 import libdsec
 from bus import streams
-from bus.messages import node_decoder
+from bus.records import node_decoder
 from edge.backends import idmap
 from edge.backends.cgroups import procs_under
 from tests.conftest import NODE

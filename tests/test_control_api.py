@@ -11,7 +11,8 @@ import pytest
 import libdsec
 from bus import streams, subjects
 from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage, api_reply_decoder
-from bus.messages import ErrorReply, Quota, SandboxRecord
+from bus.messages import ErrorReply
+from bus.records import Quota, SandboxRecord
 from placement import quota as quotas
 
 
@@ -150,7 +151,7 @@ async def test_records_of_the_earlier_layout_move_to_tenant_keys(stack):
     """A sandbox and a snapshot record stored under their bare ids (before <tenant>.<id>) are moved at
     provisioning, and read through the API afterwards; running it again changes nothing."""
     from bus import migrations
-    from bus.messages import SnapshotRecord
+    from bus.records import SnapshotRecord
     rec = SandboxRecord(sandbox_id="sb-legacy-1", tenant="legacy", state="destroyed", created_at=time.time())
     snap = SnapshotRecord(id="snap-legacy-1", tenant="legacy", created_at=time.time())
     await stack.bus.kv_put(streams.SANDBOXES_KV, rec.sandbox_id, rec)

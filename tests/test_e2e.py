@@ -117,7 +117,7 @@ async def test_ttl_destroys(client, stack):
 
 async def test_events_and_kv_record(client, stack):
     from bus import streams, subjects
-    from bus.messages import event_decoder, sandbox_decoder
+    from bus.records import event_decoder, sandbox_decoder
     async with await client.create(labels={"job": "jx"}) as sb:
         rec = sandbox_decoder.decode(await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(client.tenant, sb.id)))
         assert rec.state == "ready" and rec.labels == {"job": "jx"} and rec.node == sb.node

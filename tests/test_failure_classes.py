@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from bus import streams, subjects
-from bus.messages import event_decoder, traj_decoder
+from bus.records import event_decoder, traj_decoder
 from tests.conftest import extra_edge
 
 
@@ -76,7 +76,7 @@ async def test_a_corrupt_layer_in_the_store_fails_clearly_after_one_retry_and_le
     (root / "work" / "f").write_text("fine\n")
     await build(stack.url, "rotten", "workspace", root)
     [rec] = [r for r in await stack.bus.kv_items(streams.IMAGES_KV) if r[0] == "rotten.1"]
-    from bus.messages import image_decoder
+    from bus.records import image_decoder
     digest = image_decoder.decode(rec[1]).digest
     await stack.bus.obj_put(streams.LAYERS_OBJ, digest, b"bit rot" * 1000)   # the stored bytes go bad
     async with extra_edge(stack, tmp_path / "t3", "t3", 2) as small:

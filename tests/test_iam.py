@@ -19,7 +19,8 @@ import libdsec
 from bus import iam, iamserver, streams, subjects
 from bus.conn import Bus
 from bus.creds import seed_of
-from bus.messages import EngineStats, Quota, encode
+from bus.messages import encode
+from bus.records import EngineStats, Quota
 from bus.execwire import ExitRecord, decode_output
 from placement.quota import set_quota
 from tests.conftest import NODE

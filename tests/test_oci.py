@@ -54,7 +54,7 @@ async def test_a_multi_layer_oci_image_round_trips(stack, client, rich, tmp_path
             f"same-inode\n{big}\n")
     # xattrs and the file capability are in the layer itself (mounted here, as the node does)
     rec = await stack.bus.kv_get(streams.IMAGES_KV, "rich")
-    from bus.messages import image_decoder
+    from bus.records import image_decoder
     digest = image_decoder.decode(rec).digest
     layer = tmp_path / "rich.erofs"
     await stack.bus.obj_get_file(streams.LAYERS_OBJ, digest, layer)

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from bus.errors import BusError
-from bus.messages import SandboxRecord
+from bus.records import SandboxRecord
 from edge.outbox import Change, Outbox, Publish, frame, read_log, _Frame
 from edge.records import Outcome, decide
 

@@ -15,8 +15,8 @@ import libdsec
 from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
-from bus.messages import (Booking, CreateRequest, ExecRequest, NodeInfo, Quota, Resources, SandboxRecord, encode,
-                          event_decoder, node_decoder, sandbox_decoder)
+from bus.messages import CreateRequest, ExecRequest, Resources, encode
+from bus.records import Booking, NodeInfo, Quota, SandboxRecord, event_decoder, node_decoder, sandbox_decoder
 from bus.server import free_port
 from tests.conftest import own_server
 from placement import ledger as ledger_mod
@@ -241,7 +241,7 @@ async def test_exec_on_a_sandbox_whose_node_dies_raises_node_lost_instead_of_han
             task = asyncio.create_task(sb.exec("sleep 20", timeout=60))
             await asyncio.sleep(0.5)
             # what the reaper publishes when this sandbox's node is declared lost
-            from bus.messages import Event
+            from bus.records import Event
             await stack.bus.publish(subjects.event(client.tenant, sb.id),
                                     Event(type="node_lost", sandbox_id=sb.id, detail="node t1 stopped heartbeating"))
             with pytest.raises(libdsec.SandboxNotFound) as exc:

@@ -13,8 +13,8 @@ import pytest
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.messages import (CreateRequest, Heartbeat, ImageRecord, SandboxRecord, create_decoder, encode, node_decoder,
-                          sandbox_decoder)
+from bus.messages import CreateRequest, create_decoder, encode
+from bus.records import Heartbeat, ImageRecord, SandboxRecord, node_decoder, sandbox_decoder
 from tests.test_placement import bare_server, fake_node  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ import pytest
 
 import libdsec
 from bus import streams
-from bus.messages import sandbox_decoder
+from bus.records import sandbox_decoder
 
 # the count is written aside and renamed over: a reader never sees it half written
 COUNTER = "i=0; while :; do echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; i=$((i+1)); usleep 20000; done"

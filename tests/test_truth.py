@@ -16,7 +16,7 @@ import pytest
 import libdsec
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.messages import Quota, event_decoder, sandbox_decoder
+from bus.records import Quota, event_decoder, sandbox_decoder
 from tests.conftest import own_server
 
 pytestmark = pytest.mark.timeout(180)

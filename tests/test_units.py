@@ -10,7 +10,8 @@ import pytest
 
 import libdsec
 from bus import errors
-from bus.messages import Booking, CreateRequest, NodeInfo, Resources, create_decoder, encode, salvage
+from bus.messages import CreateRequest, Resources, create_decoder, encode, salvage
+from bus.records import Booking, NodeInfo
 from bus.execwire import ExitRecord, OutputChunk, decode_output, output_decoder
 from chronus import relay as relay_mod
 from libdsec.execstream import LineSplitter
@@ -127,7 +128,8 @@ def test_scoring_power_of_k_samples_at_scale():
 
 def test_scoring_prefers_nodes_holding_the_layers_or_a_warm_sandbox_when_close():
     import random
-    from bus.messages import LayerRef, layer_mark, pool_key
+    from bus.messages import LayerRef
+    from bus.records import layer_mark, pool_key
     layers = [LayerRef("busybox", 1, "sha256:" + "a" * 64), LayerRef("ws", 3, "sha256:" + "b" * 64)]
     prefer = scoring.affinity(layers, Resources())
     fuller, emptier = _node("fuller", used_slots=5), _node("emptier", used_slots=4)
@@ -467,7 +469,7 @@ async def test_the_reaper_declares_no_node_lost_that_beats_or_while_it_cannot_he
     """Liveness is not one KV write: a node whose record's heartbeat is a minute old but whose core
     heartbeats are heard is alive; and an engine that does not hear its own probe (its server paused)
     judges nobody."""
-    from bus.messages import Heartbeat
+    from bus.records import Heartbeat
     from placement import reaper as rmod
     from placement.ledger import NodeLedger
     monkeypatch.setattr(rmod, "SWEEP_EVERY", 0.02)
@@ -691,7 +693,8 @@ async def test_a_quiet_agent_channel_holds_every_frame_until_its_agent_speaks_ag
 
 def test_a_fork_from_memory_is_pinned_to_its_node_and_must_match_the_snapshot():
     from bus.errors import InvalidRequest
-    from bus.messages import CreateRequest, Resources, SnapshotRecord
+    from bus.messages import CreateRequest, Resources
+    from bus.records import SnapshotRecord
     from placement.engine import _memory_pin
     snap = SnapshotRecord(id="snap1", memory_node="n1", memory_kind="microvm", resources=Resources(memory=256 << 20))
     req = CreateRequest(snapshot="snap1", memory=True, backend="microvm", resources=Resources(memory=256 << 20))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import libdsec
-from bus.messages import WarmPool
+from bus.records import WarmPool
 from edge.backends.base import TRUSTED_SHELL, BackendError, SandboxSpec
 from edge.warmpool import HORIZON, WINDOW, Stock
 from tests.test_layers import build
@@ -197,7 +197,7 @@ async def test_the_warm_cli(stack):
 
 async def test_the_node_record_shows_its_warm_stock_and_layers(stack, client):
     from bus import streams
-    from bus.messages import layer_mark, node_decoder, pool_key
+    from bus.records import layer_mark, node_decoder, pool_key
     async with warm_pool(stack, client, "advertised", min=1, max=1) as pools:
         await wait_for(lambda: pools.ready() == 1, what="pool filled")
         stock = pools.pools["advertised"]

@@ -148,7 +148,7 @@ async def test_fncall_has_no_sandboxes(client):
 
 
 async def test_a_tenants_quota_bounds_its_calls_on_a_node_while_others_run(stack, tmp_path):
-    from bus.messages import Quota
+    from bus.records import Quota
     await stack.bus.kv_put(streams.QUOTAS_KV, "fnq", Quota(tenant="fnq", max_cpu=1.0))
     try:
         async with fncall_node(stack, tmp_path, "fn-q", 4, 4) as st, \

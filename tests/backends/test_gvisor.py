@@ -12,7 +12,7 @@ import pytest
 
 import libdsec
 from bus import streams
-from bus.messages import node_decoder
+from bus.records import node_decoder
 from tests.conftest import extra_edge
 from tests.test_attacks import armed, background
 

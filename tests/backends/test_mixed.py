@@ -9,7 +9,7 @@ import pytest
 
 import libdsec
 from bus import streams
-from bus.messages import node_decoder
+from bus.records import node_decoder
 from tests.conftest import extra_edge
 
 pytestmark = pytest.mark.timeout(180)
