@@ -284,6 +284,15 @@ class FileEntry(msgspec.Struct, frozen=True):
     metadata: dict[str, str] = {}   # its user.* xattrs, "user." taken off
 
 
+class FileEvent(msgspec.Struct, frozen=True):
+    """A change under a watched directory, one JSON line of a watch's output: type create, write, remove,
+    rename, chmod (overflow: some were lost; mark: a flush came back, named by it), name relative to the
+    directory ("" for the directory itself)."""
+
+    type: str
+    name: str = ""
+
+
 class FileOpResult(msgspec.Struct, frozen=True):
     """What a file op returns (in OkReply.data): the fields its op fills."""
 
@@ -312,6 +321,7 @@ create_reply_decoder = msgspec.json.Decoder(CreateReply)
 op_decoder = msgspec.json.Decoder(SandboxOp)
 op_reply_decoder = msgspec.json.Decoder(OpReply)
 file_result_decoder = msgspec.json.Decoder(FileOpResult)
+file_event_decoder = msgspec.json.Decoder(FileEvent)
 
 
 class _Envelope(msgspec.Struct):

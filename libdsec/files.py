@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, AsyncIterator
 
-import msgspec
-
 from bus import kinds
 from bus.errors import ExecFailed, FileOpError, InvalidRequest
-from bus.messages import FILE_PIECE, FileEntry, FileOp, FileOpResult, file_result_decoder
+from bus.messages import (FILE_PIECE, FileEntry, FileEvent, FileOp, FileOpResult, file_event_decoder,
+                          file_result_decoder)
 from libdsec.exechandle import ExecHandle
 from libdsec.ids import new_id
 from libdsec.results import Output
@@ -140,15 +139,6 @@ class AsyncFiles:
         return DirWatch(handle, path)
 
 
-class FileEvent(msgspec.Struct, frozen=True):
-    """A change under a watched directory: type create/write/remove/rename/chmod (or overflow: some were
-    lost), name relative to it ("" for the directory itself)."""
-
-    type: str
-    name: str = ""
-
-
-_events = msgspec.json.Decoder(FileEvent)
 
 
 class DirWatch:
@@ -168,7 +158,7 @@ class DirWatch:
                     return
                 if not ev.data.endswith(b"\n"):
                     continue
-                event = _events.decode(ev.data)
+                event = file_event_decoder.decode(ev.data)
                 if event.type == "mark":   # a flush() came back: what came before it is all here
                     waiter = self._marks.pop(event.name, None)
                     if waiter is not None and not waiter.done():

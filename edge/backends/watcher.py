@@ -25,6 +25,7 @@ from typing import Callable
 
 import msgspec
 
+from bus.messages import FileEvent as Event
 from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.execio import wait_fd, wait_unfrozen
 
@@ -55,13 +56,6 @@ def running() -> int:
 def leaks() -> list[str]:
     """Watches still running, for a backend's leaks() while it holds no sandbox."""
     return [f"{_running} directory watches running"] if _running else []
-
-
-class Event(msgspec.Struct, frozen=True):
-    """One line of a watch's output."""
-
-    type: str      # create, write, remove, rename, chmod; overflow (events were lost)
-    name: str = ""
 
 
 _encode = msgspec.json.Encoder().encode
