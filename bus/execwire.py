@@ -51,6 +51,8 @@ class ExitRecord(Wire, tag="exit"):
     error: str = ""
     reason: str = ""          # for sandbox_not_found: destroyed, expired, node_lost, never_existed
     pid: int = 0              # as its start record said (0: none)
+    failure_class: str = ""   # "environment": it failed while its node's environment failed under it (a chunk of
+    fault: str = ""           # a lazily loaded layer could not be read: EIO), what failed; "" otherwise
 
 
 OutputRecord = Union[OutputChunk, StartRecord, ExitRecord]

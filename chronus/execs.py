@@ -81,6 +81,10 @@ class ExecHost(Protocol):
     def exit_stored(self, exec_id: str) -> None:
         """An exec's exit record is stored."""
 
+    def environment_faults(self, sandbox_id: str, since: float) -> list[str]:
+        """What failed under the sandbox since time.monotonic() `since` (its lazily loaded layers' chunks
+        that could not be read): a command that failed meanwhile may have failed by it."""
+
 
 @dataclass(frozen=True)
 class ExecLimits:
@@ -362,8 +366,12 @@ class Execs:
                         error=f"exec failed on the node: {exc.__class__.__name__}: {exc}")
         if (res.exit_code != 0 or op.watch) and self.host.ending(op.sandbox_id):   # ended with its sandbox
             return self._ended_fields(op.sandbox_id, t0)
-        return dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
-                    peak_memory=res.peak_memory, timed_out=res.timed_out)
+        fields = dict(exit_code=res.exit_code, duration=res.duration, cpu_time=res.cpu_time,
+                      peak_memory=res.peak_memory, timed_out=res.timed_out)
+        faults = self.host.environment_faults(op.sandbox_id, t0) if res.exit_code != 0 or res.timed_out else []
+        if faults:   # it failed while the node failed under it: the environment's failure, not the task's
+            fields.update(failure_class="environment", fault="; ".join(faults[:4])[:1000])
+        return fields
 
     def _ended_fields(self, sandbox_id: str, t0: float) -> dict:
         reason = self.host.ending(sandbox_id)
@@ -380,7 +388,8 @@ class Execs:
         """The exec's record on the sandbox's trajectory timeline (after its exit record: never before
         it), and a task_failed event when the command itself failed."""
         job = subjects.job_of(rec.labels)
-        task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code")   # its own failure: never retried
+        env_failed = fields.get("failure_class") == "environment"
+        task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code") and not env_failed
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.node,
             at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,
@@ -391,12 +400,20 @@ class Execs:
             stdout_sha256=relay.digests["stdout"].hexdigest(), stderr_sha256=relay.digests["stderr"].hexdigest(),
             stdout=bytes(relay.kept["stdout"]), stderr=bytes(relay.kept["stderr"]),
             error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
-            live_stdin=op.live_stdin, failure_class="task" if task_failed else "", pid=relay.pid, watch=op.watch)
+            live_stdin=op.live_stdin, failure_class="task" if task_failed else fields.get("failure_class", ""),
+            pid=relay.pid, watch=op.watch)
+        if env_failed:
+            traj = msgspec.structs.replace(traj, detail=fields.get("fault", ""))
         out = [(subjects.trajectory(rec.tenant, job, op.sandbox_id), encode(traj), f"{op.exec_id}-traj")]
         if task_failed:
             out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
                 type="task_failed", sandbox_id=op.sandbox_id, tenant=rec.tenant, node=self.node, at=time.time(),
                 detail=f"exec {op.exec_id} exited {traj.exit_code}", failure_class="task")), f"{op.exec_id}-failed"))
+        elif env_failed:
+            out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
+                type="environment_failed", sandbox_id=op.sandbox_id, tenant=rec.tenant, node=self.node,
+                at=time.time(), detail=f"exec {op.exec_id} exited {traj.exit_code}: {traj.detail}",
+                failure_class="environment")), f"{op.exec_id}-failed"))
         return out
 
     @staticmethod

@@ -49,6 +49,10 @@ class LayerCache:
         """Bytes fetched from the object store: whole layers and lazy layers' chunks."""
         return self.whole_bytes + (self.lazy.bytes_fetched if self.lazy is not None else 0)
 
+    def faults_since(self, digests: list[str], since: float) -> list[str]:
+        """Chunk failures of these layers (served lazily) since time.monotonic() `since`."""
+        return self.lazy.faults_since(digests, since) if self.lazy is not None else []
+
     def reconcile(self) -> None:
         """At start: unmount what a dead run's lazy layers left."""
         if self.lazy is not None:

@@ -13,7 +13,8 @@ local file directly for later sandboxes). It records the order its reads first n
 it once as the layer's trace (the next cold start fetches those first: --prefetch).
 
   python -m edge.lazyfuse --dir DIR --manifest FILE --nats URL [--creds FILE] [--prefetch I,J,...] [--fill]
-  DIR: data (the cache file), present, mnt/ (the mountpoint).
+  DIR: data (the cache file), present, mnt/ (the mountpoint), faults (a line per chunk that could not be
+  served, "<time.monotonic()> <why>", written before the read gets EIO; edge/lazylayers.py reads it).
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ from bus.conn import Bus
 from bus.errors import BusError
 
 FILE_INODE = pyfuse3.ROOT_INODE + 1
+FAULTS = "faults"        # (see DIR above)
+FAULTS_MAX = 64 << 10
 NAME = b"layer.erofs"
 FETCH_TIMEOUT = 30.0
 FILL_CONCURRENCY = 4
@@ -78,6 +81,8 @@ class LazyLayer(pyfuse3.Operations):
         self.fetcher = fetcher
         n = len(manifest.chunks)
         self.data = os.open(directory / "data", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.faults = os.open(directory / FAULTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                              0o600)
         os.ftruncate(self.data, manifest.size)
         self.present_fd = os.open(directory / "present", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         have = os.pread(self.present_fd, n, 0)
@@ -106,7 +111,7 @@ class LazyLayer(pyfuse3.Operations):
                 await trio.to_thread.run_sync(self._fetch, i, why)
             except Exception as exc:    # noqa: BLE001  (any failure is this chunk's: EIO to the reader)
                 self.failed[i] = str(exc) or type(exc).__name__
-                say(error=f"chunk {i}: {self.failed[i]}")
+                self._fault(f"chunk {i}: {self.failed[i]}")
             finally:
                 del self.inflight[i]
                 ev.set()
@@ -114,6 +119,14 @@ class LazyLayer(pyfuse3.Operations):
             await ev.wait()
         if not self.present[i]:
             raise pyfuse3.FUSEError(errno.EIO)
+
+    def _fault(self, text: str) -> None:
+        """A chunk that cannot be served: told to the edge, and written to the faults file, with its
+        CLOCK_MONOTONIC time, before the read gets EIO (so an exec that failed by it, ending after, finds it)."""
+        say(error=text)
+        if os.fstat(self.faults).st_size > FAULTS_MAX:
+            os.ftruncate(self.faults, 0)
+        os.write(self.faults, f"{time.monotonic():.6f} {text}\n".encode()[:4096])
 
     def _fetch(self, i: int, why: str) -> None:
         sha = self.m.chunks[i]

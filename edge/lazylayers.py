@@ -138,6 +138,23 @@ class LazyLayers:
     def stats(self, digest: str) -> Lazy | None:
         return self.layers.get(digest)
 
+    def faults_since(self, digests: list[str], since: float) -> list[str]:
+        """The chunk failures (reads that got EIO) of these layers since time.monotonic() `since`: from each
+        one's faults file, which its process writes before the failed read returns."""
+        out = []
+        for d in digests:
+            lazy = self.layers.get(d)
+            try:
+                text = (lazy.dir / "faults").read_text(errors="replace") if lazy is not None else ""
+            except OSError:
+                continue
+            for line in text.splitlines():
+                at, _, why = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    if float(at) >= since:
+                        out.append(f"layer {d[:19]}: {why}")
+        return out
+
     async def _stop(self, lazy: Lazy) -> None:
         if lazy.proc is not None and lazy.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):

@@ -221,6 +221,10 @@ class Sandboxes:
         await self.records.change(None, sandbox_id, publishes=[Publish(s, d, m) for s, d, m in messages],
                                   after_exit=after_exit, exit_subject=exit_subject)
 
+    def environment_faults(self, sandbox_id: str, since: float) -> list[str]:
+        running = self.running.get(sandbox_id)
+        return self.layers.faults_since([la.digest for la in running.layers], since) if running is not None else []
+
     def exit_stored(self, exec_id: str) -> None:
         self.records.exit_stored(exec_id)
 

@@ -141,7 +141,8 @@ class ExecHandle:
                               stdout=stdout, stderr=stderr, truncated=ex.truncated)
         return ExecResult(exit_code=ex.exit_code, stdout=stdout, stderr=stderr, duration=ex.duration,
                           cpu_time=ex.cpu_time, peak_memory=ex.peak_memory, timed_out=False,
-                          truncated=ex.truncated, exec_id=ex.exec_id, pid=ex.pid)
+                          truncated=ex.truncated, exec_id=ex.exec_id, pid=ex.pid, failure_class=ex.failure_class,
+                          fault=ex.fault)
 
     def _end(self) -> Exit:
         """The Exit; else the failure that ended the reading, the typed error of an exec that never ran,

@@ -323,7 +323,8 @@ def exit_of(rec: ExitRecord) -> Exit:
     if rec.error_code:
         raise from_code(rec.error_code, rec.error, reason=rec.reason or rec.error_code)
     return Exit(exit_code=rec.exit_code, duration=rec.duration, cpu_time=rec.cpu_time, peak_memory=rec.peak_memory,
-                timed_out=rec.timed_out, truncated=rec.truncated, exec_id=rec.exec_id, pid=rec.pid)
+                timed_out=rec.timed_out, truncated=rec.truncated, exec_id=rec.exec_id, pid=rec.pid,
+                failure_class=rec.failure_class, fault=rec.fault)
 
 
 class LineSplitter:

@@ -25,6 +25,8 @@ class Exit:
     truncated: bool = False
     exec_id: str = ""           # its output is on dsec.out.<tenant>.<node>.<sandbox>.<exec_id>, its record in the trajectory
     pid: int = 0                # its pid in the sandbox (0: it never started, or its kind does not say)
+    failure_class: str = ""     # "environment": it failed while the node failed under it (fault says how), not
+    fault: str = ""             # by its own doing: retry it, in a fresh sandbox (another node); "" otherwise
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class ExecResult:
     truncated: bool = False
     exec_id: str = ""
     pid: int = 0
+    failure_class: str = ""     # as Exit's: "environment" when the node failed under the command
+    fault: str = ""
 
     @property
     def ok(self) -> bool:

@@ -88,20 +88,74 @@ async def test_a_corrupt_chunk_fails_the_create_never_a_read(stack, client, tmp_
     await build(stack.url, "lazybad", "base", make_root(tmp_path / "root", 8))
     layer = (await ImageRegistry(stack.bus).resolve("lazybad"))[0]
     m = await chunks.manifest(stack.bus, layer.digest)
-    # the chunk holding the superblock and root directory: every start reads it
-    await stack.bus.obj_put(streams.LAYERS_OBJ, chunks.chunk_name(m.chunks[0]), os.urandom(m.span(0)[1]))
+    # the chunk holding the superblock and root directory: every start reads it (put back after: another
+    # image's chunk of the same bytes has the same name)
+    name = chunks.chunk_name(m.chunks[0])
+    good = await stack.bus.obj_get(streams.LAYERS_OBJ, name)
+    await stack.bus.obj_put(streams.LAYERS_OBJ, name, os.urandom(m.span(0)[1]))
+    try:
+        async with only_on(stack):
+            with pytest.raises(libdsec.DsecError) as err:
+                await client.create(image="lazybad", timeout=10)
+        assert isinstance(err.value, (libdsec.EnvironmentFailure, libdsec.CapacityUnavailable)), err.value
+        lazy = lazy_node.edge.layers.lazy.stats(layer.digest)
+        assert any("does not match the manifest" in e for e in lazy.errors), lazy.errors
+        assert 0 not in lazy.counts          # never reported fetched: it was never marked present, nor served
+        # elsewhere (the session's node fetches it whole and checks the whole digest) it starts
+        async with await client.create(image="lazybad", timeout=30) as sb:
+            assert sb.node == stack.edge.node
+            assert (await sb.exec("md5sum /data/f0003 | cut -c1-32")).stdout.decode().strip() == \
+                hashlib.md5(content(3)).hexdigest()
+    finally:
+        await stack.bus.obj_put(streams.LAYERS_OBJ, name, good)
+
+
+async def test_a_chunk_failing_after_the_start_marks_the_exec_it_failed_as_the_environments(stack, client, tmp_path,
+                                                                                            lazy_node):
+    """A sandbox is running when the chunks it has not read yet go bad: the command reading them gets EIO (never
+    a corrupt byte), and its result, exit record, trajectory record and event say environment, with the
+    fault; the command's own failure afterwards stays the task's."""
+    from tests.test_failure_classes import events_of
+    from bus.records import traj_decoder
+    from bus import subjects
+    await build(stack.url, "lazylate", "base", make_root(tmp_path / "root", 8, salt=b"late"))
+    layer = (await ImageRegistry(stack.bus).resolve("lazylate"))[0]
     async with only_on(stack):
-        with pytest.raises(libdsec.DsecError) as err:
-            await client.create(image="lazybad", timeout=10)
-    assert isinstance(err.value, (libdsec.EnvironmentFailure, libdsec.CapacityUnavailable)), err.value
-    lazy = lazy_node.edge.layers.lazy.stats(layer.digest)
-    assert any("does not match the manifest" in e for e in lazy.errors), lazy.errors
-    assert 0 not in lazy.counts          # never reported fetched: it was never marked present, nor served
-    # elsewhere (the session's node fetches it whole and checks the whole digest) it starts
-    async with await client.create(image="lazybad", timeout=30) as sb:
-        assert sb.node == stack.edge.node
-        assert (await sb.exec("md5sum /data/f0003 | cut -c1-32")).stdout.decode().strip() == \
-            hashlib.md5(content(3)).hexdigest()
+        sb = await client.create(image="lazylate", timeout=60)
+    m = await chunks.manifest(stack.bus, layer.digest)
+    saved: dict[str, bytes] = {}
+    try:
+        first = await sb.exec("md5sum /data/f0001 | cut -c1-32")
+        assert (first.stdout.decode().strip(), first.failure_class) == (hashlib.md5(content(1, b"late")).hexdigest(), "")
+        held = set(lazy_node.edge.layers.lazy.stats(layer.digest).counts)
+        for i, sha in enumerate(m.chunks):   # what it has not read yet goes bad (put back after: shared names)
+            if i not in held and chunks.chunk_name(sha) not in saved:
+                saved[chunks.chunk_name(sha)] = await stack.bus.obj_get(streams.LAYERS_OBJ, chunks.chunk_name(sha))
+                await stack.bus.obj_put(streams.LAYERS_OBJ, chunks.chunk_name(sha), os.urandom(m.span(i)[1]))
+        assert saved
+        bad = await sb.exec("cat /data/f0005 > /dev/null")
+        assert (bad.exit_code, bad.failure_class) == (1, "environment") and b"Input/output error" in bad.stderr, bad
+        assert "does not match the manifest" in bad.fault, bad.fault
+        own = await sb.exec("exit 3")
+        assert (own.exit_code, own.failure_class, own.fault) == (3, "", "")
+        evs = await events_of(stack, sb.id, {"environment_failed", "task_failed"})
+        kinds = [(e.type, e.failure_class) for e in evs if e.type in ("environment_failed", "task_failed")]
+        assert ("environment_failed", "environment") in kinds and kinds[-1] == ("task_failed", "task"), kinds
+        trajs: dict = {}
+        for _ in range(100):
+            async for d in stack.bus.read_subject(streams.TRAJ_STREAM, subjects.trajectory("default", "default", sb.id)):
+                t = traj_decoder.decode(d)
+                if t.type == "exec":
+                    trajs[t.exec_id] = t
+            if bad.exec_id in trajs and own.exec_id in trajs:
+                break
+            await asyncio.sleep(0.05)
+        assert trajs[bad.exec_id].failure_class == "environment" and "chunk" in trajs[bad.exec_id].detail
+        assert trajs[own.exec_id].failure_class == "task"
+    finally:
+        await sb.destroy()
+        for name, data in saved.items():
+            await stack.bus.obj_put(streams.LAYERS_OBJ, name, data)
 
 
 async def test_a_second_cold_start_prefetches_what_the_first_read(stack, client, tmp_path_factory, big, lazy_node):
