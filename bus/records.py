@@ -149,7 +149,8 @@ class Event(Wire, tag="event"):
     """Lifecycle event on dsec.evt.<tenant>.<sandbox>."""
 
     type: str = ""                   # queued, created, destroyed, expired, failed, rejected, node_lost, suspended,
-                                     # resumed, retried (an environment failure, placed again), task_failed, environment_failed,
+                                     # resumed, retried (an environment failure, placed again), task_failed,
+                                     # environment_failed (a command failed under a failing environment),
                                      # timeout_set (its expiry rewritten)
     sandbox_id: str = ""
     tenant: str = "default"

@@ -126,7 +126,8 @@ async def test_a_chunk_failing_after_the_start_marks_the_exec_it_failed_as_the_e
     saved: dict[str, bytes] = {}
     try:
         first = await sb.exec("md5sum /data/f0001 | cut -c1-32")
-        assert (first.stdout.decode().strip(), first.failure_class) == (hashlib.md5(content(1, b"late")).hexdigest(), "")
+        want = hashlib.md5(content(1, b"late")).hexdigest()
+        assert (first.stdout.decode().strip(), first.failure_class) == (want, "")
         held = set(lazy_node.edge.layers.lazy.stats(layer.digest).counts)
         for i, sha in enumerate(m.chunks):   # what it has not read yet goes bad (put back after: shared names)
             if i not in held and chunks.chunk_name(sha) not in saved:
@@ -143,7 +144,8 @@ async def test_a_chunk_failing_after_the_start_marks_the_exec_it_failed_as_the_e
         assert ("environment_failed", "environment") in kinds and kinds[-1] == ("task_failed", "task"), kinds
         trajs: dict = {}
         for _ in range(100):
-            async for d in stack.bus.read_subject(streams.TRAJ_STREAM, subjects.trajectory("default", "default", sb.id)):
+            timeline = subjects.trajectory("default", "default", sb.id)
+            async for d in stack.bus.read_subject(streams.TRAJ_STREAM, timeline):
                 t = traj_decoder.decode(d)
                 if t.type == "exec":
                     trajs[t.exec_id] = t
