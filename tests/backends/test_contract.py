@@ -163,31 +163,43 @@ async def test_files_stay_inside_the_root(client, kind, tmp_path):
             await sb.read_file("/no/such/file")
 
 
-@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree") and kinds.supports(k, "watch")])
-async def test_the_file_tree_and_watches_work_alike_where_offered(client, kind, tmp_path):
-    """Where a kind offers them (the others refuse: the capability test), tree ops resolve inside the root
-    and a watch sees what the sandbox's own commands do."""
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree")])
+async def test_the_file_tree_works_alike_where_offered(client, kind, tmp_path):
+    """Where a kind offers it (the others refuse: the capability test), tree ops resolve inside the root: a
+    planted symlink to the host's directory leads to the sandbox's own path of that name."""
     (tmp_path / "host-only").mkdir()
     async with await fresh(client, kind) as sb:
         await sb.exec(f"mkdir -p /t/d && echo hi > /t/d/f && ln -s {tmp_path} /t/host && ln -s / /t/up")
         assert [(e.name, e.type) for e in await sb.files.list("/t")] == [("d", "dir"), ("host", "symlink"),
                                                                         ("up", "symlink")]
+        assert [e.path for e in await sb.files.list("/t", depth=2)] == ["/t/d", "/t/d/f", "/t/host", "/t/up"]
         info = await sb.files.get_info("/t/d/f")
-        assert (info.size, info.type, info.uid, info.gid) == (3, "file", 0, 0)
+        assert (info.size, info.type, info.uid, info.gid, info.permissions) == (3, "file", 0, 0, "rw-r--r--")
+        assert (await sb.files.get_info("/t/up")).symlink_target == "/"
         assert not await sb.files.exists("/t/host/host-only")   # resolved in its root, where it is not
         with pytest.raises(libdsec.FileOpError, match="no such directory"):
             await sb.files.write("/t/host/host-only/x", "w")
         await sb.files.make_dir("/t/up/made-here")                # the sandbox's /made-here, not the host's
         assert await sb.files.exists("/made-here") and not os.path.exists("/made-here")
         assert list((tmp_path / "host-only").iterdir()) == []
-        assert await sb.files.make_dir("/t/e/g")
+        assert await sb.files.make_dir("/t/e/g") and not await sb.files.make_dir("/t/e/g")
         await sb.files.rename("/t/d/f", "/t/e/g/f")
         assert (await sb.exec("cat /t/e/g/f; stat -c %u /t/e/g")).stdout == b"hi\n0\n"
         data = bytes(range(256)) * 8192   # 2 MiB: several pieces
-        await sb.files.write("/t/big", data)
+        await sb.files.write("/t/big", data, metadata={"k": "v w"})
         assert await sb.files.read("/t/big") == data
+        assert (await sb.files.get_info("/t/big")).metadata == {"k": "v w"}
+        with pytest.raises(libdsec.FileOpError, match="no such file"):
+            await sb.files.read("/t/none")
         await sb.files.remove("/t/e")
-        assert (await sb.exec("ls /t")).stdout == b"big\nd\nhost\nup\n"
+        await sb.files.remove("/t/up")                            # the link, not what it points to
+        assert (await sb.exec("ls /t; ls -d /etc")).stdout == b"big\nd\nhost\n/etc\n"
+
+
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "watch")])
+async def test_watches_see_the_sandboxs_own_changes_where_offered(client, kind):
+    async with await fresh(client, kind) as sb:
+        await sb.exec("mkdir -p /t && echo x > /t/big")
         w = await sb.files.watch("/t", recursive=True)
         got: list[tuple[str, str]] = []
 
@@ -196,14 +208,14 @@ async def test_the_file_tree_and_watches_work_alike_where_offered(client, kind, 
                 got.append((ev.type, ev.name))
         reader = asyncio.ensure_future(read())
         try:
-            await sb.exec("mkdir -p /t/n/m && echo x > /t/n/m/f && rm /t/big && touch /t/up/outside")
+            await sb.exec("mkdir -p /t/n/m && echo x > /t/n/m/f && rm /t/big && ln -s / /t/up && touch /t/up/out")
             await w.flush()
         finally:
             await w.stop()
             await asyncio.wait_for(reader, 10)
             await w.close()
         created = sorted(n for t, n in got if t == "create")
-        assert created == ["n", "n/m", "n/m/f"] and ("remove", "big") in got, got   # nothing through /t/up
+        assert created == ["n", "n/m", "n/m/f", "up"] and ("remove", "big") in got, got   # nothing through /t/up
 
 
 @pytest.mark.parametrize("kind", REAL)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import shutil
 import signal
@@ -42,12 +41,12 @@ from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.host import _remove_groups, valid_id
 from edge.backends.microvm import accel, guest, snapshot, template
 from edge.backends.microvm.boot import Booting, boot_failure
+from edge.backends.microvm.files import GuestFiles
 from edge.backends.microvm.memory import MemorySnapshots, fork_spec
 from edge.backends.microvm.net import Networking
 from edge.backends.microvm.restore import Restoring
 from edge.backends.microvm.vm import VM
 from edge.backends.microvm.qemu import qemu_processes
-from edge.backends.rootfiles import file_error
 
 __all__ = ["MicroVMBackend", "VM", "leftovers"]
 
@@ -55,7 +54,7 @@ CLAIMED_KEPT = 4096         # claimed ids remembered for residue() after their d
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 
 
-class MicroVMBackend(MemorySnapshots, Restoring, Booting, Networking, Backend):
+class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking, Backend):
     """One QEMU microvm per sandbox, its commands run by the guest's agent."""
 
     kind = kinds.MICROVM
@@ -333,20 +332,6 @@ class MicroVMBackend(MemorySnapshots, Restoring, Booting, Networking, Backend):
                                  None, vm.frozen_for)
         return res.exit_code, bytes(out["stdout"]), bytes(out["stderr"])
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        """Create or truncate a file inside the guest (its own root: nothing of the host is reachable)."""
-        vm = self._live(sandbox_id)
-        code, _, err = await self._shell(vm, _WRITE, [path, f"{mode & 0o7777:o}"], data)
-        if code:
-            raise file_error(OSError(code, err.decode(errors="replace").strip() or os.strerror(code)), path, True)
-
-    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
-        vm = self._live(sandbox_id)
-        code, out, err = await self._shell(vm, _READ, [path, str(limit)], b"")
-        if code:
-            raise file_error(OSError(code, err.decode(errors="replace").strip() or os.strerror(code)), path, False)
-        return out
-
     # ------------------------------------------------------------ checks
 
     def residue(self, sandbox_id: str) -> list[str]:
@@ -377,11 +362,6 @@ class MicroVMBackend(MemorySnapshots, Restoring, Booting, Networking, Backend):
 
 
 WARM_UP = f"{TRUSTED_SHELL} -c : && cat /proc/self/stat >/dev/null"   # fork, exec, a file read
-# Exit codes are errnos, so file_error words them as for containers.
-_WRITE = (f'p=$1; [ -d "$p" ] && exit {errno.EISDIR}; d=${{p%/*}}; [ -z "$d" ] || [ -d "$d" ] || exit {errno.ENOENT}; '
-          f'cat > "$p" 2>/dev/null || exit {errno.EACCES}; chmod "$2" "$p"')
-_READ = (f'[ -e "$1" ] || exit {errno.ENOENT}; [ -d "$1" ] && exit {errno.EISDIR}; '
-         f'[ -r "$1" ] || exit {errno.EACCES}; head -c "$2" "$1"')
 
 
 def _qemu_version(binary: str) -> str:

@@ -1,0 +1,111 @@
+"""Files of VM sandboxes (microvm, fullvm): every operation is one run of the trusted device's `files`
+helper (native/dsec-files.c) by the guest agent, in the guest's root as the sandbox's commands see it. The
+VM's own kernel is the boundary, so a path may lead anywhere in the guest, and nowhere outside it."""
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import stat as st
+
+from bus.messages import FileEntry, FileOp, FileOpResult, encode
+from edge.backends.base import TRUSTED_DIR, BackendError
+from edge.backends.rootfiles import file_error
+from edge.backends.treeops import MAX_ENTRIES
+
+HELPER = f"{TRUSTED_DIR}/files"
+FIELDS = 9           # of an entry, before its xattrs
+TIMEOUT = 60.0
+
+
+def entries(out: bytes) -> list[FileEntry]:
+    """The helper's entries (NUL-terminated fields, see dsec-files.c) as FileEntry."""
+    parts = out.split(b"\0")[:-1]
+    found: list[FileEntry] = []
+    at = 0
+    while at + FIELDS <= len(parts):
+        path, kind, size, mode, uid, gid, mtime, target, count = (p.decode(errors="replace")
+                                                                   for p in parts[at:at + FIELDS])
+        at += FIELDS
+        meta = {}
+        for _ in range(int(count)):
+            meta[parts[at].decode(errors="replace")] = bytes.fromhex(parts[at + 1].decode()).decode(errors="replace")
+            at += 2
+        found.append(FileEntry(name=posixpath.basename(path) or "/", path=path, type=kind, size=int(size),
+                               mode=int(mode, 8), permissions=st.filemode(int(mode, 8))[1:], uid=int(uid),
+                               gid=int(gid), mtime=float(mtime), symlink_target=target, metadata=meta))
+    return found
+
+
+def _normal(path: str) -> str:
+    return posixpath.normpath("/" + path.lstrip("/"))
+
+
+class GuestFiles:
+    """write_file / read_file / file_op of a VM backend (self._live(id) -> a VM with .chan, .frozen_for)."""
+
+    async def _helper(self, vm, args: list[str], stdin: bytes | None, path: str, creating: bool) -> bytes:
+        """The helper's stdout for args; its failure (exit status errno, stderr why) as BackendError."""
+        out = {"stdout": bytearray(), "stderr": bytearray()}
+
+        async def sink(stream, data: bytes) -> None:
+            out[stream] += data
+        res = await vm.chan.exec([HELPER, *args], {}, "/", stdin, TIMEOUT, sink, None, vm.frozen_for)
+        if res.timed_out:
+            raise BackendError(f"file operation on {path} took longer than {TIMEOUT:.0f}s")
+        if res.exit_code == errno.EOVERFLOW and args[0] == "list":
+            raise BackendError(f"more than {MAX_ENTRIES} entries: list a smaller tree or a smaller depth: {path}")
+        if res.exit_code == errno.EINVAL and b"piece was lost" in out["stderr"]:
+            raise BackendError(f"{out['stderr'].decode(errors='replace').strip()}: {path}")
+        if res.exit_code:
+            why = out["stderr"].decode(errors="replace").strip().rpartition(": ")[2]
+            raise file_error(OSError(res.exit_code, why or os.strerror(res.exit_code)), path, creating)
+        return bytes(out["stdout"])
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Create or truncate a file inside the guest with exactly mode (its own root: nothing of the host)."""
+        await self._helper(self._live(sandbox_id), ["write", path, "0", f"{mode & 0o7777:o}"], data, path, True)
+
+    async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
+        """A file of the guest, at most limit bytes (else EFBIG)."""
+        out = await self._helper(self._live(sandbox_id), ["read", path, "0", str(limit)], b"", path, False)
+        size, _, data = out.partition(b"\0")
+        if int(size) > limit:
+            raise file_error(OSError(errno.EFBIG, str(limit)), path, False)
+        return data
+
+    async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
+        """One file-tree op in the guest, as its root (VM kinds have no "users" capability)."""
+        if user is not None:
+            raise BackendError(f"a {self.kind} sandbox's files are handled as its root only")
+        vm = self._live(sandbox_id)
+        path = _normal(op.path)
+        creating = op.op in ("mkdir", "write", "rename")
+        match op.op:
+            case "stat":
+                result = FileOpResult(entry=entries(await self._helper(vm, ["stat", path], b"", path, False))[0])
+            case "list":
+                out = await self._helper(vm, ["list", path, str(op.depth), str(MAX_ENTRIES)], b"", path, False)
+                result = FileOpResult(entries=sorted(entries(out), key=lambda e: e.path))
+            case "mkdir":
+                result = FileOpResult(made=await self._helper(vm, ["mkdir", path], b"", path, True) == b"1\0")
+            case "remove":
+                if path == "/":
+                    raise BackendError("not on the sandbox root itself: /")
+                await self._helper(vm, ["remove", path], b"", path, False)
+                result = FileOpResult()
+            case "rename":
+                out = await self._helper(vm, ["rename", path, _normal(op.dest)], b"", path, creating)
+                result = FileOpResult(entry=entries(out)[0])
+            case "read":
+                out = await self._helper(vm, ["read", path, str(op.offset), str(op.length)], b"", path, False)
+                size, _, data = out.partition(b"\0")
+                result = FileOpResult(data=data, size=int(size))
+            case "write":
+                meta = [x for k, v in dict(op.metadata).items() for x in (k, v.encode().hex())]
+                await self._helper(vm, ["write", path, str(op.offset), f"{op.mode & 0o7777:o}", *meta], op.data,
+                                   path, True)
+                result = FileOpResult()
+            case _:
+                raise BackendError(f"unknown file op {op.op!r}")
+        return encode(result)
