@@ -36,9 +36,9 @@ CAPABILITIES: dict[str, frozenset[str]] = {
                        "watch"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                        "privileged", "memory_snapshot", "network", "file_tree"}),
+                        "privileged", "memory_snapshot", "network", "file_tree", "watch"}),
     FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                       "privileged", "memory_snapshot", "network", "file_tree"}),
+                       "privileged", "memory_snapshot", "network", "file_tree", "watch"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }
 

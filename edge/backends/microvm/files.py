@@ -1,19 +1,22 @@
 """Files of VM sandboxes (microvm, fullvm): every operation is one run of the trusted device's `files`
-helper (native/dsec-files.c) by the guest agent, in the guest's root as the sandbox's commands see it. The
-VM's own kernel is the boundary, so a path may lead anywhere in the guest, and nowhere outside it."""
+helper (native/dsec-files.c) by the guest agent, in the guest's root as the sandbox's commands see it, and
+a directory watch is its `watch` helper (native/dsec-watch.c, the guest's twin of watcher.py). The VM's own
+kernel is the boundary, so a path may lead anywhere in the guest, and nowhere outside it."""
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import posixpath
 import stat as st
 
 from bus.messages import FileEntry, FileOp, FileOpResult, encode
-from edge.backends.base import TRUSTED_DIR, BackendError
+from edge.backends.base import TRUSTED_DIR, BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.rootfiles import file_error
 from edge.backends.treeops import MAX_ENTRIES
 
 HELPER = f"{TRUSTED_DIR}/files"
+WATCHER = f"{TRUSTED_DIR}/watch"
 FIELDS = 9           # of an entry, before its xattrs
 TIMEOUT = 60.0
 
@@ -109,3 +112,55 @@ class GuestFiles:
             case _:
                 raise BackendError(f"unknown file op {op.op!r}")
         return encode(result)
+
+    async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
+                    control: ExecControl | None = None) -> ExecResult:
+        """The guest's watch helper as an exec of its own control (inner): its "ready" line starts the watch
+        (control.started(0), as the edge's watcher), the rest is the watch's output; control's signals
+        reach it, and each piece written to control comes to it as a line (a flush's mark)."""
+        vm = self._live(sandbox_id)
+        inner = ExecControl(live_stdin=True)
+        ready = asyncio.get_running_loop().create_future()
+        head, err = bytearray(), bytearray()
+
+        async def relay(stream: str, data: bytes) -> None:
+            if stream == "stderr":
+                err.extend(data[:4096])
+                return
+            if not ready.done():
+                head.extend(data)
+                if b"\n" not in head:
+                    return
+                line, _, rest = bytes(head).partition(b"\n")
+                ready.set_result(line == b"ready")
+                if control is not None:
+                    await control.started(0)
+                data = rest
+            if data:
+                await sink("stdout", data)
+        marks = None
+        if control is not None:
+            control.on_signal(inner.signal)
+            marks = asyncio.ensure_future(_marks(control, inner))
+        try:
+            res = await vm.chan.exec([WATCHER, path, "1" if recursive else "0"], {}, "/", b"", timeout, relay,
+                                     inner, vm.frozen_for)
+        finally:
+            if marks is not None:
+                marks.cancel()
+                await asyncio.gather(marks, return_exceptions=True)
+        if not ready.done() or not ready.result():
+            why = err.decode(errors="replace").strip().rpartition(": ")[2] or os.strerror(res.exit_code)
+            raise BackendError(f"no such directory: {path}" if res.exit_code in (errno.ENOENT, errno.ENOTDIR)
+                               else f"cannot watch {path}: {why}")
+        return res
+
+
+async def _marks(outer: ExecControl, inner: ExecControl) -> None:
+    """Pieces written to the watch (its flush marks) to the helper's stdin, a line each."""
+    while True:
+        data, done = await outer.next_input()
+        if data is None:   # the client closed the watch's stdin: no more marks, the watch goes on
+            done.set_result(True)
+            continue
+        done.set_result(await inner.write(data.replace(b"\n", b" ")[:64] + b"\n"))

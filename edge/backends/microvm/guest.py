@@ -29,7 +29,8 @@ HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
 AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"
 FILES_SOURCE = HERE.parent / "native" / "dsec-files.c"    # the file-tree helper (microvm/files.py)
-TRUSTED_LAYOUT = b"agent files sh upper/"   # what the trusted device holds besides the sources (part of its name)
+WATCH_SOURCE = HERE.parent / "native" / "dsec-watch.c"    # the directory-watch helper (microvm/files.py)
+TRUSTED_LAYOUT = b"agent files watch sh upper/"   # what the trusted device holds besides the sources (in its name)
 
 
 class GuestError(Exception):
@@ -158,19 +159,20 @@ def build() -> Guest:
         entries += [(f"lib/modules/{m}.ko", 0o100644, data) for m, data in mods.items()]
         _put(initrd, gzip.compress(_newc(entries), compresslevel=1))
     source = AGENT_SOURCE.read_bytes()
-    trusted = cache_dir() / f"trusted-{_digest(source, FILES_SOURCE.read_bytes(), busybox, TRUSTED_LAYOUT)}.erofs"
+    helpers = (FILES_SOURCE.read_bytes(), WATCH_SOURCE.read_bytes())
+    trusted = cache_dir() / f"trusted-{_digest(source, *helpers, busybox, TRUSTED_LAYOUT)}.erofs"
     if not trusted.exists():
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
             root = Path(tmp) / "root"
             root.mkdir(mode=0o755)
             cc = shutil.which("cc") or shutil.which("gcc") or "cc"
-            for name, src in (("agent", AGENT_SOURCE), ("files", FILES_SOURCE)):
+            for name, src in (("agent", AGENT_SOURCE), ("files", FILES_SOURCE), ("watch", WATCH_SOURCE)):
                 cc_run = subprocess.run([cc, "-O2", "-static", "-Wall", "-o", str(root / name), str(src)],
                                         capture_output=True, text=True)
                 if cc_run.returncode != 0:
                     raise GuestError(f"cannot build the guest's {name}: {cc_run.stderr.strip()[-300:]}")
             shutil.copyfile(_busybox(), root / "sh")
-            for name in ("agent", "files", "sh"):
+            for name in ("agent", "files", "watch", "sh"):
                 os.chmod(root / name, 0o555)
             (root / "upper").mkdir(mode=0o555)     # where init binds the writable layer (read-only) for snapshots
             img = Path(tmp) / "trusted.erofs"
