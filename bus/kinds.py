@@ -33,12 +33,12 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
                           "network", "users", "file_tree", "watch", "pty"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools", "network", "file_tree",
-                       "watch"}),
+                       "watch", "users"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                        "privileged", "memory_snapshot", "network", "file_tree", "watch"}),
+                        "privileged", "memory_snapshot", "network", "file_tree", "watch", "users"}),
     FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                       "privileged", "memory_snapshot", "network", "file_tree", "watch"}),
+                       "privileged", "memory_snapshot", "network", "file_tree", "watch", "users"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }
 

@@ -256,6 +256,26 @@ async def test_a_watch_is_refused_clearly_flushes_in_order_and_ends_with_its_dir
     await kept.close()
 
 
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "users")])
+async def test_commands_and_file_operations_run_as_a_user_where_offered(client, kind):
+    """A user's command and file operations are checked as it (root's files stay closed to it) and what it
+    makes is its own; root's commands stay root's."""
+    async with await fresh(client, kind) as sb:
+        await sb.exec("mkdir -p /home/u /secret && chown 1000:1000 /home/u && echo s > /secret/f && chmod 700 /secret")
+        r = await sb.exec("id -u; id -g; id -G; touch /home/u/made; stat -c %u:%g /home/u/made; cat /secret/f",
+                          user="1000:1000")
+        assert r.stdout == b"1000\n1000\n1000\n1000:1000\n" and b"Permission denied" in r.stderr, r
+        with pytest.raises(libdsec.FileOpError, match="permission denied"):
+            await sb.files.read("/secret/f", user="1000:1000")
+        with pytest.raises(libdsec.FileOpError, match="permission denied"):
+            await sb.files.write("/secret/g", "x", user="1000:1000")
+        await sb.files.write("/home/u/mine", "x", user="1000:1000")
+        assert await sb.files.make_dir("/home/u/d", user="1000:1000")
+        assert [(e.name, e.uid, e.gid) for e in await sb.files.list("/home/u")] == [
+            ("d", 1000, 1000), ("made", 1000, 1000), ("mine", 1000, 1000)]
+        assert (await sb.exec("id -u; cat /secret/f")).stdout == b"0\ns\n"   # root's stays root
+
+
 @pytest.mark.parametrize("kind", REAL)
 async def test_limits_hold(client, kind):
     # a VM's memory holds its guest kernel too (kinds.MIN_MEMORY): 160Mi (256Mi for a full VM's Debian)

@@ -129,7 +129,8 @@ class GvisorBackend(RootFiles, Backend):
         os.chmod(self._trusted / "sh.tmp", 0o555)
         os.replace(self._trusted / "sh.tmp", self._trusted / "sh")
         agent = self._trusted / "agent"
-        if not agent.exists() or agent.stat().st_mtime < AGENT_SOURCE.stat().st_mtime:
+        newest = max(AGENT_SOURCE.stat().st_mtime, (AGENT_SOURCE.parent / "dsec-become.h").stat().st_mtime)
+        if not agent.exists() or agent.stat().st_mtime < newest:
             cc = shutil.which("cc") or shutil.which("gcc") or "cc"
             subprocess.run([cc, "-O2", "-static", "-Wall", "-o", f"{agent}.tmp", str(AGENT_SOURCE)],
                            check=True, capture_output=True)
@@ -437,13 +438,13 @@ class GvisorBackend(RootFiles, Backend):
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
                    stdin: bytes | None, timeout: float, sink: OutputSink,
-                   control: ExecControl | None = None) -> ExecResult:
-        """Run argv through the sandbox's agent (timeout <= 0: none)."""
+                   control: ExecControl | None = None, user=None) -> ExecResult:
+        """Run argv through the sandbox's agent (timeout <= 0: none), as user (users.ExecUser; None: root)."""
         sb = self._live(sandbox_id)
         if not argv:
             raise BackendError("empty command")
         return await sb.chan.exec(list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/", stdin,
-                                  timeout, sink, control, sb.frozen_for)
+                                  timeout, sink, control, sb.frozen_for, user=user)
 
     # ------------------------------------------------------------ checks
 

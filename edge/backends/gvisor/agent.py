@@ -22,6 +22,7 @@ WINDOW = 1 << 20            # must match dsec-agent.c: unconsumed output bytes p
 GRANT_EVERY = 256 << 10     # credit is given back in steps this big (well under WINDOW: no stall)
 STDIN_CHUNK = 64 << 10
 KILL_GRACE = 5.0
+WITH_USER = 1 << 31        # an exec request's argc flag: a user "UID:GID[:GROUP...]" follows its cwd
 
 
 @dataclass
@@ -246,16 +247,19 @@ class AgentChannel:
 
     async def exec(self, argv: list[str], env: dict[str, str], cwd: str, stdin: bytes | None,
                    timeout: float, sink: OutputSink, control: ExecControl | None,
-                   frozen_for=lambda: 0.0) -> ExecResult:
-        """Run argv in the sandbox; stream output to sink; kill its tree on timeout."""
+                   frozen_for=lambda: 0.0, user=None) -> ExecResult:
+        """Run argv in the sandbox (as user, a users.ExecUser; None: its root); stream output to sink; kill its
+        tree on timeout."""
         self._next += 1
         xid = self._next
         ex = self._execs[xid] = _Exec()
         started = time.monotonic()
-        words = [cwd, *argv, *(f"{k}={v}" for k, v in env.items())]
+        who = [":".join(str(i) for i in (user.uid, user.gid, *user.groups))] if user is not None else []
+        words = [cwd, *who, *argv, *(f"{k}={v}" for k, v in env.items())]
         if any("\0" in w for w in words):
             raise BackendError("NUL byte in argv, env or cwd")
-        payload = struct.pack("<II", len(argv), len(env)) + b"".join(w.encode() + b"\0" for w in words)
+        payload = (struct.pack("<II", len(argv) | (WITH_USER if who else 0), len(env))
+                   + b"".join(w.encode() + b"\0" for w in words))
         try:
             self._send(b"E", xid, payload)
             if control is not None:

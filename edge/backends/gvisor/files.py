@@ -9,7 +9,7 @@ import os
 
 from bus.messages import FileOp
 from edge.backends import kernel, rootfiles, treeops, watcher
-from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink, SandboxGone
+from edge.backends.base import ExecControl, ExecResult, OutputSink, SandboxGone
 from edge.backends.rootfiles import file_error
 
 
@@ -55,12 +55,13 @@ class RootFiles:
         return await asyncio.to_thread(self._in_root, sb, read)
 
     async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
-        """One file-tree op in the root, as the sandbox's root (these kinds have no "users" capability)."""
-        if user is not None:
-            raise BackendError(f"a {self.kind} sandbox's files are handled as its root only")
+        """One file-tree op in the root as user (users.ExecUser: its host ids, every permission checked as
+        it; None: the sandbox's root)."""
         sb = self._live(sandbox_id)
+        base = sb.ids.base
+        who = None if user is None else (base + user.uid, base + user.gid, tuple(base + g for g in user.groups))
         return await asyncio.to_thread(self._in_root, sb,
-                                       lambda root: rootfiles.tree_op_in(root, op.path, op, sb.ids.base))
+                                       lambda root: rootfiles.tree_op_in(root, op.path, op, base, who=who))
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
                     control: ExecControl | None = None) -> ExecResult:

@@ -47,13 +47,16 @@ def _normal(path: str) -> str:
 class GuestFiles:
     """write_file / read_file / file_op of a VM backend (self._live(id) -> a VM with .chan, .frozen_for)."""
 
-    async def _helper(self, vm, args: list[str], stdin: bytes | None, path: str, creating: bool) -> bytes:
-        """The helper's stdout for args; its failure (exit status errno, stderr why) as BackendError."""
+    async def _helper(self, vm, args: list[str], stdin: bytes | None, path: str, creating: bool,
+                      user=None) -> bytes:
+        """The helper's stdout for args (as user, a users.ExecUser; None: root); its failure (exit status
+        errno, stderr why) as BackendError."""
         out = {"stdout": bytearray(), "stderr": bytearray()}
 
         async def sink(stream, data: bytes) -> None:
             out[stream] += data
-        res = await vm.chan.exec([HELPER, *args], {}, "/", stdin, TIMEOUT, sink, None, vm.frozen_for)
+        who = ["--as", ":".join(str(i) for i in (user.uid, user.gid, *user.groups))] if user is not None else []
+        res = await vm.chan.exec([HELPER, *who, *args], {}, "/", stdin, TIMEOUT, sink, None, vm.frozen_for)
         if res.timed_out:
             raise BackendError(f"file operation on {path} took longer than {TIMEOUT:.0f}s")
         if res.exit_code == errno.EOVERFLOW and args[0] == "list":
@@ -78,36 +81,35 @@ class GuestFiles:
         return data
 
     async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
-        """One file-tree op in the guest, as its root (VM kinds have no "users" capability)."""
-        if user is not None:
-            raise BackendError(f"a {self.kind} sandbox's files are handled as its root only")
+        """One file-tree op in the guest, as user (users.ExecUser; None: the guest's root)."""
         vm = self._live(sandbox_id)
+
+        async def helper(args: list[str], stdin: bytes, creating: bool = False) -> bytes:
+            return await self._helper(vm, args, stdin, path, creating, user)
         path = _normal(op.path)
-        creating = op.op in ("mkdir", "write", "rename")
         match op.op:
             case "stat":
-                result = FileOpResult(entry=entries(await self._helper(vm, ["stat", path], b"", path, False))[0])
+                result = FileOpResult(entry=entries(await helper(["stat", path], b""))[0])
             case "list":
-                out = await self._helper(vm, ["list", path, str(op.depth), str(MAX_ENTRIES)], b"", path, False)
+                out = await helper(["list", path, str(op.depth), str(MAX_ENTRIES)], b"")
                 result = FileOpResult(entries=sorted(entries(out), key=lambda e: e.path))
             case "mkdir":
-                result = FileOpResult(made=await self._helper(vm, ["mkdir", path], b"", path, True) == b"1\0")
+                result = FileOpResult(made=await helper(["mkdir", path], b"", True) == b"1\0")
             case "remove":
                 if path == "/":
                     raise BackendError("not on the sandbox root itself: /")
-                await self._helper(vm, ["remove", path], b"", path, False)
+                await helper(["remove", path], b"")
                 result = FileOpResult()
             case "rename":
-                out = await self._helper(vm, ["rename", path, _normal(op.dest)], b"", path, creating)
+                out = await helper(["rename", path, _normal(op.dest)], b"", True)
                 result = FileOpResult(entry=entries(out)[0])
             case "read":
-                out = await self._helper(vm, ["read", path, str(op.offset), str(op.length)], b"", path, False)
+                out = await helper(["read", path, str(op.offset), str(op.length)], b"")
                 size, _, data = out.partition(b"\0")
                 result = FileOpResult(data=data, size=int(size))
             case "write":
                 meta = [x for k, v in dict(op.metadata).items() for x in (k, v.encode().hex())]
-                await self._helper(vm, ["write", path, str(op.offset), f"{op.mode & 0o7777:o}", *meta], op.data,
-                                   path, True)
+                await helper(["write", path, str(op.offset), f"{op.mode & 0o7777:o}", *meta], op.data, True)
                 result = FileOpResult()
             case _:
                 raise BackendError(f"unknown file op {op.op!r}")

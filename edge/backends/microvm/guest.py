@@ -30,6 +30,7 @@ INIT = HERE / "init.sh"
 AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"
 FILES_SOURCE = HERE.parent / "native" / "dsec-files.c"    # the file-tree helper (microvm/files.py)
 WATCH_SOURCE = HERE.parent / "native" / "dsec-watch.c"    # the directory-watch helper (microvm/files.py)
+BECOME_SOURCE = HERE.parent / "native" / "dsec-become.h"  # included by the agent and the files helper
 TRUSTED_LAYOUT = b"agent files watch sh upper/"   # what the trusted device holds besides the sources (in its name)
 
 
@@ -159,7 +160,7 @@ def build() -> Guest:
         entries += [(f"lib/modules/{m}.ko", 0o100644, data) for m, data in mods.items()]
         _put(initrd, gzip.compress(_newc(entries), compresslevel=1))
     source = AGENT_SOURCE.read_bytes()
-    helpers = (FILES_SOURCE.read_bytes(), WATCH_SOURCE.read_bytes())
+    helpers = (FILES_SOURCE.read_bytes(), WATCH_SOURCE.read_bytes(), BECOME_SOURCE.read_bytes())
     trusted = cache_dir() / f"trusted-{_digest(source, *helpers, busybox, TRUSTED_LAYOUT)}.erofs"
     if not trusted.exists():
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:

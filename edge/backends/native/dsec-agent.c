@@ -3,7 +3,9 @@
  * It talks to the edge over its stdin (requests) and stdout (replies), two host pipes the sentry
  * hands the container as its stdio; its stderr is a log file. Every frame is
  *     u32 length (of what follows), u8 type, u32 exec id, payload        (little-endian)
- * Requests:  'E' exec: u32 argc, u32 envc, then cwd, argv..., env... each NUL-terminated
+ * Requests:  'E' exec: u32 argc, u32 envc, then cwd, argv..., env... each NUL-terminated; with argc's top
+ *                bit set, a user "UID:GID[:GROUP...]" follows cwd: the command runs as it (setgroups,
+ *                setresgid, setresuid after its setup; its capabilities go with root's uid)
  *            'I' stdin bytes for the exec (empty payload: close its stdin)
  *            'S' u32 signal to the exec's process group      'K' kill the exec's whole tree
  *            'G' u32 output bytes the edge has consumed (flow-control credit)
@@ -32,6 +34,7 @@
  */
 #define _GNU_SOURCE
 #include <dirent.h>
+#include <grp.h>
 #include <ftw.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -54,6 +57,8 @@
 #include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "dsec-become.h"
 
 #define MAXEXEC 256
 #define WINDOW (1 << 20)
@@ -184,10 +189,14 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     for (int i = 0; i < MAXEXEC; i++) if (!execs[i].pid) { x = &execs[i]; break; }
     if (!x || n < 8) { char m[] = "setup\0" "11\0too many execs"; reply('F', id, m, sizeof m - 1, NULL, 0); return; }
     uint32_t argc = get32(p), envc = get32(p + 4);
+    const char *user = NULL;
+    int with_user = (argc & 0x80000000u) != 0;
+    argc &= 0x7fffffffu;
     char **vec = calloc(argc + envc + 3, sizeof(char *));
     const char *s = p + 8, *end = p + n;
     const char *cwd = s;
     s += strnlen(s, (size_t)(end - s)) + 1;
+    if (with_user && s < end) { user = s; s += strnlen(s, (size_t)(end - s)) + 1; }
     for (uint32_t i = 0; i < argc + envc && s < end; i++) { vec[i + (i >= argc)] = (char *)s; s += strnlen(s, (size_t)(end - s)) + 1; }
     char **argv = vec, **envp = vec + argc + 1;
     char group[96];
@@ -228,6 +237,7 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
         int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
         if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }       /* the command's */
         if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
+        if (user && become(user)) fail_child(rep[1], "user");
         if (chdir(cwd)) fail_child(rep[1], "cwd");
         run(argv, envp, rep[1]);
     }

@@ -12,6 +12,9 @@
  *                                         exactly MODE (octal) and these user.KEY xattrs in place of its
  *                                         old ones; a later piece must start where the file ends (EINVAL)
  *
+ * First, optionally: --as UID:GID[:GROUP...]: the operation runs as that user (every permission checked as
+ * it, what it makes its own).
+ *
  * An entry is NUL-terminated fields: path, type (dir, file, symlink, other), size, mode (octal), uid, gid,
  * mtime (seconds.nanoseconds), symlink target, the number of user.* xattrs, then each one's key and value
  * (hex). On failure: exit status errno, stderr one line. edge/backends/microvm/files.py reads it.
@@ -27,6 +30,8 @@
 #include <sys/stat.h>
 #include <sys/xattr.h>
 #include <unistd.h>
+
+#include "dsec-become.h"
 
 static long entries, max_entries;
 
@@ -229,6 +234,12 @@ static void read_at(const char *path, long long offset, long long length)
 int main(int argc, char **argv)
 {
     struct stat s;
+    if (argc > 3 && !strcmp(argv[1], "--as")) {
+        if (become(argv[2]))
+            fail(errno, "user", argv[2]);
+        argc -= 2;
+        argv += 2;
+    }
     if (argc < 3) {
         fprintf(stderr, "usage: files stat|list|mkdir|remove|rename|read|write PATH ...\n");
         return EINVAL;
