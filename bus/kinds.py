@@ -33,12 +33,14 @@ CAPABILITIES: dict[str, frozenset[str]] = {
     CONTAINER: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
                           "network", "users", "file_tree", "watch", "pty"}),
     GVISOR: frozenset({"exec", "stream", "live_stdin", "files", "suspend", "warm_pools", "network", "file_tree",
-                       "watch", "users"}),
+                       "watch", "users", "pty"}),
     FNCALL: frozenset({"call", "files"}),
     MICROVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                        "privileged", "memory_snapshot", "network", "file_tree", "watch", "users"}),
+                        "privileged", "memory_snapshot", "network", "file_tree", "watch", "users",
+                        "pty"}),
     FULLVM: frozenset({"exec", "stream", "live_stdin", "files", "snapshot", "fork", "suspend", "warm_pools",
-                       "privileged", "memory_snapshot", "network", "file_tree", "watch", "users"}),
+                       "privileged", "memory_snapshot", "network", "file_tree", "watch", "users",
+                       "pty"}),
     NOOP: frozenset({"exec", "stream", "files", "suspend"}),
 }
 

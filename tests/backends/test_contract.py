@@ -276,6 +276,32 @@ async def test_commands_and_file_operations_run_as_a_user_where_offered(client, 
         assert (await sb.exec("id -u; cat /secret/f")).stdout == b"0\ns\n"   # root's stays root
 
 
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "pty")])
+async def test_a_terminal_takes_input_resizes_interrupts_and_belongs_to_its_user_where_offered(client, kind):
+    from tests.test_terminal import Screen
+    async with await fresh(client, kind) as sb:
+        h = await sb.terminal(["/bin/sh", "-i"], rows=30, cols=100, user="1000:1000")
+        try:
+            screen = Screen(h)
+            await h.send_stdin(b"stty size; echo uid=$(id -u) owner=$(stat -c %u $(tty)) term=$TERM; echo end-$((40+2))\n")
+            shown = await screen.until(b"end-42\r\n")
+            assert b"30 100\r\n" in shown and b"uid=1000 owner=1000 term=xterm-256color\r\n" in shown, shown
+            assert await h.resize(50, 132)
+            await h.send_stdin(b"stty size\n")
+            await screen.until(b"50 132\r\n")
+            if kind != "gvisor":   # (this runsc's line discipline sends no signal for ^C: docs/backends.md)
+                await h.send_stdin(b"sleep 100; echo not-$((1+1))\n")
+                await asyncio.sleep(0.5)
+                await h.send_stdin(b"\x03")                     # Ctrl-C: SIGINT to the foreground job, by the tty
+                await h.send_stdin(b"echo alive-$((2+2))\n")
+                shown = await screen.until(b"alive-4\r\n")
+                assert b"not-2" not in shown
+            await h.send_stdin(b"exit 3\n")
+            assert (await h.wait()).exit_code == 3
+        finally:
+            await h.close()
+
+
 @pytest.mark.parametrize("kind", REAL)
 async def test_limits_hold(client, kind):
     # a VM's memory holds its guest kernel too (kinds.MIN_MEMORY): 160Mi (256Mi for a full VM's Debian)

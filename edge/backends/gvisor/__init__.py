@@ -438,13 +438,14 @@ class GvisorBackend(RootFiles, Backend):
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
                    stdin: bytes | None, timeout: float, sink: OutputSink,
-                   control: ExecControl | None = None, user=None) -> ExecResult:
-        """Run argv through the sandbox's agent (timeout <= 0: none), as user (users.ExecUser; None: root)."""
+                   control: ExecControl | None = None, user=None, pty: tuple[int, int] | None = None) -> ExecResult:
+        """Run argv through the sandbox's agent (timeout <= 0: none), as user (users.ExecUser; None: root), on
+        a terminal of pty's (rows, cols) if given."""
         sb = self._live(sandbox_id)
         if not argv:
             raise BackendError("empty command")
         return await sb.chan.exec(list(argv), {**DEFAULT_ENV, **sb.spec.env, **env}, cwd or "/", stdin,
-                                  timeout, sink, control, sb.frozen_for, user=user)
+                                  timeout, sink, control, sb.frozen_for, user=user, pty=pty)
 
     # ------------------------------------------------------------ checks
 

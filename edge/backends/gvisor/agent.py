@@ -23,6 +23,7 @@ GRANT_EVERY = 256 << 10     # credit is given back in steps this big (well under
 STDIN_CHUNK = 64 << 10
 KILL_GRACE = 5.0
 WITH_USER = 1 << 31        # an exec request's argc flag: a user "UID:GID[:GROUP...]" follows its cwd
+WITH_TTY = 1 << 30         # and "ROWS COLS" follows (after the user): it runs on a terminal of that size
 
 
 @dataclass
@@ -247,23 +248,26 @@ class AgentChannel:
 
     async def exec(self, argv: list[str], env: dict[str, str], cwd: str, stdin: bytes | None,
                    timeout: float, sink: OutputSink, control: ExecControl | None,
-                   frozen_for=lambda: 0.0, user=None) -> ExecResult:
-        """Run argv in the sandbox (as user, a users.ExecUser; None: its root); stream output to sink; kill its
-        tree on timeout."""
+                   frozen_for=lambda: 0.0, user=None, pty: tuple[int, int] | None = None) -> ExecResult:
+        """Run argv in the sandbox (as user, a users.ExecUser; None: its root; on a terminal of pty's (rows,
+        cols), resized through control); stream output to sink; kill its tree on timeout."""
         self._next += 1
         xid = self._next
         ex = self._execs[xid] = _Exec()
         started = time.monotonic()
         who = [":".join(str(i) for i in (user.uid, user.gid, *user.groups))] if user is not None else []
-        words = [cwd, *who, *argv, *(f"{k}={v}" for k, v in env.items())]
+        size = [f"{pty[0]} {pty[1]}"] if pty is not None else []
+        words = [cwd, *who, *size, *argv, *(f"{k}={v}" for k, v in env.items())]
         if any("\0" in w for w in words):
             raise BackendError("NUL byte in argv, env or cwd")
-        payload = (struct.pack("<II", len(argv) | (WITH_USER if who else 0), len(env))
-                   + b"".join(w.encode() + b"\0" for w in words))
+        flags = (WITH_USER if who else 0) | (WITH_TTY if size else 0)
+        payload = struct.pack("<II", len(argv) | flags, len(env)) + b"".join(w.encode() + b"\0" for w in words)
         try:
             self._send(b"E", xid, payload)
             if control is not None:
                 control.on_signal(lambda sig: self._signal(xid, sig))
+                if pty is not None:
+                    control.on_resize(lambda rows, cols: self._send(b"Y", xid, struct.pack("<HH", rows, cols)))
             feeder = asyncio.ensure_future(self._feed(xid, ex, stdin or b"", control))
             drain = asyncio.ensure_future(self._drain(xid, ex, sink, control))
             timed_out = False

@@ -310,14 +310,15 @@ class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking
 
     async def exec(self, sandbox_id: str, argv: list[str], *, env: dict[str, str], cwd: str,
                    stdin: bytes | None, timeout: float, sink: OutputSink,
-                   control: ExecControl | None = None, user=None) -> ExecResult:
-        """Run argv through the guest's agent, as user (users.ExecUser; None: the guest's root)."""
+                   control: ExecControl | None = None, user=None, pty: tuple[int, int] | None = None) -> ExecResult:
+        """Run argv through the guest's agent, as user (users.ExecUser; None: the guest's root), on a terminal
+        of pty's (rows, cols) if given."""
         vm = self._live(sandbox_id)
         if not argv:
             raise BackendError("empty command")
         try:
             return await vm.chan.exec(list(argv), {**DEFAULT_ENV, **vm.spec.env, **env}, cwd or "/", stdin,
-                                      timeout, sink, control, vm.frozen_for, user=user)
+                                      timeout, sink, control, vm.frozen_for, user=user, pty=pty)
         except SandboxGone:
             if vm.dying is None and vm.watch is not None:   # the agent's EOF comes first, QEMU's exit just
                 await asyncio.wait({vm.watch}, timeout=5)   # after: told to the edge (died) before we answer

@@ -5,7 +5,10 @@
  *     u32 length (of what follows), u8 type, u32 exec id, payload        (little-endian)
  * Requests:  'E' exec: u32 argc, u32 envc, then cwd, argv..., env... each NUL-terminated; with argc's top
  *                bit set, a user "UID:GID[:GROUP...]" follows cwd: the command runs as it (setgroups,
- *                setresgid, setresuid after its setup; its capabilities go with root's uid)
+ *                setresgid, setresuid after its setup; its capabilities go with root's uid); with the next
+ *                bit, "ROWS COLS" follows (after the user): the command runs on a terminal of that size, its
+ *                controlling one (stdin, stdout and stderr; its output comes as stdout, EIO is its end)
+ *            'Y' u16 rows, u16 cols: resize the exec's terminal
  *            'I' stdin bytes for the exec (empty payload: close its stdin)
  *            'S' u32 signal to the exec's process group      'K' kill the exec's whole tree
  *            'G' u32 output bytes the edge has consumed (flow-control credit)
@@ -74,6 +77,7 @@ struct exec {
     struct rusage ru;
     long inflight;              /* output bytes sent, not yet credited */
     int detached;               /* started by the edge of the VM a memory snapshot was taken of: no frames */
+    int tty;                    /* the master of its terminal (resizes), -1: none */
 };
 
 static struct exec execs[MAXEXEC];
@@ -189,14 +193,29 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     for (int i = 0; i < MAXEXEC; i++) if (!execs[i].pid) { x = &execs[i]; break; }
     if (!x || n < 8) { char m[] = "setup\0" "11\0too many execs"; reply('F', id, m, sizeof m - 1, NULL, 0); return; }
     uint32_t argc = get32(p), envc = get32(p + 4);
-    const char *user = NULL;
-    int with_user = (argc & 0x80000000u) != 0;
-    argc &= 0x7fffffffu;
+    const char *user = NULL, *size = NULL;
+    int with_user = (argc & 0x80000000u) != 0, with_tty = (argc & 0x40000000u) != 0;
+    argc &= 0x3fffffffu;
     char **vec = calloc(argc + envc + 3, sizeof(char *));
     const char *s = p + 8, *end = p + n;
     const char *cwd = s;
     s += strnlen(s, (size_t)(end - s)) + 1;
     if (with_user && s < end) { user = s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    if (with_tty && s < end) { size = s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    int master = -1;
+    if (size) {             /* a terminal of the sandbox's own devpts (the agent mounted it in a VM) */
+        struct winsize ws = { 0 };
+        unsigned rows = 24, cols = 80;
+        sscanf(size, "%u %u", &rows, &cols);
+        ws.ws_row = (unsigned short)rows; ws.ws_col = (unsigned short)cols;
+        master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (master < 0 || unlockpt(master) || ioctl(master, TIOCSWINSZ, &ws)) {
+            int e = errno; char m[64]; int k = snprintf(m, sizeof m, "terminal%c%d%c", 0, e, 0);
+            reply('F', id, m, (size_t)k, strerror(e), strlen(strerror(e)));
+            if (master >= 0) close(master);
+            free(vec); return;
+        }
+    }
     for (uint32_t i = 0; i < argc + envc && s < end; i++) { vec[i + (i >= argc)] = (char *)s; s += strnlen(s, (size_t)(end - s)) + 1; }
     char **argv = vec, **envp = vec + argc + 1;
     char group[96];
@@ -214,7 +233,9 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
         int e = errno; char m[64]; int k = snprintf(m, sizeof m, "fork%c%d%c", 0, e, 0);
         reply('F', id, m, (size_t)k, strerror(e), strlen(strerror(e)));
         close(in[0]); close(in[1]); close(out[0]); close(out[1]); close(err[0]); close(err[1]);
-        close(rep[0]); close(rep[1]); free(vec); return;
+        close(rep[0]); close(rep[1]); free(vec);
+        if (master >= 0) close(master);
+        return;
     }
     if (pid == 0) {
         sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
@@ -236,7 +257,14 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
             prctl(PR_CAPBSET_DROP, dropped[c], 0, 0, 0);
         int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
         if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }       /* the command's */
-        if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
+        if (master >= 0) {   /* the terminal's peer, by the master (no path: a full VM's root has its own /dev) */
+            int peer = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY);
+            if (peer < 0) peer = open(ptsname(master), O_RDWR | O_NOCTTY);
+            if (peer < 0 || ioctl(peer, TIOCSCTTY, 0)) fail_child(rep[1], "terminal");
+            if (user && fchown(peer, (uid_t)strtoul(user, NULL, 10), (gid_t)-1)) fail_child(rep[1], "terminal");
+            if (dup2(peer, 0) < 0 || dup2(peer, 1) < 0 || dup2(peer, 2) < 0) fail_child(rep[1], "setup");
+            if (peer > 2) close(peer);
+        } else if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
         if (user && become(user)) fail_child(rep[1], "user");
         if (chdir(cwd)) fail_child(rep[1], "cwd");
         run(argv, envp, rep[1]);
@@ -246,8 +274,14 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     while ((k = read(rep[0], msg, sizeof msg)) < 0 && errno == EINTR) {}
     close(rep[0]); free(vec);
     memset(x, 0, sizeof *x);
-    x->id = id; x->pid = pid; x->out[0] = out[0]; x->out[1] = err[0]; x->in = in[1];
-    fcntl(in[1], F_SETFL, O_NONBLOCK);
+    x->id = id; x->pid = pid; x->out[0] = out[0]; x->out[1] = err[0]; x->in = in[1]; x->tty = -1;
+    if (master >= 0) {      /* its output and input are the terminal's: the pipes go */
+        close(out[0]); close(err[0]); close(in[1]);
+        x->out[0] = master; x->out[1] = -1;
+        x->in = fcntl(master, F_DUPFD_CLOEXEC, 0); x->tty = fcntl(master, F_DUPFD_CLOEXEC, 0);
+        fcntl(master, F_SETFL, O_NONBLOCK);
+    }
+    fcntl(x->in, F_SETFL, O_NONBLOCK);
     if (k > 0) reply('F', id, msg, (size_t)k, NULL, 0);
     else { uint32_t v = (uint32_t)pid; reply('P', id, &v, 4, NULL, 0); }
 }
@@ -309,8 +343,24 @@ static void finish_if_done(struct exec *x) {
     if (!x->detached) reply('X', x->id, p, 20, NULL, 0);
     if (groups_ok && nstale < MAXEXEC) { stale[nstale++] = x->id; sweep_groups(); }
     if (x->in >= 0) close(x->in);
+    if (x->tty >= 0) close(x->tty);
     free(x->pend);
     memset(x, 0, sizeof *x);
+}
+
+/* gVisor's terminal, once its command exited: what is in it is read, then it counts as ended (the sentry's
+ * master never reports the end; a background job still writing to it is cut off). A VM's kernel says EIO
+ * when the last holder of the terminal closed it, after every byte (its buffer is pushed asynchronously). */
+static void end_terminal(struct exec *x) {
+    char buf[CHUNK];
+    while (x->out[0] >= 0) {
+        ssize_t n = read(x->out[0], buf, sizeof buf);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) { close(x->out[0]); x->out[0] = -1; break; }
+        if (x->detached) continue;
+        x->inflight += n;
+        reply('O', x->id, buf, (size_t)n, NULL, 0);
+    }
 }
 
 static void reap(void) {
@@ -323,6 +373,7 @@ static void reap(void) {
         }
         for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
             execs[i].status_known = 1; execs[i].status = status; execs[i].ru = ru;
+            if (execs[i].tty >= 0 && !in_vm) end_terminal(&execs[i]);
             finish_if_done(&execs[i]);
         }
     }
@@ -501,6 +552,10 @@ static void request(char type, uint32_t id, const char *p, size_t n) {
         kill_tree(x);
     } else if (type == 'G' && n >= 4) {
         x->inflight -= get32(p);
+    } else if (type == 'Y' && n >= 4 && x->tty >= 0) {
+        uint16_t rc[2]; memcpy(rc, p, 4);
+        struct winsize ws = { .ws_row = rc[0], .ws_col = rc[1] };
+        ioctl(x->tty, TIOCSWINSZ, &ws);   /* the kernel sends SIGWINCH to its foreground group */
     }
 }
 
@@ -625,6 +680,11 @@ int main(void) {
     privileged = getenv("DSEC_PRIVILEGED") != NULL;
     in_vm = getenv("DSEC_VM") != NULL;
     in_os = getenv("DSEC_OS") != NULL;
+    if (in_vm && access("/dev/pts/ptmx", F_OK)) {   /* terminals: a devpts of the guest's own (/dev/ptmx, */
+        mkdir("/dev/pts", 0755);                     /* devtmpfs's, opens the one at /dev/pts) */
+        if (mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"))
+            fprintf(stderr, "dsec-agent: devpts: %s\n", strerror(errno));
+    }
     if (in_os) start_os();     /* before the agent joins its limit groups: systemd's services are not in them */
     limit_pids();
     limit_memory();
