@@ -36,6 +36,23 @@ class Screen:
         return bytes(self.data[start:])
 
 
+async def resize_interrupt_and_exit(h, screen: Screen, interrupt: bool = True) -> None:
+    """A running shell's terminal resized (stty sees it); with interrupt, a ^C typed stops its foreground job
+    (SIGINT by the terminal) and the shell goes on; `exit 3` ends it with 3."""
+    assert await h.resize(50, 132)
+    await h.send_stdin(b"stty size\n")
+    await screen.until(b"50 132\r\n")
+    if interrupt:
+        await h.send_stdin(b"sleep 100; echo not-$((1+1))\n")
+        await asyncio.sleep(0.5)
+        await h.send_stdin(b"\x03")
+        await h.send_stdin(b"echo alive-$((2+2))\n")
+        shown = await screen.until(b"alive-4\r\n")
+        assert b"not-2" not in shown
+    await h.send_stdin(b"exit 3\n")
+    assert (await h.wait()).exit_code == 3
+
+
 async def test_a_terminal_takes_input_resizes_and_interrupts(client):
     async with await client.create() as sb:
         h = await sb.terminal(rows=30, cols=100)
@@ -45,17 +62,7 @@ async def test_a_terminal_takes_input_resizes_and_interrupts(client):
             await h.send_stdin(b"stty size; tty; echo term=$TERM; [ -c $(tty) ] && echo own-$((40+2))\n")   # (the echo of
             shown = await screen.until(b"own-42\r\n")                                    # what is typed differs)
             assert b"30 100\r\n" in shown and b"/dev/pts/0\r\n" in shown and b"term=xterm-256color\r\n" in shown
-            assert await h.resize(50, 132)
-            await h.send_stdin(b"stty size\n")
-            await screen.until(b"50 132\r\n")
-            await h.send_stdin(b"sleep 100; echo not-$((1+1))\n")
-            await asyncio.sleep(0.3)
-            await h.send_stdin(b"\x03")                     # Ctrl-C: SIGINT to the foreground job, by the tty
-            await h.send_stdin(b"echo alive-$((2+2))\n")
-            shown = await screen.until(b"alive-4\r\n")
-            assert b"not-2" not in shown
-            await h.send_stdin(b"exit 3\n")
-            assert (await h.wait()).exit_code == 3
+            await resize_interrupt_and_exit(h, screen)
         finally:
             await h.close()
 

@@ -28,6 +28,25 @@ async def _take(w, n: int, within: float = 10.0) -> list[tuple[str, str]]:
     return got
 
 
+class Seen(list):
+    """Every event of a watch, as (type, name), read as it comes; end() stops the watch, waits for the reader
+    and closes the watch."""
+
+    def __init__(self, w) -> None:
+        super().__init__()
+        self.w = w
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for ev in self.w.events():
+            self.append((ev.type, ev.name))
+
+    async def end(self) -> None:
+        await self.w.stop()
+        await asyncio.wait_for(self._reader, 10)
+        await self.w.close()
+
+
 async def test_a_watch_streams_each_change_as_it_happens(client):
     async with await client.create() as sb:
         await sb.exec("mkdir -p /w/d")
@@ -72,12 +91,7 @@ async def test_what_a_new_directory_holds_before_its_watch_is_added_is_reported_
     async with await client.create() as sb:
         await sb.exec("mkdir /n")
         w = await sb.files.watch("/n", recursive=True)
-        seen: list[tuple[str, str]] = []
-
-        async def read() -> None:
-            async for ev in w.events():
-                seen.append((ev.type, ev.name))
-        reader = asyncio.ensure_future(read())
+        seen = Seen(w)
         try:
             for i in range(8):
                 made = [f"{i}", f"{i}/b", f"{i}/b/c", f"{i}/b/c/f", f"{i}/b/g", f"{i}/h"]
@@ -89,9 +103,7 @@ async def test_what_a_new_directory_holds_before_its_watch_is_added_is_reported_
             await w.flush()
             assert ("create", "0/b/c/later") in seen, seen
         finally:
-            await w.stop()
-            await asyncio.wait_for(reader, 10)
-            await w.close()
+            await seen.end()
 
 
 async def test_watching_what_is_no_directory_is_a_clear_error(client):
@@ -145,18 +157,11 @@ async def test_flush_returns_once_every_earlier_change_is_out(client):
     async with await client.create() as sb:
         await sb.exec("mkdir /f && chown 1000:1000 /f")
         w = await sb.files.watch("/f")
-        seen: list[tuple[str, str]] = []
-
-        async def read() -> None:
-            async for ev in w.events():
-                seen.append((ev.type, ev.name))
-        reader = asyncio.ensure_future(read())
+        seen = Seen(w)
         try:
             for n in range(1, 6):   # as a user: what it makes is its own already (no chown, no chmod for it)
                 await sb.files.write(f"/f/{n}.txt", "x" * n, user="1000:1000")
                 await w.flush()
                 assert seen[-3:] == [("create", f"{n}.txt"), ("write", f"{n}.txt"), ("chmod", f"{n}.txt")], seen
         finally:
-            await w.stop()
-            await asyncio.wait_for(reader, 10)
-            await w.close()
+            await seen.end()

@@ -17,6 +17,7 @@ import pytest
 import libdsec
 from bus import kinds
 from tests.conftest import extra_edge
+from tests.test_watch import Seen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,19 +202,12 @@ async def test_watches_see_the_sandboxs_own_changes_where_offered(client, kind):
     async with await fresh(client, kind) as sb:
         await sb.exec("mkdir -p /t && echo x > /t/big")
         w = await sb.files.watch("/t", recursive=True)
-        got: list[tuple[str, str]] = []
-
-        async def read() -> None:
-            async for ev in w.events():
-                got.append((ev.type, ev.name))
-        reader = asyncio.ensure_future(read())
+        got = Seen(w)
         try:
             await sb.exec("mkdir -p /t/n/m && echo x > /t/n/m/f && rm /t/big && ln -s / /t/up && touch /t/up/out")
             await w.flush()
         finally:
-            await w.stop()
-            await asyncio.wait_for(reader, 10)
-            await w.close()
+            await got.end()
         created = sorted(n for t, n in got if t == "create")
         assert created == ["n", "n/m", "n/m/f", "up"] and ("remove", "big") in got, got   # nothing through /t/up
 
@@ -227,19 +221,12 @@ async def test_a_watch_is_refused_clearly_flushes_in_order_and_ends_with_its_dir
             with pytest.raises(libdsec.FileOpError, match=f"no such directory: {path}"):
                 await sb.files.watch(path)
         w = await sb.files.watch("/w")
-        seen: list[tuple[str, str]] = []
-
-        async def read() -> None:
-            async for ev in w.events():
-                seen.append((ev.type, ev.name))
-        reader = asyncio.ensure_future(read())
+        seen = Seen(w)
         for n in range(3):
             await sb.files.write(f"/w/{n}", "x")
             await w.flush()
             assert ("create", f"{n}") in seen, seen
-        await w.stop()
-        await asyncio.wait_for(reader, 10)
-        await w.close()
+        await seen.end()
         gone, kept = await sb.files.watch("/gone"), await sb.files.watch("/kept")
         await sb.exec("rmdir /gone")
         if kind == "gvisor":   # the gofer keeps the removed directory open: the host's inotify never sees it
@@ -278,7 +265,7 @@ async def test_commands_and_file_operations_run_as_a_user_where_offered(client, 
 
 @pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "pty")])
 async def test_a_terminal_takes_input_resizes_interrupts_and_belongs_to_its_user_where_offered(client, kind):
-    from tests.test_terminal import Screen
+    from tests.test_terminal import Screen, resize_interrupt_and_exit
     async with await fresh(client, kind) as sb:
         h = await sb.terminal(["/bin/sh", "-i"], rows=30, cols=100, user="1000:1000")
         try:
@@ -286,18 +273,8 @@ async def test_a_terminal_takes_input_resizes_interrupts_and_belongs_to_its_user
             await h.send_stdin(b"stty size; echo uid=$(id -u) owner=$(stat -c %u $(tty)) term=$TERM; echo end-$((40+2))\n")
             shown = await screen.until(b"end-42\r\n")
             assert b"30 100\r\n" in shown and b"uid=1000 owner=1000 term=xterm-256color\r\n" in shown, shown
-            assert await h.resize(50, 132)
-            await h.send_stdin(b"stty size\n")
-            await screen.until(b"50 132\r\n")
-            if kind != "gvisor":   # (this runsc's line discipline sends no signal for ^C: docs/backends.md)
-                await h.send_stdin(b"sleep 100; echo not-$((1+1))\n")
-                await asyncio.sleep(0.5)
-                await h.send_stdin(b"\x03")                     # Ctrl-C: SIGINT to the foreground job, by the tty
-                await h.send_stdin(b"echo alive-$((2+2))\n")
-                shown = await screen.until(b"alive-4\r\n")
-                assert b"not-2" not in shown
-            await h.send_stdin(b"exit 3\n")
-            assert (await h.wait()).exit_code == 3
+            # (this runsc's line discipline sends no signal for ^C: docs/backends.md)
+            await resize_interrupt_and_exit(h, screen, interrupt=kind != "gvisor")
         finally:
             await h.close()
 
