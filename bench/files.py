@@ -7,7 +7,8 @@ and read from a host file (the disk path under the sandbox's writable layer), an
 command's output (`head -c` of the file, the exec stream; the node keeps at most 16 MiB of an exec's output),
 its rate scaled to the file's size.
 
-Run: python -m bench.files [--mib 100]
+Run: python -m bench.files [--mib 100] [--backend container|gvisor|microvm|fullvm]
+(a VM's file operations are its guest helper's, one agent exec per 512 KiB piece)
 """
 from __future__ import annotations
 
@@ -39,11 +40,11 @@ def raw_host(data: bytes) -> tuple[float, float]:
         return wrote, time.perf_counter() - t
 
 
-async def measure(url: str, data: bytes, rounds: int) -> dict[str, list[float]]:
+async def measure(url: str, data: bytes, rounds: int, kind: str = "container") -> dict[str, list[float]]:
     res = libdsec.Resources(memory="1Gi", disk=f"{4 * len(data) // MIB + 512}Mi")
     out: dict[str, list[float]] = {"write": [], "read": [], "exec stream": [], "stat": [], "list": [], "mkdir+remove": []}
     async with libdsec.AsyncClient(url) as client:
-        async with await client.create(resources=res) as sb:
+        async with await client.create(resources=res, backend=kind, timeout=120) as sb:
             for _ in range(rounds):
                 t = time.perf_counter()
                 await sb.files.write("/data.bin", data)
@@ -75,11 +76,14 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=100, help="size of the big file (default 100)")
     ap.add_argument("--rounds", type=int, default=3, help="writes and reads of it (default 3)")
+    ap.add_argument("--backend", default="container", choices=("container", "gvisor", "microvm", "fullvm"),
+                    help="the sandbox kind (default container)")
     args = ap.parse_args()
     data = os.urandom(args.mib * MIB)
     wrote, read = raw_host(data)
-    with dsec_up("--backend", "container") as (url, _):
-        got = asyncio.run(measure(url, data, args.rounds))
+    with dsec_up("--backend", args.backend, "--no-mirrors", "--no-aether") as (url, _):
+        got = asyncio.run(measure(url, data, args.rounds, args.backend))
+    print(f"backend {args.backend}")
     mib = args.mib
     print(f"raw: host file write+fsync {mib / wrote:7.0f} MiB/s, read {mib / read:7.0f} MiB/s")
     for name in ("write", "read", "exec stream"):
