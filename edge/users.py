@@ -21,9 +21,17 @@ class ExecUser:
     home: str = "/"
     name: str = ""
 
+    def spec(self) -> str:
+        """"UID:GID[:GROUP...]", as dsec-enter's flag, the guest agent and its files helper take it."""
+        return ":".join(str(i) for i in (self.uid, self.gid, *self.groups))
+
     def flag(self) -> str:
         """dsec-enter's setup flag: ",u=UID:GID[:GROUP...]"."""
-        return ",u=" + ":".join(str(i) for i in (self.uid, self.gid, *self.groups))
+        return ",u=" + self.spec()
+
+    def on_host(self, base: int) -> tuple[int, int, tuple[int, ...]]:
+        """Its uid, gid and groups on the host, for a sandbox whose ids start at host id base (fscreds)."""
+        return base + self.uid, base + self.gid, tuple(base + g for g in self.groups)
 
 
 def _table(text: str, width: int) -> list[list[str]]:

@@ -35,7 +35,7 @@ class Files(Core):
         root); its encoded FileOpResult."""
         sb = self._live(sandbox_id)
         base = sb.ids.base
-        who = None if user is None else (base + user.uid, base + user.gid, tuple(base + g for g in user.groups))
+        who = None if user is None else user.on_host(base)
         pidfd = os.dup(sb.pidfd)   # our own copy: destroy may close the sandbox's while the thread runs
         return await asyncio.to_thread(rootfiles.tree_op, sandbox_id, sb.init_pid, pidfd, op, base,
                                        bool(sb.spec.scratch), who)

@@ -255,7 +255,7 @@ class AgentChannel:
         xid = self._next
         ex = self._execs[xid] = _Exec()
         started = time.monotonic()
-        who = [":".join(str(i) for i in (user.uid, user.gid, *user.groups))] if user is not None else []
+        who = [user.spec()] if user is not None else []
         size = [f"{pty[0]} {pty[1]}"] if pty is not None else []
         words = [cwd, *who, *size, *argv, *(f"{k}={v}" for k, v in env.items())]
         if any("\0" in w for w in words):

@@ -59,7 +59,7 @@ class RootFiles:
         it; None: the sandbox's root)."""
         sb = self._live(sandbox_id)
         base = sb.ids.base
-        who = None if user is None else (base + user.uid, base + user.gid, tuple(base + g for g in user.groups))
+        who = None if user is None else user.on_host(base)
         return await asyncio.to_thread(self._in_root, sb,
                                        lambda root: rootfiles.tree_op_in(root, op.path, op, base, who=who))
 

@@ -55,7 +55,7 @@ class GuestFiles:
 
         async def sink(stream, data: bytes) -> None:
             out[stream] += data
-        who = ["--as", ":".join(str(i) for i in (user.uid, user.gid, *user.groups))] if user is not None else []
+        who = ["--as", user.spec()] if user is not None else []
         res = await vm.chan.exec([HELPER, *who, *args], {}, "/", stdin, TIMEOUT, sink, None, vm.frozen_for)
         if res.timed_out:
             raise BackendError(f"file operation on {path} took longer than {TIMEOUT:.0f}s")
