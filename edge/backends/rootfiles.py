@@ -92,22 +92,34 @@ def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mo
     """Create or truncate path with exactly mode; a new file is owned by host uid/gid owner."""
     root, rel = _opened(sandbox_id, init_pid, pidfd, path, scratch)
     try:
+        write_in(root, rel, path, data, mode, owner)
+    finally:
+        os.close(root)
+
+
+def write_in(root: int, rel: str, path: str, data: bytes, mode: int, owner: int) -> None:
+    """write in the root open at fd root (rel: path inside it), which stays open."""
+    try:
         kernel.write_in_root(root, rel, data, mode & 0o7777, owner)
     except OSError as exc:
         raise file_error(exc, path, creating=True) from exc
-    finally:
-        os.close(root)
 
 
 def read(sandbox_id: str, init_pid: int, pidfd: int, path: str, limit: int, scratch: bool = False) -> bytes:
     """The bytes of a regular file (at most limit, else EFBIG)."""
     root, rel = _opened(sandbox_id, init_pid, pidfd, path, scratch)
     try:
+        return read_in(root, rel, path, limit)
+    finally:
+        os.close(root)
+
+
+def read_in(root: int, rel: str, path: str, limit: int) -> bytes:
+    """read in the root open at fd root (rel: path inside it), which stays open."""
+    try:
         return kernel.read_in_root(root, rel, limit)
     except OSError as exc:
         raise file_error(exc, path, creating=False) from exc
-    finally:
-        os.close(root)
 
 
 def tree_op(sandbox_id: str, init_pid: int, pidfd: int, op: FileOp, base: int, scratch: bool = False,

@@ -8,9 +8,8 @@ import asyncio
 import os
 
 from bus.messages import FileOp
-from edge.backends import kernel, rootfiles, treeops, watcher
+from edge.backends import rootfiles, treeops, watcher
 from edge.backends.base import ExecControl, ExecResult, OutputSink, SandboxGone
-from edge.backends.rootfiles import file_error
 
 
 class RootFiles:
@@ -35,24 +34,13 @@ class RootFiles:
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Create or truncate a file in the root (symlinks resolved inside it), owned by the sandbox's root."""
         sb = self._live(sandbox_id)
-
-        def write(root: int) -> None:
-            try:
-                kernel.write_in_root(root, path, data, mode & 0o7777, sb.ids.base)
-            except OSError as exc:
-                raise file_error(exc, path, True) from exc
-        await asyncio.to_thread(self._in_root, sb, write)
+        await asyncio.to_thread(self._in_root, sb, lambda root: rootfiles.write_in(root, path, path, data, mode,
+                                                                                    sb.ids.base))
 
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file of the root (symlinks resolved inside it), at most limit bytes."""
         sb = self._live(sandbox_id)
-
-        def read(root: int) -> bytes:
-            try:
-                return kernel.read_in_root(root, path, limit)
-            except OSError as exc:
-                raise file_error(exc, path, False) from exc
-        return await asyncio.to_thread(self._in_root, sb, read)
+        return await asyncio.to_thread(self._in_root, sb, lambda root: rootfiles.read_in(root, path, path, limit))
 
     async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
         """One file-tree op in the root as user (users.ExecUser: its host ids, every permission checked as
