@@ -179,12 +179,13 @@ class PlacementEngine:
     async def _event(self, req: CreateRequest, type_: str, detail: str) -> None:
         await self.records.note(req.tenant, req.sandbox_id, type_, req.request_id, detail)
 
-    async def _reject(self, req: CreateRequest, err: DsecError, admitted: bool = False) -> Verdict:
+    async def _reject(self, req: CreateRequest, err: DsecError, admitted: bool = False,
+                      expired: bool = False) -> Verdict:
         self.rejected += 1
         self.ledger.settle(req.request_id)   # (a booking of it whose write was not confirmed goes)
         if admitted:   # it may hold quota and a client may look it up: record how it ended
             now = time.time()
-            state = "expired" if isinstance(err, RequestExpired) else "failed"
+            state = "expired" if expired or isinstance(err, RequestExpired) else "failed"
             rec = SandboxRecord(sandbox_id=req.sandbox_id, tenant=req.tenant, state=state, image=req.image, backend=req.backend,
                                 labels=dict(req.labels), resources=req.resources, created_at=now,
                                 updated_at=now, reason=str(err), request_id=req.request_id, version=1)
@@ -223,19 +224,22 @@ class PlacementEngine:
         if (d.num_delivered > 1 or req.attempt) and await self._served(req):
             return Verdict.ACK   # placed before and taken by a node (an ack lost with a server): answered
         placed = msgspec.structs.replace(req, layers=layers)
-        queued = False
+        queued, why = False, ""
         try:
             while True:
                 try:
-                    if validate.expired(req.deadline):
-                        raise RequestExpired("no node had room before the create's deadline")
+                    if validate.expired(req.deadline):   # after waiting for room it is a capacity outcome,
+                        if queued:                          # as the SDK says when its own timer ends first
+                            raise CapacityUnavailable(f"no node had room before the create's deadline "
+                                                      f"(queued: {why})")
+                        raise RequestExpired("the create's deadline passed before it was placed")
                     if await self._try_place(placed, pin):
                         return Verdict.ACK
                     self._never_fits(req, pin)
                 except BusError:
                     raise
-                except DsecError as err:
-                    return await self._reject(req, err, admitted=True)
+                except DsecError as err:   # (its record says expired when its deadline ended the wait)
+                    return await self._reject(req, err, admitted=True, expired=validate.expired(req.deadline))
                 if not queued:
                     queued = True
                     self.queued[req.priority] += 1

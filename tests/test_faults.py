@@ -204,3 +204,34 @@ async def test_create_many_rolls_back_the_ones_that_succeeded(small_stack):
         records = await client.list(all_states=True)
         started = [r for r in records if r.state != "expired" and r.state != "failed"]
         assert len(started) == 2 and all(r.state == "destroyed" for r in started), records
+
+
+async def test_a_create_queued_until_its_deadline_is_answered_capacity_unavailable(small_stack):
+    """Placement's own answer to a create that waited for room past its deadline is the same error the client
+    raises when its timer ends first (a race in the SDK otherwise gave either at random)."""
+    import time
+    from bus import subjects
+    from bus.messages import CreateRequest, Resources, create_reply_decoder, encode
+    from libdsec.ids import new_id
+    st = small_stack
+    async with libdsec.AsyncClient(st.url, creds=st.tenant) as client:
+        held = await client.create_many(2)
+        replies: asyncio.Queue = asyncio.Queue()
+        inbox = st.bus.inbox() + ".queued"
+        sub = await st.bus.subscribe(inbox, lambda data, _s: replies.put(data))
+        try:
+            req = CreateRequest(request_id=new_id("r"), sandbox_id=new_id("sb"), tenant=client.tenant,
+                                image="busybox", resources=Resources(cpu=0.1, memory=64 << 20), ttl=60,
+                                deadline=time.time() + 2, sent_at=time.time(), reply_to=inbox)
+            await st.bus.publish(subjects.create_request(client.tenant), encode(req), msg_id=req.request_id)
+            first = create_reply_decoder.decode(await asyncio.wait_for(replies.get(), 10))
+            last = create_reply_decoder.decode(await asyncio.wait_for(replies.get(), 10))
+        finally:
+            await sub.unsubscribe()
+        assert type(first).__name__ == "Queued" and first.reason == "no node has room", first
+        assert type(last).__name__ == "ErrorReply" and last.code == "capacity_unavailable", last
+        assert "no node had room" in last.message and "queued" in last.message, last
+        rec = await client._record(req.sandbox_id)
+        assert rec is not None and rec.state == "expired" and "no node had room" in rec.reason, rec
+        for sb in held:
+            await sb.destroy()
