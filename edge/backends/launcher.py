@@ -30,6 +30,7 @@ class Launcher:
         self._pending: dict[int, asyncio.Future] = {}
         self._exits: dict[int, asyncio.Future] = {}
         self._hello: asyncio.Future | None = None
+        self._send_lock = asyncio.Lock()   # one sender waits for room at a time: the loop has one writer per fd
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
 
@@ -83,6 +84,10 @@ class Launcher:
             self._pending.pop(rid, None)
 
     async def _send(self, data: bytes, fds: list[int]) -> None:
+        async with self._send_lock:   # (a second add_writer on the fd would replace the first's callback,
+            await self._send_now(data, fds)   # whose create then waited forever)
+
+    async def _send_now(self, data: bytes, fds: list[int]) -> None:
         loop = asyncio.get_running_loop()
         while True:
             if self.sock is None:
