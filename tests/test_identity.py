@@ -226,3 +226,37 @@ async def test_the_images_setuid_programs_work_inside(client, hostile):
         for s in made:
             await s.destroy()
         await sb.destroy()
+
+
+def test_user_namespaces_are_made_away_from_the_zygote_and_kept_per_range():
+    """The keeper's maker makes each range's user namespace: its stub is never a child of the caller (the
+    zygote, which walks all its children on every SIGCHLD), the namespace is owned by the range's root
+    uid, and a range asked for again gets the namespace it was given before."""
+    import fcntl
+    import struct
+    from edge.backends import nskeeper
+    ns_get_owner_uid = 0xB704
+    signals: list[int] = []
+    old = signal.signal(signal.SIGCHLD, lambda *_: signals.append(1))
+    keeper = nskeeper.Keeper()
+    bases = [idmap.IdRange(idmap.COUNT - 1 - i).base for i in range(3)]   # never leased by tests (the top)
+    fds: list[int] = []
+    try:
+        keeper.start()
+        for base in bases:
+            fds.append(keeper.get(base))
+        assert signals == [], "a stub exited as the caller's child"
+        for base, fd in zip(bases, fds):
+            owner = struct.unpack("I", fcntl.ioctl(fd, ns_get_owner_uid, b"\0" * 4))[0]
+            assert owner == base, (owner, base)
+        again = keeper.get(bases[0])
+        fds.append(again)
+        assert os.fstat(again).st_ino == os.fstat(fds[0]).st_ino, "a range keeps its namespace"
+        assert len({os.fstat(fd).st_ino for fd in fds[:3]}) == 3
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if keeper.sock is not None:
+            keeper.sock.close()
+            os.waitpid(keeper.pid, 0)
+        signal.signal(signal.SIGCHLD, old)

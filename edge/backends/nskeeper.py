@@ -1,25 +1,32 @@
-"""The user namespaces of sandboxes: how the zygote makes one per uid range (sandbox_userns), and the keeper
-that holds them, one fd per range, in a process that never forks.
+"""The user namespaces of sandboxes: how one is made per uid range (sandbox_userns), and the keeper that
+holds them, one fd per range, in a process that never forks.
 
 The zygote forks for every sandbox, and fork copies its whole fd table (dup_fd) which the child then closes
 (close_range): with a namespace fd per range kept in the zygote, each launch cost O(ranges) in the kernel
 (~0.1 ms per 1,000 fds here). The keeper, forked from the zygote before any namespace exists, holds them
 instead and lends one per launch over a socketpair (SCM_RIGHTS): the zygote's table stays a few fds long.
+
+A namespace is made by a stub process that exits once it is open. Its parent is the maker, the keeper's
+child forked before the keeper holds anything, never the zygote: every SIGCHLD the zygote gets makes it
+wait for any child (waitpid(-1)), which walks all its children, the inits of every sandbox held.
 """
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import struct
 
 from edge.backends import kernel
 
-_REQ = struct.Struct("!cq")   # op (P put, G get), uid range base
+_REQ = struct.Struct("!q")   # uid range base
+_MAX_ERROR = 600
+PROC_FRESH_EVERY = 64   # user namespaces made through one proc mount of the maker's (see _make)
 
 
 class Keeper:
-    """Zygote side; start() forks the keeper process."""
+    """Zygote side; start() forks the keeper process (which forks the maker)."""
 
     def __init__(self) -> None:
         self.sock: socket.socket | None = None
@@ -33,7 +40,9 @@ class Keeper:
             try:
                 ours.close()
                 kernel.close_fds_except({0, 1, 2, theirs.fileno()})
-                _serve(theirs)
+                signal.set_wakeup_fd(-1)   # the zygote's (closed here); the maker reaps its stubs by pid
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _serve(theirs, _start_maker())
                 code = 0
             finally:
                 os._exit(code)
@@ -41,41 +50,85 @@ class Keeper:
         ours.set_inheritable(False)
         self.sock, self.pid = ours, pid
 
-    def get(self, base: int) -> int | None:
-        """A new fd of range base's user namespace (the caller closes it), or None if none is kept."""
+    def get(self, base: int) -> int:
+        """A new fd of range base's user namespace (the caller closes it), made if none is kept yet.
+        OSError says why it could not be made (USERNS_EXHAUSTED in its text when the host has no more)."""
         assert self.sock is not None
-        self.sock.send(_REQ.pack(b"G", base))
-        data, fds, _, _ = socket.recv_fds(self.sock, 16, 1)
+        self.sock.send(_REQ.pack(base))
+        data, fds, _, _ = socket.recv_fds(self.sock, _MAX_ERROR, 1)
         if not data:
             raise OSError("the user namespace keeper is gone")
-        return fds[0] if fds else None
-
-    def put(self, base: int, fd: int) -> None:
-        """Keep (a copy of) fd as range base's user namespace."""
-        assert self.sock is not None
-        socket.send_fds(self.sock, [_REQ.pack(b"P", base)], [fd])
-        if self.sock.recv(16) != b"k":
-            raise OSError("the user namespace keeper is gone")
+        if fds:
+            return fds[0]
+        raise OSError(errno.EPERM, f"sandbox user namespace: {data[1:].decode(errors='replace')}")
 
 
-def _serve(sock: socket.socket) -> None:
+def _start_maker() -> socket.socket:
+    """Fork the maker (the keeper's child, made before the keeper holds any fd); return its socket."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ours.close()
+            kernel.close_fds_except({0, 1, 2, theirs.fileno()})
+            _make(theirs)
+            code = 0
+        finally:
+            os._exit(code)
+    theirs.close()
+    return ours
+
+
+def _make(sock: socket.socket) -> None:
+    """Maker process: make a user namespace per request and send its fd (or b"e" and why) back.
+
+    Its stubs write their namespace's limits through a proc of the maker's own, a fresh one every
+    PROC_FRESH_EVERY namespaces: through one proc, every namespace's /proc/sys/user dentries pile up under
+    one parent and each lookup compares them all (proc_sys_compare: O(sandboxes) per create). A proc per
+    stub, in a mount namespace of its own, freed that namespace at the stub's exit, and each free waits
+    for an expedited RCU grace period, which every mount and unmount of the node's creates queue on."""
+    kernel.unshare(kernel.CLONE_NEWNS)
+    kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
+    made = 0
+    while True:
+        data = sock.recv(64)
+        if not data:
+            return
+        try:
+            if made % PROC_FRESH_EVERY == 0:
+                if made:
+                    kernel.umount2("/proc", kernel.MNT_DETACH)   # back to the copy of the host's below it
+                kernel.mount("proc", "/proc", "proc", kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC)
+            made += 1
+            fd = sandbox_userns(*_REQ.unpack(data))
+        except OSError as exc:
+            sock.send(b"e" + (exc.strerror or str(exc)).encode()[:_MAX_ERROR - 1])
+            continue
+        try:
+            socket.send_fds(sock, [b"y"], [fd])
+        finally:
+            os.close(fd)
+
+
+def _serve(sock: socket.socket, maker: socket.socket) -> None:
     """Keeper process: answer until the zygote closes its end."""
     kept: dict[int, int] = {}
     while True:
-        data, fds, _, _ = socket.recv_fds(sock, 64, 1)
+        data = sock.recv(64)
         if not data:
             return
-        op, base = _REQ.unpack(data)
-        if op == b"P" and fds:
-            old = kept.pop(base, None)
-            if old is not None:
-                os.close(old)
+        (base,) = _REQ.unpack(data)
+        if base not in kept:
+            maker.send(data)
+            reply, fds, _, _ = socket.recv_fds(maker, _MAX_ERROR, 1)
+            if not reply:
+                raise SystemExit("the user namespace maker is gone")
+            if not fds:
+                sock.send(reply)
+                continue
             kept[base] = fds[0]
-            sock.send(b"k")
-        elif base in kept:
-            socket.send_fds(sock, [b"y"], [kept[base]])
-        else:
-            sock.send(b"n")
+        socket.send_fds(sock, [b"y"], [kept[base]])
 
 
 # Per-namespace limits of every sandbox's user namespace S (/proc/sys/user/*, written from inside S
@@ -99,12 +152,7 @@ def sandbox_userns(base: int) -> int:
         try:
             os.close(go_w)
             os.close(rep_r)
-            # A proc of its own: through the host's, every user namespace's /proc/sys/user dentries pile up
-            # under one parent and each lookup compares them all (proc_sys_compare: O(sandboxes) per create).
-            kernel.unshare(kernel.CLONE_NEWNS)
-            kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
-            kernel.mount("proc", "/proc", "proc", kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC)
-            os.setgroups([])
+            os.setgroups([])   # (its /proc: the maker's, see _make)
             os.setresgid(base, base, base)
             os.setresuid(base, base, base)
             kernel.unshare(kernel.CLONE_NEWUSER)
@@ -126,7 +174,7 @@ def sandbox_userns(base: int) -> int:
     try:
         report = os.read(rep_r, 600)
         if report != b"u":
-            raise OSError(errno.EPERM, f"sandbox user namespace: {report.decode(errors='replace') or 'stub died'}")
+            raise OSError(errno.EPERM, report.decode(errors='replace') or 'stub died')
         for name in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{name}", "w") as f:
                 f.write(f"0 {base} 65536")

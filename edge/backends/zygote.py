@@ -194,13 +194,6 @@ class Zygote:
         if req.uid_base <= 0:
             raise ValueError("launch needs the sandbox's uid range")
         userns = self.userns.get(req.uid_base)
-        if userns is None:
-            userns = nskeeper.sandbox_userns(req.uid_base)
-            try:
-                self.userns.put(req.uid_base, userns)
-            except OSError:
-                os.close(userns)
-                raise
         kernel.unshare(kernel.CLONE_NEWPID)
         try:
             pid = os.fork()
