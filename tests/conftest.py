@@ -269,12 +269,7 @@ def host_residue(state_dir: Path) -> list[str]:
 
 
 def sandbox_cgroups(node: str) -> list[str]:
-    """Per-sandbox cgroup dirs under any dsec-<node> group, in every v1 hierarchy."""
-    from edge.backends.cgroups import own_paths
-    out = []
-    for base in own_paths().values():
-        group = base / f"dsec-{node}"
-        if group.is_dir():
-            out += [str(p) for p in group.iterdir() if p.is_dir()]
-    return out
+    """Per-sandbox cgroup dirs under any dsec-<node> group (in its shards), in every v1 hierarchy."""
+    from edge.backends.cgroups import NodeCgroups
+    return [str(p) for p in NodeCgroups(node).sandbox_groups()]
 

@@ -769,3 +769,55 @@ def test_default_slots_come_from_memory_capped_by_uid_ranges_and_pids():
     slots, cap = default_slots(1 << 50)                  # memory plenty: a kernel limit caps it
     assert cap in ("pids", "uid ranges") and slots == min(pids, idmap.COUNT)
     assert default_slots(512 << 10) == (1, "memory")      # never 0
+
+
+async def test_launcher_sends_that_wait_for_room_together_all_go_out():
+    """Creates that find the zygote's socket full at once each wait for room; every one is sent when it
+    frees (one add_writer per fd: a second waiter's callback replaced the first's, whose create hung)."""
+    import socket
+    from edge.backends.launcher import Launcher
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    theirs.setblocking(False)
+    launcher = Launcher()
+    launcher.sock, launcher.death = ours, None
+    try:
+        filled = 0
+        while True:
+            try:
+                ours.send(b"f" * 4096)
+                filled += 1
+            except BlockingIOError:
+                break
+        senders = [asyncio.create_task(launcher._send(b"s%d" % i * 1000, [])) for i in range(4)]
+        await asyncio.sleep(0.05)
+        assert not any(t.done() for t in senders), "the socket was full: they wait"
+        got: list[bytes] = []
+        deadline = time.monotonic() + 5
+        while len(got) < filled + 4 and time.monotonic() < deadline:
+            try:
+                got.append(theirs.recv(1 << 16))
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*senders), 2)
+        assert sorted(m[:2] for m in got[filled:]) == [b"s0", b"s1", b"s2", b"s3"], got[filled:]
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def test_sandbox_cgroups_are_spread_over_the_node_shards():
+    """A sandbox's groups sit in one of SHARDS groups by its key, at the same relative path in every
+    hierarchy (lxcfs reads the cpu quota at the cpuset path), and its execs' below them."""
+    from edge.backends import cgroups
+    node = cgroups.NodeCgroups.__new__(cgroups.NodeCgroups)
+    node.node_id, node.base = "n", {c: cgroups.ROOT / c / "dsec-n" for c in cgroups.CONTROLLERS}
+    keys = [f"sb{i:016x}" for i in range(400)]
+    shards = {cgroups.shard(k) for k in keys}
+    assert len(shards) == cgroups.SHARDS and cgroups.shard(keys[0]) == cgroups.shard(keys[0])
+    groups = node.sandbox(keys[0])
+    rel = {str(p.relative_to(cgroups.ROOT / c)) for c, p in groups.items()}
+    assert rel == {f"dsec-n/{cgroups.shard(keys[0])}/{keys[0]}"}
+    assert all(p.parent == groups[c] for c, p in node.exec_group(keys[0], 3).items())
+    assert set(node.exec_join(keys[0], 3)) == {*node.exec_group(keys[0], 3).values(),
+                                                *(p for c, p in groups.items() if c not in cgroups.EXEC_CONTROLLERS)}

@@ -1,9 +1,13 @@
-"""cgroup v1 tree of one node: <own>/dsec-<node>/<sandbox>/x<n> in every controller we use.
+"""cgroup v1 tree of one node: <own>/dsec-<node>/g<shard>/<sandbox>/x<n> in every controller we use.
 
 Groups are created below the cgroup this process runs in (read from /proc/self/cgroup), never at a
 hierarchy root: on this machine memory is delegated at /process_api/<id>, the others at /.
 The freezer is what makes killing a process tree reliable: a frozen group cannot fork, so one pass
 of SIGKILL over its pids catches every process, reparented orphans included.
+
+Sandboxes sit in SHARDS groups by a hash of their key, not all side by side: a cpuset mkdir (clone_children)
+walks every sibling, ~40 us per 1,000 here, which a node holding 10,000 sandboxes paid on each create.
+A sandbox has the same relative path in every hierarchy (lxcfs reads the cpu quota at the cpuset path).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import os
 import resource
 import signal
 import time
+import zlib
 from pathlib import Path
 
 from edge.backends import kernel
@@ -33,6 +38,13 @@ EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
 # leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host). Core scheduling would keep batch work off a latency
 # sandbox's SMT sibling; this kernel lacks it (and this machine has no SMT).
 BATCH_SHARES = 2
+SHARDS = 16   # groups the sandboxes of a node are spread over (see the module's text); each memcg costs the
+              # host a shrinker map (edge/backends/nodemounts.py), so not more than needed
+
+
+def shard(key: str) -> str:
+    """The shard group of a sandbox key (stable: the key never changes, also when a warm one is claimed)."""
+    return f"g{zlib.crc32(key.encode()) % SHARDS:02d}"
 
 
 def enter_class(cpu_class: str) -> None:
@@ -309,20 +321,24 @@ class NodeCgroups:
             for name in ("cpuset.cpus", "cpuset.mems"):
                 if not read(node / name).strip():
                     write(node / name, read(node.parent / name).strip())
-            write(node / "cgroup.clone_children", "1")
+            write(node / "cgroup.clone_children", "1")   # (inherited by the shards, made next)
+        for path in self.base.values():
+            for i in range(SHARDS):
+                (path / f"g{i:02d}").mkdir(exist_ok=True)
 
     def sandbox(self, sandbox_id: str) -> dict[str, Path]:
         """Group directories of one sandbox, per controller."""
-        return {c: p / sandbox_id for c, p in self.base.items()}
+        group = shard(sandbox_id)
+        return {c: p / group / sandbox_id for c, p in self.base.items()}
 
     def exec_group(self, sandbox_id: str, n: int) -> dict[str, Path]:
         """Group directories of one exec of a sandbox, per exec controller."""
-        return {c: p / sandbox_id / f"x{n}" for c, p in self.base.items() if c in EXEC_CONTROLLERS}
+        return {c: p / f"x{n}" for c, p in self.sandbox(sandbox_id).items() if c in EXEC_CONTROLLERS}
 
     def exec_join(self, sandbox_id: str, n: int) -> list[Path]:
         """Every group an exec's process joins: its own where it has one, else the sandbox's."""
         own = self.exec_group(sandbox_id, n)
-        return [own.get(c, p / sandbox_id) for c, p in self.base.items()]
+        return [own.get(c, p) for c, p in self.sandbox(sandbox_id).items()]
 
     def create_sandbox(self, sandbox_id: str, limits: Limits, io_device: str = "") -> dict[str, Path]:
         """Create a sandbox's groups with its limits (I/O on io_device, "major:minor", throttled); on
@@ -352,6 +368,17 @@ class NodeCgroups:
             self.remove(groups)
             raise CgroupError(f"cgroup setup for {sandbox_id} failed: {exc}") from exc
         return groups
+
+    async def create_sandbox_off_loop(self, sandbox_id: str, limits: Limits, io_device: str = "") -> dict[str, Path]:
+        """create_sandbox in a worker thread: the mkdirs cost 0.2-2 ms of kernel time per sandbox here (a
+        memory cgroup's shrinker map, fresh pages), which held the edge's loop. A caller cancelled meanwhile
+        leaves nothing: what the thread made is removed when it ends."""
+        made = asyncio.get_running_loop().run_in_executor(None, self.create_sandbox, sandbox_id, limits, io_device)
+        try:
+            return await asyncio.shield(made)
+        except asyncio.CancelledError:
+            made.add_done_callback(lambda f: f.cancelled() or f.exception() or self.remove(f.result()))
+            raise
 
     def create_exec(self, sandbox_id: str, n: int) -> dict[str, Path]:
         """Create the child groups of one exec (limits are inherited from the sandbox)."""
@@ -420,6 +447,17 @@ class NodeCgroups:
             if not busy or time.monotonic() > deadline:
                 return busy
             await asyncio.sleep(0.01)
+
+    def sandbox_groups(self) -> list[Path]:
+        """Every group below the node's but its shards: the sandboxes' (and anything else put there)."""
+        out: list[Path] = []
+        for path in self.base.values():
+            if path.is_dir():
+                for child in path.iterdir():
+                    if child.is_dir():
+                        shard_dir = child.name.startswith("g") and child.name[1:].isdigit()
+                        out.extend([p for p in child.iterdir() if p.is_dir()] if shard_dir else [child])
+        return out
 
     def describe(self) -> list[str]:
         """Node groups and processes still present (for leftovers checks)."""

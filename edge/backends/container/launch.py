@@ -53,7 +53,7 @@ class Launching(Core):
             ids = self._ids.lease(spec.id)
             layers = self._layers.acquire(spec.layers)
             sub = self._uppers.create(spec.id, spec.limits.disk)
-            groups = self._cgroups.create_sandbox(spec.id, spec.limits, self._io_device)
+            groups = await self._cgroups.create_sandbox_off_loop(spec.id, spec.limits, self._io_device)
             lowers = [str(p) for p in reversed(layers)] or [str(self._empty)]
             ready_r, ready_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             try:

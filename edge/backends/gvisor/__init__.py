@@ -213,7 +213,7 @@ class GvisorBackend(RootFiles, Backend):
             sb.ids = self._ids.lease(sb.key)
             sb.layers = self._layers.acquire(spec.layers)
             await asyncio.to_thread(self._prepare_root, sb)
-            groups = self._cgroups.create_sandbox(sb.key, host_limits(spec.limits), self._io_device)
+            groups = await self._cgroups.create_sandbox_off_loop(sb.key, host_limits(spec.limits), self._io_device)
             sb.chan = await self._boot(sb, groups)
             sb.chan.closed.add_done_callback(lambda _: self._agent_gone(sb))
             if sb.end is not None:     # its policy went to the proxy while it booted
