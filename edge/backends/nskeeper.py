@@ -33,22 +33,7 @@ class Keeper:
         self.pid = 0
 
     def start(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                ours.close()
-                kernel.close_fds_except({0, 1, 2, theirs.fileno()})
-                signal.set_wakeup_fd(-1)   # the zygote's (closed here); the maker reaps its stubs by pid
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _serve(theirs, _start_maker())
-                code = 0
-            finally:
-                os._exit(code)
-        theirs.close()
-        ours.set_inheritable(False)
-        self.sock, self.pid = ours, pid
+        self.sock, self.pid = _fork_server(_keep)
 
     def get(self, base: int) -> int:
         """A new fd of range base's user namespace (the caller closes it), made if none is kept yet.
@@ -63,8 +48,9 @@ class Keeper:
         raise OSError(errno.EPERM, f"sandbox user namespace: {data[1:].decode(errors='replace')}")
 
 
-def _start_maker() -> socket.socket:
-    """Fork the maker (the keeper's child, made before the keeper holds any fd); return its socket."""
+def _fork_server(serve) -> tuple[socket.socket, int]:
+    """Fork a child that keeps only its end of a new socketpair and runs serve(it) until it returns (the
+    parent closed its end); return the parent's end and the child's pid."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -72,12 +58,20 @@ def _start_maker() -> socket.socket:
         try:
             ours.close()
             kernel.close_fds_except({0, 1, 2, theirs.fileno()})
-            _make(theirs)
+            serve(theirs)
             code = 0
         finally:
             os._exit(code)
     theirs.close()
-    return ours
+    ours.set_inheritable(False)
+    return ours, pid
+
+
+def _keep(sock: socket.socket) -> None:
+    """Keeper process: fork the maker while it holds no namespace fd, then serve."""
+    signal.set_wakeup_fd(-1)   # the zygote's (closed here); the maker reaps its stubs by pid
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _serve(sock, _fork_server(_make)[0])
 
 
 def _make(sock: socket.socket) -> None:
