@@ -35,11 +35,11 @@ from edge.backends.gvisor.files import RootFiles
 from edge.backends.gvisor.host import (_remove_groups, _tail, host_limits,
                                         runsc_processes, valid_id)
 from edge.backends.layermounts import LayerError, LayerMounts
+from edge.backends.native import AGENT_SOURCE, BECOME_SOURCE
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
 
 __all__ = ["GvisorBackend", "leftovers"]
 
-AGENT_SOURCE = Path(__file__).parent.parent / "native" / "dsec-agent.c"
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 READY_TIMEOUT = 30.0
 # Capabilities of the agent (Docker's default set, plus CAP_SYS_ADMIN for sethostname); execs drop SYS_ADMIN.
@@ -129,7 +129,7 @@ class GvisorBackend(RootFiles, Backend):
         os.chmod(self._trusted / "sh.tmp", 0o555)
         os.replace(self._trusted / "sh.tmp", self._trusted / "sh")
         agent = self._trusted / "agent"
-        newest = max(AGENT_SOURCE.stat().st_mtime, (AGENT_SOURCE.parent / "dsec-become.h").stat().st_mtime)
+        newest = max(AGENT_SOURCE.stat().st_mtime, BECOME_SOURCE.stat().st_mtime)
         if not agent.exists() or agent.stat().st_mtime < newest:
             cc = shutil.which("cc") or shutil.which("gcc") or "cc"
             subprocess.run([cc, "-O2", "-static", "-Wall", "-o", f"{agent}.tmp", str(AGENT_SOURCE)],

@@ -83,10 +83,10 @@ class GuestFiles:
     async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
         """One file-tree op in the guest, as user (users.ExecUser; None: the guest's root)."""
         vm = self._live(sandbox_id)
+        path = _normal(op.path)
 
         async def helper(args: list[str], stdin: bytes, creating: bool = False) -> bytes:
             return await self._helper(vm, args, stdin, path, creating, user)
-        path = _normal(op.path)
         match op.op:
             case "stat":
                 result = FileOpResult(entry=entries(await helper(["stat", path], b""))[0])

@@ -19,6 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from edge.backends.native import AGENT_SOURCE, BECOME_SOURCE, FILES_SOURCE, WATCH_SOURCE
+
 KERNEL_PACKAGE = "linux-image-cloud-amd64"   # Debian's metapackage; its dependency is the versioned image
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
            "virtio_blk", "virtio_console", "libcrc32c", "erofs", "overlay", "virtio-rng", "failover",
@@ -27,10 +29,6 @@ MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "vir
 # virtio_net (after the two it needs) for a VM's network (aether/: a tap bridged to the sandbox's veth)
 HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
-AGENT_SOURCE = HERE.parent / "native" / "dsec-agent.c"
-FILES_SOURCE = HERE.parent / "native" / "dsec-files.c"    # the file-tree helper (microvm/files.py)
-WATCH_SOURCE = HERE.parent / "native" / "dsec-watch.c"    # the directory-watch helper (microvm/files.py)
-BECOME_SOURCE = HERE.parent / "native" / "dsec-become.h"  # included by the agent and the files helper
 TRUSTED_LAYOUT = b"agent files watch sh upper/"   # what the trusted device holds besides the sources (in its name)
 
 

@@ -6,9 +6,16 @@ backend; without a compiler the zygote falls back to forking itself (about 1 ms 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsec-enter.c")
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dsec-enter")
+# The guest side's sources (gVisor builds the agent on the host; VM kinds put all of them on their trusted device)
+_HERE = Path(__file__).resolve().parent
+AGENT_SOURCE = _HERE / "dsec-agent.c"     # the guest agent
+FILES_SOURCE = _HERE / "dsec-files.c"     # the file-tree helper (microvm/files.py)
+WATCH_SOURCE = _HERE / "dsec-watch.c"     # the directory-watch helper (microvm/files.py)
+BECOME_SOURCE = _HERE / "dsec-become.h"   # included by the agent and the files helper
 
 
 def available() -> str | None:
