@@ -821,3 +821,36 @@ def test_sandbox_cgroups_are_spread_over_the_node_shards():
     assert all(p.parent == groups[c] for c, p in node.exec_group(keys[0], 3).items())
     assert set(node.exec_join(keys[0], 3)) == {*node.exec_group(keys[0], 3).values(),
                                                 *(p for c, p in groups.items() if c not in cgroups.EXEC_CONTROLLERS)}
+
+
+def test_etc_hosts_names_the_sandbox_keeps_the_images_lines_and_never_follows_or_waits(tmp_path):
+    import os
+    from edge.backends import hostsfile
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    hosts = root / "etc/hosts"
+    hosts.write_bytes(b"127.0.0.1 localhost\n127.0.1.1   debian\n10.0.0.5 db # the image's\n127.0.1.10 other")
+    assert hostsfile.name_host(str(root), "sb1", os.getuid())
+    assert hosts.read_bytes() == (b"127.0.0.1 localhost\n10.0.0.5 db # the image's\n127.0.1.10 other\n"
+                                  b"127.0.1.1\tsb1\n")
+    assert hostsfile.name_host(str(root), "sb2", os.getuid())          # a claim renames: one line, the new name
+    assert hosts.read_bytes().count(b"127.0.1.1\t") == 1 and hosts.read_bytes().endswith(b"127.0.1.1\tsb2\n")
+    assert oct(hosts.stat().st_mode & 0o777) == "0o644" and not (root / "etc/.hosts.dsec").exists()
+    hosts.unlink()                                                     # none: the plain localhost lines
+    assert hostsfile.name_host(str(root), "sb3", os.getuid())
+    assert hosts.read_bytes() == hostsfile.PLAIN + b"127.0.1.1\tsb3\n"
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"host's own\n")
+    hosts.unlink()
+    hosts.symlink_to(secret)                                           # the image's symlink: left alone
+    assert not hostsfile.name_host(str(root), "sb4", os.getuid())
+    assert secret.read_bytes() == b"host's own\n" and hosts.is_symlink()
+    hosts.unlink()
+    os.mkfifo(hosts)                                                   # a FIFO: no wait, left alone
+    assert not hostsfile.name_host(str(root), "sb5", os.getuid())
+    hosts.unlink()
+    hosts.write_bytes(b"#" * hostsfile.MAX_BYTES)                      # past 16 KiB: left alone
+    assert not hostsfile.name_host(str(root), "sb6", os.getuid())
+    (root / "etc").rename(root / "real-etc")
+    (root / "etc").symlink_to(tmp_path)                                # /etc itself a symlink: left alone
+    assert not hostsfile.name_host(str(root), "sb7", os.getuid()) and not (tmp_path / "hosts").exists()

@@ -34,7 +34,7 @@ from typing import NoReturn
 
 import msgspec
 
-from edge.backends import kernel, nskeeper
+from edge.backends import hostsfile, kernel, nskeeper
 from edge.backends.cgroups import enter_class
 
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
@@ -279,6 +279,7 @@ def _launch_child(req: Launch, fds: list[int], init_fd: int, lockdown: kernel.Lo
         os.chdir("/")
         for name, text in req.etc.items():       # inside the new root: an image's symlink resolves in it
             _write_etc(name, text, req.uid_base)
+        hostsfile.name_host("/", req.hostname, req.uid_base)
         kernel.sethostname(req.hostname)
         if not req.netns:                        # Aether's has lo up (an ioctl here would wait for the
             kernel.loopback_up()                 # rtnl lock, which every namespace's teardown holds)

@@ -122,6 +122,22 @@ async def test_exec_exit_codes_bytes_and_failures(client, kind):
         assert r.exit_code == 0 and r.stdout.strip().endswith(b"sh")
 
 
+# sudo, `hostname -i` and servers that bind or dial their own name resolve it through /etc/hosts, as in
+# Docker: 127.0.1.1 names the sandbox (Debian's convention), beside the image's own lines. Before, the name
+# resolved nowhere, and a microVM's loopback was down (nothing could listen on localhost there).
+@pytest.mark.parametrize("kind", REAL)
+async def test_a_sandbox_resolves_its_own_name_and_reaches_itself_on_loopback(client, kind):
+    async with await fresh(client, kind) as sb:
+        r = await sb.exec("hostname; cat /etc/hosts")
+        name, *hosts = r.stdout.decode().splitlines()
+        assert name == sb.id
+        assert [h for h in hosts if h.startswith("127.0.1.1")] == [f"127.0.1.1\t{sb.id}"], hosts
+        assert "127.0.0.1 localhost" in hosts, hosts           # the image's lines stay
+        r = await sb.exec("nc -l -p 7070 > /tmp/got 2>&1 & sleep 0.5; echo hello | nc -w 2 $(hostname) 7070; "
+                          "wait; cat /tmp/got", timeout=20)
+        assert (r.exit_code, r.stdout) == (0, b"hello\n"), r
+
+
 @pytest.mark.parametrize("kind", REAL)
 async def test_a_timeout_kills_the_whole_tree(client, kind):
     async with await fresh(client, kind) as sb:
@@ -366,6 +382,9 @@ async def test_warm_pools_serve_the_kind_or_are_refused(stack, client, tmp_path,
             assert pools and pools[0].total == 1, "the pool never filled"
             hits = st.edge.warm.hits
             sb = await fresh(client, kind)
+            if kind in REAL:        # renamed at the claim, /etc/hosts too
+                r = await sb.exec("hostname; grep ^127.0.1.1 /etc/hosts")
+                assert r.stdout.decode() == f"{sb.id}\n127.0.1.1\t{sb.id}\n", r
             await sb.destroy()
             assert st.edge.warm.hits == hits + 1, "the create claimed the warm sandbox of its kind"
         finally:

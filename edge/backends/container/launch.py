@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from edge.backends import cgroups, execio, idmap, kernel, nskeeper
+from edge.backends import cgroups, execio, hostsfile, idmap, kernel, nskeeper
 from edge.backends.base import BackendError, CapacityExhausted, LayerUnusable, SandboxGone, SandboxSpec
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.container.state import (ID_RE, KEYS_KEPT, LAUNCH_TIMEOUT, REAP_TIMEOUT, RELEASE_RETRIES, Core,
@@ -103,6 +103,10 @@ class Launching(Core):
             raise BackendError(f"sandbox {warm_id} is not a fresh one")
         sb.execs = itertools.count(1)
         self._set_hostname(sb, spec.id)
+        try:                                     # (through its root: no command has run in it yet)
+            hostsfile.name_host(f"/proc/{sb.init_pid}/root", spec.id, sb.ids.base)
+        except OSError as exc:
+            raise BackendError(f"cannot name {spec.id} in its /etc/hosts: {exc}") from exc
         self._sandboxes[spec.id] = self._sandboxes.pop(warm_id)
         sb.spec = spec
         self._keys[spec.id] = sb.key

@@ -25,6 +25,7 @@ for m in virtio_ring virtio $bus virtio_blk virtio_console libcrc32c erofs overl
   $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/${m//-/_} ] || fail "insmod $m failed"
 done
 $B hostname "$HOST"
+$B ip link set lo up || fail "loopback"    # (a full VM's systemd would; a microVM's servers need it too)
 for b in /sys/block/vd*; do
   s=$($B cat $b/serial 2>/dev/null)
   case $s in dsec-*) eval "dev_${s#dsec-}=/dev/${b##*/}";; esac

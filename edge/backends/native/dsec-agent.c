@@ -510,6 +510,44 @@ static uint32_t new_machine_id(void) {
     return e;
 }
 
+/* /etc/hosts names the hostname at 127.0.1.1 (as Debian's installer writes it), so that sudo, `hostname -i`
+ * and programs that resolve their own name find it: the image's other lines stay, a 127.0.1.1 line is
+ * replaced. Best effort: a symlink (the image's own choice), a file past 16 KiB or a read-only root is left
+ * as it is. Written beside and renamed over, so no reader sees half of it. */
+static void name_host(const char *name, size_t n) {
+    static char old[16384], out[sizeof old + 128];
+    static const char plain[] = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+    size_t len = 0, k = 0;
+    ssize_t r = 0;
+    if (!n || n > 64) return;
+    struct stat st;
+    int fd = open("/etc/hosts", O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);    /* (a FIFO: no wait) */
+    if (fd < 0 && errno != ENOENT) return;
+    if (fd < 0) { memcpy(old, plain, sizeof plain - 1); len = sizeof plain - 1; }
+    else if (fstat(fd, &st) || !S_ISREG(st.st_mode)) { close(fd); return; }
+    else {
+        while (len < sizeof old && (r = read(fd, old + len, sizeof old - len)) > 0) len += (size_t)r;
+        close(fd);
+        if (r < 0 || len == sizeof old) return;
+    }
+    for (size_t at = 0; at < len; ) {
+        const char *nl = memchr(old + at, '\n', len - at);
+        size_t end = nl ? (size_t)(nl - old) + 1 : len;
+        if (!(end - at > 9 && !memcmp(old + at, "127.0.1.1", 9) && (old[at + 9] == ' ' || old[at + 9] == '\t'))) {
+            memcpy(out + k, old + at, end - at);
+            k += end - at;
+            if (!nl) out[k++] = '\n';
+        }
+        at = end;
+    }
+    k += (size_t)snprintf(out + k, sizeof out - k, "127.0.1.1\t%.*s\n", (int)n, name);
+    fd = open("/etc/.hosts.dsec", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (fd < 0) return;
+    int ok = write(fd, out, k) == (ssize_t)k && fchmod(fd, 0644) == 0;
+    close(fd);
+    if (!ok || rename("/etc/.hosts.dsec", "/etc/hosts")) unlink("/etc/.hosts.dsec");
+}
+
 /* A restored VM's first request: the host's time, fresh entropy (credited and the CRNG reseeded at once,
  * so no output of the template's RNG state is reused), its own hostname. 0 or an errno. */
 static uint32_t wake(const char *p, size_t n) {
@@ -527,6 +565,7 @@ static uint32_t wake(const char *p, size_t n) {
     close(r);
     if (e) return e;
     if (sethostname(p + 48, n - 48)) return (uint32_t)errno;
+    name_host(p + 48, n - 48);
     return in_os ? new_machine_id() : 0;
 }
 
@@ -565,6 +604,7 @@ static void request(char type, uint32_t id, const char *p, size_t n) {
     if (type == 'E') { start_exec(id, p, n); return; }
     if (type == 'H') {
         uint32_t e = sethostname(p, n) ? (uint32_t)errno : 0;
+        if (!e) name_host(p, n);
         reply('H', id, &e, 4, NULL, 0);
         return;
     }
@@ -727,6 +767,8 @@ int main(void) {
     limit_pids();
     limit_memory();
     if (in_vm && !privileged && !in_os) make_confined();    /* after the groups: it hides their mounts */
+    char host[65] = "";
+    if (gethostname(host, sizeof host - 1) == 0) name_host(host, strlen(host));   /* a cold start's name */
     reply('R', 0, NULL, 0, NULL, 0);
     struct pollfd fds[1 + 1 + 3 * MAXEXEC];
     struct { struct exec *x; int what; } who[3 * MAXEXEC];
