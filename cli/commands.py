@@ -94,6 +94,16 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
     return 1
 
 
+def _no_stray_option(words) -> None:
+    """run and exec pass options they do not know on to the command (`dsec run ls -la`), so an option
+    misspelt before the command (`--imag`) would become the command itself, its `--` swallowed: no command
+    or sandbox id starts with '-', so one that does is refused as the option it is."""
+    for word in words:
+        if word.startswith("-"):
+            raise click.UsageError(f"No such option: {word} (options go before the command; `--` may "
+                                   f"separate them)")
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @nats_option
 @resource_options
@@ -106,6 +116,7 @@ async def run(nats_url, exec_timeout, argv, **options) -> None:
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
+    _no_stray_option(argv[:1])
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await _create(client, **options)
         try:
@@ -144,7 +155,11 @@ async def create(nats_url, **options) -> None:
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
 async def exec_(nats_url, timeout, sandbox_id, argv) -> None:
-    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code."""
+    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code.
+
+    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'
+    """
+    _no_stray_option((sandbox_id, *argv[:1]))
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await client.get(sandbox_id)
         code = await _stream_to_terminal(sb, list(argv), timeout)

@@ -220,6 +220,18 @@ def test_demo_main_job_small(tmp_path):
     assert leftovers(tmp_path / "demo" / "edge", "local") == []
 
 
+def test_a_misspelt_option_before_the_command_is_refused_not_run(tmp_path):
+    """run and exec hand unknown options to the command (`dsec run ls -la`): one before the command used to
+    become the command itself (`--imag x -- true` ran as `--imag x true`). Refused before any connection."""
+    nowhere = f"nats://127.0.0.1:{free_port()}"
+    for args in (["run", "--nats", nowhere, "--imag", "x", "--", "true"],
+                 ["exec", "--nats", nowhere, "--timout", "5", "sb123", "--", "true"],
+                 ["exec", "--nats", nowhere, "sb123", "--timout", "5", "--", "true"]):
+        p = dsec(*args, timeout=20)
+        assert p.returncode == 2 and "No such option: --" in p.stderr, (args, p.returncode, p.stderr)
+        assert "cannot connect" not in p.stderr, p.stderr
+
+
 def test_up_creds_without_nats_is_a_usage_error(tmp_path):
     """The embedded server's credentials are made under the state dir: --creds alone is refused at once."""
     p = dsec("up", "--creds", str(tmp_path / "x.creds"), "--state-dir", str(tmp_path / "st"), timeout=20)
