@@ -4,11 +4,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import re
 import sys
 
 import click
 
-from bus.errors import DsecError
+from bus.errors import DsecError, PermissionDenied
 
 DEFAULT_URL = os.environ.get("DSEC_NATS", "nats://127.0.0.1:4222")
 
@@ -46,12 +47,30 @@ def fail(message: str, code: int = 1):
     sys.exit(code)
 
 
+def _whose_hint() -> str:
+    """What to do when the server refused a command's credential: name it when it is a tenant's given by
+    --creds / $DSEC_CREDS (operator commands then read streams a tenant's account does not have)."""
+    path = os.environ.get("DSEC_CREDS", "")
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError:
+        return ""
+    found = re.match(r"# DSec credential for (tenant:\S+?)\.?(\s|$)", first)
+    if not found:
+        return ""
+    return (f"; the credential given ({path}) is {found.group(1)}'s, and this command is an operator's: "
+            f"use an admin's or ops' (.dsec/creds/admin.creds under the state dir)")
+
+
 def run_async(fn):
     """Run an async command; every DsecError becomes one line and exit 1, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return asyncio.run(fn(*args, **kwargs))
+        except PermissionDenied as exc:
+            fail(f"{exc}{_whose_hint()}")
         except DsecError as exc:
             fail(str(exc))
         except KeyboardInterrupt:

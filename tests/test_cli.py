@@ -232,6 +232,17 @@ def test_a_misspelt_option_before_the_command_is_refused_not_run(tmp_path):
         assert "cannot connect" not in p.stderr, p.stderr
 
 
+def test_an_operator_command_with_a_tenants_credential_says_so(up):
+    """The server refuses a tenant's account the control plane's streams: the one line names whose
+    credential was given and what to give instead, not only the server's words."""
+    tenant = up["state"] / "creds" / "tenants" / "default.creds"
+    for args in (["image", "ls"], ["node", "ls"], ["replay", "--sandbox", "sbnone"]):
+        p = dsec(*args, "--nats", up["url"], "--creds", str(tenant), timeout=30)
+        line = one_clear_line(p)
+        assert "is tenant:default's, and this command is an operator's" in line, (args, line)
+    assert dsec("image", "ls", "--nats", up["url"], timeout=30).returncode == 0   # the state dir's admin
+
+
 def test_up_creds_without_nats_is_a_usage_error(tmp_path):
     """The embedded server's credentials are made under the state dir: --creds alone is refused at once."""
     p = dsec("up", "--creds", str(tmp_path / "x.creds"), "--state-dir", str(tmp_path / "st"), timeout=20)
