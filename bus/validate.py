@@ -50,14 +50,31 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
         raise InvalidRequest(f"ttl must be > 0 and <= {int(MAX_TTL)} seconds, got {req.ttl}")
     if not subjects.is_reply_subject(req.reply_to):
         raise InvalidRequest("reply_to must be a reply subject (dsec.reply.<tenant>.<...> or _INBOX.<...>)")
-    for k in req.env:
-        if not k or "=" in k or "\0" in k:
-            raise InvalidRequest(f"env: invalid variable name {k!r}")
+    check_env(req.env)
     check_resources(req.resources)
     least = kinds.MIN_MEMORY.get(req.backend, 0)
     if req.resources.memory < least:
         raise InvalidRequest(f"resources.memory: a {req.backend} sandbox needs at least {least >> 20}Mi "
                              f"(its guest kernel), got {req.resources.memory >> 20}Mi")
+
+
+def check_env(env: dict[str, str]) -> None:
+    """Names and values execve can take (a name with '=' would silently set another variable)."""
+    for k, v in env.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
+            raise InvalidRequest(f"env: invalid variable name {k!r}")
+        if not isinstance(v, str) or "\0" in v:
+            raise InvalidRequest(f"env: the value of {k} must be a string without NUL bytes")
+
+
+def check_exec_words(argv: list[str], env: dict[str, str], cwd: str) -> None:
+    """An exec's argv, env and cwd as execve takes them; InvalidRequest naming the field (checked by the SDK
+    before sending and by the node again: a NUL byte made a container's exec fail as a node error)."""
+    if any("\0" in a for a in argv):
+        raise InvalidRequest("argv must not contain NUL bytes")
+    check_env(env)
+    if "\0" in cwd:
+        raise InvalidRequest("cwd must not contain NUL bytes")
 
 
 def expired(deadline: float, now: float | None = None) -> bool:
@@ -106,6 +123,4 @@ def check_call(req: CallRequest) -> None:
         raise InvalidRequest(f"files: at most {MAX_CALL_FILES} bytes with one call")
     if not 0 < req.max_output <= MAX_CALL_OUTPUT:
         raise InvalidRequest(f"max_output must be > 0 and <= {MAX_CALL_OUTPUT}, got {req.max_output}")
-    for k in req.env:
-        if not k or "=" in k or "\0" in k:
-            raise InvalidRequest(f"env: invalid variable name {k!r}")
+    check_env(req.env)

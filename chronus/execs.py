@@ -21,7 +21,7 @@ from typing import Protocol
 
 import msgspec
 
-from bus import streams, subjects
+from bus import streams, subjects, validate
 from bus.conn import Bus
 from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
 from bus.messages import ErrorReply, ExecRequest, OkReply, encode
@@ -432,6 +432,7 @@ class Execs:
             raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
         if "\0" in op.shell:
             raise InvalidRequest("shell script must not contain NUL bytes")
+        validate.check_exec_words(op.argv, op.env, op.cwd)
         Execs._check_times(op)
 
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
-from bus import kinds, subjects
+from bus import kinds, subjects, validate
 from bus.errors import InvalidRequest
 from bus.network import Network as WireNetwork
 from bus.execwire import ProcessEntry, process_list_decoder
@@ -110,6 +110,7 @@ class AsyncSandbox:
                           cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
                           max_output=max_output, live_stdin=live, background=background,
                           pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0)
+        validate.check_exec_words(req.argv, req.env, req.cwd)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()

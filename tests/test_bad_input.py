@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import nats
 import pytest
@@ -152,6 +153,38 @@ async def test_exec_with_missing_binary_and_bad_args(client):
             await sb.exec("echo", timeout=0)
         with pytest.raises(libdsec.FileOpError, match="no such"):
             await sb.read_file("/nope/nothing")
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
+@pytest.mark.parametrize("field,words", [
+    ("argv", {"argv": ["echo", "a\0b"]}),
+    ("env: invalid variable name", {"argv": ["true"], "env": {"A=B": "1"}}),
+    ("env: invalid variable name", {"argv": ["true"], "env": {"": "1"}}),
+    ("env: the value of A", {"argv": ["true"], "env": {"A": "x\0y"}}),
+    ("cwd", {"argv": ["true"], "cwd": "/tmp\0x"}),
+])
+async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(client, stack, field, words):
+    """A NUL byte, or an env name with '=' (execve would set another variable) or none: InvalidRequest
+    naming the field from the SDK, and from the node for a request sent past it. Before, a container's
+    exec failed as a node error (ExecFailed: ValueError) and a VM's ran with the variable mangled."""
+    async with await client.create() as sb:
+        with pytest.raises(libdsec.InvalidRequest, match=field):
+            await sb.exec(words["argv"], env=words.get("env"), cwd=words.get("cwd"))
+        from libdsec.execstream import ExecStream, exit_of
+        from bus.messages import ExecRequest, encode
+        req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=words["argv"], env=words.get("env", {}),
+                          cwd=words.get("cwd", ""), timeout=10.0)
+        es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
+        await es.open()
+        nc = await raw_nats(stack.url)
+        try:
+            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", encode(req))
+        finally:
+            await nc.close()
+        recs = [r async for r in es.records(10)]
+        await es.close()
+        with pytest.raises(libdsec.InvalidRequest, match=field):
+            exit_of(recs[-1])
         assert (await sb.exec("echo alive")).stdout == b"alive\n"
 
 
