@@ -849,6 +849,11 @@ def test_etc_hosts_names_the_sandbox_keeps_the_images_lines_and_never_follows_or
     os.mkfifo(hosts)                                                   # a FIFO: no wait, left alone
     assert not hostsfile.name_host(str(root), "sb5", os.getuid())
     hosts.unlink()
+    hosts.write_bytes(b"127.0.0.1 localhost\n")
+    (root / "etc/.hosts.dsec").mkdir()                                 # the image's odd name: no failure
+    assert not hostsfile.name_host(str(root), "sb5", os.getuid())
+    assert hosts.read_bytes() == b"127.0.0.1 localhost\n"
+    (root / "etc/.hosts.dsec").rmdir()
     hosts.write_bytes(b"#" * hostsfile.MAX_BYTES)                      # past 16 KiB: left alone
     assert not hostsfile.name_host(str(root), "sb6", os.getuid())
     (root / "etc").rename(root / "real-etc")

@@ -3,7 +3,7 @@
 gVisor sandbox or a VM). The image's other lines stay; a 127.0.1.1 line is replaced.
 
 Best effort, as the agent's: an /etc or /etc/hosts that is a symlink (the image's own choice), a file past
-16 KiB or a read-only root leaves the file as it is. Paths are opened under a root's fd, one component at a
+16 KiB, a read-only root or any other failure leaves the file as it is (the sandbox starts all the same). Paths are opened under a root's fd, one component at a
 time, never through a symlink: the same code serves the zygote's child (its own root) and a warm claim
 (the sandbox's root through /proc/<init>/root, from the edge, as host root)."""
 from __future__ import annotations
@@ -16,7 +16,6 @@ import stat
 ADDRESS = b"127.0.1.1"
 PLAIN = b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 MAX_BYTES = 16384
-_SKIP = (errno.ELOOP, errno.ENOENT, errno.ENOTDIR, errno.EROFS, errno.EEXIST)
 
 
 def with_name(old: bytes | None, hostname: str) -> bytes | None:
@@ -68,11 +67,9 @@ def name_host(root: str, hostname: str, owner: int) -> bool:
             os.close(fd)
         os.rename(".hosts.dsec", "hosts", src_dir_fd=etc, dst_dir_fd=etc)
         return True
-    except OSError as exc:
-        with contextlib.suppress(OSError):
+    except OSError:      # whatever the image holds there (a directory named .hosts.dsec, a full layer):
+        with contextlib.suppress(OSError):     # the sandbox starts without the line, never fails for it
             os.unlink(".hosts.dsec", dir_fd=etc)
-        if exc.errno not in _SKIP:
-            raise
         return False
     finally:
         os.close(etc)
