@@ -26,14 +26,14 @@ MAX_META_KEY = 250      # "user." + key within XATTR_NAME_MAX (255)
 MAX_META_VALUE = 4096   # each value (one filesystem block holds them all on ext4; btrfs allows more)
 
 
-def _normal(path: str) -> str:
+def normal(path: str) -> str:
     """An absolute sandbox path, normalised (no //, ., .. or trailing /)."""
     return os.path.normpath("/" + path.lstrip("/"))
 
 
 def _split(path: str) -> tuple[str, str]:
     """(parent, name) of an absolute sandbox path; the root itself has no name."""
-    parent, name = os.path.split(_normal(path))
+    parent, name = os.path.split(normal(path))
     if not name:
         raise BackendError("not on the sandbox root itself: /")
     return parent, name
@@ -100,11 +100,11 @@ def _inside(host_id: int, base: int) -> int:
 
 
 def stat(root: int, path: str, base: int) -> FileEntry:
-    if _normal(path) == "/":
+    if normal(path) == "/":
         return msgspec.structs.replace(entry(root, ".", "/", base), name="/")
     pfd, name = _parent(root, path)
     try:
-        return entry(pfd, name, _normal(path), base)
+        return entry(pfd, name, normal(path), base)
     finally:
         os.close(pfd)
 
@@ -112,7 +112,7 @@ def stat(root: int, path: str, base: int) -> FileEntry:
 def listing(root: int, path: str, depth: int, base: int) -> list[FileEntry]:
     """The entries under directory path, down to depth levels (1: its own entries, up to MAX_DEPTH: the op
     lane checks it), sorted by path."""
-    top = _normal(path)
+    top = normal(path)
     out: list[FileEntry] = []
     fd = kernel.open_in_root(root, top, os.O_RDONLY | os.O_DIRECTORY)
     _walk(fd, top, depth, base, out)
@@ -144,7 +144,7 @@ def make_dir(root: int, path: str, owner: int | None) -> bool:
     """Create path and its missing parents (0755), given to host uid/gid owner (None: the creator's, a user's
     fsuid); False when it was there. Each parent is resolved from the root again (a symlink among them means
     what it means inside the sandbox)."""
-    parts = [p for p in _normal(path).split("/") if p]
+    parts = [p for p in normal(path).split("/") if p]
     made = False
     for i, part in enumerate(parts):
         pfd = dir_in_root(root, "/" + "/".join(parts[:i]))
@@ -185,7 +185,7 @@ def rename(root: int, src: str, dest: str, base: int) -> FileEntry:
         dfd, dname = _parent(root, dest)
         try:
             os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
-            return entry(dfd, dname, _normal(dest), base)
+            return entry(dfd, dname, normal(dest), base)
         finally:
             os.close(dfd)
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import posixpath
 
 from bus.messages import FileOp
 from edge.backends import rootfiles, treeops, watcher
@@ -20,7 +19,7 @@ COVERED = ("/proc", "/sys", "/dev", TRUSTED_DIR)
 
 
 def _reachable(path: str, creating: bool) -> None:
-    normal = posixpath.normpath("/" + path.lstrip("/"))
+    normal = treeops.normal(path)
     if any(normal == top or normal.startswith(top + "/") for top in COVERED):
         raise rootfiles.file_error(OSError(errno.EXDEV, "the sentry's own mount"), path, creating)
 

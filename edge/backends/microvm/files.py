@@ -13,6 +13,7 @@ import stat as st
 from bus.messages import FileEntry, FileOp, FileOpResult, encode
 from edge.backends.base import TRUSTED_DIR, BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.rootfiles import file_error
+from edge.backends import treeops
 from edge.backends.treeops import MAX_ENTRIES
 
 HELPER = f"{TRUSTED_DIR}/files"
@@ -38,10 +39,6 @@ def entries(out: bytes) -> list[FileEntry]:
                                mode=int(mode, 8), permissions=st.filemode(int(mode, 8))[1:], uid=int(uid),
                                gid=int(gid), mtime=float(mtime), symlink_target=target, metadata=meta))
     return found
-
-
-def _normal(path: str) -> str:
-    return posixpath.normpath("/" + path.lstrip("/"))
 
 
 class GuestFiles:
@@ -83,7 +80,7 @@ class GuestFiles:
     async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
         """One file-tree op in the guest, as user (users.ExecUser; None: the guest's root)."""
         vm = self._live(sandbox_id)
-        path = _normal(op.path)
+        path = treeops.normal(op.path)
 
         async def helper(args: list[str], stdin: bytes, creating: bool = False) -> bytes:
             return await self._helper(vm, args, stdin, path, creating, user)
@@ -101,7 +98,7 @@ class GuestFiles:
                 await helper(["remove", path], b"")
                 result = FileOpResult()
             case "rename":
-                out = await helper(["rename", path, _normal(op.dest)], b"", True)
+                out = await helper(["rename", path, treeops.normal(op.dest)], b"", True)
                 result = FileOpResult(entry=entries(out)[0])
             case "read":
                 out = await helper(["read", path, str(op.offset), str(op.length)], b"")
