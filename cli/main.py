@@ -4,11 +4,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import re
 import sys
 
 import click
 
+from bus.creds import principal_of
 from bus.errors import DsecError, PermissionDenied
 
 DEFAULT_URL = os.environ.get("DSEC_NATS", "nats://127.0.0.1:4222")
@@ -51,15 +51,10 @@ def _whose_hint() -> str:
     """What to do when the server refused a command's credential: name it when it is a tenant's given by
     --creds / $DSEC_CREDS (operator commands then read streams a tenant's account does not have)."""
     path = os.environ.get("DSEC_CREDS", "")
-    try:
-        with open(path) as f:
-            first = f.readline()
-    except OSError:
+    who = principal_of(path)
+    if not who.startswith("tenant:"):
         return ""
-    found = re.match(r"# DSec credential for (tenant:\S+?)\.?(\s|$)", first)
-    if not found:
-        return ""
-    return (f"; the credential given ({path}) is {found.group(1)}'s, and this command is an operator's: "
+    return (f"; the credential given ({path}) is {who}'s, and this command is an operator's: "
             f"use an admin's or ops' (.dsec/creds/admin.creds under the state dir)")
 
 

@@ -3,9 +3,10 @@
 gVisor sandbox or a VM). The image's other lines stay; a 127.0.1.1 line is replaced.
 
 Best effort, as the agent's: an /etc or /etc/hosts that is a symlink (the image's own choice), a file past
-16 KiB, a read-only root or any other failure leaves the file as it is (the sandbox starts all the same). Paths are opened under a root's fd, one component at a
-time, never through a symlink: the same code serves the zygote's child (its own root) and a warm claim
-(the sandbox's root through /proc/<init>/root, from the edge, as host root)."""
+16 KiB, a read-only root or any other failure leaves the file as it is (the sandbox starts all the same).
+Paths are opened under a root's fd, one component at a time, never through a symlink: the same code serves
+the zygote's child (its own root) and a warm claim (the sandbox's root through /proc/<init>/root, from the
+edge, as host root)."""
 from __future__ import annotations
 
 import contextlib

@@ -103,10 +103,7 @@ class Launching(Core):
             raise BackendError(f"sandbox {warm_id} is not a fresh one")
         sb.execs = itertools.count(1)
         self._set_hostname(sb, spec.id)
-        try:                                     # (through its root: no command has run in it yet)
-            hostsfile.name_host(f"/proc/{sb.init_pid}/root", spec.id, sb.ids.base)
-        except OSError as exc:
-            raise BackendError(f"cannot name {spec.id} in its /etc/hosts: {exc}") from exc
+        hostsfile.name_host(f"/proc/{sb.init_pid}/root", spec.id, sb.ids.base)   # (no command ran in it yet)
         self._sandboxes[spec.id] = self._sandboxes.pop(warm_id)
         sb.spec = spec
         self._keys[spec.id] = sb.key
