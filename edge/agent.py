@@ -313,6 +313,7 @@ class Edge:
 
     async def _ttl_loop(self) -> None:
         expiring = self._expiring
+        in_flight: set[str] = set()       # ids whose _expire runs now
         pruned = time.monotonic()
         while True:
             await asyncio.sleep(TTL_EVERY)
@@ -322,12 +323,15 @@ class Edge:
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
             now, max_paused = time.time(), self.config.max_paused
-            for sid in [s for s, r in self.sandboxes.items() if not r.ending and (
-                        (r.expires_at and r.expires_at < now and not r.suspended_since)
-                        or (r.suspended_since and now - r.suspended_since > max_paused))]:
+            for sid in self.box.deadlines.due(now, lambda sid: self.box.deadline(sid, max_paused)):
+                self.box.deadlines.look(sid, now + TTL_EVERY)   # again then: an attempt that failed is retried
+                if sid in in_flight:
+                    continue
+                in_flight.add(sid)
                 task = asyncio.ensure_future(self._expire(sid))   # at once: one slow record holds no other
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
+                task.add_done_callback(lambda _, sid=sid: in_flight.discard(sid))
 
     async def _prune_memories(self) -> None:
         try:

@@ -31,6 +31,7 @@ from edge.backends.base import (TRUSTED_SHELL, BackendError, CapacityExhausted, 
                                 SandboxGone, SnapshotTooLarge, SandboxSpec)
 from edge.backends.registry import BackendSet
 from edge import users
+from edge.deadlines import Deadlines
 from edge.layercache import LayerCache
 from edge.outbox import Publish
 from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
@@ -80,12 +81,24 @@ class Sandboxes:
         self.running: dict[str, Running] = {}
         self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()   # id -> final state here
         self._memory_owner: dict[str, str] = {}   # memory snapshot held by the backend -> its tenant
+        self.deadlines = Deadlines()      # when the TTL loop next looks at each (see deadline)
 
     # ---- registry -----------------------------------------------------------------------------------
 
     def add(self, running: Running) -> None:
         """A sandbox now runs here (before its ready record is written)."""
         self.running[running.record.sandbox_id] = running
+        self.deadlines.look(running.record.sandbox_id)
+
+    def deadline(self, sandbox_id: str, max_paused: float) -> float | None:
+        """When the TTL loop must end (or suspend) it, unix time: its expiry, or while it is suspended the
+        end of its --max-paused; None when it has neither or is gone or ending."""
+        running = self.running.get(sandbox_id)
+        if running is None or running.ending:
+            return None
+        if running.suspended_since:
+            return running.suspended_since + max_paused
+        return running.expires_at or None
 
     def discard(self, sandbox_id: str) -> Running | None:
         """Forget a sandbox whose record never became ours (its claim was taken)."""
@@ -266,6 +279,7 @@ class Sandboxes:
         await self.backend.freeze(sandbox_id)
         now = time.time()
         running.suspended_since, running.suspends = now, running.suspends + 1
+        self.deadlines.look(sandbox_id)
         await self.record(running, event="suspended", nth=running.suspends, suspended=True, suspended_at=now)
 
     async def resume(self, sandbox_id: str) -> None:
@@ -277,6 +291,7 @@ class Sandboxes:
         if running.expires_at:
             running.expires_at += time.time() - running.suspended_since
         running.suspended_since = 0.0
+        self.deadlines.look(sandbox_id)
         await self.record(running, event="resumed", nth=running.suspends, suspended=False,
                           expires_at=running.expires_at or running.record.expires_at)
 
@@ -286,6 +301,7 @@ class Sandboxes:
         running = self.running[sandbox_id]
         running.expires_at = (running.suspended_since or time.time()) + max(0.0, seconds)
         running.timeouts += 1
+        self.deadlines.look(sandbox_id)
         await self.record(running, event="timeout_set", nth=running.timeouts, detail=f"{seconds:g}s",
                           expires_at=running.expires_at)
 
@@ -368,6 +384,7 @@ class Sandboxes:
             raise EnvironmentFailure(f"rollback of {sandbox_id} to {snap.id} failed: {exc}") from exc
         running.spec, running.layers, running.restarts = spec, list(snap.layers), running.restarts + 1
         running.suspended_since = 0.0
+        self.deadlines.look(sandbox_id)
         await self.record(running, event="rollback", detail=snap.id, nth=running.restarts,
                           layers=[layer.digest for layer in snap.layers], suspended=False)
 
