@@ -1,4 +1,4 @@
-"""The one translation of nats-py's errors into DSec's (BusError, BusUnavailable)."""
+"""The one translation of nats-py's errors into DSec's (BusError, BusUnavailable; InvalidRequest for a message too large)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ import contextlib
 import nats.errors
 import nats.js.errors
 
-from bus.errors import BusError, BusUnavailable, PermissionDenied
+from bus.errors import BusError, BusUnavailable, InvalidRequest, PermissionDenied
 
 
 @contextlib.contextmanager
@@ -23,6 +23,9 @@ def mapped_errors(what: str):
         if getattr(exc, "err_code", None) == 10039 or getattr(exc, "code", None) == 403:   # no JetStream in this account / not permitted
             raise PermissionDenied(f"{what}: the NATS server refused it ({exc.description})") from exc
         raise BusError(f"{what}: {exc}") from exc
+    except nats.errors.MaxPayloadError as exc:   # bad input, not a sick bus: no retry helps
+        raise InvalidRequest(f"{what}: the message is larger than the NATS server takes (its max_payload, 1 MiB "
+                             "in DSec's nats.conf): pass large data as stdin or a file") from exc
     except nats.errors.Error as exc:
         raise BusError(f"{what}: {exc}") from exc
 

@@ -19,6 +19,7 @@ MAX_CALL = Resources(cpu=4.0, memory=4 << 30, pids=4096, disk=1 << 30)   # the m
 MAX_CALL_TIMEOUT = 600.0
 MAX_CALL_OUTPUT = 256 << 10     # bytes kept per stream of a call (its reply is one bus message)
 MAX_CALL_FILES = 600_000        # bytes of files given with a call, and again of files read back
+MAX_ARG_STRLEN = 131072         # Linux: bytes one argv word or "NAME=value" env entry may hold, its NUL included
 
 
 def check_resources(r: Resources) -> None:
@@ -65,13 +66,28 @@ def check_env(env: dict[str, str]) -> None:
             raise InvalidRequest(f"env: invalid variable name {k!r}")
         if not isinstance(v, str) or "\0" in v:
             raise InvalidRequest(f"env: the value of {k} must be a string without NUL bytes")
+        _check_length(f"env: {k}", len(k) + 1 + len(v), lambda: f"{k}={v}")
 
 
-def check_exec_words(argv: list[str], env: dict[str, str], cwd: str) -> None:
-    """An exec's argv, env and cwd as execve takes them; InvalidRequest naming the field (checked by the SDK
-    before sending and by the node again: a NUL byte made a container's exec fail as a node error)."""
+def _check_length(field: str, chars: int, text) -> None:
+    """InvalidRequest when the word text() is too long for execve (its UTF-8 bytes; read only when it may be)."""
+    if chars * 4 < MAX_ARG_STRLEN:
+        return
+    size = len(text().encode("utf-8", "surrogatepass"))
+    if size >= MAX_ARG_STRLEN:
+        raise InvalidRequest(f"{field} is {size:,} bytes; Linux takes at most {MAX_ARG_STRLEN - 1:,} in one "
+                             "argument or environment entry (MAX_ARG_STRLEN): pass long data as stdin or a file")
+
+
+def check_exec_words(argv: list[str], env: dict[str, str], cwd: str, shell: str = "") -> None:
+    """An exec's argv (or shell script), env and cwd as execve takes them; InvalidRequest naming the field
+    (checked by the SDK before sending and by the node again: a NUL byte made a container's exec fail as a
+    node error, and a word too long failed as each backend put it, gVisor's as "File name too long")."""
     if any("\0" in a for a in argv):
         raise InvalidRequest("argv must not contain NUL bytes")
+    for i, word in enumerate(argv):
+        _check_length(f"argv[{i}]", len(word), lambda: word)
+    _check_length("the shell script (one argument of sh -c)", len(shell), lambda: shell)
     check_env(env)
     if "\0" in cwd:
         raise InvalidRequest("cwd must not contain NUL bytes")

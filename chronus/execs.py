@@ -31,6 +31,7 @@ from bus.execwire import (ExecInput, ExecResize, ExecSignal, ExitRecord, Process
 from bus.pull import Delivery, Lease, Verdict
 from chronus.relay import TRAJ_OUTPUT, OutputRelay
 from chronus.shell import command_argv
+from chronus.trajfit import fit
 from chronus.control import ExecControl, ExecResult, Gone, OutputSink, RunFailed
 
 log = logging.getLogger(__name__)
@@ -404,6 +405,7 @@ class Execs:
             pid=relay.pid, watch=op.watch)
         if env_failed:
             traj = msgspec.structs.replace(traj, detail=fields.get("fault", ""))
+        traj = fit(traj)
         out = [(subjects.trajectory(rec.tenant, job, op.sandbox_id), encode(traj), f"{op.exec_id}-traj")]
         if task_failed:
             out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
@@ -432,7 +434,7 @@ class Execs:
             raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
         if "\0" in op.shell:
             raise InvalidRequest("shell script must not contain NUL bytes")
-        validate.check_exec_words(op.argv, op.env, op.cwd)
+        validate.check_exec_words(op.argv, op.env, op.cwd, op.shell)
         Execs._check_times(op)
 
     @staticmethod

@@ -110,7 +110,7 @@ class AsyncSandbox:
                           cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
                           max_output=max_output, live_stdin=live, background=background,
                           pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0)
-        validate.check_exec_words(req.argv, req.env, req.cwd)
+        validate.check_exec_words(req.argv, req.env, req.cwd, req.shell)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()

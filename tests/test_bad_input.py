@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import nats
 import pytest
@@ -162,6 +163,11 @@ async def test_exec_with_missing_binary_and_bad_args(client):
     ("env: invalid variable name", {"argv": ["true"], "env": {"": "1"}}),
     ("env: the value of A", {"argv": ["true"], "env": {"A": "x\0y"}}),
     ("cwd", {"argv": ["true"], "cwd": "/tmp\0x"}),
+    # Longer than execve takes in one word (MAX_ARG_STRLEN, bytes with the NUL): a container's exec failed
+    # with ExecFailed "Argument list too long", gVisor's with "File name too long".
+    ("argv\\[1\\] is 132,000 bytes", {"argv": ["echo", "\u20ac" * 44_000]}),
+    ("env: BIG is 200,004 bytes", {"argv": ["true"], "env": {"BIG": "v" * 200_000}}),
+    ("the shell script .* is 200,005 bytes", {"shell": "echo " + "z" * 200_000}),
 ])
 async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(client, stack, field, words):
     """A NUL byte, or an env name with '=' (execve would set another variable) or none: InvalidRequest
@@ -169,11 +175,11 @@ async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(
     exec failed as a node error (ExecFailed: ValueError) and a VM's ran with the variable mangled."""
     async with await client.create() as sb:
         with pytest.raises(libdsec.InvalidRequest, match=field):
-            await sb.exec(words["argv"], env=words.get("env"), cwd=words.get("cwd"))
+            await sb.exec(words.get("shell") or words["argv"], env=words.get("env"), cwd=words.get("cwd"))
         from libdsec.execstream import ExecStream, exit_of
         from bus.messages import ExecRequest, encode
-        req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=words["argv"], env=words.get("env", {}),
-                          cwd=words.get("cwd", ""), timeout=10.0)
+        req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=words.get("argv", []),
+                          shell=words.get("shell", ""), env=words.get("env", {}), cwd=words.get("cwd", ""), timeout=10.0)
         es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
         await es.open()
         nc = await raw_nats(stack.url)
@@ -185,6 +191,18 @@ async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(
         await es.close()
         with pytest.raises(libdsec.InvalidRequest, match=field):
             exit_of(recs[-1])
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
+async def test_a_request_larger_than_the_bus_takes_is_invalid_at_once_not_a_bus_error(client):
+    """An exec of 1.2 MB of arguments (40 words of 30 KB, each one execve takes) is more than the NATS server
+    takes in one message. Before, it failed as BusError "nats: maximum payload exceeded" (a sick bus, to
+    the caller) after the SDK had retried it for seconds; now InvalidRequest saying what to do instead."""
+    async with await client.create() as sb:
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.InvalidRequest, match="larger than the NATS server takes"):
+            await sb.exec(["true"] + ["y" * 30_000] * 40)
+        assert time.monotonic() - t0 < 2
         assert (await sb.exec("echo alive")).stdout == b"alive\n"
 
 
