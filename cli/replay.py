@@ -76,7 +76,10 @@ async def _output(bus: Bus, rec: TrajRecord) -> Stored:
 def _command(rec: TrajRecord) -> str:
     if rec.watch:
         return f"# watch {rec.watch} (its changes, a JSON line each)"
-    return rec.shell if rec.shell else shlex.join(rec.argv)
+    command = rec.shell if rec.shell else shlex.join(rec.argv)
+    if rec.command_cut:   # (only the command's first 64 KiB are kept: chronus/trajfit.py)
+        command += f" ...[cut: {rec.command_bytes:,} bytes were sent, sha256 {rec.command_sha256}]"
+    return command
 
 
 def marked(chunks: list[OutputChunk]) -> bytes:

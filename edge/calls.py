@@ -31,6 +31,7 @@ from bus.messages import ErrorReply, Resources, encode
 from bus.records import Quota, TrajRecord, quota_decoder
 from bus.pull import Delivery, Lease, Verdict
 from chronus.shell import command_argv
+from chronus.trajfit import fit
 from edge.backends.base import BackendError
 from edge.backends.fncall import CallSpec, FnCallBackend
 from edge.layercache import LayerCache
@@ -199,7 +200,7 @@ class CallLane:
                           stdout=reply.stdout[:64 << 10], stderr=reply.stderr[:64 << 10],
                           detail=f"worker {reply.worker}")
         try:
-            await self.bus.publish(subjects.trajectory(req.tenant, job, req.call_id), encode(traj),
+            await self.bus.publish(subjects.trajectory(req.tenant, job, req.call_id), encode(fit(traj)),
                                    msg_id=f"{req.call_id}-traj", retries=3, retry_for=5.0)
         except BusError as exc:
             log.warning("trajectory of call %s not recorded: %s", req.call_id, exc)

@@ -169,3 +169,41 @@ async def test_replay_follow_prints_records_as_they_come_and_stops_at_the_end(st
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_a_command_too_long_for_one_record_is_cut_and_the_sandbox_record_still_moves_on(stack, client):
+    """An exec of 900 KB of arguments writing 100 KB on each stream: its trajectory record (argv plus the two
+    streams' first 64 KiB) came to 1.08 MB, which the NATS server refused. The node's outbox tried it again
+    forever and the sandbox's later changes waited behind it: after destroy() its record still read `ready`.
+    Now the record keeps the command's first 64 KiB with the size and sha256 of what was sent."""
+    sb = await client.create(labels={"job": "jcut"})
+    words = ["y" * 30_000] * 30
+    script = "head -c 100000 /dev/zero | tr '\\0' a; head -c 100000 /dev/zero | tr '\\0' b >&2"
+    r = await sb.exec(["sh", "-c", script, "x", *words])
+    assert (r.exit_code, r.stdout, r.stderr) == (0, b"a" * 100_000, b"b" * 100_000)
+    await sb.destroy()
+    for _ in range(50):   # the destroyed record is stored behind the exec's trajectory record
+        rec = await client._record(sb.id)
+        if rec.state == "destroyed":
+            break
+        await asyncio.sleep(0.1)
+    assert rec.state == "destroyed"
+    sent = b"".join(w.encode() + b"\0" for w in ["sh", "-c", script, "x", *words])
+    nc = await raw_nats(stack.url)
+    try:
+        sub = await nc.jetstream().subscribe(subjects.trajectory("default", "jcut", sb.id), ordered_consumer=True)
+        records = [json.loads((await sub.next_msg(timeout=5)).data) for _ in range(3)]
+        await sub.unsubscribe()
+    finally:
+        await nc.close()
+    assert [x["type"] for x in records] == ["created", "exec", "destroyed"]
+    cut = records[1]
+    assert cut["command_cut"] and cut["command_bytes"] == len(sent) == 900_117
+    assert cut["command_sha256"] == hashlib.sha256(sent).hexdigest()
+    kept = b"".join(w.encode() + b"\0" for w in cut["argv"])
+    assert cut["argv"][:4] == ["sh", "-c", script, "x"] and len(kept) <= 64 << 10 and sent.startswith(kept[:-1])
+    assert cut["stdout_bytes"] == cut["stderr_bytes"] == 100_000 and cut["stdout"]   # its output kept as ever
+    p = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", sb.id, "--nats", stack.url],
+                                capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert f"...[cut: 900,117 bytes were sent, sha256 {cut['command_sha256']}]".encode() in p.stdout
