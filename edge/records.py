@@ -24,7 +24,7 @@ import msgspec
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError
+from bus.errors import BusError, InvalidRequest
 from bus.messages import encode
 from bus.records import Event, SandboxRecord, TrajRecord, sandbox_decoder
 from bus.execwire import ExitRecord, decode_output
@@ -126,6 +126,7 @@ class SandboxRecords:
         self.revisions: dict[str, int] = {}   # last revision this writer stored per sandbox (a CAS hint)
         self._exits: collections.OrderedDict[str, None] = collections.OrderedDict()   # exit records stored
         self._exit_waiters: dict[str, asyncio.Event] = {}
+        self.dropped = 0                      # messages the server could never take (see _send)
 
     def exit_stored(self, exec_id: str) -> None:
         """Chronus stored an exec's exit record: the exec's trajectory record may follow it now."""
@@ -217,10 +218,20 @@ class SandboxRecords:
         if replayed or time.time() - c.at > OLD_CHANGE:   # published before maybe, past the duplicate window
             for p in c.publishes:
                 if not await self._stored(p):
-                    await self.bus.publish(p.subject, p.data, msg_id=p.msg_id)
+                    await self._send(p)
         else:
-            await asyncio.gather(*(self.bus.publish(p.subject, p.data, msg_id=p.msg_id) for p in c.publishes))
+            await asyncio.gather(*(self._send(p) for p in c.publishes))
         return outcome
+
+    async def _send(self, p: Publish) -> None:
+        """Publish one message of a change. One the server can never take (InvalidRequest: larger than its
+        max_payload) is dropped with an error logged, not tried forever: the sandbox's later changes, its
+        final state among them, wait behind it in the outbox (chronus/trajfit.py keeps records small)."""
+        try:
+            await self.bus.publish(p.subject, p.data, msg_id=p.msg_id)
+        except InvalidRequest as exc:
+            self.dropped += 1
+            log.error("message %s (%d bytes on %s) dropped: %s", p.msg_id, len(p.data), p.subject, exc)
 
     async def _exit_stored(self, c: Change) -> bool:
         subject = c.exit_subject or f"dsec.out.{c.sandbox_id}.{c.after_exit}"

@@ -4,6 +4,7 @@ a torn or corrupt log read up to the damage."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -115,3 +116,27 @@ def test_record_rules(prior, rec, over_claim, want):
     assert decide(make(**prior) if prior else None, make(**rec), over_claim) is want
     same = make(**rec)
     assert decide(same, make(**rec), over_claim) is Outcome.ALREADY
+
+
+async def test_a_message_the_server_can_never_take_is_dropped_not_tried_forever():
+    """A change's publish refused as InvalidRequest (larger than the server's max_payload) used to fail the
+    change, which the outbox then tried forever, holding back every later change of that sandbox (its
+    `destroyed` record among them). Now that one message is dropped (logged, counted) and the change applies."""
+    from bus.errors import InvalidRequest
+    from edge.records import SandboxRecords
+
+    class Bus:
+        def __init__(self):
+            self.sent = []
+
+        async def publish(self, subject, data, msg_id=None):
+            if len(data) > 1 << 20:
+                raise InvalidRequest("publish: the message is larger than the NATS server takes")
+            self.sent.append(msg_id)
+
+    bus = Bus()
+    records = SandboxRecords(bus, "n1")
+    change = Change(sandbox_id="sb1", at=time.time(), publishes=[Publish("dsec.traj.default.default.sb1", b"x" * (2 << 20), "x1-traj"),
+                                                  Publish("dsec.evt.default.sb1", b"{}", "sb1.destroyed")])
+    assert await records.apply(change) is Outcome.WRITTEN
+    assert bus.sent == ["sb1.destroyed"] and records.dropped == 1
