@@ -251,7 +251,8 @@ class AsyncSandbox:
         if isinstance(data, str):
             data = data.encode()
         if len(data) > MAX_FILE_OP:
-            raise InvalidRequest(f"data: write_file takes at most {MAX_FILE_OP} bytes per call, got {len(data)}")
+            raise InvalidRequest(f"data: write_file takes at most {MAX_FILE_OP} bytes per call, got {len(data)} "
+                                 "(sb.files.write writes any size, a piece per request)")
         await self.client._op(self.node, self.id, lambda rid, to, dl: WriteFile(
             request_id=rid, sandbox_id=self.id, path=path, data=data, mode=mode, reply_to=to, deadline=dl), timeout)
 

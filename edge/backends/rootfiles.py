@@ -180,7 +180,8 @@ def file_error(exc: OSError, path: str, creating: bool) -> BackendError:
         return BackendError(f"no such directory: {os.path.dirname(path) or '/'}" if creating
                             else f"no such file: {path}")
     if exc.errno == errno.EFBIG:
-        return BackendError(f"file too large: {path} exceeds the limit of {exc.strerror} bytes")
+        return BackendError(f"file too large: {path} exceeds the limit of {exc.strerror} bytes "
+                            "(sb.files.read reads a file of any size, a piece per request)")
     messages = {errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
                 errno.ELOOP: "too many levels of symbolic links", errno.EACCES: "permission denied",
                 errno.EXDEV: "outside the sandbox root filesystem (/proc, /sys and /dev are not accessible)",
