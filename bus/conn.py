@@ -23,7 +23,7 @@ from bus.creds import credential_options, expired, principal_of
 from bus.errors import AuthenticationFailed, BusError, BusUnavailable
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
-from bus.nats_errors import mapped_errors, not_found, timed_out
+from bus.nats_errors import check_fits, mapped_errors, not_found, timed_out
 from bus.pull import Handler, PullWorker
 from bus.streamread import DurableReader, Pulled, StreamReads
 
@@ -167,6 +167,7 @@ class Bus(KvStore, StreamReads):
                        retry_for: float = 0.0):
         data = msg if isinstance(msg, bytes) else encode(msg)
         headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+        check_fits(self.nc, f"publish to {subject}", data, headers)
         give_up = time.monotonic() + retry_for
         attempt = 0
         while True:
@@ -187,6 +188,7 @@ class Bus(KvStore, StreamReads):
         the connection is down (nothing is buffered for later: the caller tries again)."""
         if not self.nc.is_connected:
             raise BusUnavailable(f"publish to {subject}: not connected")
+        check_fits(self.nc, f"publish to {subject}", data, headers)
         with mapped_errors(f"publish to {subject}"):
             return await self._acks.publish(subject, data, headers)
 
@@ -204,6 +206,7 @@ class Bus(KvStore, StreamReads):
     async def send(self, subject: str, msg: Wire | bytes, headers: dict[str, str] | None = None) -> None:
         """Core publish (no ack): replies, heartbeats, anything a reader may miss without harm."""
         data = msg if isinstance(msg, bytes) else encode(msg)
+        check_fits(self.nc, f"send to {subject}", data, headers)
         with mapped_errors(f"send to {subject}"):
             await self.nc.publish(subject, data, headers=headers)
 
@@ -272,9 +275,11 @@ class Bus(KvStore, StreamReads):
     async def request(self, subject: str, msg: Wire, timeout: float) -> bytes | None:
         """A core request; its reply, or None when nobody serves the subject (now)."""
         self.check_credential()
+        data = encode(msg)
+        check_fits(self.nc, f"request {subject}", data)
         try:
             with mapped_errors(f"request {subject}"):
-                m = await self.nc.request(subject, encode(msg), timeout=timeout)
+                m = await self.nc.request(subject, data, timeout=timeout)
         except BusError as exc:
             if isinstance(exc.__cause__, nats.errors.NoRespondersError):
                 return None

@@ -17,7 +17,7 @@ from nats.js import api
 
 from bus.errors import BusError
 from bus.messages import Wire, encode
-from bus.nats_errors import mapped_errors, not_found
+from bus.nats_errors import check_fits, mapped_errors, not_found
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class KvStore:
         """Write value only if the key is still at `revision` (0: has no message). New revision, or None
         when someone wrote first."""
         kv = await self.kv(bucket)
+        check_fits(self.nc, f"kv update {bucket}/{key}", value, {"Nats-Expected-Last-Subject-Sequence": str(revision)})
         try:
             with mapped_errors(f"kv update {bucket}/{key}"):
                 return await kv.update(key, value, last=revision)
@@ -121,6 +122,7 @@ class KvStore:
         """Put a value; returns its revision. A put is idempotent, so it may be retried for `retry_for` s."""
         kv = await self.kv(bucket)
         data = value if isinstance(value, bytes) else encode(value)
+        check_fits(self.nc, f"kv put {bucket}/{key}", data)
         give_up, attempt = time.monotonic() + retry_for, 0
         while True:
             try:

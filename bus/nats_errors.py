@@ -30,6 +30,17 @@ def mapped_errors(what: str):
         raise BusError(f"{what}: {exc}") from exc
 
 
+def check_fits(nc, what: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+    """InvalidRequest when a message is larger than the server takes (its max_payload counts headers and
+    payload; nats-py checks the payload only). The server answers one larger by closing the connection:
+    one tenant's oversized request, forwarded with a few fields more by placement, cut placement off the bus."""
+    size = len(data) + (12 + sum(len(k) + len(v) + 4 for k, v in headers.items()) if headers else 0)
+    limit = getattr(nc, "max_payload", 0)
+    if limit and size > limit:
+        raise InvalidRequest(f"{what}: {size:,} bytes is larger than the NATS server takes (its max_payload, "
+                             f"{limit:,}): pass large data as stdin or a file")
+
+
 def not_found(exc: BusError) -> bool:
     """Whether a mapped error says the message or object asked for is not there (not a failure)."""
     return isinstance(exc.__cause__, nats.js.errors.NotFoundError)   # ObjectNotFoundError is one too

@@ -20,6 +20,7 @@ MAX_CALL_TIMEOUT = 600.0
 MAX_CALL_OUTPUT = 256 << 10     # bytes kept per stream of a call (its reply is one bus message)
 MAX_CALL_FILES = 600_000        # bytes of files given with a call, and again of files read back
 MAX_ARG_STRLEN = 131072         # Linux: bytes one argv word or "NAME=value" env entry may hold, its NUL included
+MAX_LABELS = 16 << 10           # bytes of a sandbox's labels, keys and values (its record carries them)
 
 
 def check_resources(r: Resources) -> None:
@@ -52,11 +53,25 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
     if not subjects.is_reply_subject(req.reply_to):
         raise InvalidRequest("reply_to must be a reply subject (dsec.reply.<tenant>.<...> or _INBOX.<...>)")
     check_env(req.env)
+    check_labels(req.labels)
     check_resources(req.resources)
     least = kinds.MIN_MEMORY.get(req.backend, 0)
     if req.resources.memory < least:
         raise InvalidRequest(f"resources.memory: a {req.backend} sandbox needs at least {least >> 20}Mi "
                              f"(its guest kernel), got {req.resources.memory >> 20}Mi")
+
+
+def check_labels(labels: dict[str, str]) -> None:
+    """A sandbox's labels: str keys (non-empty) and values, MAX_LABELS bytes in all. Every write of its record
+    carries them, and a record larger than the NATS server takes could never be stored: its sandbox would
+    run with no record of it."""
+    size = 0
+    for k, v in labels.items():
+        if not isinstance(k, str) or not k or not isinstance(v, str):
+            raise InvalidRequest(f"labels: keys must be non-empty strings and values strings, got {k!r}")
+        size += len(k.encode("utf-8", "surrogatepass")) + len(v.encode("utf-8", "surrogatepass"))
+    if size > MAX_LABELS:
+        raise InvalidRequest(f"labels: {size:,} bytes of keys and values; at most {MAX_LABELS:,}")
 
 
 def check_env(env: dict[str, str]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from bus import creds as credentials, kinds, subjects
+from bus import creds as credentials, kinds, subjects, validate
 from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSandbox, GetSnapshot, ListSandboxes,
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
@@ -133,6 +133,7 @@ class AsyncClient:
         for what, d in (("env", env), ("labels", labels)):
             if d is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()):
                 raise InvalidRequest(f"{what} must map str to str")
+        validate.check_labels(labels or {})
         rid = new_id("r")
         now = time.time()
         return CreateRequest(request_id=rid, sandbox_id=new_id("sb"), tenant=self.tenant, image=image,

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 WAIT_POLL = 1.0          # a waiting request looks again at least this often
 BOOK_TRIES = 3           # nodes tried per attempt before waiting for room
+LANE_ROOM = 4096         # bytes a placed request may still gain on its way to a node (its node id, headers)
 
 
 def node_msg_id(req: CreateRequest) -> str:
@@ -216,6 +217,8 @@ class PlacementEngine:
                                                   user=req.user or config.user,
                                                   command=[*config.entrypoint, *config.cmd])
             self._never_fits(req, pin)
+            placed = msgspec.structs.replace(req, layers=layers)
+            self._fits_a_lane(placed)
             await self.quotas.admit(req)
         except BusError:
             raise
@@ -223,7 +226,6 @@ class PlacementEngine:
             return await self._reject(req, err)
         if (d.num_delivered > 1 or req.attempt) and await self._served(req):
             return Verdict.ACK   # placed before and taken by a node (an ack lost with a server): answered
-        placed = msgspec.structs.replace(req, layers=layers)
         queued, why = False, ""
         try:
             while True:
@@ -250,6 +252,16 @@ class PlacementEngine:
         finally:
             if queued:
                 self.queued[req.priority] -= 1
+
+    def _fits_a_lane(self, placed: CreateRequest) -> None:
+        """InvalidRequest, before any booking, when the request as a node's lane gets it (its layers and its
+        image's env and command added) is larger than the NATS server takes (LANE_ROOM spare for the node's
+        id and the headers). Sent anyway, the server would close placement's connection."""
+        limit = getattr(self.bus.nc, "max_payload", 0)
+        size = len(encode(placed))
+        if limit and size + LANE_ROOM > limit:
+            raise InvalidRequest(f"create request too large: {size:,} bytes with its image's layers and config, "
+                                 f"at most {limit - LANE_ROOM:,} (the NATS server's max_payload)")
 
     async def _served(self, req: CreateRequest) -> bool:
         """Whether a request delivered again already has a sandbox (ready) or an outcome: then it is answered

@@ -206,6 +206,32 @@ async def test_a_request_larger_than_the_bus_takes_is_invalid_at_once_not_a_bus_
         assert (await sb.exec("echo alive")).stdout == b"alive\n"
 
 
+async def test_labels_are_bounded_because_every_record_write_carries_them(client):
+    """Labels went unchecked, and they ride in every write of the sandbox's record and in the create that
+    placement forwards: ~1 MB of them made a message larger than the NATS server takes (it closed placement's
+    connection; see the test below). At most 16 KiB, refused by the SDK and by placement and the node."""
+    with pytest.raises(libdsec.InvalidRequest, match="labels: 20,001 bytes of keys and values; at most 16,384"):
+        await client.create(labels={"k": "v" * 20_000})
+    async with await client.create(labels={"k": "v" * 16_000}) as sb:
+        assert (await client._record(sb.id)).labels == {"k": "v" * 16_000}
+
+
+async def test_a_create_that_outgrows_the_bus_on_its_way_to_a_node_is_refused_and_placement_lives(client):
+    """A create just under the server's max_payload passed the SDK; placement adds its image's layers before
+    putting it on a node's lane, and the server answered that larger message by closing placement's
+    connection ("maximum payload exceeded: 1048613 vs 1048576"): every later create and control call failed
+    ("no placement engine serves it") until `dsec up` restarted. Now placement refuses it, before booking."""
+    from bus.messages import encode
+    env = {f"E{i}": "v" * 120_000 for i in range(8)}
+    size = len(encode(client._request("busybox", "container", None, 60, {**env, "F": ""}, None, 30)))
+    env["F"] = "v" * (1_048_576 - 200 - size)    # the request ~200 bytes under the limit with its headers
+    with pytest.raises(libdsec.InvalidRequest, match="create request too large"):
+        await client.create(env=env, timeout=20)
+    async with await client.create() as sb:          # placement still serves creates...
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+        assert sb.id in {r.sandbox_id for r in await client.list()}   # ...and the control API
+
+
 async def test_unknown_sandbox_everywhere(client, stack):
     with pytest.raises(libdsec.SandboxNotFound) as ei:
         await client.get("sbneverexisted")
@@ -239,7 +265,8 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
         from bus.network import Network
         cases = {"rfar": dict(deadline=_time.time() + 86400), "rhuge": dict(resources=Resources(memory=1 << 50)),
                  "rttl": dict(ttl=0), "rnet": dict(network=Network(mode="proxied", allow=["*.com"])),
-                 "rnetk": dict(network=Network(mode="proxied", allow=["pypi.org"]), backend="fncall")}
+                 "rnetk": dict(network=Network(mode="proxied", allow=["pypi.org"]), backend="fncall"),
+                 "rlabels": dict(labels={"k": "v" * 20_000})}
         for rid, kw in cases.items():
             req = CreateRequest(request_id=rid, sandbox_id=f"sb{rid}", reply_to=f"{inbox}.{rid}",
                                 **{"deadline": _time.time() + 30, **kw})
@@ -250,6 +277,6 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
             reply = create_reply_decoder.decode(msg.data)
             codes[reply.request_id] = reply.code
         assert codes == {"rfar": "invalid_request", "rhuge": "capacity_unavailable", "rttl": "invalid_request",
-                         "rnet": "invalid_request", "rnetk": "unsupported"}
+                         "rnet": "invalid_request", "rnetk": "unsupported", "rlabels": "invalid_request"}
     finally:
         await nc.close()
