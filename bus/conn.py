@@ -20,7 +20,7 @@ from nats.js import api
 from bus import lanes, migrations, streams, subjects
 from bus.acks import AckedPublisher
 from bus.creds import credential_options, expired, principal_of
-from bus.errors import AuthenticationFailed, BusError, BusUnavailable
+from bus.errors import AuthenticationFailed, BusError, BusUnavailable, InvalidRequest
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
 from bus.nats_errors import check_fits, mapped_errors, not_found, timed_out
@@ -221,6 +221,9 @@ class Bus(KvStore, StreamReads):
             return True
         except BusError as exc:
             log.info("reply to %s lost: %s", reply_to, exc)
+            return False
+        except InvalidRequest as exc:   # larger than the server takes (a bug of ours: replies are bounded)
+            log.error("reply to %s not sent: %s", reply_to, exc)
             return False
 
     async def subscribe(self, subject: str, cb: Callable[..., Awaitable[None]], *, with_headers: bool = False):

@@ -232,6 +232,20 @@ async def test_a_create_that_outgrows_the_bus_on_its_way_to_a_node_is_refused_an
         assert sb.id in {r.sandbox_id for r in await client.list()}   # ...and the control API
 
 
+async def test_a_reply_too_large_for_the_bus_is_not_sent_and_the_connection_stays(stack, client):
+    """A reply is a core message a service sends on a requester's inbox. One over the server's max_payload
+    would go out, and the server closes the connection of a client that sends one (as it did placement's, the
+    test above); now it is not sent (False, an error logged) and the connection serves on."""
+    from bus.messages import ErrorReply
+    big = ErrorReply(request_id="r1", code="internal", message="x" * (1 << 20))
+    assert await stack.bus.reply("_INBOX.nobody.r1", big) is False
+    assert await stack.bus.reply("_INBOX.nobody.r2", ErrorReply(request_id="r2", code="internal", message="ok"))
+    await stack.bus.flush()
+    assert stack.bus.connected
+    async with await client.create() as sb:
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
 async def test_unknown_sandbox_everywhere(client, stack):
     with pytest.raises(libdsec.SandboxNotFound) as ei:
         await client.get("sbneverexisted")
