@@ -106,8 +106,8 @@ def _comm(pid: int | str) -> str:
 
 def cpu_clock(kswapd: list[int]) -> dict[str, float]:
     """CPU seconds so far: "busy" (all CPUs, /proc/stat without idle and iowait), "pid 1" (the host's init:
-    on this machine not systemd but an agent that scans every process about once a second, so its share
-    grows with the processes held, one per idle sandbox) and "kswapd" (its passes walk every memory cgroup)."""
+    on this machine not systemd but an agent whose work grows with the processes on the host, even idle, so its
+    share grows with the sandboxes held, one process each) and "kswapd" (its passes walk every memory cgroup)."""
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
     return {"busy": (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), "pid 1": _task_seconds(1),
