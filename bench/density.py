@@ -115,7 +115,12 @@ def cpu_clock(kswapd: list[int]) -> dict[str, float]:
 
 
 def kswapd_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _comm(p).startswith("kswapd")]
+    found = []
+    for pid in os.listdir("/proc"):
+        with contextlib.suppress(OSError):   # (a process that exits meanwhile)
+            if pid.isdigit() and _comm(pid).startswith("kswapd"):
+                found.append(int(pid))
+    return found
 
 
 def window(marks: list[Mark], at: int, width: int = 500) -> tuple[Mark, Mark] | None:

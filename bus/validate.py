@@ -81,14 +81,15 @@ def check_env(env: dict[str, str]) -> None:
             raise InvalidRequest(f"env: invalid variable name {k!r}")
         if not isinstance(v, str) or "\0" in v:
             raise InvalidRequest(f"env: the value of {k} must be a string without NUL bytes")
-        _check_length(f"env: {k}", len(k) + 1 + len(v), lambda: f"{k}={v}")
+        _check_length(f"env: {k}", k, "=", v)
 
 
-def _check_length(field: str, chars: int, text) -> None:
-    """InvalidRequest when the word text() is too long for execve (its UTF-8 bytes; read only when it may be)."""
-    if chars * 4 < MAX_ARG_STRLEN:
+def _check_length(field: str, *parts: str) -> None:
+    """InvalidRequest when the word made of parts is too long for execve (its UTF-8 bytes; encoded only when
+    it may be: a character is at most 4 bytes)."""
+    if sum(map(len, parts)) * 4 < MAX_ARG_STRLEN:
         return
-    size = len(text().encode("utf-8", "surrogatepass"))
+    size = sum(len(part.encode("utf-8", "surrogatepass")) for part in parts)
     if size >= MAX_ARG_STRLEN:
         raise InvalidRequest(f"{field} is {size:,} bytes; Linux takes at most {MAX_ARG_STRLEN - 1:,} in one "
                              "argument or environment entry (MAX_ARG_STRLEN): pass long data as stdin or a file")
@@ -101,8 +102,8 @@ def check_exec_words(argv: list[str], env: dict[str, str], cwd: str, shell: str 
     if any("\0" in a for a in argv):
         raise InvalidRequest("argv must not contain NUL bytes")
     for i, word in enumerate(argv):
-        _check_length(f"argv[{i}]", len(word), lambda: word)
-    _check_length("the shell script (one argument of sh -c)", len(shell), lambda: shell)
+        _check_length(f"argv[{i}]", word)
+    _check_length("the shell script (one argument of sh -c)", shell)
     check_env(env)
     if "\0" in cwd:
         raise InvalidRequest("cwd must not contain NUL bytes")

@@ -19,7 +19,7 @@ from bus.records import TrajRecord
 
 TRAJ_COMMAND = 64 << 10    # bytes of a command (argv words, or a shell script) a record keeps
 TRAJ_NAMES = 16 << 10      # bytes of env names a record keeps
-TRAJ_TEXT = 4 << 10        # bytes of cwd (PATH_MAX) and of detail a record keeps
+TRAJ_TEXT = 4 << 10        # bytes of cwd and of a watch's path (PATH_MAX), and of detail, a record keeps
 TRAJ_MAX = 900 << 10       # the most one encoded record may take (the server's max_payload: 1 MiB)
 
 
@@ -52,6 +52,18 @@ def command_digest(argv: list[str], shell: str) -> tuple[int, str]:
     return len(raw), hashlib.sha256(raw).hexdigest()
 
 
+_TEXT_FIELDS = ("shell", "cwd", "detail", "watch", "id", "sandbox_id", "tenant", "job", "node", "exec_id",
+                "error_code", "failure_class")
+
+
+def _bound(traj: TrajRecord) -> int:
+    """More bytes than encode(traj) takes: its output in base64, each character of its other text as 6 bytes
+    (JSON's \\u escape of a control character), 4 KiB for its fixed fields and ids."""
+    text = (sum(map(len, traj.argv)) + sum(map(len, traj.env_keys)) + 4 * (len(traj.argv) + len(traj.env_keys))
+            + sum(len(getattr(traj, name)) for name in _TEXT_FIELDS))
+    return (len(traj.stdout) + len(traj.stderr)) * 4 // 3 + 6 * text + (4 << 10)
+
+
 def fit(traj: TrajRecord) -> TrajRecord:
     """traj as a record of at most TRAJ_MAX bytes encoded (see the module's docstring)."""
     size, digest = command_digest(traj.argv, traj.shell)
@@ -61,11 +73,12 @@ def fit(traj: TrajRecord) -> TrajRecord:
                        command_cut=True, command_bytes=size, command_sha256=digest)
     if sum(len(k) + 1 for k in traj.env_keys) > TRAJ_NAMES:
         changes["env_keys"] = _words(traj.env_keys, TRAJ_NAMES)
-    for name in ("cwd", "detail"):
+    for name in ("cwd", "detail", "watch"):
         if len(getattr(traj, name)) > TRAJ_TEXT // 4:
             changes[name] = _cut(getattr(traj, name), TRAJ_TEXT)
     if changes:
         traj = msgspec.structs.replace(traj, **changes)
-    if len(encode(traj)) > TRAJ_MAX:   # (a command of control characters: JSON writes each as 6 bytes)
+    if _bound(traj) > TRAJ_MAX and len(encode(traj)) > TRAJ_MAX:   # (encoded only when it may not fit: each
+        # exec's record is encoded once more to be sent; a command of control characters takes 6 bytes each)
         traj = msgspec.structs.replace(traj, stdout=b"", stderr=b"", truncated=True)
     return traj

@@ -130,10 +130,9 @@ class AsyncClient:
             raise InvalidRequest(f"priority must be one of {', '.join(subjects.PRIORITIES)}, got {priority!r}")
         if burst is not None and not isinstance(burst, bool):
             raise InvalidRequest(f"burst must be True, False or None, got {burst!r}")
-        for what, d in (("env", env), ("labels", labels)):
-            if d is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items()):
-                raise InvalidRequest(f"{what} must map str to str")
-        validate.check_labels(labels or {})
+        if env is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise InvalidRequest("env must map str to str")
+        validate.check_labels(labels or {})   # (their types too)
         rid = new_id("r")
         now = time.time()
         return CreateRequest(request_id=rid, sandbox_id=new_id("sb"), tenant=self.tenant, image=image,

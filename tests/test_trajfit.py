@@ -28,9 +28,10 @@ def test_the_worst_record_still_fits_in_one_message():
     """Control characters are 6 bytes each in JSON; the largest output the node keeps (--traj-output 256Ki of
     each stream, base64) beside them: the output goes (truncated), the record fits."""
     traj = TrajRecord(id="x4", type="exec", argv=["\x01" * 900_000], env_keys=[f"N\x02{i}" for i in range(50_000)],
-                      cwd="/" + "\x03" * 100_000, detail="\x04" * 100_000,
+                      cwd="/" + "\x03" * 100_000, detail="\x04" * 100_000, watch="/" + "\x05" * 100_000,
                       stdout=b"\xff" * (256 << 10), stderr=b"\xfe" * (256 << 10))
     assert len(encode(traj)) > 2 * TRAJ_MAX
     got = fit(traj)
     assert len(encode(got)) <= TRAJ_MAX and got.truncated and got.stdout == got.stderr == b""
     assert got.command_cut and got.command_bytes == 900_001 and len(got.cwd) == len(got.detail) == 4096
+    assert len(got.watch) == 4096
