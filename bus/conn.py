@@ -61,6 +61,19 @@ class Bus(KvStore, StreamReads):
         # whether it may delete the consumers it made for a read (ops, read-only, may delete none: its
         # ordered consumers go by the server's inactivity timer instead of a refused delete)
         self.deletes_consumers = True
+        # set when the client library gave the connection up for good without being asked (nats-py closes,
+        # and never reconnects, a connection the server sent a protocol error such as a message over
+        # max_payload or an invalid subject); cut_reason says why
+        self.cut = asyncio.Event()
+        self.cut_reason = ""
+        self._closing = False
+
+    def _closed(self) -> None:
+        """nats-py closed the connection: cut, unless close() asked for it."""
+        if not self._closing:
+            self.cut_reason = str(self.nc.last_error or "closed by the client library")
+            log.error("nats: connection %s closed for good: %s", self.nc.options.get("name"), self.cut_reason)
+            self.cut.set()
 
     @classmethod
     async def connect(cls, url: str, name: str = "dsec", *, timeout: float = 3.0,
@@ -79,6 +92,11 @@ class Bus(KvStore, StreamReads):
             log.debug("nats: %s", exc)
 
         listeners: list[Callable[[], None]] = []
+        made: list[Bus] = []
+
+        async def _closed() -> None:
+            if made:
+                made[0]._closed()
 
         async def _reconnected() -> None:   # pull requests and push consumers died with the old server
             log.info("nats: reconnected")
@@ -93,7 +111,7 @@ class Bus(KvStore, StreamReads):
             connecting = asyncio.ensure_future(
                 nc.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
                            allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_errors,
-                           reconnected_cb=_reconnected, ping_interval=PING_INTERVAL,
+                           reconnected_cb=_reconnected, closed_cb=_closed, ping_interval=PING_INTERVAL,
                            max_outstanding_pings=MAX_PINGS, pending_size=64 << 20, **auth))
             refusal = asyncio.ensure_future(denied.wait())
             try:
@@ -117,6 +135,7 @@ class Bus(KvStore, StreamReads):
                     f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
         bus = cls(nc, listeners)
+        made.append(bus)
         bus.refused, bus.creds, bus.url = refused, creds, url   # (url, creds: what a helper process connects with)
         bus.deletes_consumers = principal_of(creds) != "ops"
         return bus
@@ -129,6 +148,7 @@ class Bus(KvStore, StreamReads):
 
     async def close(self) -> None:
         """Flush and close; never raises."""
+        self._closing = True
         try:
             await asyncio.wait_for(self.nc.drain(), timeout=1)
         except Exception:

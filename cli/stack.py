@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bus.conn import Bus
 from bus.creds import creds_path, creds_principal
-from bus.errors import EnvironmentFailure, ImageNotFound
+from bus.errors import BusUnavailable, EnvironmentFailure, ImageNotFound
 from bus.server import NatsServer, check_port_free
 from edge.capacity import EdgeConfig
 from edge.erofs import LayerBuildError, busybox_rootfs, pack_dir
@@ -74,6 +74,9 @@ class Stack:
         self.placement = None
         self._metrics = None
         self._locks: list = []
+        self.broken = asyncio.Event()   # a part lost its connection for good and cannot go on (broken_reason)
+        self.broken_reason = ""
+        self._watcher: asyncio.Future | None = None
 
     @property
     def url(self) -> str:
@@ -138,6 +141,60 @@ class Stack:
         if self.metrics_port:
             from cli.metrics import serve
             self._metrics = serve(self, self.host, self.metrics_port)
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    def _parts(self) -> dict[str, Bus]:
+        parts = {"placement": self.placement.bus if self.placement else None,
+                 "edge": self.edge.bus if self.edge else None, "dsec up": self.bus}
+        return {part: bus for part, bus in parts.items() if bus is not None}
+
+    async def _watch(self) -> None:
+        """nats-py never reconnects a connection it gave up for good (Bus.cut: the server sent a protocol
+        error). A placement engine on a connection of its own is started again on a new one (it keeps no
+        state of its own); any other part's loss breaks the stack: `broken` is set, saying which part and
+        why (`dsec up` then stops and exits non-zero rather than serve on deaf)."""
+        while True:
+            parts = self._parts()
+            waits = {asyncio.ensure_future(bus.cut.wait()): bus for bus in set(parts.values())}
+            try:
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+            bus = waits[next(iter(done))]
+            names = [part for part, b in parts.items() if b is bus]
+            if names == ["placement"]:
+                try:
+                    await self._restart_placement(bus)
+                    continue
+                except Exception as exc:
+                    bus.cut_reason += f"; starting it again failed: {exc}"
+            self.broken_reason = (f"{' and '.join(names)}: the NATS server closed the connection and it cannot "
+                                  f"be reconnected ({bus.cut_reason})")
+            log.error("%s", self.broken_reason)
+            self.broken.set()
+            return
+
+    async def _restart_placement(self, cut: Bus) -> None:
+        from placement.engine import PlacementEngine
+        log.error("placement: the NATS server closed its connection (%s); starting it again", cut.cut_reason)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.placement.stop(), 2)
+        if cut in self._buses:
+            self._buses.remove(cut)
+        await cut.close()
+        self.placement = None
+        for attempt in range(30):
+            try:
+                bus = await self._bus_as("placement")
+                break
+            except BusUnavailable:
+                await asyncio.sleep(1)
+        else:
+            raise BusUnavailable("no connection to NATS within 30 s")
+        self.placement = PlacementEngine(bus, **self.placement_options)
+        await self.placement.start()
+        log.warning("placement: serving again on a new connection")
 
     def tenant_creds(self, tenant: str = "default") -> str | None:
         """A tenant's credential under the state dir (None without auth)."""
@@ -172,6 +229,10 @@ class Stack:
 
     async def stop(self) -> None:
         """Destroy every sandbox, stop every part; the NATS server stops last. Never raises."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+            self._watcher = None
         if self._metrics is not None:
             with contextlib.suppress(Exception):
                 self._metrics.shutdown()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from bus.errors import BusUnavailable
 from bus.kinds import KINDS
 from cli.main import DEFAULT_URL, main, run_async
 from edge.capacity import DEFAULT_DEBIAN, DEFAULT_PYPI, EdgeConfig
@@ -237,7 +238,12 @@ async def _serve_until_signal(stack, ready_line: str, after=None) -> None:
     extra = asyncio.ensure_future(after()) if after is not None else None
     try:
         _say(ready_line)
-        await stop.wait()
+        waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(stack.broken.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
     finally:
         if extra is not None:
             extra.cancel()
@@ -252,6 +258,8 @@ async def _serve_until_signal(stack, ready_line: str, after=None) -> None:
                  "node reconciles what is left", err=True)
             os._exit(1)
         _say("dsec: stopped", err=True)
+    if stack.broken.is_set():   # a part that cannot reach NATS again: stopped, and said (exit 1)
+        raise BusUnavailable(stack.broken_reason)
 
 
 @main.command()

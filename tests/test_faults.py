@@ -235,3 +235,74 @@ async def test_a_create_queued_until_its_deadline_is_answered_capacity_unavailab
         assert rec is not None and rec.state == "expired" and "no node had room" in rec.reason, rec
         for sb in held:
             await sb.destroy()
+
+
+async def _cut(bus) -> None:
+    """Make the NATS server close this connection with a protocol error: a message over its max_payload,
+    the size in its headers (nats-py checks only the payload). nats-py then closes it for good."""
+    await bus.nc.publish("dsec.cut", b"", headers={"X": "v" * (1 << 20)})
+    for _ in range(100):
+        if bus.nc.is_closed:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the server did not close the connection")
+
+
+async def test_placement_cut_off_by_the_server_serves_again_and_a_cut_edge_stops_the_stack(tmp_path):
+    """nats-py never reconnects a connection the server closed after a protocol error (-ERR: a message over
+    max_payload, an invalid subject). A placement engine cut off so stayed deaf until `dsec up` restarted: every
+    later create and control call failed ("no placement engine serves it"). Now the stack starts it again on
+    a new connection. An edge cut off cannot go on (its sandboxes' records, heartbeats and execs ride on it):
+    the stack is `broken`, naming the part and the server's error, and `dsec up` stops and exits 1."""
+    from bus.server import free_port
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    node = "tcut"
+    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
+               edge_config=EdgeConfig(node_id=node, slots=4))
+    with leaks.live(node, tmp_path / "state"):
+        await st.start()
+        try:
+            async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
+                kept = await client.create()
+                cut = st.placement.bus
+                await _cut(cut)
+                async with await client.create(timeout=20) as sb:    # an engine on a new connection serves
+                    assert (await sb.exec("echo alive")).stdout == b"alive\n"
+                    assert {sb.id, kept.id} <= {r.sandbox_id for r in await client.list()}
+                assert st.placement.bus is not cut and st.placement.bus.connected and not st.broken.is_set()
+                assert (await kept.exec("echo kept")).stdout == b"kept\n"
+                await _cut(st.edge.bus)
+                await asyncio.wait_for(st.broken.wait(), 10)
+                assert st.broken_reason.startswith("edge: the NATS server closed the connection"), st.broken_reason
+                assert "maximum payload" in st.broken_reason.lower(), st.broken_reason
+        finally:
+            await st.stop()
+    from edge.backends.registry import node_leftovers as leftovers
+    assert leftovers(tmp_path / "state" / "edge", node) == []
+
+
+async def test_dsec_up_stops_and_fails_saying_why_when_its_stack_breaks(capfd):
+    """`dsec up` (its serving loop) stops a broken stack as at a signal, then fails with the reason (the CLI
+    prints it as one line and exits 1), instead of serving on with a part that can no longer reach NATS."""
+    import cli.main  # noqa: F401  (the CLI's modules import each other in its order)
+    from bus.errors import BusUnavailable
+    from cli.up import _serve_until_signal
+
+    class Broken:
+        stopped = False
+
+        def __init__(self):
+            self.broken, self.broken_reason = asyncio.Event(), "edge: the NATS server closed the connection (x)"
+
+        async def start(self):
+            asyncio.get_running_loop().call_later(0.2, self.broken.set)
+
+        async def stop(self):
+            self.stopped = True
+
+    stack = Broken()
+    with pytest.raises(BusUnavailable, match=r"^edge: the NATS server closed the connection \(x\)$"):
+        await asyncio.wait_for(_serve_until_signal(stack, "ready"), 5)
+    assert stack.stopped and "dsec: stopped" in capfd.readouterr().err
