@@ -17,22 +17,31 @@ class LayerBuildError(Exception):
 
 
 FIXED_UUID = "00000000-0000-0000-0000-000000000000"
+# A layer a VM maps through virtio-pmem with DAX (fullvm/osimage.py): the guest's pmem driver maps only a
+# region of whole 2 MiB subsections ("misaligned, unable to map" otherwise), and EROFS reads through DAX
+# only files stored whole in blocks (FLAT_PLAIN), not those whose tail is inlined beside the inode.
+DAX_ALIGN = 2 << 20
 
 
-def pack_dir(src: Path, dst: Path) -> str:
+def pack_dir(src: Path, dst: Path, *, dax: bool = False) -> str:
     """Pack directory src into the EROFS file dst (uid/gid kept, fixed mtime); return its sha256 digest.
     Reproducible: fixed timestamps and filesystem UUID, so the same tree always gives the same bytes,
-    hence the same digest (a layer is stored once; an unchanged rebuild makes no new version)."""
+    hence the same digest (a layer is stored once; an unchanged rebuild makes no new version).
+    dax: for a guest to map (see DAX_ALIGN): no inline tails, the file padded with zeros to whole 2 MiB
+    (EROFS reads nothing past its own blocks); ~10% larger for a Debian root."""
     if not src.is_dir():
         raise LayerBuildError(f"not a directory: {src}")
     if shutil.which("mkfs.erofs") is None:
         raise LayerBuildError("mkfs.erofs not found: install erofs-utils (make setup does)")
     tmp = dst.with_suffix(".tmp")
-    proc = subprocess.run(["mkfs.erofs", "--quiet", "-T0", f"-U{FIXED_UUID}", str(tmp), str(src)],
+    proc = subprocess.run(["mkfs.erofs", "--quiet", "-T0", f"-U{FIXED_UUID}",
+                           *(["-E", "noinline_data"] if dax else []), str(tmp), str(src)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise LayerBuildError(f"mkfs.erofs failed: {proc.stderr.strip().splitlines()[-1:]}")
+    if dax:
+        os.truncate(tmp, -(-tmp.stat().st_size // DAX_ALIGN) * DAX_ALIGN)
     digest = file_digest(tmp)
     os.replace(tmp, dst)
     return digest

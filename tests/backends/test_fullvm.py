@@ -49,6 +49,60 @@ async def test_a_full_vm_is_a_whole_debian_and_each_restore_its_own(client, fvmn
     assert all(backend.residue(sb.id) == [] for sb in sbs)
 
 
+READ_OS = ("c() { awk '/^Cached:/ { print $2 }' /proc/meminfo; }; a=$(c); "
+           "cat /usr/lib/x86_64-linux-gnu/*.so* | wc -c; echo $(( $(c) - a ))")
+
+
+async def test_a_full_vms_os_layer_is_read_through_dax_not_copied_into_its_memory(client, fvmnode):
+    """The OS layer (150 MiB, under every full VM) is a virtio-pmem device the guest mounts with DAX: its
+    files are read straight from the host's page cache of the layer file, shared by every full VM on the
+    node, instead of each guest copying what it reads into its own RAM. Reading 50 MB of the OS's libraries
+    grew the guest's page cache by ~25 MB on a disk (virtio-blk) and grows it by well under 8 MB."""
+    async with await client.create(backend="fullvm", timeout=180) as sb:
+        r = await sb.exec(f"ls /sys/block; {READ_OS}", timeout=60)
+        assert r.exit_code == 0, r
+        *devices, read, grown = r.stdout.decode().split()
+        assert "pmem0" in devices, r.stdout
+        assert int(read) > 40 << 20 and int(grown) < 8 << 10, f"read {read} bytes, page cache grew {grown} KiB"
+
+
+async def test_a_full_vm_writing_over_its_pmem_changes_no_byte_of_the_hosts_layer(client, fvmnode):
+    """The attack on the shared layer from inside. The OS layer file is mapped into every full VM on the node;
+    a guest's root finds it as /dev/pmem0. The guest's kernel holds it read-only, and a privileged VM's root
+    that makes it writable and writes 8 MiB over it changes nothing: QEMU maps the file read-only and drops
+    the writes, so the host's file keeps every byte and both VMs still read the same libraries as the host."""
+    from edge.backends.fullvm import osimage
+    from edge.erofs import file_digest
+    files = ["usr/lib/x86_64-linux-gnu/libc.so.6", "usr/bin/ls"]
+    look = "echo 3 > /proc/sys/vm/drop_caches; sha256sum " + " ".join(f"/{f}" for f in files)
+    before = file_digest(osimage.path())
+    expected = await asyncio.to_thread(_host_sums, osimage.path(), files)
+    async with await client.create(backend="fullvm", timeout=180, privileged=True) as bad, \
+            await client.create(backend="fullvm", timeout=180) as other:
+        r = await other.exec("dd if=/dev/zero of=/dev/pmem0 bs=4k count=1 oflag=direct && echo wrote", timeout=60)
+        assert b"wrote" not in r.stdout and r.exit_code != 0, r      # a root command: refused
+        r = await bad.exec("blockdev --setrw /dev/pmem0 && "
+                           "dd if=/dev/urandom of=/dev/pmem0 bs=1M count=8 oflag=direct && echo wrote", timeout=60)
+        assert b"wrote" in r.stdout, r      # the write went through to its device...
+        for sb in (bad, other):             # ...and nothing read changed
+            r = await sb.exec(look, timeout=60)
+            assert [line.split()[0] for line in r.stdout.decode().splitlines()] == expected, r
+    assert file_digest(osimage.path()) == before
+
+
+def _host_sums(layer, paths: list[str]) -> list[str]:
+    """sha256 of files of an EROFS layer, read on the host."""
+    import hashlib
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as mnt:
+        subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(layer), mnt], check=True)
+        try:
+            return [hashlib.sha256(open(os.path.join(mnt, p), "rb").read()).hexdigest() for p in paths]
+        finally:
+            subprocess.run(["umount", mnt], check=True)
+
+
 async def test_a_full_vm_forks_from_its_memory_with_its_services_running(client, fvmnode):
     """A service systemd started before a memory snapshot runs on in the fork, as the same process;
     the fork is still a whole OS with its own hostname and machine-id."""

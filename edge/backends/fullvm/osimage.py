@@ -20,7 +20,7 @@ from pathlib import Path
 
 from edge import debootstrap
 from edge.backends.microvm.guest import cache_dir
-from edge.erofs import LayerBuildError, pack_dir
+from edge.erofs import DAX_ALIGN, LayerBuildError, pack_dir
 
 SUITE = "bookworm"
 PACKAGES = ["systemd", "systemd-sysv"]
@@ -33,11 +33,22 @@ MASKED = ("getty@.service", "serial-getty@.service", "console-getty.service", "s
           # Debian's packages made their users at install; an image's own /etc/passwd over Debian's (busybox's
           # has two users) made sysusers fail on Debian's /etc/gshadow, and the system `degraded`
           "systemd-sysusers.service")
-TWEAKS = 1          # bump when what tweak() does to the root changes (MASKED is in the stamp already)
+TWEAKS = 2          # bump when what tweak() does to the root changes (MASKED is in the stamp already)
 
 
 def path() -> Path:
     return cache_dir() / "fullvm-os.erofs"
+
+
+def dax_ready(layer: str) -> bool:
+    """Whether layer is an OS layer (this node's, or one a memory snapshot holds open: /proc/self/fd/N)
+    built for a guest to map (pack_dir's dax). One built before is attached as a disk, its pages read into
+    each guest's own page cache (make setup builds it anew)."""
+    try:
+        name = os.readlink(layer) if layer.startswith("/proc/") else layer
+        return Path(name).name.startswith(path().name) and os.stat(layer).st_size % DAX_ALIGN == 0
+    except OSError:
+        return False
 
 
 def missing() -> str:
@@ -74,7 +85,7 @@ def build(log=print) -> Path:
             raise LayerBuildError(f"copying the Debian root failed: {cp.stderr.strip()[-300:]}")
         tweak(stage)
         out = Path(tmp) / "os.erofs"
-        pack_dir(stage, out)
+        pack_dir(stage, out, dax=True)
         os.chmod(out, 0o444)
         os.replace(out, path())
     stamp.write_text(mark + "\n")

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 from bus import kinds
-from edge.backends.base import BackendError, Limits
+from edge.backends.base import BackendError, Limits, SandboxSpec
 from edge.backends.gvisor.agent import AgentChannel
 from edge.backends.gvisor.host import _join
 from edge.backends.microvm import qemu
@@ -49,7 +49,12 @@ class Booting:
               ram: int | None, incoming: int | None, load: bool = False) -> list[str]:
         return qemu.argv(self.qemu, self.accel, self._guest, vm.spec, self._dir(vm.key), fds,
                          agent=agent, monitor=monitor, console=console, ram=ram, incoming=incoming,
-                         machine=self.machine, load=load, tap=vm.tap)
+                         machine=self.machine, load=load, tap=vm.tap, pmem=self._pmem(vm.spec))
+
+    def _pmem(self, spec: SandboxSpec) -> int:
+        """How many of spec's lowest layers are virtio-pmem devices (qemu.argv; a microVM: none, it has no PCI
+        bus for them)."""
+        return 0
 
     async def _settle(self, vm: VM) -> None:
         """Wait, before a template is saved, until its booted guest is at rest (a microVM is once its agent

@@ -24,9 +24,10 @@ from edge.backends.native import AGENT_SOURCE, BECOME_SOURCE, FILES_SOURCE, WATC
 KERNEL_PACKAGE = "linux-image-cloud-amd64"   # Debian's metapackage; its dependency is the versioned image
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
            "virtio_blk", "virtio_console", "libcrc32c", "erofs", "overlay", "virtio-rng", "failover",
-           "net_failover", "virtio_net")
+           "net_failover", "virtio_net", "libnvdimm", "nd_btt", "nd_pmem", "nd_virtio", "virtio_pmem")
 # init.sh loads them in this order, virtio_mmio for a microvm, the virtio_pci ones for a full VM (q35);
-# virtio_net (after the two it needs) for a VM's network (aether/: a tap bridged to the sandbox's veth)
+# virtio_net (after the two it needs) for a VM's network (aether/: a tap bridged to the sandbox's veth);
+# the nvdimm ones for a full VM's OS layer on virtio-pmem (dsec.pmem, read through DAX)
 HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
 TRUSTED_LAYOUT = b"agent files watch sh upper/"   # what the trusted device holds besides the sources (in its name)

@@ -1,7 +1,8 @@
 #!/bin/busybox sh
 # dsec-init: the microVM guest's /init (in the initramfs, with a static busybox and the kernel modules).
 # Devices, found by their virtio-blk serial: dsec-trusted (EROFS: the agent and the trusted shell),
-# dsec-disk (ext4: the writable layer), dsec-layer_<i> (EROFS image layers, 0 lowest). The root is an
+# dsec-disk (ext4: the writable layer), dsec-layer_<i> (EROFS image layers, 0 lowest); with dsec.pmem=<n>
+# the lowest n layers are virtio-pmem devices instead (/dev/pmem<i>, in order), mounted with DAX. The root is an
 # overlay of the layers under the disk; /.dsec is the trusted device, read-only (the block device itself
 # is read-only on the host side, so no remount can make it writable), with the writable layer's upper dir
 # bound read-only at /.dsec/upper. The agent runs as pid 1 in the
@@ -16,7 +17,7 @@ $B mount -t devtmpfs dev /dev
 HOST=sandbox
 for a in $($B cat /proc/cmdline); do
   case $a in dsec.layers=*) N=${a#*=};; dsec.host=*) HOST=${a#*=};; dsec.pids=*) PIDS=${a#*=};;
-    dsec.privileged=1) export DSEC_PRIVILEGED=1;; dsec.os=1) OS=1;; esac
+    dsec.privileged=1) export DSEC_PRIVILEGED=1;; dsec.os=1) OS=1;; dsec.pmem=*) PMEM=${a#*=};; esac
 done
 bus=virtio_mmio
 [ -n "$OS" ] && bus="virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci"
@@ -24,6 +25,11 @@ for m in virtio_ring virtio $bus virtio_blk virtio_console libcrc32c erofs overl
     virtio_net; do
   $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/${m//-/_} ] || fail "insmod $m failed"
 done
+if [ "${PMEM:-0}" -gt 0 ]; then
+  for m in libnvdimm nd_btt nd_pmem nd_virtio virtio_pmem; do
+    $B insmod /lib/modules/$m.ko 2>/dev/null || [ -d /sys/module/$m ] || fail "insmod $m failed"
+  done
+fi
 $B hostname "$HOST"
 $B ip link set lo up || fail "loopback"    # (a full VM's systemd would; a microVM's servers need it too)
 for b in /sys/block/vd*; do
@@ -39,7 +45,15 @@ lower=""
 i=0
 while [ "$i" -lt "${N:-0}" ]; do
   $B mkdir -p /layers/$i
-  $B mount -t erofs -o ro "$(dev layer_$i)" /layers/$i || fail "layer $i did not mount"
+  if [ "$i" -lt "${PMEM:-0}" ]; then    # the nvdimm bus probes its regions after insmod returns
+    w=0; while [ ! -b /dev/pmem$i ] && [ $w -lt 500 ]; do $B usleep 10000; w=$((w + 1)); done
+    # read-only to the guest's kernel too: QEMU drops a write to the mapping (its file is read-only), but a
+    # buffered write's flush would wait on it for ever; refused, a stray write is an error at once
+    $B blockdev --setro /dev/pmem$i || fail "pmem$i read-only"
+    $B mount -t erofs -o ro,dax=always /dev/pmem$i /layers/$i || fail "layer $i did not mount from pmem$i"
+  else
+    $B mount -t erofs -o ro "$(dev layer_$i)" /layers/$i || fail "layer $i did not mount"
+  fi
   lower="/layers/$i${lower:+:$lower}"
   i=$((i + 1))
 done

@@ -160,7 +160,9 @@ class MemorySnapshots:
         ram = template.new_ram(loader.spec.limits.memory)
         try:
             loader.ids = self._ids.lease(loader.key)
-            groups = self._cgroups.create_sandbox(loader.key, self._host_limits(loader.spec.limits))
+            limits = self._host_limits(loader.spec.limits)    # (plus the pmem layers it holds: qemu.argv)
+            pmem = sum(os.stat(p).st_size for p in loader.spec.layers[:self._pmem(loader.spec)])
+            groups = self._cgroups.create_sandbox(loader.key, dataclasses.replace(limits, memory=limits.memory + pmem))
             stream = os.open(path / "stream", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 exited = await self._spawn(loader, groups, ram=ram, incoming=stream, load=True)

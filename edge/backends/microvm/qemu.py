@@ -29,7 +29,7 @@ OS_CMDLINE = "dsec.os=1 systemd.unified_cgroup_hierarchy=0 systemd.show_status=0
 
 def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: dict[str, int], *, agent: int,
          monitor: int, console: int, ram: int | None, incoming: int | None, machine: str = "microvm",
-         load: bool = False, tap: int | None = None) -> list[str]:
+         load: bool = False, tap: int | None = None, pmem: int = 0) -> list[str]:
     """QEMU's command line: drives are fds (fds: name -> fd; `disk` writable, `disk_ro` its probing twin),
     agent and monitor socket fds, console a file fd. With ram (a memfd): guest RAM in it, shared while a
     template is booted (incoming None), private copy-on-write when restored (incoming: its state's fd);
@@ -39,7 +39,13 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
     Every VM has one network device (templates are restored with or without a network): its backend is tap
     (an fd: the sandbox's network, aether/) or else a hub port with nothing else on its hub (no traffic). The
     tap is made without IFF_VNET_HDR, so it offers no offloads, like the hub port: a guest booted on a hub
-    port (a template) restores onto a tap with what it negotiated."""
+    port (a template) restores onto a tap with what it negotiated.
+    pmem: the first pmem layers are virtio-pmem devices, not disks: QEMU maps each file read-only and shared
+    (every VM's guest reads the host's page cache of it through DAX; a guest's write to it is dropped),
+    outside the guest's RAM (slots and maxmem), and out of the saves that keep shared memory out
+    (x-ignore-shared: templates, a memory snapshot's state). A memory snapshot's stream carries them (its
+    source's RAM is private, so x-ignore-shared is off for it); its loader (load) takes them into shared
+    anonymous memory of the same size instead of the file, which its own save then leaves out."""
     limits = spec.limits
     bus = "device" if machine == "microvm" else "pci"
     os_args = "" if machine == "microvm" else f" {OS_CMDLINE}"
@@ -58,7 +64,7 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
            *(["-kernel", str(g.stub)] if incoming is not None and STUB_RESTORES
              else ["-kernel", str(g.kernel), "-initrd", str(g.initrd)]),
            "-append", f"{CMDLINE} dsec.layers={len(spec.layers)} dsec.host={host} dsec.pids={limits.pids}"
-                     f"{' dsec.privileged=1' if spec.privileged else ''}{os_args}",
+                     f"{' dsec.privileged=1' if spec.privileged else ''}{f' dsec.pmem={pmem}' if pmem else ''}{os_args}",
            "-name", str(work),    # what qemu_processes finds it by
            "-chardev", f"file,id=console,path=/dev/fdset/{len(fds) + 1}", "-serial", "chardev:console",
            "-add-fd", f"fd={console},set={len(fds) + 1}",
@@ -68,7 +74,20 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
            "-device", f"virtio-rng-{bus}",
            "-netdev", f"tap,id=net0,fd={tap}" if tap is not None else "hubport,id=net0,hubid=0",
            "-device", f"virtio-net-{bus},netdev=net0,mac={MAC}"]
+    mapped = {f"layer_{i}" for i in range(pmem)}
+    sizes = []
+    for name in sorted(mapped):
+        sizes.append(os.fstat(fds[name]).st_size)
+        backend = (f"memory-backend-ram,id={name},size={sizes[-1]},share=on" if load else
+                   f"memory-backend-file,id={name},mem-path=/proc/self/fd/{fds[name]},size={sizes[-1]},share=on,readonly=on")
+        out += ["-object", backend,
+                "-device", f"virtio-pmem-pci,memdev={name},id=pmem_{name}"]
+    if sizes:
+        m = out.index("-m") + 1
+        out[m] += f",slots={len(sizes)},maxmem={(limits.memory + sum(sizes)) >> 20}M"
     for n, (name, fd) in enumerate(fds.items(), start=1):
+        if name in mapped:
+            continue
         ro = name != "disk"
         out += ["-add-fd", f"fd={fd},set={n}"]
         if not ro:   # QEMU opens a writable drive read-only first (probing), then read-write

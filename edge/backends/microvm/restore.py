@@ -13,6 +13,7 @@ from edge.backends import idmap
 from edge.backends.base import BackendError, SandboxSpec
 from edge.backends.microvm import template
 from edge.backends.microvm.qemu import cpus, disk_size, log_tail
+from edge.backends.microvm.qmp import QmpError
 from edge.backends.microvm.boot import boot_failure
 from edge.backends.microvm.vm import IGNORE_SHARED, READY_TIMEOUT, VM
 
@@ -26,7 +27,7 @@ class Restoring:
     async def _template(self, spec: SandboxSpec) -> template.Template:
         limits = spec.limits
         key = template.key_of(self._guest, self.accel, limits.memory, cpus(limits), disk_size(limits), limits.pids,
-                              len(spec.layers), spec.privileged, layers=list(spec.layers))
+                              len(spec.layers), spec.privileged, self._pmem(spec), layers=list(spec.layers))
         return await self._templates.get(key, lambda path: self._build_template(path, spec))
 
     async def _build_template(self, path: Path, spec: SandboxSpec) -> tuple[int, int]:
@@ -113,9 +114,17 @@ class Restoring:
     async def _migrated(self, vm: VM, what: str, exited: asyncio.Future | None = None) -> None:
         """Until query-migrate says completed (either end); BackendError if it failed or took too long."""
         deadline = time.monotonic() + MIGRATE_TIMEOUT
-        while (st := await vm.qmp.execute("query-migrate")).get("status") != "completed":
+        while (st := await self._query_migrate(vm, what)).get("status") != "completed":
             if st.get("status") in ("failed", "cancelled") or time.monotonic() > deadline \
                     or (exited is not None and exited.done()):
                 raise BackendError(f"{what} failed: {st.get('error-desc', st.get('status'))} "
                                    f"({log_tail(self._dir(vm.key) / 'qemu.log')})")
             await asyncio.sleep(0.01)
+
+    async def _query_migrate(self, vm: VM, what: str) -> dict:
+        """query-migrate; a QEMU gone meanwhile (it ends when a load fails) says why, from its log."""
+        try:
+            return await vm.qmp.execute("query-migrate")
+        except QmpError as exc:
+            await asyncio.sleep(0.1)     # (its last words reach the log as it exits)
+            raise BackendError(f"{what} failed: {exc} ({log_tail(self._dir(vm.key) / 'qemu.log')})") from exc
