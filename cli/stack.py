@@ -184,7 +184,7 @@ class Stack:
             self._buses.remove(cut)
         await cut.close()
         self.placement = None
-        for attempt in range(30):
+        for _ in range(30):
             try:
                 bus = await self._bus_as("placement")
                 break
