@@ -221,6 +221,66 @@ static void run(char **argv, char **envp, int errfd) {
     fail_child(errfd, "exec");
 }
 
+/* What an exec's child is given: everything it takes before its command's execve. */
+struct child {
+    const char *group, *user, *cwd;     /* its pids group's join file, UID:GID:GROUPS or NULL, its cwd */
+    int groups_ok, mem_ok, master;      /* master: a terminal's, or -1 */
+    int in, out, err, rep;              /* its stdio pipes' ends, and the pipe its failure is told on */
+    char **argv, **envp;
+};
+
+/* An exec's child, before its command: its groups, namespaces, capabilities, stdio, user and cwd. In a VM
+ * it runs as a vfork (exec_spawn): on the agent's memory while the agent waits, so it only makes system
+ * calls and writes its own stack; its oom_score_adj is its own (the kernel does not pass a vfork child's
+ * on to the memory's other users). */
+static int exec_child(void *arg) {
+    const struct child *c = arg;
+    sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
+    setsid();
+    if (c->groups_ok) {
+        int fd = open(c->group, O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || write(fd, "0", 1) != 1) fail_child(c->rep, "setup");
+        close(fd);
+    }
+    if (c->mem_ok) write_file("/dev/.mem/sandbox/tasks", "0");    /* (a guest's: as above) */
+    /* A full VM's command: in systemd's mount namespace (its /proc, /run, /sys), in the root there.
+     * Its pid namespace is systemd's already (start_os): there the agent has no pid. */
+    if (os_mnt >= 0 && (setns(os_mnt, CLONE_NEWNS) || chroot("/newroot"))) fail_child(c->rep, "enter the OS");
+    if (confined_mnt >= 0) {        /* its root is the initramfs's again: the guest's is /newroot */
+        if (setns(confined_mnt, CLONE_NEWNS) || chroot("/newroot")) fail_child(c->rep, "confine");
+    } else if (in_vm && !privileged) confine(c->rep);
+    /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT: no mount over /.dsec, no hostname, no
+     * kernel module or raw device, and no ptrace of the agent (its caps exceed the exec's). */
+    for (size_t i = 0; !privileged && i < sizeof dropped / sizeof *dropped; i++)
+        prctl(PR_CAPBSET_DROP, dropped[i], 0, 0, 0);
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
+    if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }       /* the command's */
+    if (c->master >= 0) {   /* the terminal's peer, by the master (no path: a full VM's root has its own /dev) */
+        int peer = ioctl(c->master, TIOCGPTPEER, O_RDWR | O_NOCTTY);
+        if (peer < 0) peer = open(ptsname(c->master), O_RDWR | O_NOCTTY);
+        if (peer < 0 || ioctl(peer, TIOCSCTTY, 0)) fail_child(c->rep, "terminal");
+        if (c->user && fchown(peer, (uid_t)strtoul(c->user, NULL, 10), (gid_t)-1)) fail_child(c->rep, "terminal");
+        if (dup2(peer, 0) < 0 || dup2(peer, 1) < 0 || dup2(peer, 2) < 0) fail_child(c->rep, "setup");
+        if (peer > 2) close(peer);
+    } else if (dup2(c->in, 0) < 0 || dup2(c->out, 1) < 0 || dup2(c->err, 2) < 0) fail_child(c->rep, "setup");
+    if (c->user && become(c->user)) fail_child(c->rep, "user");
+    if (chdir(c->cwd)) fail_child(c->rep, "cwd");
+    run(c->argv, c->envp, c->rep);
+    return 127;
+}
+
+/* The child: a vfork in a VM (clone CLONE_VM|CLONE_VFORK on a stack of its own, the agent resumed once
+ * its command exec'd or it failed: copying the agent's page tables for a fork cost ~0.5 ms of each exec
+ * under TCG); a fork elsewhere (gVisor's sentry). One child at a time is between clone and exec. */
+static pid_t exec_spawn(struct child *c) {
+    static char stack[64 << 10] __attribute__((aligned(16)));
+    if (in_vm) return clone(exec_child, stack + sizeof stack, CLONE_VM | CLONE_VFORK | SIGCHLD, c);
+    pid_t pid = fork();
+    if (pid == 0) _exit(exec_child(c));
+    return pid;
+}
+
 static void start_exec(uint32_t id, const char *p, size_t n) {
     struct exec *x = NULL;
     for (int i = 0; i < MAXEXEC; i++) if (!execs[i].pid) { x = &execs[i]; break; }
@@ -264,7 +324,10 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     group_path(group, sizeof group, id, in_vm ? "tasks" : "cgroup.procs");
     int in[2], out[2], err[2], rep[2];
     if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(rep, O_CLOEXEC)) die("pipe");
-    pid_t pid = fork();
+    struct child c = {.group = group, .user = user, .cwd = cwd, .groups_ok = groups_ok, .mem_ok = mem_ok,
+                      .master = master, .in = in[0], .out = out[1], .err = err[1], .rep = rep[1],
+                      .argv = argv, .envp = envp};
+    pid_t pid = exec_spawn(&c);
     if (pid < 0) {
         int e = errno; char m[64]; int k = snprintf(m, sizeof m, "fork%c%d%c", 0, e, 0);
         reply('F', id, m, (size_t)k, strerror(e), strlen(strerror(e)));
@@ -272,40 +335,6 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
         close(rep[0]); close(rep[1]); free(vec);
         if (master >= 0) close(master);
         return;
-    }
-    if (pid == 0) {
-        sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
-        signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
-        setsid();
-        if (groups_ok) {
-            int fd = open(group, O_WRONLY | O_CLOEXEC);
-            if (fd < 0 || write(fd, "0", 1) != 1) fail_child(rep[1], "setup");
-            close(fd);
-        }
-        if (mem_ok) write_file("/dev/.mem/sandbox/tasks", "0");    /* (a guest's: as above) */
-        /* A full VM's command: in systemd's mount namespace (its /proc, /run, /sys), in the root there.
-         * Its pid namespace is systemd's already (start_os): there the agent has no pid. */
-        if (os_mnt >= 0 && (setns(os_mnt, CLONE_NEWNS) || chroot("/newroot"))) fail_child(rep[1], "enter the OS");
-        if (confined_mnt >= 0) {        /* its root is the initramfs's again: the guest's is /newroot */
-            if (setns(confined_mnt, CLONE_NEWNS) || chroot("/newroot")) fail_child(rep[1], "confine");
-        } else if (in_vm && !privileged) confine(rep[1]);
-        /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT: no mount over /.dsec, no hostname, no
-         * kernel module or raw device, and no ptrace of the agent (its caps exceed the exec's). */
-        for (int c = 0; !privileged && c < (int)(sizeof dropped / sizeof *dropped); c++)
-            prctl(PR_CAPBSET_DROP, dropped[c], 0, 0, 0);
-        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
-        if (oom >= 0) { if (write(oom, "0", 1) < 0) {} close(oom); }       /* the command's */
-        if (master >= 0) {   /* the terminal's peer, by the master (no path: a full VM's root has its own /dev) */
-            int peer = ioctl(master, TIOCGPTPEER, O_RDWR | O_NOCTTY);
-            if (peer < 0) peer = open(ptsname(master), O_RDWR | O_NOCTTY);
-            if (peer < 0 || ioctl(peer, TIOCSCTTY, 0)) fail_child(rep[1], "terminal");
-            if (user && fchown(peer, (uid_t)strtoul(user, NULL, 10), (gid_t)-1)) fail_child(rep[1], "terminal");
-            if (dup2(peer, 0) < 0 || dup2(peer, 1) < 0 || dup2(peer, 2) < 0) fail_child(rep[1], "setup");
-            if (peer > 2) close(peer);
-        } else if (dup2(in[0], 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0) fail_child(rep[1], "setup");
-        if (user && become(user)) fail_child(rep[1], "user");
-        if (chdir(cwd)) fail_child(rep[1], "cwd");
-        run(argv, envp, rep[1]);
     }
     close(in[0]); close(out[1]); close(err[1]); close(rep[1]);
     char msg[512]; ssize_t k;
