@@ -243,7 +243,7 @@ async def dax_rows(args) -> list[tuple[str, float, float, str]]:
     from edge.backends.base import Limits, SandboxSpec
     n, tmp = args.fullvms, Path(tempfile.mkdtemp(prefix="vm-memory-dax-"))
     b = fullvm.FullVMBackend(tmp / "state", "bench-vm-dax")
-    spec = lambda i: SandboxSpec(f"f{i}", [], Limits(memory=256 << 20))  # noqa: E731
+    spec = lambda sid: SandboxSpec(sid, [], Limits(memory=256 << 20))  # noqa: E731
     figures: dict[bool, list[float]] = {}
 
     def pss(ids: list[str]) -> list[float]:
@@ -253,12 +253,12 @@ async def dax_rows(args) -> list[tuple[str, float, float, str]]:
     try:
         for on in (True, False):
             fullvm.DAX = on
-            await b.create(spec(0 if on else 1))        # its template
-            await b.destroy(f"f{0 if on else 1}")
+            await b.create(spec(f"t{on:d}"))            # its template
+            await b.destroy(f"t{on:d}")
             grown: list[float] = []
-            ids = [f"f{i}" for i in range(10 + 100 * on, 10 + 100 * on + n)]
+            ids = [f"f{on:d}-{i}" for i in range(n)]
             for sid in ids:
-                await b.create(spec(sid[1:]))
+                await b.create(spec(sid))
             await asyncio.sleep(5)
             idle = pss(ids)
             for sid in ids:

@@ -55,10 +55,18 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
         memory = ["-object", f"memory-backend-file,id=ram,size={limits.memory >> 20}M,"
                              f"mem-path=/proc/self/fd/{ram},share={'off' if incoming is not None and not load else 'on'}",
                   *(["-incoming", "defer"] if incoming is not None else []), *(["-S"] if load else [])]
+    mapped = [f"layer_{i}" for i in range(pmem)]
+    sizes = [os.fstat(fds[name]).st_size for name in mapped]
+    pmem_args: list[str] = []
+    for name, size in zip(mapped, sizes):
+        backend = (f"memory-backend-ram,id={name},size={size},share=on" if load else
+                   f"memory-backend-file,id={name},mem-path=/proc/self/fd/{fds[name]},size={size},share=on,readonly=on")
+        pmem_args += ["-object", backend, "-device", f"virtio-pmem-pci,memdev={name},id=pmem_{name}"]
+    mem = f"{limits.memory >> 20}M" + (f",slots={len(sizes)},maxmem={(limits.memory + sum(sizes)) >> 20}M" if sizes else "")
     host = "template" if ram is not None else spec.id
     accel_opt = accel if accel == "kvm" else f"tcg,tb-size={TB_SIZE_MIB}"
     out = [qemu, "-M", machine, "-accel", accel_opt, *(["-cpu", "host"] if accel == "kvm" else []),
-           "-m", f"{limits.memory >> 20}M", *memory, "-smp", str(cpus(limits)), "-nodefaults",
+           "-m", mem, *memory, "-smp", str(cpus(limits)), "-nodefaults",
            "-no-user-config", "-no-reboot", "-display", "none", "-sandbox", SECCOMP,
            # a restore's RAM holds its booted kernel: it gets a stub (guest.stub_kernel), and no initrd
            *(["-kernel", str(g.stub)] if incoming is not None and STUB_RESTORES
@@ -73,18 +81,7 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
            "-chardev", f"socket,id=mon,fd={monitor}", "-mon", "chardev=mon,mode=control",
            "-device", f"virtio-rng-{bus}",
            "-netdev", f"tap,id=net0,fd={tap}" if tap is not None else "hubport,id=net0,hubid=0",
-           "-device", f"virtio-net-{bus},netdev=net0,mac={MAC}"]
-    mapped = {f"layer_{i}" for i in range(pmem)}
-    sizes = []
-    for name in sorted(mapped):
-        sizes.append(os.fstat(fds[name]).st_size)
-        backend = (f"memory-backend-ram,id={name},size={sizes[-1]},share=on" if load else
-                   f"memory-backend-file,id={name},mem-path=/proc/self/fd/{fds[name]},size={sizes[-1]},share=on,readonly=on")
-        out += ["-object", backend,
-                "-device", f"virtio-pmem-pci,memdev={name},id=pmem_{name}"]
-    if sizes:
-        m = out.index("-m") + 1
-        out[m] += f",slots={len(sizes)},maxmem={(limits.memory + sum(sizes)) >> 20}M"
+           "-device", f"virtio-net-{bus},netdev=net0,mac={MAC}", *pmem_args]
     for n, (name, fd) in enumerate(fds.items(), start=1):
         if name in mapped:
             continue

@@ -243,7 +243,7 @@ static int exec_child(void *arg) {
         if (fd < 0 || write(fd, "0", 1) != 1) fail_child(c->rep, "setup");
         close(fd);
     }
-    if (c->mem_ok) write_file("/dev/.mem/sandbox/tasks", "0");    /* (a guest's: as above) */
+    if (c->mem_ok) write_file("/dev/.mem/sandbox/tasks", "0");    /* (a guest's: tasks, as c->group) */
     /* A full VM's command: in systemd's mount namespace (its /proc, /run, /sys), in the root there.
      * Its pid namespace is systemd's already (start_os): there the agent has no pid. */
     if (os_mnt >= 0 && (setns(os_mnt, CLONE_NEWNS) || chroot("/newroot"))) fail_child(c->rep, "enter the OS");
