@@ -22,7 +22,8 @@ setup: system venv
 # import --from docker://...`) and docker-registry (the registry the import test starts on loopback; Debian's
 # service, which the package starts, is stopped and disabled), and libfuse3-dev, fuse3 and pkg-config (pyfuse3 is
 # built against them: lazily loaded layers).
-# `apt-get update` runs once first.
+# `apt-get update` runs once first. The services' daemons are stopped by user and name (`pkill -u U -x NAME`), not by
+# a pattern of their command line: `pkill -f` matches this recipe's own shell, whose text holds the pattern.
 system:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	ldd "$$(command -v busybox)" >/dev/null 2>&1 && missing="$$missing busybox-static"; \
@@ -37,9 +38,9 @@ system:
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \
 	  pkill -f '^/usr/bin/lxcfs /var/lib/lxcfs' 2>/dev/null; umount -l /var/lib/lxcfs 2>/dev/null; \
 	  (systemctl disable --now apt-cacher-ng.service || update-rc.d apt-cacher-ng disable) >/dev/null 2>&1; \
-	  pkill -f 'apt-cacher-ng -c /etc/apt-cacher-ng' 2>/dev/null; \
+	  pkill -u apt-cacher-ng -x apt-cacher-ng 2>/dev/null; \
 	  (systemctl disable --now docker-registry.service || update-rc.d docker-registry disable) >/dev/null 2>&1; \
-	  pkill -f '^/usr/bin/docker-registry serve /etc/docker/registry' 2>/dev/null; true; }; \
+	  pkill -u docker-registry -x docker-registry 2>/dev/null; true; }; \
 	fi
 
 venv: $(VENV)/.installed
