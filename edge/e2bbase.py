@@ -9,6 +9,7 @@ capability bounding set every command has.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -27,8 +28,12 @@ def _lines(path: Path) -> list[str]:
 
 
 def _write(path: Path, lines: list[str], mode: int) -> None:
+    text = "".join(f"{line}\n" for line in lines)
+    with contextlib.suppress(OSError):
+        if path.read_text() == text and path.stat().st_mode & 0o7777 == mode:
+            return   # unchanged: its mtime (and its dir's) too, so the root packs to the same bytes again
     tmp = path.with_name(path.name + ".dsec")
-    tmp.write_text("".join(f"{line}\n" for line in lines))
+    tmp.write_text(text)
     os.chmod(tmp, mode)
     os.replace(tmp, path)
 
@@ -81,7 +86,7 @@ async def ensure_published(bus, log=print, name: str = "base") -> bool:
     import asyncio
     from bus.errors import ImageNotFound
     from bus.images import ImageRegistry
-    from edge.erofs import pack_dir
+    from edge.erofs import PACKING, pack_dir
     registry = ImageRegistry(bus)
     try:
         await registry.resolve(name, cache_for=0)
@@ -89,8 +94,8 @@ async def ensure_published(bus, log=print, name: str = "base") -> bool:
     except ImageNotFound:
         pass
     made = await asyncio.to_thread(root, log)
-    layer = made.parent / "e2b-base.erofs"
-    digest_file = made.parent / "e2b-base.digest"
+    layer = made.parent / f"e2b-base.p{PACKING}.erofs"
+    digest_file = layer.with_suffix(".digest")
     if not (layer.exists() and digest_file.exists()):
         tmp = layer.with_name(f".e2b-base.{os.getpid()}.erofs")
         digest = await asyncio.to_thread(pack_dir, made, tmp)

@@ -23,10 +23,19 @@ FIXED_UUID = "00000000-0000-0000-0000-000000000000"
 DAX_ALIGN = 2 << 20
 
 
+# The superblock's build time, fixed so that the same tree packs to the same bytes. mkfs.erofs (1.5) keeps each
+# file's mtime below it (SOURCE_DATE_EPOCH clamps, in extended inodes): far in the future, it keeps them all.
+BUILD_TIME = 4102444800   # 2100-01-01
+PACKING = 2   # how pack_dir packs (2: mtimes kept); in the keys of packed layers cached outside a state dir
+
+
 def pack_dir(src: Path, dst: Path, *, dax: bool = False) -> str:
-    """Pack directory src into the EROFS file dst (uid/gid kept, fixed mtime); return its sha256 digest.
-    Reproducible: fixed timestamps and filesystem UUID, so the same tree always gives the same bytes,
-    hence the same digest (a layer is stored once; an unchanged rebuild makes no new version).
+    """Pack directory src into the EROFS file dst (owners, modes and mtimes kept); return its sha256 digest.
+    Reproducible: a fixed build time and filesystem UUID, so the same tree always gives the same bytes,
+    hence the same digest (a layer is stored once; an unchanged rebuild makes no new version). Mtimes are
+    kept because programs read them: Python trusts a .pyc only while its source has the mtime it
+    recorded (with every mtime 0, each process compiled every module it imported again, in memory), and
+    make compares them.
     dax: for a guest to map (see DAX_ALIGN): no inline tails, the file padded with zeros to whole 2 MiB
     (EROFS reads nothing past its own blocks); ~10% larger for a Debian root."""
     if not src.is_dir():
@@ -34,9 +43,9 @@ def pack_dir(src: Path, dst: Path, *, dax: bool = False) -> str:
     if shutil.which("mkfs.erofs") is None:
         raise LayerBuildError("mkfs.erofs not found: install erofs-utils (make setup does)")
     tmp = dst.with_suffix(".tmp")
-    proc = subprocess.run(["mkfs.erofs", "--quiet", "-T0", f"-U{FIXED_UUID}",
+    proc = subprocess.run(["mkfs.erofs", "--quiet", f"-U{FIXED_UUID}",
                            *(["-E", "noinline_data"] if dax else []), str(tmp), str(src)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env={**os.environ, "SOURCE_DATE_EPOCH": str(BUILD_TIME)})
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise LayerBuildError(f"mkfs.erofs failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -95,3 +104,11 @@ def busybox_rootfs(root: Path) -> None:
     (root / "etc/passwd").write_text("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
     (root / "etc/group").write_text("root:x:0:\nnogroup:x:65534:\n")
     (root / "etc/hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+    fix_mtimes(root)
+
+
+def fix_mtimes(root: Path, at: int = 0) -> None:
+    """Give every entry of a tree made here (not copied from elsewhere) the same mtime, so that the layer
+    packed from it has the same digest each time it is made."""
+    for path in [root, *root.rglob("*")]:
+        os.utime(path, (at, at), follow_symlinks=False)

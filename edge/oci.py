@@ -161,22 +161,33 @@ def apply_layers(layers: list[Path], root: Path, progress=lambda line: None) -> 
     """Apply each layer tar (plain or gzip) onto root, lowest first, as overlayfs would stack them."""
     root.mkdir(mode=0o755, exist_ok=True)
     fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    dir_mtimes: dict[str, int] = {}
     try:
         for i, layer in enumerate(layers):
             progress(f"layer {i + 1}/{len(layers)}: {layer.name[:19]} ({layer.stat().st_size} bytes)")
             try:
-                _apply(fd, layer)
+                _apply(fd, layer, dir_mtimes)
             except (tarfile.TarError, EOFError, gzip.BadGzipFile, OSError) as exc:
                 raise OciError(f"layer {i + 1} ({layer.name[:19]}): {exc}") from None
     finally:
         os.close(fd)
+    _dir_times(root, dir_mtimes)
+
+
+def _dir_times(root: Path, mtimes: dict[str, int]) -> None:
+    """Every directory's mtime as its last layer gave it, once nothing changes in it any more (adding an
+    entry sets its directory's mtime to now); 0 for one no layer named: the same image, the same layer."""
+    for path, _dirs, _files in os.walk(root, topdown=False):   # (symlinks are not followed)
+        rel = os.path.relpath(path, root)
+        at = mtimes.get("" if rel == "." else rel, 0)
+        os.utime(path, ns=(at, at), follow_symlinks=False)
 
 
 def _open(layer: Path) -> tarfile.TarFile:
     return tarfile.open(layer, "r:*")
 
 
-def _apply(root: int, layer: Path) -> None:
+def _apply(root: int, layer: Path, dir_mtimes: dict[str, int]) -> None:
     # whiteouts first: they hide what the layers below hold, never what this one adds
     with _open(layer) as tar:
         outs = [(_clean(m.name), m) for m in tar if os.path.basename(m.name.rstrip("/")).startswith(WHITEOUT)]
@@ -195,6 +206,8 @@ def _apply(root: int, layer: Path) -> None:
             if m.islnk():
                 links.append((rel, m))    # after the files they name (a link may come before its target)
             else:
+                if m.isdir():
+                    dir_mtimes[rel] = int(m.mtime * 1e9)
                 _entry(root, rel, m, tar)
     for rel, m in links:
         _hardlink(root, rel, m)

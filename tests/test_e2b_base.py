@@ -59,6 +59,9 @@ def _as_e2b_code() -> None:
         tools = sbx.commands.run("bash --version | head -1; python3 -c 'print(6*7)'; pip --version; git --version; "
                                  "curl --version | head -1")
         assert "GNU bash" in tools.stdout and "\n42\n" in tools.stdout and "git version" in tools.stdout, tools.stdout
+        imports = sbx.commands.run("python3 -v -c 'import json' 2>&1 | grep json/__init__")
+        assert "__init__.cpython-311.pyc matches /usr/lib/python3.11/json/__init__.py" in imports.stdout, \
+            imports.stdout   # its .pyc is used: compiled again in every process when the layer lost the mtimes
         sbx.files.write("/home/user/notes.txt", "hi")
         assert sbx.commands.run("cat ~/notes.txt").stdout == "hi"
     finally:

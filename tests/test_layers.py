@@ -76,6 +76,35 @@ async def test_base_workspace_toolkit_compose_and_only_the_updated_layer_changes
         await latest.destroy()
 
 
+async def test_a_layer_keeps_its_files_mtimes(stack, client, tmp_path):
+    """Programs read mtimes (Python trusts a .pyc only while its source has the mtime it recorded; make
+    compares them): a layer keeps each file's, to the nanosecond, and the same tree still packs the same."""
+    root = tmp_path / "mt"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "a.py").write_text("x = 1\n")
+    os.utime(root / "src" / "a.py", ns=(1577934245_123456789, 1577934245_123456789))
+    os.symlink("a.py", root / "src" / "link")
+    os.utime(root / "src" / "link", (1600000000, 1600000000), follow_symlinks=False)
+    os.utime(root / "src", (1620259200, 1620259200))
+    assert (await build(stack.url, "mtimes", "workspace", root)).startswith("mtimes@1 workspace")
+    assert "unchanged" in await build(stack.url, "mtimes", "workspace", root)
+    async with await client.create(workspace="mtimes") as sb:
+        r = await sb.exec(["stat", "-c", "%y %n", "/src/a.py", "/src", "/src/link"])
+        assert r.stdout.decode().splitlines() == ["2020-01-02 03:04:05.123456789 +0000 /src/a.py",
+                                                  "2021-05-06 00:00:00.000000000 +0000 /src",
+                                                  "2020-09-13 12:26:40.000000000 +0000 /src/link"], r
+
+
+def test_a_generated_root_packs_to_the_same_digest_each_time(tmp_path):
+    """busybox's root is laid out afresh by each node that imports it: twins must publish one digest."""
+    from edge.erofs import busybox_rootfs, pack_dir
+    digests = set()
+    for i in range(2):
+        busybox_rootfs(tmp_path / f"r{i}")
+        digests.add(pack_dir(tmp_path / f"r{i}", tmp_path / f"l{i}.erofs"))
+    assert len(digests) == 1, digests
+
+
 async def test_layer_kinds_and_names_are_checked(stack, client, tmp_path):
     root = tmp_path / "r"
     root.mkdir()

@@ -40,7 +40,7 @@ async def test_a_multi_layer_oci_image_round_trips(stack, client, rich, tmp_path
     async with await client.create(image="rich", timeout=60) as sb:
         r = await sb.exec(["/bin/sh", "-c",
                            "cd /data && ls -a . opaque; cat keep.txt; readlink sym; "
-                           "stat -c '%n %u %g %a %h' keep.txt hard1 hard2 opaque /bin/suid /work; "
+                           "stat -c '%n %u %g %a %h %Y' keep.txt hard1 hard2 opaque /bin/suid /work; "
                            "[ $(stat -c %i hard1) = $(stat -c %i hard2) ] && echo same-inode; "
                            "sha256sum big.bin | cut -c1-64"], user="root", cwd="/")
         assert r.exit_code == 0, r
@@ -49,8 +49,8 @@ async def test_a_multi_layer_oci_image_round_trips(stack, client, rich, tmp_path
             ".:\n.\n..\nbig.bin\nhard1\nhard2\nkeep.txt\nopaque\nsym\nxattr.txt\n\n"   # gone.txt: whited out
             "opaque:\n.\n..\nnew.txt\n"                                                # old.txt: opaque dir
             "keep v2\nkeep.txt\n"
-            "keep.txt 1000 2001 640 1\nhard1 0 0 600 2\nhard2 0 0 600 2\nopaque 0 0 750 2\n"
-            "/bin/suid 0 0 4755 1\n/work 1000 1000 755 2\n"
+            "keep.txt 1000 2001 640 1 1700000000\nhard1 0 0 600 2 1700000000\nhard2 0 0 600 2 1700000000\n"
+            "opaque 0 0 750 2 1700000000\n/bin/suid 0 0 4755 1 1700000000\n/work 1000 1000 755 2 1700000000\n"
             f"same-inode\n{big}\n")
     # xattrs and the file capability are in the layer itself (mounted here, as the node does)
     rec = await stack.bus.kv_get(streams.IMAGES_KV, "rich")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from edge import debootstrap
 from edge.backends.microvm.guest import cache_dir
-from edge.erofs import DAX_ALIGN, LayerBuildError, pack_dir
+from edge.erofs import DAX_ALIGN, PACKING, LayerBuildError, pack_dir
 
 SUITE = "bookworm"
 PACKAGES = ["systemd", "systemd-sysv"]
@@ -73,7 +73,7 @@ def tweak(root: Path) -> None:
 def build(log=print) -> Path:
     """The OS layer, from debootstrap's cached root (made now if missing) with tweak() applied."""
     root = debootstrap.root_for(SUITE, PACKAGES, debootstrap.apt_mirror(), log)
-    mark = hashlib.sha256(f"{root}\0{TWEAKS}\0{sorted(MASKED)}".encode()).hexdigest()[:16]
+    mark = hashlib.sha256(f"{root}\0{TWEAKS}\0{sorted(MASKED)}\0{PACKING}".encode()).hexdigest()[:16]
     stamp = cache_dir() / "fullvm-os.source"
     if path().is_file() and stamp.is_file() and stamp.read_text().strip() == mark:
         return path()
