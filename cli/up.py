@@ -35,7 +35,8 @@ def edge_options(fn):
         click.option("--capacity", default="", metavar="K=V,...",
                      help="What this node offers, overriding what is measured: slots=N, cpu=CORES, "
                           "memory=SIZE, disk=SIZE, and per backend kind KIND.slots=N (e.g. "
-                          "slots=25,cpu=2,memory=4Gi,container.slots=20,fncall.slots=64). The overcommit "
+                          "slots=25,cpu=2,memory=4Gi,container.slots=20,fncall.slots=64; a VM kind's default is "
+                          "the VMs of its least memory the node's memory holds). The overcommit "
                           "and memory fraction below still apply to cpu and memory."),
         click.option("--backend", "backends", multiple=True, metavar="KIND",
                      help="A backend kind this node runs (repeat for several: --backend container --backend "

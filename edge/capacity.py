@@ -102,9 +102,16 @@ class Capacity:
         return max(0, self.config.slots - len(self.used))
 
     def kind_slots(self, kind: str) -> int:
-        """Sandboxes of this kind the node may hold (0: it does not run the kind)."""
+        """Sandboxes of this kind the node may hold (0: it does not run the kind): the operator's
+        (--capacity KIND.slots=N), else for a VM kind as many of its smallest VMs (its least memory and
+        its QEMU's overhead) as the node's memory holds, else `slots`."""
         c = self.config
-        return min(c.slots, c.kind_slots.get(kind, c.slots)) if kind in c.backends else 0
+        if kind not in c.backends:
+            return 0
+        default = c.slots
+        if kind in kinds.MIN_MEMORY:
+            default = min(default, max(1, self.memory // (kinds.MIN_MEMORY[kind] + kinds.OVERHEAD[kind][0])))
+        return min(c.slots, c.kind_slots.get(kind, default))
 
     def free_kind_slots(self, kind: str) -> int:
         """Sandboxes of this kind that may still start."""

@@ -577,6 +577,23 @@ def test_scoring_filters_on_the_kind_and_books_its_overhead_from_one_shared_pool
     assert scoring.choose([one_vm], Resources())[0] == "both"
 
 
+def test_a_node_advertises_vm_slots_from_its_memory():
+    """A VM kind's slots default to the VMs of its least memory (plus QEMU's overhead) the node's memory
+    holds, not to the node's slots (16,384 microVMs on a 24 GiB node); the operator's figure wins."""
+    from edge.capacity import Capacity, EdgeConfig
+    cfg = EdgeConfig(memory=24 << 30, memory_fraction=0.8, slots=16384, backends=["container", "microvm", "fullvm"])
+    cap = Capacity(cfg)
+    assert cap.kind_slots("container") == 16384
+    assert cap.kind_slots("microvm") == int((24 << 30) * 0.8) // ((128 + 96) << 20) == 87
+    assert cap.kind_slots("fullvm") == int((24 << 30) * 0.8) // ((256 + 160) << 20) == 47
+    assert cap.kind_slots("gvisor") == 0                                     # not run here
+    assert cap.node_info().kind_slots == {"container": 16384, "microvm": 87, "fullvm": 47}
+    told = Capacity(msgspec.structs.replace(cfg, kind_slots={"microvm": 120}))
+    assert told.kind_slots("microvm") == 120 and told.kind_slots("fullvm") == 47
+    tiny = Capacity(msgspec.structs.replace(cfg, memory=100 << 20))
+    assert tiny.kind_slots("microvm") == 1      # (a create that does not fit is refused by its memory)
+
+
 def test_backend_configs_are_discriminated_and_strict(monkeypatch, tmp_path):
     from bus.errors import InvalidRequest
     from edge.backends.registry import FnCallConfig, config_for, kind_of_config
