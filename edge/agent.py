@@ -206,7 +206,8 @@ class Edge:
         record and its execs say so instead of waiting for its TTL."""
         if sandbox_id in self.sandboxes and not self.sandboxes[sandbox_id].ending:
             log.warning("sandbox %s ended by itself: %s", sandbox_id, why)
-            self.sandboxes[sandbox_id].ending = "failed"     # now: the execs it cut short say so
+            running = self.sandboxes[sandbox_id]
+            running.ending, running.ending_why = "failed", why   # now: the execs it cut short say so
             task = asyncio.create_task(self._destroy_quietly(sandbox_id, "failed", why))
             self._expiring.add(task)
             task.add_done_callback(self._expiring.discard)

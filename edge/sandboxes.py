@@ -56,6 +56,7 @@ class Running:
     snapshots: int = 0               # snapshots taken of it (names their events)
     timeouts: int = 0                # set_timeout calls so far (names their events)
     ending: str = ""                 # the final state it is being destroyed into
+    ending_why: str = ""             # ...and why (its record's reason)
     users: dict[str, "users.ExecUser | None"] = field(default_factory=dict)   # exec user name -> whom, resolved once
 
     def next(self, **changes) -> SandboxRecord:
@@ -79,7 +80,8 @@ class Sandboxes:
         self.released = released          # released(sandbox_id): its capacity is free again
         self.settle = settle              # settle(sandbox_id): its execs recorded their ends
         self.running: dict[str, Running] = {}
-        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()   # id -> final state here
+        self.ended: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()   # id -> (final
+                                                                                      # state here, why)
         self._memory_owner: dict[str, str] = {}   # memory snapshot held by the backend -> its tenant
         self.deadlines = Deadlines()      # when the TTL loop next looks at each (see deadline)
 
@@ -124,8 +126,14 @@ class Sandboxes:
         return bool(running and running.suspended_since)
 
     def ending(self, sandbox_id: str) -> str:
+        return self._ending(sandbox_id)[0]
+
+    def _ending(self, sandbox_id: str) -> tuple[str, str]:
+        """(final state, why) of a sandbox ending or ended here; ("", "") for one that is not."""
         running = self.running.get(sandbox_id)
-        return running.ending if running is not None else self.ended.get(sandbox_id, "")
+        if running is not None:
+            return running.ending, running.ending_why
+        return self.ended.get(sandbox_id, ("", ""))
 
     async def gone(self, sandbox_id: str, tenant: str = "") -> SandboxNotFound:
         """The typed error for a sandbox this node does not run, with the reason: how it ended here, else
@@ -135,7 +143,7 @@ class Sandboxes:
         running = self.running.get(sandbox_id)
         if tenant and running is not None and running.record.tenant != tenant:
             return unknown
-        reason = self.ending(sandbox_id)   # ending here now, or ended here
+        reason, why = self._ending(sandbox_id)   # ending here now, or ended here
         whose = tenant or (running.record.tenant if running is not None else "")
         rec = None
         if whose and (not reason or (tenant and running is None)):   # (its record is keyed by its tenant)
@@ -154,7 +162,8 @@ class Sandboxes:
                 reason = rec.state
             else:
                 reason = "node_lost" if rec.node == self.node else "not_on_this_node"
-        return SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
+        why = why or (rec.reason if rec is not None and rec.state == reason else "")
+        return SandboxNotFound(f"sandbox {sandbox_id} not found ({reason}{': ' + why if why else ''})", reason=reason)
 
     def trusted_shell(self, sandbox_id: str) -> str:
         """The shell string commands run with in this sandbox (its backend's)."""
@@ -249,7 +258,8 @@ class Sandboxes:
         running = self.running.get(sandbox_id)
         if running is None:
             raise KeyError(sandbox_id)
-        running.ending = running.ending or state
+        if not running.ending:
+            running.ending, running.ending_why = state, reason
         try:
             await self.backend.destroy(sandbox_id)
         finally:
@@ -263,7 +273,7 @@ class Sandboxes:
         self.released(sandbox_id)
         if running is None:
             return None
-        self.ended[sandbox_id] = state
+        self.ended[sandbox_id] = (state, running.ending_why if state == running.ending else reason)
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
         return await self.record(running, state, event=state, detail=reason, reason=reason, suspended=False,

@@ -185,6 +185,8 @@ async def test_a_privileged_vm_owns_its_kernel_and_touches_nothing_else(client, 
         assert err.value.reason == "failed", err.value
         rec = await ended_record(client, vm.id, 30)
         assert rec.state == "failed" and "VM exited" in rec.reason, rec
+        assert "Kernel panic - not syncing: sysrq triggered crash" in rec.reason, rec   # the line that says why
+        assert str(err.value) == f"sandbox {vm.id} not found (failed: {rec.reason})", err.value
         with pytest.raises(libdsec.SandboxNotFound):
             await vm.exec("echo after", timeout=10)
         assert (await neighbour.exec("echo fine")).stdout == b"fine\n"
@@ -206,6 +208,7 @@ async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes)
         assert err.value.reason == "failed", err.value
         rec = await ended_record(client, sb.id, 30)
         assert rec.state == "failed" and "agent ended" in rec.reason, rec
+        assert str(err.value) == f"sandbox {sb.id} not found (failed: {rec.reason})", err.value
     finally:
         with contextlib.suppress(libdsec.SandboxNotFound):
             await sb.destroy()

@@ -141,11 +141,12 @@ def disk_size(limits: Limits) -> int:
 
 
 def log_tail(path: Path) -> str:
-    """A log's last lines, or the last line our guest's init or agent wrote there (it says why; a kernel
-    panic's dump follows it)."""
+    """A log's last lines, or the line that says why: the kernel's panic, else the last line our guest's init
+    or agent wrote there (a panic's dump follows either)."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        ours = [ln for ln in lines if "dsec-init:" in ln or "dsec-agent:" in ln]
-        return (ours[-1] if ours else " | ".join(lines[-3:]))[-400:] or "(empty log)"
+        why = ([ln for ln in lines if "Kernel panic" in ln]
+               or [ln for ln in lines if "dsec-init:" in ln or "dsec-agent:" in ln])
+        return (why[-1].strip() if why else " | ".join(lines[-3:]))[-400:] or "(empty log)"
     except OSError:
         return "(no log)"
