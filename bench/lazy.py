@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import libdsec
+from edge import erofs
 
 from tests.ociimages import MIB, files_root as make_root
 
@@ -125,7 +126,8 @@ def import_run(files: int) -> None:
         t0 = time.perf_counter()
         (tmp / "x").mkdir()
         subprocess.run(["tar", "-xf", str(layer), "-C", str(tmp / "x")], check=True)
-        subprocess.run(["mkfs.erofs", "--quiet", "-T0", str(tmp / "x.erofs"), str(tmp / "x")], check=True)
+        subprocess.run(["mkfs.erofs", "--quiet", str(tmp / "x.erofs"), str(tmp / "x")], check=True,
+                       env={**os.environ, "SOURCE_DATE_EPOCH": str(erofs.BUILD_TIME)})   # as pack_dir packs
         raw = time.perf_counter() - t0
         from bench.stream import dsec_up
         with dsec_up("--no-aether") as (url, _):

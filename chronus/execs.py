@@ -57,6 +57,9 @@ class ExecHost(Protocol):
     def ending(self, sandbox_id: str) -> str:
         """Why the platform is ending the sandbox (destroyed, expired, node_lost, failed), '' while it runs."""
 
+    def ending_why(self, sandbox_id: str) -> str:
+        """...and in words (its record's reason, e.g. what ended its VM), '' when none was given."""
+
     async def gone(self, sandbox_id: str, tenant: str = "") -> SandboxNotFound:
         """The typed error for a sandbox this node does not run, with the recorded reason."""
 
@@ -375,9 +378,9 @@ class Execs:
         return fields
 
     def _ended_fields(self, sandbox_id: str, t0: float) -> dict:
-        reason = self.host.ending(sandbox_id)
-        return self._gone_fields(SandboxNotFound(f"sandbox {sandbox_id} {reason} while the command ran",
-                                                 reason=reason), t0)
+        reason, why = self.host.ending(sandbox_id), self.host.ending_why(sandbox_id)
+        return self._gone_fields(SandboxNotFound(f"sandbox {sandbox_id} {reason} while the command ran"
+                                                 f"{': ' + why if why else ''}", reason=reason), t0)
 
     @staticmethod
     def _gone_fields(err: SandboxNotFound, t0: float) -> dict:

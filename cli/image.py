@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import tarfile
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from bus import streams
 from bus.records import ImageConfig, sandbox_decoder, snapshot_decoder
 from edge import debootstrap, e2bbase
 from cli.main import connect, main, nats_option, run_async
-from edge.erofs import LayerBuildError, pack_dir
+from edge.erofs import LayerBuildError, pack_dir, set_dir_mtimes
 from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
 
@@ -99,7 +100,10 @@ def unpack_tar(archive: Path, root: Path) -> None:
     """Unpack a tar into root; members leaving root (absolute paths, .., links out) are refused."""
     root.mkdir()
     with tarfile.open(archive) as tar:
-        tar.extractall(root, filter="tar")   # keeps modes and owners, refuses paths outside root
+        members = tar.getmembers()
+        tar.extractall(root, members, filter="tar")   # keeps modes and owners, refuses paths outside root
+    named = {os.path.normpath(m.name).lstrip("/"): m for m in members if m.isdir()}
+    set_dir_mtimes(root, {("" if k == "." else k): int(m.mtime * 1e9) for k, m in named.items()})
 
 
 @image.command(name="rm")

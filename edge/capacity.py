@@ -41,7 +41,7 @@ class EdgeConfig(msgspec.Struct, forbid_unknown_fields=True):
     pool: str = "local"
     slots: int = 0                    # max sandboxes at once, all kinds together (0: default_slots())
     backends: list[str] = msgspec.field(default_factory=lambda: ["container"])   # the kinds it runs
-    kind_slots: dict[str, int] = {}   # kind -> max sandboxes of it at once (unset: `slots`)
+    kind_slots: dict[str, int] = {}   # kind -> max sandboxes of it at once (unset: Capacity.kind_slots)
     cpu_overcommit: float = 16.0      # schedulable cores = physical cores x this
     memory_fraction: float = 0.8      # schedulable memory = RAM x this (no overcommit)
     disk: int = 64 << 30              # writable-layer pool size (sparse btrfs image)

@@ -107,6 +107,17 @@ def busybox_rootfs(root: Path) -> None:
     fix_mtimes(root)
 
 
+def set_dir_mtimes(root: Path, times: dict[str, int]) -> None:
+    """After a tree was unpacked (each entry added to a directory set its mtime to now): every directory's
+    mtime as its archive gave it (times: path relative to root, '' for root -> ns), 0 for one it did not name
+    (the root, a parent made on the way), so the same archive packs to the same layer. Symlinks are not
+    followed: only the tree's own directories are touched."""
+    for path, _dirs, _files in os.walk(root, topdown=False):
+        rel = os.path.relpath(path, root)
+        at = times.get("" if rel == "." else rel, 0)
+        os.utime(path, ns=(at, at), follow_symlinks=False)
+
+
 def fix_mtimes(root: Path, at: int = 0) -> None:
     """Give every entry of a tree made here (not copied from elsewhere) the same mtime, so that the layer
     packed from it has the same digest each time it is made."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.backends import kernel
+from edge.erofs import set_dir_mtimes
 
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 IN_ROOT = kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS
@@ -169,18 +170,12 @@ def apply_layers(layers: list[Path], root: Path, progress=lambda line: None) -> 
                 _apply(fd, layer, dir_mtimes)
             except (tarfile.TarError, EOFError, gzip.BadGzipFile, OSError) as exc:
                 raise OciError(f"layer {i + 1} ({layer.name[:19]}): {exc}") from None
+        try:   # each directory's mtime as its last layer gave it
+            set_dir_mtimes(root, dir_mtimes)
+        except OSError as exc:
+            raise OciError(f"setting directory times: {exc}") from None
     finally:
         os.close(fd)
-    _dir_times(root, dir_mtimes)
-
-
-def _dir_times(root: Path, mtimes: dict[str, int]) -> None:
-    """Every directory's mtime as its last layer gave it, once nothing changes in it any more (adding an
-    entry sets its directory's mtime to now); 0 for one no layer named: the same image, the same layer."""
-    for path, _dirs, _files in os.walk(root, topdown=False):   # (symlinks are not followed)
-        rel = os.path.relpath(path, root)
-        at = mtimes.get("" if rel == "." else rel, 0)
-        os.utime(path, ns=(at, at), follow_symlinks=False)
 
 
 def _open(layer: Path) -> tarfile.TarFile:
@@ -206,9 +201,7 @@ def _apply(root: int, layer: Path, dir_mtimes: dict[str, int]) -> None:
             if m.islnk():
                 links.append((rel, m))    # after the files they name (a link may come before its target)
             else:
-                if m.isdir():
-                    dir_mtimes[rel] = int(m.mtime * 1e9)
-                _entry(root, rel, m, tar)
+                _entry(root, rel, m, tar, dir_mtimes)
     for rel, m in links:
         _hardlink(root, rel, m)
 
@@ -297,7 +290,7 @@ def _clear(root: int, rel: str) -> None:
         os.close(sub)
 
 
-def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile) -> None:
+def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mtimes: dict[str, int]) -> None:
     if m.ischr() or m.isblk():
         raise OciError(f"{rel} is a device node ({'char' if m.ischr() else 'block'} {m.devmajor}:{m.devminor}): "
                            "refused (a sandbox's /dev comes from the platform)")
@@ -325,8 +318,19 @@ def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile) -> Non
                 with os.fdopen(fd, "wb") as out, tar.extractfile(m) as data:
                     shutil.copyfileobj(data, out, 1 << 20)
         _attributes(dfd, base, m)
+        if m.isdir():   # (keyed by where it is: a parent named through a symlink of the image resolves)
+            real = os.path.join(os.readlink(f"/proc/self/fd/{dfd}"), base)
+            dir_mtimes[os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))] = _ns(m.mtime)
     finally:
         os.close(dfd)
+
+
+def _ns(mtime: float) -> int:
+    """A member's mtime in ns (0 for one out of range: a layer's times are not worth refusing it for)."""
+    try:
+        return max(0, min(int(mtime * 1e9), (1 << 63) - 1))
+    except (OverflowError, ValueError):
+        return 0
 
 
 def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
@@ -349,7 +353,7 @@ def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
         except OSError as exc:
             raise OciError(f"{m.name}: xattr {name}: {exc.strerror}") from None
     with contextlib.suppress(OSError):
-        os.utime(base, ns=(int(m.mtime * 1e9),) * 2, dir_fd=dfd, follow_symlinks=False)
+        os.utime(base, ns=(_ns(m.mtime),) * 2, dir_fd=dfd, follow_symlinks=False)
 
 
 def _hardlink(root: int, rel: str, m: tarfile.TarInfo) -> None:

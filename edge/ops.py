@@ -166,7 +166,8 @@ class OpLane:
         if await self.sandboxes.destroy(sandbox_id, "destroyed", "destroyed by request") is Outcome.FINAL:
             rec, _ = await self.sandboxes.records.get(tenant, sandbox_id)   # it ended otherwise first: say how
             reason = rec.state if rec is not None else "destroyed"
-            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({reason})", reason=reason)
+            why = f": {rec.reason}" if rec is not None and rec.reason else ""
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({reason}{why})", reason=reason)
 
     async def _read(self, op: ReadFile, tenant: str) -> bytes:
         if op.limit > MAX_READ:

@@ -128,6 +128,9 @@ class Sandboxes:
     def ending(self, sandbox_id: str) -> str:
         return self._ending(sandbox_id)[0]
 
+    def ending_why(self, sandbox_id: str) -> str:
+        return self._ending(sandbox_id)[1]
+
     def _ending(self, sandbox_id: str) -> tuple[str, str]:
         """(final state, why) of a sandbox ending or ended here; ("", "") for one that is not."""
         running = self.running.get(sandbox_id)
@@ -273,7 +276,9 @@ class Sandboxes:
         self.released(sandbox_id)
         if running is None:
             return None
-        self.ended[sandbox_id] = (state, running.ending_why if state == running.ending else reason)
+        if state == running.ending and running.ending_why:
+            reason = running.ending_why   # what ended it first (a VM that died, then a destroy): one story
+        self.ended[sandbox_id] = (state, reason)
         while len(self.ended) > ENDED_KEPT:
             self.ended.popitem(last=False)
         return await self.record(running, state, event=state, detail=reason, reason=reason, suspended=False,

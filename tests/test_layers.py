@@ -3,6 +3,7 @@ content-addressed EROFS layer; updating one layer rebuilds and uploads only that
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import subprocess
@@ -141,6 +142,31 @@ async def test_a_layer_from_a_tar(stack, client, tmp_path):
         tar.addfile(info)
     p = await asyncio.to_thread(dsec, "image", "build", "--nats", stack.url, "evil", "--from-tar", str(evil))
     assert p.returncode == 1 and "Traceback" not in p.stderr
+
+
+async def test_a_tar_without_its_directories_packs_the_same_again(stack, client, tmp_path):
+    """A tar that names neither its root nor a file's parents: those get mtime 0, the named ones theirs, so
+    building it again later is the same layer (no new version), and the sandbox sees the tar's times."""
+    archive = tmp_path / "bare.tar"
+    with tarfile.open(archive, "w") as tar:
+        info = tarfile.TarInfo("src/pkg/mod.py")
+        info.size, info.mtime = 6, 1_600_000_000
+        tar.addfile(info, io.BytesIO(b"x = 1\n"))
+        info = tarfile.TarInfo("src/named")
+        info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1_500_000_000
+        tar.addfile(info)
+
+    def build() -> subprocess.CompletedProcess:
+        return dsec("image", "build", "--nats", stack.url, "baretar", "--kind", "workspace", "--from-tar", str(archive))
+    first = await asyncio.to_thread(build)
+    assert first.returncode == 0 and first.stdout.startswith("baretar@1 "), first.stderr
+    await asyncio.sleep(1.1)
+    again = await asyncio.to_thread(build)
+    assert again.returncode == 0 and "unchanged" in again.stdout, again.stdout
+    async with await client.create(workspace="baretar") as sb:
+        r = await sb.exec(["stat", "-c", "%Y %n", "/src/pkg/mod.py", "/src/named", "/src/pkg"])
+        assert r.stdout.decode().split("\n")[:3] == ["1600000000 /src/pkg/mod.py", "1500000000 /src/named",
+                                                     "0 /src/pkg"], r
 
 
 async def test_twenty_concurrent_creates_of_a_new_layer_fetch_it_once(stack, client, tmp_path):

@@ -172,10 +172,12 @@ async def test_an_exec_whose_sandbox_the_platform_destroys_ends_sandbox_not_foun
     with pytest.raises(libdsec.SandboxNotFound) as ei:
         await handle.wait()
     assert ei.value.reason == "destroyed"
+    assert str(ei.value) == f"sandbox {sb.id} destroyed while the command ran: destroyed by request", ei.value
     short = await client.create(ttl=1.5)
     with pytest.raises(libdsec.SandboxNotFound) as ei:
         await short.exec("sleep 30", timeout=20)
     assert ei.value.reason == "expired"
+    assert str(ei.value) == f"sandbox {short.id} expired while the command ran: ttl reached", ei.value
 
 
 def test_lock_files_go_at_a_clean_exit_and_a_dead_holders_is_taken_over(tmp_path):

@@ -594,6 +594,22 @@ def test_a_node_advertises_vm_slots_from_its_memory():
     assert tiny.kind_slots("microvm") == 1      # (a create that does not fit is refused by its memory)
 
 
+def test_a_vms_failure_reason_is_the_console_line_that_says_why(tmp_path):
+    """Our init's or agent's last words, or the kernel's panic; not the panic that only says pid 1 ended
+    (which follows our init's failure), nor a dump's last lines when there is a line that says why."""
+    from edge.backends.microvm.qemu import log_tail
+    log = tmp_path / "console.log"
+    log.write_text("[ 1.0] booting\ndsec-init: no root device /dev/vdb\n[ 1.2] Kernel panic - not syncing: "
+                   "Attempted to kill init! exitcode=0x00000100\n[ 1.3] CPU: 0 PID: 1\n[ 1.4] </TASK>\n")
+    assert log_tail(log) == "dsec-init: no root device /dev/vdb"
+    log.write_text("[ 2.0] sysrq: Trigger a crash\n[ 2.1] Kernel panic - not syncing: sysrq triggered crash\n"
+                   "[ 2.2] RIP: 0033\n[ 2.3] </TASK>\n[ 2.4] Kernel Offset: 0x1\n")
+    assert log_tail(log) == "[ 2.1] Kernel panic - not syncing: sysrq triggered crash"
+    log.write_text("a\nb\nc\nd\n")
+    assert log_tail(log) == "b | c | d"
+    assert log_tail(tmp_path / "none") == "(no log)"
+
+
 def test_backend_configs_are_discriminated_and_strict(monkeypatch, tmp_path):
     from bus.errors import InvalidRequest
     from edge.backends.registry import FnCallConfig, config_for, kind_of_config

@@ -88,3 +88,18 @@ def test_a_later_member_replaces_a_symlink_instead_of_writing_through_it(tmp_pat
                                        (_info("./f"), b"mine")]), root, [])
     assert secret.read_text() == "host only"
     assert not (root / "f").is_symlink() and (root / "f").read_bytes() == b"mine"
+
+
+def test_directories_keep_the_guests_mtimes(tmp_path, host):
+    """Each member extracted after its directory set that one's mtime to now: the tree's directories get
+    the guest's times back once everything is in (the root, which no member names, 0)."""
+    _, root = host
+    tar = _tar(tmp_path / "times.tar", [
+        (_info("./d", tarfile.DIRTYPE, mode=0o755, mtime=1_600_000_000), b""),
+        (_info("./d/e", tarfile.DIRTYPE, mode=0o755, mtime=1_500_000_000), b""),
+        (_info("./d/e/f", mode=0o644, mtime=1_400_000_000), b"x"),
+        (_info("./d/g", mode=0o644, mtime=1_300_000_000), b"y"),
+    ])
+    unpack(tar, root, [])
+    assert [os.lstat(p).st_mtime for p in (root / "d", root / "d/e", root / "d/e/f", root / "d/g", root)] == \
+        [1_600_000_000, 1_500_000_000, 1_400_000_000, 1_300_000_000, 0]

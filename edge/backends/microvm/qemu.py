@@ -141,12 +141,13 @@ def disk_size(limits: Limits) -> int:
 
 
 def log_tail(path: Path) -> str:
-    """A log's last lines, or the line that says why: the kernel's panic, else the last line our guest's init
-    or agent wrote there (a panic's dump follows either)."""
+    """A log's last lines, or the last line there that says why: our guest's init or agent's, or the kernel's
+    panic (a panic's dump follows it), but not the panic that only says pid 1 ended ("Attempted to kill
+    init"): our init's or agent's last words say why it did."""
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        why = ([ln for ln in lines if "Kernel panic" in ln]
-               or [ln for ln in lines if "dsec-init:" in ln or "dsec-agent:" in ln])
+        why = [ln for ln in lines if "dsec-init:" in ln or "dsec-agent:" in ln
+               or ("Kernel panic" in ln and "Attempted to kill init" not in ln)]
         return (why[-1].strip() if why else " | ".join(lines[-3:]))[-400:] or "(empty log)"
     except OSError:
         return "(no log)"

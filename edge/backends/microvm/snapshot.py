@@ -22,6 +22,7 @@ import tarfile
 from pathlib import Path
 
 from edge.backends.base import BackendError, SnapshotTooLarge
+from edge.erofs import set_dir_mtimes
 from edge.backends.gvisor.agent import AgentChannel
 from chronus.shell import TRUSTED_SHELL
 
@@ -76,6 +77,7 @@ def unpack(tar: Path, root: Path, opaque: list[str]) -> None:
     """Extract a guest's tar of its upper dir into root (an empty dir of the host), as untrusted input;
     mark the opaque dirs. UnsafeArchive for anything a layer may not hold."""
     real_root = os.path.realpath(root)
+    dir_times: dict[str, int] = {}
     with tarfile.open(tar, "r:") as tf:
         for m in tf:
             rel = _inside(m.name)
@@ -101,6 +103,9 @@ def unpack(tar: Path, root: Path, opaque: list[str]) -> None:
             m.name = rel
             # a hard link's attributes are its file's, set already
             tf.extract(m, root, set_attrs=not m.islnk(), numeric_owner=True, filter="fully_trusted")
+            if m.isdir():
+                dir_times[rel] = int(m.mtime * 1e9)
+    set_dir_mtimes(root, dir_times)   # (each member extracted after its directory set that one's to now)
     for rel in opaque:
         path = _inside(rel)
         if path:
