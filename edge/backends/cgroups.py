@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import resource
 import signal
 import time
 import zlib
@@ -46,13 +45,6 @@ def shard(key: str) -> str:
     """The shard group of a sandbox key (stable: the key never changes, also when a warm one is claimed)."""
     return f"g{zlib.crc32(key.encode()) % SHARDS:02d}"
 
-
-def enter_class(cpu_class: str) -> None:
-    """In a sandbox's first host process (a forked child, before exec): its CPU class, which every process
-    it makes inherits and none may leave (see BATCH_SHARES)."""
-    resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
-    if cpu_class == "batch":
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 # I/O a sandbox may make on the writable-layer pool's loop device (cgroup v1 blkio throttling). v1 throttles
 # what reaches the device in the sandbox's name: direct and synchronous writes (O_DIRECT, O_SYNC, fsync);

@@ -35,7 +35,7 @@ from typing import NoReturn
 import msgspec
 
 from edge.backends import hostsfile, kernel, nskeeper
-from edge.backends.cgroups import enter_class
+from edge.backends.kernel import enter_class
 
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())

@@ -17,7 +17,7 @@ import os
 import stat
 
 from edge.backends import kernel
-from edge.backends.cgroups import enter_class
+from edge.backends.kernel import enter_class
 from edge.backends.gvisor.host import _join
 
 CORE_SYSCTLS = "/proc/sys/net/core"

@@ -15,7 +15,8 @@ from edge.backends.gvisor.agent import AgentChannel
 from edge.backends.gvisor.host import _join
 from edge.backends.microvm import qemu
 from edge.backends.microvm.qemu import disk_size, log_tail
-from edge.backends.cgroups import CgroupError, enter_class
+from edge.backends.cgroups import CgroupError
+from edge.backends.kernel import enter_class
 from edge.backends.microvm.qmp import Qmp, QmpError
 from edge.backends.microvm.vm import HOST_TASKS, READY_TIMEOUT, VM
 
