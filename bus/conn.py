@@ -132,7 +132,7 @@ class Bus(KvStore, StreamReads):
                     f"NATS at {url} refused the credential {creds}: {expired(creds) or 'unknown, revoked or expired'}"
                     if creds else
                     f"NATS at {url} requires a credential: pass creds= (the SDK), --creds or $DSEC_CREDS "
-                    f"(`dsec up` writes them under its state dir, .dsec/creds/)") from None
+                    f"(`dsec up` writes them under its state dir, .dsec/creds/){_where(url)}") from None
             raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
         bus = cls(nc, listeners)
         made.append(bus)
@@ -456,3 +456,12 @@ class Bus(KvStore, StreamReads):
                 except nats.js.errors.BadRequestError:
                     await self.admin.object_store(ocfg.bucket)
         await migrations.record_keys(self)
+
+
+def _where(url: str) -> str:
+    """'; the `dsec up` serving it keeps them in ...': said when one runs on this host."""
+    from bus.creds import running_state_dirs
+    dirs = running_state_dirs(url)
+    if len(dirs) != 1:
+        return ""
+    return f"; the `dsec up` serving it keeps them in {dirs[0]}/creds/ (export DSEC_STATE_DIR={dirs[0]})"

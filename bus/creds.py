@@ -114,3 +114,43 @@ def tenant_of_creds(path: str) -> str | None:
     connecting says what is wrong with it)."""
     principal = principal_of(path)
     return principal[7:] if principal.startswith("tenant:") else None
+
+
+def running_state_dirs(url: str) -> list[str]:
+    """The state dirs of the `dsec up` processes on this host serving url's port (absolute paths), for an
+    error that can say where their credentials are. Read from /proc: only when a connection was refused."""
+    from urllib.parse import urlsplit
+    try:
+        split = urlsplit(url)
+        port, host = split.port or 4222, split.hostname or ""
+    except ValueError:
+        return []
+    if host not in ("127.0.0.1", "localhost", "::1", ""):
+        return []
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[:-1]
+            at = next(i for i, a in enumerate(argv[:-1]) if os.path.basename(a) == "dsec" and argv[i + 1] == "up")
+            opts = _options(argv[at + 2:])
+            if int(opts.get("--port", 4222)) != port:
+                continue
+            env = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ", "rb").read().decode(
+                errors="replace").split("\0") if "=" in e)
+            state = opts.get("--state-dir") or env.get("DSEC_STATE_DIR", ".dsec")
+            found.append(os.path.normpath(os.path.join(os.readlink(f"/proc/{pid}/cwd"), state)))
+        except (OSError, StopIteration, ValueError):
+            continue
+    return sorted(set(found))
+
+
+def _options(args: list[str]) -> dict[str, str]:
+    """--name value and --name=value pairs of a command line."""
+    out = {}
+    for i, a in enumerate(args):
+        if a.startswith("--") and "=" in a:
+            name, _, value = a.partition("=")
+            out[name] = value
+        elif a.startswith("--") and i + 1 < len(args):
+            out[a] = args[i + 1]
+    return out

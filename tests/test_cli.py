@@ -86,6 +86,21 @@ def test_help_everywhere():
         assert p.returncode == 0 and "Usage:" in p.stdout and len(p.stdout) > 100, args
 
 
+def test_a_client_elsewhere_is_told_where_dsec_ups_credentials_are(up, tmp_path):
+    """From another directory, with no $DSEC_STATE_DIR or $DSEC_CREDS, a command's one line names where the
+    `dsec up` serving that URL keeps its credentials (found from the host's processes), not only '.dsec/'."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DSEC_STATE_DIR", "DSEC_CREDS")}
+    p = subprocess.run([DSEC, "ls", "--nats", up["url"]], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=tmp_path)
+    line = one_clear_line(p)
+    assert "requires a credential" in line and line.endswith(
+        f"keeps them in {up['state']}/creds/ (export DSEC_STATE_DIR={up['state']})"), line
+    env["DSEC_STATE_DIR"] = str(up["state"])   # as it says: then it works
+    p = subprocess.run([DSEC, "ls", "--nats", up["url"]], capture_output=True, text=True, timeout=60, env=env,
+                       cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.startswith("ID"), p.stderr
+
+
 def test_run_streams_and_exits_with_the_code(up):
     p = dsec("run", "--nats", up["url"], "--image", "busybox", "--", "sh", "-c", "echo hi; echo err >&2; exit 3")
     assert (p.returncode, p.stdout, p.stderr) == (3, "hi\n", "err\n")
