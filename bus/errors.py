@@ -116,6 +116,11 @@ class SandboxNotFound(SandboxError, LookupError):
         """Why it is gone: destroyed, expired, node_lost, never_existed, ..."""
         return str(self.details.get("reason", "unknown"))
 
+    @classmethod
+    def ended(cls, sandbox_id: str, state: str, why: str = "") -> "SandboxNotFound":
+        """The error for a sandbox that ended in `state` (or never existed), and why in words when known."""
+        return cls(f"sandbox {sandbox_id} not found ({state}{': ' + why if why else ''})", reason=state)
+
 
 class _PartialOutput:
     """An error that carries the output received before it (stdout and stderr bytes)."""

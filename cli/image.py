@@ -15,7 +15,7 @@ from bus import streams
 from bus.records import ImageConfig, sandbox_decoder, snapshot_decoder
 from edge import debootstrap, e2bbase
 from cli.main import connect, main, nats_option, run_async
-from edge.erofs import LayerBuildError, pack_dir, set_dir_mtimes
+from edge.erofs import LayerBuildError, mtime_ns, pack_dir, set_dir_mtimes
 from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
 
@@ -102,8 +102,8 @@ def unpack_tar(archive: Path, root: Path) -> None:
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
         tar.extractall(root, members, filter="tar")   # keeps modes and owners, refuses paths outside root
-    named = {os.path.normpath(m.name).lstrip("/"): m for m in members if m.isdir()}
-    set_dir_mtimes(root, {("" if k == "." else k): int(m.mtime * 1e9) for k, m in named.items()})
+    named = {os.path.normpath(m.name).lstrip("/"): mtime_ns(m.mtime) for m in members if m.isdir()}
+    set_dir_mtimes(root, {("" if k == "." else k): at for k, at in named.items()})
 
 
 @image.command(name="rm")

@@ -107,6 +107,15 @@ def busybox_rootfs(root: Path) -> None:
     fix_mtimes(root)
 
 
+def mtime_ns(mtime: float) -> int:
+    """An archive member's mtime in ns, for os.utime (0 for one out of range: a layer's times are not worth
+    refusing it for)."""
+    try:
+        return max(0, min(int(mtime * 1e9), (1 << 63) - 1))
+    except (OverflowError, ValueError):
+        return 0
+
+
 def set_dir_mtimes(root: Path, times: dict[str, int]) -> None:
     """After a tree was unpacked (each entry added to a directory set its mtime to now): every directory's
     mtime as its archive gave it (times: path relative to root, '' for root -> ns), 0 for one it did not name

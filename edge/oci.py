@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge.backends import kernel
-from edge.erofs import set_dir_mtimes
+from edge.erofs import mtime_ns, set_dir_mtimes
 
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 IN_ROOT = kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS
@@ -320,17 +320,9 @@ def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mt
         _attributes(dfd, base, m)
         if m.isdir():   # (keyed by where it is: a parent named through a symlink of the image resolves)
             real = os.path.join(os.readlink(f"/proc/self/fd/{dfd}"), base)
-            dir_mtimes[os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))] = _ns(m.mtime)
+            dir_mtimes[os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))] = mtime_ns(m.mtime)
     finally:
         os.close(dfd)
-
-
-def _ns(mtime: float) -> int:
-    """A member's mtime in ns (0 for one out of range: a layer's times are not worth refusing it for)."""
-    try:
-        return max(0, min(int(mtime * 1e9), (1 << 63) - 1))
-    except (OverflowError, ValueError):
-        return 0
 
 
 def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
@@ -353,7 +345,7 @@ def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
         except OSError as exc:
             raise OciError(f"{m.name}: xattr {name}: {exc.strerror}") from None
     with contextlib.suppress(OSError):
-        os.utime(base, ns=(_ns(m.mtime),) * 2, dir_fd=dfd, follow_symlinks=False)
+        os.utime(base, ns=(mtime_ns(m.mtime),) * 2, dir_fd=dfd, follow_symlinks=False)
 
 
 def _hardlink(root: int, rel: str, m: tarfile.TarInfo) -> None:

@@ -166,8 +166,7 @@ class OpLane:
         if await self.sandboxes.destroy(sandbox_id, "destroyed", "destroyed by request") is Outcome.FINAL:
             rec, _ = await self.sandboxes.records.get(tenant, sandbox_id)   # it ended otherwise first: say how
             reason = rec.state if rec is not None else "destroyed"
-            why = f": {rec.reason}" if rec is not None and rec.reason else ""
-            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({reason}{why})", reason=reason)
+            raise SandboxNotFound.ended(sandbox_id, reason, rec.reason if rec is not None else "")
 
     async def _read(self, op: ReadFile, tenant: str) -> bytes:
         if op.limit > MAX_READ:

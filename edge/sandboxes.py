@@ -142,7 +142,7 @@ class Sandboxes:
         """The typed error for a sandbox this node does not run, with the reason: how it ended here, else
         what its record says (a `ready` of this node that it does not run was lost with an earlier run).
         Asked for `tenant`, another tenant's sandbox is one that never existed."""
-        unknown = SandboxNotFound(f"sandbox {sandbox_id} not found (never_existed)", reason="never_existed")
+        unknown = SandboxNotFound.ended(sandbox_id, "never_existed")
         running = self.running.get(sandbox_id)
         if tenant and running is not None and running.record.tenant != tenant:
             return unknown
@@ -166,7 +166,7 @@ class Sandboxes:
             else:
                 reason = "node_lost" if rec.node == self.node else "not_on_this_node"
         why = why or (rec.reason if rec is not None and rec.state == reason else "")
-        return SandboxNotFound(f"sandbox {sandbox_id} not found ({reason}{': ' + why if why else ''})", reason=reason)
+        return SandboxNotFound.ended(sandbox_id, reason, why)
 
     def trusted_shell(self, sandbox_id: str) -> str:
         """The shell string commands run with in this sandbox (its backend's)."""

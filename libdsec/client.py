@@ -377,9 +377,9 @@ class AsyncClient:
         """Attach to a sandbox by id; SandboxNotFound (with the reason) when it does not run."""
         rec = await self._record(sandbox_id)
         if rec is None:
-            raise SandboxNotFound(f"sandbox {sandbox_id} not found (never_existed)", reason="never_existed")
+            raise SandboxNotFound.ended(sandbox_id, "never_existed")
         if rec.state != "ready":
-            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({rec.state}: {rec.reason})", reason=rec.state)
+            raise SandboxNotFound.ended(sandbox_id, rec.state, rec.reason)
         if rec.tenant != self.tenant:   # a tenant sees its projects' sandboxes; each project acts on its own
             raise PermissionDenied(f"sandbox {sandbox_id} is project {subjects.display_name(rec.tenant)}'s: act on "
                                    f"it with that project's credential")
@@ -492,8 +492,7 @@ class AsyncClient:
                             answer = recheck(rec) if recheck is not None else None
                             if answer is not None:
                                 return answer
-                            raise SandboxNotFound(f"sandbox {sandbox_id} not found ({rec.state}: {rec.reason})",
-                                                  reason=rec.state)
+                            raise SandboxNotFound.ended(sandbox_id, rec.state, rec.reason)
                         continue
                     raise SandboxError(f"node {node} did not answer within {timeout:.0f}s")
                 try:

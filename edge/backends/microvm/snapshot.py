@@ -22,7 +22,7 @@ import tarfile
 from pathlib import Path
 
 from edge.backends.base import BackendError, SnapshotTooLarge
-from edge.erofs import set_dir_mtimes
+from edge.erofs import mtime_ns, set_dir_mtimes
 from edge.backends.gvisor.agent import AgentChannel
 from chronus.shell import TRUSTED_SHELL
 
@@ -104,7 +104,7 @@ def unpack(tar: Path, root: Path, opaque: list[str]) -> None:
             # a hard link's attributes are its file's, set already
             tf.extract(m, root, set_attrs=not m.islnk(), numeric_owner=True, filter="fully_trusted")
             if m.isdir():
-                dir_times[rel] = int(m.mtime * 1e9)
+                dir_times[rel] = mtime_ns(m.mtime)
     set_dir_mtimes(root, dir_times)   # (each member extracted after its directory set that one's to now)
     for rel in opaque:
         path = _inside(rel)
