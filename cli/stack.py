@@ -150,8 +150,8 @@ class Stack:
 
     async def _watch(self) -> None:
         """nats-py never reconnects a connection it gave up for good (Bus.cut: the server sent a protocol
-        error). A placement engine on a connection of its own is started again on a new one (it keeps no
-        state of its own); any other part's loss breaks the stack: `broken` is set, saying which part and
+        error). A placement engine on a connection of its own, or sharing the stack's in a stack without an
+        edge, is started again on a new one (it keeps no state of its own); any other part's loss breaks the stack: `broken` is set, saying which part and
         why (`dsec up` then stops and exits non-zero rather than serve on deaf)."""
         while True:
             parts = self._parts()
@@ -163,7 +163,7 @@ class Stack:
                     w.cancel()
             bus = waits[next(iter(done))]
             names = [part for part, b in parts.items() if b is bus]
-            if names == ["placement"]:
+            if "placement" in names and self.edge is None or names == ["placement"]:
                 try:
                     await self._restart_placement(bus)
                     continue
@@ -176,6 +176,8 @@ class Stack:
             return
 
     async def _restart_placement(self, cut: Bus) -> None:
+        """The engine again on a new connection; when it shared the stack's own (a stack that runs no edge,
+        as `dsec placement --creds FILE` does), that one is made again first."""
         from placement.engine import PlacementEngine
         log.error("placement: the NATS server closed its connection (%s); starting it again", cut.cut_reason)
         with contextlib.suppress(Exception):
@@ -186,6 +188,8 @@ class Stack:
         self.placement = None
         for _ in range(30):
             try:
+                if self.bus is cut:
+                    self.bus = await Bus.connect(self.url, name="dsec-up", creds=self._main[0])
                 bus = await self._bus_as("placement")
                 break
             except BusUnavailable:

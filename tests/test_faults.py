@@ -288,6 +288,41 @@ async def test_placement_cut_off_by_the_server_serves_again_and_a_cut_edge_stops
     assert leftovers(tmp_path / "state" / "edge", node) == []
 
 
+async def test_a_standalone_placement_cut_off_by_the_server_serves_again(tmp_path):
+    """`dsec placement --creds FILE` runs its engine on the stack's own connection (one credential for both):
+    cut off by the server, the stack saw its own connection lost too, called itself broken and exited 1,
+    leaving the cluster with one engine fewer. A stack that runs no edge now connects again and starts its
+    engine on the new connection, as it does for an engine on a connection of its own."""
+    from bus.server import free_port
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    node = "tcutp"
+    node_stack = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True, run_placement=False,
+                       edge_config=EdgeConfig(node_id=node, slots=4))
+    with leaks.live(node, tmp_path / "state"):
+        await node_stack.start()
+        engine = Stack(tmp_path / "placement", nats_url=node_stack.url, metrics_port=None, run_edge=False,
+                       creds=str(node_stack.iam.creds_path("placement")))
+        try:
+            await engine.start()
+            assert engine.placement.bus is engine.bus     # the case: one connection for the stack and the engine
+            async with libdsec.AsyncClient(node_stack.url, creds=str(node_stack.iam.creds_path("tenant:default"))) as client:
+                async with await client.create(timeout=20) as sb:
+                    assert (await sb.exec("echo before")).stdout == b"before\n"
+                cut = engine.bus
+                await _cut(cut)
+                async with await client.create(timeout=20) as sb:    # the engine on a new connection serves
+                    assert (await sb.exec("echo after")).stdout == b"after\n"
+                assert not engine.broken.is_set(), engine.broken_reason
+                assert engine.bus is not cut and engine.bus.connected and engine.placement.bus is engine.bus
+        finally:
+            await engine.stop()
+            await node_stack.stop()
+    from edge.backends.registry import node_leftovers as leftovers
+    assert leftovers(tmp_path / "state" / "edge", node) == []
+
+
 async def test_dsec_up_stops_and_fails_saying_why_when_its_stack_breaks(capfd):
     """`dsec up` (its serving loop) stops a broken stack as at a signal, then fails with the reason (the CLI
     prints it as one line and exits 1), instead of serving on with a part that can no longer reach NATS."""
