@@ -167,6 +167,47 @@ async def test_inotify_instances_are_counted_per_sandbox(client, stack, hostile)
         os.close(fd)
 
 
+async def test_a_tenants_directory_watches_are_charged_to_its_sandbox_not_host_root(client, stack, hostile):
+    """The same budget from the outside: each files.watch is an inotify instance of the edge's. Made as host
+    root, 128 watches of one tenant used up every instance root may hold (the 129th failed, and so did host
+    root's own inotify_init1 and every other sandbox's watch). Now each is made as the sandbox's host uid: a
+    sandbox whose processes hold all their instances gets no watch (a clear error), a neighbour does, host
+    root is untouched, and one sandbox runs at most watcher.PER_SANDBOX watches."""
+    import ctypes
+    from edge.backends import watcher
+    async with await client.create() as a, await client.create() as b:
+        await armed(a, hostile)
+        assert await background(a, "/tmp/hostile inotify", "/tmp/inotify.out") == f"128 {errno.EMFILE}"
+        with pytest.raises(libdsec.FileOpError, match="inotify_init1: Too many open files"):
+            await a.files.watch("/tmp")
+        held = [await b.files.watch("/tmp") for _ in range(watcher.PER_SANDBOX)]
+        try:
+            with pytest.raises(libdsec.FileOpError, match=f"limit of {watcher.PER_SANDBOX} directory watches"):
+                await b.files.watch("/tmp")
+            await b.exec("touch /tmp/seen")
+            events = held[-1].events()
+            got = await asyncio.wait_for(events.__anext__(), 10)
+            assert (got.type, got.name) == ("create", "seen"), got
+            await events.aclose()
+            fd = ctypes.CDLL(None, use_errno=True).inotify_init1(os.O_CLOEXEC)
+            assert fd >= 0, "host root lost inotify"
+            os.close(fd)
+        finally:
+            for w in held:
+                await w.stop()
+                await w.close()
+        for _ in range(50):             # a watch's slot is given back when it ends
+            try:
+                w = await b.files.watch("/tmp")
+                break
+            except libdsec.FileOpError:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the sandbox's watch slots were not given back")
+        await w.stop()
+        await w.close()
+
+
 async def test_inotify_watches_are_counted_per_sandbox(client, stack, hostile):
     """Escape 2: inotify watches are bounded per sandbox (65536); a neighbour still gets its full count."""
     async with await client.create() as a, await client.create() as b:

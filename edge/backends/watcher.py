@@ -7,7 +7,10 @@ Recursive watches add each subdirectory the same way, relative to its parent's f
 symlink, when the watch starts and when one is made or moved in. What a new directory already holds when its
 watch is added (made before inotify could see it) is reported as created, and the one inotify create that
 may still come for such an entry is dropped. A watch holds at most MAX_DIRS
-directories; the edge runs at most MAX_WATCHES at once (inotify watches are host root's, a shared budget).
+directories; a sandbox runs at most PER_SANDBOX at once and the edge MAX_WATCHES. Each watch's inotify
+instance is made as the sandbox's host uid (its range base, idmap.py), so it and its watches count against
+that uid's inotify limits, shared with the sandbox's own processes (its user namespace is owned by that uid):
+made as the edge's, they were host root's, and 128 watches used up every instance root may hold.
 Event names are relative to the watched directory; types follow E2B (fsnotify): create, write, remove,
 rename, chmod. A full inotify queue is reported once as an `overflow` event (events were lost).
 """
@@ -30,7 +33,9 @@ from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.execio import wait_fd, wait_unfrozen
 
 MAX_DIRS = 4096        # directories one recursive watch follows
-MAX_WATCHES = 256      # watches an edge runs at once
+MAX_WATCHES = 1024     # watches an edge runs at once
+PER_SANDBOX = 16       # watches one sandbox runs at once
+SYS_SETRESUID = 117    # (x86_64) the raw call changes only the calling thread's ids; glibc's changes every thread's
 BATCH = 64 << 10       # bytes of events read at once
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
@@ -46,6 +51,7 @@ HEAD = struct.Struct("iIII")   # wd, mask, cookie, len
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _running = 0
+_owners: dict[int, int] = {}   # host uid -> its watches running
 
 
 def running() -> int:
@@ -73,17 +79,22 @@ class Watch:
     gives an O_PATH fd of a sandbox path resolved inside its root (held only while its watch is added: a
     held fd would keep the sandbox's mounts busy)."""
 
-    def __init__(self, opener: Callable[[str], int], base: str, recursive: bool) -> None:
-        self.fd = _check(_libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC), "inotify_init1")
+    def __init__(self, opener: Callable[[str], int], base: str, recursive: bool, owner: int) -> None:
+        self.fd = -1
+        self.owner = owner   # the host uid its inotify instance is charged to
         self.opener, self.base, self.recursive = opener, base.rstrip("/") or "/", recursive
         self.dirs: dict[int, str] = {}
         self.seen: set[str] = set()   # entries reported as found in a new directory, whose create may follow
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def start(self) -> None:
-        """Watch base (BackendError when it is no directory of the sandbox), and, recursive, what is below."""
+        """Watch base (BackendError when it is no directory of the sandbox), and, recursive, what is below.
+        In a thread of its own: the inotify instance is made with this thread's effective uid the owner's."""
+        self.fd = _inotify_as(self.owner)
         try:
             fd = self.opener(self.base)
         except OSError as exc:
@@ -134,7 +145,7 @@ class Watch:
             raise BackendError(f"a watch follows at most {MAX_DIRS} directories")
         try:
             wd = _check(_libc.inotify_add_watch(self.fd, f"/proc/self/fd/{dir_fd}".encode(), MASK), "inotify_add_watch")
-        except OSError as exc:   # ENOSPC: host root's inotify watches are used up
+        except OSError as exc:   # ENOSPC: the owner's inotify watches are used up
             raise BackendError(f"cannot watch {self.base}/{rel}: {exc.strerror}") from None
         self.dirs[wd] = rel
 
@@ -188,17 +199,38 @@ class Watch:
         return found
 
 
+def _inotify_as(uid: int) -> int:
+    """A new inotify instance charged to host uid `uid`: made with this thread's effective uid set to it for
+    the one call (its real and saved uids stay root's, so it takes root's back, and its capabilities with it)."""
+    syscall = _libc.syscall
+    if syscall(SYS_SETRESUID, -1, uid, -1) != 0:
+        _check(-1, "seteuid")
+    try:
+        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        e = ctypes.get_errno()
+    finally:
+        if syscall(SYS_SETRESUID, -1, 0, -1) != 0:   # cannot fail with root's real uid: never go on as another
+            os._exit(70)
+    if fd < 0:
+        raise BackendError(f"cannot watch: inotify_init1: {os.strerror(e)} (the sandbox's own processes and its "
+                           "watches share the host's fs.inotify.max_user_instances)")
+    return fd
+
+
 async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeout: float, sink: OutputSink,
-                control: ExecControl | None, frozen_for=lambda: 0.0) -> ExecResult:
+                control: ExecControl | None, frozen_for=lambda: 0.0, *, owner: int) -> ExecResult:
     """Hand the directory's events to sink (stdout, a JSON line each) until control's signal, the timeout
     (timed_out) or the directory's end; its ExecResult (exit 0 when the directory went, 128+signal when
-    stopped)."""
+    stopped). owner: the sandbox's host uid, charged with the watch's inotify instance and watches."""
     global _running
     if _running >= MAX_WATCHES:
         raise BackendError(f"this node runs its limit of {MAX_WATCHES} directory watches")
+    if _owners.get(owner, 0) >= PER_SANDBOX:
+        raise BackendError(f"this sandbox runs its limit of {PER_SANDBOX} directory watches")
     started = time.monotonic()
-    w = Watch(opener, path, recursive)
+    w = Watch(opener, path, recursive, owner)
     _running += 1
+    _owners[owner] = _owners.get(owner, 0) + 1
     try:
         await asyncio.to_thread(w.start)
         stopped = asyncio.get_running_loop().create_future()
@@ -231,6 +263,9 @@ async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeou
                           duration=time.monotonic() - started, cpu_time=0.0, peak_memory=0, timed_out=timed_out)
     finally:
         _running -= 1
+        _owners[owner] -= 1
+        if not _owners[owner]:
+            del _owners[owner]
         w.close()
 
 

@@ -49,7 +49,8 @@ class Files(Core):
 
         def opener(p: str) -> int:
             return rootfiles.open_dir(sandbox_id, sb.init_pid, os.dup(sb.pidfd), p)
-        return await watcher.watch(opener, path, recursive, timeout, sink, control, sb.frozen_for)
+        return await watcher.watch(opener, path, recursive, timeout, sink, control, sb.frozen_for,
+                                   owner=sb.ids.base)
 
     def cgroup_dir(self, sandbox_id: str, controller: str) -> Path:
         """The sandbox's group directory in one controller (tests read limit events there)."""

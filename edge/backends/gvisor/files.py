@@ -73,4 +73,4 @@ class RootFiles:
         sb = self._live(sandbox_id)
         _reachable(path, creating=False)
         return await watcher.watch(lambda p: self._in_root(sb, lambda root: treeops.dir_in_root(root, p)),
-                                   path, recursive, timeout, sink, control, sb.frozen_for)
+                                   path, recursive, timeout, sink, control, sb.frozen_for, owner=sb.ids.base)
