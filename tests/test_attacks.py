@@ -167,6 +167,24 @@ async def test_inotify_instances_are_counted_per_sandbox(client, stack, hostile)
         os.close(fd)
 
 
+async def test_a_sandbox_cannot_fill_the_hosts_table_of_open_files(client, stack, hostile):
+    """One sandbox opens files in 150 processes (each up to its own limit of 20,000: 3M in all, ~0.6 GiB of
+    kernel memory charged to its 1 GiB). The host's table held 2.4M (fs.file-max, the kernel's default on
+    24 GiB): it filled, every process of the host without CAP_SYS_ADMIN got ENFILE, and another sandbox's
+    exec failed ("go pipe: Too many open files in system"), as did new creates. Now the table is bounded
+    by memory alone (the edge lifts fs.file-max as systemd does): each process stops at its own limit
+    (EMFILE), and the neighbour and a new sandbox run."""
+    async with await client.create(resources=libdsec.Resources(memory="1Gi")) as a, await client.create() as b:
+        await armed(a, hostile)
+        got = await background(a, "/tmp/hostile fdhog 150", "/tmp/fdhog.out")
+        total, errs = got.split()
+        assert errs == str(errno.EMFILE) and int(total) > 150 * 19_000, got
+        assert (await b.exec("echo neighbour")).stdout == b"neighbour\n"
+        async with await client.create() as c:
+            assert (await c.exec("echo new")).stdout == b"new\n"
+        assert (await a.exec("echo own")).stdout == b"own\n"
+
+
 async def test_a_tenants_directory_watches_are_charged_to_its_sandbox_not_host_root(client, stack, hostile):
     """The same budget from the outside: each files.watch is an inotify instance of the edge's. Made as host
     root, 128 watches of one tenant used up every instance root may hold (the 129th failed, and so did host

@@ -20,6 +20,8 @@
  *                               KEY (they outlive the process); print "ok" or errno
  *   hostile sysvfind KEY        print how many of the three exist with KEY ("0": none)
  *   hostile hog MIB             touch MIB MiB of anonymous memory and keep it; print "held" then sleep
+ *   hostile fdhog N             fork N processes that each open /dev/null until refused; print "TOTAL
+ *                               E1,E2..." (files held, the errnos that stopped them), then hold them
  *   hostile syscall NAME        try one syscall on this process itself (pidfd_getfd, landlock, fsopen);
  *                               print "ok" or the errno
  */
@@ -222,6 +224,35 @@ int main(int argc, char **argv) {
         if (r < 0) printf("%d\n", errno);
         else printf("ok\n");
         return 0;
+    }
+    if (!strcmp(cmd, "fdhog") && argc > 2) {
+        int n = atoi(argv[2]), rep[2];
+        if (pipe(rep)) return 1;
+        for (int i = 0; i < n; i++) {
+            pid_t p = fork();
+            if (p < 0) { n = i; break; }
+            if (p == 0) {
+                long got = 0;
+                while (open("/dev/null", O_RDONLY) >= 0) got++;
+                long report[2] = {got, errno};
+                if (write(rep[1], report, sizeof report) != sizeof report) _exit(1);
+                for (;;) pause();
+            }
+        }
+        long total = 0, report[2];
+        int errs[8] = {0}, nerrs = 0;
+        for (int i = 0; i < n && read(rep[0], report, sizeof report) == sizeof report; i++) {
+            total += report[0];
+            int known = 0;
+            for (int k = 0; k < nerrs; k++) known |= errs[k] == (int)report[1];
+            if (!known && nerrs < 8) errs[nerrs++] = (int)report[1];
+        }
+        printf("%ld ", total);
+        for (int k = 0; k < nerrs; k++) printf(k ? ",%d" : "%d", errs[k]);
+        printf("\n");
+        fflush(stdout);
+        close(1);
+        for (;;) pause();
     }
     if (!strcmp(cmd, "hog") && argc > 2) {
         size_t n = (size_t)atoi(argv[2]) << 20;
