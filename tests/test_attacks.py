@@ -185,6 +185,28 @@ async def test_a_sandbox_cannot_fill_the_hosts_table_of_open_files(client, stack
         assert (await a.exec("echo own")).stdout == b"own\n"
 
 
+async def test_an_oom_storm_in_a_sandbox_cannot_kill_its_init(client, stack, hostile):
+    """A sandbox fills its memory limit with kernel memory (open files in 200 processes: no process's RSS
+    shows it, so the OOM killer's choice among them is a toss-up, and freeing one frees little): the
+    killer went on killing until it took the sandbox's init too. The sandbox was then dead, every exec
+    failing, yet listed as ready until its TTL. Now every command is the killer's choice before the init
+    (oom_score_adj 500 against its 0): the commands are killed, and the sandbox runs on."""
+    async with await client.create() as a:
+        await armed(a, hostile)
+        init = stack.edge.backend.backends["container"].init_pid(a.id)
+        assert (await a.exec("cat /proc/self/oom_score_adj")).stdout == b"500\n"
+        try:     # (it waits for every child's count: killed ones never send theirs)
+            r = await a.exec("/tmp/hostile fdhog 200", timeout=20)
+            assert r.exit_code == 137, r
+        except libdsec.ExecTimeout:
+            pass
+        kills = stack.edge.backend.backends["container"].limit_events(a.id).get("oom_kill", 0)
+        assert kills > 0, "the storm reached no OOM kill"
+        assert Path(f"/proc/{init}/oom_score_adj").read_text().strip() == "0"
+        assert (await a.exec("echo alive")).stdout == b"alive\n"
+        assert (await client._record(a.id)).state == "ready"
+
+
 async def test_a_tenants_directory_watches_are_charged_to_its_sandbox_not_host_root(client, stack, hostile):
     """The same budget from the outside: each files.watch is an inotify instance of the edge's. Made as host
     root, 128 watches of one tenant used up every instance root may hold (the 129th failed, and so did host

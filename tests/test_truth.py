@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,6 +183,31 @@ async def test_an_exec_whose_sandbox_the_platform_destroys_ends_sandbox_not_foun
         await short.exec("sleep 30", timeout=20)
     assert ei.value.reason == "expired"
     assert str(ei.value) == f"sandbox {short.id} expired while the command ran: ttl reached", ei.value
+
+
+async def test_a_sandbox_whose_init_is_killed_is_recorded_failed_saying_why(stack, client):
+    """A container sandbox's init killed (by host root here; the OOM killer did it too) ended the sandbox:
+    every later exec failed, but its record stayed `ready` (its slot and quota held) until its TTL, and a
+    command running then ended with a wrong reason. Now the edge destroys it as failed, as for a VM that
+    ended by itself: the record, the running command and the next call all say why."""
+    sb = await client.create()
+    handle = await sb.exec("sleep 30", background=True)
+    await asyncio.sleep(0.3)
+    os.kill(stack.edge.backend.backends["container"].init_pid(sb.id), signal.SIGKILL)
+    with pytest.raises(libdsec.SandboxNotFound) as ei:
+        await asyncio.wait_for(handle.wait(), 20)
+    why = "its init ended (killed by signal 9)"
+    assert ei.value.reason == "failed"
+    assert str(ei.value) == f"sandbox {sb.id} failed while the command ran: {why}", ei.value
+    for _ in range(100):   # (the destroy that records it runs on)
+        rec = await client._record(sb.id)
+        if rec.state != "ready":
+            break
+        await asyncio.sleep(0.05)
+    assert (rec.state, rec.reason) == ("failed", why), rec
+    with pytest.raises(libdsec.SandboxNotFound, match=re.escape(f"not found (failed: {why})")):
+        await sb.exec("true")
+    assert sb.id not in {r.sandbox_id for r in await client.list()}
 
 
 def test_lock_files_go_at_a_clean_exit_and_a_dead_holders_is_taken_over(tmp_path):

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -35,9 +36,33 @@ class Launching(Core):
         self._starting.add(spec.id)
         self._keys.pop(spec.id, None)   # started again under its own name (a rollback of a claimed one)
         try:
-            self._sandboxes[spec.id] = await self._launch(spec)
+            sb = self._sandboxes[spec.id] = await self._launch(spec)
         finally:
             self._starting.discard(spec.id)
+        sb.init_exit.add_done_callback(lambda exit_: self._init_ended(sb, exit_))
+
+    def _oom_kills(self, sb: Running) -> int:
+        try:
+            return NodeCgroups.limit_events(self._cgroups.sandbox(sb.key)).get("oom_kill", 0)
+        except (OSError, ValueError):
+            return 0
+
+    def _init_ended(self, sb: Running, exit_: asyncio.Future) -> None:
+        """Its init ended while nobody destroyed it (the OOM killer chose it, or host root killed it): told to
+        the edge, which destroys the sandbox as failed, saying why, instead of listing it as ready until its
+        TTL. (A zygote that died fails the future instead: the whole backend is unavailable then.)"""
+        if exit_.cancelled() or exit_.exception() is not None or self.died is None:
+            return
+        if sb.dying is not None or self._sandboxes.get(sb.spec.id) is not sb:
+            return
+        status = exit_.result()
+        if not os.WIFSIGNALED(status):
+            how = f"exit status {os.WEXITSTATUS(status)}"
+        elif os.WTERMSIG(status) == signal.SIGKILL and self._oom_kills(sb):
+            how = "killed by the OOM killer at the sandbox's memory limit"
+        else:
+            how = f"killed by signal {os.WTERMSIG(status)}"
+        self.died(sb.spec.id, f"its init ended ({how})")
 
     async def _launch(self, spec: SandboxSpec) -> Running:
         layers: list[Path] = []

@@ -110,6 +110,7 @@ class GvisorBackend(RootFiles, Backend):
         await self._reconcile()
         try:
             self._cgroups.setup()
+            cgroups.lift_file_max()   # (its gofer's host files too: bounded by the sandbox's memory group)
             await asyncio.to_thread(self._uppers.setup)
             self._io_device = self._uppers.device()
             await asyncio.to_thread(self._prepare_trusted)

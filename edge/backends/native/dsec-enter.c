@@ -384,6 +384,7 @@ static const char *enter_sandbox(const char *tasks, const char *tasks_end, int n
  * (its stack, child_line, the filter) and reads no global the child writes (ERR_FD and environ are put
  * back after); errno, which they share, each reads only after a failure of its own, when the command
  * is not run anyway (at worst its report names the wrong errno). */
+#define OOM_SCORE_ADJ "500"
 static const struct command_line *child_line;
 static sigset_t child_mask;
 static int child_fds[6];
@@ -433,16 +434,16 @@ static int command(void *unused) {
     return 127;
 }
 
-static int write_map(int proc_fd, pid_t pid, const char *which) {
+static int write_proc(int proc_fd, pid_t pid, const char *which, const char *text) {
     char path[64];
     snprintf(path, sizeof path, "%d/%s", (int)pid, which);
     int fd = openat(proc_fd, path, O_WRONLY | O_CLOEXEC);
     if (fd < 0) return -1;
-    ssize_t n = write(fd, "0 0 65536", 9);
+    ssize_t len = (ssize_t)strlen(text), n = write(fd, text, (size_t)len);
     int e = errno;
     close(fd);
     errno = e;
-    return n == 9 ? 0 : -1;
+    return n == len ? 0 : -1;
 }
 
 /* Step 3, from a process already inside (step 2): clone the command's process with stdio at 0-2 and
@@ -476,8 +477,13 @@ static pid_t spawn_command(const struct command_line *c, const int stdio[3], int
     *what = NULL;
     for (int k = 0; k < ntasks && !*what; k++)
         if (write(tasks[k], text, (size_t)len) != len) *what = "join cgroup";
-    if (!*what && (write_map(proc_fd, pid, "uid_map") || write_map(proc_fd, pid, "gid_map")))
+    if (!*what && (write_proc(proc_fd, pid, "uid_map", "0 0 65536") || write_proc(proc_fd, pid, "gid_map", "0 0 65536")))
         *what = "user namespace map";
+    /* The OOM killer's first choice is any command before the sandbox's init (0, ~0.7 MiB: host root here
+       may not lower it, CAP_SYS_RESOURCE): killed, the init ends the sandbox. A command may lower its own
+       back to 0, and then only risks its own sandbox. */
+    if (!*what && write_proc(proc_fd, pid, "oom_score_adj", OOM_SCORE_ADJ))
+        *what = "oom_score_adj";
     if (!*what && write(go[1], "g", 1) != 1) *what = "go";
     e = errno;
     close(go[1]);
