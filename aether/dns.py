@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import socket
 import struct
 import time
@@ -70,6 +71,14 @@ def answer(q: Question, rcode: int, addresses: list[str] = (), ttl: int = 0) -> 
     for address in addresses:
         out.append(struct.pack(">HHHIH", 0xC00C, A, 1, ttl, 4) + socket.inet_aton(address))
     return b"".join(out)
+
+
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+
+
+def valid_name(name: str) -> bool:
+    """A host name DNS can carry: ASCII labels of 1-63 letters, digits, '-' or '_', 253 bytes at most."""
+    return 0 < len(name) <= 253 and name.isascii() and all(_LABEL.fullmatch(label) for label in name.split("."))
 
 
 def _encode_name(name: str) -> bytes:
@@ -147,7 +156,9 @@ class Pins:
         self._inflight: dict[str, asyncio.Future] = {}
 
     async def resolve(self, name: str) -> list[str]:
-        """name's addresses (pinned); DnsError when it cannot be resolved now."""
+        """name's addresses (pinned); DnsError when it cannot be resolved now (or is no host name)."""
+        if not valid_name(name):
+            raise DnsError("not a valid host name")
         hit = self._cache.get(name)
         if hit is not None and hit[0] > time.monotonic():
             return hit[1]

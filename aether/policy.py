@@ -83,6 +83,8 @@ class SandboxState:
     window_start: float = 0.0
     written: int = 0        # decisions written in this window
     suppressed: dict = field(default_factory=lambda: {"allowed": 0, "denied": 0, "bytes": 0})
+    live: set = field(default_factory=set)   # its connections (proxy.Connection) from accept to close
+    lookups: int = 0        # its DNS questions waiting on the upstream resolver
 
     @classmethod
     def of(cls, sandbox: str, policy: Network) -> "SandboxState":
@@ -90,6 +92,18 @@ class SandboxState:
 
     def update(self, policy: Network) -> None:
         self.policy, self.rules = policy, [parse_entry(e) for e in policy.allow]
+
+    def close_all(self) -> None:
+        """The sandbox is gone: every connection of it ends now."""
+        for conn in list(self.live):
+            conn.cut("the sandbox's network ended")
+
+    def close_revoked(self) -> None:
+        """After a policy change: every connection it no longer allows ends now (one still being decided
+        is decided by the new policy)."""
+        for conn in list(self.live):
+            if conn.decided and not conn.still_allowed():
+                conn.cut("no longer in the allow list")
 
     @property
     def max_connections(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 import struct
 import time
@@ -33,6 +34,7 @@ FIRST_BYTES = 10.0          # seconds a connection has to send its first bytes (
 RAW_WAIT = 0.5              # transparent: a client that says nothing this long is a server-speaks-first one
 CONNECT_TIMEOUT = 10.0
 MAX_HELLO = (16 << 10) + 5
+log = logging.getLogger("aether.proxy")
 
 
 class Denied(Exception):
@@ -64,6 +66,27 @@ class Connection:
         self.explicit = False
         self.http = False         # decided by an HTTP request: the next ones are read and checked too
         self.host = ""            # what every request of such a connection must name (its Host)
+        self.decided = False      # allowed, and connected upstream (or connecting)
+        self.mirror = False       # to the node's package mirror (any sandbox with a network may)
+        self.cut_why = ""         # why the proxy ended it (the sandbox ended, its policy changed)
+        self.task: asyncio.Task | None = None
+
+    def cut(self, why: str) -> None:
+        """End this connection now, whatever it waits on (its upstream may never close it)."""
+        if not self.cut_why and self.task is not None:
+            self.cut_why = why
+            self.task.cancel()
+
+    def still_allowed(self) -> bool:
+        """Whether the sandbox's policy (as it is now) allows what this connection was allowed to reach."""
+        if self.mirror:
+            return self.sb.policy.mode != "none"
+        if self.name:
+            return self.sb.name_allowed(self.name, self.port)
+        try:
+            return self.sb.address_allowed(ipaddress.ip_address(self.address), self.port)
+        except ValueError:
+            return False
 
     async def _more(self, timeout: float) -> bool:
         data = await asyncio.wait_for(relay.recv(self.sock), timeout)
@@ -85,11 +108,13 @@ class Connection:
         return sniff.client_hello_sni(self.buf)
 
     async def run(self) -> None:
-        dst, dport = original_dst(self.sock)
-        self.address, self.port = dst, dport
+        self.task = asyncio.current_task()
+        self.sb.live.add(self)
         upstream = None
         counted = False
         try:
+            dst, dport = original_dst(self.sock)
+            self.address, self.port = dst, dport
             if self.sb.open >= self.sb.max_connections:
                 raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
             self.sb.open += 1            # from its accept: one being decided counts too
@@ -98,6 +123,7 @@ class Connection:
             if self.explicit:        # the destination is the request's, not the proxy
                 self.address, self.port = "", 0
             target = await (self._explicit() if self.explicit else self._transparent(dst, dport))
+            self.decided = True
             upstream = await self._connect(target)
             await self._relay(upstream)
             self.proxy.note(self.sb, Decision(time.time(), "allowed", self.name, self.address, self.port,
@@ -114,7 +140,18 @@ class Connection:
                                               reason=str(exc) or type(exc).__name__))
             if self.explicit and upstream is None:
                 await self._say("502 Bad Gateway", f"aether: {exc or type(exc).__name__}")
+        except asyncio.CancelledError:
+            if not self.cut_why:
+                raise              # the proxy stopping
+            self.proxy.note(self.sb, Decision(time.time(), "denied" if self.decided else "failed", self.name,
+                                              self.address, self.port, reason=f"closed: {self.cut_why}",
+                                              bytes_out=self.counted[0], bytes_in=self.counted[1]))
+        except Exception as exc:   # a parser's slip: recorded and closed, never a connection off the record
+            log.exception("connection of %s", self.sb.sandbox)
+            self.proxy.note(self.sb, Decision(time.time(), "failed", self.name, self.address, self.port,
+                                              reason=f"the proxy failed on it ({type(exc).__name__})"))
         finally:
+            self.sb.live.discard(self)
             if counted:
                 self.sb.open -= 1
             for s in (self.sock, upstream):
@@ -143,9 +180,10 @@ class Connection:
             await relay.sendall(self.sock, b"HTTP/1.1 200 Connection established\r\n\r\n")
             await self._inner(host)
             return target
-        if not req.target.startswith("http://"):
+        absolute = sniff.absolute_http(req.target)
+        if absolute is None:
             raise Denied(f"a proxy request is CONNECT host:port or GET http://host/..., got {req.target[:80]!r}")
-        host, port = sniff.split_host(req.target[7:].split("/", 1)[0], 80)
+        host, port = sniff.split_host(absolute[0], 80)
         self.name, self.port = ("" if _is_address(host) else host), port
         return await self._check(host, port, http=True)
 
@@ -227,7 +265,7 @@ class Connection:
         (any sandbox with a network may use them), named so in its decision; else None."""
         mirror = self.proxy.mirrors.get(port) if host == self.proxy.gateway_of(self.peer) else None
         if mirror is not None:
-            self.name, self.address = f"mirror:{port}", mirror[0]
+            self.name, self.address, self.mirror = f"mirror:{port}", mirror[0], True
         return mirror
 
     def _check_request(self, req: sniff.Request | None, host: str) -> None:
@@ -235,8 +273,10 @@ class Connection:
             raise Denied("a malformed HTTP request")
         if req.method == "CONNECT":
             raise Denied("a CONNECT through another proxy")
-        if req.target.startswith("http://") and sniff.split_host(req.target[7:].split("/", 1)[0])[0] != host:
-            raise Denied(f"a request for {req.target[:80]!r} on a connection to {host}")
+        if not req.target.startswith("/") and req.target != "*":   # absolute form: http, to that very host
+            absolute = sniff.absolute_http(req.target)
+            if absolute is None or sniff.split_host(absolute[0])[0] != host:
+                raise Denied(f"a request for {req.target[:80]!r} on a connection to {host}")
         if req.host != host:
             raise Denied(f"Host {req.host!r} on a connection to {host}")
         if req.length == -1:
@@ -288,15 +328,15 @@ class Connection:
                                                   reason=str(exc)))
                 raise ConnectionError(str(exc)) from None
             head = self.buf[:req.size]
-            if req.target.startswith("http://"):
-                path = "/" + req.target[7:].split("/", 1)[1] if "/" in req.target[7:] else "/"
-                head = f"{req.method} {path} {req.version}".encode("latin-1") + head[head.index(b"\r\n"):]
+            absolute = sniff.absolute_http(req.target)
+            if absolute is not None:
+                head = f"{req.method} {absolute[1]} {req.version}".encode("latin-1") + head[head.index(b"\r\n"):]
             body, self.buf = req.length or 0, self.buf[req.size:]
             await relay.sendall(up, head)
             self.counted[0] += len(head)
             while body:
                 if not self.buf and not await self._more(3600.0):
-                    return
+                    raise ConnectionError("the sandbox closed its connection in a request's body")
                 part, self.buf = self.buf[:body], self.buf[body:]
                 await relay.sendall(up, part)
                 self.counted[0] += len(part)
@@ -315,6 +355,12 @@ class Proxy:
         self.mirrors = mirrors or {}     # gateway port -> the node's mirror behind it
         self.sandboxes: dict[str, SandboxState] = {}
         self._reporting: set[SandboxState] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    def track(self, task: asyncio.Task) -> None:
+        """Hold a connection's task until it ends."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     @staticmethod
     def gateway_of(peer: str) -> str:

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import ipaddress
+import logging
 import os
+import resource
 import signal
 import socket
 import time
@@ -31,6 +34,11 @@ from bus.network import Network, check
 
 REPORT_EVERY = 1.0
 BACKLOG = 4096
+LOOKUPS_PER_SANDBOX = 32   # a sandbox's DNS questions waiting on the upstream at once (more: SERVFAIL)
+ACCEPT_PAUSE = 0.05     # seconds the accept loop waits when out of fds
+NOFILE = 1 << 20        # the proxy's open-file limit (6 fds a relayed connection; bounded by memory: see
+                        # edge/backends/cgroups.lift_file_max)
+log = logging.getLogger("aether.serve")
 
 
 class Dns(asyncio.DatagramProtocol):
@@ -50,13 +58,20 @@ class Dns(asyncio.DatagramProtocol):
             asyncio.ensure_future(self._answer(sb, q, addr))
 
     async def _answer(self, sb: SandboxState, q: dns.Question, addr) -> None:
-        if not sb.name_allowed(q.name, None):
+        if not dns.valid_name(q.name):
+            self.proxy.note(sb, Decision(time.time(), "denied", q.name[:253], "", 53, reason="a DNS query for "
+                                         "no valid host name"))
+            reply = dns.answer(q, dns.NXDOMAIN)
+        elif not sb.name_allowed(q.name, None):
             self.proxy.note(sb, Decision(time.time(), "denied", q.name, "", 53, reason="a DNS query for a name "
                                          "not in the allow list"))
             reply = dns.answer(q, dns.NXDOMAIN)
         elif q.qtype != dns.A:
             reply = dns.answer(q, dns.NOERROR)          # no AAAA (no IPv6), nothing else
+        elif sb.lookups >= LOOKUPS_PER_SANDBOX:     # its own flood waits on itself, not on the node
+            reply = dns.answer(q, dns.SERVFAIL)
         else:
+            sb.lookups += 1
             try:
                 addresses = await self.proxy.pins.resolve(q.name)
             except dns.DnsError:
@@ -69,6 +84,8 @@ class Dns(asyncio.DatagramProtocol):
                                                      ipaddress.ip_address(addresses[0]))))
                 reply = (dns.answer(q, dns.NOERROR, good, self.proxy.pins.ttl(q.name)) if good
                          else dns.answer(q, dns.NXDOMAIN))
+            finally:
+                sb.lookups -= 1
         if self.transport is not None:
             self.transport.sendto(reply, addr)
 
@@ -100,7 +117,9 @@ class Control:
     def apply(self, msg: dict) -> None:
         address = str(ipaddress.IPv4Address(msg["address"]))
         if msg["op"] == "drop":
-            self.proxy.sandboxes.pop(address, None)
+            gone = self.proxy.sandboxes.pop(address, None)
+            if gone is not None:
+                gone.close_all()       # its connections end with it (an upstream may never close one)
             return
         if msg["op"] != "set":
             raise ValueError(f"unknown op {msg['op']!r}")
@@ -108,15 +127,30 @@ class Control:
         sb = self.proxy.sandboxes.get(address)
         if sb is not None and sb.sandbox == msg["sandbox"]:
             sb.update(policy)
+            sb.close_revoked()         # a connection the new list no longer allows ends now
         else:
+            if sb is not None:
+                sb.close_all()
             self.proxy.sandboxes[address] = SandboxState.of(msg["sandbox"], policy)
 
 
 async def _accept_loop(proxy: Proxy, listener: socket.socket) -> None:
+    """Accept for ever. Out of fds (or memory), the connection waits in the backlog while the loop pauses:
+    before, the first EMFILE ended this task, silently, and no sandbox of the node connected again."""
     loop = asyncio.get_running_loop()
+    short = 0.0
     while True:
-        conn, _ = await loop.sock_accept(listener)
-        asyncio.ensure_future(proxy.accept(conn))
+        try:
+            conn, _ = await loop.sock_accept(listener)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                continue        # that one connection went (ECONNABORTED, EPERM from a rule): the next
+            if time.monotonic() - short > 10:
+                log.error("the proxy is out of %s: connections wait in its backlog", os.strerror(exc.errno))
+                short = time.monotonic()
+            await asyncio.sleep(ACCEPT_PAUSE)
+            continue
+        proxy.track(asyncio.ensure_future(proxy.accept(conn)))
 
 
 async def _report_loop(proxy: Proxy, control: Control) -> None:
@@ -155,11 +189,26 @@ async def main_async(args: argparse.Namespace) -> None:
     control = Control(proxy, reader, writer)
     await control.send({"hello": {"port": proxy.port, "dns_port": udp.get_extra_info("sockname")[1]}})
     tasks = [asyncio.ensure_future(t) for t in (_accept_loop(proxy, listener), _report_loop(proxy, control))]
+    serving = asyncio.ensure_future(control.serve())   # until the edge goes away: so do we
     try:
-        await control.serve()              # the edge went away: so do we
+        await asyncio.wait([serving, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in tasks:                    # a loop that ended ends the process: the edge starts another
+            if t.done():
+                raise RuntimeError(f"a proxy loop ended: {t.exception() if not t.cancelled() else 'cancelled'}")
     finally:
-        for t in tasks:
+        for t in (serving, *tasks):
             t.cancel()
+
+
+def _raise_nofile() -> None:
+    """As many open files as the kernel lets one process hold, up to NOFILE (the edge's 20,000 held 3,300
+    relayed connections for the whole node)."""
+    try:
+        with open("/proc/sys/fs/nr_open") as f:
+            limit = min(NOFILE, int(f.read()))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    except (OSError, ValueError) as exc:
+        log.warning("the proxy keeps its open-file limit (%s)", exc)
 
 
 def main() -> None:
@@ -175,6 +224,8 @@ def main() -> None:
     parser.add_argument("--node", default="", help="the node (named on the command line for leftover checks)")
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # a terminal ^C is for the edge, which stops us
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _raise_nofile()
     try:
         asyncio.run(main_async(args))
     except (ConnectionError, OSError) as exc:

@@ -73,6 +73,9 @@ def request_head(data: bytes) -> Request | None:
     end = data.find(b"\r\n\r\n")
     if end < 0 or end > MAX_HEAD:
         return None
+    crlf = data.count(b"\r\n", 0, end)
+    if data.count(b"\n", 0, end) != crlf or data.count(b"\r", 0, end) != crlf:
+        return None     # a bare LF or CR: a server that ends lines at either would read other requests in it
     try:
         lines = data[:end].decode("latin-1").split("\r\n")
         method, target, version = lines[0].split(" ")
@@ -91,11 +94,21 @@ def request_head(data: bytes) -> Request | None:
     lengths = [v for n, v in headers if n.lower() == "content-length"]
     chunked = any(n.lower() == "transfer-encoding" for n, _ in headers)
     length: int | None = None
-    if chunked or len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
+    if chunked or len(lengths) > 1 or (lengths and not (lengths[0].isascii() and lengths[0].isdigit()
+                                                        and len(lengths[0]) <= 18)):
         length = -1
     elif lengths:
         length = int(lengths[0])
     return Request(method, target, version, host, headers, length, end + 4)
+
+
+def absolute_http(target: str) -> tuple[str, str] | None:
+    """An absolute-form target's (authority, path) when its scheme is http (in any case), else None."""
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() != "http":
+        return None
+    authority, slash, path = rest.partition("/")
+    return authority, "/" + path if slash else "/"
 
 
 def split_host(text: str, default_port: int = 0) -> tuple[str, int]:

@@ -28,6 +28,7 @@ MAX_ENTRIES = 256
 DEFAULT_PORTS = ((80, 80), (443, 443))
 DEFAULT_BANDWIDTH = 100 * 10**6 // 8      # bytes/s when a policy says 0: 100 Mbit/s
 DEFAULT_MAX_CONNECTIONS = 256             # open connections at once when a policy says 0
+MAX_CONNECTIONS = 4096                    # the most a policy may ask (each costs the node's proxy 6 fds)
 _LABEL = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 
@@ -119,7 +120,7 @@ def check(policy: Network) -> Network:
     for entry in policy.allow:
         parse_entry(entry)
     for what, value, top in (("bandwidth", policy.bandwidth, 10**11), ("max_connections", policy.max_connections,
-                                                                         65535)):
+                                                                         MAX_CONNECTIONS)):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
             raise InvalidRequest(f"network {what} must be 0 (the node's default) up to {top}, got {value!r}")
     return policy

@@ -54,6 +54,37 @@ def test_http_request_heads_are_read_strictly():
     assert sniff.split_host("pypi.org:99999")[1] == -1 and sniff.split_host("pypi.org", 80) == ("pypi.org", 80)
 
 
+def test_a_request_head_a_server_could_read_otherwise_is_refused():
+    """Smuggling past the Host check: a head the proxy split at CRLF only, with a bare LF inside, read by
+    a server that ends lines at LF too as two requests, the second to another virtual host of the same
+    address; a target of another scheme or spelling than http:// went unchecked; a Content-Length of
+    non-ASCII digits raised in int() (the connection then ended off the trajectory)."""
+    smuggled = b"GET /1 HTTP/1.1\r\nHost: allowed.hc\r\nX: a\n\nGET /s HTTP/1.1\nHost: other.hc\n\nZ: z\r\n\r\n"
+    assert sniff.request_head(smuggled) is None
+    assert sniff.request_head(b"GET /1 HTTP/1.1\r\nHost: a\rX: b\r\n\r\n") is None          # a bare CR
+    assert sniff.request_head("POST / HTTP/1.1\r\nHost: a\r\nContent-Length: \u00b2\r\n\r\n".encode("latin-1")
+                              ).length == -1
+    assert sniff.request_head(b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n"
+                              ).length == -1
+    assert sniff.absolute_http("HTTP://Other.hc/x") == ("Other.hc", "/x")
+    assert sniff.absolute_http("http://a.hc") == ("a.hc", "/")
+    assert sniff.absolute_http("https://a.hc/x") is None and sniff.absolute_http("/x") is None
+
+
+def test_a_policy_asks_at_most_4096_connections():
+    from bus.errors import InvalidRequest
+    from bus.network import check
+    assert check(Network(mode="proxied", allow=["a.test"], max_connections=4096)).max_connections == 4096
+    with pytest.raises(InvalidRequest, match="max_connections must be 0 .* up to 4096, got 65535"):
+        check(Network(mode="proxied", allow=["a.test"], max_connections=65535))
+
+
+def test_names_dns_cannot_carry_are_no_host_names():
+    assert dns.valid_name("allowed.test") and dns.valid_name("_srv.a-b.test") and dns.valid_name("x" * 63 + ".t")
+    for bad in ("", "\u00e9.wild.hc", "x" * 64 + ".wild.hc", ("a." * 127) + "bc", "a..b", "-a.b", "a b.c"):
+        assert not dns.valid_name(bad), bad
+
+
 def query(name: str, qtype: int = dns.A, flags: int = 0x0100) -> bytes:
     labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
     return struct.pack(">6H", 0x1234, flags, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", qtype, 1)

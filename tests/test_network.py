@@ -290,6 +290,104 @@ async def test_connections_past_the_limit_are_refused(client, upstream):
         assert "fourth" in out
 
 
+def proxy_process(stack):
+    import psutil
+    return psutil.Process(stack.edge.network.aether._proc.pid)
+
+
+async def fds_back_to(proc, count: int, within: float = 5.0) -> int:
+    """The proxy's open fds once they are back to count (or what they are after `within` seconds)."""
+    for _ in range(int(within / 0.05)):
+        if proc.num_fds() <= count:
+            break
+        await asyncio.sleep(0.05)
+    return proc.num_fds()
+
+
+async def test_a_proxy_out_of_file_descriptors_serves_again_once_it_has_them(client, upstream, stack):
+    """One sandbox holding relays until the proxy ran out of fds (6 a relay) ended the proxy's accept loop
+    for good at its first EMFILE, silently: from then on no sandbox of the node connected anywhere (the
+    process lived on, so it was never restarted). Now the loop pauses while out of fds and goes on.
+    (Its open-file limit is lowered here so that 80 unfinished requests, one fd each, reach it.)"""
+    import psutil
+    proc = proxy_process(stack)
+    soft, hard = proc.rlimit(psutil.RLIMIT_NOFILE)
+    base = proc.num_fds()
+    proc.rlimit(psutil.RLIMIT_NOFILE, (base + 60, hard))
+    try:
+        async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as a, \
+                await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as b:
+            code, out = await sh(a, "for i in $(seq 80); do ((printf 'GET / HTTP/1.1\\r\\n'; sleep 2) | "
+                                    "nc allowed.test 80 >/dev/null) & done; wait; echo held")
+            assert code == 0 and "held" in out, out
+            assert await fds_back_to(proc, base + 2) <= base + 2
+            assert await sh(b, "timeout 10 wget -q -O- http://allowed.test/after") == \
+                (0, "host=allowed.test path=/after\n")
+    finally:
+        proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_request_cut_short_frees_its_upstream_connection(client, upstream, stack):
+    """A request whose sandbox closed its connection inside the body (fewer bytes than its Content-Length)
+    left the upstream connection open, waiting for the rest, until the upstream gave up, past the
+    sandbox's own end and outside its connection limit: the proxy ran out of fds that way. Now it ends."""
+    proc = proxy_process(stack)
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as sb:
+        assert await sh(sb, "wget -q -O- http://allowed.test/warm") == (0, "host=allowed.test path=/warm\n")
+        base = proc.num_fds()
+        code, out = await sh(sb, "printf 'POST /cut HTTP/1.1\\r\\nHost: allowed.test\\r\\nContent-Length: 1000\\r\\n"
+                                 "\\r\\nabc' | nc -w 1 allowed.test 80; echo rc=$?")
+        assert "rc=" in out, out
+        assert await fds_back_to(proc, base) <= base, "the proxy still holds the cut request's connections"
+        decisions = await decisions_of(client, sb.id, lambda ds: any("in a request's body" in d.get("reason", "")
+                                                                     for d in ds))
+        assert any(d["verdict"] == "failed" and "in a request's body" in d.get("reason", "") for d in decisions), \
+            decisions
+    assert "POST /cut" in seen(upstream, "http.log")
+
+
+async def test_a_revoked_name_ends_the_connections_open_to_it(client, upstream):
+    """An allow list change held for the next connection only: one open before went on for as long as it
+    lasted (a raw relay: for ever). Now the connections the new list no longer allows end at the change,
+    recorded so; the others go on."""
+    policy = libdsec.Network(allow=[f"{UPSTREAM}:7000", "allowed.test"])
+    async with await client.create("busybox", network=policy) as sb:
+        held = await sb.exec(f"(echo one; sleep 30) | nc {UPSTREAM} 7000", background=True)
+        states = "awk '$3 ~ /:1B58$/ {print $4}' /proc/net/tcp"     # its socket to port 7000, as the sandbox sees it
+        for _ in range(50):
+            if (await sb.exec(states)).stdout == b"01\n":          # ESTABLISHED
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the relay did not open")
+        await sb.set_network(libdsec.Network(allow=["allowed.test"]))
+        for _ in range(50):                                         # the proxy closed its end: CLOSE_WAIT
+            if (now := (await sb.exec(states)).stdout) != b"01\n":
+                break
+            await asyncio.sleep(0.1)
+        assert now in (b"08\n", b""), now
+        await held.kill()
+        assert await sh(sb, "wget -q -O- http://allowed.test/kept") == (0, "host=allowed.test path=/kept\n")
+        decisions = await decisions_of(client, sb.id, lambda ds: any("no longer" in d.get("reason", "") for d in ds))
+        cut = [d for d in decisions if "no longer" in d.get("reason", "")]
+        assert cut and cut[0]["address"] == UPSTREAM and cut[0]["port"] == 7000, decisions
+
+
+async def test_a_request_smuggled_past_the_host_check_never_reaches_the_upstream(client, upstream):
+    """A request head with bare LFs inside (split by the proxy at CRLF only, read as two requests by a
+    server that ends lines at LF too), or an absolute target in another spelling, named another host of the
+    same address: refused, and the upstream saw neither."""
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as sb:
+        for i, head in enumerate(("GET /s1 HTTP/1.1\\r\\nHost: allowed.test\\r\\nX: a\\n\\nGET /smuggled1 HTTP/1.1\\n"
+                                  "Host: other.test\\n\\nZ: z\\r\\n\\r\\n",
+                                  "GET HTTP://other.test/smuggled2 HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n",
+                                  "GET https://other.test/smuggled3 HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n")):
+            code, out = await sh(sb, f"printf '{head}' | nc -w 2 allowed.test 80; echo")
+            assert "403 Forbidden" in out and "host=" not in out, (i, out)
+    log = seen(upstream, "http.log")
+    assert "smuggled" not in log and "other.test /s" not in log, log
+
+
 async def test_a_killed_proxy_is_started_again_with_every_policy(client, upstream, stack):
     aether = stack.edge.network.aether
     async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as sb:
