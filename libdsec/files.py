@@ -3,6 +3,8 @@ in pieces of bus.messages.FILE_PIECE bytes, one op each, in order (edge/backends
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import posixpath
 from typing import TYPE_CHECKING, AsyncIterator
 
 from bus import kinds
@@ -99,22 +101,33 @@ class AsyncFiles:
 
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, metadata: dict[str, str] | None = None,
                     timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> None:
-        """Create or truncate path with data (any size), a piece per request, in order. metadata: kept as the
-        file's user.<key> extended attributes (get_info(...).metadata gives them back), in place of any it had
-        (a write without metadata clears them)."""
+        """Create or truncate path with data (any size). metadata: kept as the file's user.<key> extended
+        attributes (get_info(...).metadata gives them back), in place of any it had (a write without metadata
+        clears them). Whole or not at all: data of more than one piece (512 KiB) is written, a piece per
+        request, to a hidden file beside path, then renamed over it, so a reader or another writer never sees
+        a part of it, and a write that fails (FileOpError, e.g. the disk's quota) leaves path as it was."""
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise InvalidRequest("metadata must map str to str")
         if isinstance(data, str):
             data = data.encode()
+        if len(data) <= FILE_PIECE:
+            await self._op("write", path, timeout, user, offset=0, data=bytes(data), mode=mode,
+                           metadata=dict(metadata or {}))
+            return
+        head, name = posixpath.split(path)
+        if not name:
+            raise InvalidRequest(f"path names no file: {path!r}")
+        partial = f"{head.rstrip('/')}/.{name[:200]}.dsec-{new_id('w')}"
         view = memoryview(data)
-        offset = 0
-        while True:
-            piece = bytes(view[offset:offset + FILE_PIECE])
-            await self._op("write", path, timeout, user, offset=offset, data=piece, mode=mode,
-                           metadata=dict(metadata or {}) if offset == 0 else {})
-            offset += len(piece)
-            if offset >= len(data):
-                return
+        try:
+            for offset in range(0, len(data), FILE_PIECE):
+                await self._op("write", partial, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
+                               mode=mode, metadata=dict(metadata or {}) if offset == 0 else {})
+            await self._op("rename", partial, timeout, user, dest=path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._op("remove", partial, timeout, user))
+            raise
 
     async def watch(self, path: str, *, recursive: bool = False, timeout: float = DEFAULT_WATCH) -> "DirWatch":
         """Watch directory path (and, recursive, every directory below it, new ones too) for `timeout`

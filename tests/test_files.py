@@ -1,6 +1,7 @@
 """sb.files (issue 18): the file tree of a sandbox and files of any size, resolved inside its root."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 
@@ -23,6 +24,33 @@ async def test_a_100_mib_file_goes_in_and_out_byte_exact(client):
         assert await sb.files.read("/data/big.bin") == data
         await sb.files.write("/data/empty", b"")
         assert await sb.files.read("/data/empty") == b""
+
+
+async def test_a_write_is_whole_or_not_at_all(client):
+    """A write past the disk's quota returned success with the file shorter than the data (its last piece's
+    short write went unchecked), and two writes of one path at once left a mix of both with one of them
+    reported a success. Now a write either puts all its bytes or fails saying why and leaves the path as it
+    was, and a reader or another writer never sees part of one."""
+    async with await client.create(resources=libdsec.Resources(memory="512Mi", disk="64Mi")) as sb:
+        await sb.files.write("/kept", b"before")
+        with pytest.raises(libdsec.FileOpError, match="disk quota exceeded"):
+            await sb.files.write("/kept", os.urandom(64 << 20))
+        assert await sb.files.read("/kept") == b"before"
+        assert (await sb.exec("ls -a / | grep -c dsec-w")).stdout == b"0\n"   # no partial file left
+        before = b"first"
+        await sb.files.write("/same", before)
+        for size in (3 << 20, 8 << 20):
+            a, b = b"A" * size, b"B" * (size - 12345)
+            got = await asyncio.gather(sb.files.write("/same", a), sb.files.write("/same", b),
+                                       sb.files.read("/same"), return_exceptions=True)
+            assert got[0] is None and got[1] is None, got[:2]
+            if isinstance(got[2], libdsec.FileOpError):           # replaced under it: said so
+                assert "changed while read" in str(got[2]), got[2]
+            else:                                                 # what was there, or one write whole
+                assert got[2] in (before, a, b), len(got[2])
+            before = await sb.files.read("/same")
+            assert before in (a, b)
+        assert (await sb.exec("df -k / | tail -1")).exit_code == 0
 
 
 async def test_tree_operations_and_what_they_return(client):
