@@ -2,14 +2,15 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-SYSTEM_TOOLS := mkfs.erofs busybox catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4 \
+SYSTEM_TOOLS := mkfs.erofs busybox bash-static catatonit mkfs.btrfs nsenter ip cc debootstrap lxcfs runsc qemu-system-x86_64 mkfs.ext4 \
                 nft openssl apt-cacher-ng apt-ftparchive skopeo docker-registry pkg-config fusermount3
 
 .PHONY: setup system venv demo test bench up clean
 
 setup: system venv
 
-# Debian packages: erofs-utils (mkfs.erofs), busybox-static (the busybox image), catatonit (sandbox init),
+# Debian packages: erofs-utils (mkfs.erofs), busybox-static (the busybox image, and the platform's scripts in a
+# sandbox), bash-static (the trusted shell string commands run with: chronus/shell.py), catatonit (sandbox init),
 # btrfs-progs (writable layers with a size cap), util-linux, iproute2, gcc + libc6-dev (the static
 # dsec-enter helper), debootstrap (`dsec image build --debootstrap`), lxcfs (per-sandbox /proc views; each
 # edge runs its own, so Debian's service, which the package starts, is stopped and disabled), runsc (gVisor:
@@ -32,7 +33,7 @@ system:
 	if [ -n "$$missing" ]; then \
 	  echo "setup: installing Debian packages (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	    erofs-utils busybox-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
+	    erofs-utils busybox-static bash-static catatonit btrfs-progs util-linux iproute2 gcc libc6-dev \
 	    python3-venv procps debootstrap lxcfs runsc qemu-system-x86 e2fsprogs nftables openssl apt-cacher-ng apt-utils \
 	    skopeo docker-registry libfuse3-dev fuse3 pkg-config >/dev/null && { \
 	  (systemctl disable --now lxcfs.service || update-rc.d lxcfs disable) >/dev/null 2>&1; \

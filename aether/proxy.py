@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import resource
 import socket
 import struct
 import time
@@ -115,7 +116,7 @@ class Connection:
         try:
             dst, dport = original_dst(self.sock)
             self.address, self.port = dst, dport
-            if self.sb.open >= self.sb.max_connections:
+            if self.sb.open >= min(self.sb.max_connections, self.proxy.share):
                 raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
             self.sb.open += 1            # from its accept: one being decided counts too
             counted = True
@@ -356,6 +357,9 @@ class Proxy:
         self.sandboxes: dict[str, SandboxState] = {}
         self._reporting: set[SandboxState] = set()
         self._tasks: set[asyncio.Task] = set()
+        # the most one sandbox holds at once, whatever its policy says: a quarter of what this process's fds
+        # relay (6 a connection), so one sandbox alone never takes the node's proxy away from the others
+        self.share = max(64, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256) // 6 // 4)
 
     def track(self, task: asyncio.Task) -> None:
         """Hold a connection's task until it ends."""

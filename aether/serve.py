@@ -201,14 +201,18 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def _raise_nofile() -> None:
-    """As many open files as the kernel lets one process hold, up to NOFILE (the edge's 20,000 held 3,300
-    relayed connections for the whole node)."""
+    """As many open files as this process may hold, up to NOFILE: the kernel's most (fs.nr_open) where it
+    may raise its hard limit (CAP_SYS_RESOURCE), else its hard limit (20,000 for root on this host)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         with open("/proc/sys/fs/nr_open") as f:
-            limit = min(NOFILE, int(f.read()))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-    except (OSError, ValueError) as exc:
-        log.warning("the proxy keeps its open-file limit (%s)", exc)
+            most = min(NOFILE, int(f.read()))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
+    except (OSError, ValueError):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, NOFILE), hard))
+        except (OSError, ValueError) as exc:
+            log.warning("the proxy keeps its open-file limit %d (%s)", soft, exc)
 
 
 def main() -> None:

@@ -65,6 +65,21 @@ def file_digest(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+BASH_STATIC = "/bin/bash-static"
+
+
+def find_trusted_shell() -> str:
+    """The static shell string commands run with (chronus/shell.py): Debian's bash-static; without it (not
+    set up again since it was added) busybox, whose sh prefers its own applets to the image's programs."""
+    if os.path.exists(BASH_STATIC) and is_static_elf(BASH_STATIC):
+        return BASH_STATIC
+    import logging
+    logging.getLogger(__name__).warning("no %s (make setup installs bash-static): string commands run under "
+                                        "busybox's sh, which runs its applets instead of the image's programs",
+                                        BASH_STATIC)
+    return find_busybox()
+
+
 def find_busybox() -> str:
     """Path of a static busybox on this host (a dynamic one would find no libc inside the image)."""
     for cand in BUSYBOX_CANDIDATES:

@@ -122,6 +122,20 @@ async def test_exec_exit_codes_bytes_and_failures(client, kind):
         assert r.exit_code == 0 and r.stdout.strip().endswith(b"sh")
 
 
+@pytest.mark.parametrize("kind", REAL)
+async def test_a_string_command_runs_the_images_programs(client, kind):
+    """The programs a string command names are the image's, found on its PATH, as in the image's own
+    shell. The trusted shell was busybox-static's sh, which runs its own applet for any name it has one
+    of: `ls --version`, `grep -P`, `date -d` on a Debian image were busybox's, not GNU's."""
+    async with await fresh(client, kind) as sb:
+        await sb.exec(["/bin/busybox", "sh", "-c", "mkdir -p /usr/local/bin && printf '#!/bin/busybox sh\\necho "
+                       "the image ls $*\\n' > /usr/local/bin/ls && chmod 755 /usr/local/bin/ls"])
+        r = await sb.exec("ls -l /; echo $?", timeout=30)
+        assert r.stdout == b"the image ls -l /\n0\n", r
+        r = await sb.exec("PATH=/nowhere; ls /", timeout=30)      # nothing of the shell's own
+        assert r.exit_code == 127 and b"not found" in r.stderr, r
+
+
 # sudo, `hostname -i` and servers that bind or dial their own name resolve it through /etc/hosts, as in
 # Docker: 127.0.1.1 names the sandbox (Debian's convention), beside the image's own lines. Before, the name
 # resolved nowhere, and a microVM's loopback was down (nothing could listen on localhost there).

@@ -63,11 +63,12 @@ class Lifecycle(Core):
                 log.error("refreshing the /proc views of %s failed: %s", sb.spec.id, exc)
 
     def _prepare_trusted(self) -> None:
-        """state_dir/trusted/sh: a root-owned, read-only copy of the host's static busybox, on a small
-        tmpfs of its own (bind-mounted into sandboxes, whose mountinfo then shows "/", not a host path)."""
-        from edge.erofs import LayerBuildError, find_busybox
+        """state_dir/trusted/{sh,busybox}: root-owned, read-only copies of the host's static shell and busybox
+        (chronus/shell.py), on a small tmpfs of its own (bind-mounted into sandboxes, whose mountinfo then
+        shows "/", not a host path)."""
+        from edge.erofs import LayerBuildError, find_busybox, find_trusted_shell
         try:
-            src = find_busybox()
+            sources = {"sh": find_trusted_shell(), "busybox": find_busybox()}
         except LayerBuildError as exc:   # only a dynamic busybox (or none): no trusted shell
             raise OSError(f"no trusted shell: {exc}") from exc
         self._trusted.mkdir(mode=0o755, exist_ok=True)
@@ -75,11 +76,11 @@ class Lifecycle(Core):
             kernel.mount("tmpfs", self._trusted, "tmpfs", kernel.MS_NOSUID | kernel.MS_NODEV, "size=8m,mode=755")
         empty = self._trusted / zygote.TRUSTED_EMPTY   # masked dirs are read-only binds of it
         empty.mkdir(mode=0o555, exist_ok=True)
-        sh = self._trusted / "sh"
-        tmp = self._trusted / "sh.tmp"
-        shutil.copyfile(src, tmp)
-        os.chmod(tmp, 0o555)
-        os.replace(tmp, sh)
+        for name, src in sources.items():
+            tmp = self._trusted / f"{name}.tmp"
+            shutil.copyfile(src, tmp)
+            os.chmod(tmp, 0o555)
+            os.replace(tmp, self._trusted / name)
 
     async def _reconcile(self) -> None:
         """Kill and remove everything this node id left under its cgroups and state dir; give back its

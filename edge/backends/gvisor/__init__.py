@@ -123,12 +123,14 @@ class GvisorBackend(RootFiles, Backend):
             raise BackendError(f"gvisor backend failed to start: {exc}") from exc
 
     def _prepare_trusted(self) -> None:
-        """trusted/: the static busybox as sh and the agent, built from source, both root-owned 0555."""
-        from edge.erofs import find_busybox
+        """trusted/: the static shell and busybox (chronus/shell.py) and the agent, built from source, all
+        root-owned 0555."""
+        from edge.erofs import find_busybox, find_trusted_shell
         self._trusted.mkdir(mode=0o755, exist_ok=True)
-        shutil.copyfile(find_busybox(), self._trusted / "sh.tmp")
-        os.chmod(self._trusted / "sh.tmp", 0o555)
-        os.replace(self._trusted / "sh.tmp", self._trusted / "sh")
+        for name, src in (("sh", find_trusted_shell()), ("busybox", find_busybox())):
+            shutil.copyfile(src, self._trusted / f"{name}.tmp")
+            os.chmod(self._trusted / f"{name}.tmp", 0o555)
+            os.replace(self._trusted / f"{name}.tmp", self._trusted / name)
         agent = self._trusted / "agent"
         newest = max(AGENT_SOURCE.stat().st_mtime, BECOME_SOURCE.stat().st_mtime)
         if not agent.exists() or agent.stat().st_mtime < newest:

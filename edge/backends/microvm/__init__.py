@@ -37,6 +37,7 @@ from bus import kinds
 from edge.backends import cgroups, idmap
 from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, Limits, OutputSink, SandboxGone,
                                 SandboxSpec, SnapshotGone, TRUSTED_SHELL)
+from chronus.shell import TRUSTED_BUSYBOX
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.host import _remove_groups, valid_id
 from edge.backends.microvm import accel, guest, snapshot, template
@@ -330,7 +331,8 @@ class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking
 
         async def sink(stream, data: bytes) -> None:
             out[stream] += data
-        res = await vm.chan.exec([TRUSTED_SHELL, "-c", script, "sh", *args], DEFAULT_ENV, "/", stdin, timeout, sink,
+        res = await vm.chan.exec([TRUSTED_BUSYBOX, "sh", "-c", script, "sh", *args], DEFAULT_ENV, "/", stdin,
+                                 timeout, sink,
                                  None, vm.frozen_for)
         return res.exit_code, bytes(out["stdout"]), bytes(out["stderr"])
 
@@ -363,7 +365,7 @@ class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking
         return out
 
 
-WARM_UP = f"{TRUSTED_SHELL} -c : && cat /proc/self/stat >/dev/null"   # fork, exec, a file read
+WARM_UP = f"{TRUSTED_SHELL} -c : && read -r _ < /proc/self/stat"   # fork, exec of the trusted shell, a file read
 
 
 def _qemu_version(binary: str) -> str:

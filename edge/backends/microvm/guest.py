@@ -30,7 +30,7 @@ MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "vir
 # the nvdimm ones for a full VM's OS layer on virtio-pmem (dsec.pmem, read through DAX)
 HERE = Path(__file__).parent
 INIT = HERE / "init.sh"
-TRUSTED_LAYOUT = b"agent files watch sh upper/"   # what the trusted device holds besides the sources (in its name)
+TRUSTED_LAYOUT = b"agent files watch sh busybox upper/"   # what the trusted device holds besides the sources (in its name)
 
 
 class GuestError(Exception):
@@ -160,7 +160,9 @@ def build() -> Guest:
         _put(initrd, gzip.compress(_newc(entries), compresslevel=1))
     source = AGENT_SOURCE.read_bytes()
     helpers = (FILES_SOURCE.read_bytes(), WATCH_SOURCE.read_bytes(), BECOME_SOURCE.read_bytes())
-    trusted = cache_dir() / f"trusted-{_digest(source, *helpers, busybox, TRUSTED_LAYOUT)}.erofs"
+    from edge.erofs import find_trusted_shell
+    shell = Path(find_trusted_shell()).read_bytes()
+    trusted = cache_dir() / f"trusted-{_digest(source, *helpers, busybox, shell, TRUSTED_LAYOUT)}.erofs"
     if not trusted.exists():
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
             root = Path(tmp) / "root"
@@ -171,8 +173,9 @@ def build() -> Guest:
                                         capture_output=True, text=True)
                 if cc_run.returncode != 0:
                     raise GuestError(f"cannot build the guest's {name}: {cc_run.stderr.strip()[-300:]}")
-            shutil.copyfile(_busybox(), root / "sh")
-            for name in ("agent", "files", "watch", "sh"):
+            (root / "sh").write_bytes(shell)
+            shutil.copyfile(_busybox(), root / "busybox")
+            for name in ("agent", "files", "watch", "sh", "busybox"):
                 os.chmod(root / name, 0o555)
             (root / "upper").mkdir(mode=0o555)     # where init binds the writable layer (read-only) for snapshots
             img = Path(tmp) / "trusted.erofs"

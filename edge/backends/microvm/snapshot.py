@@ -24,7 +24,7 @@ from pathlib import Path
 from edge.backends.base import BackendError, SnapshotTooLarge
 from edge.erofs import mtime_ns, set_dir_mtimes
 from edge.backends.gvisor.agent import AgentChannel
-from chronus.shell import TRUSTED_SHELL
+from chronus.shell import TRUSTED_BUSYBOX
 
 PACK = "cd /.dsec/upper && exec tar -c -f - ."
 SLACK = 16 << 20       # tar headers and padding over the files' own bytes
@@ -122,7 +122,8 @@ async def pack(chan: AgentChannel, sandbox_id: str, disk: int, env: dict[str, st
         opaque = await chan.freeze_upper(True)
         sink = TarSink(work / "upper.tar", disk + SLACK, sandbox_id)
         try:
-            res = await chan.exec([TRUSTED_SHELL, "-c", PACK], env, "/", None, max(60.0, disk / (4 << 20)), sink, None)
+            res = await chan.exec([TRUSTED_BUSYBOX, "sh", "-c", PACK], env, "/", None, max(60.0, disk / (4 << 20)),
+                                  sink, None)
         finally:
             sink.close()
             await chan.freeze_upper(False)
