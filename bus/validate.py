@@ -82,6 +82,7 @@ def check_env(env: dict[str, str]) -> None:
         if not isinstance(v, str) or "\0" in v:
             raise InvalidRequest(f"env: the value of {k} must be a string without NUL bytes")
         _check_length(f"env: {k}", k, "=", v)
+        _check_text(f"env: {k!r}", k + v)
 
 
 def _check_length(field: str, *parts: str) -> None:
@@ -103,10 +104,23 @@ def check_exec_words(argv: list[str], env: dict[str, str], cwd: str, shell: str 
         raise InvalidRequest("argv must not contain NUL bytes")
     for i, word in enumerate(argv):
         _check_length(f"argv[{i}]", word)
+        _check_text(f"argv[{i}]", word)
     _check_length("the shell script (one argument of sh -c)", shell)
+    _check_text("the shell script", shell)
     check_env(env)
     if "\0" in cwd:
         raise InvalidRequest("cwd must not contain NUL bytes")
+    _check_text("cwd", cwd)
+
+
+def _check_text(field: str, text: str) -> None:
+    """InvalidRequest when text holds what is no character (a byte of a name that is not UTF-8, as Python
+    carries one, a lone surrogate): the wire carries text, and encoding it failed as an internal error."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{field} is not valid UTF-8 text ({text[:60]!r})") from None
 
 
 def expired(deadline: float, now: float | None = None) -> bool:
@@ -137,8 +151,8 @@ def check_call(req: CallRequest) -> None:
             raise InvalidRequest(str(exc)) from None
     if bool(req.shell) == bool(req.argv):
         raise InvalidRequest("give cmd as a string (trusted shell) or a non-empty argv list, not both or neither")
-    if req.argv and not all(isinstance(a, str) and a and "\0" not in a for a in req.argv):
-        raise InvalidRequest("argv must be non-empty strings without NUL bytes")
+    if req.argv and not (req.argv[0] and all(isinstance(a, str) and "\0" not in a for a in req.argv)):
+        raise InvalidRequest("argv must be strings without NUL bytes, the first not empty")
     if "\0" in req.shell:
         raise InvalidRequest("cmd must not contain NUL bytes")
     if not 0 < req.timeout <= MAX_CALL_TIMEOUT:

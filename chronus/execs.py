@@ -433,8 +433,9 @@ class Execs:
             raise InvalidRequest("give argv or shell, not both")
         if (op.pty_rows or op.pty_cols) and not (0 < op.pty_rows <= MAX_PTY and 0 < op.pty_cols <= MAX_PTY):
             raise InvalidRequest(f"a terminal's rows and cols must be 1..{MAX_PTY}, got {op.pty_rows}x{op.pty_cols}")
-        if not op.shell and (not op.argv or not all(op.argv)):
-            raise InvalidRequest("argv must be a non-empty list of non-empty strings (or give a shell script)")
+        if not op.shell and (not op.argv or not op.argv[0]):
+            raise InvalidRequest("argv must be a non-empty list of strings, the first not empty (or give a shell "
+                                 "script)")
         if "\0" in op.shell:
             raise InvalidRequest("shell script must not contain NUL bytes")
         validate.check_exec_words(op.argv, op.env, op.cwd, op.shell)
@@ -443,7 +444,7 @@ class Execs:
     @staticmethod
     def _check_times(op: ExecRequest) -> None:
         if not 0 < op.timeout <= 7 * 24 * 3600:
-            raise InvalidRequest(f"timeout must be > 0 seconds, got {op.timeout}")
+            raise InvalidRequest(f"timeout must be > 0 seconds and at most 7 days (604800), got {op.timeout}")
         if op.cwd and not op.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {op.cwd!r}")
         if op.deadline and time.time() > op.deadline:

@@ -38,7 +38,7 @@ class Resources:
 
     def to_wire(self) -> WireResources:
         """Validate and normalise to cores and bytes."""
-        if isinstance(self.cpu, bool) or not isinstance(self.cpu, (int, float)) or not self.cpu > 0:
+        if isinstance(self.cpu, bool) or not isinstance(self.cpu, (int, float)) or not 0 < self.cpu < float("inf"):
             raise InvalidRequest(f"resources.cpu must be a positive number of cores, got {self.cpu!r}")
         if isinstance(self.pids, bool) or not isinstance(self.pids, int) or self.pids < 1:
             raise InvalidRequest(f"resources.pids must be a positive integer, got {self.pids!r}")

@@ -39,8 +39,9 @@ LOGIN_SHELL = "if [ -x /bin/bash ]; then exec /bin/bash -i -l; fi; exec /.dsec/s
 def argv_of(cmd: Command) -> list[str]:
     """A list command is its argv, run as is inside the sandbox."""
     argv = list(cmd)
-    if not argv or not all(isinstance(a, str) and a for a in argv):
-        raise InvalidRequest("command must be a string or a non-empty list of non-empty strings")
+    if not argv or not all(isinstance(a, str) for a in argv) or not argv[0]:
+        raise InvalidRequest("command must be a string or a non-empty list of strings, the first not empty "
+                             "(an empty argument after it is passed as one)")
     return argv
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
+from pathlib import Path
 
 import nats
 import pytest
@@ -191,6 +193,25 @@ async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(
         await es.close()
         with pytest.raises(libdsec.InvalidRequest, match=field):
             exit_of(recs[-1])
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
+async def test_text_that_is_not_utf8_is_refused_naming_the_field(client, stack):
+    """A word holding a byte that is no UTF-8 (as Python carries a file name's or an argument's: a lone
+    surrogate) failed as a bare UnicodeEncodeError in the SDK, and `dsec exec ID -- printf $'\\xff'` as
+    "internal error ... (please report it)". The wire carries text: InvalidRequest naming the field."""
+    async with await client.create() as sb:
+        for kwargs, field in (({"cmd": ["printf", "bad\udcff"]}, "argv\\[1\\] is not valid UTF-8"),
+                              ({"cmd": "echo \udcff"}, "the shell script is not valid UTF-8"),
+                              ({"cmd": ["true"], "env": {"A": "\udcff"}}, "env: 'A' is not valid UTF-8"),
+                              ({"cmd": ["true"], "cwd": "/\udcff"}, "cwd is not valid UTF-8")):
+            with pytest.raises(libdsec.InvalidRequest, match=field):
+                await sb.exec(kwargs.pop("cmd"), **kwargs)
+        dsec = str(Path(sys.executable).parent / "dsec")
+        proc = await asyncio.create_subprocess_exec(dsec, "exec", "--nats", stack.url, sb.id, "--", "printf", b"\xff",
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        assert proc.returncode != 0 and b"argv[1] is not valid UTF-8" in err and b"internal error" not in err, err
         assert (await sb.exec("echo alive")).stdout == b"alive\n"
 
 

@@ -123,6 +123,17 @@ async def test_exec_exit_codes_bytes_and_failures(client, kind):
 
 
 @pytest.mark.parametrize("kind", REAL)
+async def test_an_empty_argument_is_passed_as_one(client, kind):
+    """execve takes empty arguments (`test -n ""`, `printf '[%s]' ""`): only the program's name may not be
+    empty. They were refused (InvalidRequest)."""
+    async with await fresh(client, kind) as sb:
+        r = await sb.exec(["printf", "[%s]", "", "x", ""], timeout=30)
+        assert (r.exit_code, r.stdout) == (0, b"[][x][]"), r
+        with pytest.raises(libdsec.InvalidRequest, match="the first not empty"):
+            await sb.exec(["", "x"])
+
+
+@pytest.mark.parametrize("kind", REAL)
 async def test_a_string_command_runs_the_images_programs(client, kind):
     """The programs a string command names are the image's, found on its PATH, as in the image's own
     shell. The trusted shell was busybox-static's sh, which runs its own applet for any name it has one
