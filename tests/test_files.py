@@ -53,6 +53,32 @@ async def test_a_write_is_whole_or_not_at_all(client):
         assert (await sb.exec("df -k / | tail -1")).exit_code == 0
 
 
+async def test_a_name_that_is_not_utf8_is_listed_and_watched_escaped(client):
+    """A file whose name holds a byte that is no UTF-8 (made inside the sandbox) broke every listing of its
+    directory ("FileOp failed on the node: UnicodeEncodeError") and ended a watch of it, losing its events.
+    Such a byte is now written as \\xNN; the rest of the listing and the watch go on."""
+    async with await client.create() as sb:
+        await sb.exec("mkdir /w && touch /w/ok")
+        w = await sb.files.watch("/w")
+        try:
+            await sb.exec("touch /w/$(printf 'bad\\377') /w/after; sleep 0.2; touch /w/last")
+            seen = []
+
+            async def read() -> None:
+                async for ev in w.events():
+                    seen.append((ev.type, ev.name))
+                    if ev.name == "last":
+                        return
+            await asyncio.wait_for(read(), 10)
+            assert ("create", "bad\\xff") in seen and ("create", "after") in seen, seen
+        finally:
+            await w.stop()
+            await w.close()
+        names = sorted(e.name for e in await sb.files.list("/w"))
+        assert names == ["after", "bad\\xff", "last", "ok"], names
+        assert {e.path for e in await sb.files.list("/", depth=2)} >= {"/w/bad\\xff", "/w/ok"}
+
+
 async def test_tree_operations_and_what_they_return(client):
     async with await client.create() as sb:
         root = await sb.files.get_info("/")

@@ -61,14 +61,21 @@ def _kind(mode: int) -> str:
     return "other"
 
 
+def wire_name(text: str) -> str:
+    """A name as the wire carries it (UTF-8 text): a byte that is no UTF-8 (a name Python decoded with
+    surrogateescape) is written as \\xNN. Encoding the name failed before, and with it the whole listing."""
+    return text if text.isascii() else os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
 def entry(pfd: int, name: str, path: str, base: int) -> FileEntry:
     """The entry `name` in dir pfd (not following a symlink); owners as the sandbox sees them."""
     s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
     target = os.readlink(name, dir_fd=pfd) if st.S_ISLNK(s.st_mode) else ""
     meta = _metadata(pfd, name) if st.S_ISREG(s.st_mode) or st.S_ISDIR(s.st_mode) else {}
-    return FileEntry(name=name, path=path, type=_kind(s.st_mode), size=s.st_size, mode=st.S_IMODE(s.st_mode),
-                     permissions=st.filemode(s.st_mode)[1:], uid=_inside(s.st_uid, base), gid=_inside(s.st_gid, base),
-                     mtime=s.st_mtime, symlink_target=target, metadata=meta)
+    return FileEntry(name=wire_name(name), path=wire_name(path), type=_kind(s.st_mode), size=s.st_size,
+                     mode=st.S_IMODE(s.st_mode), permissions=st.filemode(s.st_mode)[1:], uid=_inside(s.st_uid, base),
+                     gid=_inside(s.st_gid, base), mtime=s.st_mtime, symlink_target=wire_name(target),
+                     metadata={wire_name(k): v for k, v in meta.items()})
 
 
 def _metadata(pfd: int, name: str) -> dict[str, str]:

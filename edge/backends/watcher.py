@@ -31,6 +31,7 @@ import msgspec
 from bus.messages import FileEvent as Event
 from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.execio import wait_fd, wait_unfrozen
+from edge.backends.treeops import wire_name
 
 MAX_DIRS = 4096        # directories one recursive watch follows
 MAX_WATCHES = 1024     # watches an edge runs at once
@@ -291,7 +292,7 @@ async def _drain(w: Watch, sink: OutputSink, then: list[Event] | None = None) ->
     w.seen.clear()   # any create queued before a new directory's listing has been read by now
     lines += then or []
     if lines:
-        await sink("stdout", b"".join(_encode(e) + b"\n" for e in lines))
+        await sink("stdout", b"".join(_encode(Event(e.type, wire_name(e.name))) + b"\n" for e in lines))
 
 
 async def _marks(w: Watch, sink: OutputSink, control: ExecControl, turn: asyncio.Lock) -> None:
