@@ -1,13 +1,19 @@
 """Sandbox commands: run, create, exec, ls, rm."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime
+import os
+import stat
 import sys
+import threading
 
 import click
 
 import libdsec
-from bus import subjects
+from bus import kinds, subjects
+from libdsec.resources import parse_size
 from cli.termsafe import Terminal, field
 from cli.main import fail, main, nats_option, run_async
 
@@ -77,21 +83,72 @@ def _network(mode: str | None, allow: tuple[str, ...]):
     return mode or "none"
 
 
-async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float) -> int:
-    """The command's output on our stdout/stderr: escaped on a terminal, byte-exact otherwise."""
+async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float, max_output: str) -> int:
+    """The command's output on our stdout/stderr as it comes: escaped on a terminal, byte-exact otherwise. Our
+    stdin, when it is a pipe or a file, is the command's (a terminal or /dev/null is not read). Interrupted
+    (a signal), the command is killed before we go."""
     cmd = argv[0] if len(argv) == 1 and " " in argv[0] else argv
+    limit = _size(max_output, "--max-output")
     outs = {"stdout": Terminal(sys.stdout.buffer), "stderr": Terminal(sys.stderr.buffer)}
-    async for ev in sb.stream(cmd, timeout=timeout):
-        if isinstance(ev, libdsec.Output):
-            outs[ev.stream].write(ev.data)
-        else:
+    stdin = local_stdin() if kinds.supports(sb.backend, "live_stdin") else None
+    handle = await sb._start(cmd, timeout, None, None, stdin, limit, keep_output=False)
+    try:
+        async for ev in handle.stream(lines=False):
+            if isinstance(ev, libdsec.Output):
+                outs[ev.stream].write(ev.data)
+                continue
             for out in outs.values():
                 out.close()
+            if ev.truncated:
+                click.echo(f"dsec: the command's output was cut at {limit:,} bytes (--max-output)", err=True)
             if ev.timed_out:
                 click.echo(f"dsec: command timed out after {timeout}s", err=True)
                 return 124
             return ev.exit_code
-    return 1
+        return 1
+    except BaseException:
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(handle.kill(), 5)
+        raise
+    finally:
+        await handle.close()
+
+
+def _size(text: str, what: str) -> int:
+    try:
+        return parse_size(text, what)
+    except libdsec.InvalidRequest as exc:
+        fail(str(exc))
+        raise
+
+
+def local_stdin():
+    """Our stdin's bytes as an async iterable when it is a pipe, socket or file, else None. A daemon thread
+    reads it (a pipe that never ends must not hold the process at its exit)."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISREG(mode)):
+        return None
+    loop = asyncio.get_running_loop()
+    pieces: asyncio.Queue[bytes] = asyncio.Queue(maxsize=16)
+
+    def reader() -> None:
+        while True:
+            try:
+                data = os.read(0, 1 << 16)
+            except OSError:
+                data = b""
+            asyncio.run_coroutine_threadsafe(pieces.put(data), loop).result()
+            if not data:
+                return
+
+    async def gen():
+        threading.Thread(target=reader, daemon=True, name="stdin").start()
+        while data := await pieces.get():
+            yield data
+    return gen()
 
 
 def _no_stray_option(words) -> None:
@@ -108,9 +165,11 @@ def _no_stray_option(words) -> None:
 @nats_option
 @resource_options
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
+@click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
+              help="Output kept past this is cut (said on stderr).")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, exec_timeout, argv, **options) -> None:
+async def run(nats_url, exec_timeout, max_output, argv, **options) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code. Without
     ARGV: the image's Entrypoint and Cmd (an imported image's config).
 
@@ -128,7 +187,7 @@ async def run(nats_url, exec_timeout, argv, **options) -> None:
                            err=True)
                 code = 2
             else:
-                code = await _stream_to_terminal(sb, list(argv), exec_timeout)
+                code = await _stream_to_terminal(sb, list(argv), exec_timeout, max_output)
         finally:
             try:
                 await sb.destroy()
@@ -151,18 +210,21 @@ async def create(nats_url, **options) -> None:
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})
 @nats_option
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds the command may run.")
+@click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
+              help="Output kept past this is cut (said on stderr).")
 @click.argument("sandbox_id")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def exec_(nats_url, timeout, sandbox_id, argv) -> None:
-    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code.
+async def exec_(nats_url, timeout, max_output, sandbox_id, argv) -> None:
+    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code. Our stdin, when it is
+    a pipe or a file, is the command's; interrupted (Ctrl-C, SIGTERM, SIGHUP), the command is killed.
 
-    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'
+    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec "$id" -- cat
     """
     _no_stray_option((sandbox_id, *argv[:1]))
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await client.get(sandbox_id)
-        code = await _stream_to_terminal(sb, list(argv), timeout)
+        code = await _stream_to_terminal(sb, list(argv), timeout, max_output)
     sys.exit(code)
 
 

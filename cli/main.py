@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
 import sys
 
 import click
@@ -62,6 +63,9 @@ def run_async(fn):
     """Run an async command; every DsecError becomes one line and exit 1, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        for sig in (signal.SIGTERM, signal.SIGHUP):   # as Ctrl-C: what the command made is undone on the way out
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, signal.default_int_handler)
         try:
             return asyncio.run(fn(*args, **kwargs))
         except PermissionDenied as exc:

@@ -1,6 +1,7 @@
 """The `dsec` command line, run as a user would: `dsec up` in the foreground, then the client commands."""
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -24,7 +25,8 @@ NODE = "cli1"
 
 def dsec(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the CLI; one that outlives the timeout gets Ctrl-C first (so it cleans up), then a kill."""
-    proc = subprocess.Popen([DSEC, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([DSEC, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -114,6 +116,30 @@ def test_run_output_arrives_as_produced(up):
     second = proc.stdout.readline()
     gap = time.monotonic() - t_first
     assert proc.wait(30) == 0 and (first, second) == ("a\n", "b\n") and gap > 1.0
+
+
+def test_exec_takes_our_stdin_says_a_cut_and_an_interrupt_kills_its_command(up):
+    """`echo hi | dsec exec ID -- cat` printed nothing (our stdin was never read: md5sum of a piped file was
+    the empty input's); output past 16 MiB was cut with exit 0 and not a word; and an interrupted exec
+    (SIGTERM, SIGHUP) left its command running in the sandbox until its timeout."""
+    sid = dsec("create", "--nats", up["url"]).stdout.strip()
+    data = os.urandom(3_000_000)
+    p = subprocess.run([DSEC, "exec", "--nats", up["url"], sid, "--", "md5sum"], input=data, capture_output=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout.split()[0].decode() == hashlib.md5(data).hexdigest(), p
+    p = dsec("exec", "--nats", up["url"], sid, "--", "cat")          # /dev/null: not read, nothing waits
+    assert (p.returncode, p.stdout) == (0, "")
+    p = dsec("exec", "--nats", up["url"], "--max-output", "1Mi", sid, "--", "sh", "-c", "head -c 2000000 /dev/zero")
+    assert p.returncode == 0 and len(p.stdout) == 1 << 20 and "cut at 1,048,576 bytes" in p.stderr, p.stderr
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        proc = subprocess.Popen([DSEC, "exec", "--nats", up["url"], sid, "--", "sh", "-c", "echo started; sleep 60"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "started\n"
+        proc.send_signal(sig)
+        assert proc.wait(15) == 130
+        left = dsec("exec", "--nats", up["url"], sid, "--", "sh", "-c", "ps | grep -c '[s]leep 60'").stdout
+        assert left == "0\n", (sig, left)
+    assert dsec("rm", "--nats", up["url"], sid).returncode == 0
 
 
 def test_create_exec_ls_rm(up):
