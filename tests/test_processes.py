@@ -3,6 +3,8 @@ attaching to one by id or pid from another client, and a live stdin written by p
 commands surface on the native SDK."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import libdsec
@@ -109,10 +111,15 @@ async def test_a_killed_command_is_gone_when_kill_returns(client):
     """kill_process(pid) returns once the pid is reaped: `kill -0 PID` in the sandbox fails at once (a zombie
     left for its init to reap would still answer it)."""
     async with await client.create() as sb:
-        for _ in range(3):
-            handle = await sb.exec("exec sleep 30", background=True)
+        for command in ("exec sleep 30", "sleep 30; echo after", "sleep 30 & wait"):
+            handle = await sb.exec(command, background=True)
             pid = await handle.started()
+            took = time.monotonic()
             assert await sb.kill_process(pid) is True
+            # Promptly (it took 1.6-2.0 s): killed with the command, its helper (the parent, outside the
+            # sandbox) left the zombie to the host's init, which here reaps every ~2 s; the kill waited for it.
+            assert time.monotonic() - took < 1.0, (command, time.monotonic() - took)
+            assert b" Z " not in (await sb.exec("ps -o pid,stat,args")).stdout
             probe = await sb.exec(f"kill -0 {pid}")
             assert probe.exit_code != 0, probe
             assert (await handle.wait()).exit_code == 128 + 9

@@ -331,11 +331,14 @@ async def report_start(pipes: Pipes, exited: asyncio.Future, control: ExecContro
     if pid:
         await control.started(pid)
 
-async def signal_exec(groups: dict[str, Path], sig: int) -> bool:
-    """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left."""
+async def signal_exec(groups: dict[str, Path], sig: int, init: int = 0) -> bool:
+    """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left.
+    init: the sandbox's init, whose pid namespace the command's processes are in (SIGKILL: those go first)."""
     if not groups["freezer"].is_dir():
         return False
     if sig == signal.SIGKILL:
+        if init:
+            await _commands_first(groups["freezer"], init)
         return await cgroups.kill_tree(groups["freezer"])
     try:
         pids = cgroups.procs_under(groups["freezer"])
@@ -345,6 +348,35 @@ async def signal_exec(groups: dict[str, Path], sig: int) -> bool:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
     return bool(pids)
+
+async def _commands_first(freezer: Path, init: int, wait: float = 0.2) -> None:
+    """SIGKILL the processes of the group that are in the sandbox's pid namespace, then give its helper (the
+    command's parent, in the host's) a moment to reap the command and end by itself. Killed with them, the
+    helper left the command's zombie to the host's init (the reaper of the helper's namespace), which may
+    take seconds to reap it (~2 s on this host): until then the sandbox saw it, and a kill waited for it."""
+    try:
+        ns = os.stat(f"/proc/{init}/ns/pid").st_ino
+    except OSError:
+        return
+
+    def outside() -> list[int]:
+        left = []
+        for pid in cgroups.procs_under(freezer):
+            try:
+                if os.stat(f"/proc/{pid}/ns/pid").st_ino == ns:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    left.append(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        return left
+    try:
+        give_up = time.monotonic() + wait
+        while outside() and time.monotonic() < give_up:
+            await asyncio.sleep(0.002)
+    except OSError:
+        return
+
 
 REAP_WAIT = 2.0   # seconds a killed command's pid may take to be reaped (its helper's end, then the init's wait)
 
