@@ -229,8 +229,8 @@ class AsyncSandbox:
                    env: dict[str, str] | None = None, stdin: Stdin = None,
                    max_output: int = DEFAULT_MAX_OUTPUT, background: bool = False, user: str | None = None) -> Any:
         """Run a command to the end and return its ExecResult; ExecTimeout (with the partial output) if it
-        outlived `timeout` (default 30 s). background=True returns an ExecHandle at once instead (default
-        timeout 24 h): stream its output, wait() for it or kill() it later. cwd defaults to the image's
+        outlived `timeout` (default 30 s). background=True returns an ExecHandle once it started instead
+        (.pid: its pid; default timeout 24 h): stream its output, wait() for it or kill() it later. cwd defaults to the image's
         WorkingDir (else /); user to the image's User (else root): a name of the image's /etc/passwd or
         uid[:gid] (kinds with the "users" capability), run with its groups and HOME. stdin as stream()'s, or
         True with background=True: a live stdin written later, by this or any client, with
@@ -238,7 +238,12 @@ class AsyncSandbox:
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user)
-        if background:
+        if background:    # once it started: h.pid is its pid (it was 0, and send_stdin(h.pid) found no command)
+            try:
+                await handle.started()
+            except BaseException:
+                await handle.close()
+                raise
             return handle
         try:
             return await handle.wait()

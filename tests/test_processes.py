@@ -83,6 +83,19 @@ async def test_another_client_attaches_by_pid_replays_the_output_and_writes_stdi
         assert (await later.wait()).stdout == b"ready\none\ntwo\n"
 
 
+async def test_a_background_exec_knows_its_pid_when_it_returns(client):
+    """The README's `h = await sb.exec("cat", background=True, stdin=True); await sb.send_stdin(h.pid, ...)`:
+    h.pid was 0 until its start record came, so send_stdin(0, ...) failed ("no running command ... has pid
+    0") or reached another command not started yet."""
+    async with await client.create() as sb:
+        for i in range(5):
+            h = await sb.exec("cat", background=True, stdin=True)
+            assert h.pid > 1, h.pid
+            assert await sb.send_stdin(h.pid, f"line {i}\n", eof=True) is True
+            assert (await h.wait()).stdout == f"line {i}\n".encode()
+            await h.close()
+
+
 async def test_a_stdin_piece_sent_again_is_written_once(client, stack):
     """A piece retried under its piece_id (a lost reply) is answered, not written twice; pieces go in order."""
     from bus.execwire import ExecInput
