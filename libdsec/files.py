@@ -108,6 +108,7 @@ class AsyncFiles:
         a part of it, and a write that fails (FileOpError, e.g. the disk's quota) leaves path as it was."""
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise InvalidRequest("metadata must map str to str")
+        check_mode(mode)
         if isinstance(data, str):
             data = data.encode()
         if len(data) <= FILE_PIECE:
@@ -152,6 +153,12 @@ class AsyncFiles:
         return DirWatch(handle, path)
 
 
+
+
+def check_mode(mode: int) -> None:
+    """A file's permission bits (setuid, setgid and sticky included); -1 was taken as 0o7777."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise InvalidRequest(f"mode must be permission bits, 0 to 0o7777, got {mode!r}")
 
 
 class DirWatch:

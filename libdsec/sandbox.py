@@ -14,7 +14,7 @@ from bus.messages import (
 from bus.records import SnapshotRecord, snapshot_decoder
 from libdsec.exechandle import ExecHandle
 from libdsec.execcontrol import ExecControls
-from libdsec.files import AsyncFiles
+from libdsec.files import AsyncFiles, check_mode
 from libdsec.execstream import EXIT_GRACE, ExecStream
 from libdsec.ids import new_id
 from libdsec.network import to_wire as network_policy
@@ -254,6 +254,7 @@ class AsyncSandbox:
                          timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Write a file inside the sandbox (paths resolve inside its root)."""
         self._needs("files", "write_file")
+        check_mode(mode)
         if isinstance(data, str):
             data = data.encode()
         if len(data) > MAX_FILE_OP:

@@ -138,6 +138,18 @@ async def test_bad_paths_get_one_clear_line_and_the_sandbox_stays_well(client):
         with pytest.raises(libdsec.InvalidRequest, match="depth"):
             await sb.files.list("/", depth=0)
         assert not await sb.files.exists("/nope/deeper")
+        # a rename names what is missing (it said "no such directory: /tmp" for a missing file in /tmp)
+        with pytest.raises(libdsec.FileOpError, match="no such file: /tmp/nope$"):
+            await sb.files.rename("/tmp/nope", "/tmp/q")
+        await sb.files.write("/tmp/here", b"x")
+        with pytest.raises(libdsec.FileOpError, match="no such directory: /nowhere$"):
+            await sb.files.rename("/tmp/here", "/nowhere/q")
+        # a mode is permission bits: -1 made the file 7777 (setuid, setgid, sticky), 2**40 made it 000
+        for mode in (-1, 0o17777, 2 ** 40, True):
+            with pytest.raises(libdsec.InvalidRequest, match="0 to 0o7777"):
+                await sb.files.write("/tmp/m", b"x", mode=mode)
+            with pytest.raises(libdsec.InvalidRequest, match="0 to 0o7777"):
+                await sb.write_file("/tmp/m", b"x", mode=mode)
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
 
 

@@ -100,7 +100,9 @@ def write(sandbox_id: str, init_pid: int, pidfd: int, path: str, data: bytes, mo
 def write_in(root: int, rel: str, path: str, data: bytes, mode: int, owner: int) -> None:
     """write in the root open at fd root (rel: path inside it), which stays open."""
     try:
-        kernel.write_in_root(root, rel, data, mode & 0o7777, owner)
+        if not 0 <= mode <= 0o7777:
+            raise OSError(errno.EINVAL, f"mode must be permission bits, 0 to 0o7777, got {mode:#o}")
+        kernel.write_in_root(root, rel, data, mode, owner)
     except OSError as exc:
         raise file_error(exc, path, creating=True) from exc
 
@@ -142,7 +144,14 @@ def tree_op_in(root: int, rel: str, op: FileOp, base: int, scratch: bool = False
         with fscreds.as_user(*who) if who is not None else contextlib.nullcontext():
             return _tree_op(root, rel, op, base, owner, scratch)
     except OSError as exc:
-        raise file_error(exc, op.path, creating=op.op in ("mkdir", "write", "rename")) from exc
+        if op.op == "rename" and exc.errno == errno.ENOENT:   # which one is missing: the file, or where it goes
+            try:
+                treeops.stat(root, rel, base)
+            except OSError as gone:
+                if gone.errno == errno.ENOENT:
+                    raise file_error(exc, op.path, creating=False) from exc
+            raise file_error(exc, op.dest, creating=True) from exc
+        raise file_error(exc, op.path, creating=op.op in ("mkdir", "write")) from exc
     except OverflowError as exc:   # a listing past treeops.MAX_ENTRIES
         raise BackendError(f"{exc}: {op.path}") from exc
 
@@ -167,6 +176,8 @@ def _tree_op(root: int, rel: str, op: FileOp, base: int, owner: int | None, scra
             data, size = treeops.read_at(root, rel, op.offset, op.length)
             result = FileOpResult(data=data, size=size)
         case "write":
+            if not 0 <= op.mode <= 0o7777:
+                raise BackendError(f"mode must be permission bits, 0 to 0o7777, got {op.mode:#o}")
             treeops.write_at(root, rel, op.data, op.offset, op.mode & 0o7777, owner, dict(op.metadata))
             result = FileOpResult()
         case _:
