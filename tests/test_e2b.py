@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import sys
 
 import pytest
@@ -334,8 +335,9 @@ def _snapshots() -> None:
         assert pages.next_items() and not pages.has_next
 
         sbx.files.write("/state/step", "13")
-        forks = sbx.fork(count=2, timeout=60)
+        forks = sbx.fork(2, 60)        # fork(count, timeout), as docs/e2b.md says (it made 60 forks of 2 s)
         assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks), forks
+        assert all(55 < f.get_info().end_at.timestamp() - time.time() <= 61 for f in forks), forks
         made += forks
         for f in forks:
             assert f.files.read("/state/step") == "13"

@@ -295,10 +295,11 @@ class AsyncSandbox:
         return await snapshots.delete_snapshot(await client(), snapshot_id)
 
     @by_id
-    async def fork(cls, sandbox_id: str, timeout: Optional[int] = None, count: Optional[int] = None,
+    async def fork(cls, sandbox_id: str, count: Optional[int] = None, timeout: Optional[int] = None,
                    **kwargs: Any) -> List[Any]:
         """count new sandboxes (default 1) from one snapshot of this one, living timeout seconds (default 300):
-        a list with a sandbox or the exception of each. They hold its files, not its running processes."""
+        a list with a sandbox or the exception of each. They hold its files, not its running processes.
+        (`sbx.fork(2)` is two forks: count came second, so it made one fork living 2 s.)"""
         return await snapshots.fork(await client(), sandbox_id, cls, timeout, count)
 
     @by_id
