@@ -70,9 +70,12 @@ async def build_base() -> None:
     how = "dsec image build base --e2b-base (docs/e2b.md)"
     if cli is None:
         raise TemplateException(f"the `base` image is not built here and no `dsec` CLI is at hand: run {how}")
+    env = dict(os.environ)
+    if env.get("DSEC_STATE_DIR"):   # its admin's credential, not the tenant's this process connects with
+        env.pop("DSEC_CREDS", None)
     proc = await asyncio.create_subprocess_exec(
         cli, "image", "build", "--nats", os.environ.get("DSEC_URL", "nats://127.0.0.1:4222"), "base", "--e2b-base",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
     try:
         _, err = await asyncio.wait_for(proc.communicate(), BUILD_BASE_WAIT)
     except asyncio.TimeoutError:
