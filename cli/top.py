@@ -9,7 +9,7 @@ import click
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError
+from bus.errors import BusError, PermissionDenied
 from bus.records import engine_decoder
 from cli.admin import node_rows, read_nodes
 from cli.main import connect, main, nats_option, run_async
@@ -84,6 +84,9 @@ async def top(nats_url: str, interval: float, once: bool) -> None:
             try:
                 cur = await frame(bus, prev)
             except BusError as exc:
+                # --once, or a credential that may not read the nodes: no later try can do better
+                if once or isinstance(exc, PermissionDenied) or "not enabled for account" in str(exc):
+                    raise
                 click.echo(f"dsec: waiting for NATS: {exc}", err=True)
                 await asyncio.sleep(interval)
                 continue

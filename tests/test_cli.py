@@ -277,7 +277,7 @@ def test_an_operator_command_with_a_tenants_credential_says_so(up):
     """The server refuses a tenant's account the control plane's streams: the one line names whose
     credential was given and what to give instead, not only the server's words."""
     tenant = up["state"] / "creds" / "tenants" / "default.creds"
-    for args in (["image", "ls"], ["node", "ls"], ["replay", "--sandbox", "sbnone"]):
+    for args in (["image", "ls"], ["node", "ls"], ["replay", "--sandbox", "sbnone"], ["top", "--once"]):
         p = dsec(*args, "--nats", up["url"], "--creds", str(tenant), timeout=30)
         line = one_clear_line(p)
         assert "is tenant:default's, and this command is an operator's" in line, (args, line)
