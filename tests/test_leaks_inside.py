@@ -50,6 +50,14 @@ async def test_no_host_hotplug_events(client, stack, hostile):
         assert (await sb.exec("/tmp/hostile uevent")).stdout == f"{errno.EPERM}\n".encode()
 
 
+async def test_io_uring_is_refused(client, stack, hostile):
+    """io_uring (a large kernel surface with a history of privilege escalations; Docker's default profile
+    refuses it) made a ring in a sandbox: its setup, enter and register are EPERM now."""
+    async with await client.create() as sb:
+        await armed(sb, hostile)
+        assert (await sb.exec("/tmp/hostile syscall io_uring")).stdout == f"{errno.EPERM}\n".encode()
+
+
 async def test_page_cache_probe_on_shared_layers_is_refused(client, stack, hostile):
     """mincore and fadvise(DONTNEED) on a file of a shared layer would tell which files a neighbour
     reads (evict, wait, probe): both are refused."""

@@ -22,7 +22,8 @@
  *   hostile hog MIB             touch MIB MiB of anonymous memory and keep it; print "held" then sleep
  *   hostile fdhog N             fork N processes that each open /dev/null until refused; print "TOTAL
  *                               E1,E2..." (files held, the errnos that stopped them), then hold them
- *   hostile syscall NAME        try one syscall on this process itself (pidfd_getfd, landlock, fsopen);
+ *   hostile syscall NAME        try one syscall on this process itself (pidfd_getfd, landlock, fsopen,
+ *                               io_uring);
  *                               print "ok" or the errno
  */
 #define _GNU_SOURCE
@@ -218,6 +219,9 @@ int main(int argc, char **argv) {
             r = syscall(SYS_landlock_create_ruleset, NULL, 0, 1);
         } else if (!strcmp(argv[2], "fsopen")) {
             r = syscall(SYS_fsopen, "tmpfs", 0);
+        } else if (!strcmp(argv[2], "io_uring")) {   /* a ring of 8 entries: the params zeroed */
+            char params[120] = {0};
+            r = syscall(425 /* io_uring_setup */, 8, params);
         } else {
             errno = EINVAL;
         }

@@ -112,6 +112,8 @@ static void fail(const char *stage, const char *what) {
  *  - the page-cache probe on shared layers: mincore, and posix_fadvise(POSIX_FADV_DONTNEED): EPERM;
  *  - sync(2), which would flush every filesystem of the host: a no-op returning success (fsync,
  *    fdatasync and syncfs of the sandbox's own files still work);
+ *  - io_uring (setup, enter, register): EPERM, as Docker's default profile has it since 2023: a large
+ *    kernel surface with a history of privilege escalations, and programs fall back to plain calls;
  *  - the x32 ABI; on i386, socketcall (whose arguments a filter cannot read: ENOSYS, so libc uses the
  *    direct socket call, checked like x86_64's).
  * Written with labels, resolved below, so a jump is never counted by hand. */
@@ -145,6 +147,9 @@ static void build_filter(void) {
     jmp(BPF_JEQ, 41 /* socket */, L_SOCKET, -1);
     jmp(BPF_JEQ, 27 /* mincore */, L_EPERM, -1);
     jmp(BPF_JEQ, 221 /* fadvise64 */, L_FADV64, -1);
+    jmp(BPF_JEQ, 425 /* io_uring_setup */, L_EPERM, -1);
+    jmp(BPF_JEQ, 426 /* io_uring_enter */, L_EPERM, -1);
+    jmp(BPF_JEQ, 427 /* io_uring_register */, L_EPERM, -1);
     jmp(BPF_JEQ, 162 /* sync */, L_NOOP, L_ALLOW);
     label(L_I386);
     load(NR);
@@ -156,6 +161,9 @@ static void build_filter(void) {
     jmp(BPF_JEQ, 218 /* mincore */, L_EPERM, -1);
     jmp(BPF_JEQ, 250 /* fadvise64: advice is args[4] */, L_FADV_ARG4, -1);
     jmp(BPF_JEQ, 272 /* fadvise64_64: advice is args[5] */, L_FADV_ARG5, -1);
+    jmp(BPF_JEQ, 425 /* io_uring_setup */, L_EPERM, -1);
+    jmp(BPF_JEQ, 426 /* io_uring_enter */, L_EPERM, -1);
+    jmp(BPF_JEQ, 427 /* io_uring_register */, L_EPERM, -1);
     jmp(BPF_JEQ, 36 /* sync */, L_NOOP, L_ALLOW);
     label(L_FLAGS);                                   /* clone/unshare flags: low half of args[0] */
     load(ARG0);
