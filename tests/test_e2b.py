@@ -375,6 +375,12 @@ def _details() -> None:
                            lifecycle={"on_timeout": {"action": "pause", "keep_memory": None}})
     second = Sandbox.create(template="busybox", timeout=120, metadata={"t": tag}, lifecycle={"on_timeout": None})
     try:
+        # E2B calls DSec does not offer say so, as the facade's other refusals do (they were AttributeError)
+        for name in ("get_host", "get_metrics", "upload_url", "download_url", "sandbox_domain"):
+            with pytest.raises(InvalidArgumentException, match=f"{name} is not offered by DSec"):
+                getattr(first, name)
+        with pytest.raises(AttributeError):
+            first.no_such_call
         info = first.files.write("/m.txt", "x", metadata={"author": "me"})
         assert info.metadata == {"author": "me"}
         assert first.files.get_info("/m.txt").metadata == {"author": "me"}

@@ -79,3 +79,17 @@ class Secret:
     @classmethod
     def iam_token(cls, *args: object, **kwargs: object) -> "Secret":
         raise InvalidArgumentException("IAM tokens are not offered by DSec")
+
+
+# E2B sandbox calls DSec does not offer: each raises InvalidArgumentException naming itself (docs/e2b.md), as
+# the facade's other refusals do, instead of an AttributeError that reads as a bug of the facade.
+NOT_OFFERED = {
+    "get_host": "a sandbox's ports are not exposed on a public host: reach them from inside (commands)",
+    "get_metrics": "per-sandbox metrics are the node's (Prometheus: dsec up --metrics-port)",
+    "upload_url": "files go in through files.write", "download_url": "files come out through files.read",
+    "sandbox_domain": "a sandbox has no public domain",
+}
+
+
+def not_offered(name: str) -> InvalidArgumentException:
+    return InvalidArgumentException(f"{name} is not offered by DSec: {NOT_OFFERED[name]} (docs/e2b.md)")

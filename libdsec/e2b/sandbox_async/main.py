@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional
 from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage
 from bus.errors import DsecError, ImageNotFound, SandboxNotFound
 from libdsec.client import AsyncClient
-from libdsec.e2b.exceptions import (InvalidArgumentException, SandboxException, SandboxNotFoundException,
-                                   TemplateException, mapped)
+from libdsec.e2b.exceptions import (NOT_OFFERED, InvalidArgumentException, SandboxException, SandboxNotFoundException,
+                                   TemplateException, mapped, not_offered)
 from libdsec.e2b.sandbox.commands.command_handle import CommandResult
 from libdsec.e2b.sandbox.sandbox_api import SandboxInfo, SandboxQuery, SandboxState, SnapshotInfo, info_of
 from libdsec.e2b.sandbox_async import snapshots
@@ -176,6 +176,11 @@ class AsyncSandbox:
 
     def __repr__(self) -> str:
         return f"AsyncSandbox(sandbox_id={self.sandbox_id!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in NOT_OFFERED:
+            raise not_offered(name)
+        raise AttributeError(name)
 
     async def __aenter__(self) -> "AsyncSandbox":
         return self

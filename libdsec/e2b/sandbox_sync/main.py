@@ -5,6 +5,7 @@ import functools
 import threading
 from typing import Any, Callable, Iterator, List, Optional
 
+from libdsec.e2b.exceptions import NOT_OFFERED, not_offered
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox.sandbox_api import SandboxQuery
 from libdsec.e2b.sandbox_async import main as aio
@@ -172,6 +173,11 @@ class Sandbox:
 
     def __repr__(self) -> str:
         return f"Sandbox(sandbox_id={self.sandbox_id!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in NOT_OFFERED:
+            raise not_offered(name)
+        raise AttributeError(name)
 
     def __enter__(self) -> "Sandbox":
         return self
