@@ -173,9 +173,17 @@ async def run(nats_url, exec_timeout, max_output, argv, **options) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code. Without
     ARGV: the image's Entrypoint and Cmd (an imported image's config).
 
+    Exits with the command's exit code; 124 when it timed out, 125 when DSec could not run it (its error on
+    stderr), as `docker run` does.
+
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
     _no_stray_option(argv[:1])
+    with platform_errors():
+        await _run(nats_url, exec_timeout, max_output, argv, options)
+
+
+async def _run(nats_url, exec_timeout, max_output, argv, options) -> None:
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await _create(client, **options)
         try:
@@ -219,13 +227,29 @@ async def exec_(nats_url, timeout, max_output, sandbox_id, argv) -> None:
     """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code. Our stdin, when it is
     a pipe or a file, is the command's; interrupted (Ctrl-C, SIGTERM, SIGHUP), the command is killed.
 
+    Exits with the command's exit code; 124 when it timed out, 125 when DSec could not run it (no such
+    sandbox, a bad request: its error on stderr), as `docker exec` does.
+
     Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec "$id" -- cat
     """
     _no_stray_option((sandbox_id, *argv[:1]))
-    async with libdsec.AsyncClient(nats_url) as client:
-        sb = await client.get(sandbox_id)
-        code = await _stream_to_terminal(sb, list(argv), timeout, max_output)
+    with platform_errors():
+        async with libdsec.AsyncClient(nats_url) as client:
+            sb = await client.get(sandbox_id)
+            code = await _stream_to_terminal(sb, list(argv), timeout, max_output)
     sys.exit(code)
+
+
+PLATFORM_ERROR = 125   # exec and run: DSec could not run the command (the command's own codes are 0-255 else)
+
+
+@contextlib.contextmanager
+def platform_errors():
+    """DSec's errors as exit 125, so a command's own exit 1 is not read as one."""
+    try:
+        yield
+    except libdsec.DsecError as exc:
+        fail(str(exc), PLATFORM_ERROR)
 
 
 @main.command(name="ls")

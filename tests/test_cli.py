@@ -228,8 +228,12 @@ def test_image_build_and_ls(up, tmp_path):
 
 def test_errors_are_one_line(up):
     assert "resources.memory" in one_clear_line(dsec("create", "--nats", up["url"], "--memory", "lots"))
-    assert "not found" in one_clear_line(dsec("exec", "--nats", up["url"], "sbnope", "--", "true"))
-    assert "image" in one_clear_line(dsec("run", "--nats", up["url"], "--image", "nope", "--", "true"))
+    # exec and run: DSec's own failure is 125 (as docker's), never a code the command could have exited with
+    p = dsec("exec", "--nats", up["url"], "sbnope", "--", "true")
+    assert "not found" in one_clear_line(p) and p.returncode == 125
+    p = dsec("run", "--nats", up["url"], "--image", "nope", "--", "true")
+    assert "image" in one_clear_line(p) and p.returncode == 125
+    assert dsec("run", "--nats", up["url"], "--", "sh", "-c", "exit 1").returncode == 1
     assert "NATS" in one_clear_line(dsec("ls", "--nats", f"nats://127.0.0.1:{free_port()}"))
 
 
