@@ -19,6 +19,7 @@ the node's rules, or sent to it as HTTP(S)_PROXY) and is decided before a byte g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import resource
@@ -71,12 +72,20 @@ class Connection:
         self.mirror = False       # to the node's package mirror (any sandbox with a network may)
         self.cut_why = ""         # why the proxy ended it (the sandbox ended, its policy changed)
         self.task: asyncio.Task | None = None
+        self.upstream: socket.socket | None = None
 
     def cut(self, why: str) -> None:
-        """End this connection now, whatever it waits on (its upstream may never close it)."""
-        if not self.cut_why and self.task is not None:
-            self.cut_why = why
-            self.task.cancel()
+        """End this connection now, whatever it waits on (its upstream may never close it): its task is
+        cancelled and its sockets shut, so it ends even where a cancel is lost (wait_for may swallow one
+        whose inner future finished in the same pass)."""
+        if self.task is None or self.task.done():
+            return
+        self.cut_why = self.cut_why or why
+        self.task.cancel()
+        for s in (self.sock, self.upstream):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
 
     def still_allowed(self) -> bool:
         """Whether the sandbox's policy (as it is now) allows what this connection was allowed to reach."""
@@ -124,8 +133,10 @@ class Connection:
             if self.explicit:        # the destination is the request's, not the proxy
                 self.address, self.port = "", 0
             target = await (self._explicit() if self.explicit else self._transparent(dst, dport))
-            self.decided = True
-            upstream = await self._connect(target)
+            self.decided = True   # from here a policy change cuts it (close_revoked); one made while it was
+            if not self.still_allowed():   # being decided (a CONNECT waiting for its first bytes) is seen here
+                raise Denied("no longer in the allow list")
+            upstream = self.upstream = await self._connect(target)
             await self._relay(upstream)
             self.proxy.note(self.sb, Decision(time.time(), "allowed", self.name, self.address, self.port,
                                               bytes_out=self.counted[0], bytes_in=self.counted[1]))
@@ -308,7 +319,8 @@ class Connection:
                 await relay.pump(self.sock, up, self.counted, 0)
             await back
         finally:
-            back.cancel()
+            back.cancel()   # and gone before the sockets close: its fd's reader is removed a pass later, when the
+            await asyncio.gather(back, return_exceptions=True)   # number may be another connection's
 
     async def _requests(self, up: socket.socket) -> None:
         """Client -> upstream, one request at a time, each checked (its Host, no CONNECT), its body passed

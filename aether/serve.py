@@ -143,8 +143,10 @@ async def _accept_loop(proxy: Proxy, listener: socket.socket) -> None:
         try:
             conn, _ = await loop.sock_accept(listener)
         except OSError as exc:
+            if exc.errno in (errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR):
+                continue        # that one connection went (aborted, refused by a rule): the next
             if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                continue        # that one connection went (ECONNABORTED, EPERM from a rule): the next
+                raise           # the listener itself is broken: the process ends, the edge starts another
             if time.monotonic() - short > 10:
                 log.error("the proxy is out of %s: connections wait in its backlog", os.strerror(exc.errno))
                 short = time.monotonic()
@@ -192,6 +194,8 @@ async def main_async(args: argparse.Namespace) -> None:
     serving = asyncio.ensure_future(control.serve())   # until the edge goes away: so do we
     try:
         await asyncio.wait([serving, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if serving.done() and not serving.cancelled() and serving.exception() is not None:
+            raise serving.exception()      # (the edge's conversation broke: said, exit 1, as before)
         for t in tasks:                    # a loop that ended ends the process: the edge starts another
             if t.done():
                 raise RuntimeError(f"a proxy loop ended: {t.exception() if not t.cancelled() else 'cancelled'}")

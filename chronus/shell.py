@@ -2,7 +2,8 @@
 
 A static shell, bind-mounted read-only at /.dsec by the backend: a mount point, so it can be neither
 renamed, removed nor written from inside, and without CAP_SYS_ADMIN nothing can be mounted over it.
-Being static, it reads no library and ignores LD_PRELOAD. It is Debian's bash-static (run as `sh`: POSIX
+Being static, it ignores LD_PRELOAD and loads no library to run (only glibc's NSS modules of the image for
+a `~user` or a missing HOME, as any program of the image would). It is Debian's bash-static (run as `sh`: POSIX
 mode, no startup file), so the programs a string names are the image's, found on PATH as in the image's
 own shell. Beside it, a static busybox (/.dsec/busybox) for the platform's own scripts in a sandbox,
 whose applets need nothing of the image; busybox-static's sh was the shell before, and it runs its own

@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import datetime
 import os
-import stat
 import sys
 import threading
 
@@ -83,14 +82,20 @@ def _network(mode: str | None, allow: tuple[str, ...]):
     return mode or "none"
 
 
-async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float, max_output: str) -> int:
-    """The command's output on our stdout/stderr as it comes: escaped on a terminal, byte-exact otherwise. Our
-    stdin, when it is a pipe or a file, is the command's (a terminal or /dev/null is not read). Interrupted
-    (a signal), the command is killed before we go."""
+async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float, max_output: str,
+                              interactive: bool = False) -> int:
+    """The command's output on our stdout/stderr as it comes: escaped on a terminal, byte-exact otherwise.
+    interactive (-i): our stdin is the command's (else its stdin is empty, and ours is left unread, as
+    `docker exec` without -i: a loop reading ids from a file must not lose them to the first exec).
+    Interrupted (a signal), the command is killed before we go."""
     cmd = argv[0] if len(argv) == 1 and " " in argv[0] else argv
     limit = _size(max_output, "--max-output")
     outs = {"stdout": Terminal(sys.stdout.buffer), "stderr": Terminal(sys.stderr.buffer)}
-    stdin = local_stdin() if kinds.supports(sb.backend, "live_stdin") else None
+    stdin = None
+    if interactive:
+        if not kinds.supports(sb.backend, "live_stdin"):
+            fail(f"-i: a {sb.backend} sandbox takes no live stdin", PLATFORM_ERROR)
+        stdin = local_stdin()
     handle = await sb._start(cmd, timeout, None, None, stdin, limit, keep_output=False)
     try:
         async for ev in handle.stream(lines=False):
@@ -118,18 +123,16 @@ def _size(text: str, what: str) -> int:
     try:
         return parse_size(text, what)
     except libdsec.InvalidRequest as exc:
-        fail(str(exc))
+        fail(str(exc), PLATFORM_ERROR)
         raise
 
 
 def local_stdin():
-    """Our stdin's bytes as an async iterable when it is a pipe, socket or file, else None. A daemon thread
-    reads it (a pipe that never ends must not hold the process at its exit)."""
+    """Our stdin's bytes as an async iterable (None when it is closed). A daemon thread reads it (a pipe that
+    never ends must not hold the process at its exit); once we are going, it stops without a word."""
     try:
-        mode = os.fstat(0).st_mode
+        os.fstat(0)
     except OSError:
-        return None
-    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISREG(mode)):
         return None
     loop = asyncio.get_running_loop()
     pieces: asyncio.Queue[bytes] = asyncio.Queue(maxsize=16)
@@ -140,7 +143,12 @@ def local_stdin():
                 data = os.read(0, 1 << 16)
             except OSError:
                 data = b""
-            asyncio.run_coroutine_threadsafe(pieces.put(data), loop).result()
+            try:
+                if loop.is_closed():
+                    return
+                asyncio.run_coroutine_threadsafe(pieces.put(data), loop).result()
+            except BaseException:    # the loop closed or the put was cancelled: the command ended
+                return
             if not data:
                 return
 
@@ -167,9 +175,10 @@ def _no_stray_option(words) -> None:
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
               help="Output kept past this is cut (said on stderr).")
+@click.option("-i", "--interactive", is_flag=True, help="Our stdin is the command's (else it reads nothing).")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, exec_timeout, max_output, argv, **options) -> None:
+async def run(nats_url, exec_timeout, max_output, interactive, argv, **options) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code. Without
     ARGV: the image's Entrypoint and Cmd (an imported image's config).
 
@@ -180,10 +189,10 @@ async def run(nats_url, exec_timeout, max_output, argv, **options) -> None:
     """
     _no_stray_option(argv[:1])
     with platform_errors():
-        await _run(nats_url, exec_timeout, max_output, argv, options)
+        await _run(nats_url, exec_timeout, max_output, interactive, argv, options)
 
 
-async def _run(nats_url, exec_timeout, max_output, argv, options) -> None:
+async def _run(nats_url, exec_timeout, max_output, interactive, argv, options) -> None:
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await _create(client, **options)
         try:
@@ -195,7 +204,7 @@ async def _run(nats_url, exec_timeout, max_output, argv, options) -> None:
                            err=True)
                 code = 2
             else:
-                code = await _stream_to_terminal(sb, list(argv), exec_timeout, max_output)
+                code = await _stream_to_terminal(sb, list(argv), exec_timeout, max_output, interactive)
         finally:
             try:
                 await sb.destroy()
@@ -220,23 +229,24 @@ async def create(nats_url, **options) -> None:
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
               help="Output kept past this is cut (said on stderr).")
+@click.option("-i", "--interactive", is_flag=True, help="Our stdin is the command's (else it reads nothing).")
 @click.argument("sandbox_id")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def exec_(nats_url, timeout, max_output, sandbox_id, argv) -> None:
-    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code. Our stdin, when it is
-    a pipe or a file, is the command's; interrupted (Ctrl-C, SIGTERM, SIGHUP), the command is killed.
+async def exec_(nats_url, timeout, max_output, interactive, sandbox_id, argv) -> None:
+    """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code. With -i our stdin is
+    the command's; interrupted (Ctrl-C, SIGTERM, SIGHUP), the command is killed.
 
     Exits with the command's exit code; 124 when it timed out, 125 when DSec could not run it (no such
     sandbox, a bad request: its error on stderr), as `docker exec` does.
 
-    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec "$id" -- cat
+    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec -i "$id" -- cat
     """
     _no_stray_option((sandbox_id, *argv[:1]))
     with platform_errors():
         async with libdsec.AsyncClient(nats_url) as client:
             sb = await client.get(sandbox_id)
-            code = await _stream_to_terminal(sb, list(argv), timeout, max_output)
+            code = await _stream_to_terminal(sb, list(argv), timeout, max_output, interactive)
     sys.exit(code)
 
 

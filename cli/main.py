@@ -59,15 +59,36 @@ def _whose_hint() -> str:
             f"use an admin's or ops' (.dsec/creds/admin.creds under the state dir)")
 
 
+async def _cancelled_by_signals(work):
+    """work, cancelled by SIGTERM or SIGHUP as asyncio cancels it at Ctrl-C (so what it made is undone on the way
+    out: an exec's command killed, `dsec run`'s sandbox destroyed), then ended as interrupted. Only where the
+    signal is at its default (a command that handles one itself, as `dsec up`, sets its own inside)."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    hit: list[int] = []
+
+    def cancel(sig: int) -> None:
+        hit.append(sig)
+        task.cancel()
+    mine = [sig for sig in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in mine:
+        loop.add_signal_handler(sig, cancel, sig)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if hit:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        for sig in mine:
+            loop.remove_signal_handler(sig)
+
+
 def run_async(fn):
     """Run an async command; every DsecError becomes one line and exit 1, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        for sig in (signal.SIGTERM, signal.SIGHUP):   # as Ctrl-C: what the command made is undone on the way out
-            if signal.getsignal(sig) == signal.SIG_DFL:
-                signal.signal(sig, signal.default_int_handler)
         try:
-            return asyncio.run(fn(*args, **kwargs))
+            return asyncio.run(_cancelled_by_signals(fn(*args, **kwargs)))
         except PermissionDenied as exc:
             fail(f"{exc}{_whose_hint()}")
         except DsecError as exc:

@@ -104,8 +104,11 @@ class AsyncFiles:
         """Create or truncate path with data (any size). metadata: kept as the file's user.<key> extended
         attributes (get_info(...).metadata gives them back), in place of any it had (a write without metadata
         clears them). Whole or not at all: data of more than one piece (512 KiB) is written, a piece per
-        request, to a hidden file beside path, then renamed over it, so a reader or another writer never sees
-        a part of it, and a write that fails (FileOpError, e.g. the disk's quota) leaves path as it was."""
+        request, to a hidden file beside path (beside a symlink's target), then renamed over it, so a reader or
+        another writer never sees a part of it, and a write that fails (FileOpError, e.g. the disk's quota)
+        leaves path as it was. The file is then a new one: its owner is the writer (as root, the sandbox's
+        root), and hard links to the old one keep the old bytes; a mount point (/etc/hosts) is written in
+        place."""
         if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise InvalidRequest("metadata must map str to str")
         check_mode(mode)
@@ -115,20 +118,44 @@ class AsyncFiles:
             await self._op("write", path, timeout, user, offset=0, data=bytes(data), mode=mode,
                            metadata=dict(metadata or {}))
             return
-        head, name = posixpath.split(path)
-        if not name:
+        if not posixpath.basename(path):
             raise InvalidRequest(f"path names no file: {path!r}")
-        partial = f"{head.rstrip('/')}/.{name[:200]}.dsec-{new_id('w')}"
+        path = await self._through_links(path, timeout, user)   # a link's target is written, as in place
+        head, name = posixpath.split(path)
+        short = name.encode()[:150].decode(errors="ignore")          # (a name's bytes: the temp's fit in 255)
+        partial = f"{head.rstrip('/')}/.{short}.dsec-{new_id('w')}"
         view = memoryview(data)
         try:
             for offset in range(0, len(data), FILE_PIECE):
                 await self._op("write", partial, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
                                mode=mode, metadata=dict(metadata or {}) if offset == 0 else {})
             await self._op("rename", partial, timeout, user, dest=path)
+        except FileOpError as err:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._op("remove", partial, timeout, user))
+            if "busy" not in str(err).lower():
+                raise
+            for offset in range(0, len(data), FILE_PIECE):   # a mount point (/etc/hosts): only in place
+                await self._op("write", path, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
+                               mode=mode, metadata=dict(metadata or {}) if offset == 0 else {})
         except BaseException:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._op("remove", partial, timeout, user))
             raise
+
+    async def _through_links(self, path: str, timeout: float, user: str | None) -> str:
+        """Where path leads: its symlinks followed (at most 8), resolved inside the sandbox by every op after."""
+        for _ in range(8):
+            try:
+                entry = (await self._op("stat", path, timeout, user)).entry
+            except FileOpError:
+                return path              # not there (yet): made by the write
+            if entry is None or entry.type != "symlink" or not entry.symlink_target:
+                return path
+            target = entry.symlink_target
+            path = posixpath.normpath(target if target.startswith("/") else
+                                      posixpath.join(posixpath.dirname(path), target))
+        return path
 
     async def watch(self, path: str, *, recursive: bool = False, timeout: float = DEFAULT_WATCH) -> "DirWatch":
         """Watch directory path (and, recursive, every directory below it, new ones too) for `timeout`

@@ -186,17 +186,17 @@ async def test_a_sandbox_cannot_fill_the_hosts_table_of_open_files(client, stack
 
 
 async def test_an_oom_storm_in_a_sandbox_cannot_kill_its_init(client, stack, hostile):
-    """A sandbox fills its memory limit with kernel memory (open files in 200 processes: no process's RSS
+    """A sandbox fills its memory limit with kernel memory (open files in 60 processes: no process's RSS
     shows it, so the OOM killer's choice among them is a toss-up, and freeing one frees little): the
     killer went on killing until it took the sandbox's init too. The sandbox was then dead, every exec
     failing, yet listed as ready until its TTL. Now every command is the killer's choice before the init
     (oom_score_adj 500 against its 0): the commands are killed, and the sandbox runs on."""
-    async with await client.create() as a:
+    async with await client.create(resources=libdsec.Resources(memory="128Mi")) as a:
         await armed(a, hostile)
         init = stack.edge.backend.backends["container"].init_pid(a.id)
         assert (await a.exec("cat /proc/self/oom_score_adj")).stdout == b"500\n"
         try:     # (it waits for every child's count: killed ones never send theirs)
-            r = await a.exec("/tmp/hostile fdhog 200", timeout=20)
+            r = await a.exec("/tmp/hostile fdhog 60", timeout=8)
             assert r.exit_code == 137, r
         except libdsec.ExecTimeout:
             pass

@@ -119,21 +119,27 @@ def test_run_output_arrives_as_produced(up):
 
 
 def test_exec_takes_our_stdin_says_a_cut_and_an_interrupt_kills_its_command(up):
-    """`echo hi | dsec exec ID -- cat` printed nothing (our stdin was never read: md5sum of a piped file was
-    the empty input's); output past 16 MiB was cut with exit 0 and not a word; and an interrupted exec
-    (SIGTERM, SIGHUP) left its command running in the sandbox until its timeout."""
+    """`echo hi | dsec exec ID -- cat` printed nothing and there was no way to give a command our stdin
+    (md5sum of a piped file was the empty input's): -i gives it, as docker exec's. Without -i ours is left
+    unread, so a loop reading ids from a file keeps them all. Output past 16 MiB was cut with exit 0 and not
+    a word; and an interrupted exec (SIGTERM, SIGHUP) left its command running until its timeout."""
     sid = dsec("create", "--nats", up["url"]).stdout.strip()
     data = os.urandom(3_000_000)
-    p = subprocess.run([DSEC, "exec", "--nats", up["url"], sid, "--", "md5sum"], input=data, capture_output=True,
-                       timeout=60)
+    p = subprocess.run([DSEC, "exec", "--nats", up["url"], "-i", sid, "--", "md5sum"], input=data,
+                       capture_output=True, timeout=60)
     assert p.returncode == 0 and p.stdout.split()[0].decode() == hashlib.md5(data).hexdigest(), p
-    p = dsec("exec", "--nats", up["url"], sid, "--", "cat")          # /dev/null: not read, nothing waits
-    assert (p.returncode, p.stdout) == (0, "")
+    p = subprocess.run([DSEC, "exec", "--nats", up["url"], "-i", sid, "--", "head", "-c", "3"],
+                       input=b"y" * 10_000_000, capture_output=True, timeout=60)   # it ends first: no word of ours
+    assert (p.returncode, p.stdout, p.stderr) == (0, b"yyy", b""), p
+    loop = subprocess.run(["sh", "-c", f"printf 'a\\nb\\n' | while read x; do {DSEC} exec --nats {up['url']} {sid} "
+                           f"-- echo got-$x; done"], capture_output=True, text=True, timeout=60)
+    assert loop.stdout == "got-a\ngot-b\n", loop
     p = dsec("exec", "--nats", up["url"], "--max-output", "1Mi", sid, "--", "sh", "-c", "head -c 2000000 /dev/zero")
     assert p.returncode == 0 and len(p.stdout) == 1 << 20 and "cut at 1,048,576 bytes" in p.stderr, p.stderr
     for sig in (signal.SIGTERM, signal.SIGHUP):
         proc = subprocess.Popen([DSEC, "exec", "--nats", up["url"], sid, "--", "sh", "-c", "echo started; sleep 60"],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))   # (CI: nohup's)
         assert proc.stdout.readline() == "started\n"
         proc.send_signal(sig)
         assert proc.wait(15) == 130

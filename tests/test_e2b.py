@@ -345,6 +345,8 @@ def _snapshots() -> None:
         assert forks[1].files.read("/state/step") == "13" and sbx.files.read("/state/step") == "13"
         with pytest.raises(InvalidArgumentException, match="count"):
             sbx.fork(count=0)
+        with pytest.raises(InvalidArgumentException, match="from 1 to 100"):
+            sbx.fork(300)
         with pytest.raises(InvalidArgumentException, match="in use"):   # child runs on it
             Sandbox.delete_snapshot(snap.snapshot_id)
         child.kill()
@@ -379,6 +381,7 @@ def _details() -> None:
         for name in ("get_host", "get_metrics", "upload_url", "download_url", "sandbox_domain"):
             with pytest.raises(InvalidArgumentException, match=f"{name} is not offered by DSec"):
                 getattr(first, name)
+        assert not hasattr(first, "get_host") and getattr(first, "sandbox_domain", None) is None
         with pytest.raises(AttributeError):
             first.no_such_call
         info = first.files.write("/m.txt", "x", metadata={"author": "me"})

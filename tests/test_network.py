@@ -373,6 +373,25 @@ async def test_a_revoked_name_ends_the_connections_open_to_it(client, upstream):
         assert cut and cut[0]["address"] == UPSTREAM and cut[0]["port"] == 7000, decisions
 
 
+async def test_a_name_revoked_while_its_connection_is_being_decided_is_refused(client, upstream):
+    """A CONNECT allowed, then waiting for its tunnel's first bytes, was not yet `decided` when the policy
+    changed, so the change passed it by: once the ClientHello came, the tunnel relayed under the revoked
+    policy. Now a connection is checked again the moment it is decided."""
+    await_hello = client_hello("allowed.test")
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test", "other.test"])) as sb:
+        await sb.write_file("/tmp/hello", await_hello)
+        held = await sb.exec("(printf 'CONNECT allowed.test:443 HTTP/1.1\\r\\nHost: allowed.test:443\\r\\n\\r\\n'; "
+                             "sleep 2; cat /tmp/hello; sleep 1) | nc ${HTTP_PROXY#http://} | head -c 40", background=True)
+        await asyncio.sleep(1.0)
+        await sb.set_network(libdsec.Network(allow=["other.test"]))
+        out = (await held.wait()).stdout
+        assert out.startswith(b"HTTP/1.1 200"), out     # the CONNECT was allowed before the change
+        decisions = await decisions_of(client, sb.id, lambda ds: any("no longer" in d.get("reason", "") for d in ds))
+        assert any(d["verdict"] == "denied" and d["name"] == "allowed.test" and "no longer" in d.get("reason", "")
+                   for d in decisions), decisions
+        assert not any(d["verdict"] == "allowed" and d["name"] == "allowed.test" for d in decisions), decisions
+
+
 async def test_a_request_smuggled_past_the_host_check_never_reaches_the_upstream(client, upstream):
     """A request head with bare LFs inside (split by the proxy at CRLF only, read as two requests by a
     server that ends lines at LF too), or an absolute target in another spelling, named another host of the

@@ -205,7 +205,7 @@ def _inotify_as(uid: int) -> int:
     the one call (its real and saved uids stay root's, so it takes root's back, and its capabilities with it)."""
     syscall = _libc.syscall
     if syscall(SYS_SETRESUID, -1, uid, -1) != 0:
-        _check(-1, "seteuid")
+        raise BackendError(f"cannot watch: seteuid: {os.strerror(ctypes.get_errno())}")
     try:
         fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         e = ctypes.get_errno()
@@ -233,7 +233,12 @@ async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeou
     _running += 1
     _owners[owner] = _owners.get(owner, 0) + 1
     try:
-        await asyncio.to_thread(w.start)
+        starting = asyncio.ensure_future(asyncio.to_thread(w.start))
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:   # its thread goes on: wait for it, so the fd it makes is closed below
+            await asyncio.gather(starting, return_exceptions=True)
+            raise
         stopped = asyncio.get_running_loop().create_future()
 
         async def stop(sig: int) -> bool:

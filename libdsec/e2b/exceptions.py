@@ -91,5 +91,10 @@ NOT_OFFERED = {
 }
 
 
+class NotOffered(InvalidArgumentException, AttributeError):
+    """An E2B call DSec does not offer: InvalidArgumentException, and an AttributeError too, so hasattr() and
+    getattr(obj, name, default) say it is not there."""
+
+
 def not_offered(name: str) -> InvalidArgumentException:
-    return InvalidArgumentException(f"{name} is not offered by DSec: {NOT_OFFERED[name]} (docs/e2b.md)")
+    return NotOffered(f"{name} is not offered by DSec: {NOT_OFFERED[name]} (docs/e2b.md)")

@@ -67,11 +67,14 @@ async def delete_snapshot(client, snapshot_id: str) -> bool:
         raise mapped(err) from err
 
 
+MAX_FORKS = 100   # sandboxes one fork() call makes (a timeout given where count goes would be hundreds)
+
+
 async def fork(client, sandbox_id: str, make, timeout: Optional[int], count: Optional[int]) -> List[Any]:
     """One snapshot of the sandbox, then `count` sandboxes from it, each its own success or failure: a list of
     make(native) or the exception (mapped) per fork."""
-    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
-        raise mapped(InvalidRequest(f"count must be an int >= 1, got {count!r}"))
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_FORKS):
+        raise mapped(InvalidRequest(f"count must be an int from 1 to {MAX_FORKS}, got {count!r}"))
     try:
         native = await client.get(sandbox_id)
         snap = await native.snapshot(tag=FORK_TAG)
