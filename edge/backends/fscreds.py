@@ -15,7 +15,7 @@ import ctypes.util
 import os
 from typing import Iterator
 
-SYS_SETGROUPS, SYS_SETFSUID, SYS_SETFSGID = 116, 122, 123   # x86_64
+SYS_SETGROUPS, SYS_SETFSUID, SYS_SETFSGID, SYS_SETRESUID = 116, 122, 123, 117   # x86_64
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
@@ -49,3 +49,18 @@ def as_user(uid: int, gid: int, groups: tuple[int, ...]) -> Iterator[None]:
             _setfs(SYS_SETFSGID, 0)
     finally:
         _setgroups(saved)
+
+
+@contextlib.contextmanager
+def as_euid(uid: int) -> Iterator[None]:
+    """This thread's effective uid host uid `uid` inside the block (what the kernel charges per-user counts
+    to: an inotify instance); its real and saved uids stay root's, so it takes root's back after, and its
+    capabilities with it. Never on the event loop's thread."""
+    if _libc.syscall(SYS_SETRESUID, -1, uid, -1) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"seteuid: {os.strerror(e)}")
+    try:
+        yield
+    finally:
+        if _libc.syscall(SYS_SETRESUID, -1, 0, -1) != 0:   # cannot fail with root's real uid: never go on as another
+            os._exit(70)

@@ -29,6 +29,7 @@ from typing import Callable
 import msgspec
 
 from bus.messages import FileEvent as Event
+from edge.backends import fscreds
 from edge.backends.base import BackendError, ExecControl, ExecResult, OutputSink
 from edge.backends.execio import wait_fd, wait_unfrozen
 from edge.backends.treeops import wire_name
@@ -36,7 +37,6 @@ from edge.backends.treeops import wire_name
 MAX_DIRS = 4096        # directories one recursive watch follows
 MAX_WATCHES = 1024     # watches an edge runs at once
 PER_SANDBOX = 16       # watches one sandbox runs at once
-SYS_SETRESUID = 117    # (x86_64) the raw call changes only the calling thread's ids; glibc's changes every thread's
 BATCH = 64 << 10       # bytes of events read at once
 
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8
@@ -201,17 +201,13 @@ class Watch:
 
 
 def _inotify_as(uid: int) -> int:
-    """A new inotify instance charged to host uid `uid`: made with this thread's effective uid set to it for
-    the one call (its real and saved uids stay root's, so it takes root's back, and its capabilities with it)."""
-    syscall = _libc.syscall
-    if syscall(SYS_SETRESUID, -1, uid, -1) != 0:
-        raise BackendError(f"cannot watch: seteuid: {os.strerror(ctypes.get_errno())}")
+    """A new inotify instance charged to host uid `uid` (made as it: fscreds.as_euid)."""
     try:
-        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        e = ctypes.get_errno()
-    finally:
-        if syscall(SYS_SETRESUID, -1, 0, -1) != 0:   # cannot fail with root's real uid: never go on as another
-            os._exit(70)
+        with fscreds.as_euid(uid):
+            fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+            e = ctypes.get_errno()
+    except OSError as exc:
+        raise BackendError(f"cannot watch: {exc.strerror}") from None
     if fd < 0:
         raise BackendError(f"cannot watch: inotify_init1: {os.strerror(e)} (the sandbox's own processes and its "
                            "watches share the host's fs.inotify.max_user_instances)")
