@@ -124,7 +124,13 @@ async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path)
             edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-tx"))
             rec = await _until(lambda: _record_in(placement.bus, sb.id, "expired"), 30)
             assert rec.reason == "ttl reached"
-            assert await _until(lambda: _has_events(placement.bus, sb.id, ["created", "expired"]), 15)
+            try:
+                assert await _until(lambda: _has_events(placement.bus, sb.id, ["created", "expired"]), 30)
+            except AssertionError:   # (seen once in a loaded CI run: say what was there instead)
+                log = [line for line in (tmp_path / "edge.log").read_text(errors="replace").splitlines()
+                       if sb.id in line or "outbox" in line or "WARNING" in line or "ERROR" in line]
+                raise AssertionError(f"events {await _events(placement.bus, sb.id)}; edge log:\n"
+                                     + "\n".join(log[-60:])) from None
     finally:
         edge.send_signal(signal.SIGTERM)
         edge.wait(20)
@@ -135,8 +141,9 @@ async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path)
 
 
 def _edge(url: str, state: Path, creds: str) -> subprocess.Popen:
-    proc = subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "tx", "--state-dir", str(state), "--creds", creds],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    with open(state.parent / "edge.log", "a") as log:   # (both runs' logs, for a failure to show)
+        proc = subprocess.Popen([DSEC, "edge", "--nats", url, "--node-id", "tx", "--state-dir", str(state),
+                                 "--creds", creds, "-v"], stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout.readline().startswith("dsec: edge")
     return proc
 
