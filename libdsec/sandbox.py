@@ -1,11 +1,13 @@
 """AsyncSandbox: exec, stream, files and destroy for one sandbox, by id and node."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import kinds, subjects, validate
-from bus.errors import InvalidRequest
+from bus.errors import DsecError, InvalidRequest
 from bus.network import Network as WireNetwork
 from bus.execwire import ProcessEntry, process_list_decoder
 from bus.messages import (
@@ -33,6 +35,7 @@ PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec i
 PUBLISH_RETRY_FOR = 10.0   # ...kept up this long: a stream leader moving to another server takes seconds
 PUBLISH_TRY = 1.0       # seconds one try waits for its ack (a stream without a leader answers nothing)
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
+STREAM_LEFT_KILL = 5.0  # seconds a stream left before its end waits for its command to be killed
 LOGIN_SHELL = "if [ -x /bin/bash ]; then exec /bin/bash -i -l; fi; exec /.dsec/sh -i"   # sb.terminal()'s default
 
 
@@ -217,13 +220,19 @@ class AsyncSandbox:
         """Yield Output per line as it is produced, then one Exit (timed_out set if the timeout fired).
         lines=False: per chunk as it arrives, a line not finished yet too.
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
-        them (interactive; its end closes the command's stdin)."""
+        them (interactive; its end closes the command's stdin). The command is this loop's: left before
+        the Exit (a break, an exception, a cancel) it is killed (use exec(background=True) to leave one running)."""
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False, user=user)
         try:
             async for ev in handle.stream(lines):
                 yield ev
         finally:
-            await handle.close()
+            try:
+                if not handle.done:
+                    with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                        await asyncio.wait_for(handle.kill(), STREAM_LEFT_KILL)
+            finally:
+                await handle.close()
 
     async def exec(self, cmd: Command, *, timeout: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, stdin: Stdin = None,

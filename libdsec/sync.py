@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from typing import Any, Iterator
@@ -14,6 +15,7 @@ from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 
 _DONE = object()
+LEFT_WAIT = 10.0   # seconds a sync iterator left early waits for its async side to clean up
 
 
 class _Loop:
@@ -48,13 +50,18 @@ def _iterate(loop: _Loop, make) -> Iterator:
             q.put(_DONE)
 
     running = asyncio.run_coroutine_threadsafe(pump(), loop.loop)
+    item = None
     try:
         while (item := q.get()) is not _DONE:
             if isinstance(item, BaseException):
                 raise item
             yield item
     finally:
-        running.cancel()   # left early: stop reading (a handle keeps what it read; the rest is still there)
+        if item is not _DONE:   # left early: stop reading (a handle keeps what it read; the rest is still there)...
+            running.cancel()
+            with contextlib.suppress(queue.Empty):   # ...once its cleanup is done (sb.stream kills its command)
+                while q.get(timeout=LEFT_WAIT) is not _DONE:
+                    pass
 
 
 def _iterate_exact(loop: _Loop, agen) -> Iterator:

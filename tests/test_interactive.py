@@ -160,3 +160,38 @@ async def test_a_handle_loses_nothing_when_left_cancelled_or_read_again(client):
         assert [ev.data for ev in rest[:-1]] == [b"b\n", b"c\n", b"d\n"] and rest[-1].exit_code == 0
         assert (await h.wait()).stdout == b"a\nb\nc\nd\n"
         assert (await h.wait()).stdout == b"a\nb\nc\nd\n"
+
+
+async def _runs(sb, marker: str) -> bool:
+    return any(marker in p.shell + " ".join(p.argv) for p in await sb.processes())
+
+
+async def test_leaving_a_stream_before_its_end_kills_its_command(stack, client):
+    """sb.stream(cmd) started the command for this loop alone: left before the Exit (a break, an exception
+    in the loop, the sync twin's break) it is killed at once, not left running for its timeout unseen."""
+    async with await client.create() as sb:
+        async for ev in sb.stream("echo up; exec sleep 31"):
+            assert ev == libdsec.Output("stdout", b"up\n")
+            break
+        await asyncio.sleep(0)    # (the left generator is closed by the loop's finalizer: a moment later)
+        await _until_gone(sb, "sleep 31")
+        with pytest.raises(KeyError):
+            async for ev in sb.stream("echo up; exec sleep 32", timeout=120):
+                raise KeyError("the caller's own failure")
+        await _until_gone(sb, "sleep 32")
+
+        def sync_break():
+            with libdsec.Client(stack.url) as sync_client:
+                same = sync_client.get(sb.id)
+                for ev in same.stream("echo up; exec sleep 33"):
+                    return ev
+        assert await asyncio.wait_for(asyncio.to_thread(sync_break), 30) == libdsec.Output("stdout", b"up\n")
+        await _until_gone(sb, "sleep 33")
+        assert [ev.data async for ev in sb.stream("echo whole") if isinstance(ev, libdsec.Output)] == [b"whole\n"]
+
+
+async def _until_gone(sb, marker: str, limit: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + limit
+    while await _runs(sb, marker):
+        assert asyncio.get_running_loop().time() < deadline, f"`{marker}` still runs {limit}s after the stream was left"
+        await asyncio.sleep(0.1)
