@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -10,7 +11,7 @@ from typing import Any, Iterator
 from libdsec.client import AsyncClient
 from libdsec.exechandle import ExecHandle as AsyncExecHandle
 from libdsec.files import AsyncFiles
-from bus.errors import InvalidRequest
+from bus.errors import InvalidRequest, SandboxError
 from libdsec.results import ExecResult, Exit, Output
 from libdsec.sandbox import AsyncSandbox
 
@@ -24,12 +25,22 @@ class _Loop:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="libdsec", daemon=True)
+        self.stopped = False
         self.thread.start()
 
     def run(self, coro) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.submit(coro).result()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        if self.stopped:
+            coro.close()
+            raise SandboxError("client is closed: make a new libdsec.Client")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
@@ -49,7 +60,7 @@ def _iterate(loop: _Loop, make) -> Iterator:
         finally:
             q.put(_DONE)
 
-    running = asyncio.run_coroutine_threadsafe(pump(), loop.loop)
+    running = loop.submit(pump())
     item = None
     try:
         while (item := q.get()) is not _DONE:
@@ -242,7 +253,10 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the connection and the private loop."""
+        """Close the connection and the private loop (then every call raises SandboxError; closing again
+        does nothing)."""
+        if self._loop.stopped:
+            return
         try:
             self._loop.run(self._async.close())
         finally:

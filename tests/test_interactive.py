@@ -195,3 +195,21 @@ async def _until_gone(sb, marker: str, limit: float = 3.0) -> None:
     while await _runs(sb, marker):
         assert asyncio.get_running_loop().time() < deadline, f"`{marker}` still runs {limit}s after the stream was left"
         await asyncio.sleep(0.1)
+
+
+async def test_a_closed_sync_client_says_so(stack):
+    """After close(), the sync client and its sandboxes raise the SDK's typed error naming the cause (before:
+    RuntimeError from a closed event loop, or a hang); close() again is harmless."""
+    def scenario():
+        client = libdsec.Client(stack.url)
+        sb = client.create()
+        sb_id = sb.id
+        client.close()
+        client.close()
+        for call in (client.list, lambda: client.create(), lambda: sb.exec("true"), sb.destroy,
+                     lambda: list(sb.stream("true"))):
+            with pytest.raises(libdsec.SandboxError, match="client is closed"):
+                call()
+        with libdsec.Client(stack.url) as again:
+            again.get(sb_id).destroy()
+    await asyncio.wait_for(asyncio.to_thread(scenario), 60)
