@@ -54,11 +54,19 @@ async def ls_snapshots(nats_url, tag) -> None:
 @click.argument("refs", nargs=-1, required=True)
 @run_async
 async def rm_snapshots(nats_url, refs) -> None:
-    """Remove snapshots by id or tag; refused while another is built on one or a running sandbox uses it."""
+    """Remove snapshots by id or tag (a tag names its newest snapshot, as `dsec fork` takes it); prints the id
+    of each one removed. Refused while another is built on one or a running sandbox uses it."""
     async with libdsec.AsyncClient(nats_url) as client:
+        snaps = await client.snapshots()
         for ref in refs:
-            await client.delete_snapshot(ref)
-            click.echo(ref)
+            tagged = [s.id for s in snaps if s.tag == ref]
+            target = ref if any(s.id == ref for s in snaps) or not tagged else tagged[-1]
+            await client.delete_snapshot(target)   # (by its id: what was shown is what goes)
+            click.echo(target)
+            snaps = [s for s in snaps if s.id != target]
+            if target != ref and len(tagged) > 1:
+                click.echo(f"dsec: {len(tagged) - 1} older snapshot(s) tagged {field(ref)} remain "
+                           f"({', '.join(tagged[:-1])}); `dsec fork {field(ref)}` now takes {tagged[-2]}", err=True)
 
 
 @main.command()

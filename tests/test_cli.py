@@ -181,7 +181,11 @@ def test_snapshot_take_ls_fork_rm(up):
     assert "in use" in line and snap in line
     line = one_clear_line(dsec("snapshot", "take", "--nats", url, sid, "--memory"))   # a container has no memory one
     assert "does not support" in line and "memory" in line
+    newer = dsec("snapshot", "take", "--nats", url, sid, "--tag", "cli-step").stdout.strip()
     assert dsec("rm", "--nats", url, sid, *forks).returncode == 0
+    p = dsec("snapshot", "rm", "--nats", url, "cli-step")   # a tag names its newest: that one goes, and it says so
+    assert (p.returncode, p.stdout.strip()) == (0, newer), p.stderr
+    assert f"1 older snapshot(s) tagged cli-step remain ({snap})" in p.stderr
     assert dsec("snapshot", "rm", "--nats", url, snap).stdout.strip() == snap
     assert snap not in dsec("snapshot", "ls", "--nats", url).stdout
 
