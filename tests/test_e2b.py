@@ -354,6 +354,21 @@ def _snapshots() -> None:
         assert Sandbox.delete_snapshot(snap.snapshot_id) is True
         assert Sandbox.delete_snapshot(snap.snapshot_id) is False
         snap = None
+
+        def fork_snapshots() -> list[str]:
+            return [s.snapshot_id for s in Sandbox.list_snapshots(name="e2b-fork").next_items()]
+        first = fork_snapshots()
+        assert len(first) == 1
+        forks[0].kill()
+        assert fork_snapshots() == first            # its other fork still runs on it
+        forks[1].kill()
+        made.clear()
+        assert fork_snapshots() == []               # its last fork killed: the fork's snapshot went too
+        brief = sbx.fork(1, 1)                      # ends by its timeout: the next fork() removes its snapshot
+        assert len(brief) == 1 and len(fork_snapshots()) == 1
+        time.sleep(3)
+        made += sbx.fork(1, 60)
+        assert len(fork_snapshots()) == 1 and fork_snapshots() != first
     finally:
         for s in made:
             s.kill()

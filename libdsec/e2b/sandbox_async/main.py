@@ -240,6 +240,7 @@ class AsyncSandbox:
         try:
             native = _native or await (await client()).get(sandbox_id)
             await native.destroy()
+            await snapshots.forked_sandbox_gone(await client(), sandbox_id)
             return True
         except SandboxNotFound:
             return False

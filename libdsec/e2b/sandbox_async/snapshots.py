@@ -3,6 +3,7 @@ sandbox's filesystem as layers; for container sandboxes not its memory: a fork s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from typing import Any, List, Optional
 
@@ -77,10 +78,39 @@ async def fork(client, sandbox_id: str, make, timeout: Optional[int], count: Opt
         raise mapped(InvalidRequest(f"count must be an int from 1 to {MAX_FORKS}, got {count!r}"))
     try:
         native = await client.get(sandbox_id)
+        await sweep_forks(client)
         snap = await native.snapshot(tag=FORK_TAG)
     except DsecError as err:
         raise mapped(err) from err
     results = await asyncio.gather(*(client.create(from_snapshot=snap, ttl=float(timeout or 300))
                                      for _ in range(count or 1)), return_exceptions=True)
+    for r in results:
+        if not isinstance(r, BaseException):
+            _FORKED[r.id] = snap.id
+    if all(isinstance(r, BaseException) for r in results):
+        await _delete_quietly(client, snap.id)
     return [mapped(r) if isinstance(r, DsecError) else r if isinstance(r, BaseException) else make(r)
             for r in results]
+
+
+_FORKED: dict[str, str] = {}   # fork sandbox id -> the snapshot it was made from (this process's forks)
+
+
+async def sweep_forks(client) -> None:
+    """Delete the snapshots fork() made whose forks have all ended (one still in use is refused and kept)."""
+    for snap in await client.snapshots(FORK_TAG):
+        await _delete_quietly(client, snap.id)
+
+
+async def forked_sandbox_gone(client, sandbox_id: str) -> None:
+    """A fork this process made was killed: its snapshot goes too once its last fork is gone."""
+    snap_id = _FORKED.pop(sandbox_id, None)
+    if snap_id is not None and snap_id not in _FORKED.values():
+        await _delete_quietly(client, snap_id)
+
+
+async def _delete_quietly(client, snap_id: str) -> None:
+    with contextlib.suppress(DsecError):   # in use by a fork or gone: kept, or nothing to do
+        await client.delete_snapshot(snap_id)
+        for fork_id in [k for k, v in _FORKED.items() if v == snap_id]:   # (forks ended by their timeout)
+            del _FORKED[fork_id]
