@@ -203,7 +203,9 @@ class Edge:
 
     def _died(self, sandbox_id: str, why: str) -> None:
         """A sandbox ended by itself (its VM's kernel crashed or powered off): destroyed as failed, so its
-        record and its execs say so instead of waiting for its TTL."""
+        record and its execs say so instead of waiting for its TTL. A warm one leaves its pool's stock."""
+        if self.warm.died(sandbox_id, why):
+            return
         if sandbox_id in self.sandboxes and not self.sandboxes[sandbox_id].ending:
             log.warning("sandbox %s ended by itself: %s", sandbox_id, why)
             running = self.sandboxes[sandbox_id]

@@ -141,6 +141,19 @@ class WarmPools:
         task.add_done_callback(self._retiring.discard)
         self.changed()   # the node record's warm stock
 
+    def died(self, warm_id: str, why: str) -> bool:
+        """A warm sandbox ended by itself (its init died): out of stock now (no claim meets it) and destroyed,
+        so the pool starts another. False when it is not a ready one of this edge's pools."""
+        for stock in self.pools.values():
+            for entry in stock.ready:
+                if entry[0] == warm_id:
+                    stock.ready.remove(entry)
+                    log.warning("warm sandbox %s of pool %s ended by itself (%s): replaced", warm_id, stock.spec.name, why)
+                    self.retire(warm_id)
+                    self._wake.set()
+                    return True
+        return False
+
     def ready(self) -> int:
         """Warm sandboxes ready on this edge."""
         return sum(len(s.ready) for s in self.pools.values())

@@ -230,3 +230,23 @@ async def test_placement_sends_a_matching_create_to_the_node_with_a_warm_sandbox
                 assert sb.node == "t1" and pools.hits == hits + 1   # where one is ready, not the best fit
             finally:
                 await sb.destroy()
+
+
+async def test_a_warm_sandbox_whose_init_dies_leaves_the_stock_at_once(stack, client):
+    """The host kills a ready warm sandbox's init: the pool drops it and starts another at once, so the next
+    matching create claims a live one (before: it stayed in stock, counted ready, until a claim met it)."""
+    import os
+    import signal
+    backend = stack.edge.backend.backends["container"]
+    async with warm_pool(stack, client, "dies", min=1, max=1) as pools:
+        await wait_for(lambda: pools.ready() == 1, what="pool filled")
+        [dead] = warm_ids(stack)
+        os.kill(backend.init_pid(dead), signal.SIGKILL)
+        await wait_for(lambda: dead not in warm_ids(stack) and pools.ready() == 1, 10, "the dead one replaced")
+        hits = pools.hits
+        sb = await client.create()
+        try:
+            assert pools.hits == hits + 1 and backend._key(sb.id) != dead
+            assert (await sb.exec("echo live")).stdout == b"live\n"
+        finally:
+            await sb.destroy()
