@@ -124,7 +124,6 @@ def _size(text: str, what: str) -> int:
         return parse_size(text, what)
     except libdsec.InvalidRequest as exc:
         fail(str(exc), PLATFORM_ERROR)
-        raise
 
 
 def local_stdin():

@@ -6,6 +6,7 @@ import functools
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import click
 
@@ -42,7 +43,7 @@ async def connect(url: str, name: str, principal: str = "admin", reconnect: bool
     return await Bus.connect(url, name=name, reconnect=reconnect, creds=default_creds(principal))
 
 
-def fail(message: str, code: int = 1):
+def fail(message: str, code: int = 1) -> NoReturn:
     """Print one clear line to stderr and exit non-zero."""
     click.echo(f"dsec: error: {message}", err=True)
     sys.exit(code)
