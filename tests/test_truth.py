@@ -217,6 +217,22 @@ async def test_a_sandbox_whose_init_is_killed_is_recorded_failed_saying_why(stac
     assert sb.id not in {r.sandbox_id for r in await client.list()}
 
 
+async def test_an_init_killed_after_an_oom_kill_is_not_said_to_be_the_oom_killers(stack, client):
+    """A command of the sandbox was OOM-killed earlier; then host root kills its init: the reason says the
+    signal and that the limit fired, not that the OOM killer took the init (before: it said so)."""
+    sb = await client.create(resources=libdsec.Resources(memory="32Mi"))
+    r = await sb.exec("tail -c 64m /dev/zero > /dev/null; echo $?")
+    assert r.stdout == b"137\n", r
+    os.kill(stack.edge.backend.backends["container"].init_pid(sb.id), signal.SIGKILL)
+    for _ in range(100):
+        rec = await client._record(sb.id)
+        if rec.state != "ready":
+            break
+        await asyncio.sleep(0.05)
+    assert rec.state == "failed" and rec.reason.startswith("its init ended (killed by signal 9, the OOM killer having "
+                                                           "fired "), rec
+
+
 def test_lock_files_go_at_a_clean_exit_and_a_dead_holders_is_taken_over(tmp_path):
     from cli.locks import AlreadyRunning, Lock
     path = tmp_path / "node-x.lock"

@@ -58,8 +58,10 @@ class Files(Core):
 
     def limit_events(self, sandbox_id: str) -> dict[str, int]:
         """How often each limit fired in a sandbox so far: pids_max, oom_kill, memory/memsw failcnt."""
-        sb = self._live(sandbox_id)
-        total = Counter(sb.events)
+        return self._limit_events(self._live(sandbox_id))
+
+    def _limit_events(self, sb) -> dict[str, int]:
+        total = Counter(sb.events)   # (of its exec groups gone already)
         top = self._cgroups.sandbox(sb.key)
         total.update(NodeCgroups.limit_events(top))
         for child in top["pids"].glob("x*"):

@@ -43,7 +43,7 @@ class Launching(Core):
 
     def _oom_kills(self, sb: Running) -> int:
         try:
-            return NodeCgroups.limit_events(self._cgroups.sandbox(sb.key)).get("oom_kill", 0)
+            return self._limit_events(sb).get("oom_kill", 0)   # its exec groups' too: each has the limit
         except (OSError, ValueError):
             return 0
 
@@ -58,8 +58,9 @@ class Launching(Core):
         status = exit_.result()
         if not os.WIFSIGNALED(status):
             how = f"exit status {os.WEXITSTATUS(status)}"
-        elif os.WTERMSIG(status) == signal.SIGKILL and self._oom_kills(sb):
-            how = "killed by the OOM killer at the sandbox's memory limit"
+        elif os.WTERMSIG(status) == signal.SIGKILL and (ooms := self._oom_kills(sb)):
+            # (the count says the limit fired, not whom it chose last: host root may have sent this one)
+            how = f"killed by signal 9, the OOM killer having fired {ooms} time(s) at its memory limit"
         else:
             how = f"killed by signal {os.WTERMSIG(status)}"
         self.died(sb.spec.id, f"its init ended ({how})")
