@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import kinds, subjects, validate
-from bus.errors import DsecError, InvalidRequest
+from bus.errors import DsecError, InvalidRequest, SandboxNotFound
 from bus.network import Network as WireNetwork
 from bus.execwire import ProcessEntry, process_list_decoder
 from bus.messages import (
@@ -35,13 +35,16 @@ PUBLISH_RETRIES = 3     # transport retries of an idempotent publish (the exec i
 PUBLISH_RETRY_FOR = 10.0   # ...kept up this long: a stream leader moving to another server takes seconds
 PUBLISH_TRY = 1.0       # seconds one try waits for its ack (a stream without a leader answers nothing)
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
-STREAM_LEFT_KILL = 5.0  # seconds a stream left before its end waits for its command to be killed
+LEFT_KILL = 5.0         # seconds a call left before its command's end waits for it to be killed
 LOGIN_SHELL = "if [ -x /bin/bash ]; then exec /bin/bash -i -l; fi; exec /.dsec/sh -i"   # sb.terminal()'s default
 
 
 def argv_of(cmd: Command) -> list[str]:
     """A list command is its argv, run as is inside the sandbox."""
-    argv = list(cmd)
+    try:
+        argv = list(cmd)
+    except TypeError:   # None, a number: not a command
+        argv = []
     if not argv or not all(isinstance(a, str) for a in argv) or not argv[0]:
         raise InvalidRequest("command must be a string or a non-empty list of strings, the first not empty "
                              "(an empty argument after it is passed as one)")
@@ -49,7 +52,7 @@ def argv_of(cmd: Command) -> list[str]:
 
 
 def command_fields(cmd: Command) -> dict:
-    """ExecRequest fields for a command: a str runs under the edge's trusted shell (a static busybox sh
+    """ExecRequest fields for a command: a str runs under the edge's trusted shell (/.dsec/sh, a static bash
     the sandbox cannot replace, never the image's /bin/sh); a list is the argv itself."""
     if isinstance(cmd, str):
         if not cmd or "\0" in cmd:
@@ -61,6 +64,18 @@ def command_fields(cmd: Command) -> dict:
 def _left(entry: ProcessEntry) -> float:
     """Seconds a running exec has left before its timeout (at least 1)."""
     return max(1.0, entry.started_at + entry.timeout - time.time())
+
+
+async def _abandon(handle: ExecHandle, why: BaseException | None) -> None:
+    """A command its call (exec, stream) started, left before its exit was read (a cancel, a break, an error
+    reading it): killed, then no longer listened to. Not when its sandbox is gone (nothing to kill: no wait
+    for a node that may not answer)."""
+    try:
+        if not handle.done and not isinstance(why, SandboxNotFound):
+            with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                await asyncio.wait_for(handle.kill(), LEFT_KILL)
+    finally:
+        await handle.close()
 
 
 class AsyncSandbox:
@@ -221,18 +236,15 @@ class AsyncSandbox:
         lines=False: per chunk as it arrives, a line not finished yet too.
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
         them (interactive; its end closes the command's stdin). The command is this loop's: left before
-        the Exit (a break, an exception, a cancel) it is killed (use exec(background=True) to leave one running)."""
+        the Exit (a break, an exception, a cancel) it is killed (exec(background=True) leaves one running)."""
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False, user=user)
         try:
             async for ev in handle.stream(lines):
                 yield ev
-        finally:
-            try:
-                if not handle.done:
-                    with contextlib.suppress(DsecError, asyncio.TimeoutError):
-                        await asyncio.wait_for(handle.kill(), STREAM_LEFT_KILL)
-            finally:
-                await handle.close()
+        except BaseException as exc:
+            await _abandon(handle, exc)
+            raise
+        await _abandon(handle, None)
 
     async def exec(self, cmd: Command, *, timeout: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, stdin: Stdin = None,
@@ -243,7 +255,8 @@ class AsyncSandbox:
         WorkingDir (else /); user to the image's User (else root): a name of the image's /etc/passwd or
         uid[:gid] (kinds with the "users" capability), run with its groups and HOME. stdin as stream()'s, or
         True with background=True: a live stdin written later, by this or any client, with
-        handle.send_stdin() / close_stdin() (sb.attach(pid=...) finds it again)."""
+        handle.send_stdin() / close_stdin() (sb.attach(pid=...) finds it again). A foreground exec is this call's:
+        cancelled (or failing to read its end) it is killed."""
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user)
@@ -255,9 +268,12 @@ class AsyncSandbox:
                 raise
             return handle
         try:
-            return await handle.wait()
-        finally:
-            await handle.close()
+            result = await handle.wait()
+        except BaseException as exc:
+            await _abandon(handle, exc)
+            raise
+        await handle.close()
+        return result
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644,
                          timeout: float = DEFAULT_OP_TIMEOUT) -> None:

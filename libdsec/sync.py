@@ -29,22 +29,51 @@ class _Loop:
         self.thread.start()
 
     def run(self, coro) -> Any:
-        return self.submit(coro).result()
+        """The coroutine's result. Interrupted here (Ctrl-C), the call is cancelled on the loop and its cleanup
+        waited for (a foreground exec's command is killed), then the interrupt goes on."""
+        ended = threading.Event()
 
-    def submit(self, coro) -> concurrent.futures.Future:
+        async def tracked() -> Any:
+            try:
+                return await coro
+            finally:
+                ended.set()
+        fut = self.submit(tracked(), coro)
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done():
+                fut.cancel()
+                ended.wait(LEFT_WAIT)
+            raise
+
+    def submit(self, coro, inner=None) -> concurrent.futures.Future:
         if self.stopped:
-            coro.close()
+            for c in (coro, inner):
+                if c is not None:
+                    c.close()
             raise SandboxError("client is closed: make a new libdsec.Client")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop (waiting for it a moment), then stop and close it."""
         if self.stopped:
             return
         self.stopped = True
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(LEFT_WAIT)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+async def _cancel_all() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _iterate(loop: _Loop, make) -> Iterator:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 
 
 import pytest
@@ -213,3 +214,29 @@ async def test_a_closed_sync_client_says_so(stack):
         with libdsec.Client(stack.url) as again:
             again.get(sb_id).destroy()
     await asyncio.wait_for(asyncio.to_thread(scenario), 60)
+
+
+async def test_a_cancelled_exec_kills_its_command(stack, client):
+    """A foreground exec cancelled (wait_for's timeout, a task cancelled, Ctrl-C of the sync client) kills its
+    command instead of leaving it running for its own timeout (300 s here) unseen."""
+    async with await client.create() as sb:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sb.exec("echo up; exec sleep 41", timeout=300), 1)
+        await _until_gone(sb, "sleep 41")
+        task = asyncio.ensure_future(sb.exec("exec sleep 42", timeout=300))
+        await asyncio.sleep(1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until_gone(sb, "sleep 42")
+        script = (f"import libdsec\nwith libdsec.Client({stack.url!r}) as c:\n"
+                  f"    c.get({sb.id!r}).exec('exec sleep 43', timeout=300)\n")
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, stderr=asyncio.subprocess.PIPE)
+        for _ in range(100):
+            if await _runs(sb, "sleep 43"):
+                break
+            await asyncio.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert b"KeyboardInterrupt" in err and b"Task was destroyed" not in err and b"Event loop is closed" not in err, err
+        await _until_gone(sb, "sleep 43", 1.0)   # gone when the interrupted program ended
