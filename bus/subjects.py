@@ -8,7 +8,7 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 def token(value: str, what: str) -> str:
     """Return value if it is a safe single subject token, else raise ValueError naming `what`."""
-    if not _TOKEN.match(value):
+    if not isinstance(value, str) or not _TOKEN.match(value):
         raise ValueError(f"{what} must be 1-128 characters of [A-Za-z0-9_-], got {value!r}")
     return value
 

@@ -2,6 +2,7 @@
 the edge that takes it); errors name the field."""
 from __future__ import annotations
 
+import math
 import time
 
 from bus import kinds, network, subjects
@@ -21,6 +22,16 @@ MAX_CALL_OUTPUT = 256 << 10     # bytes kept per stream of a call (its reply is 
 MAX_CALL_FILES = 600_000        # bytes of files given with a call, and again of files read back
 MAX_ARG_STRLEN = 131072         # Linux: bytes one argv word or "NAME=value" env entry may hold, its NUL included
 MAX_LABELS = 16 << 10           # bytes of a sandbox's labels, keys and values (its record carries them)
+
+
+def seconds(value, what: str, *, zero: bool = False) -> float:
+    """A finite number of seconds, > 0 (>= 0 with zero); InvalidRequest naming `what` otherwise (a bool, a
+    string, NaN or infinity: JSON has no infinity, so it reached the server as null)."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or not (value >= 0 if zero else value > 0)):
+        raise InvalidRequest(f"{what} must be a {'non-negative' if zero else 'positive'} finite number of seconds, "
+                             f"got {value!r}")
+    return float(value)
 
 
 def check_resources(r: Resources) -> None:

@@ -61,14 +61,14 @@ def _request(tenant: str, cmd: str | Sequence[str], *, stdin: bytes | str, files
         raise InvalidRequest(f"cmd must be a string (trusted shell) or a list of strings, got {cmd!r}")
     if priority not in subjects.PRIORITIES:
         raise InvalidRequest(f"priority must be one of {', '.join(subjects.PRIORITIES)}, got {priority!r}")
-    if not isinstance(timeout, (int, float)) or not isinstance(wait, (int, float)) or not wait > 0:
-        raise InvalidRequest(f"timeout and wait must be positive numbers of seconds, got {timeout!r}, {wait!r}")
+    validate.seconds(timeout, "timeout")
+    validate.seconds(wait, "wait")
     now = time.time()
     req = CallRequest(call_id=new_id("c"), tenant=tenant, image=image, argv=argv, shell=shell,
                       env=dict(env or {}), cwd=cwd, stdin=stdin.encode() if isinstance(stdin, str) else bytes(stdin),
                       files={p: d.encode() if isinstance(d, str) else bytes(d) for p, d in (files or {}).items()},
                       read_back=list(read_back or []), timeout=float(timeout),
-                      resources=(resources or Resources()).to_wire(), labels=dict(labels or {}),
+                      resources=Resources.of(resources).to_wire(), labels=dict(labels or {}),
                       max_output=int(max_output), deadline=now + wait, sent_at=now)
     validate.check_call(req)   # before anything is sent: the node checks again
     return req

@@ -117,10 +117,8 @@ class AsyncClient:
                  env: dict[str, str] | None, labels: dict[str, str] | None, timeout: float,
                  priority: str = "latency", burst: bool | None = None, workspace: str | None = None,
                  toolkit: str | None = None) -> CreateRequest:
-        if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
-            raise InvalidRequest(f"ttl must be a positive number of seconds, got {ttl!r}")
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+        validate.seconds(ttl, "ttl")
+        validate.seconds(timeout, "timeout")
         if not isinstance(image, str) or not image:
             raise InvalidRequest(f"image must be a non-empty string, got {image!r}")
         for what, ref in (("workspace", workspace), ("toolkit", toolkit)):
@@ -136,7 +134,7 @@ class AsyncClient:
         rid = new_id("r")
         now = time.time()
         return CreateRequest(request_id=rid, sandbox_id=new_id("sb"), tenant=self.tenant, image=image,
-                             backend=backend, resources=(resources or Resources()).to_wire(), ttl=float(ttl),
+                             backend=backend, resources=Resources.of(resources).to_wire(), ttl=float(ttl),
                              env=dict(env or {}), labels=dict(labels or {}), deadline=now + timeout, sent_at=now,
                              priority=priority, burst=burst, workspace=workspace or "",  # type: ignore[arg-type]
                              toolkit=toolkit or "")

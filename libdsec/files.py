@@ -37,6 +37,8 @@ class AsyncFiles:
         self._sb._needs("file_tree", f"files.{op}")
         if not isinstance(path, str) or not path.startswith("/"):
             raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
+        if "\0" in path:
+            raise InvalidRequest(f"path must not hold a NUL byte: {path!r}")
         if user is not None and not isinstance(user, str):
             raise InvalidRequest(f"user must be a name or uid[:gid] string, got {user!r}")
         kinds.require_user(self._sb.backend, user, f"files.{op}")
@@ -114,6 +116,8 @@ class AsyncFiles:
         check_mode(mode)
         if isinstance(data, str):
             data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidRequest(f"data must be bytes or str, got {type(data).__name__}")
         if len(data) <= FILE_PIECE:
             await self._op("write", path, timeout, user, offset=0, data=bytes(data), mode=mode,
                            metadata=dict(metadata or {}))

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from bus.errors import InvalidRequest
 from bus.messages import Resources as WireResources
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?|[kmgt]i?|B|b)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?|[kmgtp]i?|B|b)?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "ki": 1 << 10, "m": 1000 ** 2, "mi": 1 << 20, "g": 1000 ** 3, "gi": 1 << 30,
-          "t": 1000 ** 4, "ti": 1 << 40}
+          "t": 1000 ** 4, "ti": 1 << 40, "p": 1000 ** 5, "pi": 1 << 50}
 
 
 def parse_size(value: int | str, field: str) -> int:
@@ -35,6 +35,22 @@ class Resources:
     memory: int | str = "256Mi"
     pids: int = 256
     disk: int | str = "256Mi"
+
+    @classmethod
+    def of(cls, value: "Resources | dict | None") -> "Resources":
+        """Resources given as Resources, a dict of its fields ({"cpu": 2, "memory": "1Gi"}) or None (the
+        defaults); InvalidRequest for anything else."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(str(k) for k in value if k not in ("cpu", "memory", "pids", "disk"))
+            if unknown:
+                raise InvalidRequest(f"resources: unknown field(s) {', '.join(unknown)}; cpu, memory, pids, disk")
+            return cls(**value)
+        raise InvalidRequest(f"resources must be a libdsec.Resources or a dict of cpu, memory, pids, disk; "
+                             f"got {type(value).__name__}")
 
     def to_wire(self) -> WireResources:
         """Validate and normalise to cores and bytes."""

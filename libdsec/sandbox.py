@@ -111,8 +111,7 @@ class AsyncSandbox:
                      keep_output: bool = True, user: str | None = None, what: dict | None = None,
                      pty: tuple[int, int] | None = None) -> ExecHandle:
         """Send an exec (what: its fields instead of cmd's, e.g. a watch) and a handle on it."""
-        if not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise InvalidRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+        validate.seconds(timeout, "timeout")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
         self._needs("exec", "exec")
         kinds.require_user(self.backend, user, "exec")
@@ -282,6 +281,8 @@ class AsyncSandbox:
         check_mode(mode)
         if isinstance(data, str):
             data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidRequest(f"data must be bytes or str, got {type(data).__name__}")
         if len(data) > MAX_FILE_OP:
             raise InvalidRequest(f"data: write_file takes at most {MAX_FILE_OP} bytes per call, got {len(data)} "
                                  "(sb.files.write writes any size, a piece per request)")
@@ -347,8 +348,7 @@ class AsyncSandbox:
     async def set_timeout(self, seconds: float, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """It now expires `seconds` from now, shorter or longer than before (0: at once); a suspended one's
         count starts when it is resumed."""
-        if not isinstance(seconds, (int, float)) or seconds < 0:
-            raise InvalidRequest(f"seconds must be a number >= 0, got {seconds!r}")
+        validate.seconds(seconds, "seconds", zero=True)
         await self.client._op(self.node, self.id, lambda rid, to, dl: SetTimeoutRequest(
             request_id=rid, sandbox_id=self.id, timeout=float(seconds), reply_to=to, deadline=dl), timeout)
 

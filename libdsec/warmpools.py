@@ -28,7 +28,7 @@ def spec(name: str, image: str, workspace: str | None, toolkit: str | None, reso
          min: int, max: int, node_pool: str, backend: str = "container") -> WarmPool:
     """A pool's settings, range-checked here (InvalidRequest before anything is sent) and again by the server."""
     out = WarmPool(name=name, image=image, workspace=workspace or "", toolkit=toolkit or "", backend=backend,
-                   resources=(resources or Resources()).to_wire(), min=int(min), max=int(max), node_pool=node_pool,
+                   resources=Resources.of(resources).to_wire(), min=int(min), max=int(max), node_pool=node_pool,
                    updated_at=time.time())
     check_warm_pool(out)
     return out

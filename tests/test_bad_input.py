@@ -315,3 +315,29 @@ async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
                          "rnet": "invalid_request", "rnetk": "unsupported", "rlabels": "invalid_request"}
     finally:
         await nc.close()
+
+
+async def test_wrong_types_and_non_finite_numbers_in_the_sdk_are_invalid_requests(client):
+    """What a user mistypes gets InvalidRequest naming it, not a TypeError/AttributeError from inside the SDK
+    nor a server's 'Expected float, got null' (JSON has no infinity or NaN)."""
+    inf, nan = float("inf"), float("nan")
+    for call, says in ((lambda: client.create(ttl=inf), "ttl"), (lambda: client.create(ttl=nan), "ttl"),
+                       (lambda: client.create(timeout=inf), "timeout"),
+                       (lambda: client.create(resources=[1]), "resources"),
+                       (lambda: client.create(resources={"cpus": 1}), "cpus"),
+                       (lambda: client.get(123), "sandbox_id"), (lambda: client.get(None), "sandbox_id")):
+        with pytest.raises(libdsec.InvalidRequest, match=says):
+            await call()
+    async with await client.create(resources={"cpu": 0.5, "memory": "64Mi"}) as sb:   # a dict of its fields is fine
+        for call, says in ((lambda: sb.exec(None), "command"), (lambda: sb.exec(42), "command"),
+                           (lambda: sb.exec("true", timeout=nan), "timeout"),
+                           (lambda: sb.exec("true", timeout=inf), "timeout"),
+                           (lambda: sb.set_timeout(nan), "seconds"), (lambda: sb.set_timeout(inf), "seconds"),
+                           (lambda: sb.files.write("/tmp/x", 123), "data"),
+                           (lambda: sb.files.write("/tmp/x", None), "data"),
+                           (lambda: sb.write_file("/tmp/x", 1.5), "data"),
+                           (lambda: sb.files.write("/tmp/nul\0x", b"x"), "NUL")):
+            with pytest.raises(libdsec.InvalidRequest, match=says):
+                await call()
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"
+    assert libdsec.Resources.of({"memory": "1Pi"}).to_wire().memory == 1 << 50
