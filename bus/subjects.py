@@ -1,6 +1,7 @@
 """Subject names: the one place that spells them."""
 from __future__ import annotations
 
+import hashlib
 import re
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -189,6 +190,15 @@ def record_prefix(tenant: str) -> str:
 
 
 def job_of(labels: dict[str, str]) -> str:
-    """The job a sandbox belongs to: its `job` label when that is a valid token, else `default`."""
-    job = labels.get("job", "")
-    return job if job and _TOKEN.match(job) else "default"
+    """The job a sandbox belongs to: its `job` label as a subject token (job_token), `default` without one."""
+    return job_token(labels.get("job", "")) or "default"
+
+
+def job_token(job: str) -> str:
+    """A job name as its trajectory subject's token: itself when it is one; else each character outside
+    [A-Za-z0-9_-] made `_`, with a hash of the whole name after it (`run.42` -> `run_42-1c2b9a4e`), so names
+    that differ stay apart. Readers given the name find the same token."""
+    if not isinstance(job, str) or not job or _TOKEN.match(job):
+        return job if isinstance(job, str) else ""
+    digest = hashlib.sha256(job.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return re.sub(r"[^A-Za-z0-9_-]", "_", job)[:100] + "-" + digest

@@ -21,7 +21,7 @@ def consumer_config(tenant: str, job: str | None, sandbox: str | None, since, du
                     ack_wait: float) -> api.ConsumerConfig:
     """The pull consumer on DSEC_TRAJ for one tenant's job (or sandbox), from a point in time or a seq."""
     try:
-        subject = subjects.trajectory(tenant, subjects.token(job, "job") if job else "*",
+        subject = subjects.trajectory(tenant, subjects.job_token(job) if job else "*",
                                       subjects.token(sandbox, "sandbox") if sandbox else "*")
         name = subjects.token(durable, "durable") if durable else None
     except ValueError as exc:

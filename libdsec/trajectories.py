@@ -90,7 +90,9 @@ def fetch_request(job: str | None, sandbox: str | None, since, durable: str | No
                   ack_wait: float) -> FetchTrajectories:
     """What the server's reader takes: one job (or sandbox), from a point in time or a seq."""
     try:
-        job = subjects.token(job, "job") if job else ""
+        if job is not None and not isinstance(job, str):
+            raise ValueError(f"job must be a string, got {job!r}")
+        job = subjects.job_token(job) if job else ""   # (a sandbox's job label of any text: the same token)
         sandbox = subjects.token(sandbox, "sandbox") if sandbox else ""
         name = subjects.token(durable, "durable") if durable else new_id("rd")
     except ValueError as exc:

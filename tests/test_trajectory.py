@@ -147,7 +147,7 @@ async def test_a_reader_keeps_its_consumer_between_fetches_and_rebinds_a_gone_on
 
 async def test_trajectory_arguments_are_checked(client):
     with pytest.raises(libdsec.InvalidRequest):
-        client.trajectories(job="bad.job")
+        client.trajectories(job=42)   # (a job of any text is taken: see the test above)
     with pytest.raises(libdsec.InvalidRequest):
         client.trajectories(since="yesterday")
 
@@ -207,3 +207,29 @@ async def test_a_command_too_long_for_one_record_is_cut_and_the_sandbox_record_s
                                 capture_output=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert f"...[cut: 900,117 bytes were sent, sha256 {cut['command_sha256']}]".encode() in p.stdout
+
+
+async def test_a_job_label_that_is_not_a_subject_token_is_found_by_its_name(client):
+    """A job label of any text (`run.42`, spaces, unicode) is filed under a token made of it, and readers
+    given the label as written find it; two labels that differ only in such characters stay apart (before:
+    every such label was filed under `default`, and a reader given it was refused)."""
+    tag = os.getpid()
+    names = [f"run.{tag}", f"run {tag}", f"rün/{tag}"]
+    boxes = [await client.create(labels={"job": name}) for name in names]
+    try:
+        for sb in boxes:
+            await sb.exec("true")
+    finally:
+        for sb in boxes:
+            await sb.destroy()
+    tokens = []
+    for name, sb in zip(names, boxes):
+        for _ in range(100):
+            got = [t.record async for t in client.trajectories(job=name, follow=False)]
+            if [r.type for r in got] == ["created", "exec", "destroyed"]:
+                break
+            await asyncio.sleep(0.05)
+        assert {r.sandbox_id for r in got} == {sb.id} and [r.type for r in got] == ["created", "exec", "destroyed"]
+        assert got[0].job not in ("default", name)
+        tokens.append(got[0].job)
+    assert len(set(tokens)) == 3   # each its own
