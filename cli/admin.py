@@ -154,7 +154,7 @@ async def quota_set(tenant: str, nats_url: str, sandboxes: int, cpu: float, memo
 @nats_option
 @run_async
 async def quota_ls(nats_url: str) -> None:
-    """List quotas and what each tenant holds."""
+    """List quotas and what each tenant (with its projects) or project holds."""
     bus = await _bus(nats_url)
     try:
         click.echo(f"{'TENANT':<20} {'SANDBOXES':>10} {'CPU':>8} {'MEMORY':>10} {'HELD':>6}")
@@ -163,8 +163,10 @@ async def quota_ls(nats_url: str) -> None:
                 q = quota_decoder.decode(raw)
             except Exception:
                 continue
-            held = len((await quotas.usage(bus, key)).holds)
-            click.echo(f"{q.tenant:<20} {q.max_sandboxes or '-':>10} {q.max_cpu or '-':>8} "
+            root = subjects.tenant_root(key)   # a tenant's usage record holds its projects' too
+            holds = (await quotas.usage(bus, root)).holds.values()
+            held = sum(1 for h in holds if key == root or h.account == key)
+            click.echo(f"{subjects.display_name(q.tenant):<20} {q.max_sandboxes or '-':>10} {q.max_cpu or '-':>8} "
                        f"{_size(q.max_memory) if q.max_memory else '-':>10} {held:>6}")
     finally:
         await bus.close()

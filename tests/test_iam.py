@@ -426,6 +426,10 @@ async def test_a_project_sees_its_own_its_tenant_sees_all_and_quotas_nest(stack,
             with pytest.raises(libdsec.PermissionDenied, match="project alice/p1"):
                 await alice.get(s1.id)
             assert (await alice.quota()).sandboxes == len(seen)
+            ls = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "ls", "--nats", stack.url],
+                                         capture_output=True, text=True)   # what each holds, a project by its name
+            rows = {line.split()[0]: line.split()[-1] for line in ls.stdout.splitlines()[1:]}
+            assert (rows.get("alice/p1"), rows.get("alice")) == ("1", "2"), ls.stdout + ls.stderr
 
             live = len(await alice.list())
             assert live == 2, "only this test's sandboxes of alice are running"
