@@ -22,7 +22,8 @@ from bus.images import ImageRegistry, parse_ref
 
 @main.group()
 def image() -> None:
-    """Build and list images (read-only EROFS layers)."""
+    """Build and list images (read-only EROFS layers). Operator commands: they need an admin's or ops'
+    credential (STATE_DIR/creds/admin.creds), not a tenant's."""
 
 
 @image.command()

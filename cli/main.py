@@ -90,8 +90,8 @@ def run_async(fn):
     def wrapper(*args, **kwargs):
         try:
             return asyncio.run(_cancelled_by_signals(fn(*args, **kwargs)))
-        except PermissionDenied as exc:
-            fail(f"{exc}{_whose_hint()}")
+        except PermissionDenied as exc:   # (the hint only for the server's refusal, not the SDK's own checks)
+            fail(f"{exc}{_whose_hint() if exc.__cause__ is not None else ''}")
         except DsecError as exc:
             fail(str(exc))
         except KeyboardInterrupt:

@@ -5,6 +5,7 @@ permissions violation, an authorization violation), and A's own view is checked 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -425,6 +426,9 @@ async def test_a_project_sees_its_own_its_tenant_sees_all_and_quotas_nest(stack,
             assert seen[s1.id] == "alice__p1" and seen[own.id] == "alice", seen
             with pytest.raises(libdsec.PermissionDenied, match="project alice/p1"):
                 await alice.get(s1.id)
+            rm = await asyncio.to_thread(subprocess.run, [DSEC, "rm", "--nats", stack.url, s1.id], capture_output=True,
+                                         text=True, env={**os.environ, "DSEC_CREDS": creds_of(stack, "tenant:alice")})
+            assert rm.returncode != 0 and "project alice/p1's" in rm.stderr and "operator" not in rm.stderr, rm.stderr
             assert (await alice.quota()).sandboxes == len(seen)
             ls = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "ls", "--nats", stack.url],
                                          capture_output=True, text=True)   # what each holds, a project by its name
