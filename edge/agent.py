@@ -318,8 +318,8 @@ class Edge:
         expiring = self._expiring
         in_flight: set[str] = set()       # ids whose _expire runs now
         pruned = time.monotonic()
-        while True:
-            await asyncio.sleep(TTL_EVERY)
+        while True:   # a look every TTL_EVERY, sooner when a deadline falls before it (an expiry is on time)
+            await asyncio.sleep(min(TTL_EVERY, max(0.005, self.box.deadlines.next_at() - time.time())))
             if time.monotonic() - pruned >= MEMORY_PRUNE_EVERY and self.box.backend.memories():
                 pruned = time.monotonic()
                 task = asyncio.ensure_future(self._prune_memories())

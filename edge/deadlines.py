@@ -28,6 +28,13 @@ class Deadlines:
         self._at[sandbox_id] = at
         heapq.heappush(self._heap, (at, sandbox_id))
 
+    def next_at(self) -> float:
+        """When the soonest live entry is due (inf: none)."""
+        heap, at = self._heap, self._at
+        while heap and at.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)           # stale
+        return heap[0][0] if heap else float("inf")
+
     def due(self, now: float, deadline_of: Callable[[str], float | None]) -> list[str]:
         """The ids whose deadline has passed (each once), looking at every entry up to now. deadline_of(id):
         its deadline now, None when it has none (gone, ending, no TTL); a later one is looked at then."""

@@ -46,3 +46,32 @@ def test_a_sandbox_gone_ending_or_without_a_ttl_is_dropped():
     del truth["a"]                                            # destroyed meanwhile
     assert deadlines.due(10.0, truth.get) == [] and len(deadlines) == 0
     assert deadlines.due(10_000.0, truth.get) == []
+
+
+def test_next_at_is_the_soonest_live_entry():
+    deadlines = Deadlines()
+    assert deadlines.next_at() == float("inf")
+    deadlines.look("a", 50.0)
+    deadlines.look("b", 20.0)
+    deadlines.look("a", 10.0)                                 # a sooner look replaces a's entry at 50
+    assert deadlines.next_at() == 10.0
+    assert deadlines.due(15.0, {"a": 12.0, "b": 30.0}.get) == ["a"]
+    assert deadlines.next_at() == 20.0
+
+
+async def test_a_sandbox_expires_on_time_not_at_the_next_half_second_tick(client):
+    """The record of a sandbox that reached its TTL is written within a blink of its expiry (its updated_at,
+    on the edge's clock): the loop wakes at the soonest deadline (before: at its next 0.5 s tick, up to 0.5 s
+    later, while E2B's is_running() and get() still said it ran)."""
+    import asyncio
+    boxes = [await client.create(ttl=1.0 + 0.13 * i) for i in range(6)]
+    lags = []
+    for sb in boxes:
+        for _ in range(200):
+            rec = await client._record(sb.id)
+            if rec.state != "ready":
+                break
+            await asyncio.sleep(0.05)
+        assert rec.state == "expired", rec
+        lags.append(rec.updated_at - rec.expires_at)
+    assert max(lags) < 0.25, [f"{x:.3f}" for x in lags]
