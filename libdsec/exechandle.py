@@ -90,9 +90,14 @@ class ExecHandle:
             await self._stream.close()
 
     async def started(self) -> int:
-        """Its pid in the sandbox once it started (0: its kind does not report pids, or it never started:
-        wait() says why)."""
+        """Its pid in the sandbox once it started (0: its kind does not report pids). One that never ran raises
+        why: SandboxNotFound when its sandbox is gone, CommandNotStarted for a missing binary, ..."""
         await self._started.wait()
+        if not self.start_seen and not self._chunks:
+            if self._exit is not None and self._exit.error_code:
+                exit_of(self._exit)   # raises its typed error
+            if self._exit is None and self._error is not None and not isinstance(self._error, asyncio.CancelledError):
+                raise self._error
         return self.pid
 
     async def stream(self, lines: bool = True) -> AsyncIterator[Output | Exit]:

@@ -172,15 +172,17 @@ class AsyncFiles:
             raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
         handle = await self._sb._start("", timeout, None, None, True, 16 << 20, background=True, keep_output=False,
                                        what={"watch": path, "recursive": bool(recursive)})
-        await handle.started()   # in place: every change from now on is reported
-        if not handle.start_seen:   # it ended without starting: why
+        try:
             try:
-                await handle.wait()
+                await handle.started()   # in place: every change from now on is reported
+                if not handle.start_seen:   # it ended without starting: why
+                    await handle.wait()
+                    raise FileOpError(f"the watch of {path} ended before it started")
             except ExecFailed as err:
                 raise FileOpError(str(err)) from None
-            finally:
-                await handle.close()
-            raise FileOpError(f"the watch of {path} ended before it started")
+        except BaseException:
+            await handle.close()
+            raise
         return DirWatch(handle, path)
 
 

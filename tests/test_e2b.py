@@ -107,10 +107,23 @@ async def test_the_async_sandbox_in_the_callers_loop(e2b_env):
         back = await AsyncSandbox.connect(sbx.sandbox_id)     # resumes it
         assert await back.is_running()
         assert (await back.commands.run("echo back")).stdout == "back\n"
+        def oops(text: str) -> None:
+            raise RuntimeError(f"the caller's handler failed on {text!r}")
+        with pytest.raises(RuntimeError, match="handler failed"):   # the command is this call's: killed
+            await back.commands.run("echo x; exec sleep 51", on_stdout=oops)
+        for _ in range(30):
+            if not any("sleep 51" in " ".join(p.args) for p in await back.commands.list()):
+                break
+            await asyncio.sleep(0.1)
+        assert not any("sleep 51" in " ".join(p.args) for p in await back.commands.list())
     finally:
         assert await sbx.kill() is True
     with pytest.raises(NotFoundException):
         await AsyncSandbox.get_info(sbx.sandbox_id)
+    from e2b.exceptions import SandboxException, TimeoutException
+    with pytest.raises(SandboxException) as ei:   # a killed sandbox: not found (TimeoutException is for a command
+        await sbx.commands.run("echo late")       # running when it was killed)
+    assert isinstance(ei.value, NotFoundException) and not isinstance(ei.value, TimeoutException), repr(ei.value)
 
 
 async def test_timeouts_pause_and_connect_extends_never_shortens(e2b_env):

@@ -5,6 +5,8 @@ the relay depends on no binary of the sandbox; an image without bash runs it in 
 image's default user (`user` in the base image) in its working directory (/home/user there)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import shlex
 from typing import Any, Dict, List, Optional
 
@@ -17,6 +19,7 @@ from libdsec.e2b.sandbox_async.filesystem.filesystem import absolute
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
 NO_LIMIT = 24 * 3600.0   # a command timeout of 0 (E2B: no limit)
+KILL_WAIT = 5.0          # seconds a foreground run left early waits for its command to be killed
 
 
 LOGIN = "if [ -x /bin/bash ]; then exec /bin/bash -l -c "
@@ -57,7 +60,15 @@ class AsyncCommands:
         except DsecError as err:
             raise mapped(err) from err
         h = AsyncCommandHandle(handle, on_stdout, on_stderr)
-        return h if background else await h.wait()
+        if background:
+            return h
+        try:
+            return await h.wait()
+        except BaseException:   # a handler that raised, a cancel: the command is this call's, killed
+            if h.exit_code is None and h.pid:   # (by pid: the handle stopped listening with the handler's error)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._sb.kill_process(h.pid), KILL_WAIT)
+            raise
 
     async def list(self, request_timeout: Optional[float] = None) -> List[ProcessInfo]:
         """The sandbox's running commands (tag: DSec's exec id; a shell line shows as sh -c LINE)."""
