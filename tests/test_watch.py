@@ -117,7 +117,8 @@ async def test_watching_what_is_no_directory_is_a_clear_error(client):
         assert (await sb.exec("echo fine")).stdout == b"fine\n"
 
 
-async def test_a_watch_ends_with_its_directory_or_its_sandbox(client):
+async def test_a_watch_ends_with_its_directory_or_its_sandbox(client, caplog):
+    import gc
     sb = await client.create()
     await sb.exec("mkdir /gone /kept")
     gone = await sb.files.watch("/gone")
@@ -135,6 +136,17 @@ async def test_a_watch_ends_with_its_directory_or_its_sandbox(client):
             break
         await asyncio.sleep(0.1)
     assert watcher._running == 0
+    other = await client.create(ttl=30)
+    await other.exec("mkdir /w")
+    timed = await other.files.watch("/w", timeout=1)
+    await asyncio.sleep(1.5)    # its timeout ends it, cancelling its reader
+    await timed.close()
+    await other.destroy()
+    gc.collect()
+    await asyncio.sleep(0.1)
+    left = [t for t in asyncio.all_tasks() if "wait_fd" in repr(t.get_coro())]   # (the stack runs in this loop)
+    assert not left and not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()], left
+
 
 
 async def test_a_deep_tree_is_watched_to_its_bottom(client):

@@ -274,9 +274,11 @@ async def watch(opener: Callable[[str], int], path: str, recursive: bool, timeou
 async def _pump(w: Watch, sink: OutputSink, stopped: asyncio.Future, turn: asyncio.Lock) -> None:
     while not stopped.done() and w.dirs:   # (no dirs: the directory is gone, or its filesystem unmounted)
         reading = asyncio.ensure_future(wait_fd(w.fd))
-        await asyncio.wait([reading, stopped], return_when=asyncio.FIRST_COMPLETED)
-        reading.cancel()
-        await asyncio.gather(reading, return_exceptions=True)
+        try:
+            await asyncio.wait([reading, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:   # (cancelled too: a wait left pending kept the fd registered and was destroyed pending)
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
         async with turn:
             await _drain(w, sink)
 
