@@ -137,8 +137,8 @@ class AsyncFiles:
         except FileOpError as err:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._op("remove", partial, timeout, user))
-            if "busy" not in str(err).lower():
-                raise
+            if "busy" not in str(err).lower():   # (named by the path written, not the hidden file's name)
+                raise FileOpError(str(err).replace(partial, path), **err.details) from None
             for offset in range(0, len(data), FILE_PIECE):   # a mount point (/etc/hosts): only in place
                 await self._op("write", path, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
                                mode=mode, metadata=dict(metadata or {}) if offset == 0 else {})

@@ -33,8 +33,9 @@ async def test_a_write_is_whole_or_not_at_all(client):
     was, and a reader or another writer never sees part of one."""
     async with await client.create(resources=libdsec.Resources(memory="512Mi", disk="64Mi")) as sb:
         await sb.files.write("/kept", b"before")
-        with pytest.raises(libdsec.FileOpError, match="disk quota exceeded"):
+        with pytest.raises(libdsec.FileOpError, match="disk quota exceeded") as ei:
             await sb.files.write("/kept", os.urandom(64 << 20))
+        assert str(ei.value).endswith(": /kept"), ei.value   # the path written, not the hidden file's name
         assert await sb.files.read("/kept") == b"before"
         assert (await sb.exec("ls -a / | grep -c dsec-w")).stdout == b"0\n"   # no partial file left
         before = b"first"
