@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -98,6 +99,10 @@ def run_async(fn):
             fail("interrupted", 130)
         except click.ClickException:   # a usage error found in the body: click prints it (exit 2)
             raise
+        except BrokenPipeError:   # our reader left (`dsec replay | head`): quietly, as a shell tool does
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (the exit's flush too)
+            sys.exit(128 + signal.SIGPIPE)
         except OSError as exc:
             fail(f"{exc.strerror or exc} {getattr(exc, 'filename', '') or ''}".strip())
         except Exception as exc:   # a bug: still one line (DSEC_DEBUG=1 shows the traceback)

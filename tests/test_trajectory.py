@@ -233,3 +233,19 @@ async def test_a_job_label_that_is_not_a_subject_token_is_found_by_its_name(clie
         assert got[0].job not in ("default", name)
         tokens.append(got[0].job)
     assert len(set(tokens)) == 3   # each its own
+
+
+async def test_replay_into_a_reader_that_leaves_ends_quietly(stack, client):
+    """`dsec replay ... | head -1`: the reader leaves early; replay ends as a shell tool does (SIGPIPE's exit
+    status, nothing on stderr) instead of 'dsec: error: Broken pipe'."""
+    async with await client.create() as sb:
+        await sb.exec("seq 1 30000")   # more than a pipe holds
+        sid = sb.id
+    line = f"set -o pipefail; {DSEC} replay --sandbox {sid} --nats {stack.url} | head -1"
+    for _ in range(50):   # (its records follow its end by a moment)
+        p = await asyncio.to_thread(subprocess.run, ["bash", "-c", line], capture_output=True, text=True, timeout=60)
+        if "no trajectory records" not in p.stderr:
+            break
+        await asyncio.sleep(0.1)
+    assert (p.returncode, p.stderr) == (141, ""), (p.returncode, p.stderr)
+    assert len(p.stdout.splitlines()) == 1
