@@ -58,7 +58,7 @@ def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
     for item in items:
         k, sep, v = item.partition("=")
         if not sep or not k:
-            fail(f"--{what} takes K=V, got {item!r}")
+            raise click.UsageError(f"--{what} takes K=V, got {item!r}")   # (exit 2, as any bad option)
         out[k] = v
     return out
 
@@ -76,7 +76,7 @@ async def _create(client: libdsec.AsyncClient, *, image, backend, workspace, too
 def _network(mode: str | None, allow: tuple[str, ...]):
     """--network and --allow -> create(network=...); --allow alone means proxied."""
     if allow and mode not in (None, "proxied"):
-        fail(f"--allow takes --network proxied, not {mode}")
+        raise click.UsageError(f"--allow takes --network proxied, not {mode}")
     if allow or mode == "proxied":
         return libdsec.Network(allow=list(allow))
     return mode or "none"

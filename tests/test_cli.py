@@ -244,6 +244,9 @@ def test_errors_are_one_line(up):
     p = dsec("run", "--nats", up["url"], "--image", "nope", "--", "true")
     assert "image" in one_clear_line(p) and p.returncode == 125
     assert dsec("run", "--nats", up["url"], "--", "sh", "-c", "exit 1").returncode == 1
+    for bad in (["-e", "NOEQUALS"], ["--label", "=v"], ["--allow", "x.org", "--network", "none"]):   # a bad option:
+        p = dsec("run", "--nats", up["url"], *bad, "--", "true")                                  # usage, as click's
+        assert p.returncode == 2 and "Error:" in p.stderr and "Usage:" in p.stderr, (bad, p.returncode, p.stderr)
     assert "NATS" in one_clear_line(dsec("ls", "--nats", f"nats://127.0.0.1:{free_port()}"))
 
 
