@@ -315,9 +315,10 @@ class AsyncSandbox:
 
     async def rollback(self, snapshot: SnapshotRecord | str, *, timeout: float = 120.0) -> None:
         """Return its filesystem to a snapshot: it restarts on the snapshot's layers with a fresh writable
-        layer (same id and node; every process, background execs included, starts afresh)."""
+        layer (same id and node; every process, background execs included, starts afresh). snapshot: a
+        record, an id or a tag (its newest, as fork takes it); ImageNotFound when there is none."""
         self._needs("snapshot", "rollback")
-        snap_id = snapshot if isinstance(snapshot, str) else snapshot.id
+        snap_id = (await self.client.snapshot(snapshot)).id
         await self.client._op(self.node, self.id, lambda rid, to, dl: RollbackRequest(
             request_id=rid, sandbox_id=self.id, snapshot_id=snap_id, reply_to=to, deadline=dl), timeout)
 

@@ -35,7 +35,9 @@ async def test_snapshot_fork_rollback_and_snapshot_of_a_snapshot(client):
         await forks[0].exec("echo mine > /data/a.txt")
         assert (await forks[1].exec("cat /data/a.txt")).stdout == b"hello\n"   # independent
         h = await sb.exec("sleep 60", background=True)
-        await sb.rollback(snap)                                  # the filesystem back to step-1, processes afresh
+        with pytest.raises(libdsec.ImageNotFound, match="nosuch"):   # as fork says it
+            await sb.rollback("nosuch")
+        await sb.rollback("step-1")                              # the filesystem back to step-1, processes afresh
         assert (await sb.exec(STATE)).stdout == want
         assert (await sb.exec("ls /data/after 2>&1")).exit_code != 0
         assert (await asyncio.wait_for(h.wait(), 10)).exit_code == 137   # its process went with the restart
