@@ -124,6 +124,7 @@ class Outbox:
         self._seq = 0
         self._fd = -1
         self._size = 0
+        self._torn = False      # a failed write could not be taken back: the next write rewrites the log first
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-outbox")
         self._frames: list[tuple[bytes, asyncio.Future | None, tuple | None]] = []   # (bytes, written, job)
         self._live_bytes = 0           # bytes of the pending changes' frames (what a compaction keeps)
@@ -287,7 +288,7 @@ class Outbox:
             data = b"".join(b for b, _, _ in batch)
             # Compact when the log is mostly done frames: a snapshot of what is pending now (changes of this
             # batch included: put() registers them first), taken on the loop; this batch follows it.
-            compact = (dict(self._pending) if self._size + len(data) > max(COMPACT_AT, 2 * self._live_bytes)
+            compact = (dict(self._pending) if self._torn or self._size + len(data) > max(COMPACT_AT, 2 * self._live_bytes)
                        else None)
             try:
                 await loop.run_in_executor(self._io, self._append, data, sync, compact)
@@ -313,10 +314,18 @@ class Outbox:
             self._rewrite(compact)
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        _write_all(self._fd, data)
+        start = os.fstat(self._fd).st_size   # (where this batch begins: O_APPEND)
+        try:
+            _write_all(self._fd, data)
+            if sync:
+                os.fdatasync(self._fd)
+        except BaseException:   # (a full disk mid-frame): take back what was written, so no torn frame is
+            try:                # left for the frames written after it to follow (a start reads up to a tear)
+                _truncate(self._fd, start)
+            except OSError:
+                self._torn = True   # the next write rewrites the log whole first
+            raise
         self._size += len(data)
-        if sync:
-            os.fdatasync(self._fd)
 
     def _rewrite(self, pending: dict[int, Change]) -> None:
         """Replace the log by one holding only the pending changes (written aside, fsynced, renamed)."""
@@ -329,6 +338,7 @@ class Outbox:
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
+        self._torn = False
         dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
@@ -338,6 +348,10 @@ class Outbox:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self._size = len(data)
+
+
+def _truncate(fd: int, length: int) -> None:
+    os.ftruncate(fd, length)
 
 
 def _write_all(fd: int, data: bytes) -> None:

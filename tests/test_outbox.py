@@ -140,3 +140,38 @@ async def test_a_message_the_server_can_never_take_is_dropped_not_tried_forever(
                                                   Publish("dsec.evt.default.sb1", b"{}", "sb1.destroyed")])
     assert await records.apply(change) is Outcome.WRITTEN
     assert bus.sent == ["sb1.destroyed"] and records.dropped == 1
+
+
+@pytest.mark.parametrize("truncate_fails", [False, True])
+async def test_a_write_the_disk_cut_short_leaves_no_torn_frame_before_later_ones(tmp_path, monkeypatch, truncate_fails):
+    """The disk fills mid-write: the put fails (OSError), and what it wrote of its frame is taken back
+    (truncated; when even that fails, the log is rewritten whole at the next write), so the changes put
+    after it, once the disk has room, are read at the next start (before: they followed a torn frame, and
+    the next start read the log only up to the tear: their lifecycle events were lost)."""
+    import errno
+    import os
+    from edge import outbox as mod
+    gate = asyncio.Event()      # nothing is applied this run: everything stays pending in the log
+    box = Outbox(tmp_path / "outbox.log", Applier(gate=gate))
+    await box.open()
+    await box.put(_change("a", 0))
+    real, full = mod._write_all, [True]
+
+    def half_then_full(fd, data):
+        if full[0]:
+            full[0] = False
+            os.write(fd, data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+    monkeypatch.setattr(mod, "_write_all", half_then_full)
+    if truncate_fails:
+        def no_truncate(fd, length):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(mod, "_truncate", no_truncate)
+    with pytest.raises(OSError):
+        await box.put(_change("a", 1))
+    await box.put(_change("b", 2))
+    await box.put(_change("a", 3))
+    await box.close()
+    pending, problem = read_log(tmp_path / "outbox.log")
+    assert problem == "" and sorted(c.publishes[0].data for c in pending.values()) == [b"0", b"2", b"3"]
