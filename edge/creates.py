@@ -159,10 +159,26 @@ class CreateLane:
             await self._record_failure(req, err)
             return Verdict.ACK
         running = self._running(req, spec)
-        if not _ready(await self._record_ready(running, revision)):   # our claim was taken (declared lost)
+        try:
+            ready = _ready(await self._record_ready(running, revision))
+        except Unrecorded as err:
+            await self._undo(req, err, revision)
+            return Verdict.ACK
+        if not ready:   # our claim was taken (declared lost)
             return await self._drop(req)
         await self._started(req)
         return Verdict.ACK
+
+    async def _undo(self, req: CreateRequest, err: "Unrecorded", claim: int) -> None:
+        """A started sandbox whose ready record could not be kept (the node's disk): destroyed, its claim
+        freed, the client told why (never `ready` for what no record says runs)."""
+        log.error("%s", err)
+        self.sandboxes.discard(req.sandbox_id)
+        await self._destroy_quietly(req.sandbox_id)
+        if claim:
+            with contextlib.suppress(DsecError):
+                await self.records.free_claim(req.tenant, req.sandbox_id, revision=claim)
+        await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
 
     def _running(self, req: CreateRequest, spec: SandboxSpec) -> Running:
         """The started sandbox, registered (serviceable) before its ready record is written."""
@@ -183,9 +199,13 @@ class CreateLane:
         claim from an earlier delivery is written over). NOT_OURS when the id is someone else's now.
         None when the bus did not take it in time: it runs, the client is told, the outbox goes on."""
         rec = running.record
-        pending = await self.records.change(rec, publishes=lifecycle(rec, "created", node=self.node,
-                                                                     request_id=rec.request_id),
-                                            revision=claim, over_claim=claim > 0)
+        try:
+            pending = await self.records.change(rec, publishes=lifecycle(rec, "created", node=self.node,
+                                                                         request_id=rec.request_id),
+                                                revision=claim, over_claim=claim > 0)
+        except OSError as exc:   # the outbox's disk: nothing durable says it runs, so it must not run
+            raise Unrecorded(f"node {self.node} could not record sandbox {rec.sandbox_id} ({exc}); it was not "
+                             f"started") from exc
         outcome = await wait_stored(pending.record, rec.sandbox_id)
         if outcome is None:   # if it turns out not ours later, what runs here is nobody's: destroy it
             pending.record.add_done_callback(lambda f: self._late_outcome(f, rec.sandbox_id))
@@ -224,7 +244,12 @@ class CreateLane:
         if not await self._claim_warm(req, spec, warm):
             return False
         running = self._running(req, spec)
-        if not _ready(await self._record_ready(running, 0)):   # the id has a record already
+        try:
+            ready = _ready(await self._record_ready(running, 0))
+        except Unrecorded as err:
+            await self._undo(req, err, 0)
+            return True
+        if not ready:   # the id has a record already
             self.sandboxes.discard(req.sandbox_id)
             self._slow_way[req.request_id] = None
             while len(self._slow_way) > 1024:
@@ -385,6 +410,10 @@ class CreateLane:
         except OSError as exc:   # the outbox's disk: the client still gets its answer
             log.error("failure of %s not recorded: %s", req.sandbox_id, exc)
         await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))
+
+
+class Unrecorded(EnvironmentFailure):
+    """A started sandbox's ready record could not be put in the outbox (its disk failed)."""
 
 
 def _ready(outcome: Outcome | None) -> bool:

@@ -253,3 +253,43 @@ def test_lock_files_go_at_a_clean_exit_and_a_dead_holders_is_taken_over(tmp_path
     taken = Lock(path, "node id 'x'").acquire()   # stale: its holder is dead
     assert path.read_text() == str(os.getpid())
     taken.release()
+
+
+@pytest.mark.parametrize("warm", [False, True])
+async def test_a_ready_record_the_disk_cannot_keep_is_never_told_ready(stack, client, monkeypatch, warm):
+    """The node's disk is full when a started sandbox's ready record goes into the outbox: the client gets
+    EnvironmentFailure, the sandbox is destroyed and its id has no record (before: the OSError escaped the
+    create, the request came again, and the redelivery answered `ready` for a sandbox whose record said
+    `starting` for good, unlisted, holding its slot until its TTL)."""
+    import errno
+    outbox = stack.edge.outbox
+    real = outbox.put
+
+    async def full(change, early=None):
+        if change.record is not None and change.record.state == "ready":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await real(change, early)
+    if warm:
+        await client.set_warm_pool("full-disk", min=1, max=1)
+        for _ in range(200):
+            if stack.edge.warm.ready():
+                break
+            await asyncio.sleep(0.05)
+        assert stack.edge.warm.ready() == 1
+    try:
+        monkeypatch.setattr(outbox, "put", full)
+        hits = stack.edge.warm.hits
+        with pytest.raises(libdsec.EnvironmentFailure, match="could not record"):
+            await client.create(timeout=20)
+        assert stack.edge.warm.hits == hits + warm
+        monkeypatch.setattr(outbox, "put", real)
+        assert [r for r in await client.list(all_states=True) if r.state in ("starting", "ready")] == []
+        sb = await client.create(timeout=20)   # the node serves on
+        await sb.destroy()
+    finally:
+        if warm:
+            await client.delete_warm_pool("full-disk")
+            for _ in range(200):
+                if not stack.edge.warm.ready() and not stack.edge.warm._retiring:
+                    break
+                await asyncio.sleep(0.05)
