@@ -12,7 +12,7 @@ from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSand
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
-from bus.errors import (CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
+from bus.errors import (BusError, CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
                          from_code)
 from bus.messages import (
     CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest, create_reply_decoder, encode,
@@ -304,16 +304,20 @@ class AsyncClient:
         reply_to, q = replies.register(req.request_id)
         req = msgspec.structs.replace(req, reply_to=reply_to)
         queued = ""
+        unsent: BusError | None = None
         try:
-            await bus.publish(subjects.create_request(self.tenant, req.priority), encode(req), msg_id=req.request_id,
-                              timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
-                              retry_for=max(0.0, min(PUBLISH_RETRY_FOR, req.deadline - time.time())))
+            # A publish the bus did not ack may still be taken (it waits in our connection's buffer, or in a
+            # stopped server's socket): so not an error yet. It is sent again (its msg id stores it once)
+            # and the reply waited for until the deadline, past which no node starts it.
+            unsent = await self._send_create(bus, req)
             while True:
                 left = req.deadline - time.time()
                 data = await _next(q, min(left, RECHECK_EVERY))
                 if data is None:
                     if left <= RECHECK_EVERY:
                         break
+                    if unsent is not None:
+                        unsent = await self._send_create(bus, req)
                     # A reply is a core message: one sent while our connection moved to another server
                     # is gone. The sandbox's record says whether it was served meanwhile.
                     rec = await self._record_quiet(req.sandbox_id)
@@ -334,12 +338,30 @@ class AsyncClient:
                     case ErrorReply():   # (the id tells which sandbox, e.g. one lost with its node)
                         raise from_code(reply.code, reply.message, reason=reply.reason, sandbox_id=req.sandbox_id)
             await self._abandon(req.sandbox_id)
+            if unsent is not None:
+                raise BusError(f"{unsent}; the create was not taken within {timeout:.0f}s and expires: it will not "
+                               f"start later (sandbox {req.sandbox_id})", sandbox_id=req.sandbox_id) from unsent
             why = f" (queued: {queued})" if queued else ""
             raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; "
                                       f"the request expires and will not start later (sandbox {req.sandbox_id})",
                                       sandbox_id=req.sandbox_id)
         finally:
             replies.forget(req.request_id)
+
+    async def _send_create(self, bus: Bus, req: CreateRequest) -> BusError | None:
+        """Publish the create request (again: its msg id stores it once); the BusError when the bus did not
+        ack it in time (a refusal, PermissionDenied or a bad request, is raised)."""
+        try:
+            await bus.publish(subjects.create_request(self.tenant, req.priority), encode(req), msg_id=req.request_id,
+                              timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
+                              retry_for=max(0.0, min(PUBLISH_RETRY_FOR, req.deadline - time.time() - RECHECK_EVERY)))
+            return None
+        except PermissionDenied:
+            raise
+        except BusError as exc:
+            if bus.nc.is_closed:   # closed for good (not reconnecting): nothing will take it later
+                raise
+            return exc
 
     async def _record_quiet(self, sandbox_id: str):
         """The sandbox's record, or None (also when the bus does not answer now)."""

@@ -293,3 +293,34 @@ async def test_a_ready_record_the_disk_cannot_keep_is_never_told_ready(stack, cl
                 if not stack.edge.warm.ready() and not stack.edge.warm._retiring:
                     break
                 await asyncio.sleep(0.05)
+
+
+async def test_a_create_sent_while_the_server_is_stopped_is_served_not_orphaned(tmp_path):
+    """The server is stopped (SIGSTOP) as a create is sent and for 14 s: the publish gets no ack within its
+    10 s, but the request waits in the stopped server's socket and is served once it runs again. The create
+    returns that sandbox (before: BusError at ~10 s, then the sandbox was started anyway: ready, unknown
+    to its caller, holding its slot until its TTL)."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    srv = own_server(tmp_path, ["ts"])
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="ts", slots=4),
+               creds=srv.creds("admin"))
+    await st.start()
+    try:
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
+            srv.proc.send_signal(signal.SIGSTOP)
+            try:
+                creating = asyncio.ensure_future(client.create(timeout=45))
+                await asyncio.sleep(14)
+            finally:
+                srv.proc.send_signal(signal.SIGCONT)
+            sb = await asyncio.wait_for(creating, 60)
+            assert (await sb.exec("echo served")).stdout == b"served\n"
+            ready = [r.sandbox_id for r in await client.list()]
+            assert ready == [sb.id], ready      # exactly the one the caller holds
+            await sb.destroy()
+    finally:
+        await st.stop()
+        srv.stop()
+    from edge.backends.registry import node_leftovers as leftovers
+    assert leftovers(tmp_path / "state" / "edge", "ts") == []
