@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import kinds, subjects, validate
-from bus.errors import DsecError, InvalidRequest, SandboxNotFound
+from bus.errors import BusError, DsecError, InvalidRequest, PermissionDenied, SandboxNotFound
 from bus.network import Network as WireNetwork
 from bus.execwire import ProcessEntry, process_list_decoder
 from bus.messages import (
@@ -64,6 +64,16 @@ def command_fields(cmd: Command) -> dict:
 def _left(entry: ProcessEntry) -> float:
     """Seconds a running exec has left before its timeout (at least 1)."""
     return max(1.0, entry.started_at + entry.timeout - time.time())
+
+
+async def _send_until_taken(bus, subject: str, data: bytes, msg_id: str, deadline: float) -> None:
+    """Publish an exec request again until the bus acks it or its deadline passes."""
+    while time.time() < deadline and not bus.nc.is_closed:
+        try:
+            await bus.publish(subject, data, msg_id=msg_id, timeout=PUBLISH_TRY)
+            return
+        except BusError:
+            await asyncio.sleep(1.0)
 
 
 async def _abandon(handle: ExecHandle, why: BaseException | None) -> None:
@@ -132,14 +142,26 @@ class AsyncSandbox:
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()
+        subject, data = subjects.node_ops(self.node, self.client.tenant, self.id), encode(req)
+        unsent = None
         try:
-            await bus.publish(subjects.node_ops(self.node, self.client.tenant, self.id), encode(req), msg_id=req.exec_id,
-                              timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES, retry_for=PUBLISH_RETRY_FOR)
+            await bus.publish(subject, data, msg_id=req.exec_id, timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
+                              retry_for=PUBLISH_RETRY_FOR)
+        except BusError as exc:
+            # Not acked in time (a stopped or restarting server): it may still be taken and run, so its output
+            # is read as for any exec, and it is sent again until taken (stored once by its msg id) or past its
+            # deadline, after which no node runs it (the read then ends: no exit record).
+            if isinstance(exc, PermissionDenied) or bus.nc.is_closed:
+                await stream.close()
+                raise
+            unsent = exc
         except BaseException:
             await stream.close()
             raise
         handle = ExecHandle(bus, subjects.exec_input(self.node, self.client.tenant, self.id, req.exec_id), self.id,
                             req.exec_id, stream, timeout, keep_output)
+        if unsent is not None:
+            handle.sending = asyncio.ensure_future(_send_until_taken(bus, subject, data, req.exec_id, req.deadline))
         if live and stdin is not True:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle

@@ -299,7 +299,7 @@ async def test_a_create_sent_while_the_server_is_stopped_is_served_not_orphaned(
     """The server is stopped (SIGSTOP) as a create is sent and for 14 s: the publish gets no ack within its
     10 s, but the request waits in the stopped server's socket and is served once it runs again. The create
     returns that sandbox (before: BusError at ~10 s, then the sandbox was started anyway: ready, unknown
-    to its caller, holding its slot until its TTL)."""
+    to its caller, holding its slot until its TTL). Then an exec the same way."""
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
     srv = own_server(tmp_path, ["ts"])
@@ -311,13 +311,23 @@ async def test_a_create_sent_while_the_server_is_stopped_is_served_not_orphaned(
             srv.proc.send_signal(signal.SIGSTOP)
             try:
                 creating = asyncio.ensure_future(client.create(timeout=45))
-                await asyncio.sleep(14)
+                await asyncio.sleep(12)
             finally:
                 srv.proc.send_signal(signal.SIGCONT)
             sb = await asyncio.wait_for(creating, 60)
             assert (await sb.exec("echo served")).stdout == b"served\n"
             ready = [r.sandbox_id for r in await client.list()]
             assert ready == [sb.id], ready      # exactly the one the caller holds
+            # an exec the same way: it runs once the server does, and its caller gets its result (before:
+            # BusError, and the command ran anyway: a caller retrying on that error ran it twice)
+            srv.proc.send_signal(signal.SIGSTOP)
+            try:
+                running = asyncio.ensure_future(sb.exec("echo ran >> /tmp/runs; cat /tmp/runs", timeout=40))
+                await asyncio.sleep(12)
+            finally:
+                srv.proc.send_signal(signal.SIGCONT)
+            r = await asyncio.wait_for(running, 60)
+            assert (r.exit_code, r.stdout) == (0, b"ran\n"), r
             await sb.destroy()
     finally:
         await st.stop()
