@@ -143,14 +143,19 @@ class OutputRelay:
                 self._timer = None
             pending, self._pending, self._pending_bytes = self._pending, [], 0
             self._last_flush = time.monotonic()
-            for stream, buf in pending:
-                for piece in pieces(buf):
-                    self.seq += 1
-                    self.stream_seq[stream] += 1
-                    data, headers = chunk_message(OutputChunk(
-                        exec_id=self.exec_id, seq=self.seq, stream=stream, data=piece,
-                        stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n")))
+            todo = [(stream, piece) for stream, buf in pending for piece in pieces(buf)]
+            for i, (stream, piece) in enumerate(todo):
+                self.seq += 1
+                self.stream_seq[stream] += 1
+                data, headers = chunk_message(OutputChunk(
+                    exec_id=self.exec_id, seq=self.seq, stream=stream, data=piece,
+                    stream_seq=self.stream_seq[stream], partial=not piece.endswith(b"\n")))
+                try:
                     await self._windowed(data, headers)
+                except asyncio.CancelledError:   # what had no seq yet goes back: the next flush sends it
+                    self._pending = [(st, bytearray(p)) for st, p in todo[i + 1:]] + self._pending
+                    self._pending_bytes = sum(len(b) for _, b in self._pending)
+                    raise
             self._reap_acked()
 
     def _reap_acked(self) -> None:
@@ -170,9 +175,17 @@ class OutputRelay:
     async def _windowed(self, data: bytes, headers: dict[str, str]) -> None:
         """Publish record self.seq once the window has room (under its own msg id); its ack is collected later."""
         headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
-        while len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES:
+        while (len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES
+               or any(u.sent == 0.0 for u in self._unacked)):   # one never sent goes first: records in seq order
             await self._settle_oldest()
-        ack = await self._send(data, headers)
+        try:
+            ack = await self._send(data, headers)
+        except asyncio.CancelledError:   # (the bus away, the pumps given up on): the record holds its seq, so
+            ack = asyncio.get_running_loop().create_future()   # it is kept as not acked: finish() publishes it
+            ack.set_exception(asyncio.TimeoutError())          # before the exit record, leaving no hole
+            self._unacked.append(_Unacked(self.seq, data, headers, ack, 0.0))
+            self._unacked_bytes += len(data)
+            raise
         self._unacked.append(_Unacked(self.seq, data, headers, ack, time.monotonic()))
         self._unacked_bytes += len(data)
 
@@ -218,6 +231,9 @@ class OutputRelay:
         if self._timed is not None:
             timed, self._timed = self._timed, None
             await timed
+        async with self._lock:   # what an interrupted flush left unsent goes before anything newer
+            while any(u.sent == 0.0 for u in self._unacked):
+                await self._settle_oldest()
         await self.flush()
         async with self._lock:
             while self._unacked:

@@ -904,3 +904,29 @@ def test_etc_hosts_names_the_sandbox_keeps_the_images_lines_and_never_follows_or
     (root / "etc").rename(root / "real-etc")
     (root / "etc").symlink_to(tmp_path)                                # /etc itself a symlink: left alone
     assert not hostsfile.name_host(str(root), "sb7", os.getuid()) and not (tmp_path / "hosts").exists()
+
+
+async def test_a_chunk_whose_send_was_cancelled_is_published_before_the_exit_record():
+    """The bus is away while a chunk is flushed and the flush is cancelled (the command's pipes are given up
+    on at its kill): the chunk had taken its seq, so it is published later, before the exit record (before:
+    never, and the exit record came after a hole the SDK reported as output aged out of the stream)."""
+    import asyncio
+    from bus.errors import BusError
+    bus = _FakeBus()
+    real, away = bus.publish_async, [True]
+
+    async def maybe(subject, data, headers=None):
+        if away[0]:
+            raise BusError("publish: not connected")
+        return await real(subject, data, headers)
+    bus.publish_async = maybe
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x7", "x7", max_output=1 << 20)
+    data = b"kept\n" * (relay_mod.FLUSH_BYTES // 2)   # three chunks' worth: the 2nd and 3rd had no seq yet
+    flushing = asyncio.ensure_future(r.sink("stdout", data))   # the command's pump: flushes at once
+    await asyncio.sleep(0.2)                 # retrying its send while the bus is away
+    flushing.cancel()
+    await asyncio.gather(flushing, return_exceptions=True)
+    away[0] = False
+    rec = await asyncio.wait_for(r.finish(exit_code=-1), 10)
+    assert [m.seq for m in bus.sent] == list(range(1, rec.seq + 1)) and rec.seq >= 4, [m.seq for m in bus.sent]
+    assert b"".join(m.data for m in bus.sent[:-1]) == data   # every byte, in order, once
