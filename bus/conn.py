@@ -216,6 +216,8 @@ class Bus(KvStore, StreamReads):
     async def stored(ack: asyncio.Future, timeout: float) -> int:
         """Wait for a publish_async ack; the stream seq, or BusError when none came in time (the
         message may or may not be stored: publish it again under the same msg id)."""
+        if ack.cancelled():   # given up on before: not known to be stored
+            raise BusError("publish ack: given up on before it came")
         try:
             with mapped_errors("publish ack"):
                 return await asyncio.wait_for(asyncio.shield(ack), timeout)

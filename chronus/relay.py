@@ -175,14 +175,14 @@ class OutputRelay:
     async def _windowed(self, data: bytes, headers: dict[str, str]) -> None:
         """Publish record self.seq once the window has room (under its own msg id); its ack is collected later."""
         headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
-        while (len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES
-               or any(u.sent == 0.0 for u in self._unacked)):   # one never sent goes first: records in seq order
-            await self._settle_oldest()
         try:
+            while (len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES
+                   or any(u.sent == 0.0 for u in self._unacked)):   # one never sent goes first: seq order
+                await self._settle_oldest()
             ack = await self._send(data, headers)
-        except asyncio.CancelledError:   # (the bus away, the pumps given up on): the record holds its seq, so
-            ack = asyncio.get_running_loop().create_future()   # it is kept as not acked: finish() publishes it
-            ack.set_exception(asyncio.TimeoutError())          # before the exit record, leaving no hole
+        except asyncio.CancelledError:   # (the bus away or slow, the pumps given up on): the record holds its
+            ack = asyncio.get_running_loop().create_future()   # seq, so it is kept as not acked: finish()
+            ack.set_exception(asyncio.TimeoutError())          # publishes it before the exit record (no hole)
             self._unacked.append(_Unacked(self.seq, data, headers, ack, 0.0))
             self._unacked_bytes += len(data)
             raise
@@ -221,10 +221,11 @@ class OutputRelay:
             if u.ack.done() and not u.ack.cancelled() and u.ack.exception() is None:
                 continue   # stored
             if u.ack.done() or now - u.sent >= ACK_WAIT:
+                sent = await self._send(u.data, u.headers)   # (cancelled meanwhile: u keeps its old ack, not acked)
                 u.ack.cancel()
                 u.tries += 1
                 self.republished += 1
-                u.ack, u.sent = await self._send(u.data, u.headers), time.monotonic()
+                u.ack, u.sent = sent, time.monotonic()
 
     async def drained(self) -> None:
         """Flush, and wait until JetStream acked every chunk so far."""

@@ -335,19 +335,23 @@ class Outbox:
         try:
             _write_all(fd, data)
             os.fsync(fd)
+        except BaseException:   # (a full disk): the part written goes, not left to fill it more
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         os.replace(tmp, self.path)
         self._torn = False
+        if self._fd >= 0:   # at once: appends go to the new log, never to the old one just unlinked
+            os.close(self._fd)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._size = len(data)
         dfd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(dfd)
         finally:
             os.close(dfd)
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self._size = len(data)
 
 
 def _truncate(fd: int, length: int) -> None:

@@ -12,7 +12,7 @@ from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSand
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
-from bus.errors import (BusError, CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
+from bus.errors import (AuthenticationFailed, BusError, CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
                          from_code)
 from bus.messages import (
     CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest, create_reply_decoder, encode,
@@ -323,11 +323,14 @@ class AsyncClient:
                     rec = await self._record_quiet(req.sandbox_id)
                     if rec is not None and rec.request_id == req.request_id and rec.state == "ready":
                         return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend, rec.network)
+                    if rec is not None and rec.request_id == req.request_id:
+                        unsent = None   # taken (its ack was lost): served or being served
                     continue
                 try:
                     reply = create_reply_decoder.decode(data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     continue   # junk on our inbox is skipped
+                unsent = None   # an answer to it: it was taken
                 match reply:
                     case SandboxReady():
                         return AsyncSandbox(self, reply.sandbox_id, reply.node, req.backend, req.network)
@@ -356,7 +359,7 @@ class AsyncClient:
                               timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
                               retry_for=max(0.0, min(PUBLISH_RETRY_FOR, req.deadline - time.time() - RECHECK_EVERY)))
             return None
-        except PermissionDenied:
+        except (PermissionDenied, AuthenticationFailed):
             raise
         except BusError as exc:
             if bus.nc.is_closed:   # closed for good (not reconnecting): nothing will take it later

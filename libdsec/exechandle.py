@@ -35,7 +35,6 @@ class ExecHandle:
         self._controls = ExecControls(bus, control, exec_id, time.monotonic() + timeout + EXIT_GRACE,
                                       alive=lambda: self._exit is None and self._error is None, ended=stream.ended)
         self._keep = keep_output     # False (sb.stream): chunks are dropped once stream() has read them
-        self.sending: asyncio.Task | None = None   # its request sent again until the bus takes it (see _start)
         self._chunks: list[tuple[str, bytes] | None] = []
         self._read = 0               # chunks stream() has split into lines so far
         self._lines = LineSplitter()
@@ -164,7 +163,7 @@ class ExecHandle:
 
     async def close(self) -> None:
         """Stop listening (the exec itself runs on until it ends or is killed)."""
-        tasks = (self._stdin, self._reader, self.sending)
+        tasks = (self._stdin, self._reader)
         for task in tasks:
             if task is not None and not task.done():
                 task.cancel()

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any, AsyncIterable, AsyncIterator, Sequence
 
 from bus import kinds, subjects, validate
-from bus.errors import BusError, DsecError, InvalidRequest, PermissionDenied, SandboxNotFound
+from bus.errors import AuthenticationFailed, BusError, DsecError, InvalidRequest, PermissionDenied, SandboxNotFound
 from bus.network import Network as WireNetwork
 from bus.execwire import ProcessEntry, process_list_decoder
 from bus.messages import (
@@ -36,6 +36,7 @@ PUBLISH_RETRY_FOR = 10.0   # ...kept up this long: a stream leader moving to ano
 PUBLISH_TRY = 1.0       # seconds one try waits for its ack (a stream without a leader answers nothing)
 MAX_FILE_OP = 700_000   # one message (1 MiB max payload, base64 in JSON) per file op
 LEFT_KILL = 5.0         # seconds a call left before its command's end waits for it to be killed
+START_BY = 30.0         # seconds within which a node must start an exec (or never: its request's deadline)
 LOGIN_SHELL = "if [ -x /bin/bash ]; then exec /bin/bash -i -l; fi; exec /.dsec/sh -i"   # sb.terminal()'s default
 
 
@@ -66,14 +67,22 @@ def _left(entry: ProcessEntry) -> float:
     return max(1.0, entry.started_at + entry.timeout - time.time())
 
 
-async def _send_until_taken(bus, subject: str, data: bytes, msg_id: str, deadline: float) -> None:
-    """Publish an exec request again until the bus acks it or its deadline passes."""
-    while time.time() < deadline and not bus.nc.is_closed:
+async def _send_until_taken(bus, subject: str, data: bytes, msg_id: str, give_up: float) -> None:
+    """Publish an exec request until the bus acks it (again and again: its msg id stores it once). One not
+    acked may still be taken (it waits in our connection's buffer, or in a stopped server's socket), so a
+    timeout is not the end: it is sent again until `give_up`, which is near its start deadline (past that no
+    node starts it), then BusError: it will not run. A refusal (credential, permission) raises at once."""
+    while True:
         try:
-            await bus.publish(subject, data, msg_id=msg_id, timeout=PUBLISH_TRY)
+            await bus.publish(subject, data, msg_id=msg_id, timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
+                              retry_for=max(0.0, min(PUBLISH_RETRY_FOR, give_up - time.time())))
             return
-        except BusError:
-            await asyncio.sleep(1.0)
+        except (PermissionDenied, AuthenticationFailed):
+            raise
+        except BusError as exc:
+            if bus.nc.is_closed or time.time() >= give_up:
+                raise BusError(f"{exc}; the exec was not taken before its start deadline: it will not run",
+                               exec_id=msg_id) from exc
 
 
 async def _abandon(handle: ExecHandle, why: BaseException | None) -> None:
@@ -135,33 +144,22 @@ class AsyncSandbox:
                                  "(an async iterable streams any amount)")
         bus = self.client._need_bus()
         req = ExecRequest(exec_id=new_id("x"), sandbox_id=self.id, **(what or command_fields(cmd)), env=dict(env or {}),
-                          cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout), deadline=time.time() + timeout + EXIT_GRACE,
+                          cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout),
+                          deadline=time.time() + min(timeout, START_BY) + EXIT_GRACE,   # no node starts it later
                           max_output=max_output, live_stdin=live, background=background,
                           pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0)
         validate.check_exec_words(req.argv, req.env, req.cwd, req.shell)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()
-        subject, data = subjects.node_ops(self.node, self.client.tenant, self.id), encode(req)
-        unsent = None
         try:
-            await bus.publish(subject, data, msg_id=req.exec_id, timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
-                              retry_for=PUBLISH_RETRY_FOR)
-        except BusError as exc:
-            # Not acked in time (a stopped or restarting server): it may still be taken and run, so its output
-            # is read as for any exec, and it is sent again until taken (stored once by its msg id) or past its
-            # deadline, after which no node runs it (the read then ends: no exit record).
-            if isinstance(exc, PermissionDenied) or bus.nc.is_closed:
-                await stream.close()
-                raise
-            unsent = exc
+            await _send_until_taken(bus, subjects.node_ops(self.node, self.client.tenant, self.id), encode(req),
+                                    req.exec_id, req.deadline - EXIT_GRACE)
         except BaseException:
             await stream.close()
             raise
         handle = ExecHandle(bus, subjects.exec_input(self.node, self.client.tenant, self.id, req.exec_id), self.id,
                             req.exec_id, stream, timeout, keep_output)
-        if unsent is not None:
-            handle.sending = asyncio.ensure_future(_send_until_taken(bus, subject, data, req.exec_id, req.deadline))
         if live and stdin is not True:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle

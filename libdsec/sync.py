@@ -31,9 +31,10 @@ class _Loop:
     def run(self, coro) -> Any:
         """The coroutine's result. Interrupted here (Ctrl-C), the call is cancelled on the loop and its cleanup
         waited for (a foreground exec's command is killed), then the interrupt goes on."""
-        ended = threading.Event()
+        began, ended = threading.Event(), threading.Event()
 
         async def tracked() -> Any:
+            began.set()
             try:
                 return await coro
             finally:
@@ -44,7 +45,8 @@ class _Loop:
         except BaseException:
             if not fut.done():
                 fut.cancel()
-                ended.wait(LEFT_WAIT)
+                if began.is_set():   # (cancelled before its first step, it has nothing to clean up)
+                    ended.wait(LEFT_WAIT)
             raise
 
     def submit(self, coro, inner=None) -> concurrent.futures.Future:

@@ -296,7 +296,7 @@ async def test_a_ready_record_the_disk_cannot_keep_is_never_told_ready(stack, cl
 
 
 async def test_a_create_sent_while_the_server_is_stopped_is_served_not_orphaned(tmp_path):
-    """The server is stopped (SIGSTOP) as a create is sent and for 14 s: the publish gets no ack within its
+    """The server is stopped (SIGSTOP) as a create is sent and for 12 s: the publish gets no ack within its
     10 s, but the request waits in the stopped server's socket and is served once it runs again. The create
     returns that sandbox (before: BusError at ~10 s, then the sandbox was started anyway: ready, unknown
     to its caller, holding its slot until its TTL). Then an exec the same way."""

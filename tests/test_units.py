@@ -185,6 +185,8 @@ class _FakeBus:
     async def stored(ack, timeout):
         import asyncio
         from bus.errors import BusError
+        if ack.cancelled():   # (as Bus.stored: an ack given up on before)
+            raise BusError("given up on")
         try:
             return await asyncio.wait_for(ack, timeout)
         except asyncio.TimeoutError:
@@ -930,3 +932,49 @@ async def test_a_chunk_whose_send_was_cancelled_is_published_before_the_exit_rec
     rec = await asyncio.wait_for(r.finish(exit_code=-1), 10)
     assert [m.seq for m in bus.sent] == list(range(1, rec.seq + 1)) and rec.seq >= 4, [m.seq for m in bus.sent]
     assert b"".join(m.data for m in bus.sent[:-1]) == data   # every byte, in order, once
+
+
+async def test_a_chunk_cancelled_while_waiting_for_window_room_keeps_its_seq(monkeypatch):
+    """The pumps are given up on while a flush waits for room in the window (acks not coming: a stopped
+    server): the record that took its seq there is kept, published before the exit record (no hole)."""
+    import asyncio
+    monkeypatch.setattr(relay_mod, "ACK_WAIT", 0.05)
+    monkeypatch.setattr(relay_mod, "WINDOW_CHUNKS", 1)
+    bus = _FakeBus(drop_acks=10_000)
+    r = relay_mod.OutputRelay(bus, "dsec.out.t.n.sb.x8", "x8", max_output=1 << 20)
+    data = b"line\n" * (relay_mod.FLUSH_BYTES // 2)   # three chunks: the 2nd waits for the 1st's ack
+    pumping = asyncio.ensure_future(r.sink("stdout", data))
+    await asyncio.sleep(0.3)
+    pumping.cancel()
+    await asyncio.gather(pumping, return_exceptions=True)
+    bus.drop_acks = 0
+    rec = await asyncio.wait_for(r.finish(exit_code=-1), 10)
+    assert [m.seq for m in bus.sent] == list(range(1, rec.seq + 1)), [m.seq for m in bus.sent]
+    assert b"".join(m.data for m in bus.sent[:-1]) == data
+
+
+async def test_an_exec_request_never_taken_ends_at_its_start_deadline_and_a_refusal_at_once():
+    """_send_until_taken: a bus that never acks: BusError once the start deadline is near (not a wait of the
+    exec's whole timeout); a refused credential: raised at once, not retried."""
+    import time
+    from bus.errors import AuthenticationFailed, BusError
+    from libdsec import sandbox as sandbox_mod
+
+    class Away:
+        class nc:
+            is_closed = False
+        calls = 0
+
+        async def publish(self, *args, **kwargs):
+            Away.calls += 1
+            raise self.error
+    away = Away()
+    away.error = BusError("publish: NATS did not answer in time")
+    t0 = time.monotonic()
+    with pytest.raises(BusError, match="will not run"):
+        await sandbox_mod._send_until_taken(away, "s", b"d", "x1", time.time() + 0.3)
+    assert time.monotonic() - t0 < 2 and Away.calls >= 1
+    away.error, Away.calls = AuthenticationFailed("revoked"), 0
+    with pytest.raises(AuthenticationFailed):
+        await sandbox_mod._send_until_taken(away, "s", b"d", "x1", time.time() + 30)
+    assert Away.calls == 1

@@ -97,9 +97,10 @@ _FORKED: dict[str, str] = {}   # fork sandbox id -> the snapshot it was made fro
 
 
 async def sweep_forks(client) -> None:
-    """Delete the snapshots fork() made whose forks have all ended (one still in use is refused and kept)."""
-    for snap in await client.snapshots(FORK_TAG):
-        await _delete_quietly(client, snap.id)
+    """Delete the snapshots this process's fork() made whose forks have all ended (one still in use is refused
+    and kept). Only those whose forks were all made: another fork() may be between its snapshot and its creates."""
+    for snap_id in set(_FORKED.values()):
+        await _delete_quietly(client, snap_id)
 
 
 async def forked_sandbox_gone(client, sandbox_id: str) -> None:

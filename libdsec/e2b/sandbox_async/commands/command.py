@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
+import sys
 from typing import Any, Dict, List, Optional
 
-from bus.errors import DsecError, InvalidRequest
+from bus.errors import DsecError, InvalidRequest, SandboxNotFound
 from bus.execwire import ProcessEntry
 from libdsec.e2b.exceptions import NotFoundException, SandboxException, mapped
 from libdsec.e2b.sandbox.commands.main import ProcessInfo
-from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, OutputHandler
+from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, started_or_closed, OutputHandler
 from libdsec.e2b.sandbox_async.filesystem.filesystem import absolute
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
@@ -56,7 +57,7 @@ class AsyncCommands:
                                          cwd=absolute(cwd, user) if cwd else None, user=user,
                                          timeout=NO_LIMIT if not timeout else float(timeout),
                                          stdin=True if stdin else None)
-            await handle.started()   # as E2B's: the handle comes with its pid
+            await started_or_closed(handle)   # as E2B's: the handle comes with its pid
         except DsecError as err:
             raise mapped(err) from err
         h = AsyncCommandHandle(handle, on_stdout, on_stderr)
@@ -65,7 +66,8 @@ class AsyncCommands:
         try:
             return await h.wait()
         except BaseException:   # a handler that raised, a cancel: the command is this call's, killed
-            if h.exit_code is None and h.pid:   # (by pid: the handle stopped listening with the handler's error)
+            gone = isinstance(sys.exc_info()[1].__cause__, SandboxNotFound)   # nothing left to kill
+            if h.exit_code is None and h.pid and not gone:   # (by pid: the handle stopped listening with the error)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._sb.kill_process(h.pid), KILL_WAIT)
             raise
@@ -106,7 +108,7 @@ class AsyncCommands:
         from its first byte on, then wait() and kill() as run()'s handle."""
         try:
             handle = await self._sb.attach(pid=pid)
-            await handle.started()
+            await started_or_closed(handle)
         except DsecError as err:
             raise not_found(err, pid) from err
         return AsyncCommandHandle(handle, on_stdout, on_stderr)

@@ -26,6 +26,15 @@ async def call_handler(fn: Optional[Callable[..., Any]], *args: Any) -> None:
             await result
 
 
+async def started_or_closed(handle: ExecHandle) -> int:
+    """The exec's pid once it started; one that never did raises why, its handle closed."""
+    try:
+        return await handle.started()
+    except BaseException:
+        await handle.close()
+        raise
+
+
 class AsyncCommandHandle:
     """A running command: wait() for its result, kill() it. Output goes to the handlers as it arrives
     (chunks: a line not finished yet too) and is kept for the result. pid: its pid in the sandbox."""

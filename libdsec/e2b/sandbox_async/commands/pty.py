@@ -7,7 +7,7 @@ from bus.errors import DsecError
 from libdsec.e2b.exceptions import mapped
 from libdsec.e2b.sandbox.commands.command_handle import PtySize
 from libdsec.e2b.sandbox_async.commands.command import not_found
-from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle
+from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, started_or_closed
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
 NO_LIMIT = 24 * 3600.0   # a timeout of 0 (E2B: no limit)
@@ -30,7 +30,7 @@ class AsyncPty:
         try:
             handle = await self._sb.terminal(rows=size.rows, cols=size.cols, cwd=cwd, env=envs, user=user,
                                              timeout=NO_LIMIT if not timeout else float(timeout))
-            await handle.started()
+            await started_or_closed(handle)
         except DsecError as err:
             raise mapped(err) from err
         return AsyncCommandHandle(handle, on_pty=on_data, pty=True)
@@ -40,7 +40,7 @@ class AsyncPty:
         """The running terminal with that pid, from any client: its output from the first byte."""
         try:
             handle = await self._sb.attach(pid=pid)
-            await handle.started()
+            await started_or_closed(handle)
         except DsecError as err:
             raise not_found(err, pid) from err
         return AsyncCommandHandle(handle, on_pty=on_data, pty=True)
