@@ -44,8 +44,9 @@ def test_a_3_server_cluster_under_one_fault(fault, burst):
     args = [sys.executable, "-m", "chaos.cluster_faults", "--fault", fault] + ([] if burst else ["--no-burst"])
     p = subprocess.run(args, capture_output=True, text=True, timeout=280)
     verdict = next((line for line in reversed(p.stdout.splitlines()) if line.startswith("verdict:")), "")
-    assert p.returncode == 0 and verdict.endswith("PASS"), (verdict or p.stdout[-500:], p.stderr[-3000:],
-                                                            _warnings_of_the_run(p.stderr))
+    print(verdict or p.stdout[-2000:], p.stderr[-6000:], sep="\n")   # (whole, under "Captured stdout" if it fails:
+    assert p.returncode == 0 and verdict.endswith("PASS"), (verdict or p.stdout[-500:], p.stderr[-3000:],   # the
+                                                            _warnings_of_the_run(p.stderr))   # assert's message is cut)
     assert f"fault={fault} " in verdict and "submitted=400 completed=400" in verdict
     assert ("lost=0 duplicated=0 wrong_output=0 events_missing=0 events_duplicated=0 exit_records_not_one=0 "
             "not_on_this_node=0 stale_records=0 wrong_records=0 leaked=0 over_capacity=0 ") in verdict
