@@ -133,7 +133,8 @@ class Edge:
             self.config = msgspec.structs.replace(self.config, backends=self.backend.kinds)
             self.capacity.config = self.config
         replayed = await self.outbox.open()
-        await self._report_lost({c.sandbox_id: c.record for c in replayed if c.record is not None})
+        await self._report_lost({c.sandbox_id: c.record for c in replayed if c.record is not None},
+                                {c.sandbox_id for c in replayed if c.record is not None and c.over_claim})
         # Messages a crashed run of this node had pulled but not acked would wait out the ack wait
         # (30 s) before redelivery; no one else serves this node (its lock), so start the lanes afresh.
         for stream, config in (streams.edge_create_consumer(self.node), streams.edge_ops_consumer(self.node)):
@@ -157,7 +158,7 @@ class Edge:
                                                        self.creates.on_pool_create, credit=self._pool_credit,
                                                        steps=steps)
 
-    async def _report_lost(self, pending: dict[str, SandboxRecord]) -> None:
+    async def _report_lost(self, pending: dict[str, SandboxRecord], claimed: set[str] = frozenset()) -> None:
         """Sandboxes KV (or the outbox a crashed run left) says run here that the reconcile just removed:
         node_lost (through the outbox, after any change of them the log held), never silently leaked; a
         crashed run's `starting` claims are freed."""
@@ -175,9 +176,9 @@ class Edge:
                 changes.append(self._lost(rec))
             elif rec.state == "starting" and base is None:
                 await self.records.free_claim(rec.tenant, rec.sandbox_id)
-        for key, rec in pending.items():   # only in the log (a warm claim's ready never stored)
-            if key not in seen and rec.state == "ready":
-                changes.append(self._lost(rec))
+        for key, rec in pending.items():   # only in the log (a warm claim's ready never stored). Not one over a
+            if key not in seen and rec.state == "ready" and key not in claimed:   # claim now gone: the reaper freed it
+                changes.append(self._lost(rec))                              # and placed its request again
         await asyncio.gather(*changes)   # one fsync for all of them
 
     def _lost(self, rec: SandboxRecord):
