@@ -79,6 +79,7 @@ class OutputRelay:
         self.truncated = False
         self._pending: list[tuple[str, bytearray]] = []
         self._pending_bytes = 0
+        self._unsent = 0                      # records of _unacked never sent (sent == 0.0: a cancelled flush)
         self._timer: asyncio.TimerHandle | None = None
         self._last_flush = 0.0
         self._timed: asyncio.Future | None = None
@@ -177,7 +178,7 @@ class OutputRelay:
         headers["Nats-Msg-Id"] = f"{self.exec_id}.{self.seq}"
         try:
             while (len(self._unacked) >= WINDOW_CHUNKS or self._unacked_bytes >= WINDOW_BYTES
-                   or any(u.sent == 0.0 for u in self._unacked)):   # one never sent goes first: seq order
+                   or self._unsent):   # one never sent goes first: seq order
                 await self._settle_oldest()
             ack = await self._send(data, headers)
         except asyncio.CancelledError:   # (the bus away or slow, the pumps given up on): the record holds its
@@ -185,6 +186,7 @@ class OutputRelay:
             ack.set_exception(asyncio.TimeoutError())          # publishes it before the exit record (no hole)
             self._unacked.append(_Unacked(self.seq, data, headers, ack, 0.0))
             self._unacked_bytes += len(data)
+            self._unsent += 1
             raise
         self._unacked.append(_Unacked(self.seq, data, headers, ack, time.monotonic()))
         self._unacked_bytes += len(data)
@@ -225,6 +227,7 @@ class OutputRelay:
                 u.ack.cancel()
                 u.tries += 1
                 self.republished += 1
+                self._unsent -= u.sent == 0.0
                 u.ack, u.sent = sent, time.monotonic()
 
     async def drained(self) -> None:
@@ -233,7 +236,7 @@ class OutputRelay:
             timed, self._timed = self._timed, None
             await timed
         async with self._lock:   # what an interrupted flush left unsent goes before anything newer
-            while any(u.sent == 0.0 for u in self._unacked):
+            while self._unsent:
                 await self._settle_oldest()
         await self.flush()
         async with self._lock:

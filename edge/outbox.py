@@ -314,7 +314,7 @@ class Outbox:
             self._rewrite(compact)
         if self._fd < 0:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        start = os.fstat(self._fd).st_size   # (where this batch begins: O_APPEND)
+        start = self._size   # where this batch begins (O_APPEND; open() and _rewrite set it, appends add)
         try:
             _write_all(self._fd, data)
             if sync:

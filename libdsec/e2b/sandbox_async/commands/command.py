@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shlex
-import sys
 from typing import Any, Dict, List, Optional
 
 from bus.errors import DsecError, InvalidRequest, SandboxNotFound
@@ -65,8 +64,8 @@ class AsyncCommands:
             return h
         try:
             return await h.wait()
-        except BaseException:   # a handler that raised, a cancel: the command is this call's, killed
-            gone = isinstance(sys.exc_info()[1].__cause__, SandboxNotFound)   # nothing left to kill
+        except BaseException as exc:   # a handler that raised, a cancel: the command is this call's, killed
+            gone = isinstance(exc.__cause__, SandboxNotFound)   # nothing left to kill
             if h.exit_code is None and h.pid and not gone:   # (by pid: the handle stopped listening with the error)
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._sb.kill_process(h.pid), KILL_WAIT)
