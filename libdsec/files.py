@@ -129,23 +129,22 @@ class AsyncFiles:
         short = name.encode()[:150].decode(errors="ignore")          # (a name's bytes: the temp's fit in 255)
         partial = f"{head.rstrip('/')}/.{short}.dsec-{new_id('w')}"
         view = memoryview(data)
-        try:
+
+        async def pieces_to(target: str) -> None:
             for offset in range(0, len(data), FILE_PIECE):
-                await self._op("write", partial, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
+                await self._op("write", target, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
                                mode=mode, metadata=dict(metadata or {}) if offset == 0 else {})
+        try:
+            await pieces_to(partial)
             await self._op("rename", partial, timeout, user, dest=path)
-        except FileOpError as err:
+        except BaseException as err:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._op("remove", partial, timeout, user))
+            if not isinstance(err, FileOpError):
+                raise
             if "busy" not in str(err).lower():   # (named by the path written, not the hidden file's name)
                 raise FileOpError(str(err).replace(partial, path), **err.details) from None
-            for offset in range(0, len(data), FILE_PIECE):   # a mount point (/etc/hosts): only in place
-                await self._op("write", path, timeout, user, offset=offset, data=bytes(view[offset:offset + FILE_PIECE]),
-                               mode=mode, metadata=dict(metadata or {}) if offset == 0 else {})
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._op("remove", partial, timeout, user))
-            raise
+            await pieces_to(path)   # a mount point (/etc/hosts): only in place
 
     async def _through_links(self, path: str, timeout: float, user: str | None) -> str:
         """Where path leads: its symlinks followed (at most 8), resolved inside the sandbox by every op after."""
