@@ -335,7 +335,8 @@ def leftovers(node: str, state_dir: Path, procs: list) -> list[str]:
     from edge.backends.cgroups import own_paths
     with open("/proc/self/mountinfo") as f:
         found = [f"mount {m}" for m in (ln.split()[4] for ln in f) if m.startswith(f"{state_dir}/") or m == str(state_dir)]
-    found += [f"cgroup {p}" for p in (base / f"dsec-{node}" for base in own_paths().values()) if p.exists()]
+    found += [f"cgroup {p}" for base in own_paths().values() for p in (base / f"dsec-{node}", base / f"dsec-{node}.batch")
+              if p.exists()]
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:

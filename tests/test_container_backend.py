@@ -392,13 +392,16 @@ async def _crash_and_reconcile(layer: str, state: Path, node: str) -> None:
     first = ContainerBackend(state, node, upper_pool_size=2 << 30)
     await first.start()
     await first.create(SandboxSpec("victim", [layer]))
+    await first.create(SandboxSpec("batchy", [layer], limits=Limits(cpu_class="batch")))   # in the batch tree
 
     async def sink(stream: str, chunk: bytes) -> None:
         pass
 
-    async def run(argv: list[str]) -> None:
-        await first.exec("victim", argv, env={}, cwd="/", stdin=None, timeout=5, sink=sink)
+    async def run(argv: list[str], sandbox: str = "victim") -> None:
+        await first.exec(sandbox, argv, env={}, cwd="/", stdin=None, timeout=5, sink=sink)
     await run(["sh", "-c", "sleep 100023 > /dev/null 2>&1 < /dev/null &"])
+    await run(["sh", "-c", "sleep 100024 > /dev/null 2>&1 < /dev/null &"], "batchy")
+    assert [x for x in leftovers(state, node) if f"dsec-{node}.batch" in x]
     init = first.init_pid("victim")
     os.kill(first.launcher_pid, signal.SIGKILL)
     for _ in range(200):                      # the backend notices through the socket
@@ -418,8 +421,8 @@ async def _crash_and_reconcile(layer: str, state: Path, node: str) -> None:
     second = ContainerBackend(state, node, upper_pool_size=2 << 30)
     await second.start()
     assert not psutil.pid_exists(init) or psutil.Process(init).status() == psutil.STATUS_ZOMBIE
-    assert _host_procs(["sleep", "100023"]) == []
-    assert [x for x in leftovers(state, node) if "victim" in x] == []
+    assert _host_procs(["sleep", "100023"]) == [] and _host_procs(["sleep", "100024"]) == []
+    assert [x for x in leftovers(state, node) if "victim" in x or "batch" in x] == []
     await second.create(SandboxSpec("victim", [layer]))   # the same id works again
     await second.stop()
     assert leftovers(state, node) == []

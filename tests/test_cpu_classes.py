@@ -8,7 +8,8 @@ import os
 import pytest
 
 import libdsec
-from edge.backends.cgroups import BATCH_SHARES, procs_under
+from edge.backends import kernel
+from edge.backends.cgroups import BATCH_SHARES, own_paths, procs_under
 from tests.conftest import extra_edge
 
 # a batch group: idle where the kernel has cpu.idle (this one does), else the smallest shares
@@ -16,9 +17,13 @@ BATCHED = "idle" if os.path.exists("/sys/fs/cgroup/cpu/cpu.idle") else BATCH_SHA
 
 
 def _classes(groups) -> tuple[int, set[int]]:
-    """(cpu.shares, or "idle" for an idle group; the scheduling policies of every process in the groups)."""
-    idle = groups["cpu"] / "cpu.idle"
-    shares = "idle" if idle.exists() and idle.read_text().strip() == "1" else int((groups["cpu"] / "cpu.shares").read_text())
+    """(the class of the sandbox's cpu group where the scheduler weighs it against the edge's own processes:
+    the cpu.shares, or "idle" for an idle group, of its ancestor that is a sibling of them; the scheduling
+    policies of every process in the groups). Shares further down weigh it only against other sandboxes."""
+    own = own_paths()["cpu"]
+    top = own / groups["cpu"].relative_to(own).parts[0]
+    idle = top / "cpu.idle"
+    shares = "idle" if idle.exists() and idle.read_text().strip() == "1" else int((top / "cpu.shares").read_text())
     policies = set()
     for pid in procs_under(groups["freezer"]):
         try:
@@ -57,6 +62,40 @@ async def test_every_process_of_a_batch_sandbox_runs_at_its_class(stack, client)
         r = await batch.exec("echo 1024 > /sys/fs/cgroup/cpu/cpu.shares; echo rc=$?")
         assert b"rc=0" not in r.stdout + r.stderr, r
         assert _classes(container._cgroups.sandbox(batch.id))[0] == BATCHED
+
+
+async def test_a_command_may_run_on_every_cpu_of_its_sandbox(stack, client, tmp_path):
+    """The edge spawns a command's helper bound to the CPU it runs on, and the helper binds itself again to clone
+    the command (so neither waits behind a batch sandbox's work on a CPU the kernel counts as idle); the
+    command, its forks and a fncall call must not keep that binding: each may run on every CPU its sandbox's
+    cpuset holds."""
+    every = os.sched_getaffinity(0)
+    want = b"Cpus_allowed_list:\t" + _cpu_list(every).encode() + b"\n"
+    with kernel.on_this_cpu():
+        assert len(os.sched_getaffinity(0)) == 1
+    assert os.sched_getaffinity(0) == every
+    show = ["grep", "Cpus_allowed_list", "/proc/self/status"]
+    for kw in ({}, {"cpu_class": "batch"}):
+        async with await client.create(**kw) as sb:
+            for _ in range(4):
+                assert (await sb.exec(show)).stdout == want, kw
+            assert (await sb.exec("sh -c 'grep Cpus_allowed_list /proc/self/status'")).stdout == want, kw
+    async with extra_edge(stack, tmp_path / "fn", "fn-aff", 8, backends=["fncall"],
+                          options={"fncall": {"workers_min": 1, "workers_max": 1}}):
+        for _ in range(4):   # a call: the worker's resident helper clones it
+            assert (await client.call(show)).stdout == want
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    """The kernel's list form of a cpu set ("0-1", "0,2-3")."""
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 ESCAPE_C = r"""

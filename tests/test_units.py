@@ -855,10 +855,13 @@ async def test_launcher_sends_that_wait_for_room_together_all_go_out():
 
 def test_sandbox_cgroups_are_spread_over_the_node_shards():
     """A sandbox's groups sit in one of SHARDS groups by its key, at the same relative path in every
-    hierarchy (lxcfs reads the cpu quota at the cpuset path), and its execs' below them."""
+    hierarchy (lxcfs reads the cpu quota at the cpuset path), and its execs' below them; a batch sandbox's
+    in the node's batch tree, the same way."""
     from edge.backends import cgroups
     node = cgroups.NodeCgroups.__new__(cgroups.NodeCgroups)
     node.node_id, node.base = "n", {c: cgroups.ROOT / c / "dsec-n" for c in cgroups.CONTROLLERS}
+    node.batch = {c: cgroups.ROOT / c / "dsec-n.batch" for c in cgroups.CONTROLLERS}
+    node._batch_cpu, node._has_batch, node.trees = str(node.batch["cpu"]), False, (node.base, node.batch)
     keys = [f"sb{i:016x}" for i in range(400)]
     shards = {cgroups.shard(k) for k in keys}
     assert len(shards) == cgroups.SHARDS and cgroups.shard(keys[0]) == cgroups.shard(keys[0])
@@ -868,6 +871,8 @@ def test_sandbox_cgroups_are_spread_over_the_node_shards():
     assert all(p.parent == groups[c] for c, p in node.exec_group(keys[0], 3).items())
     assert set(node.exec_join(keys[0], 3)) == {*node.exec_group(keys[0], 3).values(),
                                                 *(p for c, p in groups.items() if c not in cgroups.EXEC_CONTROLLERS)}
+    rel = {str(p.relative_to(cgroups.ROOT / c)) for c, p in node.sandbox(keys[0], batch=True).items()}
+    assert rel == {f"dsec-n.batch/{cgroups.shard(keys[0])}/{keys[0]}"}
 
 
 def test_etc_hosts_names_the_sandbox_keeps_the_images_lines_and_never_follows_or_waits(tmp_path):

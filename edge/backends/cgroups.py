@@ -1,4 +1,5 @@
-"""cgroup v1 tree of one node: <own>/dsec-<node>/g<shard>/<sandbox>/x<n> in every controller we use.
+"""cgroup v1 tree of one node: <own>/dsec-<node>/g<shard>/<sandbox>/x<n> in every controller we use, and
+<own>/dsec-<node>.batch/g<shard>/<sandbox>/x<n> for batch sandboxes (CPU classes, below).
 
 Groups are created below the cgroup this process runs in (read from /proc/self/cgroup), never at a
 hierarchy root: on this machine memory is delegated at /process_api/<id>, the others at /.
@@ -30,13 +31,18 @@ CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer", "devices", "blkio"
 # memory (its cpu time and peak), pids and memory (its limit events). In cpu and devices it joins
 # the sandbox's group: fewer mkdir/rmdir/attach per exec (and in blkio).
 EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
-# CPU classes: a batch sandbox's group gets the smallest cpu.shares and, where the kernel has it (5.15+), cpu.idle
-# (the group itself is SCHED_IDLE towards its siblings: a waking latency task preempts it at once; its shares
-# then read 3); a latency one keeps the default 1024. Each of its processes runs at SCHED_IDLE (set by its
+# CPU classes: batch sandboxes live in a tree of their own, dsec-<node>.batch, a sibling of the edge's own
+# processes and of the latency sandboxes' dsec-<node>, whose cpu group gets the smallest cpu.shares and, where
+# the kernel has it (5.15+), cpu.idle (the group is SCHED_IDLE towards its siblings: a waking task of the edge,
+# of NATS or of a latency sandbox preempts it at once; its shares then read 3). Not inside dsec-<node>: the
+# scheduler weighs siblings only, and there the node group, busy with batch work alone, competed with the
+# edge and NATS as one normal entity (a command's helper waited a whole tick, ~4 ms, behind a batch `yes`).
+# Inside the batch tree batch sandboxes share alike. Each of its processes runs at SCHED_IDLE (set by its
 # init's launch and every exec: the zygote, dsec-enter, the runsc and QEMU launches), which a process may not
 # leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host). Core scheduling would keep batch work off a latency
 # sandbox's SMT sibling; this kernel lacks it (and this machine has no SMT).
 BATCH_SHARES = 2
+BATCH_SUFFIX = ".batch"
 SHARDS = 16   # groups the sandboxes of a node are spread over (see the module's text); each memcg costs the
               # host a shrinker map (edge/backends/nodemounts.py), so not more than needed
 
@@ -324,28 +330,51 @@ class NodeCgroups:
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
-        self.base = {c: p / f"dsec-{node_id}" for c, p in own_paths().items()}
+        own = own_paths()
+        self.base = {c: p / f"dsec-{node_id}" for c, p in own.items()}
+        self.batch = {c: p / f"dsec-{node_id}{BATCH_SUFFIX}" for c, p in own.items()}   # made at its first use
+        self._batch_cpu = str(self.batch["cpu"])
+        self._has_batch = os.path.isdir(self._batch_cpu)
+        self.trees = (self.base, self.batch)
 
     def setup(self) -> None:
         """Create the node groups (existing ones are kept). The cpuset group takes its parent's cpus and
         memory nodes and hands them to every sandbox group made in it (clone_children): sandboxes get
         the node's cpus, in a cpuset group of their own, which lxcfs needs to size their cpuinfo."""
-        for path in self.base.values():
+        self._make(self.base)
+
+    @staticmethod
+    def _make(tree: dict[str, Path]) -> None:
+        for path in tree.values():
             path.mkdir(exist_ok=True)
-        if "cpuset" in self.base:
-            node = self.base["cpuset"]
+        if "cpuset" in tree:
+            node = tree["cpuset"]
             for name in ("cpuset.cpus", "cpuset.mems"):
                 if not read(node / name).strip():
                     write(node / name, read(node.parent / name).strip())
             write(node / "cgroup.clone_children", "1")   # (inherited by the shards, made next)
-        for path in self.base.values():
+        for path in tree.values():
             for i in range(SHARDS):
                 (path / f"g{i:02d}").mkdir(exist_ok=True)
 
-    def sandbox(self, sandbox_id: str) -> dict[str, Path]:
-        """Group directories of one sandbox, per controller."""
+    def _make_batch(self) -> None:
+        """The batch tree, at the first batch sandbox (a node that runs none pays nothing for it)."""
+        if self._has_batch:
+            return
+        self._make(self.batch)
+        cpu = self.batch["cpu"]
+        write(cpu / "cpu.shares", str(BATCH_SHARES))
+        if (cpu / "cpu.idle").exists():
+            write(cpu / "cpu.idle", "1")
+        self._has_batch = True
+
+    def sandbox(self, sandbox_id: str, batch: bool | None = None) -> dict[str, Path]:
+        """Group directories of one sandbox, per controller. batch: in the batch tree; None: wherever its
+        cpu group is (a stat, only once the node has a batch tree)."""
         group = shard(sandbox_id)
-        return {c: p / group / sandbox_id for c, p in self.base.items()}
+        if batch is None:
+            batch = self._has_batch and os.path.isdir(f"{self._batch_cpu}/{group}/{sandbox_id}")
+        return {c: p / group / sandbox_id for c, p in (self.batch if batch else self.base).items()}
 
     def exec_group(self, sandbox_id: str, n: int) -> dict[str, Path]:
         """Group directories of one exec of a sandbox, per exec controller."""
@@ -359,16 +388,15 @@ class NodeCgroups:
     def create_sandbox(self, sandbox_id: str, limits: Limits, io_device: str = "") -> dict[str, Path]:
         """Create a sandbox's groups with its limits (I/O on io_device, "major:minor", throttled); on
         failure nothing is left."""
-        groups = self.sandbox(sandbox_id)
+        batch = limits.cpu_class == "batch"
+        groups = self.sandbox(sandbox_id, batch)
         try:
+            if batch:
+                self._make_batch()
             for path in groups.values():
                 path.mkdir()
             period = int(read(groups["cpu"] / "cpu.cfs_period_us") or 100000)
             write(groups["cpu"] / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu * period))))
-            if limits.cpu_class == "batch":   # beside a latency sandbox's 1024, a batch one gets what is left
-                write(groups["cpu"] / "cpu.shares", str(BATCH_SHARES))
-                if (groups["cpu"] / "cpu.idle").exists():   # an idle group: preempted at once by a waking one
-                    write(groups["cpu"] / "cpu.idle", "1")
             # memory first: memsw may never be below memory, so with swap = memory it is set second.
             write(groups["memory"] / "memory.limit_in_bytes", str(limits.memory))
             if (groups["memory"] / "memory.memsw.limit_in_bytes").exists():   # absent without swapaccount
@@ -448,26 +476,28 @@ class NodeCgroups:
 
     async def reconcile(self) -> list[str]:
         """Kill every process left in the node groups, remove them; return what could not be."""
-        if not await kill_tree(self.base["freezer"]):
-            return [f"processes survive in {self.base['freezer']}"]
-        for path in self.base.values():
-            for pid in procs_under(path):   # only if a process escaped the freezer group
-                _kill(pid)
+        for tree in self.trees:
+            if not await kill_tree(tree["freezer"]):
+                return [f"processes survive in {tree['freezer']}"]
+            for path in tree.values():
+                for pid in procs_under(path):   # only if a process escaped the freezer group
+                    _kill(pid)
         return await self.remove_all()
 
     async def remove_all(self, timeout: float = 5.0) -> list[str]:
         """Remove the node groups, retrying while dead tasks are still being released."""
         deadline = time.monotonic() + timeout
         while True:
-            busy = self.remove(self.base)
+            busy = [what for tree in self.trees for what in self.remove(tree)]
             if not busy or time.monotonic() > deadline:
+                self._has_batch = os.path.isdir(self._batch_cpu)
                 return busy
             await asyncio.sleep(0.01)
 
     def sandbox_groups(self) -> list[Path]:
         """Every group below the node's but its shards: the sandboxes' (and anything else put there)."""
         out: list[Path] = []
-        for path in self.base.values():
+        for path in (p for tree in self.trees for p in tree.values()):
             if path.is_dir():
                 for child in path.iterdir():
                     if child.is_dir():
@@ -478,7 +508,7 @@ class NodeCgroups:
     def describe(self) -> list[str]:
         """Node groups and processes still present (for leftovers checks)."""
         out: list[str] = []
-        for path in self.base.values():
+        for path in (p for tree in self.trees for p in tree.values()):
             if path.exists():
                 out.append(f"cgroup {path}")
                 out.extend(f"process {pid} in {path}" for pid in procs_under(path))

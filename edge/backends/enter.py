@@ -24,6 +24,7 @@ import socket
 import struct
 from typing import NamedTuple
 
+from edge.backends import kernel
 from edge.backends.base import BackendError
 
 NAMESPACES = ("ipc", "uts", "net", "mnt", "pid", "cgroup", "user")
@@ -86,8 +87,9 @@ class Spawner:
             actions = [(os.POSIX_SPAWN_DUP2, src, base + i) for i, src in enumerate(srcs)]
             actions += [(os.POSIX_SPAWN_DUP2, base + i, i) for i in range(3)]
             # setsid: its own session with no controlling tty (the command makes its own session too).
-            return os.posix_spawn(self.helper, ["dsec-enter", str(base), "--", *argv], env, file_actions=actions,
-                                  setsigmask=(), setsigdef=SIGDEF, setsid=True)
+            with kernel.on_this_cpu():
+                return os.posix_spawn(self.helper, ["dsec-enter", str(base), "--", *argv], env,
+                                      file_actions=actions, setsigmask=(), setsigdef=SIGDEF, setsid=True)
         finally:
             for fd in opened:
                 os.close(fd)

@@ -396,6 +396,27 @@ static const char *enter_sandbox(const char *tasks, const char *tasks_end, int n
 static const struct command_line *child_line;
 static sigset_t child_mask;
 static int child_fds[6];
+/* Where a new process first runs. Left free, the kernel often put it on another CPU busy with a sandbox's
+ * work (SCHED_IDLE work counts as idle there), where it waited its turn, up to a tick (~4 ms here), while
+ * the CPU of its parent, about to sleep, idled. So the edge spawns this helper bound to the CPU it runs on
+ * (kernel.py, on_this_cpu), and this helper binds itself there again while it clones the command; both then
+ * drop the binding (to every CPU: the sandbox's cpuset bounds it), the command just before it execs (the
+ * kernel may move it at the exec; its forks inherit no binding). Only a hint: failures are ignored. */
+static void pin_here(void) {
+    int cpu = sched_getcpu();
+    if (cpu < 0) return;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    sched_setaffinity(0, sizeof one, &one);
+}
+
+static void unpin(void) {
+    cpu_set_t every;
+    memset(&every, 0xff, sizeof every);
+    sched_setaffinity(0, sizeof every, &every);
+}
+
 static int command(void *unused) {
     (void)unused;
     char c;
@@ -436,6 +457,7 @@ static int command(void *unused) {
     if (chdir(child_line->cwd)) fail("cwd", child_line->cwd);   /* as root of E now (its maps written) */
     sigprocmask(SIG_SETMASK, &child_mask, NULL);
     environ = child_line->envp;
+    unpin();
     exec_path(child_line->argv, child_line->envp);
     if (!errno) errno = ENOEXEC;
     fail("exec", child_line->argv[0]);
@@ -468,9 +490,11 @@ static pid_t spawn_command(const struct command_line *c, const int stdio[3], int
     child_fds[3] = err_w; child_fds[4] = go[0]; child_fds[5] = execd[1];
     const int err_fd = ERR_FD;
     char **const env = environ;
+    pin_here();
     pid_t pid = clone(command, stack + sizeof stack,
                       CLONE_VM | CLONE_NEWUSER | (c->fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
     int e = errno;
+    unpin();
     close(go[0]);
     close(execd[1]);
     if (pid < 0) {
