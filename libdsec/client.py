@@ -12,7 +12,7 @@ from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSand
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
-from bus.errors import (AuthenticationFailed, BusError, CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
+from bus.errors import (BusError, CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
                          from_code)
 from bus.messages import (
     CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest, create_reply_decoder, encode,
@@ -22,7 +22,7 @@ from libdsec import calls, control, warmpools
 from libdsec.ids import new_id
 from libdsec.network import Network, to_wire as network_policy
 from libdsec.resources import Resources
-from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox
+from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox, send_request
 
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
@@ -354,17 +354,8 @@ class AsyncClient:
     async def _send_create(self, bus: Bus, req: CreateRequest) -> BusError | None:
         """Publish the create request (again: its msg id stores it once); the BusError when the bus did not
         ack it in time (a refusal, PermissionDenied or a bad request, is raised)."""
-        try:
-            await bus.publish(subjects.create_request(self.tenant, req.priority), encode(req), msg_id=req.request_id,
-                              timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
-                              retry_for=max(0.0, min(PUBLISH_RETRY_FOR, req.deadline - time.time() - RECHECK_EVERY)))
-            return None
-        except (PermissionDenied, AuthenticationFailed):
-            raise
-        except BusError as exc:
-            if bus.nc.is_closed:   # closed for good (not reconnecting): nothing will take it later
-                raise
-            return exc
+        return await send_request(bus, subjects.create_request(self.tenant, req.priority), encode(req), req.request_id,
+                                  req.deadline - RECHECK_EVERY)
 
     async def _record_quiet(self, sandbox_id: str):
         """The sandbox's record, or None (also when the bus does not answer now)."""

@@ -67,22 +67,37 @@ def _left(entry: ProcessEntry) -> float:
     return max(1.0, entry.started_at + entry.timeout - time.time())
 
 
+async def send_request(bus, subject: str, data: bytes, msg_id: str, until: float) -> BusError | None:
+    """Publish a request once, with transport retries until `until` at most (its msg id stores it once): None
+    when the bus acked it, else the BusError. One not acked may still be taken (it waits in our connection's
+    buffer, or in a stopped server's socket): the caller sends it again or asks whether it was. A refusal
+    (credential, permission) and a connection closed for good (nothing will take it later) raise."""
+    try:
+        await bus.publish(subject, data, msg_id=msg_id, timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
+                          retry_for=max(0.0, min(PUBLISH_RETRY_FOR, until - time.time())))
+        return None
+    except (PermissionDenied, AuthenticationFailed):
+        raise
+    except BusError as exc:
+        if bus.nc.is_closed:
+            raise
+        return exc
+
+
 async def _send_until_taken(bus, subject: str, data: bytes, msg_id: str, give_up: float) -> None:
-    """Publish an exec request until the bus acks it (again and again: its msg id stores it once). One not
-    acked may still be taken (it waits in our connection's buffer, or in a stopped server's socket), so a
-    timeout is not the end: it is sent again until `give_up`, which is near its start deadline (past that no
-    node starts it), then BusError: it will not run. A refusal (credential, permission) raises at once."""
+    """Publish an exec request until the bus acks it, again and again (send_request) until `give_up`, which
+    is near its start deadline (past that no node starts it), then BusError: it will not run."""
     while True:
         try:
-            await bus.publish(subject, data, msg_id=msg_id, timeout=PUBLISH_TRY, retries=PUBLISH_RETRIES,
-                              retry_for=max(0.0, min(PUBLISH_RETRY_FOR, give_up - time.time())))
-            return
+            if (unsent := await send_request(bus, subject, data, msg_id, give_up)) is None:
+                return
         except (PermissionDenied, AuthenticationFailed):
             raise
-        except BusError as exc:
-            if bus.nc.is_closed or time.time() >= give_up:
-                raise BusError(f"{exc}; the exec was not taken before its start deadline: it will not run",
-                               exec_id=msg_id) from exc
+        except BusError as exc:   # the connection closed for good
+            unsent = exc
+        if bus.nc.is_closed or time.time() >= give_up:
+            raise BusError(f"{unsent}; the exec was not taken before its start deadline: it will not run",
+                           exec_id=msg_id) from unsent
 
 
 async def _abandon(handle: ExecHandle, why: BaseException | None) -> None:
