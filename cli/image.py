@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import lzma
 import os
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path
 
 import click
@@ -86,8 +88,8 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
                 from_dir = Path(tmp) / "root"
                 await asyncio.to_thread(unpack_tar, from_tar, from_dir)
             digest = await asyncio.to_thread(pack_dir, from_dir, layer)
-        except (LayerBuildError, tarfile.TarError, OSError) as exc:
-            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
+        except (LayerBuildError, tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
+            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None   # (EOFError...: a truncated .tgz/.txz)
         bus = await connect(nats_url, "dsec-image", "admin")
         try:
             rec, new = await ImageRegistry(bus).publish(name_only, layer, digest, kind, config)
@@ -98,13 +100,27 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
 
 
 def unpack_tar(archive: Path, root: Path) -> None:
-    """Unpack a tar into root; members leaving root (absolute paths, .., links out) are refused."""
+    """Unpack a tar into root; members leaving root (absolute paths, .., hard links out) are refused."""
     root.mkdir()
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
-        tar.extractall(root, members, filter="tar")   # keeps modes and owners, refuses paths outside root
+        tar.extractall(root, members, filter=_in_root)
     named = {os.path.normpath(m.name).lstrip("/"): mtime_ns(m.mtime) for m in members if m.isdir()}
     set_dir_mtimes(root, {("" if k == "." else k): at for k, at in named.items()})
+
+
+def _in_root(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """tarfile's "tar" filter (modes and owners kept, paths outside dest refused), and a hard link only to a
+    file inside dest. The "tar" filter lets any hard link through: one to /etc/passwd linked the host's file
+    into the layer, and the member's owner, mode and mtime were then set on it. Symbolic links may point
+    anywhere: they are the image's own, resolved inside its sandboxes."""
+    member = tarfile.tar_filter(member, dest)
+    if member.islnk():
+        dest = os.path.realpath(dest)
+        target = os.path.realpath(os.path.join(dest, member.linkname))
+        if os.path.isabs(member.linkname) or os.path.commonpath([target, dest]) != dest:
+            raise tarfile.LinkOutsideDestinationError(member, target)
+    return member
 
 
 @image.command(name="rm")

@@ -122,6 +122,8 @@ async def export_image(nats_url: str, snapshot_ref: str | None, image_ref: str |
         raise InvalidRequest("give exactly one of --snapshot ID|TAG or --image NAME[@VERSION]")
     if not output.parent.is_dir():
         raise InvalidRequest(f"-o: no such directory: {output.parent}")
+    if output.is_dir():
+        raise InvalidRequest(f"-o: {output} is a directory: name the archive file to write")
     bus = await connect(nats_url, "dsec-image", "admin")
     try:
         if snapshot_ref is not None:

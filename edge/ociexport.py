@@ -91,10 +91,14 @@ def write_archive(root: Path, config: dict, out: Path) -> None:
              "size": len(manifest), "annotations": {"org.opencontainers.image.ref.name": "latest"}}]}))
         (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
         tmp_out = out.with_name(out.name + ".part")
-        with tarfile.open(tmp_out, "w") as tar:
-            for path in sorted(layout.rglob("*")):
-                tar.add(path, arcname=str(path.relative_to(layout)), recursive=False)
-        os.replace(tmp_out, out)
+        try:
+            with tarfile.open(tmp_out, "w") as tar:
+                for path in sorted(layout.rglob("*")):
+                    tar.add(path, arcname=str(path.relative_to(layout)), recursive=False)
+            os.replace(tmp_out, out)
+        except BaseException:
+            tmp_out.unlink(missing_ok=True)
+            raise
 
 
 def export(layers: list[Path], config: dict, out: Path) -> None:

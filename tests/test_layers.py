@@ -280,3 +280,59 @@ def test_the_debian_mirror_comes_from_apt_sources(tmp_path):
         "Types: deb\nURIs: http://other.example/debian-security\nSuites: bookworm-security\n\n"
         "Types: deb\nURIs: http://other.example/debian/\nSuites: bookworm\n")
     assert apt_mirror(tmp_path) == "http://other.example/debian"
+
+
+def test_a_tar_hard_link_out_of_the_root_is_refused_and_the_host_file_untouched(tmp_path):
+    """`dsec image build --from-tar`: tarfile's "tar" filter let a hard link to any host path through, so a
+    tarball's member `h` linked to /etc/passwd put the host's file in the layer and then took the member's
+    owner, mode and mtime (the host file re-owned). Refused now, by the CLI as a clean error, with the host
+    file as it was; a hard link inside the archive still works, and a truncated .tgz is a clean error too."""
+    victim = tmp_path / "victim"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    before = victim.stat()
+    for name, linkname in (("abs", str(victim)), ("dots", "../victim"), ("via", "up/victim")):
+        archive = tmp_path / f"{name}.tar"
+        with tarfile.open(archive, "w") as tar:
+            if name == "via":   # through a symlink of the archive's own that leaves the root
+                link = tarfile.TarInfo("up")
+                link.type, link.linkname = tarfile.SYMTYPE, str(tmp_path)
+                tar.addfile(link)
+            info = tarfile.TarInfo("h")
+            info.type, info.linkname, info.mode, info.uid, info.gid, info.mtime = tarfile.LNKTYPE, linkname, 0o755, 4242, 4242, 12345
+            tar.addfile(info)
+        p = dsec("image", "build", "--nats", "nats://127.0.0.1:1", f"hl{name}", "--kind", "toolkit", "--from-tar", str(archive))
+        assert p.returncode == 1 and p.stderr.startswith(f"dsec: error: cannot build hl{name}: "), p.stderr
+        after = victim.stat()
+        assert (after.st_mode, after.st_uid, after.st_mtime_ns, victim.read_text()) == \
+            (before.st_mode, before.st_uid, before.st_mtime_ns, "secret\n"), name
+    import cli.main  # noqa: F401  (the CLI's modules import each other in its order)
+    from cli.image import unpack_tar
+    inside = tmp_path / "inside.tar"
+    with tarfile.open(inside, "w") as tar:
+        info = tarfile.TarInfo("a/f")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"hi\n"))
+        info = tarfile.TarInfo("b")
+        info.type, info.linkname = tarfile.LNKTYPE, "a/f"
+        tar.addfile(info)
+    unpack_tar(inside, tmp_path / "root")
+    assert (tmp_path / "root" / "b").read_text() == "hi\n"
+    assert os.path.samefile(tmp_path / "root" / "b", tmp_path / "root" / "a" / "f")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "blob").write_bytes(os.urandom(300_000))
+    with tarfile.open(tmp_path / "whole.tgz", "w:gz") as tar:
+        tar.add(src, arcname=".")
+    (tmp_path / "cut.tgz").write_bytes((tmp_path / "whole.tgz").read_bytes()[:100_000])
+    p = dsec("image", "build", "--nats", "nats://127.0.0.1:1", "cut", "--from-tar", str(tmp_path / "cut.tgz"))
+    assert p.returncode == 1 and p.stderr.startswith("dsec: error: cannot build cut: ") and "internal" not in p.stderr, p.stderr
+
+
+def test_an_export_onto_a_directory_is_refused_before_any_work(tmp_path):
+    """`dsec image export -o DIR`: the export was made first, then failed renaming onto the directory and
+    left DIR.part behind. The path is checked first now."""
+    (tmp_path / "out").mkdir()
+    p = dsec("image", "export", "--nats", "nats://127.0.0.1:1", "--image", "busybox", "-o", str(tmp_path / "out"))
+    assert p.returncode == 1 and p.stderr == f"dsec: error: -o: {tmp_path / 'out'} is a directory: name the archive file to write\n", p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["out"]
