@@ -384,13 +384,16 @@ class Sandboxes:
 
     async def rollback(self, sandbox_id: str, snap: SnapshotRecord) -> None:
         """Restart the sandbox on the snapshot's layers with a fresh writable layer (same id, node,
-        resources; its processes start afresh). If the restart fails the sandbox is gone (failed)."""
+        resources; its processes start afresh), and its execs' default env, cwd and user, as a fork of it
+        gets them (the snapshot may be of another sandbox: a fork going back to where it came from). If the
+        restart fails the sandbox is gone (failed)."""
         running = self.running[sandbox_id]
         if snap.tenant != running.record.tenant:
             raise InvalidRequest(f"snapshot {snap.id} not found")
         assert running.spec is not None
         paths = await self.layers.ensure(snap.layers)          # before anything is torn down
-        spec = dataclasses.replace(running.spec, layers=paths)
+        cwd = "" if snap.cwd == "/" else snap.cwd
+        spec = dataclasses.replace(running.spec, layers=paths, env=dict(snap.env), cwd=cwd, user=snap.user)
         await self.backend.destroy(sandbox_id)
         try:
             await self.backend.create(spec)
@@ -401,7 +404,8 @@ class Sandboxes:
         running.suspended_since = 0.0
         self.deadlines.look(sandbox_id)
         await self.record(running, event="rollback", detail=snap.id, nth=running.restarts,
-                          layers=[layer.digest for layer in snap.layers], suspended=False)
+                          layers=[layer.digest for layer in snap.layers], suspended=False, image=snap.image,
+                          cwd=cwd, user=snap.user)
 
 
 async def wait_stored(stored: asyncio.Future, sandbox_id: str, wait: float = RECORD_WAIT) -> Outcome | None:

@@ -95,6 +95,36 @@ async def test_the_image_config_is_every_execs_default(stack, client, rich, tmp_
     assert (p.returncode, p.stdout) == (0, "entry hello from the image\n/work\n1000\n"), p.stderr
 
 
+async def test_a_rollback_to_another_sandboxs_snapshot_is_that_snapshot_as_a_fork_gets_it(stack, client, rich):
+    """A rollback took the snapshot's files but kept the sandbox's own defaults: a busybox sandbox rolled back
+    to a snapshot of an imported image's sandbox had its files, yet ran as root in / without its env, where a
+    fork of the same snapshot runs as its user in its WorkingDir with its env. It now gets what a fork gets
+    (the case: a fork going back to the snapshot it came from, a sandbox reset to an episode's start)."""
+    layout, _ = rich
+    await imported(stack.url, "richroll", "--oci-layout", str(layout))
+    show = "id -u; pwd; echo $GREETING; cat /work/state.txt"
+    origin = await client.create(image="richroll", timeout=60)
+    other = await client.create(env={"MINE": "1"})
+    fork = []
+    try:
+        await origin.exec("echo episode-start > /work/state.txt")
+        snap = await origin.snapshot(tag="roll-other")
+        fork = await client.fork(snap)
+        want = (await fork[0].exec(show)).stdout
+        assert want == b"1000\n/work\nhello from the image\nepisode-start\n", want
+        await other.rollback(snap)
+        assert (await other.exec(show)).stdout == want
+        assert (await other.exec("echo ${MINE:-unset}")).stdout == b"unset\n"
+        rec = await client._record(other.id)
+        assert (rec.image, rec.user, rec.cwd) == (snap.image, "app", "/work"), rec
+        await fork[0].exec("echo later > /work/state.txt")
+        await fork[0].rollback(snap)                  # a fork back to where it came from
+        assert (await fork[0].exec(show)).stdout == want
+    finally:
+        await asyncio.gather(*(s.destroy() for s in [origin, other, *fork]), return_exceptions=True)
+        await client.delete_snapshot("roll-other")
+
+
 async def test_a_docker_save_archive_imports(stack, client, rich, tmp_path):
     _, layers = rich
     archive = ociimages.docker_archive(tmp_path / "saved.tar", tmp_path, layers,
