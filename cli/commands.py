@@ -83,7 +83,8 @@ def _network(mode: str | None, allow: tuple[str, ...]):
 
 
 async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float, max_output: str,
-                              interactive: bool = False) -> int:
+                              interactive: bool = False, user: str | None = None, cwd: str | None = None,
+                              env: dict[str, str] | None = None) -> int:
     """The command's output on our stdout/stderr as it comes: escaped on a terminal, byte-exact otherwise.
     interactive (-i): our stdin is the command's (else its stdin is empty, and ours is left unread, as
     `docker exec` without -i: a loop reading ids from a file must not lose them to the first exec).
@@ -96,7 +97,7 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
         if not kinds.supports(sb.backend, "live_stdin"):
             fail(f"-i: a {sb.backend} sandbox takes no live stdin", PLATFORM_ERROR)
         stdin = local_stdin()
-    handle = await sb._start(cmd, timeout, None, None, stdin, limit, keep_output=False)
+    handle = await sb._start(cmd, timeout, cwd, env, stdin, limit, keep_output=False, user=user)
     try:
         async for ev in handle.stream(lines=False):
             if isinstance(ev, libdsec.Output):
@@ -164,8 +165,21 @@ def _no_stray_option(words) -> None:
     or sandbox id starts with '-', so one that does is refused as the option it is."""
     for word in words:
         if word.startswith("-"):
-            raise click.UsageError(f"No such option: {word} (options go before the command; `--` may "
-                                   f"separate them)")
+            raise click.UsageError(f"No such option: {word} (see --help; a command's own options follow it, "
+                                   f"after `--` if need be)")
+
+
+def command_options(fn):
+    """The options of the command a run or exec starts (the SDK's exec(user=, cwd=, env=))."""
+    for opt in reversed([
+        click.option("--user", "-u", default=None, metavar="USER[:GROUP]",
+                     help="Run it as this user of the image (a name or uid, optionally :group). [default: the "
+                          "image's User, else root]"),
+        click.option("--workdir", "-w", default=None, metavar="DIR",
+                     help="Its working directory. [default: the image's WorkingDir, else /]"),
+    ]):
+        fn = opt(fn)
+    return fn
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -175,9 +189,10 @@ def _no_stray_option(words) -> None:
 @click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
               help="Output kept past this is cut (said on stderr).")
 @click.option("-i", "--interactive", is_flag=True, help="Our stdin is the command's (else it reads nothing).")
+@command_options
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED)
 @run_async
-async def run(nats_url, exec_timeout, max_output, interactive, argv, **options) -> None:
+async def run(nats_url, exec_timeout, max_output, interactive, user, workdir, argv, **options) -> None:
     """Create a sandbox, run ARGV in it streaming its output, destroy it, exit with its exit code. Without
     ARGV: the image's Entrypoint and Cmd (an imported image's config).
 
@@ -188,10 +203,10 @@ async def run(nats_url, exec_timeout, max_output, interactive, argv, **options) 
     """
     _no_stray_option(argv[:1])
     with platform_errors():
-        await _run(nats_url, exec_timeout, max_output, interactive, argv, options)
+        await _run(nats_url, exec_timeout, max_output, interactive, argv, options, user, workdir)
 
 
-async def _run(nats_url, exec_timeout, max_output, interactive, argv, options) -> None:
+async def _run(nats_url, exec_timeout, max_output, interactive, argv, options, user, workdir) -> None:
     async with libdsec.AsyncClient(nats_url) as client:
         sb = await _create(client, **options)
         try:
@@ -203,7 +218,7 @@ async def _run(nats_url, exec_timeout, max_output, interactive, argv, options) -
                            err=True)
                 code = 2
             else:
-                code = await _stream_to_terminal(sb, list(argv), exec_timeout, max_output, interactive)
+                code = await _stream_to_terminal(sb, list(argv), exec_timeout, max_output, interactive, user, workdir)
         finally:
             try:
                 await sb.destroy()
@@ -229,23 +244,28 @@ async def create(nats_url, **options) -> None:
 @click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
               help="Output kept past this is cut (said on stderr).")
 @click.option("-i", "--interactive", is_flag=True, help="Our stdin is the command's (else it reads nothing).")
+@command_options
+@click.option("--env", "-e", multiple=True, metavar="K=V", help="Environment of this command (over the sandbox's).")
 @click.argument("sandbox_id")
 @click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
 @run_async
-async def exec_(nats_url, timeout, max_output, interactive, sandbox_id, argv) -> None:
+async def exec_(nats_url, timeout, max_output, interactive, user, workdir, env, sandbox_id, argv) -> None:
     """Run ARGV in sandbox SANDBOX_ID, streaming its output; exit with its exit code. With -i our stdin is
     the command's; interrupted (Ctrl-C, SIGTERM, SIGHUP), the command is killed.
 
     Exits with the command's exit code; 124 when it timed out, 125 when DSec could not run it (no such
     sandbox, a bad request: its error on stderr), as `docker exec` does.
 
-    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec -i "$id" -- cat
+    Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec -i "$id" -- cat;
+    dsec exec -u root -w /tmp -e DEBUG=1 "$id" -- id
     """
     _no_stray_option((sandbox_id, *argv[:1]))
+    variables = pairs(env, "env") or None
     with platform_errors():
         async with libdsec.AsyncClient(nats_url) as client:
             sb = await client.get(sandbox_id)
-            code = await _stream_to_terminal(sb, list(argv), timeout, max_output, interactive)
+            code = await _stream_to_terminal(sb, list(argv), timeout, max_output, interactive, user, workdir,
+                                             variables)
     sys.exit(code)
 
 

@@ -125,6 +125,26 @@ async def test_a_rollback_to_another_sandboxs_snapshot_is_that_snapshot_as_a_for
         await client.delete_snapshot("roll-other")
 
 
+async def test_the_cli_runs_a_command_as_another_user_in_another_dir_with_more_env(stack, client, rich):
+    """The image's User, WorkingDir and Env are every exec's defaults; the SDK could override them per exec but
+    `dsec exec`/`dsec run` could not (no --user: root was out of reach from the CLI in an image whose User
+    is not root)."""
+    layout, _ = rich
+    await imported(stack.url, "richcli", "--oci-layout", str(layout))
+    show = ["sh", "-c", "id -u; pwd; echo $EXTRA $GREETING"]
+    async with await client.create(image="richcli", timeout=60) as sb:
+        p = await asyncio.to_thread(dsec, "exec", "--nats", stack.url, sb.id, "--", *show)
+        assert (p.returncode, p.stdout) == (0, "1000\n/work\nhello from the image\n"), p.stderr
+        p = await asyncio.to_thread(dsec, "exec", "--nats", stack.url, "-u", "root", "-w", "/tmp", "-e", "EXTRA=x",
+                                    sb.id, "--", *show)
+        assert (p.returncode, p.stdout) == (0, "0\n/tmp\nx hello from the image\n"), p.stderr
+        p = await asyncio.to_thread(dsec, "exec", "--nats", stack.url, "--user", "nosuchuser", sb.id, "--", "true")
+        assert p.returncode == 125 and "not in the image's /etc/passwd" in p.stderr, p.stderr
+    p = await asyncio.to_thread(dsec, "run", "--nats", stack.url, "--image", "richcli", "--user", "65534",
+                                "--workdir", "/", "--", *show)
+    assert (p.returncode, p.stdout) == (0, "65534\n/\nhello from the image\n"), p.stderr
+
+
 async def test_a_docker_save_archive_imports(stack, client, rich, tmp_path):
     _, layers = rich
     archive = ociimages.docker_archive(tmp_path / "saved.tar", tmp_path, layers,
