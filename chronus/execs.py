@@ -396,7 +396,7 @@ class Execs:
         task_failed = fields.get("exit_code", 0) != 0 and not fields.get("error_code") and not env_failed
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.node,
-            at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd,
+            at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd, user=op.user,
             env_keys=sorted(op.env), started_at=started, ended_at=time.time(), exit_code=fields.get("exit_code", 0),
             timed_out=fields.get("timed_out", False), truncated=relay.truncated,
             cpu_time=fields.get("cpu_time", 0.0), peak_memory=fields.get("peak_memory", 0),

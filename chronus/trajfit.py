@@ -52,7 +52,7 @@ def command_digest(argv: list[str], shell: str) -> tuple[int, str]:
     return len(raw), hashlib.sha256(raw).hexdigest()
 
 
-_TEXT_FIELDS = ("shell", "cwd", "detail", "watch", "id", "sandbox_id", "tenant", "job", "node", "exec_id",
+_TEXT_FIELDS = ("shell", "cwd", "user", "detail", "watch", "id", "sandbox_id", "tenant", "job", "node", "exec_id",
                 "error_code", "failure_class")
 
 
@@ -73,7 +73,7 @@ def fit(traj: TrajRecord) -> TrajRecord:
                        command_cut=True, command_bytes=size, command_sha256=digest)
     if sum(len(k) + 1 for k in traj.env_keys) > TRAJ_NAMES:
         changes["env_keys"] = _words(traj.env_keys, TRAJ_NAMES)
-    for name in ("cwd", "detail", "watch"):
+    for name in ("cwd", "user", "detail", "watch"):
         if len(getattr(traj, name)) > TRAJ_TEXT // 4:
             changes[name] = _cut(getattr(traj, name), TRAJ_TEXT)
     if changes:

@@ -187,7 +187,8 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
                            f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
             else:
                 out = await _output(bus, rec)
-                _write(f"$ {_command(rec)}\n".encode() + marked(out.chunks))
+                how = ", ".join(([f"as {rec.user}"] if rec.user else []) + ([f"in {rec.cwd}"] if rec.cwd else []))
+                _write(f"$ {_command(rec)}\n".encode() + (f"#   ({how})\n".encode() if how else b"") + marked(out.chunks))
                 if out.kept_only:
                     if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:
                         _write(f"# (output aged out of dsec.out: only the first {len(rec.stdout)} of {rec.stdout_bytes}"

@@ -29,6 +29,7 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     await sb.write_file("/tmp/blob", BINARY)
     r1 = await sb.exec("echo one; echo two >&2; exit 4")
     r2 = await sb.exec(["/bin/busybox", "cat", "/tmp/blob"])
+    await sb.exec("true", user="65534", cwd="/tmp")     # as whom and where it ran is recorded
     await sb.destroy()
     assert (r1.exit_code, r2.stdout) == (4, BINARY)
     # any NATS client reads the timeline: plain nats-py, JSON
@@ -36,13 +37,14 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     try:
         sub = await nc.jetstream().subscribe(subjects.trajectory("default", "jt1", sb.id), ordered_consumer=True)
         records = []
-        while len(records) < 4:
+        while len(records) < 5:
             records.append(json.loads((await sub.next_msg(timeout=5)).data))
         await sub.unsubscribe()
     finally:
         await nc.close()
-    assert [r["type"] for r in records] == ["created", "exec", "exec", "destroyed"]
+    assert [r["type"] for r in records] == ["created", "exec", "exec", "exec", "destroyed"]
     first, second = records[1], records[2]
+    assert (first["user"], first["cwd"], records[3]["user"], records[3]["cwd"]) == ("", "", "65534", "/tmp")
     assert first["shell"] == "echo one; echo two >&2; exit 4" and first["exit_code"] == 4
     assert (first["stdout_bytes"], first["stderr_bytes"]) == (4, 4)
     assert second["argv"] == ["/bin/busybox", "cat", "/tmp/blob"]
@@ -59,11 +61,12 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     *whole, last = BINARY.split(b"\n")
     marked = b"".join(b"1| " + line + b"\n" for line in whole) + b"1| " + last
     assert b"$ /bin/busybox cat /tmp/blob\n" + marked + b"\n\\ no newline at end\n# exit 0" in out
+    assert b"$ true\n#   (as 65534, in /tmp)\n# exit 0" in out
     assert out.index(b" created") < out.index(b"$ echo") < out.index(b" destroyed")
     js = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--format", "json",
                                                   "--nats", stack.url], capture_output=True, text=True, timeout=60)
     lines = [json.loads(line) for line in js.stdout.splitlines()]
-    assert [r["type"] for r in lines if r["kind"] == "traj"] == ["created", "exec", "exec", "destroyed"]
+    assert [r["type"] for r in lines if r["kind"] == "traj"] == ["created", "exec", "exec", "exec", "destroyed"]
     assert [r["seq"] for r in lines if r["kind"] == "traj"] == sorted(r["seq"] for r in lines if r["kind"] == "traj")
     later = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--format", "json", "--seq",
                                                      str(lines[-1]["seq"]), "--nats", stack.url],
