@@ -348,3 +348,25 @@ class Client:
     def delete_warm_pool(self, name: str) -> None:
         """Remove a warm pool."""
         self._loop.run(self._async.delete_warm_pool(name))
+
+    def trajectories(self, **kwargs: Any) -> Iterator["Trajectory"]:
+        """This tenant's trajectory records in order, one at a time (nothing read ahead); each a Trajectory
+        (`.record`, `.seq`, `.ack()`). Arguments as AsyncClient.trajectories (job, sandbox, since, durable,
+        follow, ack_wait)."""
+        for item in _iterate_exact(self._loop, self._async.trajectories(**kwargs)):
+            yield Trajectory(self._loop, item)
+
+
+class Trajectory:
+    """Synchronous twin of libdsec.Trajectory: one record of an episode; ack() it once it is processed."""
+
+    def __init__(self, loop: _Loop, inner: Any) -> None:
+        self._loop, self._inner = loop, inner
+        self.record, self.seq = inner.record, inner.seq
+
+    def __repr__(self) -> str:
+        return f"Trajectory(seq={self.seq}, record={self.record!r})"
+
+    def ack(self) -> None:
+        """Processed: a durable consumer restarted later does not receive it again."""
+        self._loop.run(self._inner.ack())

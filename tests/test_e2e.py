@@ -99,12 +99,19 @@ async def test_sync_client(stack):
 
 def _use_sync_client(url: str) -> None:
     with libdsec.Client(url) as client:
-        with client.create(image="busybox") as sb:
+        with client.create(image="busybox", labels={"job": "syncj"}) as sb:
             assert sb.exec("echo hi").stdout == b"hi\n"
             out = [ev for ev in sb.stream(["sh", "-c", "echo a; echo b >&2"])]
             assert {(e.stream, e.data) for e in out[:-1]} == {("stdout", b"a\n"), ("stderr", b"b\n")}
             sb.write_file("/tmp/x", "y")
             assert sb.read_file("/tmp/x") == b"y"
+        # the trajectories too (they were the async client's only): records in order, each acked plainly
+        seen = []
+        for t in client.trajectories(job="syncj", follow=False, durable="syncd"):
+            seen.append((t.record.type, t.record.shell))
+            t.ack()
+        assert seen[0] == ("created", "") and ("exec", "echo hi") in seen and seen[-1][0] == "destroyed", seen
+        assert list(client.trajectories(job="syncj", follow=False, durable="syncd")) == []   # all acked
 
 
 async def test_ttl_destroys(client, stack):
