@@ -126,9 +126,10 @@ class ImageRegistry:
         await self.bus.kv_put(streams.IMAGES_KV, name, rec)
         return rec, True
 
-    async def remove(self, ref: str, in_use: set[str]) -> ImageRecord:
+    async def remove(self, ref: str, in_use: dict[str, str]) -> ImageRecord:
         """Remove one version (name@version); refused while a live sandbox uses its layer (digests in
-        in_use). Its bytes go when no other version holds the same digest."""
+        in_use, each with who uses it, said in the refusal). Its bytes go when no other version holds the
+        same digest."""
         name, version = parse_ref(ref)
         if version is None:
             raise InvalidRequest(f"image rm takes NAME@VERSION, got {ref!r}")
@@ -136,7 +137,7 @@ class ImageRegistry:
         if rec is None:
             raise ImageNotFound(f"{ref!r} not found (see `dsec image ls`)")
         if rec.digest in in_use:
-            raise InvalidRequest(f"{ref} is in use by a running sandbox or a snapshot; destroy or delete it first")
+            raise InvalidRequest(f"{ref} is in use by {in_use[rec.digest]}")
         await self.bus.kv_delete(streams.IMAGES_KV, f"{name}.{version}")
         rest = await self.list()
         if not any(r.digest == rec.digest for r in rest):

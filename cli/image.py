@@ -131,19 +131,23 @@ async def rm_image(nats_url: str, ref: str) -> None:
     """Remove one version of a layer; refused while a running sandbox or a snapshot uses it."""
     bus = await connect(nats_url, "dsec-image", "admin")
     try:
-        in_use = set()
+        in_use: dict[str, str] = {}   # digest -> who uses it (the first found), for the refusal
         for _, raw in await bus.kv_items(streams.SANDBOXES_KV):
             try:
                 rec = sandbox_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
             if rec.state in ("starting", "ready"):
-                in_use.update(rec.layers)
+                for digest in rec.layers:
+                    in_use.setdefault(digest, f"sandbox {rec.sandbox_id} ({rec.state}); destroy it first")
         for _, raw in await bus.kv_items(streams.SNAPSHOTS_KV):   # snapshots are built on their layers too
             try:
-                in_use.update(layer.digest for layer in snapshot_decoder.decode(raw).layers)
+                snap = snapshot_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
+            for layer in snap.layers:
+                in_use.setdefault(layer.digest, f"snapshot {snap.id}{' (' + snap.tag + ')' if snap.tag else ''}; "
+                                                 f"delete it first (dsec snapshot rm)")
         gone = await ImageRegistry(bus).remove(ref, in_use)
     finally:
         await bus.close()

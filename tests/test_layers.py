@@ -59,7 +59,7 @@ async def test_base_workspace_toolkit_compose_and_only_the_updated_layer_changes
             assert (await old.exec("cat /opt/tool/version")).stdout == b"1\n"   # running ones keep theirs
             assert (await pinned.exec("cat /opt/tool/version")).stdout == b"1\n"
             p = await asyncio.to_thread(dsec, "image", "rm", "--nats", stack.url, "tools@2")
-            assert p.returncode == 1 and "in use" in p.stderr
+            assert p.returncode == 1 and f"in use by sandbox {new.id} (ready); destroy it first" in p.stderr, p.stderr
         finally:
             await new.destroy()
             await pinned.destroy()
