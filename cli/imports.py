@@ -105,14 +105,16 @@ def _skopeo(source: str, into: Path, tls_verify: bool) -> None:
 @image.command(name="export")
 @nats_option
 @click.option("--snapshot", "snapshot_ref", default=None, metavar="ID|TAG",
-              help="A snapshot of this project (dsec snapshot ls): its layers, env and cwd.")
-@click.option("--image", "image_ref", default=None, metavar="NAME[@VERSION]", help="An image: its layer and config.")
+              help="A snapshot of this project (dsec snapshot ls): its layers, env, cwd and user.")
+@click.option("--image", "image_ref", default=None, metavar="NAME[@VERSION]",
+              help="A base image: its layer and config (env, cwd, user, entrypoint, cmd).")
 @click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="The OCI archive to write.")
 @run_async
 async def export_image(nats_url: str, snapshot_ref: str | None, image_ref: str | None, output: Path) -> None:
     """Write a snapshot (a sandbox's forked state) or an image as an OCI archive: its layers merged into one,
-    owners, modes, links, xattrs and file capabilities kept; its env and cwd as the config. Import it
-    anywhere (`dsec image import --oci-archive`, `skopeo copy oci-archive:FILE ...`)."""
+    owners, modes, links, xattrs and file capabilities kept; its env, cwd and user (and an image's entrypoint
+    and cmd) as the config. Import it anywhere (`dsec image import --oci-archive`, `skopeo copy
+    oci-archive:FILE ...`)."""
     import json
     import sys
 
@@ -122,6 +124,8 @@ async def export_image(nats_url: str, snapshot_ref: str | None, image_ref: str |
         raise InvalidRequest("give exactly one of --snapshot ID|TAG or --image NAME[@VERSION]")
     if not output.parent.is_dir():
         raise InvalidRequest(f"-o: no such directory: {output.parent}")
+    if str(output) == "-":
+        raise InvalidRequest("-o: give a file to write (an archive is not written to standard output)")
     if output.is_dir():
         raise InvalidRequest(f"-o: {output} is a directory: name the archive file to write")
     bus = await connect(nats_url, "dsec-image", "admin")

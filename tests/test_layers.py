@@ -336,3 +336,5 @@ def test_an_export_onto_a_directory_is_refused_before_any_work(tmp_path):
     p = dsec("image", "export", "--nats", "nats://127.0.0.1:1", "--image", "busybox", "-o", str(tmp_path / "out"))
     assert p.returncode == 1 and p.stderr == f"dsec: error: -o: {tmp_path / 'out'} is a directory: name the archive file to write\n", p.stderr
     assert sorted(os.listdir(tmp_path)) == ["out"]
+    p = dsec("image", "export", "--nats", "nats://127.0.0.1:1", "--image", "busybox", "-o", "-")
+    assert p.returncode == 1 and "not written to standard output" in p.stderr and not os.path.exists("-"), p.stderr
