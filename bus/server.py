@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -18,6 +19,9 @@ from bus.errors import BusUnavailable, DsecError
 REPO_CONF = Path(__file__).resolve().parent.parent / "nats.conf"
 RESTARTS = 3              # keep(): the most starts again within RESTART_WINDOW before it gives up
 RESTART_WINDOW = 60.0     # seconds
+LOOK_EVERY = 2.0          # keep(): seconds between looks at its log for a write error
+WRITE_ERROR = b"ritical write error"   # nats-server's words when a stream's store failed a write (ENOSPC...)
+ROOM = 256 << 20          # free bytes its store's disk needs before a server with a write error is restarted
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,7 @@ class NatsServer:
         self.iam = iam
         self.proc: subprocess.Popen | None = None
         self._sweeper = None
+        self._log_seen, self._write_error = 0, ""   # keep(): where its log was read up to; a write error it logged
 
     @property
     def url(self) -> str:
@@ -119,36 +124,77 @@ class NatsServer:
 
     async def keep(self) -> str:
         """Start the server again whenever it exits (a crash, a kill, an OOM kill: its streams are recovered
-        from the store dir), from the calling thread (the event loop's, as for start). Returns why it gave
-        up: it exited again after RESTARTS restarts within RESTART_WINDOW, or could not start again. Cancel it
-        before stop()."""
+        from the store dir), from the calling thread (the event loop's, as for start), and restart it once
+        its store's disk has room again after a write error (a full disk): nats-server keeps failing every
+        write to a stream whose store failed one, until it restarts. Returns why it gave up: it exited again
+        after RESTARTS restarts within RESTART_WINDOW, or could not start again. Cancel it before stop()."""
         starts: list[float] = []
-        loop = asyncio.get_running_loop()
         while True:
-            exited = loop.create_future()
-            fd = os.pidfd_open(self.proc.pid)
-            try:
-                loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
-                try:
-                    await exited
-                finally:
-                    loop.remove_reader(fd)
-            finally:
-                os.close(fd)
+            write_error = await self._until_exit()
             code = self.proc.wait()
             what = f"signal {-code}" if code < 0 else f"exit code {code}"
             now = time.monotonic()
             starts = [t for t in starts if now - t < RESTART_WINDOW]
-            if len(starts) >= RESTARTS:
+            if write_error:
+                log.error("the NATS server failed a write to its store (%s) and its disk has room again: started "
+                          "it again, as it fails every later write to that stream until then", write_error)
+            elif len(starts) >= RESTARTS:
                 return (f"the NATS server exited ({what}) after {len(starts)} restart(s) within {RESTART_WINDOW:.0f}s; "
                         f"not starting it again (see {self.log_file})")
-            log.error("the NATS server exited (%s); starting it again (see %s)", what, self.log_file)
-            starts.append(now)
+            else:
+                log.error("the NATS server exited (%s); starting it again (see %s)", what, self.log_file)
+                starts.append(now)
             try:
                 await self.start_async()
             except DsecError as exc:
                 return f"the NATS server exited ({what}) and could not start again: {exc}"
             log.warning("the NATS server is running again (pid %d)", self.proc.pid)
+
+    async def _until_exit(self) -> str:
+        """Wait until the server exits: "" then, or the write error it logged, once it was stopped for it
+        (when its store's disk had room again)."""
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        fd = os.pidfd_open(self.proc.pid)
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            while True:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(exited), LOOK_EVERY)
+                    return ""
+                self._write_error = self._write_error or self._logged_write_error()
+                if self._write_error and self._room():
+                    self.proc.terminate()
+                    try:
+                        await asyncio.wait_for(asyncio.shield(exited), 10)
+                    except asyncio.TimeoutError:
+                        self.proc.kill()
+                        await exited
+                    return self._write_error
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+
+    def _logged_write_error(self) -> str:
+        """The first write-error line the server logged since it started ("" if none)."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_seen)
+                new = f.read(16 << 20)
+        except OSError:
+            return ""
+        end = new.rfind(b"\n") + 1     # whole lines only: the rest is read next time
+        self._log_seen += end
+        at = new.find(WRITE_ERROR, 0, end)
+        if at < 0:
+            return ""
+        line = new[new.rfind(b"\n", 0, at) + 1:new.find(b"\n", at)]
+        return line.decode(errors="replace").strip()[:300]
+
+    def _room(self) -> bool:
+        """Its store's disk has room: ROOM bytes free, or a tenth of a smaller disk."""
+        usage = shutil.disk_usage(self.store_dir)
+        return usage.free >= min(ROOM, usage.total // 10)
 
     def _spawn(self) -> None:
         check_port_free(self.host, self.port, "NATS")
@@ -162,6 +208,7 @@ class NatsServer:
         elif self.conf is not None and self.conf.exists():
             args[1:1] = ["-c", str(self.conf)]
         out = open(self.log_file, "ab")
+        self._log_seen, self._write_error = out.tell(), ""   # (what it logs from now on is looked at)
         self.proc = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
                                      start_new_session=True, preexec_fn=die_with_parent)
         out.close()

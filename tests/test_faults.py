@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -327,6 +328,56 @@ async def test_the_embedded_server_killed_is_started_again_and_the_node_serves_o
     from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "state" / "edge", node) == []
     assert st.server is None
+
+
+async def test_the_embedded_server_is_restarted_once_its_full_disk_has_room_again(tmp_path, monkeypatch):
+    """The disk under `dsec up`'s NATS store filled up: nats-server logs "Critical write error" and then fails
+    every write to that stream for as long as it runs, room or not. Creates failed with BusError long after the
+    disk was freed (helper F). The stack now restarts the server once the disk has room again: the sandbox made
+    before answers, and creates are served."""
+    import os
+    import subprocess
+    from bus import server as server_mod
+    from bus.server import free_port
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    monkeypatch.setattr(server_mod, "LOOK_EVERY", 0.5)
+    node, store = "tfull", tmp_path / "state" / "nats"
+    store.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(store)], check=True)
+    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
+               edge_config=EdgeConfig(node_id=node, slots=4))
+    try:
+        with leaks.live(node, tmp_path / "state"):
+            await st.start()
+            try:
+                async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
+                    kept = await client.create()
+                    first = st.server.proc.pid
+                    with open(store / "fill", "wb", buffering=0) as f:       # the disk full, to its last page
+                        for size in (1 << 20, 4096):
+                            with contextlib.suppress(OSError):
+                                while True:
+                                    f.write(b"\0" * size)
+                    with contextlib.suppress(libdsec.DsecError):   # writes fail now (acked or not)
+                        await (await client.create(timeout=4)).exec("true", timeout=4)
+                    log = (tmp_path / "state" / "nats-server.log").read_bytes()
+                    assert b"ritical write error" in log
+                    await asyncio.sleep(1.5)
+                    assert st.server.proc.pid == first            # no room yet: not restarted for nothing
+                    os.unlink(store / "fill")
+                    r = await kept.exec("echo after", timeout=30)
+                    assert r.stdout == b"after\n", r
+                    async with await client.create(timeout=30) as sb:
+                        assert (await sb.exec("echo new")).stdout == b"new\n"
+                    assert st.server.proc.pid != first and not st.broken.is_set(), st.broken_reason
+            finally:
+                await st.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)
+    from edge.backends.registry import node_leftovers as leftovers
+    assert leftovers(tmp_path / "state" / "edge", node) == []
 
 
 async def test_a_standalone_placement_cut_off_by_the_server_serves_again(tmp_path):
