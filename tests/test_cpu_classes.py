@@ -80,6 +80,10 @@ async def test_a_command_may_run_on_every_cpu_of_its_sandbox(stack, client, tmp_
             for _ in range(4):
                 assert (await sb.exec(show)).stdout == want, kw
             assert (await sb.exec("sh -c 'grep Cpus_allowed_list /proc/self/status'")).stdout == want, kw
+            # a command binding itself is told yes and stays free (sched_setaffinity is a no-op inside:
+            # test_a_sandbox_moving_its_threads_between_cpus_cannot_freeze_the_node)
+            r = await sb.exec("taskset -c 0 grep Cpus_allowed_list /proc/self/status")
+            assert (r.exit_code, r.stdout) == (0, want), (kw, r)
     async with extra_edge(stack, tmp_path / "fn", "fn-aff", 8, backends=["fncall"],
                           options={"fncall": {"workers_min": 1, "workers_max": 1}}):
         for _ in range(4):   # a call: the worker's resident helper clones it

@@ -25,10 +25,13 @@
  *   hostile syscall NAME        try one syscall on this process itself (pidfd_getfd, landlock, fsopen,
  *                               io_uring);
  *                               print "ok" or the errno
+ *   hostile hop N               N busy processes, each moving itself to the next CPU every ~20 us
+ *                               (sched_setaffinity); print "hopping", then go on for ever
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <grp.h>
 #include <signal.h>
 #include <stdint.h>
@@ -93,6 +96,32 @@ static void __attribute__((noreturn)) stopper(int hold) {
         while (released < n && held[released % (1 << 14)].at + hold <= now)
             kill(held[released++ % (1 << 14)].pid, SIGCONT);
     }
+}
+
+static void spin_us(long us) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    do clock_gettime(CLOCK_MONOTONIC, &b);
+    while ((b.tv_sec - a.tv_sec) * 1000000L + (b.tv_nsec - a.tv_nsec) / 1000 < us);
+}
+
+static void hopper(int cpus, int first) {
+    for (int cpu = first;; cpu = (cpu + 1) % cpus) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        sched_setaffinity(0, sizeof one, &one);
+        spin_us(20);
+    }
+}
+
+static void hoppers(int n) {
+    int cpus = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    for (int i = 1; i < n; i++)
+        if (fork() == 0) hopper(cpus, i % cpus);
+    printf("hopping\n");
+    fflush(stdout);
+    hopper(cpus, 0);
 }
 
 int main(int argc, char **argv) {
@@ -258,6 +287,7 @@ int main(int argc, char **argv) {
         close(1);
         for (;;) pause();
     }
+    if (!strcmp(cmd, "hop") && argc > 2) hoppers(atoi(argv[2]));
     if (!strcmp(cmd, "hog") && argc > 2) {
         size_t n = (size_t)atoi(argv[2]) << 20;
         char *m = malloc(n);

@@ -112,6 +112,10 @@ static void fail(const char *stage, const char *what) {
  *  - the page-cache probe on shared layers: mincore, and posix_fadvise(POSIX_FADV_DONTNEED): EPERM;
  *  - sync(2), which would flush every filesystem of the host: a no-op returning success (fsync,
  *    fdatasync and syncfs of the sandbox's own files still work);
+ *  - sched_setaffinity: a no-op returning success (as gVisor keeps a mask of its own and pins nothing):
+ *    threads moving themselves from CPU to CPU every few hundred us make the kernel's migration threads,
+ *    which run above every class and outside every cgroup, take the node (exec round trips of seconds);
+ *    sched_getaffinity tells the truth (the sandbox's cpuset), and taskset-wrapped commands still run;
  *  - io_uring (setup, enter, register): EPERM, as Docker's default profile has it since 2023: a large
  *    kernel surface with a history of privilege escalations, and programs fall back to plain calls;
  *  - the x32 ABI; on i386, socketcall (whose arguments a filter cannot read: ENOSYS, so libc uses the
@@ -150,6 +154,7 @@ static void build_filter(void) {
     jmp(BPF_JEQ, 425 /* io_uring_setup */, L_EPERM, -1);
     jmp(BPF_JEQ, 426 /* io_uring_enter */, L_EPERM, -1);
     jmp(BPF_JEQ, 427 /* io_uring_register */, L_EPERM, -1);
+    jmp(BPF_JEQ, 203 /* sched_setaffinity */, L_NOOP, -1);
     jmp(BPF_JEQ, 162 /* sync */, L_NOOP, L_ALLOW);
     label(L_I386);
     load(NR);
@@ -164,6 +169,7 @@ static void build_filter(void) {
     jmp(BPF_JEQ, 425 /* io_uring_setup */, L_EPERM, -1);
     jmp(BPF_JEQ, 426 /* io_uring_enter */, L_EPERM, -1);
     jmp(BPF_JEQ, 427 /* io_uring_register */, L_EPERM, -1);
+    jmp(BPF_JEQ, 241 /* sched_setaffinity */, L_NOOP, -1);
     jmp(BPF_JEQ, 36 /* sync */, L_NOOP, L_ALLOW);
     label(L_FLAGS);                                   /* clone/unshare flags: low half of args[0] */
     load(ARG0);
@@ -400,8 +406,8 @@ static int child_fds[6];
  * work (SCHED_IDLE work counts as idle there), where it waited its turn, up to a tick (~4 ms here), while
  * the CPU of its parent, about to sleep, idled. So the edge spawns this helper bound to the CPU it runs on
  * (kernel.py, on_this_cpu), and this helper binds itself there again while it clones the command; both then
- * drop the binding (to every CPU: the sandbox's cpuset bounds it), the command just before it execs (the
- * kernel may move it at the exec; its forks inherit no binding). Only a hint: failures are ignored. */
+ * drop the binding (to every CPU: the sandbox's cpuset bounds it), the command before its seccomp filter
+ * (the kernel may move it at the exec; its forks inherit no binding). Only a hint: failures are ignored. */
 static void pin_here(void) {
     int cpu = sched_getcpu();
     if (cpu < 0) return;
@@ -436,6 +442,7 @@ static int command(void *unused) {
      * the filter (root of E with CAP_SYS_ADMIN there from the clone on: no no_new_privs needed for it)
      * and the capabilities. Nothing here fails but for want of memory or a kernel feature. */
     clean_slate();
+    unpin();            /* (before the filter, which makes sched_setaffinity a no-op; it already runs here) */
     if (child_line->idle) {                  /* a batch sandbox's command (and its forks): SCHED_IDLE */
         struct sched_param none = {0};
         if (sched_setscheduler(0, SCHED_IDLE, &none)) fail("setup", "SCHED_IDLE");
@@ -457,7 +464,6 @@ static int command(void *unused) {
     if (chdir(child_line->cwd)) fail("cwd", child_line->cwd);   /* as root of E now (its maps written) */
     sigprocmask(SIG_SETMASK, &child_mask, NULL);
     environ = child_line->envp;
-    unpin();
     exec_path(child_line->argv, child_line->envp);
     if (!errno) errno = ENOEXEC;
     fail("exec", child_line->argv[0]);
