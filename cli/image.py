@@ -3,11 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import lzma
-import os
-import tarfile
 import tempfile
-import zlib
 from pathlib import Path
 
 import click
@@ -17,7 +13,7 @@ from bus import streams
 from bus.records import ImageConfig, sandbox_decoder, snapshot_decoder
 from edge import debootstrap, e2bbase
 from cli.main import connect, main, nats_option, run_async
-from edge.erofs import LayerBuildError, mtime_ns, pack_dir, set_dir_mtimes
+from edge.erofs import LayerBuildError, pack_dir
 from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
 
@@ -88,7 +84,7 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
                 from_dir = Path(tmp) / "root"
                 await asyncio.to_thread(unpack_tar, from_tar, from_dir)
             digest = await asyncio.to_thread(pack_dir, from_dir, layer)
-        except (LayerBuildError, tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as exc:
+        except (LayerBuildError, OSError) as exc:
             raise InvalidRequest(f"cannot build {name_only}: {exc}") from None   # (EOFError...: a truncated .tgz/.txz)
         bus = await connect(nats_url, "dsec-image", "admin")
         try:
@@ -100,27 +96,17 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
 
 
 def unpack_tar(archive: Path, root: Path) -> None:
-    """Unpack a tar into root; members leaving root (absolute paths, .., hard links out) are refused."""
-    root.mkdir()
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        tar.extractall(root, members, filter=_in_root)
-    named = {os.path.normpath(m.name).lstrip("/"): mtime_ns(m.mtime) for m in members if m.isdir()}
-    set_dir_mtimes(root, {("" if k == "." else k): at for k, at in named.items()})
-
-
-def _in_root(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
-    """tarfile's "tar" filter (modes and owners kept, paths outside dest refused), and a hard link only to a
-    file inside dest. The "tar" filter lets any hard link through: one to /etc/passwd linked the host's file
-    into the layer, and the member's owner, mode and mtime were then set on it. Symbolic links may point
-    anywhere: they are the image's own, resolved inside its sandboxes."""
-    member = tarfile.tar_filter(member, dest)
-    if member.islnk():
-        dest = os.path.realpath(dest)
-        target = os.path.realpath(os.path.join(dest, member.linkname))
-        if os.path.isabs(member.linkname) or os.path.commonpath([target, dest]) != dest:
-            raise tarfile.LinkOutsideDestinationError(member, target)
-    return member
+    """Unpack a tar (optionally compressed) into root as an image layer is applied (edge/oci.py): every
+    name, hard link and parent resolves inside root through fds (a symlink of the archive's own, even one
+    replaced later, is followed inside it, never out), modes and owners are kept, device nodes and paths
+    leaving root are refused. Raises LayerBuildError saying why. tarfile's filters are not enough here:
+    they check names with realpath, which a later member can make stale (a symlink re-pointed) and long
+    names can defeat (CVE-2025-4517), and the "tar" one let any hard link through."""
+    from edge import oci
+    try:
+        oci.apply_layers([archive], root)
+    except oci.OciError as exc:
+        raise LayerBuildError(str(exc)) from None
 
 
 @image.command(name="rm")

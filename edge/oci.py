@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import gzip
 import hashlib
 import json
+import lzma
 import os
 import shutil
 import stat
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,8 +169,8 @@ def apply_layers(layers: list[Path], root: Path, progress=lambda line: None) -> 
             progress(f"layer {i + 1}/{len(layers)}: {layer.name[:19]} ({layer.stat().st_size} bytes)")
             try:
                 _apply(fd, layer, dir_mtimes)
-            except (tarfile.TarError, EOFError, gzip.BadGzipFile, OSError) as exc:
-                raise OciError(f"layer {i + 1} ({layer.name[:19]}): {exc}") from None
+            except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:   # (a truncated or
+                raise OciError(f"layer {i + 1} ({layer.name[:19]}): {exc}") from None           # corrupt stream)
         try:   # each directory's mtime as its last layer gave it
             set_dir_mtimes(root, dir_mtimes)
         except OSError as exc:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import subprocess
+import stat
 import sys
 import tarfile
 from pathlib import Path
@@ -285,27 +286,40 @@ def test_the_debian_mirror_comes_from_apt_sources(tmp_path):
 def test_a_tar_hard_link_out_of_the_root_is_refused_and_the_host_file_untouched(tmp_path):
     """`dsec image build --from-tar`: tarfile's "tar" filter let a hard link to any host path through, so a
     tarball's member `h` linked to /etc/passwd put the host's file in the layer and then took the member's
-    owner, mode and mtime (the host file re-owned). Refused now, by the CLI as a clean error, with the host
-    file as it was; a hard link inside the archive still works, and a truncated .tgz is a clean error too."""
+    owner, mode and mtime (the host file re-owned); a directory made through a symlink the archive re-points
+    out later had its owner, mode and mtime set outside too. Refused, or kept inside, with the host's files as
+    they were; a hard link inside the archive still works, modes are kept whole, and a truncated .tgz is a
+    clean error too."""
     victim = tmp_path / "victim"
     victim.write_text("secret\n")
     victim.chmod(0o600)
-    before = victim.stat()
-    for name, linkname in (("abs", str(victim)), ("dots", "../victim"), ("via", "up/victim")):
+    (tmp_path / "vdir").mkdir(mode=0o700)
+    before = victim.stat(), (tmp_path / "vdir").stat()
+
+    def entry(tar, name, kind=tarfile.REGTYPE, linkname=""):
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname, info.mode, info.uid, info.gid, info.mtime = kind, linkname, 0o755, 4242, 4242, 12345
+        tar.addfile(info)
+    for name, linkname in (("abs", str(victim)), ("dots", "../victim"), ("via", "up/victim"), ("repoint", "")):
         archive = tmp_path / f"{name}.tar"
         with tarfile.open(archive, "w") as tar:
             if name == "via":   # through a symlink of the archive's own that leaves the root
-                link = tarfile.TarInfo("up")
-                link.type, link.linkname = tarfile.SYMTYPE, str(tmp_path)
-                tar.addfile(link)
-            info = tarfile.TarInfo("h")
-            info.type, info.linkname, info.mode, info.uid, info.gid, info.mtime = tarfile.LNKTYPE, linkname, 0o755, 4242, 4242, 12345
-            tar.addfile(info)
+                entry(tar, "up", tarfile.SYMTYPE, str(tmp_path))
+            if name == "repoint":   # a symlink re-pointed out after a directory was made through it
+                entry(tar, "real", tarfile.DIRTYPE)
+                entry(tar, "a", tarfile.SYMTYPE, "real")
+                entry(tar, "a/b", tarfile.DIRTYPE)
+                entry(tar, "a", tarfile.SYMTYPE, str(tmp_path / "vdir"))
+            else:
+                entry(tar, "h", tarfile.LNKTYPE, linkname)
         p = dsec("image", "build", "--nats", "nats://127.0.0.1:1", f"hl{name}", "--kind", "toolkit", "--from-tar", str(archive))
-        assert p.returncode == 1 and p.stderr.startswith(f"dsec: error: cannot build hl{name}: "), p.stderr
-        after = victim.stat()
-        assert (after.st_mode, after.st_uid, after.st_mtime_ns, victim.read_text()) == \
-            (before.st_mode, before.st_uid, before.st_mtime_ns, "secret\n"), name
+        assert p.returncode == 1, p.stderr
+        assert p.stderr.startswith(f"dsec: error: cannot build hl{name}: " if name != "repoint" else
+                                   "dsec: error: cannot connect to NATS"), p.stderr   # (that one builds, inside)
+        after = victim.stat(), (tmp_path / "vdir").stat()
+        assert [(a.st_mode, a.st_uid, a.st_mtime_ns) for a in after] == \
+            [(b.st_mode, b.st_uid, b.st_mtime_ns) for b in before] and victim.read_text() == "secret\n", name
+        assert os.listdir(tmp_path / "vdir") == [], name
     import cli.main  # noqa: F401  (the CLI's modules import each other in its order)
     from cli.image import unpack_tar
     inside = tmp_path / "inside.tar"
@@ -316,9 +330,14 @@ def test_a_tar_hard_link_out_of_the_root_is_refused_and_the_host_file_untouched(
         info = tarfile.TarInfo("b")
         info.type, info.linkname = tarfile.LNKTYPE, "a/f"
         tar.addfile(info)
+        for name, mode in (("tmp", 0o1777), ("su", 0o4755)):   # modes kept whole (the "tar" filter cut them)
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = (tarfile.DIRTYPE if name == "tmp" else tarfile.REGTYPE), mode
+            tar.addfile(info)
     unpack_tar(inside, tmp_path / "root")
     assert (tmp_path / "root" / "b").read_text() == "hi\n"
     assert os.path.samefile(tmp_path / "root" / "b", tmp_path / "root" / "a" / "f")
+    assert [stat.S_IMODE((tmp_path / "root" / n).stat().st_mode) for n in ("tmp", "su")] == [0o1777, 0o4755]
     src = tmp_path / "src"
     src.mkdir()
     (src / "blob").write_bytes(os.urandom(300_000))

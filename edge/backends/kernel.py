@@ -86,14 +86,29 @@ CAP_SYS_ADMIN = 21
 
 
 class KernelError(OSError):
-    """A syscall failed; errno is kept and the message names the call."""
+    """A syscall failed; errno is kept and the message names the call. Also the errno's own OSError subclass
+    (FileNotFoundError, PermissionError...), as os's calls raise them: `except FileNotFoundError` around a
+    call here missed ENOENT while this was a plain OSError subclass (OCI import: a layer naming a file before
+    its directory failed)."""
+
+
+_KINDS: dict[type, type] = {OSError: KernelError}
+
+
+def kernel_error(err: int, text: str) -> KernelError:
+    """A KernelError that is also the errno's OSError subclass."""
+    kind = type(OSError(err, ""))
+    cls = _KINDS.get(kind)
+    if cls is None:
+        cls = _KINDS[kind] = type(f"Kernel{kind.__name__}", (KernelError, kind), {})
+    return cls(err, text)
 
 
 def _check(ret: int, what: str) -> int:
     """Raise KernelError for a -1 return, with the errno text."""
     if ret == -1:
         err = ctypes.get_errno()
-        raise KernelError(err, f"{what}: {os.strerror(err)}")
+        raise kernel_error(err, f"{what}: {os.strerror(err)}")
     return ret
 
 
