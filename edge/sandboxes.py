@@ -384,16 +384,18 @@ class Sandboxes:
 
     async def rollback(self, sandbox_id: str, snap: SnapshotRecord) -> None:
         """Restart the sandbox on the snapshot's layers with a fresh writable layer (same id, node,
-        resources; its processes start afresh), and its execs' default env, cwd and user, as a fork of it
-        gets them (the snapshot may be of another sandbox: a fork going back to where it came from). If the
-        restart fails the sandbox is gone (failed)."""
+        resources; its processes start afresh), with the snapshot's default cwd and user and its env under
+        the sandbox's own, as a fork of it given that env gets them (the snapshot may be of another sandbox: a
+        fork going back to where it came from keeps what it was forked with). If the restart fails the
+        sandbox is gone (failed)."""
         running = self.running[sandbox_id]
         if snap.tenant != running.record.tenant:
             raise InvalidRequest(f"snapshot {snap.id} not found")
         assert running.spec is not None
         paths = await self.layers.ensure(snap.layers)          # before anything is torn down
         cwd = "" if snap.cwd == "/" else snap.cwd
-        spec = dataclasses.replace(running.spec, layers=paths, env=dict(snap.env), cwd=cwd, user=snap.user)
+        spec = dataclasses.replace(running.spec, layers=paths, env={**snap.env, **running.spec.env}, cwd=cwd,
+                                   user=snap.user)
         await self.backend.destroy(sandbox_id)
         try:
             await self.backend.create(spec)

@@ -351,9 +351,10 @@ class AsyncSandbox:
     async def rollback(self, snapshot: SnapshotRecord | str, *, timeout: float = 120.0) -> None:
         """Return its filesystem to a snapshot: it restarts on the snapshot's layers with a fresh writable
         layer (same id and node; every process, background execs included, starts afresh), and its execs'
-        default env, cwd and user become the snapshot's, as a fork of it gets them (a snapshot of another
-        sandbox too: a fork going back to where it came from). snapshot: a record, an id or a tag (its newest,
-        as fork takes it); ImageNotFound when there is none."""
+        default cwd and user become the snapshot's and its env the snapshot's under its own, as a fork of it
+        given that env gets them (a snapshot of another sandbox too: a fork going back to where it came from
+        keeps what it was forked with). snapshot: a record, an id or a tag (its newest, as fork takes it);
+        ImageNotFound when there is none."""
         self._needs("snapshot", "rollback")
         snap_id = (await self.client.snapshot(snapshot)).id
         await self.client._op(self.node, self.id, lambda rid, to, dl: RollbackRequest(

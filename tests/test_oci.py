@@ -109,17 +109,17 @@ async def test_a_rollback_to_another_sandboxs_snapshot_is_that_snapshot_as_a_for
     try:
         await origin.exec("echo episode-start > /work/state.txt")
         snap = await origin.snapshot(tag="roll-other")
-        fork = await client.fork(snap)
+        fork = await client.fork(snap, env={"WORKER": "3"})
         want = (await fork[0].exec(show)).stdout
         assert want == b"1000\n/work\nhello from the image\nepisode-start\n", want
         await other.rollback(snap)
         assert (await other.exec(show)).stdout == want
-        assert (await other.exec("echo ${MINE:-unset}")).stdout == b"unset\n"
+        assert (await other.exec("echo $MINE")).stdout == b"1\n"      # its own env over the snapshot's
         rec = await client._record(other.id)
         assert (rec.image, rec.user, rec.cwd) == (snap.image, "app", "/work"), rec
         await fork[0].exec("echo later > /work/state.txt")
-        await fork[0].rollback(snap)                  # a fork back to where it came from
-        assert (await fork[0].exec(show)).stdout == want
+        await fork[0].rollback(snap)                  # a fork back to where it came from, with its own env
+        assert (await fork[0].exec(show + "; echo $WORKER")).stdout == want + b"3\n"
     finally:
         await asyncio.gather(*(s.destroy() for s in [origin, other, *fork]), return_exceptions=True)
         await client.delete_snapshot("roll-other")
