@@ -20,8 +20,11 @@ REPO_CONF = Path(__file__).resolve().parent.parent / "nats.conf"
 RESTARTS = 3              # keep(): the most starts again within RESTART_WINDOW before it gives up
 RESTART_WINDOW = 60.0     # seconds
 LOOK_EVERY = 2.0          # keep(): seconds between looks at its log for a write error
-WRITE_ERROR = b"ritical write error"   # nats-server's words when a stream's store failed a write (ENOSPC...)
+WRITE_ERROR = b"ritical write error"   # nats-server's words when a stream's store failed a write...
+FULL = b"no space left on device"      # ...for want of room (the one write error a restart heals once room is back)
 ROOM = 256 << 20          # free bytes its store's disk needs before a server with a write error is restarted
+ROOM_INODES = 1000        # ...and free inodes
+ROOM_RESTART_GAP = 20.0   # seconds at least between two such restarts
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +73,17 @@ def free_port(host: str = "127.0.0.1", below: int = 0) -> int:
     raise OSError(f"no free TCP port under {below} on {host}")
 
 
+def _prctl():
+    import ctypes
+    return ctypes.CDLL(None).prctl
+
+
+_PRCTL = _prctl()   # looked up here, not in a forked child (another thread may hold the loader's lock then)
+
+
 def die_with_parent() -> None:
     """In the child: SIGTERM when the thread that started us dies (a SIGKILLed `dsec up` leaves no server)."""
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    _PRCTL(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
 
 
 class NatsServer:
@@ -94,6 +104,7 @@ class NatsServer:
         self.proc: subprocess.Popen | None = None
         self._sweeper = None
         self._log_seen, self._write_error = 0, ""   # keep(): where its log was read up to; a write error it logged
+        self._room_restart_after = 0.0              # keep(): no restart for room before this (monotonic)
 
     @property
     def url(self) -> str:
@@ -125,8 +136,9 @@ class NatsServer:
     async def keep(self) -> str:
         """Start the server again whenever it exits (a crash, a kill, an OOM kill: its streams are recovered
         from the store dir), from the calling thread (the event loop's, as for start), and restart it once
-        its store's disk has room again after a write error (a full disk): nats-server keeps failing every
-        write to a stream whose store failed one, until it restarts. Returns why it gave up: it exited again
+        its store's disk has room again after a write error for want of room (at most one such restart per
+        ROOM_RESTART_GAP): nats-server keeps failing every write to a stream whose store failed one, until it
+        restarts. Returns why it gave up: it exited again
         after RESTARTS restarts within RESTART_WINDOW, or could not start again. Cancel it before stop()."""
         starts: list[float] = []
         while True:
@@ -163,7 +175,8 @@ class NatsServer:
                     await asyncio.wait_for(asyncio.shield(exited), LOOK_EVERY)
                     return ""
                 self._write_error = self._write_error or self._logged_write_error()
-                if self._write_error and self._room():
+                if self._write_error and self._room() and time.monotonic() >= self._room_restart_after:
+                    self._room_restart_after = time.monotonic() + ROOM_RESTART_GAP
                     self.proc.terminate()
                     try:
                         await asyncio.wait_for(asyncio.shield(exited), 10)
@@ -176,7 +189,7 @@ class NatsServer:
             os.close(fd)
 
     def _logged_write_error(self) -> str:
-        """The first write-error line the server logged since it started ("" if none)."""
+        """The first write-error line for want of room the server logged since it started ("" if none)."""
         try:
             with open(self.log_file, "rb") as f:
                 f.seek(self._log_seen)
@@ -186,15 +199,18 @@ class NatsServer:
         end = new.rfind(b"\n") + 1     # whole lines only: the rest is read next time
         self._log_seen += end
         at = new.find(WRITE_ERROR, 0, end)
-        if at < 0:
-            return ""
-        line = new[new.rfind(b"\n", 0, at) + 1:new.find(b"\n", at)]
-        return line.decode(errors="replace").strip()[:300]
+        while at >= 0:
+            line = new[new.rfind(b"\n", 0, at) + 1:new.find(b"\n", at)]
+            if FULL in line:
+                return line.decode(errors="replace").strip()[:300]
+            at = new.find(WRITE_ERROR, at + 1, end)
+        return ""
 
     def _room(self) -> bool:
-        """Its store's disk has room: ROOM bytes free, or a tenth of a smaller disk."""
-        usage = shutil.disk_usage(self.store_dir)
-        return usage.free >= min(ROOM, usage.total // 10)
+        """Its store's disk has room: ROOM bytes free, or a tenth of a smaller disk, and ROOM_INODES inodes."""
+        fs = os.statvfs(self.store_dir)
+        free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+        return free >= min(ROOM, total // 10) and (fs.f_files == 0 or fs.f_favail >= ROOM_INODES)
 
     def _spawn(self) -> None:
         check_port_free(self.host, self.port, "NATS")

@@ -983,3 +983,24 @@ async def test_an_exec_request_never_taken_ends_at_its_start_deadline_and_a_refu
     with pytest.raises(AuthenticationFailed):
         await sandbox_mod._send_until_taken(away, "s", b"d", "x1", time.time() + 30)
     assert Away.calls == 1
+
+
+def test_the_server_keeper_restarts_for_room_only_after_a_full_disk(tmp_path):
+    """keep() restarts nats-server after a logged write error only when it was for want of room (a restart
+    heals that once the disk has room again) and only what was logged since its start; an I/O error or a
+    read-only disk would come back at once, and restarting for them every few seconds dropped every client."""
+    from bus.server import NatsServer
+    srv = NatsServer(tmp_path / "nats", log_file=tmp_path / "nats-server.log")
+    (tmp_path / "nats").mkdir()
+    old = b"[1] [ERR] Filestore [A] Critical write error: write x.blk: no space left on device\n"
+    srv.log_file.write_bytes(old)
+    srv._log_seen = len(old)                  # (as _spawn sets it: what was there before is not looked at)
+    with open(srv.log_file, "ab") as f:
+        f.write(b"[2] [ERR] Filestore [B] Critical write error: write y.blk: input/output error\n")
+    assert srv._logged_write_error() == ""
+    with open(srv.log_file, "ab") as f:
+        f.write(b"[2] [INF] fine\n[2] [ERR] JetStream stream 'DSEC > C' critical write error: write z.blk: "
+                b"no space left on device\n[2] [ERR] half a li")
+    assert srv._logged_write_error().endswith("z.blk: no space left on device")
+    assert srv._logged_write_error() == ""   # read once; the half line waits for its end
+    assert srv._room()                        # (this disk has room)
