@@ -374,6 +374,9 @@ class NodeCgroups:
         group = shard(sandbox_id)
         if batch is None:
             batch = self._has_batch and os.path.isdir(f"{self._batch_cpu}/{group}/{sandbox_id}")
+            if self._has_batch and not batch and not os.path.isdir(f"{self.base['cpu']}/{group}/{sandbox_id}"):
+                # neither cpu group (a teardown cut short removes cpu first): wherever any group is left
+                batch = any(os.path.isdir(p / group / sandbox_id) for p in self.batch.values())
         return {c: p / group / sandbox_id for c, p in (self.batch if batch else self.base).items()}
 
     def exec_group(self, sandbox_id: str, n: int) -> dict[str, Path]:

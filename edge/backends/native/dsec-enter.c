@@ -408,16 +408,25 @@ static int child_fds[6];
  * (kernel.py, on_this_cpu), and this helper binds itself there again while it clones the command; both then
  * drop the binding (to every CPU: the sandbox's cpuset bounds it), the command before its seccomp filter
  * (the kernel may move it at the exec; its forks inherit no binding). Only a hint: failures are ignored. */
+static cpu_set_t before_pin;     /* this helper's own binding, put back after its clone (a resident server's
+                                   is the edge's, which an operator may have set) */
+static int pinned;
+
 static void pin_here(void) {
     int cpu = sched_getcpu();
-    if (cpu < 0) return;
+    if (cpu < 0 || sched_getaffinity(0, sizeof before_pin, &before_pin)) return;
     cpu_set_t one;
     CPU_ZERO(&one);
     CPU_SET(cpu, &one);
-    sched_setaffinity(0, sizeof one, &one);
+    pinned = !sched_setaffinity(0, sizeof one, &one);
 }
 
-static void unpin(void) {
+static void unpin_self(void) {
+    if (pinned) sched_setaffinity(0, sizeof before_pin, &before_pin);
+    pinned = 0;
+}
+
+static void unpin(void) {      /* the command: every CPU (its sandbox's cpuset bounds it) */
     cpu_set_t every;
     memset(&every, 0xff, sizeof every);
     sched_setaffinity(0, sizeof every, &every);
@@ -500,7 +509,7 @@ static pid_t spawn_command(const struct command_line *c, const int stdio[3], int
     pid_t pid = clone(command, stack + sizeof stack,
                       CLONE_VM | CLONE_NEWUSER | (c->fresh_ipc ? CLONE_NEWIPC : 0) | SIGCHLD, NULL);
     int e = errno;
-    unpin();
+    unpin_self();
     close(go[0]);
     close(execd[1]);
     if (pid < 0) {
@@ -544,6 +553,7 @@ static pid_t spawn_command(const struct command_line *c, const int stdio[3], int
 /* The one-shot way (steps 1-4), in the helper the edge spawned, holding at BASE+3..BASE+12 the error
  * pipe, the namespace fds, the root and the setup pipe. Never returns: exits the way the command did. */
 static void enter_and_run(int base, char **cmd, char **envp) {
+    unpin();            /* spawned bound to the edge's CPU (on_this_cpu): free again, but for the clone */
     ERR_FD = base + 3;
     const int NS_FD0 = base + 4, USERNS_FD = base + 10, ROOT_FD = base + 11, SETUP_FD = base + 12;
     long got = read_setup(SETUP_FD);
