@@ -135,7 +135,9 @@ def local_stdin():
     except OSError:
         return None
     loop = asyncio.get_running_loop()
-    pieces: asyncio.Queue[bytes] = asyncio.Queue(maxsize=16)
+    pieces: asyncio.Queue[bytes] = asyncio.Queue()
+    room = threading.Semaphore(16)   # pieces read ahead at most (a plain call hands each over: a coroutine
+                                     # made in this thread and dropped by the loop's close was a warning)
 
     def reader() -> None:
         while True:
@@ -143,11 +145,12 @@ def local_stdin():
                 data = os.read(0, 1 << 16)
             except OSError:
                 data = b""
-            try:
+            while not room.acquire(timeout=1):
                 if loop.is_closed():
                     return
-                asyncio.run_coroutine_threadsafe(pieces.put(data), loop).result()
-            except BaseException:    # the loop closed or the put was cancelled: the command ended
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, data)
+            except RuntimeError:     # the loop closed: the command ended
                 return
             if not data:
                 return
@@ -155,6 +158,7 @@ def local_stdin():
     async def gen():
         threading.Thread(target=reader, daemon=True, name="stdin").start()
         while data := await pieces.get():
+            room.release()
             yield data
     return gen()
 
