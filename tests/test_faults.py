@@ -238,6 +238,27 @@ async def test_a_create_queued_until_its_deadline_is_answered_capacity_unavailab
             await sb.destroy()
 
 
+@contextlib.asynccontextmanager
+async def _own_stack(tmp_path, node: str):
+    """A whole node of its own (`dsec up`'s Stack: its own NATS server, identities on) and a tenant's client;
+    stopped after, and checked to leave nothing of its node."""
+    from bus.server import free_port
+    from cli.stack import Stack
+    from edge.backends.registry import node_leftovers
+    from edge.capacity import EdgeConfig
+    from tests import leaks
+    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
+               edge_config=EdgeConfig(node_id=node, slots=4))
+    with leaks.live(node, tmp_path / "state"):
+        await st.start()
+        try:
+            async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
+                yield st, client
+        finally:
+            await st.stop()
+    assert node_leftovers(tmp_path / "state" / "edge", node) == []
+
+
 async def _cut(bus) -> None:
     """Make the NATS server close this connection with a protocol error: a message over its max_payload.
     Its control line alone (2 MB announced, not a byte of it sent), so the server refuses it with nothing of
@@ -260,33 +281,19 @@ async def test_placement_cut_off_by_the_server_serves_again_and_a_cut_edge_stops
     later create and control call failed ("no placement engine serves it"). Now the stack starts it again on
     a new connection. An edge cut off cannot go on (its sandboxes' records, heartbeats and execs ride on it):
     the stack is `broken`, naming the part and the server's error, and `dsec up` stops and exits 1."""
-    from bus.server import free_port
-    from cli.stack import Stack
-    from edge.capacity import EdgeConfig
-    from tests import leaks
-    node = "tcut"
-    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
-               edge_config=EdgeConfig(node_id=node, slots=4))
-    with leaks.live(node, tmp_path / "state"):
-        await st.start()
-        try:
-            async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
-                kept = await client.create()
-                cut = st.placement.bus
-                await _cut(cut)
-                async with await client.create(timeout=20) as sb:    # an engine on a new connection serves
-                    assert (await sb.exec("echo alive")).stdout == b"alive\n"
-                    assert {sb.id, kept.id} <= {r.sandbox_id for r in await client.list()}
-                assert st.placement.bus is not cut and st.placement.bus.connected and not st.broken.is_set()
-                assert (await kept.exec("echo kept")).stdout == b"kept\n"
-                await _cut(st.edge.bus)
-                await asyncio.wait_for(st.broken.wait(), 10)
-                assert st.broken_reason.startswith("edge: the NATS server closed the connection"), st.broken_reason
-                assert "maximum payload" in st.broken_reason.lower(), st.broken_reason
-        finally:
-            await st.stop()
-    from edge.backends.registry import node_leftovers as leftovers
-    assert leftovers(tmp_path / "state" / "edge", node) == []
+    async with _own_stack(tmp_path, "tcut") as (st, client):
+        kept = await client.create()
+        cut = st.placement.bus
+        await _cut(cut)
+        async with await client.create(timeout=20) as sb:    # an engine on a new connection serves
+            assert (await sb.exec("echo alive")).stdout == b"alive\n"
+            assert {sb.id, kept.id} <= {r.sandbox_id for r in await client.list()}
+        assert st.placement.bus is not cut and st.placement.bus.connected and not st.broken.is_set()
+        assert (await kept.exec("echo kept")).stdout == b"kept\n"
+        await _cut(st.edge.bus)
+        await asyncio.wait_for(st.broken.wait(), 10)
+        assert st.broken_reason.startswith("edge: the NATS server closed the connection"), st.broken_reason
+        assert "maximum payload" in st.broken_reason.lower(), st.broken_reason
 
 
 async def test_the_embedded_server_killed_is_started_again_and_the_node_serves_on(tmp_path, monkeypatch):
@@ -296,37 +303,23 @@ async def test_the_embedded_server_killed_is_started_again_and_the_node_serves_o
     still ready, and a new create is served. A server that keeps exiting breaks the stack, saying why."""
     import os
     from bus import server as server_mod
-    from bus.server import free_port
-    from cli.stack import Stack
-    from edge.capacity import EdgeConfig
-    from tests import leaks
-    node = "tkeep"
-    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
-               edge_config=EdgeConfig(node_id=node, slots=4))
-    with leaks.live(node, tmp_path / "state"):
-        await st.start()
-        try:
-            async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
-                kept = await client.create()
-                assert (await kept.exec("echo before > /tmp/f; cat /tmp/f")).stdout == b"before\n"
-                first = st.server.proc.pid
-                os.kill(first, signal.SIGKILL)
-                r = await kept.exec("echo after >> /tmp/f; cat /tmp/f", timeout=30)
-                assert r.stdout == b"before\nafter\n" and r.exit_code == 0, r
-                assert st.server.proc.pid != first and st.server.proc.poll() is None
-                assert (await client._record(kept.id)).state == "ready"
-                async with await client.create(timeout=20) as sb:
-                    assert (await sb.exec("echo new")).stdout == b"new\n"
-                    assert {sb.id, kept.id} <= {r.sandbox_id for r in await client.list()}
-                assert not st.broken.is_set(), st.broken_reason
-                monkeypatch.setattr(server_mod, "RESTARTS", 0)   # the next exit is one too many
-                os.kill(st.server.proc.pid, signal.SIGKILL)
-                await asyncio.wait_for(st.broken.wait(), 10)
-                assert st.broken_reason.startswith("the NATS server exited (signal 9) after 1 restart(s)"), st.broken_reason
-        finally:
-            await st.stop()
-    from edge.backends.registry import node_leftovers as leftovers
-    assert leftovers(tmp_path / "state" / "edge", node) == []
+    async with _own_stack(tmp_path, "tkeep") as (st, client):
+        kept = await client.create()
+        assert (await kept.exec("echo before > /tmp/f; cat /tmp/f")).stdout == b"before\n"
+        first = st.server.proc.pid
+        os.kill(first, signal.SIGKILL)
+        r = await kept.exec("echo after >> /tmp/f; cat /tmp/f", timeout=30)
+        assert r.stdout == b"before\nafter\n" and r.exit_code == 0, r
+        assert st.server.proc.pid != first and st.server.proc.poll() is None
+        assert (await client._record(kept.id)).state == "ready"
+        async with await client.create(timeout=20) as sb:
+            assert (await sb.exec("echo new")).stdout == b"new\n"
+            assert {sb.id, kept.id} <= {r.sandbox_id for r in await client.list()}
+        assert not st.broken.is_set(), st.broken_reason
+        monkeypatch.setattr(server_mod, "RESTARTS", 0)   # the next exit is one too many
+        os.kill(st.server.proc.pid, signal.SIGKILL)
+        await asyncio.wait_for(st.broken.wait(), 10)
+        assert st.broken_reason.startswith("the NATS server exited (signal 9) after 1 restart(s)"), st.broken_reason
     assert st.server is None
 
 
@@ -336,48 +329,33 @@ async def test_the_embedded_server_is_restarted_once_its_full_disk_has_room_agai
     disk was freed (helper F). The stack now restarts the server once the disk has room again: the sandbox made
     before answers, and creates are served."""
     import os
-    import subprocess
     from bus import server as server_mod
-    from bus.server import free_port
-    from cli.stack import Stack
-    from edge.capacity import EdgeConfig
-    from tests import leaks
     monkeypatch.setattr(server_mod, "LOOK_EVERY", 0.5)
-    node, store = "tfull", tmp_path / "state" / "nats"
+    store = tmp_path / "state" / "nats"
     store.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(store)], check=True)
-    st = Stack(tmp_path / "state", port=free_port(), metrics_port=None, auth=True,
-               edge_config=EdgeConfig(node_id=node, slots=4))
     try:
-        with leaks.live(node, tmp_path / "state"):
-            await st.start()
-            try:
-                async with libdsec.AsyncClient(st.url, creds=str(st.iam.creds_path("tenant:default"))) as client:
-                    kept = await client.create()
-                    first = st.server.proc.pid
-                    with open(store / "fill", "wb", buffering=0) as f:       # the disk full, to its last page
-                        for size in (1 << 20, 4096):
-                            with contextlib.suppress(OSError):
-                                while True:
-                                    f.write(b"\0" * size)
-                    with contextlib.suppress(libdsec.DsecError):   # writes fail now (acked or not)
-                        await (await client.create(timeout=4)).exec("true", timeout=4)
-                    log = (tmp_path / "state" / "nats-server.log").read_bytes()
-                    assert b"ritical write error" in log
-                    await asyncio.sleep(1.5)
-                    assert st.server.proc.pid == first            # no room yet: not restarted for nothing
-                    os.unlink(store / "fill")
-                    r = await kept.exec("echo after", timeout=30)
-                    assert r.stdout == b"after\n", r
-                    async with await client.create(timeout=30) as sb:
-                        assert (await sb.exec("echo new")).stdout == b"new\n"
-                    assert st.server.proc.pid != first and not st.broken.is_set(), st.broken_reason
-            finally:
-                await st.stop()
+        async with _own_stack(tmp_path, "tfull") as (st, client):
+            kept = await client.create()
+            first = st.server.proc.pid
+            with open(store / "fill", "wb", buffering=0) as f:       # the disk full, to its last page
+                for size in (1 << 20, 4096):
+                    with contextlib.suppress(OSError):
+                        while True:
+                            f.write(b"\0" * size)
+            with contextlib.suppress(libdsec.DsecError):   # writes fail now (acked or not)
+                await (await client.create(timeout=4)).exec("true", timeout=4)
+            assert b"ritical write error" in (tmp_path / "state" / "nats-server.log").read_bytes()
+            await asyncio.sleep(1.5)
+            assert st.server.proc.pid == first            # no room yet: not restarted for nothing
+            os.unlink(store / "fill")
+            r = await kept.exec("echo after", timeout=30)
+            assert r.stdout == b"after\n", r
+            async with await client.create(timeout=30) as sb:
+                assert (await sb.exec("echo new")).stdout == b"new\n"
+            assert st.server.proc.pid != first and not st.broken.is_set(), st.broken_reason
     finally:
         subprocess.run(["umount", "-l", str(store)], check=False)
-    from edge.backends.registry import node_leftovers as leftovers
-    assert leftovers(tmp_path / "state" / "edge", node) == []
 
 
 async def test_a_standalone_placement_cut_off_by_the_server_serves_again(tmp_path):
