@@ -332,11 +332,10 @@ def report(dsec: dict, raw: dict, plan: Plan, cap: int) -> bool:
 def leftovers(node: str, state_dir: Path, procs: list) -> list[str]:
     """Mounts under the state dir, the node's cgroups, and processes of the stack still alive."""
     import psutil
-    from edge.backends.cgroups import own_paths
+    from edge.backends.cgroups import NodeCgroups
     with open("/proc/self/mountinfo") as f:
         found = [f"mount {m}" for m in (ln.split()[4] for ln in f) if m.startswith(f"{state_dir}/") or m == str(state_dir)]
-    found += [f"cgroup {p}" for base in own_paths().values() for p in (base / f"dsec-{node}", base / f"dsec-{node}.batch")
-              if p.exists()]
+    found += NodeCgroups(node).describe()   # (both trees: latency and batch)
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:

@@ -138,8 +138,8 @@ class NatsServer:
         from the store dir), from the calling thread (the event loop's, as for start), and restart it once
         its store's disk has room again after a write error for want of room (at most one such restart per
         ROOM_RESTART_GAP): nats-server keeps failing every write to a stream whose store failed one, until it
-        restarts. Returns why it gave up: it exited again
-        after RESTARTS restarts within RESTART_WINDOW, or could not start again. Cancel it before stop()."""
+        restarts. Returns why it gave up: it exited again after RESTARTS restarts within RESTART_WINDOW, or
+        could not start again. Cancel it before stop()."""
         starts: list[float] = []
         while True:
             write_error = await self._until_exit()

@@ -85,7 +85,7 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
                 await asyncio.to_thread(unpack_tar, from_tar, from_dir)
             digest = await asyncio.to_thread(pack_dir, from_dir, layer)
         except (LayerBuildError, OSError) as exc:
-            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None   # (EOFError...: a truncated .tgz/.txz)
+            raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
         bus = await connect(nats_url, "dsec-image", "admin")
         try:
             rec, new = await ImageRegistry(bus).publish(name_only, layer, digest, kind, config)

@@ -385,8 +385,7 @@ class NodeCgroups:
 
     def exec_join(self, sandbox_id: str, n: int) -> list[Path]:
         """Every group an exec's process joins: its own where it has one, else the sandbox's."""
-        own = self.exec_group(sandbox_id, n)
-        return [own.get(c, p) for c, p in self.sandbox(sandbox_id).items()]
+        return [p / f"x{n}" if c in EXEC_CONTROLLERS else p for c, p in self.sandbox(sandbox_id).items()]
 
     def create_sandbox(self, sandbox_id: str, limits: Limits, io_device: str = "") -> dict[str, Path]:
         """Create a sandbox's groups with its limits (I/O on io_device, "major:minor", throttled); on

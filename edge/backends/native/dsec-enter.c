@@ -405,9 +405,10 @@ static int child_fds[6];
 /* Where a new process first runs. Left free, the kernel often put it on another CPU busy with a sandbox's
  * work (SCHED_IDLE work counts as idle there), where it waited its turn, up to a tick (~4 ms here), while
  * the CPU of its parent, about to sleep, idled. So the edge spawns this helper bound to the CPU it runs on
- * (kernel.py, on_this_cpu), and this helper binds itself there again while it clones the command; both then
- * drop the binding (to every CPU: the sandbox's cpuset bounds it), the command before its seccomp filter
- * (the kernel may move it at the exec; its forks inherit no binding). Only a hint: failures are ignored. */
+ * (kernel.py, on_this_cpu), and this helper binds itself there again while it clones the command. The
+ * one-shot helper drops the edge's binding at its start, the command drops its own before its seccomp filter
+ * (to every CPU: the sandbox's cpuset bounds it; the kernel may move it at the exec, and its forks inherit
+ * no binding), and after the clone this helper puts back what it had. Only a hint: failures are ignored. */
 static cpu_set_t before_pin;     /* this helper's own binding, put back after its clone (a resident server's
                                    is the edge's, which an operator may have set) */
 static int pinned;
