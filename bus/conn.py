@@ -246,6 +246,9 @@ class Bus(KvStore, StreamReads):
             return False
         except InvalidRequest as exc:   # larger than the server takes (a bug of ours: replies are bounded)
             log.error("reply to %s not sent: %s", reply_to, exc)
+            with contextlib.suppress(BusError, InvalidRequest):   # the requester hears why, not nothing
+                await self.send(reply_to, ErrorReply(request_id=getattr(msg, "request_id", ""), code="internal",
+                                                     message=f"the answer was too large to send: {exc}"))
             return False
 
     async def subscribe(self, subject: str, cb: Callable[..., Awaitable[None]], *, with_headers: bool = False):

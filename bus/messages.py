@@ -248,7 +248,8 @@ FILE_PIECE = 512 << 10   # bytes per read or write piece of a file op (a 100 MiB
 class FileOp(Wire, tag="file_op"):
     """libdsec -> edge: one file-tree operation in the sandbox's root (edge/backends/treeops.py).
 
-    stat/list/mkdir/remove name `path` (list goes `depth` levels down); rename moves path to `dest`; read
+    stat/list/mkdir/remove name `path` (list goes `depth` levels down, a page of entries at a time: those
+    sorting after `after`, the last path of the page before); rename moves path to `dest`; read
     returns up to `length` bytes from `offset`; write puts `data` at `offset` (0 creates or truncates,
     with `mode`; later pieces must start where the file ends)."""
 
@@ -258,6 +259,7 @@ class FileOp(Wire, tag="file_op"):
     path: str = ""
     dest: str = ""
     depth: int = 1
+    after: str = ""
     offset: int = 0
     length: int = FILE_PIECE
     data: bytes = b""
@@ -298,6 +300,7 @@ class FileOpResult(msgspec.Struct, frozen=True):
 
     entry: FileEntry | None = None
     entries: list[FileEntry] = []
+    next: str = ""                  # list: more entries follow; ask again with after=next
     made: bool = False
     data: bytes = b""
     size: int = 0

@@ -22,7 +22,7 @@ from bus.messages import (
 from bus.records import snapshot_decoder
 from bus.pull import Delivery, Verdict
 from chronus.execs import Execs
-from edge.backends.treeops import MAX_DEPTH, check_metadata
+from edge.backends.treeops import MAX_AFTER, MAX_DEPTH, check_metadata
 from edge.backends.base import BackendError, SandboxGone
 from edge.records import Outcome
 from edge.sandboxes import Sandboxes
@@ -195,6 +195,8 @@ class OpLane:
             raise InvalidRequest(str(exc)) from None
         if not op.path.startswith("/") or "\0" in op.path or (op.op == "rename" and not op.dest.startswith("/")):
             raise InvalidRequest(f"paths must be absolute: {op.path!r}")
+        if "\0" in op.after or len(op.after) > MAX_AFTER:
+            raise InvalidRequest(f"after: a path of at most {MAX_AFTER} characters without NUL (a listing's last)")
         async def work() -> bytes:
             who = await self.sandboxes.file_user(op.sandbox_id, op.user)
             return await self.sandboxes.backend.file_op(op.sandbox_id, op, who)

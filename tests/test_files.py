@@ -109,6 +109,19 @@ async def test_tree_operations_and_what_they_return(client):
         assert (await sb.exec("cat /w/g.txt")).stdout == b"hello"
 
 
+async def test_a_listing_of_entries_with_large_metadata_comes_in_pages_that_fit_the_bus(client):
+    """150 files, each with 32 KiB of metadata: 4.8 MB of entries, far past a bus message (1 MiB) though far
+    below a page's count. The answer could not be sent, and the call waited out its timeout. Pages are cut
+    by their size too now; a listing comes whole."""
+    meta = {f"k{i}": str(i) * 4000 for i in range(8)}
+    async with await client.create(resources=libdsec.Resources(disk="1Gi")) as sb:
+        await sb.files.make_dir("/m")
+        await asyncio.gather(*(sb.files.write(f"/m/f{i:03}", "x", metadata=meta) for i in range(150)))
+        found = await sb.files.list("/m", timeout=10)
+        assert [e.name for e in found] == [f"f{i:03}" for i in range(150)]
+        assert all(e.metadata == meta for e in found)
+
+
 async def test_metadata_is_kept_as_user_xattrs(client):
     async with await client.create() as sb:
         await sb.files.write("/m.txt", "x", metadata={"owner": "agent-7", "step": "12"})

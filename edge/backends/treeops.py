@@ -9,19 +9,24 @@ creates belongs to the sandbox's root (its range base on the host), never to hos
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import heapq
 import os
 import shutil
 import stat as st
+from typing import Iterator
 
 import msgspec
 
-from bus.messages import FileEntry
+from bus.messages import FileEntry, encode
 from edge.backends import kernel
 from edge.backends.base import BackendError
 
-MAX_ENTRIES = 10_000    # one list answer (its entries fit a bus message)
+MAX_ENTRIES = 2_000     # a listing's page at most...
+PAGE_BYTES = 512 << 10  # ...and its entries encoded at most (an answer carries them base64'd, in 1 MiB)
 MAX_DEPTH = 16
+MAX_AFTER = 8192       # a listing's cursor (the last path of a page): PATH_MAX and then some
 MAX_META_KEY = 250      # "user." + key within XATTR_NAME_MAX (255)
 MAX_META_VALUE = 4096   # each value (one filesystem block holds them all on ext4; btrfs allows more)
 
@@ -116,33 +121,70 @@ def stat(root: int, path: str, base: int) -> FileEntry:
         os.close(pfd)
 
 
-def listing(root: int, path: str, depth: int, base: int) -> list[FileEntry]:
-    """The entries under directory path, down to depth levels (1: its own entries, up to MAX_DEPTH: the op
-    lane checks it), sorted by path."""
+def listing(root: int, path: str, depth: int, base: int, after: str = "") -> tuple[list[FileEntry], str]:
+    """A page of the entries under directory path, down to depth levels (1: its own entries, up to
+    MAX_DEPTH: the op lane checks it), sorted by path: the first MAX_ENTRIES whose path sorts after `after`
+    (the `next` of the page before; "": from the start), and the page's `next` ("" for the last page): the
+    path of its last entry, or of where it was (an entry gone meanwhile is left out). The walk reads names
+    only (a subtree wholly before `after` is skipped) and keeps the page's smallest; only the page's entries
+    are looked at."""
     top = normal(path)
-    out: list[FileEntry] = []
     fd = kernel.open_in_root(root, top, os.O_RDONLY | os.O_DIRECTORY)
-    _walk(fd, top, depth, base, out)
-    return sorted(out, key=lambda e: e.path)
+    page = heapq.nsmallest(MAX_ENTRIES + 1, _names(fd, top, depth, after))
+    by_parent: dict[str, list[tuple[str, str]]] = {}
+    for _shown, parent, name in page[:MAX_ENTRIES]:
+        by_parent.setdefault(parent, []).append((name, f"{parent.rstrip('/')}/{name}"))
+    out: list[FileEntry] = []
+    for parent, names in by_parent.items():
+        try:
+            pfd = dir_in_root(root, parent)
+        except OSError:      # gone (or replaced) since the walk
+            continue
+        try:
+            for name, full in names:
+                with contextlib.suppress(FileNotFoundError):
+                    out.append(entry(pfd, name, full, base))
+        finally:
+            os.close(pfd)
+    return fit(sorted(out, key=lambda e: e.path), page[MAX_ENTRIES - 1][0] if len(page) > MAX_ENTRIES else "")
 
 
-def _walk(fd: int, path: str, depth: int, base: int, out: list[FileEntry]) -> None:
-    """Entries of dir fd (closed here) into out; directories again while depth allows (by fd, O_NOFOLLOW)."""
+def fit(entries: list[FileEntry], after: str) -> tuple[list[FileEntry], str]:
+    """A page's entries cut where they pass PAGE_BYTES encoded (entries with large xattrs), the next page
+    going on from the last one kept; else as they are, with `after`."""
+    size = 0
+    for i, e in enumerate(entries):
+        size += len(encode(e)) + 1
+        if size > PAGE_BYTES and i:
+            return entries[:i], entries[i - 1].path
+    return entries, after
+
+
+def _names(fd: int, path: str, depth: int, after: str) -> Iterator[tuple[str, str, str]]:
+    """(path as the wire shows it, parent, name) of each entry below dir fd (closed here) that sorts after
+    `after`, depth levels down; a directory's entries by fd (O_NOFOLLOW, never into another mount)."""
     try:
-        for name in os.listdir(fd):
-            if len(out) >= MAX_ENTRIES:
-                raise OverflowError(f"more than {MAX_ENTRIES} entries: list a smaller tree or a smaller depth")
-            e = entry(fd, name, f"{path.rstrip('/')}/{name}", base)
-            out.append(e)
-            if e.type == "dir" and depth > 1:
-                try:
-                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                except OSError:   # unreadable, or another mount (its entries are not the root's)
-                    continue
-                if os.fstat(sub).st_dev != os.fstat(fd).st_dev:
-                    os.close(sub)
-                    continue
-                _walk(sub, e.path, depth - 1, base, out)
+        dev = os.fstat(fd).st_dev
+        subdirs: list[tuple[str, str]] = []
+        with os.scandir(fd) as found:
+            for de in found:
+                full = f"{path.rstrip('/')}/{de.name}"
+                shown = wire_name(full)
+                if shown > after:
+                    yield shown, path, de.name
+                if depth > 1 and de.is_dir(follow_symlinks=False):
+                    below = shown + "/"      # every path under it starts so: all before `after`, or not one
+                    if after.startswith(below) or after <= below:
+                        subdirs.append((de.name, full))
+        for name, full in subdirs:
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:   # unreadable, or gone
+                continue
+            if os.fstat(sub).st_dev != dev:   # another mount (its entries are not the root's)
+                os.close(sub)
+                continue
+            yield from _names(sub, full, depth - 1, after)
     finally:
         os.close(fd)
 

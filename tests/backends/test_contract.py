@@ -214,6 +214,27 @@ async def test_a_file_op_never_lands_where_the_sandboxs_commands_cannot_see_it(c
 
 
 @pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree")])
+async def test_a_listing_past_one_page_comes_whole_in_order(client, kind):
+    """A tree of more entries than one answer holds: past 10,000 the listing was refused, and past ~4,500
+    (2.3 MB of entries for 10,000) its answer was larger than a bus message, so the call waited out its
+    timeout. It comes a page per request now, every entry once, in path order, as `find` sees it: names
+    with '-' and '.' sort before a directory's own '/'-paths, and a page may end inside a directory."""
+    n = 10_007
+    async with await fresh(client, kind) as sb:
+        r = await sb.exec(f"mkdir -p /p/a/sub /p/a-c && cd /p/a && seq {n} | sed s,^,f, | xargs touch && cd sub && "
+                          f"seq 50 | sed s,^,g, | xargs touch && touch /p/a-c/z /p/a.x && find /p -mindepth 1",
+                          timeout=90)
+        assert r.exit_code == 0, r
+        want = sorted(r.stdout.decode().split())
+        assert len(want) == n + 55
+        got = [e.path for e in await sb.files.list("/p", depth=3, timeout=60)]
+        assert got == want
+        flat = await sb.files.list("/p/a", timeout=60)
+        assert [e.name for e in flat] == sorted([f"f{i}" for i in range(1, n + 1)] + ["sub"])
+        assert {e.type for e in flat} == {"file", "dir"}
+
+
+@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree")])
 async def test_the_file_tree_works_alike_where_offered(client, kind, tmp_path):
     """Where a kind offers it (the others refuse: the capability test), tree ops resolve inside the root: a
     planted symlink to the host's directory leads to the sandbox's own path of that name."""

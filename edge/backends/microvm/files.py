@@ -56,8 +56,6 @@ class GuestFiles:
         res = await vm.chan.exec([HELPER, *who, *args], {}, "/", stdin, TIMEOUT, sink, None, vm.frozen_for)
         if res.timed_out:
             raise BackendError(f"file operation on {path} took longer than {TIMEOUT:.0f}s")
-        if res.exit_code == errno.EOVERFLOW and args[0] == "list":
-            raise BackendError(f"more than {MAX_ENTRIES} entries: list a smaller tree or a smaller depth: {path}")
         if res.exit_code == errno.EINVAL and b"piece was lost" in out["stderr"]:
             raise BackendError(f"{out['stderr'].decode(errors='replace').strip()}: {path}")
         if res.exit_code:
@@ -88,8 +86,10 @@ class GuestFiles:
             case "stat":
                 result = FileOpResult(entry=entries(await helper(["stat", path], b""))[0])
             case "list":
-                out = await helper(["list", path, str(op.depth), str(MAX_ENTRIES)], b"")
-                result = FileOpResult(entries=sorted(entries(out), key=lambda e: e.path))
+                out = await helper(["list", path, str(op.depth), str(MAX_ENTRIES), op.after], b"")
+                after, _, out = out.partition(b"\0")
+                found, after = treeops.fit(sorted(entries(out), key=lambda e: e.path), after.decode(errors="replace"))
+                result = FileOpResult(entries=found, next=after)
             case "mkdir":
                 result = FileOpResult(made=await helper(["mkdir", path], b"", True) == b"1\0")
             case "remove":

@@ -3,7 +3,9 @@
  * as the last component is acted on itself, never followed, by stat, list, remove and rename).
  *
  *   files stat PATH                       an entry
- *   files list PATH DEPTH MAX             entries below PATH, DEPTH levels, at most MAX (else EOVERFLOW)
+ *   files list PATH DEPTH MAX [AFTER]     a page of the entries below PATH, DEPTH levels: the first MAX by
+ *                                         path (strcmp) that sort after AFTER, after the next page's AFTER
+ *                                         (the page's last path; "" for the last page)
  *   files mkdir PATH                      "1" made (with missing parents, 0755), "0" it was a directory already
  *   files remove PATH                     a file, a symlink (not what it points to), or a whole tree
  *   files rename SRC DEST                 the entry at DEST
@@ -33,7 +35,7 @@
 
 #include "dsec-become.h"
 
-static long entries, max_entries;
+static long max_entries;
 
 static void fail(int err, const char *what, const char *path)
 {
@@ -97,6 +99,36 @@ static void entry(const char *path, const struct stat *s)
         put("0");
 }
 
+/* A listing's page: the walk keeps the paths that sort after `after` (names only, no stat), cut back to the
+ * smallest max_entries + 1 whenever the list doubles past that; then the first max_entries are looked at. */
+static char **found;
+static size_t nfound, room;
+static const char *after = "";
+
+static int by_path(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static void keep_smallest(size_t n)
+{
+    qsort(found, nfound, sizeof *found, by_path);
+    while (nfound > n)
+        free(found[--nfound]);
+}
+
+static void keep(const char *path)
+{
+    if (nfound == room) {
+        if (room >= 2 * (size_t)max_entries + 2) {
+            keep_smallest(max_entries + 1);
+        } else {
+            room = room ? 2 * room : 1024;
+            if (!(found = realloc(found, room * sizeof *found)))
+                fail(ENOMEM, "list", path);
+        }
+    }
+    if (!(found[nfound++] = strdup(path)))
+        fail(ENOMEM, "list", path);
+}
+
 static void walk(const char *path, int depth, dev_t dev)
 {
     DIR *d = opendir(path);
@@ -106,19 +138,33 @@ static void walk(const char *path, int depth, dev_t dev)
     while ((de = readdir(d))) {
         if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, ".."))
             continue;
-        if (++entries > max_entries)
-            fail(EOVERFLOW, "list", path);
         char sub[8192];
         snprintf(sub, sizeof sub, "%s/%s", strcmp(path, "/") ? path : "", de->d_name);
+        if (strcmp(sub, after) > 0)
+            keep(sub);
+        if (depth <= 1 || (de->d_type != DT_DIR && de->d_type != DT_UNKNOWN))
+            continue;
+        char below[sizeof sub + 1];   /* every path under it starts so: all before `after`, or not one */
+        snprintf(below, sizeof below, "%s/", sub);
+        if (strcmp(after, below) > 0 && strncmp(after, below, strlen(below)) != 0)
+            continue;
         struct stat s;
-        if (lstat(sub, &s) < 0)
-            continue;   /* gone meanwhile */
-        entry(sub, &s);
-        if (S_ISDIR(s.st_mode) && depth > 1 && s.st_dev == dev)   /* (an overlay's files may show their
-                                                                     layer's st_dev; its dirs show its own) */
+        if (lstat(sub, &s) == 0 && S_ISDIR(s.st_mode) && s.st_dev == dev)   /* (an overlay's files may show
+                                                                             their layer's st_dev; its dirs its own) */
             walk(sub, depth - 1, dev);
     }
     closedir(d);
+}
+
+static void listing(void)
+{
+    keep_smallest(max_entries + 1);   /* (the one past them tells that more follow) */
+    put(nfound > (size_t)max_entries ? found[max_entries - 1] : "");
+    for (size_t i = 0; i < nfound && i < (size_t)max_entries; i++) {
+        struct stat s;
+        if (lstat(found[i], &s) == 0)   /* (gone meanwhile: left out) */
+            entry(found[i], &s);
+    }
 }
 
 static int rm_one(const char *path, const struct stat *s, int flag, struct FTW *ftw)
@@ -249,13 +295,18 @@ int main(int argc, char **argv)
         if (lstat(path, &s) < 0)
             fail(errno, "stat", path);
         entry(path, &s);
-    } else if (!strcmp(op, "list") && argc == 5) {
+    } else if (!strcmp(op, "list") && (argc == 5 || argc == 6)) {
         if (stat(path, &s) < 0)
             fail(errno, "list", path);
         if (!S_ISDIR(s.st_mode))
             fail(ENOTDIR, "list", path);
         max_entries = atol(argv[4]);
+        if (max_entries < 1)
+            fail(EINVAL, "list", path);
+        if (argc == 6)
+            after = argv[5];
         walk(path, atoi(argv[3]), s.st_dev);
+        listing();
     } else if (!strcmp(op, "mkdir")) {
         put(make_dirs(path) ? "1" : "0");
     } else if (!strcmp(op, "remove")) {
