@@ -10,6 +10,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
 import resource
 import socket
 import stat
@@ -136,6 +137,33 @@ def mount(source: str | None, target: str | os.PathLike, fstype: str | None,
 def umount2(target: str | os.PathLike, flags: int = 0) -> None:
     """umount2(2)."""
     _check(_libc.umount2(_b(target), flags), f"umount({target})")
+
+
+def mount_points() -> list[str]:
+    """Mount points of this mount namespace, in mount order (a mount's children after it)."""
+    with open("/proc/self/mountinfo") as f:
+        return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
+
+
+def mount_of(path: str, points: list[str]) -> str:
+    """The mount point path lies under (the longest of points that holds it)."""
+    return max((p for p in points if path == p or path.startswith(p.rstrip("/") + "/")), key=len, default="/")
+
+
+def own_mounts(keep: list[str]) -> None:
+    """Give this process a mount namespace of its own (nothing propagates either way) holding only the
+    mounts at the mount points keep (and "/"), every other mount of the host's detached. A long-lived
+    process with a copy of all of them (a VM's QEMU, the keeper's maker) kept each one's filesystem alive
+    after the host unmounted it: another node's upper pool stayed mounted, its loop device attached to a
+    deleted image, for as long as a VM started while that node ran (helper S). keep's parents must be kept
+    too (detaching a mount detaches what is under it)."""
+    unshare(CLONE_NEWNS)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    kept = {"/", *keep}
+    for point in reversed(mount_points()):    # children before their parents
+        if point not in kept:
+            with contextlib.suppress(OSError):   # (gone with a parent detached already)
+                umount2(point, MNT_DETACH)
 
 
 def pivot_root(new_root: str, put_old: str) -> None:

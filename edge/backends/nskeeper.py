@@ -82,8 +82,7 @@ def _make(sock: socket.socket) -> None:
     one parent and each lookup compares them all (proc_sys_compare: O(sandboxes) per create). A proc per
     stub, in a mount namespace of its own, freed that namespace at the stub's exit, and each free waits
     for an expedited RCU grace period, which every mount and unmount of the node's creates queue on."""
-    kernel.unshare(kernel.CLONE_NEWNS)
-    kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
+    kernel.own_mounts(["/proc"])   # (a copy of every host mount would keep them alive as long as the node)
     made = 0
     while True:
         data = sock.recv(64)

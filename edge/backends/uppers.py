@@ -63,10 +63,7 @@ def mounted_at(path: Path) -> bool:
     return str(path) in mount_points()
 
 
-def mount_points() -> list[str]:
-    """Mount points of this mount namespace, in mount order."""
-    with open("/proc/self/mountinfo") as f:
-        return [line.split()[4].replace("\\040", " ") for line in f]
+mount_points = kernel.mount_points
 
 
 class UpperPool:

@@ -195,6 +195,30 @@ async def test_qemu_sees_only_its_own_disks_and_devices(client, vmnode):
         await asyncio.gather(a.destroy(), b.destroy())
 
 
+async def test_a_vm_does_not_keep_the_hosts_other_mounts_alive(client, vmnode, tmp_path):
+    """QEMU's mount namespace was a copy of every mount of the host: a filesystem the host unmounted while
+    a VM ran stayed alive in it. Another node's upper pool so stayed mounted, its loop device attached to
+    the deleted image, for as long as a VM started while that node ran (helper S). It now holds only the
+    mounts QEMU reads: the host's loop mount, unmounted, lets its device go."""
+    import subprocess
+    image = tmp_path / "pool.img"
+    subprocess.run(["truncate", "-s", "16M", str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+    point = tmp_path / "other-node"
+    point.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(point)], check=True)
+    try:
+        async with await client.create(backend="microvm", timeout=120) as sb:
+            subprocess.run(["umount", str(point)], check=True)
+            held = subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True).stdout
+            assert held == "", f"the VM keeps the host's loop mount alive: {held}"
+            assert (await sb.exec("echo ok")).stdout == b"ok\n"      # and the VM still runs
+    finally:
+        subprocess.run(["umount", str(point)], capture_output=True)
+        for dev in subprocess.run(["losetup", "-j", str(image)], capture_output=True, text=True).stdout.splitlines():
+            subprocess.run(["losetup", "-d", dev.split(":")[0]], capture_output=True)
+
+
 async def test_a_suspended_vm_snapshots_and_stays_suspended(client, vmnode):
     backend = vmnode.edge.backend.backends["microvm"]
     sb = await client.create(backend="microvm", timeout=120)

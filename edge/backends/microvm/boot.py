@@ -112,11 +112,12 @@ class Booting:
                     *vm.hide, Path("/dev/shm"), Path("/run/dsec")]
             kvm = self.accel == "kvm"
 
+            argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming, load)
+
             def become() -> None:
                 _join(tasks)
                 enter_class(vm.spec.limits.cpu_class)
-                qemu.confine(uid, hide, self._guest.kernel, kvm)
-            argv = self._argv(vm, fds, guest_a.fileno(), guest_m.fileno(), console, ram, incoming, load)
+                qemu.confine(uid, hide, self._guest.kernel, kvm, argv[0])
             extra = [fd for fd in (ram, incoming, vm.tap) if fd is not None]
             try:
                 vm.proc = await asyncio.create_subprocess_exec(

@@ -102,13 +102,15 @@ def argv(qemu: str, accel: str, g: Guest, spec: SandboxSpec, work: Path, fds: di
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
-def confine(uid: int, hide: list[Path], keep: Path, kvm: bool) -> None:
-    """In QEMU's child before exec (as root): a mount namespace of its own (nothing propagates back), with an
+def confine(uid: int, hide: list[Path], keep: Path, kvm: bool, binary: str) -> None:
+    """In QEMU's child before exec (as root): a mount namespace of its own (nothing propagates back) with
+    only the mounts QEMU reads (/, /proc, /sys, and those of its binary and of keep: kernel.own_mounts), an
     empty tmpfs over each dir of hide (the node's state and layer cache: its own drives are fds already),
     unless it holds keep (the guest's kernel), and a /dev of its own: null, zero, full, random, urandom,
     and kvm owned by uid when it runs under KVM; then uid's identity, with no groups."""
-    kernel.unshare(kernel.CLONE_NEWNS)
-    kernel.mount(None, "/", None, kernel.MS_REC | kernel.MS_PRIVATE)
+    points = kernel.mount_points()
+    needed = [os.path.realpath(p) for p in (keep, binary, "/usr/share", "/usr/lib")]
+    kernel.own_mounts(["/proc", "/sys", "/dev", *(kernel.mount_of(p, points) for p in needed)])
     flags = kernel.MS_NOSUID | kernel.MS_NOEXEC
     for path in hide:
         if path.is_dir() and not keep.is_relative_to(path):
