@@ -34,16 +34,41 @@ def _link(step, nxt):
     return run
 
 
-def decoded(bus, decoder, what: str, on_bad: Callable | None = None) -> Step:
+def tenant_lane(bus, decoder, what: str, position: int, tokens: int, on_bad: Callable | None = None) -> list[Step]:
+    """The steps of a lane tenants publish on: decoded, then tenant_from_subject (the tenant's token at
+    `position` of a `tokens`-token subject), neither answering into another tenant's reply space."""
+    return [decoded(bus, decoder, what, on_bad, tenant_at=(position, tokens)),
+            tenant_from_subject(bus, position, tokens)]
+
+
+def _subject_tenant(subject: str, position: int, tokens: int) -> str:
+    parts = subject.split(".")
+    tenant = parts[position] if len(parts) == tokens else ""
+    return tenant if subjects.is_token(tenant) else ""
+
+
+def _may_answer(reply_to: str, tenant: str) -> bool:
+    """Whether a message on tenant's subject ("": none) may be answered on reply_to: never in the reply space
+    of another (dsec.reply.<other>.>), where a tenant would otherwise inject answers of its choosing."""
+    owner = subjects.reply_tenant(reply_to)
+    return not owner or owner == tenant
+
+
+def decoded(bus, decoder, what: str, on_bad: Callable | None = None,
+            tenant_at: tuple[int, int] | None = None) -> Step:
     """d.msg is the message decoded; an undecodable one is answered `invalid_request` on the reply subject
-    it names (if it names one), handed to on_bad(envelope, exc), and terminated."""
+    it names (if it names one: on a tenant's lane, tenant_at, only one of its subject's tenant), handed to
+    on_bad(envelope, exc), and terminated."""
     async def step(d: Delivery, nxt: Handler) -> Verdict:
         try:
             d.msg = decoder.decode(d.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             env = salvage(d.data)
-            await bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
-                                                     message=f"bad {what} request: {exc}"))
+            if tenant_at is None or _may_answer(env.reply_to, _subject_tenant(d.subject, *tenant_at)):
+                await bus.reply(env.reply_to, ErrorReply(request_id=env.request_id, code=InvalidRequest.code,
+                                                         message=f"bad {what} request: {exc}"))
+            else:
+                log.warning("refused a bad message on %r: its reply subject is another tenant's", d.subject)
             if on_bad is not None:
                 await on_bad(d, env, exc)
             return Verdict.TERM
@@ -58,17 +83,16 @@ def tenant_from_subject(bus, position: int, tokens: int) -> Step:
     it is answered `invalid_request` (when the message names a reply subject) and terminated. A message
     whose reply subject is in another tenant's reply space (dsec.reply.<other>.>) is terminated unanswered."""
     async def step(d: Delivery, nxt: Handler) -> Verdict:
-        parts = d.subject.split(".")
-        tenant = parts[position] if len(parts) == tokens else ""
-        if not subjects.is_token(tenant):
+        tenant = _subject_tenant(d.subject, position, tokens)
+        reply_to = getattr(d.msg, "reply_to", "")
+        if not _may_answer(reply_to, tenant):   # answers sent into another tenant's reply space: never
+            log.warning("refused a message on %r: its reply subject %r is another tenant's", d.subject, reply_to)
+            return Verdict.TERM
+        if not tenant:
             log.warning("refused a message on %r: no tenant token where one must be", d.subject)
-            await bus.reply(getattr(d.msg, "reply_to", ""), ErrorReply(
+            await bus.reply(reply_to, ErrorReply(
                 request_id=getattr(d.msg, "request_id", ""), code=InvalidRequest.code,
                 message=f"subject {d.subject!r} does not name a tenant where it must (token {position + 1} of {tokens})"))
-            return Verdict.TERM
-        owner = subjects.reply_tenant(getattr(d.msg, "reply_to", ""))
-        if owner and owner != tenant:   # answers sent into another tenant's reply space: never
-            log.warning("refused a message on %r: its reply subject is tenant %s's", d.subject, owner)
             return Verdict.TERM
         d.tenant = tenant
         if getattr(d.msg, "tenant", tenant) != tenant:

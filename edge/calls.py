@@ -65,8 +65,8 @@ class CallLane:
         for priority in subjects.PRIORITIES:
             self._workers[priority] = await self.bus.pull_worker(
                 streams.call_consumer(priority), self._handle, credit=lambda p=priority: self._credit(p),
-                steps=[lanes.counted(self.outcomes), lanes.decoded(self.bus, call_decoder, "call"),
-                       lanes.tenant_from_subject(self.bus, 3, 4)])   # dsec.call.<priority>.<tenant>
+                steps=[lanes.counted(self.outcomes),
+                       *lanes.tenant_lane(self.bus, call_decoder, "call", 3, 4)])   # dsec.call.<priority>.<tenant>
 
     def _credit(self, priority: str) -> int:
         """What a consumer may have in flight: its calls in flight plus the workers free for more, less the

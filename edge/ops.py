@@ -60,8 +60,8 @@ class OpLane:
         self._worker = await self.bus.pull_worker(streams.edge_ops_consumer(self.node), self._handle,
                                                   credit=lambda: self.max_execs,
                                                   steps=[lanes.counted(self.outcomes),
-                                                         lanes.decoded(self.bus, op_decoder, "op", self._bad_op),
-                                                         lanes.tenant_from_subject(self.bus, 4, 6)])
+                                                         *lanes.tenant_lane(self.bus, op_decoder, "op", 4, 6,
+                                                                            self._bad_op)])
         # (dsec.node.<node>.exec.<tenant>.<sandbox>: an op of any other shape is refused, never served as the
         # sandbox's owner)
 

@@ -104,8 +104,8 @@ class PlacementEngine:
             self._workers.append(await self.bus.pull_worker(
                 streams.placement_consumer(prio), self._handler(prio), credit=lambda: self.max_waiting,
                 steps=[lanes.counted(self.outcomes), lanes.retried_on_bus_errors(0.5, "create request"),
-                       lanes.leased(streams.PLACEMENT_LEASE_EVERY), lanes.decoded(self.bus, create_decoder, "create"),
-                       lanes.tenant_from_subject(self.bus, 4, 5)]))   # dsec.req.create.<priority>.<tenant>
+                       lanes.leased(streams.PLACEMENT_LEASE_EVERY),
+                       *lanes.tenant_lane(self.bus, create_decoder, "create", 4, 5)]))   # dsec.req.create.<prio>.<tenant>
 
     async def stop(self) -> None:
         """Stop pulling; requests in flight are dropped unacked (another engine gets them)."""

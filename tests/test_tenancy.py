@@ -211,3 +211,34 @@ async def test_replies_go_to_the_tenants_own_reply_space_and_never_into_anothers
         assert seen == []
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_bad_message_of_one_tenant_is_never_answered_into_anothers_reply_space(stack, client, other):
+    """An undecodable op or create was answered (`invalid_request`) on the reply subject it named before the
+    lane looked at whose that was: tenant B so published error replies with request ids of its choosing into
+    tenant A's reply space, on B's own op and create lanes (helper S). They are terminated unanswered now;
+    B's own bad message is still answered."""
+    seen: list[bytes] = []
+
+    async def on_reply(data, _subject):
+        seen.append(data)
+    answers: asyncio.Queue = asyncio.Queue()
+    async with await client.create() as victim:
+        sub = await stack.bus.subscribe(f"dsec.reply.{client.tenant}.>", on_reply)
+        own = await stack.bus.subscribe(f"dsec.reply.{other.tenant}.own.>", lambda data, _s: answers.put(data))
+        try:
+            lane = subjects.node_ops(victim.node, other.tenant, victim.id)
+            forged = b'{"kind":"nonsense","request_id":"FORGED","reply_to":"dsec.reply.%s.victim.r1"}' % (
+                client.tenant.encode())
+            await stack.bus.publish(lane, forged, msg_id="f1")
+            await stack.bus.publish(subjects.create_request(other.tenant), forged.replace(b"r1", b"r2"), msg_id="f2")
+            bad = b'{"kind":"nonsense","request_id":"OWN","reply_to":"dsec.reply.%s.own.r3"}' % other.tenant.encode()
+            await stack.bus.publish(lane, bad, msg_id="f3")
+            answer = op_reply_decoder.decode(await asyncio.wait_for(answers.get(), 10))
+            assert isinstance(answer, ErrorReply) and answer.request_id == "OWN" and answer.code == "invalid_request"
+            await asyncio.sleep(1)
+            await stack.bus.flush()
+            assert seen == [], seen
+        finally:
+            await sub.unsubscribe()
+            await own.unsubscribe()
