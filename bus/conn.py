@@ -425,7 +425,7 @@ class Bus(KvStore, StreamReads):
 
     async def provision(self, retention: streams.Retention | None = None, replicas: int = 1) -> None:
         """Create or update every stream, KV bucket and object store; safe to run any number of times.
-        Existing streams keep their ages and sizes unless a retention is given (`dsec up` gives one; an
+        Existing limit streams keep their ages and sizes unless a retention is given (`dsec up` gives one; an
         edge or engine joining provisions without, so it never undoes the operator's choice)."""
         ret = retention or streams.Retention()
         for stream, durable in streams.LEGACY_CONSUMERS:
@@ -442,7 +442,7 @@ class Bus(KvStore, StreamReads):
                     # joining a cluster provisions too)
                     have = await self.admin.stream_info(cfg.name)
                     cfg.num_replicas = max(cfg.num_replicas or 1, have.config.num_replicas or 1)
-                    if retention is None:
+                    if retention is None and cfg.retention != api.RetentionPolicy.WORK_QUEUE:   # (lanes: ours)
                         cfg.max_age, cfg.max_bytes = have.config.max_age, have.config.max_bytes
                     await self.admin.update_stream(cfg)
         for kcfg in streams.kv_configs(ret, replicas):

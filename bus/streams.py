@@ -46,6 +46,11 @@ PLACEMENT_ACK_WAIT = 5.0
 PLACEMENT_LEASE_EVERY = 1.5
 POOL_ACK_WAIT = 10.0       # a pool's shared create lane: a dead edge's pulls go to its peers after this
 CALL_ACK_WAIT = 10.0       # a call's lane: a dead node's calls go to another node after this (calls are leased)
+# The work queues tenants publish into (creates, calls, node ops) hold at most this, oldest dropped first. A
+# message no consumer takes (an op for a node that does not exist, a call where no node runs fncall) stayed
+# an hour: a tenant so filled the server's whole store, 250 MB/s, for every tenant (helper S). Served lanes
+# hold milliseconds of work, so what a flood pushes out is its own.
+LANE_MAX_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -63,13 +68,12 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
     """The streams: requests and node lanes are work queues; output and events are limits streams."""
     common = dict(storage=api.StorageType.FILE, num_replicas=replicas, max_msg_size=1 << 20,
                   duplicate_window=120.0)
+    lane = dict(retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, max_bytes=LANE_MAX_BYTES,
+                discard=api.DiscardPolicy.OLD, **common)
     return [
-        api.StreamConfig(name=REQ_STREAM, subjects=[subjects.create_requests(p) for p in subjects.PRIORITIES], retention=api.RetentionPolicy.WORK_QUEUE,
-                         max_age=HOUR, **common),
-        api.StreamConfig(name=NODE_STREAM, subjects=["dsec.node.>", "dsec.pool.>"],
-                         retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, **common),
-        api.StreamConfig(name=CALL_STREAM, subjects=[subjects.call_requests(p) for p in subjects.PRIORITIES],
-                         retention=api.RetentionPolicy.WORK_QUEUE, max_age=HOUR, **common),
+        api.StreamConfig(name=REQ_STREAM, subjects=[subjects.create_requests(p) for p in subjects.PRIORITIES], **lane),
+        api.StreamConfig(name=NODE_STREAM, subjects=["dsec.node.>", "dsec.pool.>"], **lane),
+        api.StreamConfig(name=CALL_STREAM, subjects=[subjects.call_requests(p) for p in subjects.PRIORITIES], **lane),
         api.StreamConfig(name=OUT_STREAM, subjects=["dsec.out.>"], retention=api.RetentionPolicy.LIMITS,
                          max_age=ret.output_max_age, max_bytes=ret.output_max_bytes,
                          discard=api.DiscardPolicy.OLD, **common),

@@ -390,6 +390,34 @@ async def _quotas_seen(stack, *quotas) -> None:
     raise AssertionError("placement never saw the quotas")
 
 
+async def test_a_tenant_cannot_fill_the_store_through_lanes_no_one_consumes(stack, alice, mallory):
+    """A tenant's op lane names any node (dsec.node.*.exec.<tenant>.*): ops for a node that does not exist
+    were stored, taken by no one, for an hour, with no bound on the stream. Mallory so filled the server's
+    store for every tenant, at 250 MB/s (helper S). The lanes tenants publish into are bounded now, oldest
+    dropped first; under a flood alice's sandbox still answers."""
+    for name in (streams.REQ_STREAM, streams.NODE_STREAM, streams.CALL_STREAM):
+        cfg = (await stack.bus.admin.stream_info(name)).config
+        assert (cfg.max_bytes, cfg.discard) == (streams.LANE_MAX_BYTES, "old"), (name, cfg)
+    sb = await alice.create()
+    cfg = (await stack.bus.admin.stream_info(streams.NODE_STREAM)).config
+    cfg.max_bytes = 4 << 20   # a small bound, to flood past it quickly
+    await stack.bus.admin.update_stream(cfg)
+    try:
+        payload = b"x" * (512 << 10)
+        for i in range(40):     # 20 MiB, each stored (the stream's ack answers the request)
+            ack = await mallory.nc.request(f"dsec.node.ghost{i % 3}.exec.mallory.junk{i}", payload, timeout=5)
+            assert b'"seq"' in ack.data, ack.data
+        state = (await stack.bus.admin.stream_info(streams.NODE_STREAM)).state
+        assert state.bytes <= 4 << 20, state
+        assert (await sb.exec("echo still")).stdout == b"still\n"
+    finally:
+        cfg.max_bytes = streams.LANE_MAX_BYTES
+        await stack.bus.admin.update_stream(cfg)
+        for i in range(3):
+            await stack.bus.admin.purge_stream(streams.NODE_STREAM, subject=f"dsec.node.ghost{i}.>")
+        await sb.destroy()
+
+
 async def test_a_project_sees_its_own_its_tenant_sees_all_and_quotas_nest(stack, alice):
     """Projects alice/p1 and alice/p2: each its own account and credential; a project lists and reaches only
     its own sandboxes, alice's credential lists all of them; a project's creates count against its own
