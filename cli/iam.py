@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from bus import iam as identities, iamserver, subjects
-from bus.creds import iso_time
+from bus.creds import expired, iso_time
+from bus.errors import DsecError
 from cli.main import connect, fail, main, nats_option, run_async
 from cli.up import state_dir_option
 
@@ -50,7 +51,18 @@ def _apply(found: identities.Iam, what: str) -> None:
     click.echo(f"dsec: {what}" + (" (server reloaded)" if n else " (no server running: the next `dsec up` uses it)"))
 
 
-@main.group()
+class _Commands(click.Group):
+    """Every `dsec iam` command's refusal (a bad name, an unknown tenant) is one line and exit 1, never a
+    traceback (the async ones' through run_async too)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DsecError as exc:
+            fail(str(exc))
+
+
+@main.group(cls=_Commands)
 def iam() -> None:
     """Identities on the bus: tenants and their projects (one NATS account each), credentials, revocation,
     limits.
@@ -81,14 +93,21 @@ def iam_ls(state_dir: Path) -> None:
                    f"{expires(f'tenant:{name}'):<20}  {creds}")
 
 
+CLEAR_TTL = 300.0   # an account's stand-in credential for clearing it (its own expired or was revoked)
+
+
 async def _clear(found: identities.Iam, accounts: list[str], nats_url: str, force: bool) -> None:
     """Refuse (exit 1) while these accounts hold live sandboxes, unless force: then destroy them, each with
-    its own account's credential (a tenant's cannot act on its projects' sandboxes)."""
+    its own account's credential (a tenant's cannot act on its projects' sandboxes). An account whose
+    credential expired or was revoked gets a new short-lived one for it: its sandboxes were otherwise out of
+    reach (an expired project's kept running, holding quota, after a forced removal: helper S)."""
     import libdsec
     for account in accounts:
         creds = found.creds_path(f"tenant:{account}")
-        if not creds.exists():
-            continue
+        if not creds.exists() or expired(str(creds)):
+            found.issue_tenant(account, ttl=CLEAR_TTL)
+            found.save()
+            iamserver.reload(found)
         async with libdsec.AsyncClient(nats_url, tenant=account, creds=str(creds)) as client:
             live = [r for r in await client.list() if r.tenant == account]
             if live and not force:

@@ -613,3 +613,41 @@ async def test_dsec_iam_adds_limits_refuses_removal_with_live_sandboxes_and_revo
         stack.nats_server.iam = iam.Iam.load(Path(state))   # what the commands wrote
         for account in ("cli-t", "cli-t__p1"):
             await stack.bus.kv_delete(streams.QUOTAS_KV, account)
+
+
+async def test_dsec_iam_clears_an_expired_or_revoked_project_and_refuses_bad_names_in_a_line(stack):
+    """`project rm --force` destroyed a project's sandboxes with the project's own credential: once that had
+    expired, the removal failed ("credential ... expired"), and the sandbox ran on, holding quota, until its
+    TTL (helper S); a revoked project's were not even looked at, and the project went with them running. A
+    stand-in credential of minutes clears it now. A bad tenant name printed a traceback; it is one line."""
+    state = str(stack.nats_server.iam.root)
+    url, admin = stack.url, str(Path(state) / "creds" / "admin.creds")
+    try:
+        p = await asyncio.to_thread(run_dsec, "iam", "tenant", "add", "cli-x", "--state-dir", state)
+        assert p.returncode == 0, p.stderr
+        sids = {}
+        for name, ttl in (("old", ["--ttl", "4s"]), ("gone", [])):
+            p = await asyncio.to_thread(run_dsec, "iam", "project", "add", f"cli-x/{name}", *ttl, "--state-dir", state)
+            assert p.returncode == 0, p.stderr
+            async with libdsec.AsyncClient(url, creds=str(Path(state) / "creds" / "tenants" / f"cli-x__{name}.creds")) as c:
+                sids[name] = (await c.create(ttl=600)).id
+        p = await asyncio.to_thread(run_dsec, "iam", "creds", "revoke", "project:cli-x/gone", "--state-dir", state)
+        assert p.returncode == 0, p.stderr
+        await asyncio.sleep(5)    # old's credential has expired
+        for name in ("old", "gone"):
+            p = await asyncio.to_thread(run_dsec, "iam", "project", "rm", f"cli-x/{name}", "--state-dir", state,
+                                        "--nats", url)
+            assert p.returncode == 1 and "1 live sandbox" in p.stderr, (name, p.stderr)
+            p = await asyncio.to_thread(run_dsec, "iam", "project", "rm", f"cli-x/{name}", "--force", "--state-dir",
+                                        state, "--nats", url, creds=admin)
+            assert p.returncode == 0 and "removed" in p.stdout, (name, p.stderr)
+            rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(f"cli-x__{name}", sids[name]))
+            assert b'"destroyed"' in rec, (name, rec)
+        for bad in ("a.b", "a*", "a>", "a__b", ""):
+            p = await asyncio.to_thread(run_dsec, "iam", "tenant", "add", bad, "--state-dir", state)
+            assert p.returncode == 1 and p.stderr.startswith("dsec: error: ") and "Traceback" not in p.stderr \
+                and len(p.stderr.splitlines()) == 1, (bad, p.stderr)
+        p = await asyncio.to_thread(run_dsec, "iam", "tenant", "rm", "cli-x", "--state-dir", state, "--nats", url)
+        assert p.returncode == 0, p.stderr
+    finally:
+        stack.nats_server.iam = iam.Iam.load(Path(state))
