@@ -29,6 +29,8 @@ from bus.records import Event, SandboxRecord, TrajRecord
 from bus.execwire import (ExecInput, ExecResize, ExecSignal, ExitRecord, ProcessEntry, ProcessList, control_decoder,
                           decode_output)
 from bus.pull import Delivery, Lease, Verdict
+from chronus import orphans
+from chronus.orphans import ExecJournal, Left
 from chronus.relay import TRAJ_OUTPUT, OutputRelay
 from chronus.shell import command_argv
 from chronus.trajfit import fit
@@ -124,8 +126,10 @@ class LiveExec:
 class Execs:
     """Every exec of one node, from its request to its exit and trajectory records."""
 
-    def __init__(self, bus: Bus, node: str, host: ExecHost, limits: ExecLimits) -> None:
+    def __init__(self, bus: Bus, node: str, host: ExecHost, limits: ExecLimits,
+                 journal: ExecJournal | None = None) -> None:
         self.bus = bus
+        self.journal = journal   # running execs, for the next run after a crash (chronus/orphans.py)
         self.node = node
         self.host = host
         self.limits = limits
@@ -309,6 +313,9 @@ class Execs:
         started = time.time()
         live = self._live[op.exec_id]
         self._recording[op.exec_id] = live
+        if self.journal is not None:
+            self.journal.begin(op, started)
+        kept = False
         try:
             try:
                 fields = await self._run(op, relay, live.control)
@@ -331,6 +338,7 @@ class Execs:
                     await traj
             return Verdict.ACK
         except asyncio.CancelledError:   # the edge is stopping: its sandboxes are about to be destroyed
+            kept = True   # (journaled: the next start records its end, if this cannot)
             with contextlib.suppress(DsecError, asyncio.TimeoutError):
                 await asyncio.wait_for(relay.finish(exit_code=-1, error_code=SandboxNotFound.code, reason="destroyed",
                                                     error="sandbox destroyed: the edge stopped"), 0.5)
@@ -338,6 +346,8 @@ class Execs:
         finally:
             live.recorded.set()
             self._recording.pop(op.exec_id, None)
+            if self.journal is not None and not kept:
+                self.journal.end(op.exec_id)
             if lease is not None:
                 lease.cancel()
 
@@ -386,6 +396,11 @@ class Execs:
     def _gone_fields(err: SandboxNotFound, t0: float) -> dict:
         return dict(exit_code=-1, duration=time.monotonic() - t0, error_code=err.code, error=str(err),
                     reason=err.reason)
+
+    async def close_left(self, left: Left, rec: SandboxRecord) -> list[tuple[str, bytes, str]]:
+        """An exec a dead run of this node left running: its exit record stored, its trajectory's messages."""
+        return await orphans.close(self.bus, self.node, left, rec, self.limits.max_output, self.limits.traj_output,
+                                   self._trajectory)
 
     def _trajectory(self, op: ExecRequest, relay: OutputRelay, fields: dict, rec: SandboxRecord,
                     started: float) -> list[tuple[str, bytes, str]]:

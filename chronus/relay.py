@@ -104,11 +104,7 @@ class OutputRelay:
             return
         if len(data) > room:
             data, self.truncated = data[:room], True
-        self.total += len(data)
-        self.counts[stream] += len(data)
-        self.digests[stream].update(data)
-        if len(self.kept[stream]) < self.traj_output:
-            self.kept[stream].extend(data[:self.traj_output - len(self.kept[stream])])
+        self._count(stream, data)
         if self._pending and self._pending[-1][0] == stream:
             self._pending[-1][1].extend(data)
         else:
@@ -119,6 +115,23 @@ class OutputRelay:
             await self.flush()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(FLUSH_AFTER, self._timed_flush)
+
+    def _count(self, stream: str, data: bytes) -> None:
+        self.total += len(data)
+        self.counts[stream] += len(data)
+        self.digests[stream].update(data)
+        if len(self.kept[stream]) < self.traj_output:
+            self.kept[stream].extend(data[:self.traj_output - len(self.kept[stream])])
+
+    def stored_before(self, rec: OutputChunk | StartRecord) -> None:
+        """Count a record an earlier run of the edge stored (an exec it left running: chronus/orphans.py)
+        as if relayed here: the exit record then follows it, and the trajectory record sums it."""
+        self.seq = max(self.seq, rec.seq)
+        if isinstance(rec, StartRecord):
+            self.pid = rec.pid
+        else:
+            self.stream_seq[rec.stream] = max(self.stream_seq[rec.stream], rec.stream_seq)
+            self._count(rec.stream, rec.data)
 
     def _timed_flush(self) -> None:
         self._timer = None

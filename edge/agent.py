@@ -9,6 +9,7 @@ stops and wires them, enforces TTLs and reacts to being drained or declared lost
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from pathlib import Path
@@ -17,11 +18,12 @@ import msgspec
 
 from bus import lanes, streams, subjects
 from bus.conn import Bus
-from bus.errors import EnvironmentFailure
+from bus.errors import BusError, EnvironmentFailure
 from bus.messages import create_decoder
 from bus.records import SandboxRecord
 from bus.nodes import set_flag
 from chronus.execs import ExecLimits, Execs
+from chronus.orphans import ExecJournal, Left
 from edge.backends.base import Backend, BackendError
 from edge.backends.registry import BackendSet
 from edge.calls import CallLane
@@ -75,7 +77,7 @@ class Edge:
         self.box = Sandboxes(bus, self.node, backend, self.records, self.layers, self.state_dir,
                              released=self._released, settle=lambda sid: self.execs.settle(sid))
         self.execs = Execs(bus, self.node, self.box, ExecLimits(config.max_output, config.traj_output,
-                                                               config.max_execs))
+                                                               config.max_execs), ExecJournal(self.state_dir / "execs"))
         self.ops = OpLane(bus, self.node, config.max_execs, self.execs, self.box)
         self.calls: CallLane | None = None   # when it runs fncall workers (set up at start)
         self.warm = WarmPools(bus, self.node, pool=config.pool, warm_max=config.warm_max, capacity=self.capacity,
@@ -164,11 +166,16 @@ class Edge:
         crashed run's `starting` claims are freed."""
         changes = []
         seen: set[str] = set()
+        left = collections.defaultdict(list)
+        for entry in self.execs.journal.left():
+            left[entry.op.sandbox_id].append(entry)
         for key, raw in await self.bus.kv_items(streams.SANDBOXES_KV):
             rec = decode_record(raw)
             if rec is None or rec.node != self.node or key_of(rec) != key:
                 continue
             seen.add(rec.sandbox_id)
+            for entry in left.pop(rec.sandbox_id, ()):   # its execs a dead run left running: ended first
+                await self._close_left(entry, rec)
             base = pending.get(rec.sandbox_id)
             if base is not None and base.version > rec.version:
                 rec = base   # the outbox holds a newer state of it: node_lost follows that one
@@ -176,10 +183,26 @@ class Edge:
                 changes.append(self._lost(rec))
             elif rec.state == "starting" and base is None:
                 await self.records.free_claim(rec.tenant, rec.sandbox_id)
+        for entries in left.values():   # (of a sandbox with no record here: nothing to put them on)
+            for entry in entries:
+                log.warning("exec %s of sandbox %s left by a dead run: its sandbox has no record", entry.op.exec_id,
+                            entry.op.sandbox_id)
+                self.execs.journal.end(entry.op.exec_id)
         for key, rec in pending.items():   # only in the log (a warm claim's ready never stored). Not one over a
             if key not in seen and rec.state == "ready" and key not in claimed:   # claim now gone: the reaper freed it
                 changes.append(self._lost(rec))                              # and placed its request again
         await asyncio.gather(*changes)   # one fsync for all of them
+
+    async def _close_left(self, entry: Left, rec: SandboxRecord) -> None:
+        """An exec a dead run left running: its exit record stored, its trajectory record on the sandbox's
+        timeline (durably, before the node_lost that follows), then out of the journal."""
+        try:
+            messages = await self.execs.close_left(entry, rec)
+        except BusError as exc:   # (kept: the next start tries again)
+            log.warning("exec %s left by a dead run not closed: %s", entry.op.exec_id, exc)
+            return
+        await self.box.timeline(rec.sandbox_id, messages)
+        self.execs.journal.end(entry.op.exec_id)
 
     def _lost(self, rec: SandboxRecord):
         gone = msgspec.structs.replace(rec, state="node_lost", reason="edge restarted; sandbox destroyed by reconcile",

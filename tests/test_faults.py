@@ -12,7 +12,9 @@ import psutil
 import pytest
 
 import libdsec
-from bus import streams
+from bus import streams, subjects
+from bus.execwire import ExitRecord, decode_output
+from bus.records import traj_decoder
 from tests.conftest import own_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -93,6 +95,12 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             await old[0].exec("sleep 1000 >/dev/null 2>&1 &")
             await client.set_warm_pool("kept", min=2, max=2, backend=kind)   # the killed run leaves warm ones too
             await _wait_warm(client, 2)
+            # running when the edge dies: a background exec and a foreground one, each having printed
+            bg = await old[0].exec("echo bg1; echo bg2; sleep 1000", background=True, timeout=600)
+            fg = asyncio.create_task(old[1].exec("echo fg1; touch /tmp/up; sleep 1000", timeout=600))
+            while (await old[1].exec("test -e /tmp/up")).exit_code:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)   # (the output's flush window, and its acks)
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             queued = asyncio.create_task(client.create(timeout=60))
@@ -105,6 +113,25 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             with pytest.raises(libdsec.SandboxNotFound) as ei:   # answered by the restarted edge, no hang
                 await asyncio.wait_for(lost_exec, 10)
             assert ei.value.reason == "node_lost"
+            for handle in (fg, bg.wait()):
+                with pytest.raises(libdsec.SandboxNotFound) as ei:
+                    await asyncio.wait_for(handle, 10)
+                assert ei.value.reason == "node_lost"
+            # ...and both are on their sandboxes' timelines, with what they printed, before the node_lost (a
+            # crash erased them: helper V); the background one's output ends in its exit record
+            for sb, argv, printed in ((old[0], "echo bg1; echo bg2; sleep 1000", b"bg1\nbg2\n"),
+                                      (old[1], "echo fg1; touch /tmp/up; sleep 1000", b"fg1\n")):
+                timeline = [traj_decoder.decode(m) for m in await _stored(
+                    st.bus, streams.TRAJ_STREAM, subjects.trajectory("default", "default", sb.id))]
+                kinds = [(t.type, t.shell) for t in timeline]
+                assert kinds.index(("exec", argv)) < kinds.index(("node_lost", "")), kinds
+                (rec,) = [t for t in timeline if t.shell == argv]
+                assert (rec.stdout, rec.stdout_bytes, rec.error_code) == (printed, len(printed), "sandbox_not_found"), rec
+            out = await st.bus.last_on_subject(streams.OUT_STREAM, subjects.output("default", "rs", old[0].id, bg.id),
+                                               with_headers=True)
+            end = decode_output(*out)
+            assert isinstance(end, ExitRecord) and end.reason == "node_lost", end
+            assert list((tmp_path / "edge" / "edge" / "execs").iterdir()) == [], "the journal is empty again"
             for sb in old:
                 with pytest.raises(libdsec.SandboxNotFound) as ei:
                     await client.get(sb.id)
@@ -117,14 +144,22 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
         edge.send_signal(signal.SIGTERM)
         assert edge.wait(15) == 0
     finally:
-        if edge.poll() is None:
-            edge.kill()
-            edge.wait()
+        if edge.poll() is None:   # (a failed assert: stopped as a user would, so it removes what it made)
+            edge.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(edge.wait, 20)
+            except subprocess.TimeoutExpired:
+                edge.kill()
+                edge.wait()
         await st.stop()
         srv.stop()
     from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "edge" / "edge", "rs") == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
+
+
+async def _stored(bus, stream: str, subject: str) -> list[bytes]:
+    return [m async for m in bus.read_subject(stream, subject)]
 
 
 async def _wait_warm(client, n: int) -> None:
