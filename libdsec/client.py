@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -27,6 +28,8 @@ from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, Asy
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
 RECHECK_EVERY = 3.0   # seconds without a reply after which the sandbox's record is read instead
+SETTLE_EVERY = 0.25   # how often a cancelled create's or a starting sandbox's record is read again
+CLOSE_WAIT = 15.0     # seconds close() waits for cancelled creates to settle (each destroyed once ready)
 FINAL = ("destroyed", "expired", "failed", "node_lost")   # states a sandbox never leaves
 
 
@@ -86,6 +89,7 @@ class AsyncClient:
         self.connect_timeout = connect_timeout
         self.bus: Bus | None = None
         self._replies: _Replies | None = None
+        self._settling: set[asyncio.Task] = set()   # cancelled creates, destroyed once they settle
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()
@@ -101,7 +105,12 @@ class AsyncClient:
         await self._replies.open()
 
     async def close(self) -> None:
-        """Close the connection (sandboxes live on until destroyed or their TTL)."""
+        """Close the connection (sandboxes live on until destroyed or their TTL; a create cancelled meanwhile
+        is given up to CLOSE_WAIT seconds to settle and be destroyed)."""
+        if self._settling:
+            _done, late = await asyncio.wait(self._settling, timeout=CLOSE_WAIT)
+            for task in late:
+                task.cancel()
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
@@ -348,6 +357,11 @@ class AsyncClient:
             raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; "
                                       f"the request expires and will not start later (sandbox {req.sandbox_id})",
                                       sandbox_id=req.sandbox_id)
+        except asyncio.CancelledError:   # the caller gave up (wait_for, Ctrl-C): it must not run on unseen
+            task = asyncio.ensure_future(self._abandon_when_settled(req.sandbox_id, req.deadline))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+            raise
         finally:
             replies.forget(req.request_id)
 
@@ -373,6 +387,20 @@ class AsyncClient:
         except (DsecError, asyncio.TimeoutError):
             pass   # the edge's own deadline check is the main guard
 
+    async def _abandon_when_settled(self, sandbox_id: str, deadline: float) -> None:
+        """A create its caller cancelled: destroyed once it is ready. It may still be starting, or wait for room
+        until its deadline, past which no node starts it. A cancelled create ran on, a VM of 352 MiB no one
+        held, until its TTL (helper V)."""
+        while time.time() < deadline + RECHECK_EVERY:
+            rec = await self._record_quiet(sandbox_id)
+            if rec is not None and rec.state in FINAL:
+                return
+            if rec is not None and rec.state == "ready":
+                with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                    await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
+                return
+            await asyncio.sleep(SETTLE_EVERY)
+
     async def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[AsyncSandbox]:
         """Create n sandboxes in one round; all are returned, or none survive and the first error is raised."""
         if not isinstance(n, int) or n < 1:
@@ -387,9 +415,16 @@ class AsyncClient:
 
     # ---- attach and list ----------------------------------------------------------------------
 
-    async def get(self, sandbox_id: str) -> AsyncSandbox:
-        """Attach to a sandbox by id; SandboxNotFound (with the reason) when it does not run."""
+    async def get(self, sandbox_id: str, *, timeout: float = DEFAULT_CREATE_TIMEOUT) -> AsyncSandbox:
+        """Attach to a sandbox by id; SandboxNotFound (with the reason) when it does not run. One still
+        starting is waited for, up to timeout seconds (it was "not found (starting)", though it came up)."""
         rec = await self._record(sandbox_id)
+        until = time.monotonic() + timeout
+        while rec is not None and rec.state == "starting" and time.monotonic() < until:
+            await asyncio.sleep(SETTLE_EVERY)
+            rec = await self._record(sandbox_id)
+        if rec is not None and rec.state == "starting":
+            raise SandboxError(f"sandbox {sandbox_id} is still starting after {timeout:.0f}s", sandbox_id=sandbox_id)
         if rec is None:
             raise SandboxNotFound.ended(sandbox_id, "never_existed")
         if rec.state != "ready":

@@ -321,9 +321,9 @@ class Client:
         """Delete a snapshot (its record and layers)."""
         self._loop.run(self._async.delete_snapshot(ref))
 
-    def get(self, sandbox_id: str) -> Sandbox:
-        """Attach to a sandbox by id."""
-        return Sandbox(self, self._loop.run(self._async.get(sandbox_id)))
+    def get(self, sandbox_id: str, **kwargs: Any) -> Sandbox:
+        """Attach to a sandbox by id (one still starting is waited for: see AsyncClient.get)."""
+        return Sandbox(self, self._loop.run(self._async.get(sandbox_id, **kwargs)))
 
     def suspend(self, **kwargs: Any) -> list[str]:
         """Freeze sandboxes by labels= or ids= (see AsyncClient.suspend)."""

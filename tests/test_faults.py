@@ -242,6 +242,27 @@ async def test_create_many_rolls_back_the_ones_that_succeeded(small_stack):
         assert len(started) == 2 and all(r.state == "destroyed" for r in started), records
 
 
+async def test_a_cancelled_create_does_not_run_on_unseen(small_stack):
+    """A create its caller cancelled (asyncio.wait_for, Ctrl-C) went on: queued for room, it started once
+    room came and ran, held by no one, until its TTL (helper V: a 352 MiB VM). The SDK now destroys it once
+    it settles; closing the client waits for that."""
+    st = small_stack
+    async with libdsec.AsyncClient(st.url, creds=st.tenant) as client:
+        held = await client.create_many(2)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.create(timeout=30), 1.0)    # queued: no room
+        await held[0].destroy()                                       # room: it starts now, and must not live
+        for _ in range(200):
+            records = {r.sandbox_id: r.state for r in await client.list(all_states=True)}
+            others = {sid: state for sid, state in records.items() if sid not in {sb.id for sb in held}}
+            if others and set(others.values()) <= {"destroyed"}:
+                break
+            await asyncio.sleep(0.05)
+        assert list(others.values()) == ["destroyed"], records
+        assert sorted(st.edge.sandboxes) == [held[1].id]
+        await held[1].destroy()
+
+
 async def test_a_create_queued_until_its_deadline_is_answered_capacity_unavailable(small_stack):
     """Placement's own answer to a create that waited for room past its deadline is the same error the client
     raises when its timer ends first (a race in the SDK otherwise gave either at random)."""
