@@ -213,6 +213,15 @@ async def test_a_file_op_never_lands_where_the_sandboxs_commands_cannot_see_it(c
         assert r.stdout == b"", r
 
 
+@pytest.mark.parametrize("kind", REAL)
+async def test_posix_shared_memory_works_alike(client, kind):
+    """/dev/shm (shm_open, POSIX semaphores, Python's multiprocessing locks) was missing in a microVM alone
+    (helper V): a sticky, writable directory on every kind."""
+    async with await fresh(client, kind) as sb:
+        r = await sb.exec("echo x > /dev/shm/m && cat /dev/shm/m && stat -c %a /dev/shm", timeout=60)
+        assert (r.exit_code, r.stdout) == (0, b"x\n1777\n"), r
+
+
 @pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree")])
 async def test_a_listing_past_one_page_comes_whole_in_order(client, kind):
     """A tree of more entries than one answer holds: past 10,000 the listing was refused, and past ~4,500

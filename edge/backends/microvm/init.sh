@@ -64,6 +64,8 @@ $B mkdir -p proc sys dev tmp .dsec
 $B chmod 1777 tmp
 [ -n "$OS" ] || $B mount -t sysfs -o ro sys sys
 $B mount -t devtmpfs dev dev
+# POSIX shared memory (shm_open, semaphores, Python's multiprocessing locks): a full VM's systemd mounts its own
+[ -n "$OS" ] || { $B mkdir -p dev/shm && $B mount -t tmpfs -o nosuid,nodev,mode=1777 shm dev/shm; }
 $B mount --bind /trusted .dsec
 $B mount -o remount,bind,ro,nosuid,nodev .dsec
 # The raw writable layer, read-only, for the agent to pack a snapshot from (its owner's own files).
