@@ -58,6 +58,9 @@ OVERHEAD: dict[str, tuple[int, int]] = {
 # The least memory a sandbox of a kind boots with (the guest kernel and its initramfs need it).
 # A full VM's Debian (systemd, journald) holds ~40 MiB of its 256 beside the kernel's.
 MIN_MEMORY: dict[str, int] = {MICROVM: 128 << 20, FULLVM: 256 << 20}
+# The fewest processes a sandbox of a kind boots with: a VM's guest agent forks beside each command (with one,
+# its template never came up, and the create failed as an environment failure, to be retried elsewhere in vain).
+MIN_PIDS: dict[str, int] = {MICROVM: 2, FULLVM: 2}
 
 
 def check_kind(kind: str) -> str:

@@ -70,6 +70,10 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
     if req.resources.memory < least:
         raise InvalidRequest(f"resources.memory: a {req.backend} sandbox needs at least {least >> 20}Mi "
                              f"(its guest kernel), got {req.resources.memory >> 20}Mi")
+    fewest = kinds.MIN_PIDS.get(req.backend, 1)
+    if req.resources.pids < fewest:
+        raise InvalidRequest(f"resources.pids: a {req.backend} sandbox needs at least {fewest} (its guest agent "
+                             f"forks beside each command), got {req.resources.pids}")
 
 
 def check_labels(labels: dict[str, str]) -> None:

@@ -169,9 +169,13 @@ async def test_the_node_record_names_the_accelerator(stack, vmnode):
 
 
 async def test_below_the_guest_minimum_is_refused_at_once(client, vmnode):
+    """Below a VM's least memory, or with a single process (its agent forks beside each command: a template
+    never came up, and the create failed 5 s later as an environment failure, helper V), refused at once."""
     t = time.monotonic()
     with pytest.raises(libdsec.InvalidRequest, match="128"):
         await client.create(backend="microvm", resources=libdsec.Resources(memory="64Mi"), timeout=30)
+    with pytest.raises(libdsec.InvalidRequest, match="pids: a microvm sandbox needs at least 2"):
+        await client.create(backend="microvm", resources=libdsec.Resources(pids=1), timeout=30)
     assert time.monotonic() - t < 5
 
 
