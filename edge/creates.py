@@ -333,6 +333,9 @@ class CreateLane:
 
     async def _start_sandbox(self, req: CreateRequest) -> SandboxSpec:
         """Fetch layers and start the backend sandbox; every failure becomes a typed DsecError."""
+        if req.network.mode != "none" and self.backend.network is None:   # (before a VM's template boots: seconds)
+            raise InvalidRequest(f"sandbox could not start: node {self.node} runs no Aether (network "
+                                 f"{req.network.mode!r} needs it: dsec edge without --no-aether)")
         try:
             paths = await self.layers.ensure(req.layers)
             spec = _spec(req, paths)

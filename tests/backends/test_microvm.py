@@ -177,6 +177,11 @@ async def test_below_the_guest_minimum_is_refused_at_once(client, vmnode):
     with pytest.raises(libdsec.InvalidRequest, match="pids: a microvm sandbox needs at least 2"):
         await client.create(backend="microvm", resources=libdsec.Resources(pids=1), timeout=30)
     assert time.monotonic() - t < 5
+    t = time.monotonic()   # a network on a node without Aether: refused before a template boots (it took 2.5-11 s)
+    with pytest.raises(libdsec.InvalidRequest, match="runs no Aether"):
+        await client.create(backend="microvm", resources=libdsec.Resources(memory="216Mi"),
+                            network=libdsec.Network(allow=["example.test"]), timeout=30)
+    assert time.monotonic() - t < 1
 
 
 async def test_qemu_sees_only_its_own_disks_and_devices(client, vmnode):
