@@ -106,22 +106,6 @@ class SandboxError(DsecError):
     code = "sandbox"
 
 
-class SandboxNotFound(SandboxError, LookupError):
-    """The sandbox does not exist: destroyed, expired, lost or never existed (see .reason)."""
-
-    code = "sandbox_not_found"
-
-    @property
-    def reason(self) -> str:
-        """Why it is gone: destroyed, expired, node_lost, never_existed, ..."""
-        return str(self.details.get("reason", "unknown"))
-
-    @classmethod
-    def ended(cls, sandbox_id: str, state: str, why: str = "") -> "SandboxNotFound":
-        """The error for a sandbox that ended in `state` (or never existed), and why in words when known."""
-        return cls(f"sandbox {sandbox_id} not found ({state}{': ' + why if why else ''})", reason=state)
-
-
 class _PartialOutput:
     """An error that carries the output received before it (stdout and stderr bytes)."""
 
@@ -136,6 +120,23 @@ class _PartialOutput:
     def stderr(self) -> bytes:
         """Error output received before the error."""
         return self.details.get("stderr", b"")  # type: ignore[return-value]
+
+
+class SandboxNotFound(_PartialOutput, SandboxError, LookupError):
+    """The sandbox does not exist: destroyed, expired, lost or never existed (see .reason). Raised by an exec
+    whose sandbox ended under it, it carries the output received before (.stdout, .stderr)."""
+
+    code = "sandbox_not_found"
+
+    @property
+    def reason(self) -> str:
+        """Why it is gone: destroyed, expired, node_lost, never_existed, ..."""
+        return str(self.details.get("reason", "unknown"))
+
+    @classmethod
+    def ended(cls, sandbox_id: str, state: str, why: str = "") -> "SandboxNotFound":
+        """The error for a sandbox that ended in `state` (or never existed), and why in words when known."""
+        return cls(f"sandbox {sandbox_id} not found ({state}{': ' + why if why else ''})", reason=state)
 
 
 class ExecTimeout(_PartialOutput, SandboxError, TimeoutError):

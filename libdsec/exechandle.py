@@ -14,7 +14,7 @@ import time
 from typing import AsyncIterable, AsyncIterator
 
 from bus.conn import Bus
-from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError
+from bus.errors import DsecError, ExecTimeout, InvalidRequest, OutputIncomplete, SandboxError, SandboxNotFound
 from bus.execwire import ExecInput, ExitRecord, StartRecord
 from libdsec.execcontrol import STDIN_PIECE, ExecControls
 from libdsec.execstream import EXIT_GRACE, ExecStream, LineSplitter, exit_of
@@ -140,7 +140,11 @@ class ExecHandle:
             raise OutputIncomplete(self._error.message, stdout=stdout, stderr=stderr, missing=self._error.missing,
                                    **{k: v for k, v in self._error.details.items()
                                       if k not in ("stdout", "stderr", "missing")})
-        ex = self._end()
+        try:
+            ex = self._end()
+        except SandboxNotFound as err:   # its sandbox ended under it: what it printed goes with the error (it
+            err.details.update(stdout=stdout, stderr=stderr)   # was dropped: helper V, a VM's QEMU killed)
+            raise
         if ex.timed_out:
             raise ExecTimeout(f"command timed out after {self._timeout}s; its process tree was killed",
                               stdout=stdout, stderr=stderr, truncated=ex.truncated)

@@ -113,10 +113,11 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             with pytest.raises(libdsec.SandboxNotFound) as ei:   # answered by the restarted edge, no hang
                 await asyncio.wait_for(lost_exec, 10)
             assert ei.value.reason == "node_lost"
-            for handle in (fg, bg.wait()):
+            for handle, printed in ((fg, b"fg1\n"), (bg.wait(), b"bg1\nbg2\n")):
                 with pytest.raises(libdsec.SandboxNotFound) as ei:
                     await asyncio.wait_for(handle, 10)
                 assert ei.value.reason == "node_lost"
+                assert ei.value.stdout == printed   # what it printed goes with the error (it was dropped)
             # ...and both are on their sandboxes' timelines, with what they printed, before the node_lost (a
             # crash erased them: helper V); the background one's output ends in its exit record
             for sb, argv, printed in ((old[0], "echo bg1; echo bg2; sleep 1000", b"bg1\nbg2\n"),
