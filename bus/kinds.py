@@ -61,6 +61,8 @@ MIN_MEMORY: dict[str, int] = {MICROVM: 128 << 20, FULLVM: 256 << 20}
 # The fewest processes a sandbox of a kind boots with: a VM's guest agent forks beside each command (with one,
 # its template never came up, and the create failed as an environment failure, to be retried elsewhere in vain).
 MIN_PIDS: dict[str, int] = {MICROVM: 2, FULLVM: 2}
+# The least writable disk of a kind: a VM's is an ext4 image of its own (below this it was enlarged unasked).
+MIN_DISK: dict[str, int] = {MICROVM: 16 << 20, FULLVM: 16 << 20}
 
 
 def check_kind(kind: str) -> str:

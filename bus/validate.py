@@ -70,6 +70,9 @@ def check_create(req: CreateRequest, now: float | None = None) -> None:
     if req.resources.memory < least:
         raise InvalidRequest(f"resources.memory: a {req.backend} sandbox needs at least {least >> 20}Mi "
                              f"(its guest kernel), got {req.resources.memory >> 20}Mi")
+    if req.resources.disk < kinds.MIN_DISK.get(req.backend, 0):
+        raise InvalidRequest(f"resources.disk: a {req.backend} sandbox's writable disk is at least "
+                             f"{kinds.MIN_DISK[req.backend] >> 20}Mi (its own ext4 image), got {req.resources.disk} bytes")
     fewest = kinds.MIN_PIDS.get(req.backend, 1)
     if req.resources.pids < fewest:
         raise InvalidRequest(f"resources.pids: a {req.backend} sandbox needs at least {fewest} (its guest agent "

@@ -176,6 +176,8 @@ async def test_below_the_guest_minimum_is_refused_at_once(client, vmnode):
         await client.create(backend="microvm", resources=libdsec.Resources(memory="64Mi"), timeout=30)
     with pytest.raises(libdsec.InvalidRequest, match="pids: a microvm sandbox needs at least 2"):
         await client.create(backend="microvm", resources=libdsec.Resources(pids=1), timeout=30)
+    with pytest.raises(libdsec.InvalidRequest, match="disk: a microvm sandbox's writable disk is at least 16Mi"):
+        await client.create(backend="microvm", resources=libdsec.Resources(disk="1Mi"), timeout=30)   # (was 14.7Mi)
     assert time.monotonic() - t < 5
     t = time.monotonic()   # a network on a node without Aether: refused before a template boots (it took 2.5-11 s)
     with pytest.raises(libdsec.InvalidRequest, match="runs no Aether"):

@@ -5,6 +5,7 @@ import os
 import stat
 from pathlib import Path
 
+from bus import kinds
 from edge.backends import kernel
 from edge.backends.base import Limits, SandboxSpec
 from edge.backends.gvisor.host import processes_where
@@ -139,7 +140,7 @@ def cpus(limits: Limits) -> int:
 
 
 def disk_size(limits: Limits) -> int:
-    return max(limits.disk, 16 << 20)
+    return max(limits.disk, kinds.MIN_DISK["microvm"])   # (creates below it are refused: bus/validate.py)
 
 
 def log_tail(path: Path) -> str:
