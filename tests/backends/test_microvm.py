@@ -230,25 +230,10 @@ async def test_a_vm_does_not_keep_the_hosts_other_mounts_alive(client, vmnode, t
             subprocess.run(["losetup", "-d", dev.split(":")[0]], capture_output=True)
 
 
-async def test_a_starting_vm_is_waited_for_by_get_and_destroyed_by_dsec_rm(client, vmnode):
-    """A sandbox still starting (a VM whose template boots: seconds) was "not found (starting)" to get() and
-    to `dsec rm`, though it came up a moment later (helper V). get() waits for it now, and rm destroys it."""
-    import subprocess
-    import sys
-    task = asyncio.ensure_future(client.create(backend="microvm", resources=libdsec.Resources(memory="200Mi"),
-                                               timeout=120))   # (a size no other test uses: a template boots)
-    starting = None
-    for _ in range(400):
-        starting = next((r for r in await client.list(all_states=True) if r.state == "starting"), None)
-        if starting is not None or task.done():
-            break
-        await asyncio.sleep(0.02)
-    assert starting is not None, "the create was never seen starting"
-    sb = await client.get(starting.sandbox_id)
-    assert sb.id == starting.sandbox_id and (await sb.exec("echo up")).stdout == b"up\n"
-    assert (await task).id == sb.id
-    await sb.destroy()
-    task = asyncio.ensure_future(client.create(backend="microvm", resources=libdsec.Resources(memory="208Mi"),
+async def _seen_starting(client, memory: str):
+    """A create of a VM of this memory (a size no other test uses: its template boots, seconds) and its
+    record while it is still starting."""
+    task = asyncio.ensure_future(client.create(backend="microvm", resources=libdsec.Resources(memory=memory),
                                                timeout=120))
     for _ in range(400):
         starting = next((r for r in await client.list(all_states=True) if r.state == "starting"), None)
@@ -256,6 +241,20 @@ async def test_a_starting_vm_is_waited_for_by_get_and_destroyed_by_dsec_rm(clien
             break
         await asyncio.sleep(0.02)
     assert starting is not None, "the create was never seen starting"
+    return task, starting
+
+
+async def test_a_starting_vm_is_waited_for_by_get_and_destroyed_by_dsec_rm(client, vmnode):
+    """A sandbox still starting (a VM whose template boots: seconds) was "not found (starting)" to get() and
+    to `dsec rm`, though it came up a moment later (helper V). get() waits for it now, and rm destroys it."""
+    import subprocess
+    import sys
+    task, starting = await _seen_starting(client, "200Mi")
+    sb = await client.get(starting.sandbox_id)
+    assert sb.id == starting.sandbox_id and (await sb.exec("echo up")).stdout == b"up\n"
+    assert (await task).id == sb.id
+    await sb.destroy()
+    task, starting = await _seen_starting(client, "208Mi")
     env = dict(os.environ, DSEC_CREDS=client.creds or "")
     rm = await asyncio.to_thread(subprocess.run, [str(Path(sys.executable).parent / "dsec"), "rm", "--nats", client.url,
                                                   starting.sandbox_id], capture_output=True, text=True, env=env)
