@@ -260,6 +260,7 @@ class FileOp(Wire, tag="file_op"):
     dest: str = ""
     depth: int = 1
     after: str = ""
+    paged: bool = False             # list: the caller follows `next` (an older SDK does not: refused past a page)
     offset: int = 0
     length: int = FILE_PIECE
     data: bytes = b""

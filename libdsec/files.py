@@ -67,15 +67,17 @@ class AsyncFiles:
     async def list(self, path: str, *, depth: int = 1, timeout: float = DEFAULT_TIMEOUT,
                    user: str | None = None) -> list[FileEntry]:
         """The entries under directory path, depth levels down (1: its own), sorted by path. A large tree
-        comes a page (10,000 entries) per request, each page within timeout; an entry made or removed
+        comes a page (2,000 entries) per request, each page within timeout; an entry made or removed
         while the pages come may be missed, never listed twice."""
         found: list[FileEntry] = []
         after = ""
         while True:
-            page = await self._op("list", path, timeout, user, depth=depth, after=after)
+            page = await self._op("list", path, timeout, user, depth=depth, after=after, paged=True)
             found += page.entries
             if not page.next:
                 return found
+            if page.next == after or not page.entries:
+                raise FileOpError(f"listing {path} made no progress past {after!r}")
             after = page.next
 
     async def make_dir(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> bool:

@@ -216,3 +216,13 @@ async def test_file_ops_as_a_user_are_checked_as_it_and_make_its_files(client):
         with pytest.raises(libdsec.InvalidRequest, match="nobody-here"):
             await sb.files.read("/root/s", user="nobody-here")
         assert (await sb.exec("cat /etc/passwd | head -1")).stdout.startswith(b"root:")   # untouched
+
+
+async def test_a_caller_that_does_not_page_is_refused_past_one_page_not_given_a_short_listing(client):
+    """An SDK from before pages ignores `next`: past a page it would get the first 2,000 entries as if they
+    were all (review R). It is refused, as it was past its limit before."""
+    async with await client.create() as sb:
+        assert (await sb.exec("mkdir /d && cd /d && seq 2100 | xargs touch")).exit_code == 0
+        with pytest.raises(libdsec.FileOpError, match="use an SDK that pages"):
+            await sb.files._op("list", "/d", depth=1)              # (the request an older SDK sends)
+        assert len(await sb.files.list("/d")) == 2100

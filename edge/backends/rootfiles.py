@@ -152,6 +152,8 @@ def tree_op_in(root: int, rel: str, op: FileOp, base: int, scratch: bool = False
                     raise file_error(exc, op.path, creating=False) from exc
             raise file_error(exc, op.dest, creating=True) from exc
         raise file_error(exc, op.path, creating=op.op in ("mkdir", "write")) from exc
+    except OverflowError as exc:   # a listing past treeops.MAX_SCAN
+        raise BackendError(f"{exc}: {op.path}") from exc
 
 
 def _tree_op(root: int, rel: str, op: FileOp, base: int, owner: int | None, scratch: bool) -> bytes:
@@ -159,8 +161,7 @@ def _tree_op(root: int, rel: str, op: FileOp, base: int, owner: int | None, scra
         case "stat":
             result = FileOpResult(entry=treeops.stat(root, rel, base))
         case "list":
-            found, after = treeops.listing(root, rel, op.depth, base, op.after)
-            result = FileOpResult(entries=found, next=after)
+            result = treeops.page(op, *treeops.listing(root, rel, op.depth, base, op.after))
         case "mkdir":
             result = FileOpResult(made=treeops.make_dir(root, rel, owner))
         case "remove":

@@ -19,12 +19,13 @@ from typing import Iterator
 
 import msgspec
 
-from bus.messages import FileEntry, encode
+from bus.messages import FileEntry, FileOpResult, encode
 from edge.backends import kernel
 from edge.backends.base import BackendError
 
 MAX_ENTRIES = 2_000     # a listing's page at most...
 PAGE_BYTES = 512 << 10  # ...and its entries encoded at most (an answer carries them base64'd, in 1 MiB)
+MAX_SCAN = 1_000_000    # names one page's walk may read (each page walks the tree again): past it, refused
 MAX_DEPTH = 16
 MAX_AFTER = 8192       # a listing's cursor (the last path of a page): PATH_MAX and then some
 MAX_META_KEY = 250      # "user." + key within XATTR_NAME_MAX (255)
@@ -130,7 +131,7 @@ def listing(root: int, path: str, depth: int, base: int, after: str = "") -> tup
     are looked at."""
     top = normal(path)
     fd = kernel.open_in_root(root, top, os.O_RDONLY | os.O_DIRECTORY)
-    page = heapq.nsmallest(MAX_ENTRIES + 1, _names(fd, top, depth, after))
+    page = heapq.nsmallest(MAX_ENTRIES + 1, _names(fd, top, depth, after, [0]))
     by_parent: dict[str, list[tuple[str, str]]] = {}
     for _shown, parent, name in page[:MAX_ENTRIES]:
         by_parent.setdefault(parent, []).append((name, f"{parent.rstrip('/')}/{name}"))
@@ -149,25 +150,38 @@ def listing(root: int, path: str, depth: int, base: int, after: str = "") -> tup
     return fit(sorted(out, key=lambda e: e.path), page[MAX_ENTRIES - 1][0] if len(page) > MAX_ENTRIES else "")
 
 
-def fit(entries: list[FileEntry], after: str) -> tuple[list[FileEntry], str]:
+def page(op, entries: list[FileEntry], after: str) -> FileOpResult:
+    """A listing's answer: this page and where the next goes on; to a caller that does not page (an SDK from
+    before pages), a refusal when more follow, as it got before, never a silently short listing."""
+    if after and not op.paged:
+        raise BackendError(f"more than {len(entries)} entries: list a smaller tree or a smaller depth, or use an "
+                           f"SDK that pages: {op.path}")
+    return FileOpResult(entries=entries, next=after)
+
+
+def fit(entries: list[FileEntry], after: str, cursors: list[str] | None = None) -> tuple[list[FileEntry], str]:
     """A page's entries cut where they pass PAGE_BYTES encoded (entries with large xattrs), the next page
-    going on from the last one kept; else as they are, with `after`."""
+    going on from the last one kept (its path, or its cursor of cursors); else as they are, with `after`."""
     size = 0
     for i, e in enumerate(entries):
         size += len(encode(e)) + 1
         if size > PAGE_BYTES and i:
-            return entries[:i], entries[i - 1].path
+            return entries[:i], cursors[i - 1] if cursors is not None else entries[i - 1].path
     return entries, after
 
 
-def _names(fd: int, path: str, depth: int, after: str) -> Iterator[tuple[str, str, str]]:
+def _names(fd: int, path: str, depth: int, after: str, scanned: list[int]) -> Iterator[tuple[str, str, str]]:
     """(path as the wire shows it, parent, name) of each entry below dir fd (closed here) that sorts after
-    `after`, depth levels down; a directory's entries by fd (O_NOFOLLOW, never into another mount)."""
+    `after`, depth levels down; a directory's entries by fd (O_NOFOLLOW, never into another mount).
+    OverflowError past MAX_SCAN names read (scanned[0] counts them)."""
     try:
         dev = os.fstat(fd).st_dev
         subdirs: list[tuple[str, str]] = []
         with os.scandir(fd) as found:
             for de in found:
+                scanned[0] += 1
+                if scanned[0] > MAX_SCAN:
+                    raise OverflowError(f"more than {MAX_SCAN} entries to walk: list a smaller tree or a smaller depth")
                 full = f"{path.rstrip('/')}/{de.name}"
                 shown = wire_name(full)
                 if shown > after:
@@ -184,7 +198,7 @@ def _names(fd: int, path: str, depth: int, after: str) -> Iterator[tuple[str, st
             if os.fstat(sub).st_dev != dev:   # another mount (its entries are not the root's)
                 os.close(sub)
                 continue
-            yield from _names(sub, full, depth - 1, after)
+            yield from _names(sub, full, depth - 1, after, scanned)
     finally:
         os.close(fd)
 

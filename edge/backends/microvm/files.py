@@ -19,17 +19,21 @@ from edge.backends.treeops import MAX_ENTRIES
 HELPER = f"{TRUSTED_DIR}/files"
 WATCHER = f"{TRUSTED_DIR}/watch"
 FIELDS = 9           # of an entry, before its xattrs
+CURSOR = "hex:"      # a listing's cursor: the guest's bytes of a path
 TIMEOUT = 60.0
 
 
-def entries(out: bytes) -> list[FileEntry]:
-    """The helper's entries (NUL-terminated fields, see dsec-files.c) as FileEntry."""
+def entries(out: bytes, raw: list[bytes] | None = None) -> list[FileEntry]:
+    """The helper's entries (NUL-terminated fields, see dsec-files.c) as FileEntry, names as the wire shows
+    them (treeops.wire_name, as a container's); raw gets each one's path as the guest's bytes."""
     parts = out.split(b"\0")[:-1]
     found: list[FileEntry] = []
     at = 0
     while at + FIELDS <= len(parts):
-        path, kind, size, mode, uid, gid, mtime, target, count = (p.decode(errors="replace")
-                                                                   for p in parts[at:at + FIELDS])
+        if raw is not None:
+            raw.append(parts[at])
+        path, target = (treeops.wire_name(os.fsdecode(p)) for p in (parts[at], parts[at + 7]))
+        kind, size, mode, uid, gid, mtime, count = (p.decode() for p in parts[at + 1:at + 7] + [parts[at + 8]])
         at += FIELDS
         meta = {}
         for _ in range(int(count)):
@@ -56,6 +60,9 @@ class GuestFiles:
         res = await vm.chan.exec([HELPER, *who, *args], {}, "/", stdin, TIMEOUT, sink, None, vm.frozen_for)
         if res.timed_out:
             raise BackendError(f"file operation on {path} took longer than {TIMEOUT:.0f}s")
+        if res.exit_code == errno.EFBIG and args[0] == "list":
+            raise BackendError(f"more than {treeops.MAX_SCAN} entries to walk: list a smaller tree or a smaller "
+                               f"depth: {path}")
         if res.exit_code == errno.EINVAL and b"piece was lost" in out["stderr"]:
             raise BackendError(f"{out['stderr'].decode(errors='replace').strip()}: {path}")
         if res.exit_code:
@@ -86,10 +93,15 @@ class GuestFiles:
             case "stat":
                 result = FileOpResult(entry=entries(await helper(["stat", path], b""))[0])
             case "list":
-                out = await helper(["list", path, str(op.depth), str(MAX_ENTRIES), op.after], b"")
+                # The cursor is the guest's bytes of a path, in hex (a name need not be UTF-8: the helper
+                # orders by bytes, and a cursor read back as text came back as other bytes, which looped)
+                cursor = op.after[4:] if op.after.startswith(CURSOR) else os.fsencode(op.after).hex()
+                out = await helper(["list", path, str(op.depth), str(MAX_ENTRIES), cursor], b"")
                 after, _, out = out.partition(b"\0")
-                found, after = treeops.fit(sorted(entries(out), key=lambda e: e.path), after.decode(errors="replace"))
-                result = FileOpResult(entries=found, next=after)
+                raw: list[bytes] = []
+                found = entries(out, raw)      # (in the helper's order: by bytes)
+                result = treeops.page(op, *treeops.fit(found, CURSOR + after.decode() if after else "",
+                                                       [CURSOR + r.hex() for r in raw]))
             case "mkdir":
                 result = FileOpResult(made=await helper(["mkdir", path], b"", True) == b"1\0")
             case "remove":

@@ -4,8 +4,8 @@
  *
  *   files stat PATH                       an entry
  *   files list PATH DEPTH MAX [AFTER]     a page of the entries below PATH, DEPTH levels: the first MAX by
- *                                         path (strcmp) that sort after AFTER, after the next page's AFTER
- *                                         (the page's last path; "" for the last page)
+ *                                         path (strcmp: bytes) that sort after AFTER (hex of the bytes), after
+ *                                         the next page's AFTER (hex of its last path; "" for the last page)
  *   files mkdir PATH                      "1" made (with missing parents, 0755), "0" it was a directory already
  *   files remove PATH                     a file, a symlink (not what it points to), or a whole tree
  *   files rename SRC DEST                 the entry at DEST
@@ -104,6 +104,37 @@ static void entry(const char *path, const struct stat *s)
 static char **found;
 static size_t nfound, room;
 static const char *after = "";
+static long scanned;   /* names a page's walk read: past MAX_SCAN the listing is refused (EFBIG) */
+#define MAX_SCAN 1000000L
+
+static char *cursor_of(const char *hex)   /* a cursor's bytes (NULL for bad hex) */
+{
+    size_t n = strlen(hex);
+    char *out = malloc(n / 2 + 1);
+    if (!out || n % 2)
+        return NULL;
+    for (size_t i = 0; i < n / 2; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1)
+            return NULL;
+        out[i] = (char)v;
+    }
+    out[n / 2] = 0;
+    return memchr(out, 0, n / 2) ? NULL : out;
+}
+
+static void put_hex(const char *s)
+{
+    size_t n = strlen(s);
+    char *hex = malloc(2 * n + 1);
+    if (!hex)
+        fail(ENOMEM, "list", s);
+    for (size_t i = 0; i < n; i++)
+        sprintf(hex + 2 * i, "%02x", (unsigned char)s[i]);
+    hex[2 * n] = 0;
+    put(hex);
+    free(hex);
+}
 
 static int by_path(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
@@ -140,6 +171,8 @@ static void walk(const char *path, int depth, dev_t dev)
             continue;
         char sub[8192];
         snprintf(sub, sizeof sub, "%s/%s", strcmp(path, "/") ? path : "", de->d_name);
+        if (++scanned > MAX_SCAN)
+            fail(EFBIG, "list", path);
         if (strcmp(sub, after) > 0)
             keep(sub);
         if (depth <= 1 || (de->d_type != DT_DIR && de->d_type != DT_UNKNOWN))
@@ -159,7 +192,10 @@ static void walk(const char *path, int depth, dev_t dev)
 static void listing(void)
 {
     keep_smallest(max_entries + 1);   /* (the one past them tells that more follow) */
-    put(nfound > (size_t)max_entries ? found[max_entries - 1] : "");
+    if (nfound > (size_t)max_entries)
+        put_hex(found[max_entries - 1]);
+    else
+        put("");
     for (size_t i = 0; i < nfound && i < (size_t)max_entries; i++) {
         struct stat s;
         if (lstat(found[i], &s) == 0)   /* (gone meanwhile: left out) */
@@ -303,8 +339,8 @@ int main(int argc, char **argv)
         max_entries = atol(argv[4]);
         if (max_entries < 1)
             fail(EINVAL, "list", path);
-        if (argc == 6)
-            after = argv[5];
+        if (argc == 6 && !(after = cursor_of(argv[5])))
+            fail(EINVAL, "list", path);
         walk(path, atoi(argv[3]), s.st_dev);
         listing();
     } else if (!strcmp(op, "mkdir")) {
