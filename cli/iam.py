@@ -93,21 +93,17 @@ def iam_ls(state_dir: Path) -> None:
                    f"{expires(f'tenant:{name}'):<20}  {creds}")
 
 
-CLEAR_TTL = 300.0   # an account's stand-in credential for clearing it (its own expired or was revoked)
-
-
 async def _clear(found: identities.Iam, accounts: list[str], nats_url: str, force: bool) -> None:
-    """Refuse (exit 1) while these accounts hold live sandboxes, unless force: then destroy them, each with
-    its own account's credential (a tenant's cannot act on its projects' sandboxes). An account whose
-    credential expired or was revoked gets a new short-lived one for it: its sandboxes were otherwise out of
-    reach (an expired project's kept running, holding quota, after a forced removal: helper S)."""
+    """Refuse (exit 1) while these accounts hold live sandboxes, unless force: then destroy them, each account
+    acted for by the platform's admin (its subjects name the account; without the admin's credential, by the
+    account's own). An expired or revoked account's own was refused, so its sandboxes ran on, holding quota,
+    after a forced removal (helper S)."""
     import libdsec
+    admin = found.creds_path("admin")
     for account in accounts:
-        creds = found.creds_path(f"tenant:{account}")
-        if not creds.exists() or expired(str(creds)):
-            found.issue_tenant(account, ttl=CLEAR_TTL)
-            found.save()
-            iamserver.reload(found)
+        creds = admin if admin.exists() and not expired(str(admin)) else found.creds_path(f"tenant:{account}")
+        if not creds.exists():
+            continue
         async with libdsec.AsyncClient(nats_url, tenant=account, creds=str(creds)) as client:
             live = [r for r in await client.list() if r.tenant == account]
             if live and not force:

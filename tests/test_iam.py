@@ -619,7 +619,7 @@ async def test_dsec_iam_clears_an_expired_or_revoked_project_and_refuses_bad_nam
     """`project rm --force` destroyed a project's sandboxes with the project's own credential: once that had
     expired, the removal failed ("credential ... expired"), and the sandbox ran on, holding quota, until its
     TTL (helper S); a revoked project's were not even looked at, and the project went with them running. A
-    stand-in credential of minutes clears it now. A bad tenant name printed a traceback; it is one line."""
+    platform admin acts for it now. A bad tenant name printed a traceback; it is one line."""
     state = str(stack.nats_server.iam.root)
     url, admin = stack.url, str(Path(state) / "creds" / "admin.creds")
     try:
@@ -638,6 +638,9 @@ async def test_dsec_iam_clears_an_expired_or_revoked_project_and_refuses_bad_nam
             p = await asyncio.to_thread(run_dsec, "iam", "project", "rm", f"cli-x/{name}", "--state-dir", state,
                                         "--nats", url)
             assert p.returncode == 1 and "1 live sandbox" in p.stderr, (name, p.stderr)
+            if name == "gone":   # (its revocation stands: nothing was issued to it on the way)
+                assert not (Path(state) / "creds" / "tenants" / "cli-x__gone.creds").exists()
+                assert not iam.Iam.load(Path(state)).tenants["cli-x__gone"].users
             p = await asyncio.to_thread(run_dsec, "iam", "project", "rm", f"cli-x/{name}", "--force", "--state-dir",
                                         state, "--nats", url, creds=admin)
             assert p.returncode == 0 and "removed" in p.stdout, (name, p.stderr)
