@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -1004,3 +1005,23 @@ def test_the_server_keeper_restarts_for_room_only_after_a_full_disk(tmp_path):
     assert srv._logged_write_error().endswith("z.blk: no space left on device")
     assert srv._logged_write_error() == ""   # read once; the half line waits for its end
     assert srv._room()                        # (this disk has room)
+
+
+def test_own_mounts_keeps_what_it_is_asked_for_and_what_that_lies_under(tmp_path):
+    """kernel.own_mounts (a VM's QEMU, the keeper's maker): a kept mount nested in another keeps its parent
+    (detaching the parent took the kept one with it: review R); every other host mount is gone."""
+    import subprocess
+    import sys
+    for d in ("a", "a/b", "c", "c/d"):
+        (tmp_path / d).mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(tmp_path / d)], check=True)
+    try:
+        code = ("import sys; from edge.backends import kernel; kernel.own_mounts([sys.argv[1], '/proc']); "
+                "print('\\n'.join(kernel.mount_points()))")
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a" / "b")], capture_output=True, text=True,
+                             check=True, cwd=str(Path(__file__).parent.parent)).stdout.split()
+        assert str(tmp_path / "a") in out and str(tmp_path / "a" / "b") in out and "/" in out, out
+        assert not any(p.startswith(str(tmp_path / "c")) for p in out), out
+    finally:
+        for d in ("c/d", "c", "a/b", "a"):
+            subprocess.run(["umount", str(tmp_path / d)], check=False)

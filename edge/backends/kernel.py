@@ -152,18 +152,23 @@ def mount_of(path: str, points: list[str]) -> str:
 
 def own_mounts(keep: list[str]) -> None:
     """Give this process a mount namespace of its own (nothing propagates either way) holding only the
-    mounts at the mount points keep (and "/"), every other mount of the host's detached. A long-lived
-    process with a copy of all of them (a VM's QEMU, the keeper's maker) kept each one's filesystem alive
-    after the host unmounted it: another node's upper pool stayed mounted, its loop device attached to a
-    deleted image, for as long as a VM started while that node ran (helper S). keep's parents must be kept
-    too (detaching a mount detaches what is under it)."""
+    mounts at the mount points keep (and "/", and the mounts they lie under), every other mount of the
+    host's detached: each topmost one with everything under it, one call each. A long-lived process with a
+    copy of all of them (a VM's QEMU, the keeper's maker) kept each one's filesystem alive after the host
+    unmounted it: another node's upper pool stayed mounted, its loop device attached to a deleted image,
+    for as long as a VM started while that node ran (helper S)."""
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    points = mount_points()
     kept = {"/", *keep}
-    for point in reversed(mount_points()):    # children before their parents
-        if point not in kept:
-            with contextlib.suppress(OSError):   # (gone with a parent detached already)
-                umount2(point, MNT_DETACH)
+    kept |= {p for p in points for k in list(kept) if k.startswith(p.rstrip("/") + "/")}   # what they lie under
+    gone: list[str] = []
+    for point in points:   # (parents before their children)
+        if point in kept or any(point.startswith(g.rstrip("/") + "/") for g in gone):
+            continue
+        with contextlib.suppress(OSError):
+            umount2(point, MNT_DETACH)
+        gone.append(point)
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
