@@ -49,7 +49,8 @@ CALL_ACK_WAIT = 10.0       # a call's lane: a dead node's calls go to another no
 # The work queues tenants publish into (creates, calls, node ops) hold at most this, oldest dropped first. A
 # message no consumer takes (an op for a node that does not exist, a call where no node runs fncall) stayed
 # an hour: a tenant so filled the server's whole store, 250 MB/s, for every tenant (helper S). Served lanes
-# hold milliseconds of work, so what a flood pushes out is its own.
+# hold milliseconds of work; but a flood also pushes out other tenants' work still waiting in the same
+# stream (an edge at its credit, a node restarting): their requesters then time out (docs/streams.md).
 LANE_MAX_BYTES = 1 << 30
 
 

@@ -48,9 +48,13 @@ class ExecJournal:
         root.mkdir(parents=True, exist_ok=True)
 
     def begin(self, op: ExecRequest, started: float) -> None:
-        """Journal an exec that starts (best effort: a full disk costs only its record after a crash)."""
+        """Journal an exec that starts (best effort: a full disk costs only its record after a crash). What its
+        trajectory record keeps, and no more: no stdin, its env's names without their values; owner-only."""
+        kept = msgspec.structs.replace(op, stdin=b"", env=dict.fromkeys(op.env, ""))
         try:
-            (self.root / op.exec_id).write_bytes(_encoder.encode(Left(msgspec.structs.replace(op, stdin=b""), started)))
+            fd = os.open(self.root / op.exec_id, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_encoder.encode(Left(kept, started)))
         except OSError as exc:
             log.warning("exec %s not journaled: %s", op.exec_id, exc)
 

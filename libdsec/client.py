@@ -111,6 +111,7 @@ class AsyncClient:
             _done, late = await asyncio.wait(self._settling, timeout=CLOSE_WAIT)
             for task in late:
                 task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
