@@ -4,7 +4,7 @@ chunked reads and writes at an offset (files of any size, moved a piece per requ
 Every path resolves inside the root (kernel.open_in_root: openat2 RESOLVE_IN_ROOT | NO_XDEV |
 NO_MAGICLINKS). An operation on a path's last component (stat of a symlink, remove, rename) opens the
 parent that way and acts on the name relative to it, so a planted symlink is never followed out of the
-root. Removal walks by fds (shutil.rmtree with dir_fd, which never follows a symlink). What the edge
+root. Removal walks by fds (remove_tree: never following a symlink, at any depth). What the edge
 creates belongs to the sandbox's root (its range base on the host), never to host root.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import contextlib
 import errno
 import heapq
 import os
-import shutil
 import stat as st
+import time
 from typing import Iterator
 
 import msgspec
@@ -230,15 +230,47 @@ def remove(root: int, path: str) -> None:
     try:
         s = os.stat(name, dir_fd=pfd, follow_symlinks=False)
         if st.S_ISDIR(s.st_mode):
-            real = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)   # rmtree wants no O_PATH
+            real = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=pfd)   # (fds of no O_PATH)
             try:
-                shutil.rmtree(name, dir_fd=real)
+                remove_tree(real, name)
             finally:
                 os.close(real)
         else:
             os.unlink(name, dir_fd=pfd)
     finally:
         os.close(pfd)
+
+
+DEEP = 200   # levels one walk of remove_tree goes down before it moves the rest up
+
+
+def remove_tree(top: int, name: str) -> None:
+    """Remove directory `name` of dir fd top with all it holds, by fds (a symlink is removed, never
+    followed), however deep. shutil.rmtree recurses: a chain of ~1,000 directories raised RecursionError,
+    which left an fncall worker unwiped and out of its pool for good (helper G). Past DEEP levels a directory
+    is moved up into top under a name of its own, and removed from there in turn."""
+    todo = [name]
+    while todo:
+        _remove_walk(top, todo.pop(), top, todo, 0)
+
+
+def _remove_walk(dfd: int, name: str, top: int, todo: list[str], depth: int) -> None:
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in entries:
+            if not is_dir:
+                os.unlink(child, dir_fd=fd)
+            elif depth < DEEP:
+                _remove_walk(fd, child, top, todo, depth + 1)
+            else:
+                moved = f".dsec-rm-{os.getpid()}-{len(todo)}-{time.monotonic_ns()}"
+                os.rename(child, moved, src_dir_fd=fd, dst_dir_fd=top)
+                todo.append(moved)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dfd)
 
 
 def rename(root: int, src: str, dest: str, base: int) -> FileEntry:

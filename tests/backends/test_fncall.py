@@ -87,6 +87,18 @@ async def test_calls_are_isolated_on_one_reused_worker(stack, client, tmp_path, 
         assert big.exit_code != 0, "the memory limit is intact"
 
 
+async def test_a_call_that_leaves_a_very_deep_tree_does_not_take_its_worker_out_of_the_pool(stack, client, tmp_path):
+    """A chain of 1,500 directories left in /tmp: the wipe's recursive rmtree raised RecursionError, so the
+    worker was neither wiped nor retired, out of the pool for good; any tenant so took a node's workers one
+    call at a time (helper G). The wipe removes any depth now; the next call is served on a clean /tmp."""
+    async with fncall_node(stack, tmp_path, "fn-deep", 1, 1):
+        deep = await client.call("cd /tmp && for i in $(seq 1500); do mkdir x && cd x || exit 1; done; "
+                                 "echo leaf > f; ln -s / up; echo made", timeout=60)
+        assert deep.stdout == b"made\n", deep
+        after = await client.call("ls -A /tmp | wc -l", timeout=30)
+        assert after.stdout.strip() == b"0" and after.worker == deep.worker, after
+
+
 async def test_the_pool_grows_under_load_and_shrinks_when_idle(stack, client, tmp_path, monkeypatch):
     from edge.backends import fncall
     monkeypatch.setattr(fncall, "IDLE_RETIRE", 1.0)

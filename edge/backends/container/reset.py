@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import stat
 
-from edge.backends import cgroups
+from edge.backends import cgroups, treeops
 from edge.backends.base import BackendError
 from edge.backends.container.state import Core
 
@@ -72,7 +71,7 @@ def _empty_scratch(init_pid: int, owner: int) -> None:
             for entry in os.scandir(fd):
                 st = os.stat(entry.name, dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    shutil.rmtree(entry.name, dir_fd=fd)
+                    treeops.remove_tree(fd, entry.name)
                 else:
                     os.unlink(entry.name, dir_fd=fd)
             os.fchmod(fd, mode)

@@ -262,8 +262,8 @@ class FnCallBackend(Backend):
         pool = self._pools.get(key)
         try:
             await self._workers.reset(worker)
-        except BackendError as exc:
-            log.warning("fncall worker %s retired: %s", worker, exc)
+        except Exception as exc:   # (not only BackendError: a worker never wiped nor retired was out of the
+            log.warning("fncall worker %s retired: %s", worker, exc)   # pool for good, helper G)
             if pool is not None:
                 pool.busy.discard(worker)
             await self._retire(worker)
