@@ -222,6 +222,15 @@ async def test_posix_shared_memory_works_alike(client, kind):
         assert (r.exit_code, r.stdout) == (0, b"x\n1777\n"), r
 
 
+@pytest.mark.parametrize("kind", REAL)
+async def test_tmp_is_writable_by_every_user_alike(client, kind):
+    """gVisor's /tmp was 1755 (made under the edge's umask): a command run as a user could not write it (helper
+    G). Every kind's /tmp is 1777."""
+    async with await fresh(client, kind) as sb:
+        r = await sb.exec("touch /tmp/mine && stat -c %a /tmp", user="nobody", timeout=60)
+        assert (r.exit_code, r.stdout) == (0, b"1777\n"), r
+
+
 @pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree")])
 async def test_a_listing_past_one_page_comes_whole_in_order(client, kind):
     """A tree of more entries than one answer holds: past 10,000 the listing was refused, and past ~4,000

@@ -247,8 +247,10 @@ class GvisorBackend(RootFiles, Backend):
         base = sb.ids.base
         os.chown(sub / "upper", base, base)
         for name in ("proc", "dev", "sys", "tmp", TRUSTED_DIR.lstrip("/")):   # mount points, the sandbox's
-            (sub / "upper" / name).mkdir(mode=0o1777 if name == "tmp" else 0o755)
+            (sub / "upper" / name).mkdir()
             os.chown(sub / "upper" / name, base, base)
+            os.chmod(sub / "upper" / name, 0o1777 if name == "tmp" else 0o755)   # (past the umask: /tmp was 1755,
+                                                                                  # no user could write it: helper G)
         work = self._dir(sb.key)
         work.mkdir(mode=0o700)
         lowers = []
