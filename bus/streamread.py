@@ -36,6 +36,11 @@ class Pulled:
         with mapped_errors("ack"):
             await self._msg.ack()
 
+    async def nak(self) -> None:
+        """Not taken: handed out again at once (before what comes after it), not after the ack wait."""
+        with mapped_errors("nak"):
+            await self._msg.nak()
+
 
 class DurableReader:
     """Batches from a pull consumer (see Bus.durable_reader)."""

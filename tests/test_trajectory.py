@@ -116,6 +116,47 @@ async def test_a_durable_trajectory_consumer_resumes_where_it_left_off(client):
     assert [t async for t in client.trajectories(job=job, since=later, follow=False)] == []
 
 
+async def test_records_past_one_answer_come_at_once_in_order_and_none_is_left_out(client):
+    """Records of much output (12 execs of 70,000 bytes: an answer holds ~768 KiB) past what one fetch's answer
+    holds were left to the consumer's ack wait: a reader that was told nothing more was pending stopped with
+    9 of the 14 records and no error, and a following one got them 30 s later, after newer ones (a sandbox's
+    `destroyed` before its last exec: helper T). They come in the next fetch now, in order."""
+    import time
+    job = f"jbig{os.getpid()}"
+    sb = await client.create(labels={"job": job})
+    for i in range(12):
+        await sb.exec(["sh", "-c", f"head -c 70000 /dev/zero | tr '\\0' {chr(97 + i)}"])
+    await sb.destroy()
+    want = ["created"] + ["exec"] * 12 + ["destroyed"]
+    for _ in range(100):   # (the last records follow by milliseconds)
+        got = [t.record for t in [t async for t in client.trajectories(job=job, follow=False)]]
+        if len(got) >= 14:
+            break
+        await asyncio.sleep(0.1)
+    assert [r.type for r in got] == want
+    assert [r.stdout[:1] for r in got[1:13]] == [bytes([97 + i]) for i in range(12)]
+    t0, seen = time.monotonic(), []   # a durable reader, acking as it goes: all of them, in order, at once
+    async for t in client.trajectories(job=job, durable=f"big{os.getpid()}", follow=False):
+        seen.append(t.record.type)
+        await t.ack()
+    assert seen == want and time.monotonic() - t0 < 5, (seen, time.monotonic() - t0)
+
+
+async def test_a_durable_reader_asked_with_other_settings_is_refused_not_hung_or_emptied(client):
+    """A durable reader read again with another `since` retried the server's refusal for ever with follow
+    (no record, no error), and one read for another job had its filter rewritten silently and read nothing
+    (helper T). Both are InvalidRequest now."""
+    job, durable = f"jset{os.getpid()}", f"set{os.getpid()}"
+    async with await client.create(labels={"job": job}) as sb:
+        await sb.exec("true")
+    first = [t async for t in client.trajectories(job=job, durable=durable, since=1, follow=False)]
+    assert first, "the reader read its job"
+    with pytest.raises(libdsec.InvalidRequest, match="other settings"):
+        await asyncio.wait_for(anext(client.trajectories(job=job, durable=durable, since=5, follow=True)), 15)
+    with pytest.raises(libdsec.InvalidRequest, match="reads another job"):
+        await asyncio.wait_for(anext(client.trajectories(job=job + "x", durable=durable, follow=False)), 15)
+
+
 async def test_a_reader_keeps_its_consumer_between_fetches_and_rebinds_a_gone_one(stack, client, monkeypatch):
     """A reader fetching in several batches has its consumer created once, not once per fetch; a durable
     reader whose consumer went behind the engine's back is bound afresh and reads everything again."""
