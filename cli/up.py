@@ -280,12 +280,14 @@ async def _serve_until_signal(stack, ready_line: str, after=None) -> None:
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="The embedded server (each, with --servers N) enforces identities: credentials under STATE_DIR/creds (made if missing); "
                    "--no-auth lets any client act as any tenant (development only).")
-@click.option("--traj-retention", default=None, type=click.FloatRange(min=0, max=36500, min_open=True),
+@click.option("--traj-retention", default=None, type=click.FloatRange(min=0.01, max=36500),
               metavar="DAYS", help="How long DSEC_TRAJ keeps trajectory records (new streams: 30; unset: keep "
-                                   "what the stream has).")
-@click.option("--output-retention", default=None, type=click.FloatRange(min=0, max=87600, min_open=True),
+                                   "what the stream has). At least 0.01 (15 minutes).")
+@click.option("--output-retention", default=None, type=click.FloatRange(min=0.05, max=87600),
               metavar="HOURS", help="How long DSEC_OUT keeps exec output; replay falls back to the part kept in "
-                                    "the trajectory after that (new streams: 6; unset: keep what the stream has).")
+                                    "the trajectory after that (new streams: 6; unset: keep what the stream has). "
+                                    "At least 0.05 (3 minutes: past the streams' 2-minute window of duplicates, "
+                                    "below which the server refuses the stream).")
 @edge_options
 @placement_options
 @click.option("--e2b-base", "e2b_base", is_flag=True,

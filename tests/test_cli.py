@@ -218,7 +218,8 @@ def test_retention_and_output_sizes_are_settable(up):
 
 def test_absurd_output_and_retention_options_are_refused(tmp_path):
     for args in (["--traj-output", "1Mi"], ["--max-output", "0"], ["--traj-retention", "inf"],
-                 ["--output-retention", "-1"], ["--warm-max", "-1"], ["--mirror-apt", "ftp://deb.example/debian"],
+                 ["--output-retention", "-1"], ["--output-retention", "0.005"], ["--traj-retention", "0.001"],
+                 ["--warm-max", "-1"], ["--mirror-apt", "ftp://deb.example/debian"],
                  ["--mirror-pypi", "pypi.example"], ["--aether-dns", "resolver"]):
         p = dsec("up", "--state-dir", str(tmp_path), "--port", str(free_port()), "--metrics-port", "0", *args)
         assert p.returncode != 0 and "Traceback" not in p.stderr, (args, p.stderr)
