@@ -3,6 +3,7 @@ the edge that takes it); errors name the field."""
 from __future__ import annotations
 
 import math
+import posixpath
 import time
 
 from bus import kinds, network, subjects
@@ -160,6 +161,9 @@ def check_warm_pool(spec: WarmPool) -> None:
     check_resources(spec.resources)
 
 
+CALL_SCRATCH = ("/tmp/", "/dev/shm/")   # where a call's files may be (a worker's root is read-only)
+
+
 def check_call(req: CallRequest) -> None:
     """Every field of a call the node relies on; InvalidRequest naming the field."""
     for value, what in ((req.call_id, "call_id"), (req.tenant, "tenant")):
@@ -183,6 +187,10 @@ def check_call(req: CallRequest) -> None:
     for path in [*req.files, *req.read_back, req.cwd]:
         if not path.startswith("/") or "\0" in path:
             raise InvalidRequest(f"paths must be absolute, got {path!r}")
+    for path in [*req.files, *req.read_back]:   # (refused after the command ran, as an environment failure: G)
+        if not posixpath.normpath(path).startswith(CALL_SCRATCH):
+            raise InvalidRequest(f"files and read_back: a worker's files live under /tmp or /dev/shm (its root is "
+                                 f"read-only), got {path!r}")
     if sum(len(d) for d in req.files.values()) > MAX_CALL_FILES:
         raise InvalidRequest(f"files: at most {MAX_CALL_FILES} bytes with one call")
     if not 0 < req.max_output <= MAX_CALL_OUTPUT:

@@ -122,6 +122,10 @@ async def test_bad_calls_fail_typed_and_a_batch_goes_on(stack, client, tmp_path)
             await client.call([])
         with pytest.raises(libdsec.InvalidRequest, match="absolute"):
             await client.call("true", read_back=["relative"])
+        for bad in ({"files": {"/etc/x": b"1"}}, {"files": {"/tmp/../etc/x": b"1"}},   # (they ran first, then
+                    {"read_back": ["/tmp/../etc/passwd"]}):                           # EnvironmentFailure: G)
+            with pytest.raises(libdsec.InvalidRequest, match="under /tmp or /dev/shm"):
+                await client.call("echo ran", **bad)
         with pytest.raises(libdsec.ImageNotFound):
             await client.call("true", image="no-such-image")
         with pytest.raises(libdsec.ExecFailed, match="no-such-cmd"):
