@@ -13,6 +13,7 @@ A sandbox has the same relative path in every hierarchy (lxcfs reads the cpu quo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -215,14 +216,27 @@ async def kill_tree(freezer: Path, timeout: float = 10.0, init: int | None = Non
         # Freeze and kill again only for pids not signalled yet (a fork that slipped in), or
         # every 50 ms in case a pid was reused; otherwise the killed tasks are just dying.
         if not signalled.issuperset(pids) or now > next_sweep:
+            survivors = signalled.issuperset(pids)
             await _set_frozen(freezer, True, deadline)
             for pid in procs_under(freezer):
                 _kill(pid)
                 signalled.add(pid)
             await _set_frozen(freezer, False, deadline)
+            if survivors:
+                _thaw_below(freezer)
             next_sweep = now + 0.05
         await asyncio.sleep(0.001)
     return True
+
+
+def _thaw_below(freezer: Path) -> None:
+    """Thaw every group under freezer frozen by itself (a suspended sandbox, or a kill an edge that died left
+    half done): thawing a parent leaves those frozen, and their killed tasks wait, frozen, for ever. A
+    restarted edge so could not clean its node up ("processes survive") and did not start."""
+    for flag in freezer.rglob("freezer.self_freezing"):
+        with contextlib.suppress(OSError):
+            if flag.read_text().strip() == "1":
+                write(flag.parent / "freezer.state", "THAWED")
 
 
 def _kill(pid: int) -> None:
