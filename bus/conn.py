@@ -340,6 +340,16 @@ class Bus(KvStore, StreamReads):
             info = await self.admin.consumer_info(stream, durable)
         return info.num_ack_pending
 
+    async def consumer_config(self, stream: str, durable: str) -> api.ConsumerConfig | None:
+        """A durable consumer's configuration, or None when there is none."""
+        try:
+            with mapped_errors(f"consumer info {durable}"):
+                return (await self.admin.consumer_info(stream, durable)).config
+        except BusError as exc:
+            if not_found(exc):
+                return None
+            raise
+
     async def _admin(self, what: str, call: Callable[[], Awaitable[object]]) -> object:
         """An idempotent admin request, sent again while it goes unanswered (a busy meta leader, an
         election): ADMIN_TRIES tries of ADMIN_TIMEOUT each before the BusError."""

@@ -76,7 +76,7 @@ class AsyncFiles:
             found += page.entries
             if not page.next:
                 return found
-            if page.next == after or not page.entries:
+            if page.next == after:
                 raise FileOpError(f"listing {path} made no progress past {after!r}")
             after = page.next
 

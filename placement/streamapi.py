@@ -152,11 +152,8 @@ class StreamReadsApi:
         its position past that job's records, and read nothing, silently (helper T)."""
         if not config.durable_name:
             return
-        try:
-            have = (await self.bus.admin.consumer_info(streams.TRAJ_STREAM, config.durable_name)).config
-        except Exception:   # (none yet: made now)
-            return
-        if have.filter_subject and have.filter_subject != config.filter_subject:
+        have = await self.bus.consumer_config(streams.TRAJ_STREAM, config.durable_name)
+        if have is not None and have.filter_subject and have.filter_subject != config.filter_subject:
             raise InvalidRequest(f"{config.description} reads another job "
                                  f"({have.filter_subject}): use a new name for this one")
 

@@ -216,13 +216,13 @@ async def kill_tree(freezer: Path, timeout: float = 10.0, init: int | None = Non
         # Freeze and kill again only for pids not signalled yet (a fork that slipped in), or
         # every 50 ms in case a pid was reused; otherwise the killed tasks are just dying.
         if not signalled.issuperset(pids) or now > next_sweep:
-            survivors = signalled.issuperset(pids)
+            outlived = signalled.issuperset(pids)   # (all of them were killed before: something holds them)
             await _set_frozen(freezer, True, deadline)
             for pid in procs_under(freezer):
                 _kill(pid)
                 signalled.add(pid)
             await _set_frozen(freezer, False, deadline)
-            if survivors:
+            if outlived:
                 _thaw_below(freezer)
             next_sweep = now + 0.05
         await asyncio.sleep(0.001)

@@ -145,14 +145,9 @@ def mount_points() -> list[str]:
         return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
 
 
-def mount_of(path: str, points: list[str]) -> str:
-    """The mount point path lies under (the longest of points that holds it)."""
-    return max((p for p in points if path == p or path.startswith(p.rstrip("/") + "/")), key=len, default="/")
-
-
 def own_mounts(keep: list[str]) -> None:
     """Give this process a mount namespace of its own (nothing propagates either way) holding only the
-    mounts at the mount points keep (and "/", and the mounts they lie under), every other mount of the
+    mounts the paths keep lie on (and "/", and the mounts those lie under), every other mount of the
     host's detached: each topmost one with everything under it, one call each. A long-lived process with a
     copy of all of them (a VM's QEMU, the keeper's maker) kept each one's filesystem alive after the host
     unmounted it: another node's upper pool stayed mounted, its loop device attached to a deleted image,
@@ -160,8 +155,7 @@ def own_mounts(keep: list[str]) -> None:
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     points = mount_points()
-    kept = {"/", *keep}
-    kept |= {p for p in points for k in list(kept) if k.startswith(p.rstrip("/") + "/")}   # what they lie under
+    kept = {p for p in points for k in ("/", *keep) if k == p or k.startswith(p.rstrip("/") + "/")}
     gone: list[str] = []
     for point in points:   # (parents before their children)
         if point in kept or any(point.startswith(g.rstrip("/") + "/") for g in gone):

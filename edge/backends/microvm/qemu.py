@@ -109,9 +109,8 @@ def confine(uid: int, hide: list[Path], keep: Path, kvm: bool, binary: str) -> N
     empty tmpfs over each dir of hide (the node's state and layer cache: its own drives are fds already),
     unless it holds keep (the guest's kernel), and a /dev of its own: null, zero, full, random, urandom,
     and kvm owned by uid when it runs under KVM; then uid's identity, with no groups."""
-    points = kernel.mount_points()
-    needed = [os.path.realpath(p) for p in (keep, binary, "/usr/share", "/usr/lib")]
-    kernel.own_mounts(["/proc", "/sys", "/dev", *(kernel.mount_of(p, points) for p in needed)])
+    read = [os.path.realpath(p) for p in (keep, binary, "/usr/share", "/usr/lib")]
+    kernel.own_mounts(["/proc", "/sys", "/dev", *read])
     flags = kernel.MS_NOSUID | kernel.MS_NOEXEC
     for path in hide:
         if path.is_dir() and not keep.is_relative_to(path):
