@@ -399,11 +399,11 @@ class Execs:
 
     async def close_left(self, left: Left, rec: SandboxRecord) -> list[tuple[str, bytes, str]]:
         """An exec a dead run of this node left running: its exit record stored, its trajectory's messages."""
-        return await orphans.close(self.bus, self.node, left, rec, self.limits.max_output, self.limits.traj_output,
-                                   self._trajectory)
+        return await orphans.close(self.bus, self.node, left, self.journal.last_alive(), rec, self.limits.max_output,
+                                   self.limits.traj_output, self._trajectory)
 
     def _trajectory(self, op: ExecRequest, relay: OutputRelay, fields: dict, rec: SandboxRecord,
-                    started: float) -> list[tuple[str, bytes, str]]:
+                    started: float, ended: float | None = None) -> list[tuple[str, bytes, str]]:
         """The exec's record on the sandbox's trajectory timeline (after its exit record: never before
         it), and a task_failed event when the command itself failed."""
         job = subjects.job_of(rec.labels)
@@ -412,7 +412,7 @@ class Execs:
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.node,
             at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd, user=op.user,
-            env_keys=sorted(op.env), started_at=started, ended_at=time.time(), exit_code=fields.get("exit_code", 0),
+            env_keys=sorted(op.env), started_at=started, ended_at=time.time() if ended is None else ended, exit_code=fields.get("exit_code", 0),
             timed_out=fields.get("timed_out", False), truncated=relay.truncated,
             cpu_time=fields.get("cpu_time", 0.0), peak_memory=fields.get("peak_memory", 0),
             stdout_bytes=relay.counts["stdout"], stderr_bytes=relay.counts["stderr"],

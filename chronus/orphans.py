@@ -45,7 +45,24 @@ class ExecJournal:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        self.stamp = root.parent / f"{root.name}.alive"   # touched while the edge runs: when a dead run was
+        root.mkdir(parents=True, exist_ok=True)           # last seen alive, so its execs' durations end there
+        self.open = 0
+
+    def alive(self) -> None:
+        """The edge runs (called every fraction of a second; a touch only while an exec runs)."""
+        if self.open:
+            try:
+                self.stamp.touch()
+            except OSError:
+                pass
+
+    def last_alive(self) -> float:
+        """When the run that left the journal's entries was last seen alive (0: never stamped)."""
+        try:
+            return self.stamp.stat().st_mtime
+        except OSError:
+            return 0.0
 
     def begin(self, op: ExecRequest, started: float) -> None:
         """Journal an exec that starts (best effort: a full disk costs only its record after a crash). What its
@@ -57,13 +74,17 @@ class ExecJournal:
                 f.write(_encoder.encode(Left(kept, started)))
         except OSError as exc:
             log.warning("exec %s not journaled: %s", op.exec_id, exc)
+            return
+        self.open += 1
+        self.alive()
 
     def end(self, exec_id: str) -> None:
         """Its exit and trajectory records are out."""
         try:
             os.unlink(self.root / exec_id)
         except OSError:
-            pass
+            return
+        self.open = max(0, self.open - 1)
 
     def left(self) -> list[Left]:
         """What a run that died left (read at start; junk is dropped)."""
@@ -77,13 +98,16 @@ class ExecJournal:
         return found
 
 
-Trajectory = Callable[[ExecRequest, OutputRelay, dict, SandboxRecord, float], list[tuple[str, bytes, str]]]
+Trajectory = Callable[[ExecRequest, OutputRelay, dict, SandboxRecord, float, float | None],
+                      list[tuple[str, bytes, str]]]
 
 
-async def close(bus: Bus, node: str, left: Left, rec: SandboxRecord, max_output: int, traj_output: int,
-                trajectory: Trajectory) -> list[tuple[str, bytes, str]]:
+async def close(bus: Bus, node: str, left: Left, lost_at: float, rec: SandboxRecord, max_output: int,
+                traj_output: int, trajectory: Trajectory) -> list[tuple[str, bytes, str]]:
     """End an exec a dead run of this node left: its exit record stored (after what it printed; unless one
-    is), and its trajectory record's messages (the caller puts them on the sandbox's timeline)."""
+    is), and its trajectory record's messages (the caller puts them on the sandbox's timeline). It ended
+    when its run was last seen alive (`lost_at`, within a second), not when the next run closes it; the
+    platform's failure, not the task's: failure_class `environment`."""
     op = left.op
     subject = subjects.output(op.tenant, node, op.sandbox_id, op.exec_id)
     relay = OutputRelay(bus, subject, op.exec_id, max_output, traj_output)
@@ -99,10 +123,14 @@ async def close(bus: Bus, node: str, left: Left, rec: SandboxRecord, max_output:
             ended = rec_
         else:
             relay.stored_before(rec_)
+    end_at = max(left.started, min(lost_at, time.time()))
     if ended is None:
         err = SandboxNotFound(f"sandbox {op.sandbox_id} was lost while the command ran: its node's edge stopped",
                               reason="node_lost")
-        ended = await relay.finish(exit_code=-1, duration=max(0.0, time.time() - left.started), error_code=err.code,
-                                   error=str(err), reason="node_lost")
+        ended = await relay.finish(exit_code=-1, duration=end_at - left.started, error_code=err.code,
+                                   error=str(err), reason="node_lost", failure_class="environment",
+                                   fault=f"node {node}'s edge stopped at ~{time.strftime('%H:%M:%S', time.gmtime(end_at))}"
+                                         " UTC while the command ran")
     relay.truncated = ended.truncated
-    return trajectory(op, relay, {f: getattr(ended, f) for f in EXIT_FIELDS}, rec, left.started)
+    return trajectory(op, relay, {f: getattr(ended, f) for f in EXIT_FIELDS}, rec, left.started,
+                      left.started + ended.duration)

@@ -344,6 +344,7 @@ class Edge:
         pruned = time.monotonic()
         while True:   # a look every TTL_EVERY, sooner when a deadline falls before it (an expiry is on time)
             await asyncio.sleep(min(TTL_EVERY, max(0.005, self.box.deadlines.next_at() - time.time())))
+            self.execs.journal.alive()   # (when a crash ends its running execs: chronus/orphans.py)
             if time.monotonic() - pruned >= MEMORY_PRUNE_EVERY and self.box.backend.memories():
                 pruned = time.monotonic()
                 task = asyncio.ensure_future(self._prune_memories())

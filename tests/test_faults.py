@@ -6,6 +6,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -99,6 +100,7 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             await client.set_warm_pool("kept", min=2, max=2, backend=kind)   # the killed run leaves warm ones too
             await _wait_warm(client, 2)
             # running when the edge dies: a background exec and a foreground one, each having printed
+            bg_started = time.time()
             bg = await old[0].exec("echo bg1; echo bg2; sleep 1000", background=True, timeout=600)
             fg = asyncio.create_task(old[1].exec("echo fg1; touch /tmp/up; sleep 1000", timeout=600))
             while (await old[1].exec("test -e /tmp/up")).exit_code:
@@ -106,6 +108,7 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             await asyncio.sleep(0.5)   # (the output's flush window, and its acks)
             edge.send_signal(signal.SIGKILL)
             edge.wait()
+            killed = time.time()
             queued = asyncio.create_task(client.create(timeout=60))
             lost_exec = asyncio.create_task(old[1].exec("echo never", timeout=30))   # waits in JetStream
             await asyncio.sleep(1)
@@ -131,10 +134,14 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
                 assert kinds.index(("exec", argv)) < kinds.index(("node_lost", "")), kinds
                 (rec,) = [t for t in timeline if t.shell == argv]
                 assert (rec.stdout, rec.stdout_bytes, rec.error_code) == (printed, len(printed), "sandbox_not_found"), rec
+                # the platform's failure, not the task's, and it ended when the edge died, not at the restart
+                assert rec.failure_class == "environment" and "edge stopped" in rec.detail, rec
+                assert rec.started_at < rec.ended_at <= killed + 0.1, (rec.ended_at, killed)
             out = await st.bus.last_on_subject(streams.OUT_STREAM, subjects.output("default", "rs", old[0].id, bg.id),
                                                with_headers=True)
             end = decode_output(*out)
             assert isinstance(end, ExitRecord) and end.reason == "node_lost", end
+            assert end.failure_class == "environment" and 0 < end.duration < killed - bg_started + 0.1, end
             journal = tmp_path / "edge" / "edge" / "execs"
             for _ in range(100):   # (an exec's entry goes once its trajectory record is out: just after its answer)
                 if not list(journal.iterdir()):
