@@ -44,6 +44,7 @@ class CallReply(Wire, tag="callresult"):
     timed_out: bool = False
     truncated: bool = False
     files: dict[str, bytes] = {}
+    unread: dict[str, str] = {}      # read_back paths not read back (not there, not a file, no room) -> why
     worker: str = ""
     node: str = ""
     waited: float = 0.0              # seconds from sent to started on the worker

@@ -21,6 +21,7 @@ MAX_CALL = Resources(cpu=4.0, memory=4 << 30, pids=4096, disk=1 << 30)   # the m
 MAX_CALL_TIMEOUT = 600.0
 MAX_CALL_OUTPUT = 256 << 10     # bytes kept per stream of a call (its reply is one bus message)
 MAX_CALL_FILES = 600_000        # bytes of files given with a call, and again of files read back
+MAX_CALL_ANSWER = 720 << 10    # bytes of output and files read back in a call's answer (one bus message, base64)
 MAX_ARG_STRLEN = 131072         # Linux: bytes one argv word or "NAME=value" env entry may hold, its NUL included
 MAX_LABELS = 16 << 10           # bytes of a sandbox's labels, keys and values (its record carries them)
 

@@ -184,7 +184,7 @@ class CallLane:
         r = out.result
         return CallReply(call_id=req.call_id, exit_code=r.exit_code, stdout=out.stdout, stderr=out.stderr,
                          duration=r.duration, cpu_time=r.cpu_time, peak_memory=r.peak_memory, timed_out=r.timed_out,
-                         truncated=out.truncated, files=out.files, worker=out.worker, node=self.node,
+                         truncated=out.truncated, files=out.files, unread=out.unread, worker=out.worker, node=self.node,
                          waited=max(0.0, started - req.sent_at) if req.sent_at else 0.0)
 
     async def _record(self, req: CallRequest, reply: CallReply) -> None:
@@ -198,7 +198,8 @@ class CallLane:
                           cpu_time=reply.cpu_time, peak_memory=reply.peak_memory,
                           stdout_bytes=len(reply.stdout), stderr_bytes=len(reply.stderr),
                           stdout=reply.stdout[:64 << 10], stderr=reply.stderr[:64 << 10],
-                          detail=f"worker {reply.worker}")
+                          detail=f"worker {reply.worker}" + "".join(f"; {p} not read back: {why}"
+                                                                    for p, why in reply.unread.items()))
         try:
             await self.bus.publish(subjects.trajectory(req.tenant, job, req.call_id), encode(fit(traj)),
                                    msg_id=f"{req.call_id}-traj", retries=3, retry_for=5.0)

@@ -37,6 +37,8 @@ class CallResult:
     timed_out: bool = False        # killed at its timeout (the whole tree)
     truncated: bool = False        # output beyond max_output was dropped
     files: dict[str, bytes] = field(default_factory=dict)   # read_back paths -> their bytes
+    unread: dict[str, str] = field(default_factory=dict)    # read_back paths not read back -> why (not there,
+                                                            # not a regular file, past the answer's room)
     worker: str = ""               # the worker that ran it (node-local id)
     node: str = ""
     call_id: str = ""
@@ -109,6 +111,7 @@ async def call(client: "AsyncClient", cmd: str | Sequence[str], *, stdin: bytes 
             return CallResult(exit_code=reply.exit_code, stdout=reply.stdout, stderr=reply.stderr,
                               duration=reply.duration, cpu_time=reply.cpu_time, peak_memory=reply.peak_memory,
                               timed_out=reply.timed_out, truncated=reply.truncated, files=dict(reply.files),
+                              unread=dict(reply.unread),
                               worker=reply.worker, node=reply.node, call_id=req.call_id, waited=reply.waited)
     finally:
         replies.forget(req.call_id)

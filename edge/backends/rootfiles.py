@@ -185,13 +185,21 @@ def _tree_op(root: int, rel: str, op: FileOp, base: int, owner: int | None, scra
     return encode(result)
 
 
-def file_error(exc: OSError, path: str, creating: bool) -> BackendError:
+class FileError(BackendError):
+    """A file operation failed on the file (not there, not a regular file, no room...), not on the sandbox."""
+
+
+class FileTooLarge(FileError):
+    """A file read past the limit it was read with."""
+
+
+def file_error(exc: OSError, path: str, creating: bool) -> FileError:
     """One clear line for a failed sandbox file operation."""
     if exc.errno == errno.ENOENT:
-        return BackendError(f"no such directory: {os.path.dirname(path) or '/'}" if creating
-                            else f"no such file: {path}")
+        return FileError(f"no such directory: {os.path.dirname(path) or '/'}" if creating
+                         else f"no such file: {path}")
     if exc.errno == errno.EFBIG:
-        return BackendError(f"file too large: {path} exceeds the limit of {exc.strerror} bytes "
+        return FileTooLarge(f"file too large: {path} exceeds the limit of {exc.strerror} bytes "
                             "(sb.files.read reads a file of any size, a piece per request)")
     messages = {errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
                 errno.ELOOP: "too many levels of symbolic links", errno.EACCES: "permission denied",
@@ -200,4 +208,4 @@ def file_error(exc: OSError, path: str, creating: bool) -> BackendError:
                 errno.ENOSPC: "no space left on the writable layer", errno.ENXIO: "not a regular file",
                 errno.EBADFD: "not a regular file", errno.EEXIST: "already exists",
                 errno.ENOTEMPTY: "directory not empty"}
-    return BackendError(f"{messages.get(exc.errno, exc.strerror)}: {path}")
+    return FileError(f"{messages.get(exc.errno, exc.strerror)}: {path}")

@@ -57,6 +57,23 @@ async def test_a_call_returns_its_result_with_files_and_a_trajectory(stack, clie
         assert calls[0].node == st.edge.node
 
 
+async def test_a_call_whose_files_cannot_come_back_still_returns_its_result(stack, client, tmp_path):
+    """A read_back file that is not there, not a regular file, or past what the answer (one bus message) has
+    room for after the output is named in `unread`: the command ran, and its exit code and output come back.
+    Before: EnvironmentFailure (the result lost, the node blamed), or a bare DsecError ("the answer was too
+    large to send") once output and files passed 1 MiB encoded (helper G)."""
+    full = "head -c 262144 /dev/zero; head -c 262144 /dev/zero >&2; "
+    async with fncall_node(stack, tmp_path, "fn-back", 1, 1):
+        r = await client.call(full + "head -c 600000 /dev/urandom > /tmp/big; echo small > /tmp/s; mkdir /tmp/d; "
+                              "exit 3", read_back=["/tmp/s", "/tmp/big", "/tmp/nope", "/tmp/d"])
+        assert (r.exit_code, len(r.stdout), len(r.stderr), r.error) == (3, 262144, 262144, None)
+        assert r.files == {"/tmp/s": b"small\n"}
+        assert sorted(r.unread) == ["/tmp/big", "/tmp/d", "/tmp/nope"], r.unread
+        assert "left in the call's answer" in r.unread["/tmp/big"] and "no such file" in r.unread["/tmp/nope"]
+        room = await client.call("head -c 600000 /dev/urandom > /tmp/big", read_back=["/tmp/big"])
+        assert len(room.files["/tmp/big"]) == 600000 and room.unread == {}   # with no output, the whole limit
+
+
 async def test_calls_are_isolated_on_one_reused_worker(stack, client, tmp_path, hostile_image):
     """One worker: every call reports it, and none sees a file, process, env, IPC object or memory of an
     earlier one; the root and /dev stay read-only (a call cannot replace /dev/null for the next)."""

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus import kinds
-from bus.validate import MAX_CALL_FILES as MAX_FILES_BYTES
+from bus.validate import MAX_CALL_ANSWER, MAX_CALL_FILES as MAX_FILES_BYTES
 from edge.backends.base import Backend, BackendError, CommandNotStarted, ExecResult, Limits, SandboxSpec
+from edge.backends.rootfiles import FileError, FileTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class CallOutcome:
     files: dict[str, bytes]
     worker: str
     error: str = ""            # the command never started (not found...): exit_code -1
+    unread: dict[str, str] = field(default_factory=dict)   # read_back paths not read back -> why
 
 
 @dataclass
@@ -228,13 +230,32 @@ class FnCallBackend(Backend):
         if whole is None:   # too large for one request to the worker's exec server: with pipes here
             whole, error = await self._piped(worker, spec)
         result, stdout, stderr, dropped = whole
+        files, unread = await self._read_back(worker, spec.read_back, len(stdout) + len(stderr))
+        return CallOutcome(result, stdout, stderr, dropped, files, worker, error, unread)
+
+    async def _read_back(self, worker: str, paths: list[str], output: int) -> tuple[dict[str, bytes], dict[str, str]]:
+        """The files a call asked back, in the room its answer has left after the output (one bus message):
+        a file that is not there, not a regular file or past the room is the call's outcome, named in unread
+        (the command ran: its result is not lost for it); a worker gone is the node's failure (BackendError)."""
         files: dict[str, bytes] = {}
-        room = MAX_FILES_BYTES
-        for path in spec.read_back:
-            data = await self._workers.read_file(worker, path, room)   # BackendError past what is left
+        unread: dict[str, str] = {}
+        files_room, answer_room = MAX_FILES_BYTES, MAX_CALL_ANSWER - output
+        for path in paths:
+            answer_room -= 6 * len(path.encode()) + 256   # (its key, escaped, and a reason's room)
+            room = max(0, min(files_room, answer_room))
+            try:
+                data = await self._workers.read_file(worker, path, room)
+            except FileTooLarge:
+                unread[path] = (f"larger than the {room} bytes left in the call's answer (files read back: at most "
+                                f"{MAX_FILES_BYTES} in all; with the output, {MAX_CALL_ANSWER})")
+                continue
+            except FileError as exc:
+                unread[path] = str(exc)[:200]
+                continue
             files[path] = data
-            room -= len(data)
-        return CallOutcome(result, stdout, stderr, dropped, files, worker, error)
+            files_room -= len(data)
+            answer_room -= len(data)
+        return files, unread
 
     async def _piped(self, worker: str, spec: CallSpec) -> tuple[tuple, str]:
         """The command through exec, its output pumped here (a command too large to be collected)."""
