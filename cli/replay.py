@@ -175,6 +175,10 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
                         for record in (out.start, *out.chunks, out.exit):
                             if record is not None:
                                 _write(encode(record) + b"\n")
+                    if out.kept_only or out.aged_out() > 0:   # (a reader must not take what is left for all)
+                        gone = {"kind": "aged_out", "exec_id": rec.exec_id, "kept_only": out.kept_only,
+                                "records": out.aged_out()}
+                        _write(msgspec.json.encode(gone) + b"\n")
             elif rec.type != "exec":
                 stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
                 _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
@@ -187,7 +191,8 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
                            f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
             else:
                 out = await _output(bus, rec)
-                how = ", ".join(([f"as {rec.user}"] if rec.user else []) + ([f"in {rec.cwd}"] if rec.cwd else []))
+                how = ", ".join(([f"sandbox {rec.sandbox_id}"] if job else [])   # (a job's commands: many sandboxes)
+                                + ([f"as {rec.user}"] if rec.user else []) + ([f"in {rec.cwd}"] if rec.cwd else []))
                 _write(f"$ {_command(rec)}\n".encode() + (f"#   ({how})\n".encode() if how else b"") + marked(out.chunks))
                 if out.kept_only:
                     if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import raw_nats
 
 import libdsec
-from bus import subjects
+from bus import streams, subjects
 
 DSEC = str(Path(sys.executable).parent / "dsec")
 BINARY = bytes(range(256)) * 4 + b"\xff\xfe no newline at the end"
@@ -68,6 +68,17 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     lines = [json.loads(line) for line in js.stdout.splitlines()]
     assert [r["type"] for r in lines if r["kind"] == "traj"] == ["created", "exec", "exec", "exec", "destroyed"]
     assert [r["seq"] for r in lines if r["kind"] == "traj"] == sorted(r["seq"] for r in lines if r["kind"] == "traj")
+    assert not [r for r in lines if r["kind"] == "aged_out"]
+    text = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--nats", stack.url],
+                                   capture_output=True, timeout=60)
+    assert f"$ true\n#   (sandbox {sb.id}, as 65534, in /tmp)\n# exit 0".encode() in text.stdout   # whose command
+    # output aged out of DSEC_OUT: json says so too, not only text (a reader took what was left for all: T)
+    await stack.bus.js.purge_stream(streams.OUT_STREAM, subject=subjects.output("default", first["node"], sb.id,
+                                                                                  first["exec_id"]))
+    js = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--format", "json",
+                                                  "--nats", stack.url], capture_output=True, text=True, timeout=60)
+    gone = [json.loads(line) for line in js.stdout.splitlines() if json.loads(line)["kind"] == "aged_out"]
+    assert gone == [{"kind": "aged_out", "exec_id": first["exec_id"], "kept_only": True, "records": 0}], gone
     later = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--format", "json", "--seq",
                                                      str(lines[-1]["seq"]), "--nats", stack.url],
                                     capture_output=True, text=True, timeout=60)

@@ -13,7 +13,6 @@ import pytest
 
 import libdsec
 from bus import streams
-from edge.backends import cgroups
 from tests.conftest import extra_edge
 
 pytestmark = pytest.mark.timeout(180)
