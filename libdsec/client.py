@@ -101,6 +101,7 @@ class AsyncClient:
     async def connect(self) -> None:
         """Connect to the bus (BusUnavailable if nobody answers)."""
         self.bus = await Bus.connect(self.url, name="libdsec", timeout=self.connect_timeout, creds=self.creds)
+        self._loop = asyncio.get_running_loop()
         self._replies = _Replies(self.bus, self.tenant)
         await self._replies.open()
 
@@ -117,8 +118,15 @@ class AsyncClient:
             self.bus = None
 
     def _need_bus(self) -> Bus:
+        here = asyncio._get_running_loop()
+        if self.bus is None and here is not None and here is not getattr(self, "_loop", here):
+            raise SandboxError("this client was connected in another event loop, now ended (each asyncio.run() has "
+                               "its own): connect a client in this one (for the E2B facade: AsyncSandbox.connect(id))")
         if self.bus is None:
             raise SandboxError("client is not connected (use `async with AsyncClient(...)`)")
+        if here is not None and here is not getattr(self, "_loop", here):   # (its connection would never answer)
+            raise SandboxError("this client was connected in another event loop (each asyncio.run() has its own): "
+                               "connect a client in this one (for the E2B facade: AsyncSandbox.connect(id))")
         return self.bus
 
     # ---- create -------------------------------------------------------------------------------

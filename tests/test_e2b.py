@@ -458,3 +458,67 @@ def _details() -> None:
     finally:
         first.kill()
         second.kill()
+
+
+async def test_what_a_new_user_of_the_facade_ran_into(e2b_env, stack, monkeypatch):
+    """Helper E's findings, each as its user hit it."""
+    await asyncio.to_thread(_sync_findings, monkeypatch)
+    await asyncio.to_thread(_loop_findings, stack, monkeypatch)   # (each asyncio.run() there: a loop of its own)
+
+
+def _sync_findings(monkeypatch) -> None:
+    import threading
+    from e2b import Sandbox
+    from e2b.exceptions import SandboxException
+    from libdsec.e2b.sandbox_async.commands import command
+    sbx = Sandbox.create(template="busybox", timeout=120)
+    try:
+        # a handler that calls the sandbox: it ran on the facade's loop thread and waited on it for ever
+        seen: list = []
+        r = sbx.commands.run("echo one; sleep 0.2; echo two", timeout=10,
+                             on_stdout=lambda text: seen.append((text, sbx.files.exists("/tmp"), threading.current_thread())))
+        caller = threading.current_thread()   # as E2B's: in the caller's thread
+        assert r.stdout == "one\ntwo\n" and seen == [("one\n", True, caller), ("two\n", True, caller)]
+        got: list = []   # E2B's wait(on_pty, on_stdout, on_stderr); request_timeout where E2B takes it
+        h = sbx.commands.run("read line; echo got $line", background=True, stdin=True)
+        h.send_stdin("x\n", request_timeout=5)
+        h.close_stdin(request_timeout=5)
+        assert h.wait(None, got.append).stdout == "got x\n" and "".join(got) == "got x\n"
+        h = sbx.commands.run("sleep 30", background=True)   # (sleep: a handle disconnected, not a CancelledError)
+        h.disconnect()
+        with pytest.raises(SandboxException, match="disconnected"):
+            h.wait()
+        h = Sandbox.connect(sbx.sandbox_id).commands.connect(h.pid)
+        assert h.kill() is True
+        # output past the cap was cut without a word (16 MiB: the native default): the result's error says so
+        monkeypatch.setattr(command, "MAX_OUTPUT", 1000)
+        r = sbx.commands.run("head -c 5000 /dev/zero | tr '\\0' b")
+        assert len(r.stdout) == 1000 and "dropped" in (r.error or ""), r.error
+    finally:
+        sbx.kill()
+
+
+def _loop_findings(stack, monkeypatch) -> None:
+    import psutil
+    from e2b import AsyncSandbox
+    from e2b.exceptions import AuthenticationException, SandboxException
+    from libdsec.e2b.sandbox_async import main
+
+    def connections() -> int:
+        port = int(stack.url.rsplit(":", 1)[1])
+        return sum(1 for c in psutil.Process().net_connections() if c.raddr and c.raddr.port == port)
+    before, kept = connections(), len(main._clients)   # (the sync facade's own loop keeps one)
+    for _ in range(5):   # a connection per loop was kept for ever (pytest-asyncio: a loop per test)
+        assert asyncio.run(AsyncSandbox.kill("sbnosuch0000000")) is False
+    assert connections() == before and len(main._clients) == kept
+    sbx = asyncio.run(AsyncSandbox.create(template="busybox", timeout=60))
+    try:
+        t0 = time.monotonic()   # used in another loop: 30 s, then "NATS did not answer" (and it had run)
+        with pytest.raises(SandboxException, match="another event loop.*AsyncSandbox.connect"):
+            asyncio.run(sbx.commands.run("echo hi"))
+        assert time.monotonic() - t0 < 5
+    finally:
+        assert asyncio.run(AsyncSandbox.kill(sbx.sandbox_id)) is True
+    monkeypatch.setenv("DSEC_CREDS", "/nonexistent/creds")   # E2B's classes from create too (were DSec's)
+    with pytest.raises(AuthenticationException):
+        asyncio.run(AsyncSandbox.create(template="busybox"))

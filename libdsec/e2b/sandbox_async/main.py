@@ -24,7 +24,8 @@ DEFAULT_TEMPLATE = "base"     # E2B's default template: DSec's `base` image (doc
 DEFAULT_TIMEOUT = 300         # seconds a sandbox lives, as E2B's default
 IGNORED = ("api_key", "domain", "debug", "secure", "request_timeout", "proxy", "headers", "access_token",
            "api_url", "sandbox_url", "allow_internet_access", "mcp", "network", "auto_pause")
-_clients: Dict[asyncio.AbstractEventLoop, AsyncClient] = {}
+_clients: Dict[asyncio.AbstractEventLoop, AsyncClient] = {}   # one connection per event loop
+_closers: Dict[asyncio.AbstractEventLoop, Any] = {}
 
 
 class by_id:
@@ -48,12 +49,30 @@ async def client() -> AsyncClient:
     """The connection of this event loop, made on first use: DSEC_URL (default nats://127.0.0.1:4222) and
     DSEC_CREDS (default: the SDK's own lookup); the tenant is the credential's."""
     loop = asyncio.get_running_loop()
+    for other in [k for k in _clients if k.is_closed()]:   # (closed without asyncio.run's shutdown: dropped)
+        _clients.pop(other)
+        _closers.pop(other, None)
     c = _clients.get(loop)
     if c is None:
         c = AsyncClient(os.environ.get("DSEC_URL", "nats://127.0.0.1:4222"), creds=os.environ.get("DSEC_CREDS"))
-        await c.connect()
+        try:
+            await c.connect()
+        except DsecError as err:   # (a bad credential, no server: E2B's classes, as every other call's)
+            raise mapped(err) from err
         _clients[loop] = c
+        closer = _closed_with_loop(loop, c)   # asyncio.run() (and pytest's loops) close it as the loop ends:
+        await closer.__anext__()              # they aclose() every async generator the loop started
+        _closers[loop] = closer
     return c
+
+
+async def _closed_with_loop(loop: asyncio.AbstractEventLoop, c: AsyncClient):
+    try:
+        yield
+    finally:
+        _clients.pop(loop, None)
+        _closers.pop(loop, None)
+        await c.close()
 
 
 BUILD_BASE_WAIT = 900.0   # seconds a first use may take to build `base` (a cold debootstrap, packing, upload)

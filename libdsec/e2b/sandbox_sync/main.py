@@ -10,7 +10,7 @@ from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox.sandbox_api import SandboxQuery
 from libdsec.e2b.sandbox_async import main as aio
 from libdsec.e2b.sandbox_async.filesystem.filesystem import PIECE
-from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle
+from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle, HandlerThread
 from libdsec.e2b.sandbox_sync.commands.pty import Pty
 from libdsec.e2b.sandbox_sync.filesystem.watch_handle import WatchHandle
 from libdsec.sync import _Loop
@@ -34,15 +34,28 @@ class Commands:
     def __init__(self, inner: aio.AsyncCommands) -> None:
         self._inner = inner
 
-    def run(self, cmd: str, background: Optional[bool] = None, **kwargs: Any) -> Any:
+    def run(self, cmd: str, background: Optional[bool] = None, on_stdout: Optional[Callable[[str], None]] = None,
+            on_stderr: Optional[Callable[[str], None]] = None, **kwargs: Any) -> Any:
         """Run cmd: a CommandResult (CommandExitException on a non-zero exit), or with background=True a
-        CommandHandle at once."""
-        result = run(self._inner.run(cmd, background=background, **kwargs))
-        return CommandHandle(run, result) if background else result
+        CommandHandle at once. The handlers run in this thread (in wait(), for a background command)."""
+        if background and (on_stdout or on_stderr):   # (DSec's: E2B's sync run takes none with background)
+            calls = HandlerThread(on_stdout, on_stderr)
+            return CommandHandle(run, run(calls.started(self._inner.run(cmd, background=True, on_stdout=calls.stdout,
+                                                                        on_stderr=calls.stderr, **kwargs))), calls=calls)
+        h = CommandHandle(run, run(self._inner.run(cmd, background=True, **kwargs)), on_stdout, on_stderr)
+        if background:
+            return h
+        try:
+            return h.wait()
+        except BaseException as exc:   # a handler that raised, Ctrl-C: the command is this call's, killed
+            run(self._inner.end_left(h._inner, exc))
+            raise
 
-    def connect(self, pid: int, **kwargs: Any) -> CommandHandle:
-        """A handle on the running command with that pid (see AsyncCommands.connect)."""
-        return CommandHandle(run, run(self._inner.connect(pid, **kwargs)))
+    def connect(self, pid: int, on_stdout: Optional[Callable[[str], None]] = None,
+                on_stderr: Optional[Callable[[str], None]] = None, **kwargs: Any) -> CommandHandle:
+        """A handle on the running command with that pid (see AsyncCommands.connect); its handlers run in
+        this thread, in wait()."""
+        return CommandHandle(run, run(self._inner.connect(pid, **kwargs)), on_stdout, on_stderr)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._inner, name)   # list, kill, send_stdin, close_stdin

@@ -14,7 +14,8 @@ from bus.errors import DsecError, InvalidRequest, SandboxNotFound
 from bus.execwire import ProcessEntry
 from libdsec.e2b.exceptions import NotFoundException, SandboxException, mapped
 from libdsec.e2b.sandbox.commands.main import ProcessInfo
-from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, started_or_closed, OutputHandler
+from libdsec.e2b.sandbox_async.commands.command_handle import (MAX_OUTPUT, AsyncCommandHandle, OutputHandler,
+                                                               started_or_closed)
 from libdsec.e2b.sandbox_async.filesystem.filesystem import absolute
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
@@ -52,7 +53,7 @@ class AsyncCommands:
         try:
             if not isinstance(cmd, str) or not cmd or "\0" in cmd:
                 raise InvalidRequest("cmd must be a non-empty string without NUL bytes")
-            handle = await self._sb.exec(login_shell(cmd), background=True, env=envs,
+            handle = await self._sb.exec(login_shell(cmd), background=True, env=envs, max_output=MAX_OUTPUT,
                                          cwd=absolute(cwd, user) if cwd else None, user=user,
                                          timeout=NO_LIMIT if not timeout else float(timeout),
                                          stdin=True if stdin else None)
@@ -65,11 +66,15 @@ class AsyncCommands:
         try:
             return await h.wait()
         except BaseException as exc:   # a handler that raised, a cancel: the command is this call's, killed
-            gone = isinstance(exc.__cause__, SandboxNotFound)   # nothing left to kill
-            if h.exit_code is None and h.pid and not gone:   # (by pid: the handle stopped listening with the error)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self._sb.kill_process(h.pid), KILL_WAIT)
+            await self.end_left(h, exc)
             raise
+
+    async def end_left(self, h: AsyncCommandHandle, exc: BaseException) -> None:
+        """A foreground command its caller left (a handler raised, a cancel, Ctrl-C) is killed, within KILL_WAIT."""
+        gone = isinstance(exc.__cause__, SandboxNotFound)   # nothing left to kill
+        if h.exit_code is None and h.pid and not gone:   # (by pid: the handle stopped listening with the error)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._sb.kill_process(h.pid), KILL_WAIT)
 
     async def list(self, request_timeout: Optional[float] = None) -> List[ProcessInfo]:
         """The sandbox's running commands (tag: DSec's exec id; a shell line shows as sh -c LINE)."""

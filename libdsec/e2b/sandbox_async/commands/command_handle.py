@@ -15,6 +15,8 @@ from libdsec.results import Exit, Output
 
 OutputHandler = Callable[[str], Any]
 TIMED_OUT = "timed out"
+MAX_OUTPUT = 64 << 20   # bytes of a command's output kept (the edge's cap by default); the rest is dropped, said in
+TRUNCATED = f"output past {MAX_OUTPUT >> 20} MiB was dropped (the node's cap per command)"   # the result's error
 END = object()   # the end of a handle's events
 
 
@@ -33,6 +35,11 @@ async def started_or_closed(handle: ExecHandle) -> int:
     except BaseException:
         await handle.close()
         raise
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class AsyncCommandHandle:
@@ -55,6 +62,7 @@ class AsyncCommandHandle:
         self._result: Optional[CommandResult] = None
         self.events: asyncio.Queue = asyncio.Queue()   # (stdout, stderr, pty) per chunk, then END (iteration)
         self._pump = asyncio.ensure_future(self._read())
+        self._pump.add_done_callback(_retrieved)   # (a handle nobody waits on: no "exception never retrieved")
 
     @property
     def stdout(self) -> str:
@@ -90,7 +98,7 @@ class AsyncCommandHandle:
                         tail = decoder.decode(b"", final=True)
                         if tail:
                             (self._stdout if name == "stdout" else self._stderr).append(tail)
-                    error = TIMED_OUT if ev.timed_out else None
+                    error = TIMED_OUT if ev.timed_out else TRUNCATED if ev.truncated else None
                     self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=ev.exit_code,
                                                  error=error)
         except SandboxNotFound as err:   # as E2B says it: the command's connection timed out, the sandbox gone
@@ -121,7 +129,14 @@ class AsyncCommandHandle:
             for data in held:
                 await call_handler(on_pty, data)
             self._on_pty = on_pty
-        result = await asyncio.shield(self._pump)
+        try:
+            result = await asyncio.shield(self._pump)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._pump.cancelled() and not (task is not None and task.cancelling()):
+                raise SandboxException("this handle was disconnected from the command (it may still run): "
+                                       "commands.connect(pid) reads it again") from None
+            raise
         if result.error == TIMED_OUT:
             raise TimeoutException(f"the command timed out (its process tree was killed); output so far: "
                                    f"{result.stdout[-200:]!r}")
