@@ -10,7 +10,7 @@ import msgspec
 from bus import chunks, streams, subjects
 from bus.conn import Bus
 from bus.errors import ImageNotFound, InvalidRequest
-from bus.messages import LayerRef
+from bus.messages import LayerRef, encode
 from bus.records import ImageConfig, ImageRecord, SnapshotRecord, image_decoder, snapshot_decoder
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
@@ -26,6 +26,13 @@ def parse_ref(ref: str) -> tuple[str, int | None]:
     if not ver.isdigit() or int(ver) < 1:
         raise InvalidRequest(f"image: version in {ref!r} must be a positive integer")
     return name, int(ver)
+
+
+def _decoded(raw: bytes | None) -> ImageRecord | None:
+    try:
+        return image_decoder.decode(raw) if raw is not None else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 class ImageRegistry:
@@ -109,22 +116,35 @@ class ImageRegistry:
         False); bytes already in the object store under their digest (content-addressed) are not uploaded
         again."""
         parse_ref(name)
-        latest = await self._record(name) or await self._latest_version(name)
-        if latest is not None and latest.layer_kind != kind:
-            raise InvalidRequest(f"{name} is a {latest.layer_kind} layer: a new version cannot be a {kind} one")
-        if latest is not None and latest.digest == digest and latest.config == config:
-            return latest, False
-        version = (latest.version if latest else 0) + 1
         size = Path(layer_file).stat().st_size
-        if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
-            await self.bus.obj_put_file(streams.LAYERS_OBJ, digest, layer_file)   # a chunk at a time
-        if not await self.bus.obj_has(streams.LAYERS_OBJ, chunks.manifest_name(digest)):
-            await chunks.publish(self.bus, Path(layer_file), digest)   # for nodes that load it lazily
-        rec = ImageRecord(name=name, version=version, layer_kind=kind, digest=digest, size=size,
-                          created_at=time.time(), config=config)
-        await self.bus.kv_put(streams.IMAGES_KV, f"{name}.{version}", rec)
-        await self.bus.kv_put(streams.IMAGES_KV, name, rec)
-        return rec, True
+        uploaded = False
+        version = 0
+        for _ in range(64):
+            raw, revision = await self.bus.kv_entry(streams.IMAGES_KV, name)   # the latest pointer: compare-and-set
+            latest = _decoded(raw) or await self._latest_version(name)
+            if latest is not None and latest.layer_kind != kind:
+                raise InvalidRequest(f"{name} is a {latest.layer_kind} layer: a new version cannot be a {kind} one")
+            if latest is not None and latest.digest == digest and latest.config == config:
+                return latest, False
+            version = max(version, latest.version if latest else 0) + 1
+            if not uploaded:   # (once: content-addressed, so a publisher that lost a race uploaded nothing new)
+                if not await self.bus.obj_has(streams.LAYERS_OBJ, digest):
+                    await self.bus.obj_put_file(streams.LAYERS_OBJ, digest, layer_file)   # a chunk at a time
+                if not await self.bus.obj_has(streams.LAYERS_OBJ, chunks.manifest_name(digest)):
+                    await chunks.publish(self.bus, Path(layer_file), digest)   # for nodes that load it lazily
+                uploaded = True
+            rec = ImageRecord(name=name, version=version, layer_kind=kind, digest=digest, size=size,
+                              created_at=time.time(), config=config)
+            taken, at = await self.bus.kv_entry(streams.IMAGES_KV, f"{name}.{version}")
+            if taken is not None:   # (a record there, even one that does not decode: never written over)
+                continue
+            if await self.bus.kv_cas(streams.IMAGES_KV, f"{name}.{version}", encode(rec), at) is None:
+                continue            # another publisher took this version first: the next one
+            if await self.bus.kv_cas(streams.IMAGES_KV, name, encode(rec), revision) is None:
+                await self.bus.kv_update(streams.IMAGES_KV, name, lambda cur: None if (
+                    (now := _decoded(cur)) is not None and now.version > version) else encode(rec))
+            return rec, True
+        raise InvalidRequest(f"{name}: could not take a version after 64 tries (publishers racing)")
 
     async def remove(self, ref: str, in_use: dict[str, str]) -> ImageRecord:
         """Remove one version (name@version); refused while a live sandbox uses its layer (digests in

@@ -3,6 +3,8 @@ one EROFS layer, its config kept as the image's defaults (edge/oci.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -17,6 +19,7 @@ from cli.image import image
 from cli.main import connect, nats_option, run_async
 from edge import oci
 from edge.erofs import LayerBuildError, pack_dir
+from libdsec.resources import parse_size
 
 
 @image.command(name="import")
@@ -36,9 +39,13 @@ from edge.erofs import LayerBuildError, pack_dir
               help="With --from: verify the registry's TLS certificate (off for a plain-HTTP registry).")
 @click.option("--kind", type=click.Choice(["base", "workspace", "toolkit"]), default="base", show_default=True,
               help="Layer kind (as `image build`).")
+@click.option("--max-size", default="16Gi", show_default=True, metavar="SIZE",
+              help="The most the image's files may add up to, applied (a decompression bomb stops here; it also "
+                   "stops before the disk it unpacks on, TMPDIR, has less than 1 GiB free).")
 @run_async
 async def import_image(nats_url: str, name: str, layout: Path | None, oci_archive: Path | None,
-                       docker_archive: Path | None, source: str | None, ref: str, tls_verify: bool, kind: str) -> None:
+                       docker_archive: Path | None, source: str | None, ref: str, tls_verify: bool, kind: str,
+                       max_size: str) -> None:
     """Import an OCI or Docker image as the next version of NAME: its layers applied in order (whiteouts,
     opaque directories, hard links, xattrs and file capabilities kept; device nodes refused) into one EROFS
     layer, and its config's Env, WorkingDir, User, Entrypoint and Cmd kept as the image's defaults (every
@@ -54,14 +61,22 @@ async def import_image(nats_url: str, name: str, layout: Path | None, oci_archiv
     for path, what in ((layout, "--oci-layout"), (oci_archive, "--oci-archive"), (docker_archive, "--docker-archive")):
         if path is not None and not (path.is_dir() if what == "--oci-layout" else path.is_file()):
             raise InvalidRequest(f"{what}: no such {'directory' if what == '--oci-layout' else 'file'}: {path}")
-    with tempfile.TemporaryDirectory(prefix="dsec-import-") as tmp:
+    budget = oci.Budget(max_bytes=parse_size(max_size, "--max-size"))
+    _sweep_stale()
+    with tempfile.TemporaryDirectory(prefix=f"{PREFIX}{os.getpid()}-") as tmp:
         work = Path(tmp)
         try:
-            img = await asyncio.to_thread(_read, work, layout, oci_archive, docker_archive, source, ref, tls_verify)
+            img = await _stoppable(budget, _read, work, layout, oci_archive, docker_archive, source, ref, tls_verify)
             root = work / "root"
-            await asyncio.to_thread(oci.apply_layers, img.layers, root, lambda line: click.echo(line, err=True))
+            await _stoppable(budget, oci.apply_layers, img.layers, root, lambda line: click.echo(line, err=True),
+                             budget)
+            fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+            try:   # (the packed layer holds every byte: a sparse file's holes too)
+                budget.room(fd, budget.bytes)
+            finally:
+                os.close(fd)
             layer = work / "layer.erofs"
-            digest = await asyncio.to_thread(pack_dir, root, layer)
+            digest = await _stoppable(budget, pack_dir, root, layer)
         except (oci.OciError, LayerBuildError) as exc:
             raise InvalidRequest(f"cannot import {name_only}: {exc}") from None
         config = ImageConfig(env=img.env, cwd=img.cwd, user=img.user, entrypoint=img.entrypoint, cmd=img.cmd)
@@ -72,6 +87,30 @@ async def import_image(nats_url: str, name: str, layout: Path | None, oci_archiv
             await bus.close()
     click.echo(f"{rec.name}@{rec.version} {rec.layer_kind} {rec.digest} {rec.size} bytes"
                + ("" if new else " (unchanged: same as the latest version)"))
+
+
+PREFIX = "dsec-import-"
+
+
+async def _stoppable(budget: oci.Budget, fn, *args):
+    """fn(*args) in a thread; cancelled (Ctrl-C), the thread is told to stop and waited for, so nothing
+    goes on writing into a temporary directory already removed (helper I: the disk filled on after Ctrl-C)."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        budget.stop.set()
+        with contextlib.suppress(Exception):
+            await task
+        raise
+
+
+def _sweep_stale() -> None:
+    """Remove what imports killed (SIGKILL) left in the temporary directory: theirs, by a pid that is gone."""
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = path.name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _read(work: Path, layout: Path | None, oci_archive: Path | None, docker_archive: Path | None,

@@ -11,156 +11,69 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
-import json
+import errno
 import lzma
 import os
-import shutil
+import posixpath
 import stat
 import tarfile
 import zlib
-from dataclasses import dataclass, field
+import threading
 from pathlib import Path
 
 from edge.backends import kernel
 from edge.erofs import mtime_ns, set_dir_mtimes
+from edge.ociread import Image, OciError, read_docker_archive, read_oci_layout, unpack_archive
+
+__all__ = ["Budget", "Image", "OciError", "apply_layers", "read_docker_archive", "read_oci_layout", "unpack_archive"]
 
 WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 IN_ROOT = kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS
-INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
-               "application/vnd.docker.distribution.manifest.list.v2+json")
+XATTRS = ("user.",)                 # xattrs an image may carry (prefixes), and security.capability: never
+CAPABILITY = "security.capability"  # trusted.* (trusted.overlay.* would change what overlayfs shows the sandbox)
+MAX_IMAGE_BYTES = 16 << 30          # bytes an image's files may add up to (its layers applied), by default
+MAX_ENTRIES = 4_000_000             # tar members an image's layers may hold in all
+FREE_RESERVE = 1 << 30              # an import stops before it leaves less than this free where it unpacks
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+BLOCK = 1 << 20
 
 
-class OciError(Exception):
-    """An image could not be imported; the message is one clear line."""
+class Budget:
+    """What applying an image may take: bytes of files (their apparent size: a sparse 16 GiB file counts
+    16 GiB), members, and the disk's free space; `stop` (set from another thread: Ctrl-C) ends it between
+    two blocks. A decompression bomb of a few kB ends in one line, not a full disk."""
 
+    def __init__(self, max_bytes: int = MAX_IMAGE_BYTES, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.bytes = self.entries = 0
+        self.stop = threading.Event()
 
-@dataclass
-class Image:
-    """What an archive holds: its layers (files, lowest first) and its config's defaults."""
+    def entry(self, size: int) -> None:
+        self.entries += 1
+        self.bytes += max(0, size)
+        if self.stop.is_set():
+            raise OciError("interrupted")
+        if self.entries > self.max_entries:
+            raise OciError(f"the image's layers hold more than {self.max_entries:,} entries")
+        if self.bytes > self.max_bytes:
+            raise OciError(f"the image's files add up to more than {self.max_bytes:,} bytes (--max-size)")
 
-    layers: list[Path]
-    env: dict[str, str] = field(default_factory=dict)
-    cwd: str = ""
-    user: str = ""
-    entrypoint: list[str] = field(default_factory=list)
-    cmd: list[str] = field(default_factory=list)
-
-
-# ------------------------------------------------------------------ reading the archive formats
-
-def _json(path: Path) -> dict | list:
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        raise OciError(f"cannot read {path.name}: {exc}") from None
-
-
-def _blob(layout: Path, digest: str) -> Path:
-    algo, _, hexpart = digest.partition(":")
-    if algo != "sha256" or len(hexpart) != 64 or not all(c in "0123456789abcdef" for c in hexpart):
-        raise OciError(f"bad blob digest: {digest!r}")
-    path = layout / "blobs" / "sha256" / hexpart
-    if not path.is_file():
-        raise OciError(f"blob {digest} is missing from the image")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    if h.hexdigest() != hexpart:
-        raise OciError(f"blob {digest[:19]} does not match its digest (truncated or corrupt)")
-    return path
-
-
-def read_oci_layout(layout: Path, ref: str = "") -> Image:
-    """An OCI image layout directory: index.json's manifest (the one named ref, or the only one; an index
-    inside it picks linux/amd64)."""
-    if not (layout / "oci-layout").is_file() or not (layout / "index.json").is_file():
-        raise OciError(f"{layout} is not an OCI image layout (no oci-layout and index.json)")
-    manifests = _json(layout / "index.json").get("manifests") or []
-    if ref:
-        manifests = [m for m in manifests if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == ref]
-    if len(manifests) != 1:
-        raise OciError(f"{layout}: {len(manifests)} manifests{f' named {ref!r}' if ref else ''}; "
-                           "name one with --ref" if manifests else f"{layout}: no manifest"
-                           + (f" named {ref!r}" if ref else ""))
-    desc = manifests[0]
-    for _ in range(4):                               # an index of platforms: this machine's
-        if desc.get("mediaType") not in INDEX_TYPES:
-            break
-        inner = _json(_blob(layout, desc["digest"])).get("manifests") or []
-        mine = [m for m in inner if m.get("platform", {}).get("os") == "linux"
-                and m.get("platform", {}).get("architecture") == "amd64"]
-        if not mine:
-            raise OciError("the image index has no linux/amd64 manifest")
-        desc = mine[0]
-    manifest = _json(_blob(layout, desc["digest"]))
-    layers = []
-    for layer in manifest.get("layers") or []:
-        media = layer.get("mediaType", "")
-        if "zstd" in media:
-            raise OciError(f"layer {layer.get('digest')} is zstd-compressed ({media}): not supported here; "
-                               "convert it with `skopeo copy --dest-compress-format gzip`")
-        if "foreign" in media or "nondistributable" in media:
-            raise OciError(f"layer {layer.get('digest')} is not distributable ({media}): not in the archive")
-        layers.append(_blob(layout, layer["digest"]))
-    config = _json(_blob(layout, manifest["config"]["digest"])) if manifest.get("config") else {}
-    return _with_config(layers, config)
-
-
-def read_docker_archive(root: Path) -> Image:
-    """An unpacked `docker save` archive: manifest.json's one image (its config file and layer tars)."""
-    if not (root / "manifest.json").is_file():
-        raise OciError("not a docker save archive (no manifest.json)")
-    entries = _json(root / "manifest.json")
-    if not isinstance(entries, list) or len(entries) != 1:
-        raise OciError(f"the archive holds {len(entries) if isinstance(entries, list) else 0} images; "
-                           "import an archive of one")
-    entry = entries[0]
-    layers = [_member(root, name) for name in entry.get("Layers") or []]
-    return _with_config(layers, _json(_member(root, entry["Config"])))
-
-
-def _member(root: Path, name: str) -> Path:
-    path = (root / name).resolve()
-    if not path.is_relative_to(root.resolve()) or not path.is_file():
-        raise OciError(f"the archive's manifest names {name!r}, which it does not hold")
-    return path
-
-
-def _with_config(layers: list[Path], config: dict) -> Image:
-    c = config.get("config") or {}
-    env = {}
-    for item in c.get("Env") or []:
-        key, sep, value = item.partition("=")
-        if sep and key and "\0" not in item:   # (a NUL would break every exec)
-            env[key] = value
-    cwd = c.get("WorkingDir") or ""
-    if cwd and not cwd.startswith("/"):
-        raise OciError(f"the image's WorkingDir is not absolute: {cwd!r}")
-    return Image(layers=layers, env=env, cwd=cwd, user=c.get("User") or "",
-                 entrypoint=list(c.get("Entrypoint") or []), cmd=list(c.get("Cmd") or []))
-
-
-def unpack_archive(archive: Path, into: Path) -> None:
-    """An OCI or docker archive (a plain tar of its files) unpacked as it is: regular files and directories
-    only, every name inside into."""
-    try:
-        with tarfile.open(archive) as tar:
-            for m in tar:
-                if not (m.isfile() or m.isdir()):
-                    continue      # (symlinks of old docker saves' layer dirs are not needed: manifest.json names files)
-                tar.extract(m, into, filter="data")
-    except tarfile.TarError as exc:
-        raise OciError(f"cannot read {archive.name}: {exc}") from None
-    except OSError as exc:
-        raise OciError(f"cannot unpack {archive.name}: {exc}") from None
+    def room(self, fd: int, size: int) -> None:
+        """size more bytes may be written where fd is; else OciError (the disk would fill)."""
+        if self.stop.is_set():
+            raise OciError("interrupted")
+        st = os.fstatvfs(fd)
+        if st.f_bavail * st.f_frsize - size < FREE_RESERVE:
+            raise OciError(f"the disk it unpacks on would have less than {FREE_RESERVE >> 30} GiB free "
+                           f"({st.f_bavail * st.f_frsize:,} bytes free; TMPDIR chooses where it unpacks)")
 
 
 # ------------------------------------------------------------------ applying layers
 
-def apply_layers(layers: list[Path], root: Path, progress=lambda line: None) -> None:
-    """Apply each layer tar (plain or gzip) onto root, lowest first, as overlayfs would stack them."""
+def apply_layers(layers: list[Path], root: Path, progress=lambda line: None, budget: Budget | None = None) -> None:
+    """Apply each layer tar (plain or gzip) onto root, lowest first, as overlayfs would stack them, within
+    budget (a default Budget when None)."""
+    budget = budget or Budget()
     root.mkdir(mode=0o755, exist_ok=True)
     fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     dir_mtimes: dict[str, int] = {}
@@ -168,9 +81,9 @@ def apply_layers(layers: list[Path], root: Path, progress=lambda line: None) -> 
         for i, layer in enumerate(layers):
             progress(f"layer {i + 1}/{len(layers)}: {layer.name[:19]} ({layer.stat().st_size} bytes)")
             try:
-                _apply(fd, layer, dir_mtimes)
+                _apply(fd, layer, dir_mtimes, budget)
             except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:   # (a truncated or
-                raise OciError(f"layer {i + 1} ({layer.name[:19]}): {exc}") from None           # corrupt stream)
+                raise OciError(f"layer {i + 1} ({layer.name[:19]}): {str(exc)[:300]}") from None   # corrupt stream)
         try:   # each directory's mtime as its last layer gave it
             set_dir_mtimes(root, dir_mtimes)
         except OSError as exc:
@@ -180,10 +93,14 @@ def apply_layers(layers: list[Path], root: Path, progress=lambda line: None) -> 
 
 
 def _open(layer: Path) -> tarfile.TarFile:
+    with open(layer, "rb") as f:
+        if f.read(4) == ZSTD_MAGIC:
+            raise OciError("it is zstd-compressed: not supported here; convert it with "
+                           "`skopeo copy --dest-compress-format gzip`")
     return tarfile.open(layer, "r:*")
 
 
-def _apply(root: int, layer: Path, dir_mtimes: dict[str, int]) -> None:
+def _apply(root: int, layer: Path, dir_mtimes: dict[str, int], budget: Budget) -> None:
     # whiteouts first: they hide what the layers below hold, never what this one adds
     with _open(layer) as tar:
         outs = [(_clean(m.name), m) for m in tar if os.path.basename(m.name.rstrip("/")).startswith(WHITEOUT)]
@@ -191,6 +108,8 @@ def _apply(root: int, layer: Path, dir_mtimes: dict[str, int]) -> None:
         parent, base = os.path.split(rel)
         if base == OPAQUE:
             _clear(root, parent)
+        elif base[len(WHITEOUT):] in ("", ".", ".."):   # (.wh... would remove the directory above its own)
+            raise OciError(f"whiteout {rel!r} names no file")
         else:
             _remove(root, os.path.join(parent, base[len(WHITEOUT):]))
     links = []
@@ -199,10 +118,11 @@ def _apply(root: int, layer: Path, dir_mtimes: dict[str, int]) -> None:
             rel = _clean(m.name)
             if not rel or os.path.basename(rel).startswith(WHITEOUT):
                 continue
+            budget.entry(m.size if m.isfile() else 0)
             if m.islnk():
                 links.append((rel, m))    # after the files they name (a link may come before its target)
             else:
-                _entry(root, rel, m, tar, dir_mtimes)
+                _entry(root, rel, m, tar, dir_mtimes, budget)
     for rel, m in links:
         _hardlink(root, rel, m)
 
@@ -215,9 +135,10 @@ def _clean(name: str) -> str:
     return "/".join(parts)
 
 
-def _dir_fd(root: int, rel: str, create: bool = True) -> int:
+def _dir_fd(root: int, rel: str, create: bool = True, depth: int = 0) -> int:
     """An fd of directory rel inside the root, resolved in it as the sandbox would (a symlink, absolute
-    or not, stays inside); missing directories are made (0755, root's) when create."""
+    or not, stays inside); missing directories are made (0755, root's) when create, the target of a
+    symlink to a directory not there yet too (var/run -> /run, then var/run/x: as Docker does)."""
     try:
         return kernel.openat2(root, rel or ".", os.O_PATH | os.O_DIRECTORY, 0, IN_ROOT)
     except FileNotFoundError:
@@ -230,7 +151,14 @@ def _dir_fd(root: int, rel: str, create: bool = True) -> int:
         except FileNotFoundError:
             parent = kernel.openat2(root, "/".join(parts[:i - 1]) or ".", os.O_PATH | os.O_DIRECTORY, 0, IN_ROOT)
             try:
-                os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
+                try:
+                    os.mkdir(parts[i - 1], 0o755, dir_fd=parent)
+                except FileExistsError:   # a symlink whose target is not there: make its target
+                    link = os.readlink(parts[i - 1], dir_fd=parent)
+                    if depth > 40:
+                        raise OSError(errno.ELOOP, "too many levels of symbolic links", rel) from None
+                    target = posixpath.normpath(posixpath.join("/", "/".join(parts[:i - 1]), link))
+                    os.close(_dir_fd(root, target.lstrip("/"), True, depth + 1))
             finally:
                 os.close(parent)
     return kernel.openat2(root, rel, os.O_PATH | os.O_DIRECTORY, 0, IN_ROOT)
@@ -291,7 +219,8 @@ def _clear(root: int, rel: str) -> None:
         os.close(sub)
 
 
-def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mtimes: dict[str, int]) -> None:
+def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mtimes: dict[str, int],
+           budget: Budget) -> None:
     if m.ischr() or m.isblk():
         raise OciError(f"{rel} is a device node ({'char' if m.ischr() else 'block'} {m.devmajor}:{m.devminor}): "
                            "refused (a sandbox's /dev comes from the platform)")
@@ -317,13 +246,25 @@ def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mt
                 fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                              dir_fd=dfd)
                 with os.fdopen(fd, "wb") as out, tar.extractfile(m) as data:
-                    shutil.copyfileobj(data, out, 1 << 20)
+                    _copy(data, out, m.size, budget)
         _attributes(dfd, base, m)
         if m.isdir():   # (keyed by where it is: a parent named through a symlink of the image resolves)
             real = os.path.join(os.readlink(f"/proc/self/fd/{dfd}"), base)
             dir_mtimes[os.path.relpath(real, os.readlink(f"/proc/self/fd/{root}"))] = mtime_ns(m.mtime)
     finally:
         os.close(dfd)
+
+
+def _copy(data, out, size: int, budget: Budget) -> None:
+    """A member's bytes, blocks of zeros left as holes (a sparse file stays sparse), within the budget."""
+    zero = bytes(BLOCK)
+    while block := data.read(BLOCK):
+        if block == zero[:len(block)]:
+            out.seek(len(block), os.SEEK_CUR)
+        else:
+            budget.room(out.fileno(), len(block))
+            out.write(block)
+    out.truncate(size)
 
 
 def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
@@ -339,8 +280,8 @@ def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
             name, raw = key[len("LIBARCHIVE.xattr."):], base64.b64decode(value + "==")
         else:
             continue
-        if m.issym() and not name.startswith("trusted."):
-            continue                                 # user.* xattrs cannot be set on a symlink
+        if m.issym() or not (name == CAPABILITY or name.startswith(XATTRS)):
+            continue                                 # (user.* xattrs cannot be set on a symlink)
         try:
             os.setxattr(path, name, raw, follow_symlinks=False)
         except OSError as exc:

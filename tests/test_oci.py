@@ -7,6 +7,7 @@ import asyncio
 import gzip
 import hashlib
 import io
+import json
 import os
 import tarfile
 from pathlib import Path
@@ -322,3 +323,136 @@ async def test_a_registry_image_is_pulled_by_skopeo(stack, client, rich, registr
     p = await asyncio.to_thread(dsec, "image", "import", "--nats", stack.url, "nosuch", "--from",
                                 f"docker://{registry}/team/nosuch:v1", "--no-tls-verify")
     assert p.returncode != 0 and "skopeo copy" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_hostile_layers_are_refused_or_kept_harmless(tmp_path):
+    """Helper I's archives: trusted.* xattrs (trusted.overlay.opaque hid the base's /etc under a toolkit),
+    a `.wh...` whiteout (it removed the directory above the image's root), a symlink to a directory not
+    there yet (refused with EEXIST: Docker makes it), a zstd layer with no media type saying so."""
+    info = ociimages._info
+    xattrs = ociimages.layer([
+        (info("etc", tarfile.DIRTYPE, 0o755, pax_headers={"SCHILY.xattr.trusted.overlay.opaque": "y"}), None),
+        (info("etc/f", pax_headers={"SCHILY.xattr.user.k": "v", "SCHILY.xattr.trusted.overlay.redirect": "/bin",
+                                    "SCHILY.xattr.security.capability": "\x01\x00\x00\x02" + "\x00" * 16}), b"f")])
+    oci.apply_layers([_blob(tmp_path, xattrs)], tmp_path / "x")
+    assert os.listxattr(tmp_path / "x/etc") == []
+    assert sorted(os.listxattr(tmp_path / "x/etc/f")) == ["security.capability", "user.k"]
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w/sibling").write_text("kept")
+    escape = ociimages.layer([(info("d", tarfile.DIRTYPE, 0o755), None), (info("d/.wh..."), b"")])
+    for name in (".wh...", ".wh.."):
+        bad = ociimages.layer([(info("d", tarfile.DIRTYPE, 0o755), None), (info(f"d/{name}"), b"")])
+        with pytest.raises(oci.OciError, match="names no file"):
+            oci.apply_layers([_blob(tmp_path, bad)], tmp_path / "w/root")
+    with pytest.raises(oci.OciError):
+        oci.apply_layers([_blob(tmp_path, escape)], tmp_path / "w/root")
+    assert (tmp_path / "w/sibling").read_text() == "kept" and (tmp_path / "w/root").is_dir()
+    dangling = ociimages.layer([(info("var", tarfile.DIRTYPE, 0o755), None),
+                                (info("var/run", tarfile.SYMTYPE, linkname="/run"), None),
+                                (info("var/run/app.pid"), b"1\n")])
+    oci.apply_layers([_blob(tmp_path, dangling)], tmp_path / "s")
+    assert (tmp_path / "s/run/app.pid").read_bytes() == b"1\n" and os.readlink(tmp_path / "s/var/run") == "/run"
+    zstd = tmp_path / "zstd.tar"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 100)
+    with pytest.raises(oci.OciError, match="zstd-compressed"):
+        oci.apply_layers([zstd], tmp_path / "z")
+
+
+def test_a_decompression_bomb_stops_at_the_budget_and_zeros_stay_holes(tmp_path):
+    """A small layer that expands past --max-size is refused in a line (a 2 MB gzip made 1 GiB, a 2 kB sparse
+    tar 16 GiB, with no limit); zeros are written as holes; a stop (Ctrl-C) ends it between two blocks."""
+    info = ociimages._info
+    zeros = ociimages.layer([(info("z"), bytes(24 << 20) + b"end")])
+    assert len(zeros) < 200_000   # (gzip -1: a ratio of ~230)
+    with pytest.raises(oci.OciError, match="add up to more than"):
+        oci.apply_layers([_blob(tmp_path, zeros)], tmp_path / "b", budget=oci.Budget(max_bytes=16 << 20))
+    oci.apply_layers([_blob(tmp_path, zeros)], tmp_path / "ok")
+    st = os.stat(tmp_path / "ok/z")
+    assert st.st_size == (24 << 20) + 3 and st.st_blocks * 512 < (2 << 20)   # a sparse file, not 24 MiB of zeros
+    stopped = oci.Budget()
+    stopped.stop.set()
+    with pytest.raises(oci.OciError, match="interrupted"):
+        oci.apply_layers([_blob(tmp_path, zeros)], tmp_path / "stopped", budget=stopped)
+    with pytest.raises(oci.OciError, match="more than 3 entries"):
+        oci.apply_layers([_blob(tmp_path, ociimages.layer([(info(f"f{i}"), b"") for i in range(5)]))],
+                         tmp_path / "many", budget=oci.Budget(max_entries=3))
+
+
+async def test_an_import_cancelled_stops_its_thread_before_it_returns(tmp_path):
+    """Ctrl-C: the thread writing the image was left running into a removed directory until the whole
+    layer was written (32 s, the disk filling, hidden)."""
+    from cli import imports
+    info = ociimages._info
+    data = os.urandom(1 << 20) * 200   # 200 MiB that is not zeros (uncompressed: quick to make)
+    layer = _blob(tmp_path, ociimages.layer([(info("big"), data)], gz=False))
+    budget = oci.Budget()
+    task = asyncio.ensure_future(imports._stoppable(budget, oci.apply_layers, [layer], tmp_path / "r", print, budget))
+    while not (tmp_path / "r/big").exists():
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    size = (tmp_path / "r/big").stat().st_size
+    await asyncio.sleep(0.3)
+    assert budget.stop.is_set() and (tmp_path / "r/big").stat().st_size == size < len(data)
+
+
+def test_malformed_image_metadata_is_refused_naming_the_field(tmp_path):
+    """A config User of 1000 imported, then made the image invisible and its version number reused; a Cmd
+    as a string ran `e`; an index of indexes imported an empty image; shapes crashed as internal errors."""
+    from edge import ociread
+    lay = ociimages.layer([(ociimages._info("f"), b"x")])
+    for config, field_ in (({"User": 1000}, "config User"), ({"Cmd": "echo hi"}, "config Cmd"),
+                           ({"Env": {"A": "1"}}, "config Env"), ({"Entrypoint": ["a", 1]}, "config Entrypoint"),
+                           ({"WorkingDir": 7}, "config WorkingDir")):
+        layout = ociimages.oci_layout(tmp_path / f"l{len(list(tmp_path.iterdir()))}", [lay], config=config)
+        with pytest.raises(oci.OciError, match=field_):
+            oci.read_oci_layout(layout)
+    with pytest.raises(oci.OciError, match="image config"):
+        ociread._with_config([], [])
+    layout = ociimages.oci_layout(tmp_path / "loop", [lay])
+    index = json.loads((layout / "index.json").read_text())
+    for _ in range(6):   # indexes inside indexes
+        raw = json.dumps({"schemaVersion": 2, "mediaType": ociread.INDEX_TYPES[0], "manifests": [
+            dict(index["manifests"][0], platform={"os": "linux", "architecture": "amd64"})]}).encode()
+        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        (layout / "blobs/sha256" / digest[7:]).write_bytes(raw)
+        index["manifests"][0] = {"mediaType": ociread.INDEX_TYPES[0], "digest": digest, "size": len(raw)}
+    (layout / "index.json").write_text(json.dumps(index))
+    with pytest.raises(oci.OciError, match="nested more than"):
+        oci.read_oci_layout(layout)
+    (layout / "index.json").write_text("[]")
+    with pytest.raises(oci.OciError, match="index.json must be a JSON object"):
+        oci.read_oci_layout(layout)
+
+
+async def test_racing_publishers_each_get_a_version_and_junk_is_never_written_over(stack, tmp_path):
+    """Two imports of one name at once both printed NAME@1 and one was lost (a read, then a plain put)."""
+    from bus.images import ImageRegistry
+    from edge.erofs import busybox_rootfs, pack_dir
+    made = []
+    for i in range(3):
+        root = tmp_path / f"r{i}"
+        root.mkdir()
+        busybox_rootfs(root)
+        (root / "which").write_text(str(i))
+        made.append((tmp_path / f"{i}.erofs", pack_dir(root, tmp_path / f"{i}.erofs")))
+    reg = ImageRegistry(stack.bus)
+    (a, _), (b, _) = await asyncio.gather(reg.publish("race-x", *made[0]), reg.publish("race-x", *made[1]))
+    assert sorted([a.version, b.version]) == [1, 2]
+    listed = [(r.version, r.digest) for r in await reg.list() if r.name == "race-x"]
+    assert sorted(listed) == sorted([(a.version, a.digest), (b.version, b.digest)])
+    assert (await reg.lookup("race-x")).version == 2
+    await stack.bus.kv_put(streams.IMAGES_KV, "race-x.3", b'{"name": "race-x", "version": "junk"}')
+    c, new = await reg.publish("race-x", *made[2])
+    assert new and c.version == 4 and await stack.bus.kv_get(streams.IMAGES_KV, "race-x.3") == (
+        b'{"name": "race-x", "version": "junk"}')
+    for v in (1, 2, 4):
+        await reg.remove(f"race-x@{v}", {})
+    await stack.bus.kv_delete(streams.IMAGES_KV, "race-x.3")
+
+
+def _blob(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / f"layer-{hashlib.sha256(data).hexdigest()[:12]}"
+    path.write_bytes(data)
+    return path
