@@ -64,7 +64,7 @@ def credential_options(creds: str | None) -> dict:
     if not creds:
         return {}
     try:
-        text = open(creds).read()
+        text = Path(creds).read_text()
     except OSError as exc:
         raise AuthenticationFailed(f"credential {creds} cannot be read: {exc.strerror or exc}") from None
     why = _expired_text(text)
@@ -104,7 +104,7 @@ def principal_of(path: str | None) -> str:
     if not path:
         return ""
     try:
-        return creds_principal(open(path).read())
+        return creds_principal(Path(path).read_text())
     except OSError:
         return ""
 
