@@ -117,6 +117,12 @@ class ImageRegistry:
         again."""
         parse_ref(name)
         size = Path(layer_file).stat().st_size
+        probe = encode(ImageRecord(name=name, version=1 << 40, layer_kind=kind, digest=digest, size=size,
+                                   created_at=time.time(), config=config))
+        limit = getattr(self.bus.nc, "max_payload", 0)
+        if limit and len(probe) + 256 > limit:   # (refused before its bytes are uploaded, not after: helper I)
+            raise InvalidRequest(f"{name}: the image's config (env, entrypoint, cmd) makes a record of {len(probe):,} "
+                                 f"bytes, more than the bus takes ({limit:,})")
         uploaded = False
         version = 0
         for _ in range(64):

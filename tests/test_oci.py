@@ -450,6 +450,16 @@ async def test_racing_publishers_each_get_a_version_and_junk_is_never_written_ov
     for v in (1, 2, 4):
         await reg.remove(f"race-x@{v}", {})
     await stack.bus.kv_delete(streams.IMAGES_KV, "race-x.3")
+    from bus.errors import InvalidRequest
+    from bus.records import ImageConfig
+    root = tmp_path / "huge"   # a config too large for its record: refused before its bytes were uploaded
+    root.mkdir()
+    busybox_rootfs(root)
+    (root / "huge").write_text("its own digest")
+    digest = pack_dir(root, tmp_path / "huge.erofs")
+    with pytest.raises(InvalidRequest, match="more than the bus takes"):
+        await reg.publish("huge-x", tmp_path / "huge.erofs", digest, config=ImageConfig(env={"A": "x" * (2 << 20)}))
+    assert not await stack.bus.obj_has(streams.LAYERS_OBJ, digest)
 
 
 def _blob(tmp_path: Path, data: bytes) -> Path:
