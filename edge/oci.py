@@ -36,6 +36,7 @@ MAX_ENTRIES = 4_000_000             # tar members an image's layers may hold in 
 FREE_RESERVE = 1 << 30              # an import stops before it leaves less than this free where it unpacks
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BLOCK = 1 << 20
+MAX_NAME = 254                      # bytes of a file name (Debian 12's mkfs.erofs fails on 255: "No such file")
 
 
 class Budget:
@@ -226,6 +227,8 @@ def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mt
                            "refused (a sandbox's /dev comes from the platform)")
     if not (m.isfile() or m.isdir() or m.issym() or m.isfifo()):
         raise OciError(f"{rel}: unsupported tar member type {m.type!r}")
+    if len(os.path.basename(rel).encode("utf-8", "surrogateescape")) > MAX_NAME:
+        raise OciError(f"{rel[-80:]!r}: a name of 255 bytes, which this mkfs.erofs cannot pack (at most {MAX_NAME})")
     dfd, base = _split(root, rel)
     try:
         old = _lstat(dfd, base)
