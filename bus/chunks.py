@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 import msgspec
@@ -104,3 +105,29 @@ async def trace(bus: Bus, digest: str) -> list[int]:
         return [int(i) for i in msgspec.json.decode(raw)][:TRACE_MAX]
     except (BusError, msgspec.DecodeError, ValueError, TypeError):
         return []
+
+
+async def collect(bus: Bus, min_age: float = 3600.0) -> tuple[int, int]:
+    """Remove what no stored layer needs any more (`dsec image gc`): the manifests and traces of layers gone
+    (an `image rm` removes the layer only), and chunks no remaining manifest names, stored over min_age
+    seconds ago (a publish stores its chunks before its manifest: run it when no import is under way, or
+    keep min_age above the longest one). (objects removed, bytes of chunks freed, roughly: a chunk each)."""
+    objects = await bus.obj_list(streams.LAYERS_OBJ)
+    now, live, dropped, freed = time.time(), set(), 0, 0
+    for name in [n for n in objects if n.startswith(("manifest-", "trace-"))]:
+        digest = name.split("-", 1)[1].replace("-", ":", 1)
+        if digest in objects:
+            if name.startswith("manifest-"):
+                m = decode_manifest(await bus.obj_get(streams.LAYERS_OBJ, name), digest)
+                if m is None:
+                    return 0, 0   # (a manifest that cannot be read: nothing is removed on a guess)
+                live.update(m.chunks)
+        elif now - objects[name] > min_age:
+            await bus.obj_delete(streams.LAYERS_OBJ, name)
+            dropped += 1
+    for name in [n for n in objects if n.startswith("chunk-")]:
+        if name[len("chunk-"):] not in live and now - objects[name] > min_age:
+            await bus.obj_delete(streams.LAYERS_OBJ, name)
+            dropped += 1
+            freed += CHUNK_SIZE
+    return dropped, freed

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import io
 import logging
 import random
@@ -265,6 +266,24 @@ class KvStore:
         except BusError as exc:
             if not not_found(exc):
                 raise
+
+    async def obj_list(self, bucket: str) -> dict[str, float]:
+        """Every object stored: its name -> when it was stored (epoch seconds; 0 when not said)."""
+        try:
+            with mapped_errors(f"object list {bucket}"):
+                store = await self.admin.object_store(bucket)
+                infos = await store.list(ignore_deletes=True)
+        except BusError as exc:
+            if not_found(exc):
+                return {}
+            raise
+        out = {}
+        for info in infos:
+            try:
+                out[info.name] = datetime.datetime.fromisoformat(info.mtime).timestamp() if info.mtime else 0.0
+            except (TypeError, ValueError):
+                out[info.name] = 0.0
+        return out
 
     async def obj_get(self, bucket: str, name: str) -> bytes:
         """Fetch an object (digest verified by the client); BusError if missing or corrupt."""

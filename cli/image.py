@@ -154,3 +154,21 @@ async def ls_images(nats_url: str) -> None:
     for r in recs:
         created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
         click.echo(f"{r.name:<20} {r.version:>7} {r.layer_kind:<10} {r.size:>10}  {created:<20} {r.digest[:19]}")
+
+
+@image.command(name="gc")
+@nats_option
+@click.option("--min-age", default=3600.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Leave chunks stored less than this long ago (an import under way stores its chunks first).")
+@run_async
+async def gc_images(nats_url: str, min_age: float) -> None:
+    """Free the object store of what no image needs any more: `image rm` removes a version's layer, but its
+    lazy-loading chunks, chunk manifest and read trace stay until this runs (chunks are shared by layers
+    holding the same bytes: only those no remaining layer names go)."""
+    from bus import chunks
+    bus = await connect(nats_url, "dsec-image", "admin")
+    try:
+        dropped, freed = await chunks.collect(bus, min_age)
+    finally:
+        await bus.close()
+    click.echo(f"removed {dropped} objects (about {freed >> 20} MiB of chunks)")
