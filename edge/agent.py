@@ -29,6 +29,7 @@ from edge.backends.registry import BackendSet
 from edge.calls import CallLane
 from edge.capacity import Capacity, EdgeConfig, default_slots
 from edge.creates import CreateLane
+from edge.fence import FENCE_AFTER, EdgeFence
 from edge.lanes import replace_creates
 from edge.network import NodeNetwork
 from edge.layercache import LayerCache
@@ -88,6 +89,7 @@ class Edge:
                                   warm=self.warm, draining=lambda: self.draining)
         self.network = NodeNetwork(self.node, config, self.box, self.state_dir)
         self.ops.network = self.network
+        self.fence = EdgeFence(self.node, self.state_dir)
         self._create_worker = None
         self._pool_worker = None
         self._tasks: list[asyncio.Task] = []
@@ -144,6 +146,7 @@ class Edge:
         await self.record.write()
         self.record.start(self.config.heartbeat)
         self._tasks = [asyncio.create_task(self._ttl_loop())]
+        self.fence.start()   # (its sandboxes ended when this edge stops running: edge/fence.py)
         await self.ops.start()
         fncall = self.backend.backends.get("fncall")
         if fncall is not None:
@@ -214,16 +217,14 @@ class Edge:
         log.info("node %s %s", self.node, "draining" if draining else "accepting work again")
         self._poke()
 
-    def _declared_lost(self) -> None:
+    def _declared_lost(self, why: str = "node was declared lost") -> None:
         """Placement declared this node lost while it ran (no heartbeat of it was heard for too long): its
         sandboxes were reported node_lost and its waiting creates placed elsewhere, so the ones it still
         runs are destroyed, as a restart would (their execs end SandboxNotFound(node_lost)); then it
         serves afresh."""
-        log.error("node %s was declared lost while running; destroying its %d sandboxes", self.node,
-                  len(self.sandboxes))
+        log.error("node %s: %s; destroying its %d sandboxes", self.node, why, len(self.sandboxes))
         for sid in list(self.sandboxes):
-            self._tasks.append(asyncio.create_task(self._destroy_quietly(sid, "node_lost",
-                                                                         "node was declared lost")))
+            self._tasks.append(asyncio.create_task(self._destroy_quietly(sid, "node_lost", why)))
 
     def _died(self, sandbox_id: str, why: str) -> None:
         """A sandbox ended by itself (its VM's kernel crashed or powered off): destroyed as failed, so its
@@ -280,6 +281,7 @@ class Edge:
             except Exception as exc:   # whatever the bus does, the stop goes on
                 log.info("stop step skipped: %s", exc)
 
+        await self.fence.stop()
         try:
             await step(set_flag(self.bus, self.node, draining=True))
             for w in (self._create_worker, self._pool_worker):
@@ -345,6 +347,9 @@ class Edge:
         while True:   # a look every TTL_EVERY, sooner when a deadline falls before it (an expiry is on time)
             await asyncio.sleep(min(TTL_EVERY, max(0.005, self.box.deadlines.next_at() - time.time())))
             self.execs.journal.alive()   # (when a crash ends its running execs: chronus/orphans.py)
+            self.fence.touch()
+            if self.fence.fenced():     # it did not run for FENCE_AFTER: its sandboxes were ended under it
+                self._declared_lost("its edge did not run for %.0f s: the fence ended them" % FENCE_AFTER)
             if time.monotonic() - pruned >= MEMORY_PRUNE_EVERY and self.box.backend.memories():
                 pruned = time.monotonic()
                 task = asyncio.ensure_future(self._prune_memories())

@@ -78,6 +78,8 @@ def _residue() -> list[str]:
             out.append(f"sandbox init pid {proc.info['pid']}")
         if cmd[:1] and cmd[0].endswith("qemu-system-x86_64") and not is_live(_node_of_cgroup(proc.info["pid"])):
             out.append(f"qemu pid {proc.info['pid']} ({' '.join(cmd[cmd.index('-name') + 1:][:1] if '-name' in cmd else cmd[:1])})")
+        if "edge.fence" in cmd and "--node" in cmd and not is_live(cmd[cmd.index("--node") + 1]):
+            out.append(f"fence pid {proc.info['pid']} (node {cmd[cmd.index('--node') + 1]})")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
         if "proxpi.server" in cmd or (cmd[:1] and cmd[0].endswith("apt-cacher-ng")):   # a node's mirrors

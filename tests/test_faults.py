@@ -109,6 +109,8 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             edge.send_signal(signal.SIGKILL)
             edge.wait()
             killed = time.time()
+            if kind == "container":   # its fence ends its commands at once, not at a restart that may never come
+                await _gone("sleep 1000", 3)
             queued = asyncio.create_task(client.create(timeout=60))
             lost_exec = asyncio.create_task(old[1].exec("echo never", timeout=30))   # waits in JetStream
             await asyncio.sleep(1)
@@ -172,6 +174,60 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
     from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "edge" / "edge", "rs") == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
+
+
+async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_path):
+    """SIGSTOP an edge (a node that hangs rather than dies): its command ran on for the whole pause, 80 s
+    past the node_lost its user got at 10 s, while the user ran the work again elsewhere (helper N). Its
+    fence ends the sandboxes first; the edge, running again, reports them node_lost and serves afresh."""
+    from cli.stack import Stack
+    srv = own_server(tmp_path, ["rs"])
+    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
+               creds=srv.creds("placement"))
+    await st.start()
+    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
+    try:
+        await _wait_line(edge, "dsec: edge rs ready")
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
+            sb = await client.create(timeout=60)
+            handle = await sb.exec("while :; do date +%s.%N > /tmp/beat; sleep 0.2; done", background=True)
+            await asyncio.sleep(0.5)
+            edge.send_signal(signal.SIGSTOP)
+            stopped = time.time()
+            with pytest.raises(libdsec.SandboxNotFound) as ei:   # its user hears node_lost...
+                await asyncio.wait_for(handle.wait(), 30)
+            told = time.time()
+            assert ei.value.reason == "node_lost" and told - stopped < 15
+            await _gone("while :; do date", 1)   # ...when the command already ran no more
+            edge.send_signal(signal.SIGCONT)
+            with pytest.raises(libdsec.SandboxNotFound):
+                await sb.exec("true")
+            async with await client.create(timeout=60) as again:   # it serves afresh
+                assert (await again.exec("echo back")).stdout == b"back\n"
+        edge.send_signal(signal.SIGTERM)
+        assert edge.wait(15) == 0
+    finally:
+        if edge.poll() is None:
+            edge.send_signal(signal.SIGCONT)
+            edge.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.to_thread(edge.wait, 20)
+            except subprocess.TimeoutExpired:
+                edge.kill()
+                edge.wait()
+        await st.stop()
+        srv.stop()
+    from edge.backends.registry import node_leftovers as leftovers
+    assert leftovers(tmp_path / "edge" / "edge", "rs") == []
+
+
+async def _gone(command: str, within: float) -> None:
+    """No process of the host runs command (a sandbox's, seen from the host) within `within` seconds."""
+    for _ in range(int(within / 0.05) + 1):
+        if not [p for p in psutil.process_iter(["cmdline"]) if command in " ".join(p.info["cmdline"] or [])]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{command!r} still runs")
 
 
 async def _stored(bus, stream: str, subject: str) -> list[bytes]:
