@@ -8,7 +8,7 @@ import click
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.records import Quota, quota_decoder
+from bus.records import quota_decoder
 from cli.main import connect, fail, main, nats_option, run_async
 from bus import nodes
 from placement import quota as quotas
@@ -124,30 +124,32 @@ def quota() -> None:
 @quota.command("set")
 @click.argument("tenant")
 @nats_option
-@click.option("--sandboxes", default=0, show_default=True, help="Max concurrent sandboxes (0: no limit).")
-@click.option("--cpu", default=0.0, show_default=True, help="Max cores in total (0: no limit).")
-@click.option("--memory", default="0", show_default=True, help="Max memory in total, e.g. 64Gi (0: no limit).")
-@click.option("--rate", default=0.0, show_default=True,
+@click.option("--sandboxes", default=None, type=click.IntRange(min=0), help="Max concurrent sandboxes (0: no limit).")
+@click.option("--cpu", default=None, type=click.FloatRange(min=0), help="Max cores in total (0: no limit).")
+@click.option("--memory", default=None, help="Max memory in total, e.g. 64Gi (0: no limit).")
+@click.option("--rate", default=None, type=click.FloatRange(min=0),
               help="Control API requests/s over all engines (0: the default, 200); past it requests get RateLimited.")
 @run_async
-async def quota_set(tenant: str, nats_url: str, sandboxes: int, cpu: float, memory: str, rate: float) -> None:
-    """Set TENANT's quota."""
+async def quota_set(tenant: str, nats_url: str, sandboxes: int | None, cpu: float | None, memory: str | None,
+                    rate: float | None) -> None:
+    """Set TENANT's quota: the limits given change, the others stay as they are."""
     from libdsec.resources import parse_size
     try:
         subjects.token(tenant, "tenant")
     except ValueError as exc:
         fail(str(exc))
-    if sandboxes < 0 or cpu < 0 or rate < 0:
-        fail("--sandboxes, --cpu and --rate must not be negative")
-    mem = 0 if memory.strip() == "0" else parse_size(memory, "--memory")
+    changes = {k: v for k, v in (("max_sandboxes", sandboxes), ("max_cpu", cpu), ("rate", rate)) if v is not None}
+    if memory is not None:
+        changes["max_memory"] = 0 if memory.strip() == "0" else parse_size(memory, "--memory")
+    if not changes:
+        fail("give at least one of --sandboxes, --cpu, --memory, --rate")
     bus = await _bus(nats_url)
     try:
-        await quotas.set_quota(bus, Quota(tenant=tenant, max_sandboxes=sandboxes, max_cpu=cpu, max_memory=mem,
-                                          rate=rate))
+        q = await quotas.change_quota(bus, tenant, **changes)
     finally:
         await bus.close()
-    click.echo(f"dsec: quota of {tenant}: sandboxes={sandboxes or '-'} cpu={cpu or '-'} memory={memory} "
-               f"rate={rate or 'default'}")
+    click.echo(f"dsec: quota of {tenant}: sandboxes={q.max_sandboxes or '-'} cpu={q.max_cpu or '-'} "
+               f"memory={_size(q.max_memory) if q.max_memory else '-'} rate={q.rate or 'default'}")
 
 
 @quota.command("ls")

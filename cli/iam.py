@@ -244,8 +244,6 @@ async def iam_set(name: str, state_dir: Path, nats_url: str, rate: float | None,
                   cpu: float | None, memory: str | None) -> None:
     """Set tenant (or TENANT/PROJECT) NAME's limits (kept in its quota record, read by every placement
     engine). A project's sandboxes and requests count against its own limits and its tenant's."""
-    from bus import streams
-    from bus.records import Quota, quota_decoder
     from libdsec.resources import parse_size
     from placement import quota as quotas
     found = _load(state_dir)
@@ -253,13 +251,10 @@ async def iam_set(name: str, state_dir: Path, nats_url: str, rate: float | None,
     name = subjects.account_name(name)
     bus = await connect(nats_url, "dsec-iam", "admin", reconnect=False)
     try:
-        raw = await bus.kv_get(streams.QUOTAS_KV, name)
-        q = quota_decoder.decode(raw) if raw is not None else Quota(tenant=name)
         changes = {k: v for k, v in (("rate", rate), ("max_sandboxes", sandboxes), ("max_cpu", cpu)) if v is not None}
         if memory is not None:
             changes["max_memory"] = 0 if memory.strip() == "0" else parse_size(memory, "--memory")
-        q = Quota(**{**{f: getattr(q, f) for f in q.__struct_fields__}, **changes, "tenant": name})
-        await quotas.set_quota(bus, q)
+        q = await quotas.change_quota(bus, name, **changes)
     finally:
         await bus.close()
     if rate is not None:

@@ -189,7 +189,7 @@ class CreateLane:
                             expires_at=now + req.ttl, updated_at=now, request_id=req.request_id,
                             layers=[layer.digest for layer in req.layers], version=2, epoch=self.epoch,
                             on_timeout=req.on_timeout)
-        running = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers))
+        running = Running(rec, now + req.ttl, spec=spec, layers=list(req.layers), ttl=req.ttl)
         self.sandboxes.add(running)
         return running
 

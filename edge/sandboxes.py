@@ -58,6 +58,10 @@ class Running:
     ending: str = ""                 # the final state it is being destroyed into
     ending_why: str = ""             # ...and why (its record's reason)
     users: dict[str, "users.ExecUser | None"] = field(default_factory=dict)   # exec user name -> whom, resolved once
+    ttl: float = 0.0                 # seconds it was last given to live (create's ttl, set_timeout): a resume of
+                                     # one its TTL suspended (on_timeout="suspend") gives it that again
+    freezing: asyncio.Lock = field(default_factory=asyncio.Lock)   # suspend, resume, snapshot's pack, rollback:
+                                     # one at a time (a suspend during a pack was thawed by the pack's end)
 
     def next(self, **changes) -> SandboxRecord:
         """Its record with these changes, one version on."""
@@ -289,6 +293,10 @@ class Sandboxes:
     async def suspend(self, sandbox_id: str) -> None:
         """Freeze a sandbox; its TTL stops counting. Idempotent."""
         running = self.running[sandbox_id]
+        async with running.freezing:
+            await self._suspend(running, sandbox_id)
+
+    async def _suspend(self, running: Running, sandbox_id: str) -> None:
         if running.suspended_since:
             return
         await self.backend.freeze(sandbox_id)
@@ -298,23 +306,35 @@ class Sandboxes:
         await self.record(running, event="suspended", nth=running.suspends, suspended=True, suspended_at=now)
 
     async def resume(self, sandbox_id: str) -> None:
-        """Thaw a suspended sandbox; its TTL moves on by the time it was suspended. Idempotent."""
+        """Thaw a suspended sandbox; its TTL moves on by the time it was suspended (one its TTL suspended,
+        on_timeout="suspend", gets its TTL again: it was frozen again at once). Idempotent."""
         running = self.running[sandbox_id]
-        if not running.suspended_since:
-            return
-        await self.backend.thaw(sandbox_id)
-        if running.expires_at:
-            running.expires_at += time.time() - running.suspended_since
-        running.suspended_since = 0.0
+        async with running.freezing:
+            if not running.suspended_since:
+                return
+            await self.backend.thaw(sandbox_id)
+            self._unpause(running)
         self.deadlines.look(sandbox_id)
         await self.record(running, event="resumed", nth=running.suspends, suspended=False,
                           expires_at=running.expires_at or running.record.expires_at)
+
+    @staticmethod
+    def _unpause(running: Running) -> None:
+        """Its expiry after a suspension: moved on by the time suspended, or its TTL from now when the TTL
+        suspended it (its expiry had come)."""
+        now = time.time()
+        if running.expires_at and running.expires_at <= running.suspended_since and running.ttl > 0:
+            running.expires_at = now + running.ttl
+        elif running.expires_at:
+            running.expires_at += now - running.suspended_since
+        running.suspended_since = 0.0
 
     async def set_timeout(self, sandbox_id: str, seconds: float) -> None:
         """It expires `seconds` from now (0: at the TTL loop's next look); a suspended one's count starts
         when it is resumed (resume moves the expiry on by the time it was suspended)."""
         running = self.running[sandbox_id]
         running.expires_at = (running.suspended_since or time.time()) + max(0.0, seconds)
+        running.ttl = max(0.0, seconds)
         running.timeouts += 1
         self.deadlines.look(sandbox_id)
         await self.record(running, event="timeout_set", nth=running.timeouts, detail=f"{seconds:g}s",
@@ -331,7 +351,8 @@ class Sandboxes:
         with tempfile.TemporaryDirectory(dir=self.state_dir) as tmp:
             layer_file = Path(tmp) / "snapshot.erofs"
             try:
-                digest = await self.backend.pack_upper(sandbox_id, str(layer_file))
+                async with running.freezing:   # (frozen for the pack, then as it was: a suspend waits for it)
+                    digest = await self.backend.pack_upper(sandbox_id, str(layer_file))
             except SnapshotTooLarge as exc:
                 raise InvalidRequest(str(exc)) from exc
             size = layer_file.stat().st_size
@@ -391,6 +412,10 @@ class Sandboxes:
         running = self.running[sandbox_id]
         if snap.tenant != running.record.tenant:
             raise InvalidRequest(f"snapshot {snap.id} not found")
+        async with running.freezing:
+            await self._rollback(running, sandbox_id, snap)
+
+    async def _rollback(self, running: Running, sandbox_id: str, snap: SnapshotRecord) -> None:
         assert running.spec is not None
         paths = await self.layers.ensure(snap.layers)          # before anything is torn down
         cwd = "" if snap.cwd == "/" else snap.cwd
@@ -403,7 +428,8 @@ class Sandboxes:
             await self.gone_now(sandbox_id, "failed", f"rollback to {snap.id} failed: {exc}")
             raise EnvironmentFailure(f"rollback of {sandbox_id} to {snap.id} failed: {exc}") from exc
         running.spec, running.layers, running.restarts = spec, list(snap.layers), running.restarts + 1
-        running.suspended_since = 0.0
+        if running.suspended_since:   # (restarted running: its expiry moves on as a resume's would)
+            self._unpause(running)
         self.deadlines.look(sandbox_id)
         await self.record(running, event="rollback", detail=snap.id, nth=running.restarts,
                           layers=[layer.digest for layer in snap.layers], suspended=False, image=snap.image,

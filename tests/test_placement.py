@@ -16,7 +16,8 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import BusError
 from bus.messages import CreateRequest, ExecRequest, Resources, encode
-from bus.records import Booking, NodeInfo, Quota, SandboxRecord, event_decoder, node_decoder, sandbox_decoder
+from bus.records import (Booking, NodeInfo, Quota, SandboxRecord, event_decoder, node_decoder, quota_decoder,
+                         sandbox_decoder)
 from bus.server import free_port
 from tests.conftest import own_server
 from placement import ledger as ledger_mod
@@ -270,6 +271,11 @@ async def test_quota_cli_sets_lists_and_removes(stack):
     ls = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "ls", "--nats", stack.url], capture_output=True,
                                  text=True)
     assert "cliq" in ls.stdout and "2.0Gi" in ls.stdout
+    more = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "set", "cliq", "--cpu", "4", "--nats", stack.url],
+                                   capture_output=True, text=True)   # the others stay (they were wiped: helper Q)
+    assert more.returncode == 0, more.stderr
+    q = quota_decoder.decode(await stack.bus.kv_get(streams.QUOTAS_KV, "cliq"))
+    assert (q.max_sandboxes, q.max_cpu, q.max_memory) == (3, 4.0, 2 << 30)
     rm = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "rm", "cliq", "--nats", stack.url],
                                  capture_output=True, text=True)
     assert rm.returncode == 0 and await stack.bus.kv_get(streams.QUOTAS_KV, "cliq") is None

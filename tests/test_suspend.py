@@ -82,3 +82,44 @@ async def test_a_suspended_sandbox_can_be_destroyed_and_suspend_needs_a_selectio
         pass
     with pytest.raises(libdsec.InvalidRequest):
         await client.suspend()
+
+
+async def test_a_suspend_during_a_snapshot_stays_suspended(client):
+    """The snapshot's pack froze the sandbox and thawed it when done, whatever a suspend did meanwhile: it ran
+    on, recorded suspended, its TTL stopped (helper Q: a ttl=8 sandbox still ran 20 s on)."""
+    sb = await client.create(ttl=60)
+    try:
+        await sb.exec("head -c 100000000 /dev/urandom > /tmp/big")   # (a pack that takes a while)
+        counter = await sb.exec(COUNTER, background=True)
+        await asyncio.sleep(0.3)
+        snap = asyncio.ensure_future(sb.snapshot())
+        await asyncio.sleep(0.15)
+        await sb.suspend()
+        await snap
+        frozen = await counts([sb])
+        await asyncio.sleep(0.6)
+        assert await counts([sb]) == frozen, "recorded suspended, it must not run"
+        assert (await client._record(sb.id)).suspended
+        await sb.resume()
+        await asyncio.sleep(0.3)
+        assert (await counts([sb]))[0] > frozen[0]
+        assert await counter.kill() is True
+    finally:
+        await sb.destroy()
+
+
+async def test_a_rollback_of_a_suspended_sandbox_keeps_the_ttl_it_had_left(client):
+    """Rollback dropped the suspension without moving the expiry on: it expired at once (helper Q)."""
+    sb = await client.create(ttl=4)
+    try:
+        snap = await sb.snapshot()
+        await sb.suspend()
+        await asyncio.sleep(4.5)                       # past the TTL, frozen: it does not count
+        await sb.rollback(snap.id)
+        await asyncio.sleep(1)
+        assert (await sb.exec("echo on")).stdout == b"on\n"
+    finally:
+        try:
+            await sb.destroy()
+        except libdsec.SandboxNotFound:
+            pass

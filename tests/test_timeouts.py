@@ -60,6 +60,21 @@ async def test_a_ttl_that_suspends_keeps_the_sandbox(client):
         await sb.destroy()
 
 
+async def test_a_sandbox_its_ttl_suspended_runs_its_ttl_again_when_resumed(client):
+    """resume() reported success, and the TTL froze it again within 0.5 s: its expiry had come (helper Q)."""
+    sb = await client.create(ttl=1.5, on_timeout="suspend")
+    try:
+        await asyncio.sleep(2.5)
+        assert (await _record(client, sb.id)).suspended
+        await sb.resume()
+        await asyncio.sleep(0.7)
+        assert (await sb.exec("echo on")).stdout == b"on\n"
+        rec = await _record(client, sb.id)
+        assert not rec.suspended and rec.expires_at > time.time()
+    finally:
+        await sb.destroy()
+
+
 async def test_bad_timeouts_are_refused(client):
     with pytest.raises(libdsec.InvalidRequest, match="on_timeout"):
         await client.create(on_timeout="later")
