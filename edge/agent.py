@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import subprocess
 import time
 from pathlib import Path
 
@@ -41,6 +42,18 @@ from edge.sandboxes import Running, Sandboxes
 from edge.warmpool import WarmPools
 
 log = logging.getLogger(__name__)
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem path lies on, or will when made (`stat -f`; "" when it cannot be told)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
 
 BUS_CLEANUP_TIMEOUT = 1.0   # cleanup never waits on the bus longer than this
 STOP_BUS_BUDGET = 1.5       # seconds for everything a stop does before the backend's clean-up
@@ -124,6 +137,11 @@ class Edge:
 
     async def start(self) -> None:
         """Reconcile leftovers, apply what the outbox kept, report lost sandboxes, heartbeat, take work."""
+        fs = await asyncio.to_thread(filesystem_of, self.state_dir)
+        if fs in ("tmpfs", "ramfs"):   # (it said ready, then every create failed "Block device required": N)
+            raise EnvironmentFailure(f"edge {self.node} cannot start: its state dir {self.state_dir} is on {fs}, "
+                                     "which cannot back its EROFS layer mounts; use a disk filesystem (ext4, xfs, "
+                                     "btrfs)")
         try:
             await self.backend.start()
         except BackendError as exc:

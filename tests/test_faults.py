@@ -221,6 +221,23 @@ async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_
     assert leftovers(tmp_path / "edge" / "edge", "rs") == []
 
 
+async def test_an_edge_whose_state_dir_cannot_hold_its_layers_refuses_to_start(tmp_path):
+    """On tmpfs an edge said ready, then failed every create with "Block device required (is it an EROFS
+    image?)": file-backed EROFS mounts need a disk filesystem (helper N)."""
+    srv = own_server(tmp_path, ["rs"])
+    state = tmp_path / "tmpfs"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(state)], check=True)
+    try:
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "edge", "--nats", srv.url, "--node-id", "rs", "--state-dir",
+                                                     str(state / "s"), "--creds", srv.creds("edge-rs")],
+                                    capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0 and "is on tmpfs" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    finally:
+        subprocess.run(["umount", "-l", str(state)], check=False)
+        srv.stop()
+
+
 async def _gone(command: str, within: float) -> None:
     """No process of the host runs command (a sandbox's, seen from the host) within `within` seconds."""
     for _ in range(int(within / 0.05) + 1):

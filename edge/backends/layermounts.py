@@ -10,6 +10,7 @@ replaced in place gets a fresh mount instead of a stale one.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import os
 import stat
@@ -69,6 +70,9 @@ class LayerMounts:
             kernel.mount(layer, target, "erofs", kernel.MS_RDONLY | kernel.MS_NODEV | kernel.MS_NOSUID)
         except kernel.KernelError as exc:
             target.rmdir()
+            if exc.errno == errno.ENOTBLK:   # (a file-backed EROFS mount needs a file of a disk filesystem)
+                raise LayerError(f"cannot mount layer {layer}: its filesystem (tmpfs?) cannot back an EROFS mount; "
+                                 "put the edge's --state-dir on a disk filesystem (ext4, xfs, btrfs)") from exc
             raise LayerError(f"cannot mount layer {layer}: {exc.strerror} (is it an EROFS image?)") from exc
 
     def release(self, targets: list[Path]) -> None:
