@@ -105,6 +105,8 @@ class Bus(KvStore, StreamReads):
                 fn()
 
         servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
+        if not servers:   # (nats-py then spun at full CPU for ever, deaf to SIGTERM: an unset $DSEC_NATS, helper C)
+            raise InvalidRequest("no NATS server URL given: nats://HOST:PORT (--nats, $DSEC_NATS, or the SDK's url)")
         auth = credential_options(creds)
         nc = nats.NATS()
         try:

@@ -67,6 +67,8 @@ def credential_options(creds: str | None) -> dict:
         text = Path(creds).read_text()
     except OSError as exc:
         raise AuthenticationFailed(f"credential {creds} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:   # (binary garbage: an internal error before, helper C)
+        raise AuthenticationFailed(f"credential {creds} is malformed: not a text credential file") from None
     why = _expired_text(text)
     if why:
         raise AuthenticationFailed(f"credential {creds} {why}: ask for a new one (`dsec iam creds issue`)")
@@ -105,7 +107,7 @@ def principal_of(path: str | None) -> str:
         return ""
     try:
         return creds_principal(Path(path).read_text())
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return ""
 
 

@@ -103,7 +103,10 @@ def parse_since(text: str | None) -> datetime.datetime | None:
     m = _AGO.match(text.strip())
     if m:
         seconds = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
-        return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=seconds)
+        try:
+            return datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=seconds)
+        except OverflowError:   # (before the year 1: everything kept)
+            return datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
     try:
         when = datetime.datetime.fromisoformat(text.strip())
     except ValueError:

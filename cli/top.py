@@ -71,7 +71,8 @@ async def frame(bus: Bus, prev: Frame | None) -> Frame:
 
 @main.command()
 @nats_option
-@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between refreshes (at least 0.1).")
 @click.option("--once", is_flag=True, help="Print one frame and exit (for scripts).")
 @run_async
 async def top(nats_url: str, interval: float, once: bool) -> None:

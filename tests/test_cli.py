@@ -249,6 +249,17 @@ def test_errors_are_one_line(up):
         p = dsec("run", "--nats", up["url"], *bad, "--", "true")                                  # usage, as click's
         assert p.returncode == 2 and "Error:" in p.stderr and "Usage:" in p.stderr, (bad, p.returncode, p.stderr)
     assert "NATS" in one_clear_line(dsec("ls", "--nats", f"nats://127.0.0.1:{free_port()}"))
+    # a new user's slips (helper C): an empty --nats (an unset $DSEC_NATS) spun at full CPU for ever, deaf to
+    # SIGTERM; a binary credential file and a --since before the year 1 were internal errors; top --interval 0
+    # flooded the server with consumers
+    assert "no NATS server URL" in one_clear_line(dsec("ls", "--nats", "", timeout=20))
+    garbage = Path(up["state"]) / "garbage.creds"
+    garbage.write_bytes(bytes(range(256)))
+    p = dsec("run", "--nats", up["url"], "--creds", str(garbage), "--", "true")
+    assert "is malformed" in one_clear_line(p) and p.returncode == 125
+    assert dsec("top", "--nats", up["url"], "--interval", "0").returncode == 2
+    p = dsec("replay", "--nats", up["url"], "--job", "nosuch", "--since", "99999999h")
+    assert "no trajectory records" in one_clear_line(p)
 
 
 def test_port_in_use_is_one_line(up, tmp_path):
