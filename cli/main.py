@@ -89,6 +89,9 @@ def run_async(fn):
     """Run an async command; every DsecError becomes one line and exit 1, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if sys.stdout is None:   # (`dsec ls >&-`: an internal AttributeError, or its output lost in silence)
+            fail("standard output is closed: give the command somewhere to write (>/dev/null drops it)",
+                 125 if fn.__name__ in ("run", "exec_") else 1)
         try:
             return asyncio.run(_cancelled_by_signals(fn(*args, **kwargs)))
         except PermissionDenied as exc:   # (the hint only for the server's refusal, not the SDK's own checks)

@@ -154,7 +154,33 @@ async def change_quota(bus: Bus, tenant: str, **changes) -> Quota:
         except (msgspec.DecodeError, msgspec.ValidationError):
             q = Quota(tenant=tenant)
         return encode(msgspec.structs.replace(q, tenant=tenant, **changes))
-    return quota_decoder.decode((await bus.kv_update(streams.QUOTAS_KV, tenant, merged)).value)
+    quota = quota_decoder.decode((await bus.kv_update(streams.QUOTAS_KV, tenant, merged)).value)
+    await hold_running(bus, subjects.tenant_root(tenant))
+    return quota
+
+
+async def hold_running(bus: Bus, root: str) -> None:
+    """Holds for the sandboxes a tenant (and its projects) runs that hold none: those admitted while it had
+    no quota. Admission counted only its own holds, so they were never counted (helper Q: 4 running, a
+    quota of 3 set, 3 more admitted)."""
+    running = []
+    for _, raw in await bus.kv_items(streams.SANDBOXES_KV, prefix=subjects.record_prefix(root)):
+        try:
+            rec = sandbox_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if rec.state in ("starting", "ready") and subjects.tenant_root(rec.tenant) == root:
+            running.append(rec)
+    if not running:
+        return
+
+    def mutate(raw: bytes | None) -> bytes | None:
+        usage = _decode(raw, root)
+        new = {r.sandbox_id: Hold(request_id=r.request_id, resources=r.resources, deadline=r.expires_at or time.time(),
+                                  account="" if r.tenant == root else r.tenant)
+               for r in running if r.sandbox_id not in usage.holds}
+        return encode(msgspec.structs.replace(usage, holds={**usage.holds, **new})) if new else None
+    await bus.kv_update(streams.TENANTS_KV, root, mutate)
 
 
 async def usage(bus: Bus, tenant: str) -> TenantUsage:

@@ -7,12 +7,12 @@ import time
 
 import msgspec
 
-from bus import streams
+from bus import streams, subjects
 from bus.apiwire import DeleteWarmPool, Done, ListWarmPools, SetWarmPool, WarmPoolList, WarmPoolState
 from bus.conn import Bus
-from bus.errors import DsecError, InvalidRequest
+from bus.errors import DsecError, InvalidRequest, QuotaExceeded
 from bus.messages import encode
-from bus.records import WarmPool, node_decoder, pool_key, warm_pool_decoder
+from bus.records import WarmPool, node_decoder, pool_key, quota_decoder, warm_pool_decoder
 from bus.validate import check_warm_pool
 
 DEFAULT_OWNER = "default"   # the owner of a pool written before pools had owners
@@ -43,6 +43,7 @@ class WarmPools:
         spec = msgspec.structs.replace(req.pool, owner=tenant, updated_at=time.time())
         check_warm_pool(spec)
         await self.images.compose(spec.image, spec.workspace, spec.toolkit)
+        await self._within_quota(tenant, spec)
         for _ in range(3):
             raw, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, spec.name)
             try:
@@ -54,6 +55,29 @@ class WarmPools:
             if await self.bus.kv_cas(streams.WARM_POOLS_KV, spec.name, encode(spec), revision) is not None:
                 return spec   # (over exactly what was checked: two tenants taking one new name, one wins)
         raise InvalidRequest(f"warm pool {spec.name!r} is being changed by someone else: try again")
+
+    async def _within_quota(self, tenant: str, spec: WarmPool) -> None:
+        """QuotaExceeded when the tenant's pools would keep more ready (their `min`, on each node) than its
+        quota lets it run: warm stock is not charged to the quota until claimed, so a tenant with a quota of
+        3 kept 32, the whole node's warm budget, and another tenant's pool never filled (helper Q)."""
+        for account in dict.fromkeys((tenant, subjects.tenant_root(tenant))):
+            raw = await self.bus.kv_get(streams.QUOTAS_KV, account)
+            try:
+                q = quota_decoder.decode(raw) if raw is not None else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                q = None
+            if q is None:
+                continue
+            pools = [p for p in await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
+                     if p.name != spec.name and subjects.tenant_root(owner_of(p)) == subjects.tenant_root(account)
+                     and (account == subjects.tenant_root(account) or owner_of(p) == account)] + [spec]
+            kept = sum(p.min for p in pools)
+            cpu = sum(p.min * p.resources.cpu for p in pools)
+            memory = sum(p.min * p.resources.memory for p in pools)
+            if ((q.max_sandboxes and kept > q.max_sandboxes) or (q.max_cpu and cpu > q.max_cpu + 1e-9)
+                    or (q.max_memory and memory > q.max_memory)):
+                raise QuotaExceeded(f"{subjects.describe(account)}: its warm pools would keep {kept} sandboxes "
+                                    f"ready ({cpu:g} cpu, {memory >> 20} MiB), more than its quota lets it run")
 
     async def _delete(self, tenant: str, req: DeleteWarmPool) -> Done:
         """Every edge then destroys the pool's ready sandboxes (claimed ones live on)."""

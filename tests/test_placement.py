@@ -284,6 +284,28 @@ async def test_quota_cli_sets_lists_and_removes(stack):
     assert bad.returncode == 1 and "tenant" in bad.stderr
 
 
+async def test_a_quota_set_counts_the_sandboxes_already_running(stack, client):
+    """Sandboxes admitted while their tenant had no quota held no share of it: with 4 running, a quota of 3
+    then admitted 3 more (helper Q)."""
+    running = await client.create_many(2)
+    try:
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "set", client.tenant, "--sandboxes", "2",
+                                                     "--nats", stack.url], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        with pytest.raises(libdsec.QuotaExceeded):
+            await client.create()
+        with pytest.raises(libdsec.QuotaExceeded, match="warm pools would keep 3"):   # a warm hoard past it: it
+            await client.set_warm_pool("hoard", min=3, max=8)                         # took a node's whole budget
+        await running.pop().destroy()
+        async with await client.create():   # the room one of them left
+            pass
+    finally:
+        await asyncio.to_thread(subprocess.run, [DSEC, "quota", "rm", client.tenant, "--nats", stack.url],
+                                capture_output=True)
+        for sb in running:
+            await sb.destroy()
+
+
 async def test_a_deleted_record_can_be_claimed_again_by_compare_and_set(bare_server):
     """The reaper frees a lost node's `starting` claims by deleting them; the next claim must name the
     tombstone's revision (a create-only write would fail on it forever)."""
