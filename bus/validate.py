@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import posixpath
+import re
 import time
 
 from bus import kinds, network, subjects
@@ -197,3 +198,19 @@ def check_call(req: CallRequest) -> None:
     if not 0 < req.max_output <= MAX_CALL_OUTPUT:
         raise InvalidRequest(f"max_output must be > 0 and <= {MAX_CALL_OUTPUT}, got {req.max_output}")
     check_env(req.env)
+
+
+_TAG = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_SNAPSHOT_ID = re.compile(r"^snap[0-9a-f]{16}$")
+
+
+def check_tag(tag) -> None:
+    """A snapshot's tag: "" (none), or 1-128 of letters, digits, `_.:-`, and not shaped like a snapshot id
+    (an id wins a lookup, so such a tag named another snapshot, or none, once that id was gone). A newline
+    in one split `dsec snapshot ls` rows (helper C)."""
+    if tag == "":
+        return
+    if not isinstance(tag, str) or not _TAG.match(tag) or _SNAPSHOT_ID.match(tag):
+        shown = repr(tag) if len(repr(tag)) <= 60 else repr(tag)[:57] + "..."
+        raise InvalidRequest(f"tag must be 1-128 of letters, digits and _.:- and not a snapshot id, got {shown}")
+

@@ -72,7 +72,8 @@ async def rm_snapshots(nats_url, refs) -> None:
 @main.command()
 @nats_option
 @click.argument("ref")
-@click.option("-n", "count", default=1, show_default=True, help="Sandboxes to start (all or none).")
+@click.option("-n", "count", default=1, show_default=True, type=click.IntRange(1, 10_000),
+              help="Sandboxes to start (all or none), 1 to 10,000.")
 @click.option("--memory/--no-memory", default=None,
               help="From a memory snapshot's memory (default when it has one: on its node, its kind and size) "
                    "or only from its files (anywhere).")

@@ -20,7 +20,7 @@ from typing import Callable
 
 import msgspec
 
-from bus import kinds, streams, subjects
+from bus import kinds, streams, subjects, validate
 from bus.conn import Bus
 from bus.errors import (BusError, CapacityUnavailable, DsecError, EnvironmentFailure, FileOpError,
                         InvalidRequest, SandboxNotFound)
@@ -347,6 +347,7 @@ class Sandboxes:
         it (object store, by digest) and its record (KV dsec-snapshots). memory: the VM's memory too, held
         by this node's backend under the snapshot's id (edge/backends/microvm/memory.py)."""
         running = self.running[sandbox_id]
+        validate.check_tag(tag)   # (the lane is open to any publisher: checked here too)
         snap_id = "snap" + secrets.token_hex(8)
         with tempfile.TemporaryDirectory(dir=self.state_dir) as tmp:
             layer_file = Path(tmp) / "snapshot.erofs"

@@ -68,6 +68,9 @@ class _Replies:
         self._waiters.pop(request_id, None)
 
 
+MAX_MANY = 10_000   # sandboxes one create_many (or fork) starts: n=100,000 spent 32 s of CPU before it failed
+
+
 class AsyncClient:
     """The asynchronous SDK entry point; use as `async with AsyncClient(url) as client`."""
 
@@ -242,6 +245,8 @@ class AsyncClient:
 
     async def fork(self, snapshot: SnapshotRecord | str, n: int = 1, **kwargs: Any) -> list[AsyncSandbox]:
         """n independent sandboxes started from a snapshot, on any nodes (all or none)."""
+        if isinstance(snapshot, str) and isinstance(n, int) and n > 1:   # (looked up once, not n times)
+            snapshot = await self.snapshot(snapshot)
         return await self.create_many(n, from_snapshot=snapshot, **kwargs)
 
     # ---- stateless calls (fncall) ---------------------------------------------------------------
@@ -412,8 +417,8 @@ class AsyncClient:
 
     async def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[AsyncSandbox]:
         """Create n sandboxes in one round; all are returned, or none survive and the first error is raised."""
-        if not isinstance(n, int) or n < 1:
-            raise InvalidRequest(f"n must be a positive integer, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_MANY:
+            raise InvalidRequest(f"n must be an integer from 1 to {MAX_MANY:,} (more: several calls), got {n!r}")
         results = await asyncio.gather(*(self.create(image, **kwargs) for _ in range(n)), return_exceptions=True)
         ok = [r for r in results if isinstance(r, AsyncSandbox)]
         errors = [r for r in results if isinstance(r, BaseException)]

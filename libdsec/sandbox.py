@@ -340,8 +340,7 @@ class AsyncSandbox:
         self._needs("snapshot", "snapshot")
         if memory:
             self._needs("memory_snapshot", "snapshot(memory=True)")
-        if not isinstance(tag, str) or len(tag) > 128:
-            raise InvalidRequest(f"tag must be a string of at most 128 characters, got {tag!r}")
+        validate.check_tag(tag)
         if not isinstance(memory, bool):
             raise InvalidRequest(f"memory must be True or False, got {memory!r}")
         data = await self.client._op(self.node, self.id, lambda rid, to, dl: SnapshotRequest(

@@ -260,6 +260,8 @@ def test_errors_are_one_line(up):
     assert dsec("top", "--nats", up["url"], "--interval", "0").returncode == 2
     p = dsec("replay", "--nats", up["url"], "--job", "nosuch", "--since", "99999999h")
     assert "no trajectory records" in one_clear_line(p)
+    # fork -n 100000: 32 s of CPU, then a misleading error; now a usage error
+    assert dsec("fork", "--nats", up["url"], "snapnosuch", "-n", "100000").returncode == 2
     p = subprocess.run([DSEC, "ls", "--nats", up["url"]], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
                        text=True, timeout=60)   # (`dsec ls >&-`: an internal AttributeError)
     assert p.returncode == 1 and "standard output is closed" in p.stderr, p.stderr

@@ -1025,3 +1025,16 @@ def test_own_mounts_keeps_what_it_is_asked_for_and_what_that_lies_under(tmp_path
     finally:
         for d in ("c/d", "c", "a/b", "a"):
             subprocess.run(["umount", str(tmp_path / d)], check=False)
+
+
+def test_a_snapshot_tag_is_a_name_not_a_line_or_an_id():
+    """A tag with a newline split `dsec snapshot ls` rows; one shaped like a snapshot id was shadowed by
+    that id, then named another snapshot once the id was gone; 5,000 characters were echoed back (C)."""
+    from bus.errors import InvalidRequest
+    from bus.validate import check_tag
+    for ok in ("", "step-1", "v1.2:rc_3", "a" * 128):
+        check_tag(ok)
+    for bad in ("a\nb", "snap6f752a44259ccba6", "bad tag!", "x" * 5000, 5):
+        with pytest.raises(InvalidRequest) as ei:
+            check_tag(bad)
+        assert len(str(ei.value)) < 200
