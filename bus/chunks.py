@@ -83,6 +83,12 @@ async def publish(bus: Bus, path: Path, digest: str, chunk_size: int = CHUNK_SIZ
             f.seek(off)
             await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), f.read(length))
     await bus.obj_put(streams.LAYERS_OBJ, manifest_name(digest), msgspec.json.encode(manifest))
+    with open(path, "rb") as f:   # a chunk it found stored may have been an orphan an `image gc` removed
+        for i, sha in enumerate(manifest.chunks):   # meanwhile: named by the manifest now, it is stored again
+            if not await bus.obj_has(streams.LAYERS_OBJ, chunk_name(sha)):
+                off, length = manifest.span(i)
+                f.seek(off)
+                await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), f.read(length))
     return manifest
 
 
@@ -110,8 +116,8 @@ async def trace(bus: Bus, digest: str) -> list[int]:
 async def collect(bus: Bus, min_age: float = 3600.0) -> tuple[int, int]:
     """Remove what no stored layer needs any more (`dsec image gc`): the manifests and traces of layers gone
     (an `image rm` removes the layer only), and chunks no remaining manifest names, stored over min_age
-    seconds ago (a publish stores its chunks before its manifest: run it when no import is under way, or
-    keep min_age above the longest one). (objects removed, bytes of chunks freed, roughly: a chunk each)."""
+    seconds ago (a publish stores its chunks before its manifest, and checks them again after it: run it when
+    no import is under way). (objects removed, bytes of chunks freed, roughly: a chunk each)."""
     objects = await bus.obj_list(streams.LAYERS_OBJ)
     now, live, dropped, freed = time.time(), set(), 0, 0
     for name in [n for n in objects if n.startswith(("manifest-", "trace-"))]:

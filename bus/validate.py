@@ -22,6 +22,7 @@ MAX_CALL = Resources(cpu=4.0, memory=4 << 30, pids=4096, disk=1 << 30)   # the m
 MAX_CALL_TIMEOUT = 600.0
 MAX_CALL_OUTPUT = 256 << 10     # bytes kept per stream of a call (its reply is one bus message)
 MAX_CALL_FILES = 600_000        # bytes of files given with a call, and again of files read back
+MAX_READ_BACK = 1000           # paths one call may read back
 MAX_CALL_ANSWER = 720 << 10    # bytes of output and files read back in a call's answer (one bus message, base64)
 MAX_ARG_STRLEN = 131072         # Linux: bytes one argv word or "NAME=value" env entry may hold, its NUL included
 MAX_LABELS = 16 << 10           # bytes of a sandbox's labels, keys and values (its record carries them)
@@ -193,6 +194,8 @@ def check_call(req: CallRequest) -> None:
         if not posixpath.normpath(path).startswith(CALL_SCRATCH):
             raise InvalidRequest(f"files and read_back: a worker's files live under /tmp or /dev/shm (its root is "
                                  f"read-only), got {path!r}")
+    if len(req.read_back) > MAX_READ_BACK:   # (each unread one's reason takes room in the one answer)
+        raise InvalidRequest(f"read_back: at most {MAX_READ_BACK} paths, got {len(req.read_back)}")
     if sum(len(d) for d in req.files.values()) > MAX_CALL_FILES:
         raise InvalidRequest(f"files: at most {MAX_CALL_FILES} bytes with one call")
     if not 0 < req.max_output <= MAX_CALL_OUTPUT:
@@ -210,7 +213,7 @@ def check_tag(tag) -> None:
     in one split `dsec snapshot ls` rows (helper C)."""
     if tag == "":
         return
-    if not isinstance(tag, str) or not _TAG.match(tag) or _SNAPSHOT_ID.match(tag):
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or _SNAPSHOT_ID.fullmatch(tag):
         shown = repr(tag) if len(repr(tag)) <= 60 else repr(tag)[:57] + "..."
         raise InvalidRequest(f"tag must be 1-128 of letters, digits and _.:- and not a snapshot id, got {shown}")
 

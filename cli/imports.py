@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -66,7 +67,8 @@ async def import_image(nats_url: str, name: str, layout: Path | None, oci_archiv
     with tempfile.TemporaryDirectory(prefix=f"{PREFIX}{os.getpid()}-") as tmp:
         work = Path(tmp)
         try:
-            img = await _stoppable(budget, _read, work, layout, oci_archive, docker_archive, source, ref, tls_verify)
+            img = await _stoppable(budget, _read, work, layout, oci_archive, docker_archive, source, ref, tls_verify,
+                                   budget)
             root = work / "root"
             await _stoppable(budget, oci.apply_layers, img.layers, root, lambda line: click.echo(line, err=True),
                              budget)
@@ -90,6 +92,7 @@ async def import_image(nats_url: str, name: str, layout: Path | None, oci_archiv
 
 
 PREFIX = "dsec-import-"
+STALE_AFTER = 3600.0   # seconds a dead import's temporary directory is left before the next import removes it
 
 
 async def _stoppable(budget: oci.Budget, fn, *args):
@@ -109,20 +112,26 @@ def _sweep_stale() -> None:
     """Remove what imports killed (SIGKILL) left in the temporary directory: theirs, by a pid that is gone."""
     for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
         pid = path.name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
+        try:
+            idle = time.time() - path.stat().st_mtime
+        except OSError:
+            continue
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and idle > STALE_AFTER:   # (an hour: an import in
+            shutil.rmtree(path, ignore_errors=True)                                      # another pid namespace)
 
 
 def _read(work: Path, layout: Path | None, oci_archive: Path | None, docker_archive: Path | None,
-          source: str | None, ref: str, tls_verify: bool) -> oci.Image:
+          source: str | None, ref: str, tls_verify: bool, budget: oci.Budget) -> oci.Image:
+    outer = oci.Budget(max_bytes=budget.max_bytes)   # (the archive's own files: a limit of their own, one stop)
+    outer.stop = budget.stop
     if source is not None:
         layout = work / "pulled"
         _skopeo(source, layout, tls_verify)
     if oci_archive is not None:
         layout = work / "archive"
-        oci.unpack_archive(oci_archive, layout)
+        oci.unpack_archive(oci_archive, layout, outer)
     if docker_archive is not None:
-        oci.unpack_archive(docker_archive, work / "archive")
+        oci.unpack_archive(docker_archive, work / "archive", outer)
         return oci.read_docker_archive(work / "archive")
     return oci.read_oci_layout(layout, ref)
 

@@ -249,6 +249,8 @@ class Edge:
         record and its execs say so instead of waiting for its TTL. A warm one leaves its pool's stock."""
         if self.warm.died(sandbox_id, why):
             return
+        if self.fence.marked():   # its fence killed it while this edge did not run: node_lost, as all of them
+            return                # (the TTL loop's next look ends them so)
         if sandbox_id in self.sandboxes and not self.sandboxes[sandbox_id].ending:
             log.warning("sandbox %s ended by itself: %s", sandbox_id, why)
             running = self.sandboxes[sandbox_id]

@@ -12,9 +12,10 @@ node's sandbox groups (every kind's freezer trees: containers, gVisor, VMs, FnCa
   declares the node lost (NODE_LOST_AFTER without a heartbeat, which comes from the same loop). It then
   leaves a mark file; the edge, running again, finds it and ends its sandboxes as node_lost, as it does when
   it learns it was declared lost.
-It shares the edge's process group (Ctrl-Z of `dsec up` stops both: no fence for a stack paused as a whole)
-and ignores SIGINT (Ctrl-C reaches the whole group: the edge stops, then the fence finds it gone); the edge
-ends it with SIGTERM when it stops. `python -m edge.fence --pid PID --stamp FILE --node NODE`."""
+The 8 s are of the fence's own steady watch (monotonic), begun again after a gap in its looks: a stack
+stopped as a whole (Ctrl-Z of `dsec up`, a suspended host) is not fenced when it runs again. It shares the
+edge's process group and ignores SIGINT (Ctrl-C reaches the whole group: the edge stops, then the fence
+finds it gone); the edge ends it with SIGTERM when it stops, and starts it again if it died. `python -m edge.fence --pid PID --stamp FILE --node NODE`."""
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,10 @@ from edge.backends import cgroups
 
 FENCE_AFTER = streams.NODE_LOST_AFTER - 2.0   # seconds of a stale stamp before the sandboxes are ended
 LOOK_EVERY = 0.5
+GAP = 2.0            # seconds between two looks of the fence's that mean it did not run itself meanwhile
 KINDS = ("", ".fn", ".gvisor", ".microvm", ".fullvm")   # the cgroup labels of a node's backends
+ENABLED = True       # False in a process whose loop does not always run (the test suite's in-process edges: its
+                     # loop sits idle between tests; edges it starts as processes are fenced)
 
 log = logging.getLogger("dsec.fence")
 
@@ -57,15 +61,17 @@ def mark_of(stamp: Path) -> Path:
     return stamp.with_name(stamp.name + ".fenced")
 
 
-def _age(stamp: Path) -> float:
+def _mtime(stamp: Path) -> float:
     try:
-        return time.time() - stamp.stat().st_mtime
+        return stamp.stat().st_mtime
     except OSError:
-        return 0.0   # (no stamp yet: the edge is starting)
+        return 0.0
 
 
 def watch(pid: int, stamp: Path, node: str, after: float = FENCE_AFTER) -> None:
-    """Until the edge is gone: fence when its stamp goes stale; fence once more when it is gone."""
+    """Until the edge is gone: fence when its stamp has not moved for `after` seconds of the fence's own
+    steady watch (monotonic, and begun again after a gap in it: a stack stopped as a whole, Ctrl-Z, a
+    suspended host, is not an edge that stopped alone); fence once more when it is gone."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -73,19 +79,23 @@ def watch(pid: int, stamp: Path, node: str, after: float = FENCE_AFTER) -> None:
     poller = select.poll()
     if fd is not None:
         poller.register(fd, select.POLLIN)
-    fenced = False
+    seen, moved, looked, fenced = _mtime(stamp), time.monotonic(), time.monotonic(), False
     while fd is not None and not poller.poll(LOOK_EVERY * 1000):
-        stale = _age(stamp)
-        if stale > after and not fenced:
+        now, mtime = time.monotonic(), _mtime(stamp)
+        if mtime != seen or now - looked > GAP:   # it ran, or we did not look (stopped with it): watch afresh
+            seen, moved, fenced = mtime, now, False
+        looked = now
+        if now - moved > after and not fenced:
             log.error("edge %s (pid %d) has not run for %.1f s: ending node %s's sandboxes before it is declared "
-                      "lost", node, pid, stale, node)
+                      "lost", node, pid, now - moved, node)
             ok = asyncio.run(kill_all(node))
-            mark_of(stamp).write_text(f"{time.time()}\n")
+            try:
+                mark_of(stamp).write_text(f"{time.time()}\n")
+            except OSError as exc:
+                log.error("fence mark not written (%s): node %s's edge will not know", exc, node)
             fenced = True
             if not ok:
                 log.error("some processes of node %s's sandboxes survived the fence", node)
-        elif stale < after:
-            fenced = False
     if not asyncio.run(kill_all(node)):   # the edge is gone: nothing may run on unanswered for
         log.error("some processes of node %s's sandboxes survived the fence", node)
 
@@ -102,17 +112,28 @@ class EdgeFence:
         """Stamp, and start the fence (a mark a dead run left is dropped: its sandboxes were reconciled)."""
         mark_of(self.stamp).unlink(missing_ok=True)
         self.touch()
-        if os.environ.get("DSEC_FENCE", "1") == "0":   # (an operator's choice: documented in docs/durability.md)
+        if not ENABLED or os.environ.get("DSEC_FENCE", "1") == "0":   # (an operator's: docs/durability.md)
             return
+        self._spawn()
+
+    def _spawn(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "edge.fence", "--pid", str(os.getpid()),
                                       "--stamp", str(self.stamp), "--node", self.node],
                                      stdin=subprocess.DEVNULL, close_fds=True)
 
     def touch(self) -> None:
+        """The edge runs (every half second); a fence that died is started again, said in the log."""
         try:
             os.utime(self.stamp) if self.stamp.exists() else self.stamp.touch()
         except OSError:
             pass
+        if self.proc is not None and self.proc.poll() is not None:
+            log.error("the fence of node %s exited (%s): starting it again", self.node, self.proc.returncode)
+            self._spawn()
+
+    def marked(self) -> bool:
+        """Whether the fence ended the sandboxes and the edge has not answered it yet."""
+        return mark_of(self.stamp).exists()
 
     def fenced(self) -> bool:
         """Whether the fence ended the sandboxes while this edge did not run (once: the mark is taken)."""
@@ -124,10 +145,14 @@ class EdgeFence:
 
     async def stop(self) -> None:
         """End the fence first: a stopping edge ends its sandboxes itself."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            await asyncio.to_thread(self.proc.wait)
-        self.proc = None
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                await asyncio.to_thread(proc.wait, 5)
+            except subprocess.TimeoutExpired:   # (stopped itself: SIGSTOP)
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
 
 
 def main() -> None:

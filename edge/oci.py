@@ -18,12 +18,11 @@ import posixpath
 import stat
 import tarfile
 import zlib
-import threading
 from pathlib import Path
 
 from edge.backends import kernel
 from edge.erofs import mtime_ns, set_dir_mtimes
-from edge.ociread import Image, OciError, read_docker_archive, read_oci_layout, unpack_archive
+from edge.ociread import Budget, Image, OciError, read_docker_archive, read_oci_layout, unpack_archive
 
 __all__ = ["Budget", "Image", "OciError", "apply_layers", "read_docker_archive", "read_oci_layout", "unpack_archive"]
 
@@ -31,42 +30,9 @@ WHITEOUT, OPAQUE = ".wh.", ".wh..wh..opq"
 IN_ROOT = kernel.RESOLVE_IN_ROOT | kernel.RESOLVE_NO_MAGICLINKS
 XATTRS = ("user.",)                 # xattrs an image may carry (prefixes), and security.capability: never
 CAPABILITY = "security.capability"  # trusted.* (trusted.overlay.* would change what overlayfs shows the sandbox)
-MAX_IMAGE_BYTES = 16 << 30          # bytes an image's files may add up to (its layers applied), by default
-MAX_ENTRIES = 4_000_000             # tar members an image's layers may hold in all
-FREE_RESERVE = 1 << 30              # an import stops before it leaves less than this free where it unpacks
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BLOCK = 1 << 20
 MAX_NAME = 254                      # bytes of a file name (Debian 12's mkfs.erofs fails on 255: "No such file")
-
-
-class Budget:
-    """What applying an image may take: bytes of files (their apparent size: a sparse 16 GiB file counts
-    16 GiB), members, and the disk's free space; `stop` (set from another thread: Ctrl-C) ends it between
-    two blocks. A decompression bomb of a few kB ends in one line, not a full disk."""
-
-    def __init__(self, max_bytes: int = MAX_IMAGE_BYTES, max_entries: int = MAX_ENTRIES) -> None:
-        self.max_bytes, self.max_entries = max_bytes, max_entries
-        self.bytes = self.entries = 0
-        self.stop = threading.Event()
-
-    def entry(self, size: int) -> None:
-        self.entries += 1
-        self.bytes += max(0, size)
-        if self.stop.is_set():
-            raise OciError("interrupted")
-        if self.entries > self.max_entries:
-            raise OciError(f"the image's layers hold more than {self.max_entries:,} entries")
-        if self.bytes > self.max_bytes:
-            raise OciError(f"the image's files add up to more than {self.max_bytes:,} bytes (--max-size)")
-
-    def room(self, fd: int, size: int) -> None:
-        """size more bytes may be written where fd is; else OciError (the disk would fill)."""
-        if self.stop.is_set():
-            raise OciError("interrupted")
-        st = os.fstatvfs(fd)
-        if st.f_bavail * st.f_frsize - size < FREE_RESERVE:
-            raise OciError(f"the disk it unpacks on would have less than {FREE_RESERVE >> 30} GiB free "
-                           f"({st.f_bavail * st.f_frsize:,} bytes free; TMPDIR chooses where it unpacks)")
 
 
 # ------------------------------------------------------------------ applying layers
@@ -101,10 +67,22 @@ def _open(layer: Path) -> tarfile.TarFile:
     return tarfile.open(layer, "r:*")
 
 
+def _members(tar: tarfile.TarFile, budget: Budget):
+    """A layer's members one at a time, none kept (a TarFile keeps every member read: 16M empty ones, a 100 MB
+    gzip, held ~7 GB), each counted, a stop between two."""
+    seen = 0
+    while (m := tar.next()) is not None:
+        tar.members.clear()
+        seen += 1
+        budget.look(seen)
+        yield m
+
+
 def _apply(root: int, layer: Path, dir_mtimes: dict[str, int], budget: Budget) -> None:
     # whiteouts first: they hide what the layers below hold, never what this one adds
     with _open(layer) as tar:
-        outs = [(_clean(m.name), m) for m in tar if os.path.basename(m.name.rstrip("/")).startswith(WHITEOUT)]
+        outs = [(_clean(m.name), m) for m in _members(tar, budget)
+                if os.path.basename(m.name.rstrip("/")).startswith(WHITEOUT)]
     for rel, _ in outs:
         parent, base = os.path.split(rel)
         if base == OPAQUE:
@@ -115,7 +93,7 @@ def _apply(root: int, layer: Path, dir_mtimes: dict[str, int], budget: Budget) -
             _remove(root, os.path.join(parent, base[len(WHITEOUT):]))
     links = []
     with _open(layer) as tar:
-        for m in tar:
+        for m in _members(tar, budget):
             rel = _clean(m.name)
             if not rel or os.path.basename(rel).startswith(WHITEOUT):
                 continue
@@ -133,6 +111,8 @@ def _clean(name: str) -> str:
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise OciError(f"member {name!r} leaves the image's root (path traversal)")
+    if any(len(p.encode("utf-8", "surrogateescape")) > MAX_NAME for p in parts):   # (each directory on its way too)
+        raise OciError(f"{name[-80:]!r}: a name of 255 bytes, which this mkfs.erofs cannot pack (at most {MAX_NAME})")
     return "/".join(parts)
 
 
@@ -227,8 +207,7 @@ def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mt
                            "refused (a sandbox's /dev comes from the platform)")
     if not (m.isfile() or m.isdir() or m.issym() or m.isfifo()):
         raise OciError(f"{rel}: unsupported tar member type {m.type!r}")
-    if len(os.path.basename(rel).encode("utf-8", "surrogateescape")) > MAX_NAME:
-        raise OciError(f"{rel[-80:]!r}: a name of 255 bytes, which this mkfs.erofs cannot pack (at most {MAX_NAME})")
+
     dfd, base = _split(root, rel)
     try:
         old = _lstat(dfd, base)
@@ -263,6 +242,8 @@ def _copy(data, out, size: int, budget: Budget) -> None:
     zero = bytes(BLOCK)
     while block := data.read(BLOCK):
         if block == zero[:len(block)]:
+            if budget.stop.is_set():
+                raise OciError("interrupted")
             out.seek(len(block), os.SEEK_CUR)
         else:
             budget.room(out.fileno(), len(block))

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import tarfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 INDEX_TYPES = ("application/vnd.oci.image.index.v1+json",
                "application/vnd.docker.distribution.manifest.list.v2+json")
 INDEX_DEPTH = 4   # indexes inside indexes followed at most
+MAX_IMAGE_BYTES = 16 << 30          # bytes an image's files may add up to (its layers applied), by default
+MAX_ENTRIES = 4_000_000             # tar members an image's layers may hold in all
+FREE_RESERVE = 1 << 30              # an import stops before it leaves less than this free where it unpacks
 
 
 class OciError(Exception):
@@ -29,6 +34,43 @@ class Image:
     user: str = ""
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
+
+
+class Budget:
+    """What applying an image may take: bytes of files (their apparent size: a sparse 16 GiB file counts
+    16 GiB), members, and the disk's free space; `stop` (set from another thread: Ctrl-C) ends it between
+    two blocks. A decompression bomb of a few kB ends in one line, not a full disk."""
+
+    def __init__(self, max_bytes: int = MAX_IMAGE_BYTES, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self.bytes = self.entries = 0
+        self.stop = threading.Event()
+
+    def look(self, seen: int) -> None:
+        """Between two members of a layer: stopped (Ctrl-C), or past the entries one layer may hold."""
+        if self.stop.is_set():
+            raise OciError("interrupted")
+        if seen > self.max_entries:
+            raise OciError(f"the image's layers hold more than {self.max_entries:,} entries")
+
+    def entry(self, size: int) -> None:
+        self.entries += 1
+        self.bytes += max(0, size)
+        if self.stop.is_set():
+            raise OciError("interrupted")
+        if self.entries > self.max_entries:
+            raise OciError(f"the image's layers hold more than {self.max_entries:,} entries")
+        if self.bytes > self.max_bytes:
+            raise OciError(f"the image's files add up to more than {self.max_bytes:,} bytes (--max-size)")
+
+    def room(self, fd: int, size: int) -> None:
+        """size more bytes may be written where fd is; else OciError (the disk would fill)."""
+        if self.stop.is_set():
+            raise OciError("interrupted")
+        st = os.fstatvfs(fd)
+        if st.f_bavail * st.f_frsize - size < FREE_RESERVE:
+            raise OciError(f"the disk it unpacks on would have less than {FREE_RESERVE >> 30} GiB free "
+                           f"({st.f_bavail * st.f_frsize:,} bytes free; TMPDIR chooses where it unpacks)")
 
 
 def _shaped(value, kind: type, what: str):
@@ -169,16 +211,25 @@ def _with_config(layers: list[Path], config) -> Image:
                  entrypoint=_strings(c.get("Entrypoint"), "config Entrypoint"), cmd=_strings(c.get("Cmd"), "config Cmd"))
 
 
-def unpack_archive(archive: Path, into: Path) -> None:
+def unpack_archive(archive: Path, into: Path, budget: Budget | None = None) -> None:
     """An OCI or docker archive (a plain tar of its files) unpacked as it is: regular files and directories
-    only, every name inside into."""
+    only, every name inside into, within budget (the archive may be compressed: its files count as the
+    image's do)."""
+    budget = budget or Budget()
+    into.mkdir(parents=True, exist_ok=True)
+    fd = os.open(into, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with tarfile.open(archive) as tar:
-            for m in tar:
+            while (m := tar.next()) is not None:
+                tar.members.clear()
+                budget.entry(m.size if m.isfile() else 0)
                 if not (m.isfile() or m.isdir()):
                     continue      # (symlinks of old docker saves' layer dirs are not needed: manifest.json names files)
+                budget.room(fd, m.size)
                 tar.extract(m, into, filter="data")
     except tarfile.TarError as exc:
         raise OciError(f"cannot read {archive.name}: {exc}") from None
     except OSError as exc:
-        raise OciError(f"cannot unpack {archive.name}: {exc}") from None
+        raise OciError(f"cannot unpack {archive.name}: {str(exc)[:300]}") from None
+    finally:
+        os.close(fd)

@@ -363,7 +363,8 @@ class Sandboxes:
             self.layers.adopt(own, layer_file)   # forks and rollbacks here need no fetch
         rec = running.record
         if memory:
-            await self._save_memory(sandbox_id, snap_id)
+            async with running.freezing:   # (the save stops and starts the VM: a suspend or resume waits for it)
+                await self._save_memory(sandbox_id, snap_id)
         snap = SnapshotRecord(id=snap_id, tag=tag, tenant=rec.tenant, sandbox_id=sandbox_id,
                               layers=[*running.layers, own],
                               image=rec.image, env=dict(running.spec.env) if running.spec else {},

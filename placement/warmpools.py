@@ -57,9 +57,10 @@ class WarmPools:
         raise InvalidRequest(f"warm pool {spec.name!r} is being changed by someone else: try again")
 
     async def _within_quota(self, tenant: str, spec: WarmPool) -> None:
-        """QuotaExceeded when the tenant's pools would keep more ready (their `min`, on each node) than its
-        quota lets it run: warm stock is not charged to the quota until claimed, so a tenant with a quota of
-        3 kept 32, the whole node's warm budget, and another tenant's pool never filled (helper Q)."""
+        """QuotaExceeded when the tenant's pools could keep more ready (their `max`, on each node of their
+        pool) than its quota lets it run: warm stock is not charged to the quota until claimed, so a tenant
+        with a quota of 3 kept 32, the whole node's warm budget, and another tenant's pool never filled
+        (helper Q)."""
         for account in dict.fromkeys((tenant, subjects.tenant_root(tenant))):
             raw = await self.bus.kv_get(streams.QUOTAS_KV, account)
             try:
@@ -71,13 +72,14 @@ class WarmPools:
             pools = [p for p in await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
                      if p.name != spec.name and subjects.tenant_root(owner_of(p)) == subjects.tenant_root(account)
                      and (account == subjects.tenant_root(account) or owner_of(p) == account)] + [spec]
-            kept = sum(p.min for p in pools)
-            cpu = sum(p.min * p.resources.cpu for p in pools)
-            memory = sum(p.min * p.resources.memory for p in pools)
+            kept = sum(p.max for p in pools)
+            cpu = sum(p.max * p.resources.cpu for p in pools)
+            memory = sum(p.max * p.resources.memory for p in pools)
             if ((q.max_sandboxes and kept > q.max_sandboxes) or (q.max_cpu and cpu > q.max_cpu + 1e-9)
                     or (q.max_memory and memory > q.max_memory)):
-                raise QuotaExceeded(f"{subjects.describe(account)}: its warm pools would keep {kept} sandboxes "
-                                    f"ready ({cpu:g} cpu, {memory >> 20} MiB), more than its quota lets it run")
+                raise QuotaExceeded(f"{subjects.describe(account)}: its warm pools could keep {kept} sandboxes "
+                                    f"ready on a node (their max: {cpu:g} cpu, {memory >> 20} MiB), more than its "
+                                    "quota lets it run")
 
     async def _delete(self, tenant: str, req: DeleteWarmPool) -> Done:
         """Every edge then destroys the pool's ready sandboxes (claimed ones live on)."""

@@ -479,6 +479,10 @@ def _sync_findings(monkeypatch) -> None:
                              on_stdout=lambda text: seen.append((text, sbx.files.exists("/tmp"), threading.current_thread())))
         caller = threading.current_thread()   # as E2B's: in the caller's thread
         assert r.stdout == "one\ntwo\n" and seen == [("one\n", True, caller), ("two\n", True, caller)]
+        def boom(text: str) -> None:
+            raise RuntimeError(f"the handler failed on {text!r}")
+        with pytest.raises(RuntimeError, match="handler failed"):   # (its output all read: it was dropped: review)
+            sbx.commands.run("echo x", on_stdout=boom)
         got: list = []   # E2B's wait(on_pty, on_stdout, on_stderr); request_timeout where E2B takes it
         h = sbx.commands.run("read line; echo got $line", background=True, stdin=True)
         h.send_stdin("x\n", request_timeout=5)
@@ -510,6 +514,12 @@ def _loop_findings(stack, monkeypatch) -> None:
     before, kept = connections(), len(main._clients)   # (the sync facade's own loop keeps one)
     for _ in range(5):   # a connection per loop was kept for ever (pytest-asyncio: a loop per test)
         assert asyncio.run(AsyncSandbox.kill("sbnosuch0000000")) is False
+    assert connections() == before and len(main._clients) == kept
+
+
+    async def at_once() -> list:   # first uses at once: each closed the other's connection while in use (review)
+        return await asyncio.gather(*(AsyncSandbox.kill("sbnosuch0000000") for _ in range(3)))
+    assert asyncio.run(at_once()) == [False, False, False]
     assert connections() == before and len(main._clients) == kept
     sbx = asyncio.run(AsyncSandbox.create(template="busybox", timeout=60))
     try:

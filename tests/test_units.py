@@ -1034,7 +1034,7 @@ def test_a_snapshot_tag_is_a_name_not_a_line_or_an_id():
     from bus.validate import check_tag
     for ok in ("", "step-1", "v1.2:rc_3", "a" * 128):
         check_tag(ok)
-    for bad in ("a\nb", "snap6f752a44259ccba6", "bad tag!", "x" * 5000, 5):
+    for bad in ("a\nb", "abc\n", "snap6f752a44259ccba6", "bad tag!", "x" * 5000, 5):
         with pytest.raises(InvalidRequest) as ei:
             check_tag(bad)
         assert len(str(ei.value)) < 200

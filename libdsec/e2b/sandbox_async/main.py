@@ -26,6 +26,7 @@ IGNORED = ("api_key", "domain", "debug", "secure", "request_timeout", "proxy", "
            "api_url", "sandbox_url", "allow_internet_access", "mcp", "network", "auto_pause")
 _clients: Dict[asyncio.AbstractEventLoop, AsyncClient] = {}   # one connection per event loop
 _closers: Dict[asyncio.AbstractEventLoop, Any] = {}
+_connecting: Dict[asyncio.AbstractEventLoop, "asyncio.Task[AsyncClient]"] = {}
 
 
 class by_id:
@@ -52,18 +53,29 @@ async def client() -> AsyncClient:
     for other in [k for k in _clients if k.is_closed()]:   # (closed without asyncio.run's shutdown: dropped)
         _clients.pop(other)
         _closers.pop(other, None)
+        _connecting.pop(other, None)
     c = _clients.get(loop)
-    if c is None:
+    if c is not None:
+        return c
+    pending = _connecting.get(loop)   # (first uses at once share one connection: two closers, each closing
+    if pending is None:               # the other's client, closed both while in use: review)
+        pending = _connecting[loop] = loop.create_task(_connect(loop))
+    return await asyncio.shield(pending)
+
+
+async def _connect(loop: asyncio.AbstractEventLoop) -> AsyncClient:
+    try:
         c = AsyncClient(os.environ.get("DSEC_URL", "nats://127.0.0.1:4222"), creds=os.environ.get("DSEC_CREDS"))
         try:
             await c.connect()
         except DsecError as err:   # (a bad credential, no server: E2B's classes, as every other call's)
             raise mapped(err) from err
-        _clients[loop] = c
         closer = _closed_with_loop(loop, c)   # asyncio.run() (and pytest's loops) close it as the loop ends:
         await closer.__anext__()              # they aclose() every async generator the loop started
-        _closers[loop] = closer
-    return c
+        _clients[loop], _closers[loop] = c, closer
+        return c
+    finally:
+        _connecting.pop(loop, None)
 
 
 async def _closed_with_loop(loop: asyncio.AbstractEventLoop, c: AsyncClient):

@@ -106,21 +106,20 @@ class CommandHandle:
         """Wait for the end, calling the handlers (E2B's order: on_pty, on_stdout, on_stderr; run()'s when
         not given here) here with each chunk still to come; CommandExitException when the exit code is not 0."""
         on_stdout, on_stderr = on_stdout or self._on_stdout, on_stderr or self._on_stderr
-        try:
-            for out, err, pty in self:
-                if out is not None and on_stdout is not None:
-                    on_stdout(out)
-                elif err is not None and on_stderr is not None:
-                    on_stderr(err)
-                elif pty is not None and on_pty is not None:
-                    on_pty(pty)
-        except TimeoutException:
-            pass   # (wait() below says it, with the output so far)
-        except Exception:
-            if self._inner._pump.done():
-                pass   # the reading's own error: wait() below raises it
-            else:
-                raise   # a handler's
+        chunks = iter(self)
+        while True:
+            try:
+                out, err, pty = next(chunks)
+            except StopIteration:
+                break
+            except Exception:   # the reading's own end (a timeout, the sandbox gone): wait() below says it
+                break
+            if out is not None and on_stdout is not None:   # (a handler's exception is the caller's: raised)
+                on_stdout(out)
+            elif err is not None and on_stderr is not None:
+                on_stderr(err)
+            elif pty is not None and on_pty is not None:
+                on_pty(pty)
         if self._calls is not None:
             self._calls.join()
         return self._run(self._inner.wait())
