@@ -61,7 +61,7 @@ demo: setup
 	$(VENV)/bin/dsec demo
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 bench: setup
 	$(PY) -m bench.cycle

@@ -93,7 +93,7 @@ def watch(pid: int, stamp: Path, node: str, after: float = FENCE_AFTER) -> None:
                 mark_of(stamp).write_text(f"{time.time()}\n")
             except OSError as exc:
                 log.error("fence mark not written (%s): node %s's edge will not know", exc, node)
-            fenced = True
+            fenced, looked = True, time.monotonic()   # (its own kill is no gap in its watch)
             if not ok:
                 log.error("some processes of node %s's sandboxes survived the fence", node)
     if not asyncio.run(kill_all(node)):   # the edge is gone: nothing may run on unanswered for

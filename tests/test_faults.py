@@ -162,13 +162,7 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
         edge.send_signal(signal.SIGTERM)
         assert edge.wait(15) == 0
     finally:
-        if edge.poll() is None:   # (a failed assert: stopped as a user would, so it removes what it made)
-            edge.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(edge.wait, 20)
-            except subprocess.TimeoutExpired:
-                edge.kill()
-                edge.wait()
+        await _stop_edge(edge)
         await st.stop()
         srv.stop()
     from edge.backends.registry import node_leftovers as leftovers
@@ -207,14 +201,7 @@ async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_
         edge.send_signal(signal.SIGTERM)
         assert edge.wait(15) == 0
     finally:
-        if edge.poll() is None:
-            edge.send_signal(signal.SIGCONT)
-            edge.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(edge.wait, 20)
-            except subprocess.TimeoutExpired:
-                edge.kill()
-                edge.wait()
+        await _stop_edge(edge)
         await st.stop()
         srv.stop()
     from edge.backends.registry import node_leftovers as leftovers
@@ -236,6 +223,18 @@ async def test_an_edge_whose_state_dir_cannot_hold_its_layers_refuses_to_start(t
     finally:
         subprocess.run(["umount", "-l", str(state)], check=False)
         srv.stop()
+
+
+async def _stop_edge(edge: subprocess.Popen) -> None:
+    """An edge a test left running (a failed assert) stopped as a user would, so it removes what it made."""
+    if edge.poll() is None:
+        edge.send_signal(signal.SIGCONT)   # (one the test stopped)
+        edge.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(edge.wait, 20)
+        except subprocess.TimeoutExpired:
+            edge.kill()
+            edge.wait()
 
 
 async def _gone(command: str, within: float) -> None:

@@ -37,7 +37,8 @@ class Commands:
     def run(self, cmd: str, background: Optional[bool] = None, on_stdout: Optional[Callable[[str], None]] = None,
             on_stderr: Optional[Callable[[str], None]] = None, **kwargs: Any) -> Any:
         """Run cmd: a CommandResult (CommandExitException on a non-zero exit), or with background=True a
-        CommandHandle at once. The handlers run in this thread (in wait(), for a background command)."""
+        CommandHandle at once. A foreground run's handlers run in this thread, as E2B's; a background one's
+        given here in a thread of their own as its output comes, those given to wait() in the waiting thread."""
         if background and (on_stdout or on_stderr):   # (DSec's: E2B's sync run takes none with background)
             calls = HandlerThread(on_stdout, on_stderr)
             return CommandHandle(run, run(calls.started(self._inner.run(cmd, background=True, on_stdout=calls.stdout,
