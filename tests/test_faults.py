@@ -191,7 +191,7 @@ async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_
             with pytest.raises(libdsec.SandboxNotFound) as ei:   # its user hears node_lost...
                 await asyncio.wait_for(handle.wait(), 30)
             told = time.time()
-            assert ei.value.reason == "node_lost" and told - stopped < 15
+            assert ei.value.reason == "node_lost" and told - stopped < 30   # (10 s, then its record's event)
             await _gone("while :; do date", 1)   # ...when the command already ran no more
             edge.send_signal(signal.SIGCONT)
             with pytest.raises(libdsec.SandboxNotFound):
