@@ -73,8 +73,17 @@ def make_manifest(path: Path, digest: str, chunk_size: int = CHUNK_SIZE) -> Chun
 
 
 async def publish(bus: Bus, path: Path, digest: str, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
-    """Store a layer file's chunks (those not stored yet) and its manifest."""
+    """Store a layer file's chunks (those not stored yet) and its manifest, then any of its chunks gone
+    meanwhile (one it found stored may have been an orphan an `image gc` removed: named by the manifest
+    now, it is stored again)."""
     manifest = make_manifest(path, digest, chunk_size)
+    await _store_missing(bus, path, manifest)
+    await bus.obj_put(streams.LAYERS_OBJ, manifest_name(digest), msgspec.json.encode(manifest))
+    await _store_missing(bus, path, manifest)
+    return manifest
+
+
+async def _store_missing(bus: Bus, path: Path, manifest: ChunkManifest) -> None:
     with open(path, "rb") as f:
         for i, sha in enumerate(manifest.chunks):
             if await bus.obj_has(streams.LAYERS_OBJ, chunk_name(sha)):
@@ -82,14 +91,6 @@ async def publish(bus: Bus, path: Path, digest: str, chunk_size: int = CHUNK_SIZ
             off, length = manifest.span(i)
             f.seek(off)
             await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), f.read(length))
-    await bus.obj_put(streams.LAYERS_OBJ, manifest_name(digest), msgspec.json.encode(manifest))
-    with open(path, "rb") as f:   # a chunk it found stored may have been an orphan an `image gc` removed
-        for i, sha in enumerate(manifest.chunks):   # meanwhile: named by the manifest now, it is stored again
-            if not await bus.obj_has(streams.LAYERS_OBJ, chunk_name(sha)):
-                off, length = manifest.span(i)
-                f.seek(off)
-                await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), f.read(length))
-    return manifest
 
 
 async def manifest(bus: Bus, digest: str) -> ChunkManifest | None:

@@ -412,7 +412,8 @@ class Execs:
         traj = TrajRecord(
             id=op.exec_id, type="exec", sandbox_id=op.sandbox_id, tenant=rec.tenant, job=job, node=self.node,
             at=time.time(), exec_id=op.exec_id, argv=list(op.argv), shell=op.shell, cwd=op.cwd, user=op.user,
-            env_keys=sorted(op.env), started_at=started, ended_at=time.time() if ended is None else ended, exit_code=fields.get("exit_code", 0),
+            env_keys=sorted(op.env), started_at=started, ended_at=time.time() if ended is None else ended,
+            exit_code=fields.get("exit_code", 0),
             timed_out=fields.get("timed_out", False), truncated=relay.truncated,
             cpu_time=fields.get("cpu_time", 0.0), peak_memory=fields.get("peak_memory", 0),
             stdout_bytes=relay.counts["stdout"], stderr_bytes=relay.counts["stderr"],

@@ -43,22 +43,14 @@ _encoder = msgspec.json.Encoder()
 class ExecJournal:
     """The running execs of one edge, a file each under root (named by the exec id: a subject token)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, stamp: Path) -> None:
         self.root = root
-        self.stamp = root.parent / f"{root.name}.alive"   # touched while the edge runs: when a dead run was
-        root.mkdir(parents=True, exist_ok=True)           # last seen alive, so its execs' durations end there
-        self.open = 0
-
-    def alive(self) -> None:
-        """The edge runs (called every fraction of a second; a touch only while an exec runs)."""
-        if self.open:
-            try:
-                self.stamp.touch()
-            except OSError:
-                pass
+        self.stamp = stamp   # the file the edge touches while it runs (edge/fence.py): when a dead run was last
+        root.mkdir(parents=True, exist_ok=True)   # seen alive, so its execs' durations end there
 
     def last_alive(self) -> float:
-        """When the run that left the journal's entries was last seen alive (0: never stamped)."""
+        """When the run that left the journal's entries was last seen alive (0: never stamped). Read before
+        this run stamps it (the edge starts its fence after it closed what a dead run left)."""
         try:
             return self.stamp.stat().st_mtime
         except OSError:
@@ -74,17 +66,13 @@ class ExecJournal:
                 f.write(_encoder.encode(Left(kept, started)))
         except OSError as exc:
             log.warning("exec %s not journaled: %s", op.exec_id, exc)
-            return
-        self.open += 1
-        self.alive()
 
     def end(self, exec_id: str) -> None:
         """Its exit and trajectory records are out."""
         try:
             os.unlink(self.root / exec_id)
         except OSError:
-            return
-        self.open = max(0, self.open - 1)
+            pass
 
     def left(self) -> list[Left]:
         """What a run that died left (read at start; junk is dropped)."""

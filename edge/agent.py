@@ -30,7 +30,7 @@ from edge.backends.registry import BackendSet
 from edge.calls import CallLane
 from edge.capacity import Capacity, EdgeConfig, default_slots
 from edge.creates import CreateLane
-from edge.fence import FENCE_AFTER, EdgeFence
+from edge.fence import FENCE_AFTER, EdgeFence, stamp_of
 from edge.lanes import replace_creates
 from edge.network import NodeNetwork
 from edge.layercache import LayerCache
@@ -91,7 +91,8 @@ class Edge:
         self.box = Sandboxes(bus, self.node, backend, self.records, self.layers, self.state_dir,
                              released=self._released, settle=lambda sid: self.execs.settle(sid))
         self.execs = Execs(bus, self.node, self.box, ExecLimits(config.max_output, config.traj_output,
-                                                               config.max_execs), ExecJournal(self.state_dir / "execs"))
+                                                               config.max_execs),
+                           ExecJournal(self.state_dir / "execs", stamp_of(self.state_dir)))
         self.ops = OpLane(bus, self.node, config.max_execs, self.execs, self.box)
         self.calls: CallLane | None = None   # when it runs fncall workers (set up at start)
         self.warm = WarmPools(bus, self.node, pool=config.pool, warm_max=config.warm_max, capacity=self.capacity,
@@ -366,9 +367,7 @@ class Edge:
         pruned = time.monotonic()
         while True:   # a look every TTL_EVERY, sooner when a deadline falls before it (an expiry is on time)
             await asyncio.sleep(min(TTL_EVERY, max(0.005, self.box.deadlines.next_at() - time.time())))
-            self.execs.journal.alive()   # (when a crash ends its running execs: chronus/orphans.py)
-            self.fence.touch()
-            if self.fence.fenced():     # it did not run for FENCE_AFTER: its sandboxes were ended under it
+            if self.fence.tick():   # it did not run for FENCE_AFTER: its sandboxes were ended under it
                 self._declared_lost("its edge did not run for %.0f s: the fence ended them" % FENCE_AFTER)
             if time.monotonic() - pruned >= MEMORY_PRUNE_EVERY and self.box.backend.memories():
                 pruned = time.monotonic()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import select
@@ -34,6 +35,7 @@ from edge.backends import cgroups
 
 FENCE_AFTER = streams.NODE_LOST_AFTER - 2.0   # seconds of a stale stamp before the sandboxes are ended
 LOOK_EVERY = 0.5
+TICK = 0.25          # seconds between two stamps of the edge's
 GAP = 2.0            # seconds between two looks of the fence's that mean it did not run itself meanwhile
 KINDS = ("", ".fn", ".gvisor", ".microvm", ".fullvm")   # the cgroup labels of a node's backends
 ENABLED = True       # False in a process whose loop does not always run (the test suite's in-process edges: its
@@ -54,6 +56,12 @@ async def kill_all(node: str) -> bool:
         if root.exists():
             done = await cgroups.kill_tree(root) and done
     return done
+
+
+def stamp_of(state_dir: Path) -> Path:
+    """The file an edge touches while it runs (its fence watches it; its exec journal reads it after a crash:
+    when the dead run was last seen alive)."""
+    return state_dir / "alive"
 
 
 def mark_of(stamp: Path) -> Path:
@@ -105,8 +113,9 @@ class EdgeFence:
 
     def __init__(self, node: str, state_dir: Path) -> None:
         self.node = node
-        self.stamp = state_dir / "alive"
+        self.stamp = stamp_of(state_dir)
         self.proc: subprocess.Popen | None = None
+        self._ticked = 0.0
 
     def start(self) -> None:
         """Stamp, and start the fence (a mark a dead run left is dropped: its sandboxes were reconciled)."""
@@ -122,20 +131,33 @@ class EdgeFence:
                                      stdin=subprocess.DEVNULL, close_fds=True)
 
     def touch(self) -> None:
-        """The edge runs (every half second); a fence that died is started again, said in the log."""
         try:
-            os.utime(self.stamp) if self.stamp.exists() else self.stamp.touch()
-        except OSError:
+            os.utime(self.stamp)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                self.stamp.touch()
+        except OSError:   # (a read-only state dir: its fence ends its sandboxes, as it must)
             pass
+
+    def tick(self) -> bool:
+        """The edge runs (its TTL loop, up to every 5 ms: the work is done every TICK): the stamp touched, a
+        fence that died started again (said in the log); True once when the fence ended the sandboxes while
+        this edge did not run (the mark is taken)."""
+        now = time.monotonic()
+        if now - self._ticked < TICK:
+            return False
+        self._ticked = now
+        self.touch()
         if self.proc is not None and self.proc.poll() is not None:
             log.error("the fence of node %s exited (%s): starting it again", self.node, self.proc.returncode)
             self._spawn()
+        return self._fenced()
 
     def marked(self) -> bool:
         """Whether the fence ended the sandboxes and the edge has not answered it yet."""
         return mark_of(self.stamp).exists()
 
-    def fenced(self) -> bool:
+    def _fenced(self) -> bool:
         """Whether the fence ended the sandboxes while this edge did not run (once: the mark is taken)."""
         mark = mark_of(self.stamp)
         if not mark.exists():

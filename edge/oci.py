@@ -32,6 +32,7 @@ XATTRS = ("user.",)                 # xattrs an image may carry (prefixes), and 
 CAPABILITY = "security.capability"  # trusted.* (trusted.overlay.* would change what overlayfs shows the sandbox)
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BLOCK = 1 << 20
+_ZERO = memoryview(bytes(BLOCK))   # (compared, never copied)
 MAX_NAME = 254                      # bytes of a file name (Debian 12's mkfs.erofs fails on 255: "No such file")
 
 
@@ -239,9 +240,8 @@ def _entry(root: int, rel: str, m: tarfile.TarInfo, tar: tarfile.TarFile, dir_mt
 
 def _copy(data, out, size: int, budget: Budget) -> None:
     """A member's bytes, blocks of zeros left as holes (a sparse file stays sparse), within the budget."""
-    zero = bytes(BLOCK)
     while block := data.read(BLOCK):
-        if block == zero[:len(block)]:
+        if _ZERO[:len(block)] == block:
             if budget.stop.is_set():
                 raise OciError("interrupted")
             out.seek(len(block), os.SEEK_CUR)

@@ -54,12 +54,10 @@ class Budget:
             raise OciError(f"the image's layers hold more than {self.max_entries:,} entries")
 
     def entry(self, size: int) -> None:
+        """One more member of size bytes, counted for the whole image."""
         self.entries += 1
         self.bytes += max(0, size)
-        if self.stop.is_set():
-            raise OciError("interrupted")
-        if self.entries > self.max_entries:
-            raise OciError(f"the image's layers hold more than {self.max_entries:,} entries")
+        self.look(self.entries)
         if self.bytes > self.max_bytes:
             raise OciError(f"the image's files add up to more than {self.max_bytes:,} bytes (--max-size)")
 

@@ -91,6 +91,7 @@ class AsyncClient:
             raise InvalidRequest(str(exc)) from None
         self.connect_timeout = connect_timeout
         self.bus: Bus | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None   # the event loop it connected in
         self._replies: _Replies | None = None
         self._settling: set[asyncio.Task] = set()   # cancelled creates, destroyed once they settle
 
@@ -122,14 +123,11 @@ class AsyncClient:
 
     def _need_bus(self) -> Bus:
         here = asyncio._get_running_loop()
-        if self.bus is None and here is not None and here is not getattr(self, "_loop", here):
-            raise SandboxError("this client was connected in another event loop, now ended (each asyncio.run() has "
-                               "its own): connect a client in this one (for the E2B facade: AsyncSandbox.connect(id))")
-        if self.bus is None:
-            raise SandboxError("client is not connected (use `async with AsyncClient(...)`)")
-        if here is not None and here is not getattr(self, "_loop", here):   # (its connection would never answer)
+        if here is not None and self._loop is not None and here is not self._loop:   # (it would never answer)
             raise SandboxError("this client was connected in another event loop (each asyncio.run() has its own): "
                                "connect a client in this one (for the E2B facade: AsyncSandbox.connect(id))")
+        if self.bus is None:
+            raise SandboxError("client is not connected (use `async with AsyncClient(...)`)")
         return self.bus
 
     # ---- create -------------------------------------------------------------------------------

@@ -83,13 +83,9 @@ def _edge(url: str, state: Path, creds: str, kind: str = "container") -> subproc
 
 @pytest.mark.parametrize("kind", ["container", "microvm"])   # a VM's QEMU outlives a SIGKILLed edge: reconciled
 async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path, kind):
-    from cli.stack import Stack
-    srv = own_server(tmp_path, ["rs"])
-    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
-               creds=srv.creds("placement"))
-    await st.start()
-    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), kind)
-    try:
+    async with _rs_placement(tmp_path) as (srv, st, edges):
+        edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), kind)
+        edges.append(edge)
         await _wait_line(edge, "dsec: edge rs ready")
         async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             old = await client.create_many(3, backend=kind, timeout=120)
@@ -115,6 +111,7 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             lost_exec = asyncio.create_task(old[1].exec("echo never", timeout=30))   # waits in JetStream
             await asyncio.sleep(1)
             edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), kind)
+            edges.append(edge)
             await _wait_line(edge, "dsec: edge rs ready")
             new = await queued
             assert (await new.exec("echo back")).stdout == b"back\n"
@@ -161,12 +158,6 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
             await client.delete_warm_pool("kept")
         edge.send_signal(signal.SIGTERM)
         assert edge.wait(15) == 0
-    finally:
-        await _stop_edge(edge)
-        await st.stop()
-        srv.stop()
-    from edge.backends.registry import node_leftovers as leftovers
-    assert leftovers(tmp_path / "edge" / "edge", "rs") == []
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
 
 
@@ -174,13 +165,9 @@ async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_
     """SIGSTOP an edge (a node that hangs rather than dies): its command ran on for the whole pause, 80 s
     past the node_lost its user got at 10 s, while the user ran the work again elsewhere (helper N). Its
     fence ends the sandboxes first; the edge, running again, reports them node_lost and serves afresh."""
-    from cli.stack import Stack
-    srv = own_server(tmp_path, ["rs"])
-    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
-               creds=srv.creds("placement"))
-    await st.start()
-    edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
-    try:
+    async with _rs_placement(tmp_path) as (srv, _st, edges):
+        edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"))
+        edges.append(edge)
         await _wait_line(edge, "dsec: edge rs ready")
         async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             sb = await client.create(timeout=60)
@@ -200,12 +187,6 @@ async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_
                 assert (await again.exec("echo back")).stdout == b"back\n"
         edge.send_signal(signal.SIGTERM)
         assert edge.wait(15) == 0
-    finally:
-        await _stop_edge(edge)
-        await st.stop()
-        srv.stop()
-    from edge.backends.registry import node_leftovers as leftovers
-    assert leftovers(tmp_path / "edge" / "edge", "rs") == []
 
 
 async def test_an_edge_whose_state_dir_cannot_hold_its_layers_refuses_to_start(tmp_path):
@@ -223,6 +204,27 @@ async def test_an_edge_whose_state_dir_cannot_hold_its_layers_refuses_to_start(t
     finally:
         subprocess.run(["umount", "-l", str(state)], check=False)
         srv.stop()
+
+
+@contextlib.asynccontextmanager
+async def _rs_placement(tmp_path: Path):
+    """Its own NATS server and a placement stack for node rs, whose edges the test starts as processes
+    (listed in `edges`: any left running are stopped as a user would); nothing of rs is left after."""
+    from cli.stack import Stack
+    from edge.backends.registry import node_leftovers
+    srv = own_server(tmp_path, ["rs"])
+    st = Stack(tmp_path / "placement", nats_url=srv.url, metrics_port=None, run_edge=False,
+               creds=srv.creds("placement"))
+    await st.start()
+    edges: list[subprocess.Popen] = []
+    try:
+        yield srv, st, edges
+    finally:
+        for edge in edges:
+            await _stop_edge(edge)
+        await st.stop()
+        srv.stop()
+    assert node_leftovers(tmp_path / "edge" / "edge", "rs") == []
 
 
 async def _stop_edge(edge: subprocess.Popen) -> None:

@@ -24,9 +24,7 @@ DEFAULT_TEMPLATE = "base"     # E2B's default template: DSec's `base` image (doc
 DEFAULT_TIMEOUT = 300         # seconds a sandbox lives, as E2B's default
 IGNORED = ("api_key", "domain", "debug", "secure", "request_timeout", "proxy", "headers", "access_token",
            "api_url", "sandbox_url", "allow_internet_access", "mcp", "network", "auto_pause")
-_clients: Dict[asyncio.AbstractEventLoop, AsyncClient] = {}   # one connection per event loop
-_closers: Dict[asyncio.AbstractEventLoop, Any] = {}
-_connecting: Dict[asyncio.AbstractEventLoop, "asyncio.Task[AsyncClient]"] = {}
+_clients: Dict[asyncio.AbstractEventLoop, "asyncio.Task[AsyncClient]"] = {}   # one connection per event loop
 
 
 class by_id:
@@ -52,30 +50,24 @@ async def client() -> AsyncClient:
     loop = asyncio.get_running_loop()
     for other in [k for k in _clients if k.is_closed()]:   # (closed without asyncio.run's shutdown: dropped)
         _clients.pop(other)
-        _closers.pop(other, None)
-        _connecting.pop(other, None)
-    c = _clients.get(loop)
-    if c is not None:
-        return c
-    pending = _connecting.get(loop)   # (first uses at once share one connection: two closers, each closing
-    if pending is None:               # the other's client, closed both while in use: review)
-        pending = _connecting[loop] = loop.create_task(_connect(loop))
-    return await asyncio.shield(pending)
+    task = _clients.get(loop)   # (first uses at once share one connection: each closing the other's, two
+    if task is None:            # closed both while in use: review)
+        task = _clients[loop] = loop.create_task(_connect(loop))
+    return await asyncio.shield(task)
 
 
 async def _connect(loop: asyncio.AbstractEventLoop) -> AsyncClient:
+    c = AsyncClient(os.environ.get("DSEC_URL", "nats://127.0.0.1:4222"), creds=os.environ.get("DSEC_CREDS"))
     try:
-        c = AsyncClient(os.environ.get("DSEC_URL", "nats://127.0.0.1:4222"), creds=os.environ.get("DSEC_CREDS"))
-        try:
-            await c.connect()
-        except DsecError as err:   # (a bad credential, no server: E2B's classes, as every other call's)
+        await c.connect()
+    except BaseException as err:
+        _clients.pop(loop, None)   # (the next use tries again)
+        if isinstance(err, DsecError):   # (a bad credential, no server: E2B's classes, as every other call's)
             raise mapped(err) from err
-        closer = _closed_with_loop(loop, c)   # asyncio.run() (and pytest's loops) close it as the loop ends:
-        await closer.__anext__()              # they aclose() every async generator the loop started
-        _clients[loop], _closers[loop] = c, closer
-        return c
-    finally:
-        _connecting.pop(loop, None)
+        raise
+    c.closer = _closed_with_loop(loop, c)   # asyncio.run() (and pytest's loops) close it as the loop ends: they
+    await c.closer.__anext__()              # aclose() every async generator the loop started (held by c)
+    return c
 
 
 async def _closed_with_loop(loop: asyncio.AbstractEventLoop, c: AsyncClient):
@@ -83,7 +75,6 @@ async def _closed_with_loop(loop: asyncio.AbstractEventLoop, c: AsyncClient):
         yield
     finally:
         _clients.pop(loop, None)
-        _closers.pop(loop, None)
         await c.close()
 
 
