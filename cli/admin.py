@@ -179,9 +179,11 @@ async def quota_ls(nats_url: str) -> None:
 @nats_option
 @run_async
 async def quota_rm(tenant: str, nats_url: str) -> None:
-    """Remove TENANT's quota (no limit)."""
+    """Remove TENANT's quota (no limit). A tenant with no quota is refused (a misspelt name is not "removed")."""
     bus = await _bus(nats_url)
     try:
+        if await bus.kv_get(streams.QUOTAS_KV, tenant) is None:
+            fail(f"tenant {tenant!r} has no quota to remove (`dsec quota ls` lists the quotas)")
         await bus.kv_delete(streams.QUOTAS_KV, tenant)
     finally:
         await bus.close()

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import tempfile
 from pathlib import Path
 
 import click
@@ -14,6 +13,7 @@ from bus.records import ImageConfig, sandbox_decoder, snapshot_decoder
 from edge import debootstrap, e2bbase
 from cli.main import connect, main, nats_option, run_async
 from edge.erofs import LayerBuildError, pack_dir
+from edge.backends.treeops import scratch_dir
 from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
 
@@ -77,7 +77,7 @@ async def build(nats_url: str, name: str, from_dir: Path | None, from_tar: Path 
                                                lambda line: click.echo(line, err=True))
         except (LayerBuildError, OSError) as exc:
             raise InvalidRequest(f"cannot build {name_only}: {exc}") from None
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch_dir(prefix="dsec-build-") as tmp:   # (a tar's tree of any depth)
         layer = Path(tmp) / "layer.erofs"
         try:
             if from_tar is not None:

@@ -19,6 +19,7 @@ from bus.records import ImageConfig
 from cli.image import image
 from cli.main import connect, nats_option, run_async
 from edge import oci
+from edge.backends.treeops import remove_path, scratch_dir
 from edge.erofs import LayerBuildError, pack_dir
 from libdsec.resources import parse_size
 
@@ -64,7 +65,7 @@ async def import_image(nats_url: str, name: str, layout: Path | None, oci_archiv
             raise InvalidRequest(f"{what}: no such {'directory' if what == '--oci-layout' else 'file'}: {path}")
     budget = oci.Budget(max_bytes=parse_size(max_size, "--max-size"))
     _sweep_stale()
-    with tempfile.TemporaryDirectory(prefix=f"{PREFIX}{os.getpid()}-") as tmp:
+    with scratch_dir(prefix=f"{PREFIX}{os.getpid()}-") as tmp:
         work = Path(tmp)
         try:
             img = await _stoppable(budget, _read, work, layout, oci_archive, docker_archive, source, ref, tls_verify,
@@ -117,7 +118,8 @@ def _sweep_stale() -> None:
         except OSError:
             continue
         if pid.isdigit() and not Path(f"/proc/{pid}").exists() and idle > STALE_AFTER:   # (an hour: an import in
-            shutil.rmtree(path, ignore_errors=True)                                      # another pid namespace)
+            with contextlib.suppress(OSError):                                           # another pid namespace)
+                remove_path(path)
 
 
 def _read(work: Path, layout: Path | None, oci_archive: Path | None, docker_archive: Path | None,

@@ -61,6 +61,15 @@ def _whose_hint() -> str:
             f"use an admin's or ops' (.dsec/creds/admin.creds under the state dir)")
 
 
+class Interrupted(KeyboardInterrupt):
+    """Work ended by a signal other than SIGINT: the command exits 128 + its number, as a shell reports it
+    (143 for SIGTERM, 129 for SIGHUP; Ctrl-C's is 130)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 async def _cancelled_by_signals(work):
     """work, cancelled by SIGTERM or SIGHUP as asyncio cancels it at Ctrl-C (so what it made is undone on the way
     out: an exec's command killed, `dsec run`'s sandbox destroyed), then ended as interrupted. Only where the
@@ -78,7 +87,7 @@ async def _cancelled_by_signals(work):
         return await work
     except asyncio.CancelledError:
         if hit:
-            raise KeyboardInterrupt from None
+            raise Interrupted(hit[0]) from None
         raise
     finally:
         for sig in mine:
@@ -98,8 +107,10 @@ def run_async(fn):
             fail(f"{exc}{_whose_hint() if exc.__cause__ is not None else ''}")
         except DsecError as exc:
             fail(str(exc))
-        except KeyboardInterrupt:
-            fail("interrupted", 130)
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            fail(f"interrupted ({signal.Signals(signum).name})" if signum != signal.SIGINT else "interrupted",
+                 128 + signum)
         except click.ClickException:   # a usage error found in the body: click prints it (exit 2)
             raise
         except BrokenPipeError:   # our reader left (`dsec replay | head`): quietly, as a shell tool does

@@ -135,8 +135,10 @@ def set_dir_mtimes(root: Path, times: dict[str, int]) -> None:
     """After a tree was unpacked (each entry added to a directory set its mtime to now): every directory's
     mtime as its archive gave it (times: path relative to root, '' for root -> ns), 0 for one it did not name
     (the root, a parent made on the way), so the same archive packs to the same layer. Symlinks are not
-    followed: only the tree's own directories are touched."""
-    for path, _dirs, _files in os.walk(root, topdown=False):
+    followed: only the tree's own directories are touched (a child's utime changes no mtime of its parent, so
+    the order does not matter)."""
+    from edge.backends.treeops import walk
+    for path, _dirs, _files in walk(root):
         rel = os.path.relpath(path, root)
         at = times.get("" if rel == "." else rel, 0)
         os.utime(path, ns=(at, at), follow_symlinks=False)

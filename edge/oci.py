@@ -21,6 +21,7 @@ import zlib
 from pathlib import Path
 
 from edge.backends import kernel
+from edge.backends.treeops import remove_tree
 from edge.erofs import mtime_ns, set_dir_mtimes
 from edge.ociread import Budget, Image, OciError, read_docker_archive, read_oci_layout, unpack_archive
 
@@ -159,17 +160,12 @@ def _lstat(dfd: int, name: str) -> os.stat_result | None:
 
 
 def _rm(dfd: int, name: str) -> None:
+    """Remove name (a directory with all it holds, however deep: remove_tree never recurses in Python)."""
     st = _lstat(dfd, name)
     if st is None:
         return
     if stat.S_ISDIR(st.st_mode):
-        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        try:
-            for entry in os.listdir(sub):
-                _rm(sub, entry)
-        finally:
-            os.close(sub)
-        os.rmdir(name, dir_fd=dfd)
+        remove_tree(dfd, name)
     else:
         os.unlink(name, dir_fd=dfd)
 

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from edge.backends import kernel
+from edge.backends.treeops import walk
 
 KEPT_XATTRS = ("user.", "security.capability")
 
@@ -25,7 +26,7 @@ KEPT_XATTRS = ("user.", "security.capability")
 def _tar_tree(root: Path, out) -> None:
     """root's tree as a pax tar (no compression here: the caller gzips), its xattrs in pax headers."""
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for dirpath, dirnames, filenames in os.walk(root):
+        for dirpath, dirnames, filenames in walk(root):
             dirnames.sort()
             for name in [*sorted(dirnames), *sorted(filenames)]:
                 path = Path(dirpath) / name

@@ -17,6 +17,7 @@ import pytest
 import libdsec
 from bus import streams
 from edge import oci
+from edge.backends.treeops import remove_path
 from tests import ociimages
 from tests.test_layers import dsec
 
@@ -276,6 +277,27 @@ async def test_a_snapshot_exports_and_imports_with_the_same_files(stack, client,
     assert p.returncode != 0 and "Traceback" not in p.stderr and not (tmp_path / "x.tar").exists(), p.stderr
 
 
+async def test_a_tree_1200_directories_deep_snapshots_exports_and_imports(stack, client, tmp_path):
+    """A sandbox's chain of 1,200 directories: its snapshot sized the upper with os.walk, which recursed
+    (RecursionError: the snapshot failed `internal`); export and import walked it the same way. Each now
+    keeps the leaf at the bottom."""
+    chain = "p=$(printf 'a/%.0s' $(seq 1200)) && mkdir -p $p && echo leaf > $p/f"   # (2,400 bytes: one mkdir)
+    count = "find /deep -name f | tr -cd / | wc -c; cat $(find /deep -name f)"
+    async with await client.create() as sb:
+        assert (await sb.exec(f"mkdir /deep && cd /deep && {chain}", timeout=60)).exit_code == 0
+        snap = await sb.snapshot(tag="deep")
+    want = b"1202\nleaf\n"
+    async with await client.create(from_snapshot=snap.id, timeout=60) as fork:
+        assert (await fork.exec(count)).stdout == want
+    out = tmp_path / "deep.tar"
+    p = await asyncio.to_thread(dsec, "image", "export", "--nats", stack.url, "--snapshot", snap.id, "-o", str(out))
+    assert p.returncode == 0, p.stderr
+    await imported(stack.url, "deepimg", "--oci-archive", str(out))
+    async with await client.create(image="deepimg", timeout=60) as sb:
+        assert (await sb.exec(count)).stdout == want
+    await client.delete_snapshot(snap)
+
+
 def _unpacked(archive: Path, into: Path) -> Path:
     oci.unpack_archive(archive, into)
     return into
@@ -360,6 +382,23 @@ def test_hostile_layers_are_refused_or_kept_harmless(tmp_path):
     zstd.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 100)
     with pytest.raises(oci.OciError, match="zstd-compressed"):
         oci.apply_layers([zstd], tmp_path / "z")
+
+
+def test_a_deep_directory_an_upper_layer_removes_or_replaces_is_removed(tmp_path):
+    """A chain of 1,200 directories in one layer, whited out by the next, or replaced by a file: the removal
+    recursed in Python and the import died with RecursionError, untyped."""
+    info = ociimages._info
+    deep = "/".join(["a"] * 1200)
+    low = ociimages.layer([(info("/".join(["a"] * i), tarfile.DIRTYPE, 0o755), None) for i in range(1, 1201)]
+                          + [(info(deep + "/leaf"), b"x")])
+    for top, kept in ((ociimages.layer([(info(".wh.a"), b""), (info("b"), b"b")]), ["b"]),
+                      (ociimages.layer([(info("a"), b"file")]), ["a"])):
+        root = tmp_path / f"root-{kept[0]}"
+        try:
+            oci.apply_layers([_blob(tmp_path, low), _blob(tmp_path, top)], root)
+            assert sorted(os.listdir(root)) == kept
+        finally:   # (a deep tree left in pytest's temp dir would crash a later session's cleanup: it recurses)
+            remove_path(root)
 
 
 def test_a_decompression_bomb_stops_at_the_budget_and_zeros_stay_holes(tmp_path):

@@ -7,13 +7,14 @@ import stat
 from pathlib import Path
 
 from edge.backends import idmap, kernel
+from edge.backends.treeops import walk
 
 
 def apparent_size(root: Path) -> int:
     """Bytes the files under root claim (st_size of every regular file, links counted once each), plus
     4 KiB per other inode: what packing them as a layer writes."""
     total, seen = 0, set()
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in walk(root):
         total += 4096 * (len(dirnames) + 1)
         for name in filenames:
             st = os.lstat(os.path.join(dirpath, name))

@@ -14,6 +14,7 @@ import errno
 import heapq
 import os
 import stat as st
+import tempfile
 import time
 from typing import Iterator
 
@@ -241,6 +242,22 @@ def remove(root: int, path: str) -> None:
         os.close(pfd)
 
 
+def walk(top) -> Iterator[tuple[str, list[str], list[str]]]:
+    """os.walk(top), top-down (dirnames may be sorted or pruned in place), never following a symlink (one to
+    a directory is in filenames), without recursion: Python 3.11's os.walk recursed, so a chain of ~1,000
+    directories a sandbox made raised RecursionError when its upper was sized for a snapshot. A directory
+    that cannot be read raises OSError (os.walk skipped it: a layer or an export would silently miss it)."""
+    todo = [os.fspath(top)]
+    while todo:
+        path = todo.pop()
+        dirs, files = [], []
+        with os.scandir(path) as it:
+            for e in it:
+                (dirs if e.is_dir(follow_symlinks=False) else files).append(e.name)
+        yield path, dirs, files
+        todo.extend(os.path.join(path, d) for d in reversed(dirs))
+
+
 DEEP = 200   # levels one walk of remove_tree goes down before it moves the rest up
 
 
@@ -271,6 +288,35 @@ def _remove_walk(dfd: int, name: str, top: int, todo: list[str], depth: int) -> 
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dfd)
+
+
+def remove_path(path) -> None:
+    """Remove path: a file, or a directory with all it holds however deep (remove_tree: shutil.rmtree, and so
+    TemporaryDirectory's cleanup, recursed and raised RecursionError on an imported tree 1,200 deep). A
+    symlink is removed, never followed; a path already gone is fine."""
+    parent, name = os.path.split(os.path.abspath(path))
+    pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            mode = os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return
+        if st.S_ISDIR(mode):
+            remove_tree(pfd, name)
+        else:
+            os.unlink(name, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str = "tmp", dir: str | os.PathLike | None = None) -> Iterator[str]:
+    """tempfile.TemporaryDirectory for trees of any depth: the directory's path, removed by remove_path."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=dir)
+    try:
+        yield path
+    finally:
+        remove_path(path)
 
 
 def rename(root: int, src: str, dest: str, base: int) -> FileEntry:

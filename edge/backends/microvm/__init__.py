@@ -42,6 +42,7 @@ from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor.host import _remove_groups, valid_id
 from edge.backends.microvm import accel, guest, snapshot, template
 from edge.backends.microvm.boot import Booting, boot_failure
+from edge.backends.treeops import remove_path
 from edge.backends.microvm.files import GuestFiles
 from edge.backends.microvm.memory import MemorySnapshots, fork_spec
 from edge.backends.microvm.net import Networking
@@ -295,7 +296,8 @@ class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking
             try:
                 return await snapshot.pack(vm.chan, sandbox_id, vm.spec.limits.disk, DEFAULT_ENV, work, Path(dst))
             finally:
-                await asyncio.to_thread(shutil.rmtree, work, True)
+                with contextlib.suppress(OSError):   # (the guest's tree, of any depth)
+                    await asyncio.to_thread(remove_path, work)
                 if suspended and vm.dying is None:
                     await vm.qmp.execute("stop")
 
