@@ -279,6 +279,9 @@ async def test_quota_cli_sets_lists_and_removes(stack):
     rm = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "rm", "cliq", "--nats", stack.url],
                                  capture_output=True, text=True)
     assert rm.returncode == 0 and await stack.bus.kv_get(streams.QUOTAS_KV, "cliq") is None
+    again = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "rm", "cliq", "--nats", stack.url],
+                                    capture_output=True, text=True)   # (a misspelt tenant was "removed", exit 0)
+    assert again.returncode == 1 and "'cliq' has no quota" in again.stderr, again
     bad = await asyncio.to_thread(subprocess.run, [DSEC, "quota", "set", "bad.tenant", "--nats", stack.url],
                                   capture_output=True, text=True)
     assert bad.returncode == 1 and "tenant" in bad.stderr
