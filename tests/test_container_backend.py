@@ -361,6 +361,35 @@ async def test_background_process_outlives_exec_until_destroy(sandboxes: Sandbox
     assert _host_procs(["sleep", "100022"]) == []
 
 
+async def test_a_destroy_whose_processes_outlive_their_kill_is_finished_behind_it(sandboxes: Sandboxes,
+                                                                                   monkeypatch) -> None:
+    """Beside three other stacks (load 74), a sandbox's killed tasks were not gone within kill_tree's 10 s:
+    its destroy failed "processes survive" (the chaos run's user got an error for a sandbox whose record
+    said destroyed) and its processes, cgroups, writable layer and uid range stayed until the edge
+    restarted. Now the destroy returns (no command of it runs again) and the edge finishes behind it."""
+    from edge.backends import cgroups
+    from edge.backends.container import launch
+    real, gave_up = cgroups.kill_tree, []
+
+    async def late(freezer, timeout=10.0, init=None):   # the first kill never sees its tasks gone: they linger
+        if not gave_up:
+            gave_up.append(freezer)
+            return False
+        return await real(freezer, timeout, init)
+    monkeypatch.setattr(cgroups, "kill_tree", late)
+    monkeypatch.setattr(launch, "REAP_TIMEOUT", 0.2)
+    monkeypatch.setattr(launch, "FINISH_RETRIES", (0.2, 0.5, 1.0, 2.0))
+    sid = await sandboxes.create()
+    await sandboxes.run(sid, ["sh", "-c", "sleep 100023 > /dev/null 2>&1 < /dev/null &"])
+    await sandboxes.backend.destroy(sid)
+    assert gave_up and sid not in sandboxes.backend.sandboxes()
+    for _ in range(100):
+        if not sandboxes.backend.residue(sid) and not _host_procs(["sleep", "100023"]):
+            break
+        await asyncio.sleep(0.1)
+    assert sandboxes.backend.residue(sid) == [] and _host_procs(["sleep", "100023"]) == []
+
+
 # ---------------------------------------------------------------- concurrency
 
 

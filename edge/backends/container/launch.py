@@ -21,6 +21,8 @@ from edge.backends.zygote import Launch, LauncherError
 
 log = logging.getLogger(__name__)
 
+FINISH_RETRIES = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)   # s between a destroy's teardowns
+
 
 class Launching(Core):
     """create / claim / destroy."""
@@ -184,8 +186,29 @@ class Launching(Core):
             if sb.pidfd >= 0:
                 os.close(sb.pidfd)
                 sb.pidfd = -1
-        if residue:
+        if residue and residue[0].startswith("processes survive"):
+            # Killed, but not gone within kill_tree's 10 s (a machine at load 70, tasks in uninterruptible I/O):
+            # no command of the sandbox runs again, so its destroy is done for its user; the node finishes the
+            # teardown (groups, upper, uid range) behind it (it failed the destroy and left them until a restart).
+            log.warning("destroy %s: %s; finishing its teardown in the background", sb.spec.id, "; ".join(residue))
+            self._drains.add(asyncio.ensure_future(self._finish_later(sb.spec.id, sb.key, groups, sb.ids)))
+        elif residue:
             raise BackendError(f"destroy {sb.spec.id} left: {'; '.join(residue)}")
+
+    async def _finish_later(self, sandbox_id: str, key: str, groups: dict[str, Path], ids) -> None:
+        """Tear down again what a destroy left (its processes killed, not yet gone) until nothing is left,
+        for up to FINISH_RETRIES' sum of seconds; then what stays is logged, for the next start to reconcile."""
+        residue: list[str] = []
+        try:
+            for delay in FINISH_RETRIES:
+                await asyncio.sleep(delay)
+                residue = await self._teardown(key, None, groups, True, [], ids)
+                if not residue:
+                    log.info("destroy %s: teardown finished in the background", sandbox_id)
+                    return
+            log.error("destroy %s left for good: %s", sandbox_id, "; ".join(residue))
+        finally:
+            self._drains.discard(asyncio.current_task())
 
     async def _teardown(self, key: str, init: tuple[int, asyncio.Future] | None,
                         groups: dict[str, Path] | None,
