@@ -201,7 +201,7 @@ async def run(nats_url, exec_timeout, max_output, interactive, user, workdir, ar
     ARGV: the image's Entrypoint and Cmd (an imported image's config).
 
     Exits with the command's exit code; 124 when it timed out, 125 when DSec could not run it (its error on
-    stderr), as `docker run` does.
+    stderr), as `docker run` does, 127 when the command is not found and 126 when it cannot be executed.
 
     Example: dsec run --image busybox -- sh -c 'echo hi; exit 3'
     """
@@ -258,7 +258,8 @@ async def exec_(nats_url, timeout, max_output, interactive, user, workdir, env, 
     the command's; interrupted (Ctrl-C, SIGTERM, SIGHUP), the command is killed.
 
     Exits with the command's exit code; 124 when it timed out, 125 when DSec could not run it (no such
-    sandbox, a bad request: its error on stderr), as `docker exec` does.
+    sandbox, a bad request: its error on stderr), as `docker exec` does; 127 when the command is not found
+    and 126 when it cannot be executed, as a shell says.
 
     Example: dsec exec --timeout 30 "$id" -- sh -c 'hostname'; echo hi | dsec exec -i "$id" -- cat;
     dsec exec -u root -w /tmp -e DEBUG=1 "$id" -- id
@@ -278,9 +279,14 @@ PLATFORM_ERROR = 125   # exec and run: DSec could not run the command (the comma
 
 @contextlib.contextmanager
 def platform_errors():
-    """DSec's errors as exit 125, so a command's own exit 1 is not read as one."""
+    """DSec's errors as exit 125, so a command's own exit 1 is not read as one; a command that could not
+    start as a shell says it: 127 when it is not found, 126 when it cannot be executed."""
     try:
         yield
+    except libdsec.ExecFailed as exc:
+        text = str(exc)
+        fail(text, 127 if "command not found: " in text else
+             126 if ("permission denied: " in text or "cannot execute " in text) else PLATFORM_ERROR)
     except libdsec.DsecError as exc:
         fail(str(exc), PLATFORM_ERROR)
 

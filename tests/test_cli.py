@@ -245,6 +245,11 @@ def test_errors_are_one_line(up):
     p = dsec("run", "--nats", up["url"], "--image", "nope", "--", "true")
     assert "image" in one_clear_line(p) and p.returncode == 125
     assert dsec("run", "--nats", up["url"], "--", "sh", "-c", "exit 1").returncode == 1
+    # a command that cannot start, as a shell and `docker run` say it (it was 125, DSec's own failure: helper C)
+    p = dsec("run", "--nats", up["url"], "--", "nosuchcmd")
+    assert "command not found: nosuchcmd" in one_clear_line(p) and p.returncode == 127, p
+    p = dsec("run", "--nats", up["url"], "--", "/etc/passwd")
+    assert "/etc/passwd" in one_clear_line(p) and p.returncode == 126, p
     for bad in (["-e", "NOEQUALS"], ["--label", "=v"], ["--allow", "x.org", "--network", "none"]):   # a bad option:
         p = dsec("run", "--nats", up["url"], *bad, "--", "true")                                  # usage, as click's
         assert p.returncode == 2 and "Error:" in p.stderr and "Usage:" in p.stderr, (bad, p.returncode, p.stderr)
