@@ -380,14 +380,14 @@ async def test_a_destroy_whose_processes_outlive_their_kill_is_finished_behind_i
     monkeypatch.setattr(launch, "REAP_TIMEOUT", 0.2)
     monkeypatch.setattr(launch, "FINISH_RETRIES", (0.2, 0.5, 1.0, 2.0))
     sid = await sandboxes.create()
-    await sandboxes.run(sid, ["sh", "-c", "sleep 100023 > /dev/null 2>&1 < /dev/null &"])
+    await sandboxes.run(sid, ["sh", "-c", "sleep 100031 > /dev/null 2>&1 < /dev/null &"])
     await sandboxes.backend.destroy(sid)
     assert gave_up and sid not in sandboxes.backend.sandboxes()
     for _ in range(100):
-        if not sandboxes.backend.residue(sid) and not _host_procs(["sleep", "100023"]):
+        if not sandboxes.backend.residue(sid) and not _host_procs(["sleep", "100031"]):
             break
         await asyncio.sleep(0.1)
-    assert sandboxes.backend.residue(sid) == [] and _host_procs(["sleep", "100023"]) == []
+    assert sandboxes.backend.residue(sid) == [] and _host_procs(["sleep", "100031"]) == []
 
 
 # ---------------------------------------------------------------- concurrency
