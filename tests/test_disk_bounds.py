@@ -66,6 +66,31 @@ async def test_a_sparse_file_snapshot_is_refused_naming_both_sizes(client, stack
         assert await client.snapshots(tag="sparse") == []
 
 
+async def test_a_full_sandbox_snapshots_and_trees_no_layer_holds_are_refused_in_the_sandboxs_words(client, stack):
+    """Helper F2: a sandbox at its disk limit could not be snapshotted (the edge made its packing view inside
+    the sandbox's own capped subvolume: EDQUOT); a 255-byte name failed in mkfs.erofs naming no file; a
+    path deeper than the node's walk takes (4,040 bytes inside, over 4,096 with the node's prefix) failed
+    "File name too long", twice prefixed, with the node's state dir in it. Now the first works and the
+    others are refused (InvalidRequest) naming the sandbox's own path and nothing of the node's."""
+    state = str(stack.edge.backend.backends["container"].state_dir)
+    async with await client.create(resources=libdsec.Resources(disk="64Mi")) as sb:
+        await sb.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=100; sync")
+        assert (await sb.exec("echo x > /tmp/more")).exit_code != 0, "the disk is full"
+        snap = await sb.snapshot(tag="full")
+        await client.delete_snapshot(snap)
+        await sb.exec("rm /tmp/fill")
+        assert (await sb.exec(f"touch /tmp/{'n' * 255}")).exit_code == 0
+        with pytest.raises(libdsec.InvalidRequest, match=r"^snapshot of \S+ refused: /tmp/nnnn+: a name of 255 bytes") as e:
+            await sb.snapshot(tag="long")
+        assert state not in str(e.value)
+        await sb.exec(f"rm /tmp/{'n' * 255}; mkdir -p /tmp/$(printf 'a/%.0s' $(seq 2020))")
+        with pytest.raises(libdsec.InvalidRequest, match=r"^snapshot of \S+ refused: a path too deep to pack: /tmp/a/a") as e:
+            await sb.snapshot(tag="deep")
+        assert state not in str(e.value) and len(str(e.value)) < 500, str(e.value)
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+    assert await client.snapshots(tag="long") == [] and await client.snapshots(tag="deep") == []
+
+
 class PeakRss:
     """The peak RSS of this process (the edge runs in it) while sampling."""
 

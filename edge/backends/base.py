@@ -69,7 +69,8 @@ class CapacityExhausted(BackendError):
 
 
 class SnapshotTooLarge(BackendError):
-    """A snapshot would pack more than the sandbox's disk limit (refused: InvalidRequest)."""
+    """A snapshot would pack more than the sandbox's disk limit, or a tree a layer cannot hold (a name of
+    255 bytes, a path too deep for the packer): refused, InvalidRequest."""
 
 
 class SandboxGone(BackendError):

@@ -2,6 +2,7 @@
 pack itself through an idmapped view (owners relative to the sandbox)."""
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -10,28 +11,51 @@ from edge.backends import idmap, kernel
 from edge.backends.treeops import walk
 
 
+MAX_NAME = 254   # bytes of one name mkfs.erofs 1.5 packs (255 fails naming no file: edge/oci.py refuses them too)
+
+
 def apparent_size(root: Path) -> int:
     """Bytes the files under root claim (st_size of every regular file, links counted once each), plus
-    4 KiB per other inode: what packing them as a layer writes."""
+    4 KiB per other inode: what packing them as a layer writes. SnapshotTooLarge for a tree no layer can
+    hold: a name longer than MAX_NAME, or a path too long for the packer's (path-based) walk, named as the
+    sandbox sees them."""
+    from edge.backends.base import SnapshotTooLarge
     total, seen = 0, set()
-    for dirpath, dirnames, filenames in walk(root):
-        total += 4096 * (len(dirnames) + 1)
-        for name in filenames:
-            st = os.lstat(os.path.join(dirpath, name))
-            if st.st_nlink > 1:
-                if st.st_ino in seen:
-                    continue
-                seen.add(st.st_ino)
-            total += st.st_size if stat.S_ISREG(st.st_mode) else 4096
+    try:
+        for dirpath, dirnames, filenames in walk(root):
+            total += 4096 * (len(dirnames) + 1)
+            for name in dirnames + filenames:
+                if len(os.fsencode(name)) > MAX_NAME:
+                    raise SnapshotTooLarge(f"{inside(root, os.path.join(dirpath, name))[:300]}: a name of "
+                                           f"{len(os.fsencode(name))} bytes (a layer holds names of up to {MAX_NAME})")
+            for name in filenames:
+                st = os.lstat(os.path.join(dirpath, name))
+                if st.st_nlink > 1:
+                    if st.st_ino in seen:
+                        continue
+                    seen.add(st.st_ino)
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 4096
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        raise SnapshotTooLarge(f"a path too deep to pack: {inside(root, exc.filename or '')[:120]}... (about "
+                               f"{len(os.fsencode(exc.filename or '')) - len(os.fsencode(str(root)))} bytes; "
+                               f"the node packs paths of up to {4095 - len(os.fsencode(str(root)))})") from None
     return total
+
+
+def inside(root: Path, path: str) -> str:
+    """path (under root, the sandbox's upper) as the sandbox names it: never the node's own paths."""
+    rel = os.path.relpath(path, root) if path else ""
+    return "/" + (rel if rel != "." else "")
 
 
 def pack_relative(upper: Path, dst: Path, ids: idmap.IdRange) -> str:
     """mkfs.erofs of upper as the sandbox sees its owners (host base+n packed as n), through an idmapped
-    view mounted beside it for the pack (mkfs.erofs resolves its source path, so a detached view read
+    view mounted beside dst for the pack (mkfs.erofs resolves its source path, so a detached view read
     through /proc/self/fd would be resolved away)."""
     from edge.erofs import pack_dir
-    view = upper.parent / "packing"
+    view = dst.parent / f"view-{upper.parent.name}"   # (not in the upper's subvolume: a full one had no room)
     view.mkdir(exist_ok=True)
     userns = idmap.relative_userns(ids)
     try:

@@ -52,16 +52,22 @@ class Freezing(Core):
         was_frozen = sb.frozen_since is not None
         if not was_frozen:
             await self.freeze(sandbox_id)
+        upper = self._uppers.root / sb.key / "upper"
         try:
-            upper = self._uppers.root / sb.key / "upper"
-            size = await asyncio.to_thread(packing.apparent_size, upper)
+            try:
+                size = await asyncio.to_thread(packing.apparent_size, upper)
+            except SnapshotTooLarge as exc:
+                raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: {exc}") from None
             if size > sb.spec.limits.disk:
                 raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: its files add up to {size} bytes "
                                        f"(sparse and reflinked files counted at their apparent size), above "
                                        f"its disk limit of {sb.spec.limits.disk} bytes")
             return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids)
-        except (LayerBuildError, OSError) as exc:
-            raise BackendError(f"snapshot of {sandbox_id} failed: {exc}") from exc
+        except (LayerBuildError, OSError) as exc:   # (named as the sandbox sees it; the edge adds whose)
+            text = str(exc)
+            for host in (str(Path(dst).parent / f"view-{sb.key}"), str(upper)):
+                text = text.replace(host, "")
+            raise BackendError(text) from exc
         finally:
             if not was_frozen:
                 await self.thaw(sandbox_id)
