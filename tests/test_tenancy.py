@@ -242,3 +242,34 @@ async def test_a_bad_message_of_one_tenant_is_never_answered_into_anothers_reply
         finally:
             await sub.unsubscribe()
             await own.unsubscribe()
+
+
+async def test_one_tenants_file_ops_take_at_most_its_turns_and_anothers_are_served_meanwhile(stack, client, other,
+                                                                                          monkeypatch):
+    """Tenant A keeps 12 listings of a 10,000-entry directory in flight (each page walks it again). Every one
+    ran in the edge's few threads at once, FIFO with everyone's: at 128 in flight another tenant's 5 ms read
+    took 10 s, then timed out (helper F2). Now A holds at most HEAVY_PER_TENANT of them at a time, and B's
+    read and snapshot are served while A's listings still wait."""
+    from edge import ops
+    registry = stack.edge.backend
+    real, running, peak = registry.file_op, {}, {}
+
+    async def counted(sandbox_id, op, who):
+        running[sandbox_id] = running.get(sandbox_id, 0) + 1
+        peak[sandbox_id] = max(peak.get(sandbox_id, 0), running[sandbox_id])
+        try:
+            return await real(sandbox_id, op, who)
+        finally:
+            running[sandbox_id] -= 1
+    monkeypatch.setattr(registry, "file_op", counted)
+    async with await client.create() as a, await other.create() as b:
+        assert (await a.exec("mkdir /tmp/d && cd /tmp/d && seq 10000 | xargs touch", timeout=60)).exit_code == 0
+        listings = [asyncio.ensure_future(a.files.list("/tmp/d")) for _ in range(12)]
+        await asyncio.sleep(0.2)
+        assert (await b.read_file("/etc/passwd")).startswith(b"root:")
+        snap = await b.snapshot(tag="meanwhile")
+        waiting = sum(not t.done() for t in listings)
+        assert waiting > 0, "B was served after A's listings, not beside them"
+        assert [len(x) for x in await asyncio.gather(*listings)] == [10000] * 12
+        await other.delete_snapshot(snap)
+    assert peak[a.id] <= ops.HEAVY_PER_TENANT, peak
