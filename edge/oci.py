@@ -17,6 +17,7 @@ import os
 import posixpath
 import stat
 import tarfile
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -265,9 +266,20 @@ def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
         try:
             os.setxattr(path, name, raw, follow_symlinks=False)
         except OSError as exc:
+            if exc.errno == errno.ENOSPC:   # (not a full disk: ext4 keeps one block, ~4 KiB, of a file's xattrs)
+                raise OciError(f"{m.name}: xattr {name}: its xattrs ({_xattr_bytes(m)} bytes in all) do not fit "
+                               f"in the import's work directory (under {tempfile.gettempdir()}, on a filesystem "
+                               f"that holds about 4 KiB of them a file, as ext4): set TMPDIR to a directory on btrfs "
+                               f"or xfs") from None
             raise OciError(f"{m.name}: xattr {name}: {exc.strerror}") from None
     with contextlib.suppress(OSError):
         os.utime(base, ns=(mtime_ns(m.mtime),) * 2, dir_fd=dfd, follow_symlinks=False)
+
+
+def _xattr_bytes(m: tarfile.TarInfo) -> int:
+    """About how many bytes a member's xattrs take (names and values)."""
+    return sum(len(k) + len(v) for k, v in (m.pax_headers or {}).items() if k.startswith(("SCHILY.xattr.",
+                                                                                        "LIBARCHIVE.xattr.")))
 
 
 def _hardlink(root: int, rel: str, m: tarfile.TarInfo) -> None:

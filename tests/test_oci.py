@@ -378,6 +378,9 @@ def test_hostile_layers_are_refused_or_kept_harmless(tmp_path):
         long = ociimages.layer([(info(name), b"x")])
         with pytest.raises(oci.OciError, match="a name of 255 bytes"):
             oci.apply_layers([_blob(tmp_path, long)], tmp_path / "n")
+    fat = ociimages.layer([(info("x", pax_headers={f"SCHILY.xattr.user.{k}": "v" * 2000 for k in "abc"}), b"x")])
+    with pytest.raises(oci.OciError, match=r"do not fit .* set TMPDIR"):   # (was "No space left on device")
+        oci.apply_layers([_blob(tmp_path, fat)], tmp_path / "fat")
     zstd = tmp_path / "zstd.tar"
     zstd.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 100)
     with pytest.raises(oci.OciError, match="zstd-compressed"):
