@@ -5,6 +5,7 @@ from typing import Literal, Union
 
 import msgspec
 
+from bus.errors import InvalidRequest
 from bus.network import Network
 
 WIRE_VERSION = 1
@@ -313,8 +314,14 @@ OpReply = Union[OkReply, ErrorReply]
 
 
 def encode(msg: msgspec.Struct) -> bytes:
-    """Encode any wire message (or a struct carried in one) to JSON."""
-    return _ENCODER.encode(msg)
+    """Encode any wire message (or a struct carried in one) to JSON; InvalidRequest for a string that is no
+    text (a lone surrogate: a name Python decoded with surrogateescape), which raised UnicodeEncodeError."""
+    try:
+        return _ENCODER.encode(msg)
+    except UnicodeEncodeError as exc:
+        bad = exc.object[max(0, exc.start - 40):exc.end + 20] if isinstance(exc.object, str) else ""
+        raise InvalidRequest(f"{type(msg).__name__}: a string is not valid UTF-8 text ({bad!r}): the wire carries "
+                             f"text, and names that are not UTF-8 bytes cannot be given") from None
 
 
 _ENCODER = msgspec.json.Encoder()

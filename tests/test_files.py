@@ -82,6 +82,11 @@ async def test_a_name_that_is_not_utf8_is_listed_and_watched_escaped(client):
         names = sorted(e.name for e in await sb.files.list("/w"))
         assert names == ["after", "bad\\xff", "last", "ok"], names
         assert {e.path for e in await sb.files.list("/", depth=2)} >= {"/w/bad\\xff", "/w/ok"}
+        # the name as Python decodes it (surrogateescape) is refused typed (helper F2: UnicodeEncodeError)
+        with pytest.raises(libdsec.InvalidRequest, match="not valid UTF-8 text"):
+            await sb.files.get_info("/w/bad\udcff")
+        with pytest.raises(libdsec.InvalidRequest, match="not valid UTF-8 text"):
+            await sb.exec(["cat", "/w/bad\udcff"])
 
 
 async def test_tree_operations_and_what_they_return(client):
