@@ -141,6 +141,13 @@ class KvStore:
         with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
+    async def kv_purge_deletes(self, bucket: str, older_than: float) -> None:
+        """Drop a bucket's delete markers older than older_than seconds (with what is under them): a bucket
+        otherwise keeps one for every key ever deleted, and each whole-bucket read goes through them all."""
+        kv = await self.kv(bucket)
+        with mapped_errors(f"kv purge deletes {bucket}"):
+            await kv.purge_deletes(olderthan=max(1, int(older_than)))
+
     async def kv_items(self, bucket: str, tries: int = 5, *, prefix: str = "",
                        keys: str = "") -> list[tuple[str, bytes]]:
         """Every live (key, value) of a bucket (with `prefix`: only the keys `<prefix>.*`, read by subject,

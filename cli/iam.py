@@ -94,7 +94,8 @@ def iam_ls(state_dir: Path) -> None:
 
 
 async def _clear(found: identities.Iam, accounts: list[str], nats_url: str, force: bool) -> None:
-    """Refuse (exit 1) while these accounts hold live sandboxes, unless force: then destroy them, each account
+    """Refuse (exit 1) while these accounts hold live sandboxes, unless force: then destroy them and remove
+    their warm pools (their ready sandboxes go with them; a pool left behind kept its name), each account
     acted for by the platform's admin (its subjects name the account; without the admin's credential, by the
     account's own). An expired or revoked account's own was refused, so its sandboxes ran on, holding quota,
     after a forced removal (helper S)."""
@@ -112,6 +113,8 @@ async def _clear(found: identities.Iam, accounts: list[str], nats_url: str, forc
                      f"destroy them, or pass --force")
             for rec in live:
                 await (await client.get(rec.sandbox_id)).destroy()
+            for pool in await client.warm_pools():   # (they kept their ready sandboxes and their names: T2)
+                await client.delete_warm_pool(pool.spec.name)
 
 
 @iam.group()

@@ -3,6 +3,7 @@ edge of the node pool watches them) and count the ready sandboxes the edges repo
 A pool belongs to the tenant that set it: another tenant can neither see, change nor remove it."""
 from __future__ import annotations
 
+import logging
 import time
 
 import msgspec
@@ -15,7 +16,11 @@ from bus.messages import encode
 from bus.records import WarmPool, node_decoder, pool_key, quota_decoder, warm_pool_decoder
 from bus.validate import check_warm_pool
 
+log = logging.getLogger(__name__)
+
 DEFAULT_OWNER = "default"   # the owner of a pool written before pools had owners
+MAX_POOLS = 32              # warm pools one tenant (account) may have: each costs every edge of its node pool work
+PURGE_EVERY = 60.0          # seconds between sweeps of deleted pools' markers (each one is read by every listing)
 
 
 def owner_of(spec: WarmPool) -> str:
@@ -26,6 +31,7 @@ class WarmPools:
     def __init__(self, bus: Bus, images) -> None:
         self.bus = bus
         self.images = images
+        self._purged_at = 0.0   # (monotonic) when deleted pools' markers were last swept
 
     def handlers(self) -> dict:
         return {SetWarmPool: self._set, ListWarmPools: self._list, DeleteWarmPool: self._delete}
@@ -44,6 +50,7 @@ class WarmPools:
         check_warm_pool(spec)
         await self.images.compose(spec.image, spec.workspace, spec.toolkit)
         await self._within_quota(tenant, spec)
+        await self._within_count(tenant, spec)
         for _ in range(3):
             raw, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, spec.name)
             try:
@@ -81,13 +88,38 @@ class WarmPools:
                                     f"ready on a node (their max: {cpu:g} cpu, {memory >> 20} MiB), more than its "
                                     "quota lets it run")
 
+    async def _within_count(self, tenant: str, spec: WarmPool) -> None:
+        """QuotaExceeded past MAX_POOLS pools of one tenant: pools of max=0 cost its quota nothing, and 20,000
+        of them made every edge re-check each pool's image every 2 s, another tenant's create take 0.7 s and
+        its pool listing time out (helper T2)."""
+        mine = [p.name for p in await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
+                if owner_of(p) == tenant and p.name != spec.name]
+        if len(mine) >= MAX_POOLS:
+            raise QuotaExceeded(f"{subjects.describe(tenant)} has {len(mine)} warm pools, the most one tenant may "
+                                f"have: remove one (delete_warm_pool) first")
+
     async def _delete(self, tenant: str, req: DeleteWarmPool) -> Done:
         """Every edge then destroys the pool's ready sandboxes (claimed ones live on)."""
-        prior = await self._spec(req.name) if isinstance(req.name, str) and req.name else None
+        named = isinstance(req.name, str) and subjects.is_token(req.name)   # (a bad key was a BusError)
+        prior = await self._spec(req.name) if named else None
         if prior is None or owner_of(prior) != tenant:
             raise InvalidRequest(f"no warm pool named {req.name!r}")
         await self.bus.kv_delete(streams.WARM_POOLS_KV, req.name)
+        await self._purge_markers()
         return Done()
+
+    async def _purge_markers(self) -> None:
+        """Drop deleted pools' markers older than PURGE_EVERY (every edge has seen those deletes by then): a
+        bucket keeps one for each name ever deleted, and every listing read them all (30,003 entries for 3
+        pools: another tenant's listing took 6 s)."""
+        now = time.monotonic()
+        if now - self._purged_at < PURGE_EVERY:
+            return
+        self._purged_at = now
+        try:
+            await self.bus.kv_purge_deletes(streams.WARM_POOLS_KV, older_than=PURGE_EVERY)
+        except DsecError as exc:   # (the delete itself is done; the next one sweeps again)
+            log.warning("could not sweep deleted warm pools' markers: %s", exc)
 
     async def _list(self, tenant: str, _req: ListWarmPools) -> WarmPoolList:
         nodes = await self.bus.kv_values(streams.NODES_KV, node_decoder)

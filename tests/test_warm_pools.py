@@ -159,7 +159,35 @@ async def test_bad_pool_settings_are_refused(client):
         await client.set_warm_pool("bad", image="no-such-image")
     with pytest.raises(libdsec.InvalidRequest, match="no warm pool"):
         await client.delete_warm_pool("never-made")
+    for name in ("x\ny", "a b", "*", ">"):   # (the name went to the store unchecked: BusError; helper T2)
+        with pytest.raises(libdsec.InvalidRequest, match="no warm pool"):
+            await client.delete_warm_pool(name)
     assert not [p for p in await client.warm_pools() if p.spec.name == "bad"]
+
+
+async def test_a_tenant_has_at_most_max_pools_and_deleted_ones_leave_no_markers(stack, client, monkeypatch):
+    """Pools of max=0 cost a tenant's quota nothing: 20,000 of them made every edge re-check each pool's
+    image every 2 s, another tenant's create take 0.7 s and its listing time out, and each deleted one left a
+    marker every listing read (helper T2). A tenant now has at most MAX_POOLS, and deletes sweep markers."""
+    from bus import streams
+    from placement import warmpools
+    monkeypatch.setattr(warmpools, "PURGE_EVERY", 0.5)
+    before = {p.spec.name for p in await client.warm_pools()}
+    made = [f"many-{i}" for i in range(warmpools.MAX_POOLS - len(before))]
+    try:
+        for name in made:
+            await client.set_warm_pool(name, min=0, max=0)
+        with pytest.raises(libdsec.QuotaExceeded, match="the most one tenant may have"):
+            await client.set_warm_pool("one-more", min=0, max=0)
+        await client.set_warm_pool(made[0], min=0, max=1)   # (changing one it has is fine)
+    finally:
+        for name in made:
+            await client.delete_warm_pool(name)
+    await asyncio.sleep(1.0)
+    await client.set_warm_pool("sweeper", min=0, max=0)
+    await client.delete_warm_pool("sweeper")   # its delete sweeps the markers older than PURGE_EVERY
+    info = await (await stack.bus.kv(streams.WARM_POOLS_KV)).status()
+    assert info.values <= len(before) + 1, info   # (before: one message per name ever deleted, for good)
 
 
 async def test_only_a_fresh_sandbox_can_be_claimed(stack):
