@@ -19,7 +19,7 @@ from bus.messages import encode
 from bus.records import TrajRecord
 from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
 from cli.main import connect, fail, main, nats_option, run_async
-from cli.termsafe import Terminal
+from cli.termsafe import Terminal, escape
 from libdsec.execstream import LineSplitter
 from chronus.trajreader import consumer_config, read
 
@@ -73,10 +73,17 @@ async def _output(bus: Bus, rec: TrajRecord) -> Stored:
                                                   stream_seq=1)) if c.data], None, True)
 
 
+def one_line(text: str) -> str:
+    """A tenant's text (a command, a cwd, a user, a detail) inside one line of the text replay: every control
+    (newlines too) escaped, tty or not, so no value can end its line and forge the next: a script
+    `true\n# exit 0 ...` printed a lookalike exit line (helper T2)."""
+    return escape(text).replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _command(rec: TrajRecord) -> str:
     if rec.watch:
-        return f"# watch {rec.watch} (its changes, a JSON line each)"
-    command = rec.shell if rec.shell else shlex.join(rec.argv)
+        return f"# watch {one_line(rec.watch)} (its changes, a JSON line each)"
+    command = one_line(rec.shell if rec.shell else shlex.join(rec.argv))
     if rec.command_cut:   # (only the command's first 64 KiB are kept: chronus/trajfit.py)
         command += f" ...[cut: {rec.command_bytes:,} bytes were sent, sha256 {rec.command_sha256}]"
     return command
@@ -184,19 +191,22 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
                         _write(msgspec.json.encode(gone) + b"\n")
             elif rec.type != "exec":
                 stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
-                _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + rec.detail if rec.detail else ''}\n".encode())
+                _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + one_line(rec.detail) if rec.detail else ''}\n"
+                       .encode(errors="surrogateescape"))
                 for d in rec.decisions:        # a network record: the proxy's decisions, one a line
                     where = f"{d.get('name') or d.get('address', '')}:{d.get('port', 0)}"
                     said = d.get("reason") or f"{d.get('bytes_out', 0)} B out, {d.get('bytes_in', 0)} B in"
-                    _write(f"#   {d.get('verdict', '?')} {where} ({said})\n".encode(errors="replace"))
+                    _write(f"#   {d.get('verdict', '?')} {one_line(where)} ({one_line(str(said))})\n".encode(errors="replace"))
                 if rec.suppressed:
                     _write(f"#   and {sum(v for k, v in rec.suppressed.items() if k != 'bytes')} more, only counted "
                            f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
             else:
                 out = await _output(bus, rec)
-                how = ", ".join(([f"sandbox {rec.sandbox_id}"] if job else [])   # (a job's commands: many sandboxes)
-                                + ([f"as {rec.user}"] if rec.user else []) + ([f"in {rec.cwd}"] if rec.cwd else []))
-                _write(f"$ {_command(rec)}\n".encode() + (f"#   ({how})\n".encode() if how else b"") + marked(out.chunks))
+                how = ", ".join(([f"sandbox {rec.sandbox_id} of {rec.tenant}"] if job else [])   # (a job's commands:
+                                + ([f"as {one_line(rec.user)}"] if rec.user else [])       # many sandboxes, and with
+                                + ([f"in {one_line(rec.cwd)}"] if rec.cwd else []))        # an operator's, tenants)
+                _write(f"$ {_command(rec)}\n".encode(errors="surrogateescape")
+                       + (f"#   ({how})\n".encode(errors="surrogateescape") if how else b"") + marked(out.chunks))
                 if out.kept_only:
                     if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:
                         _write(f"# (output aged out of dsec.out: only the first {len(rec.stdout)} of {rec.stdout_bytes}"

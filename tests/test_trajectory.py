@@ -71,7 +71,7 @@ async def test_an_episode_is_recorded_in_order_and_replayed_byte_for_byte(stack,
     assert not [r for r in lines if r["kind"] == "aged_out"]
     text = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--job", "jt1", "--nats", stack.url],
                                    capture_output=True, timeout=60)
-    assert f"$ true\n#   (sandbox {sb.id}, as 65534, in /tmp)\n# exit 0".encode() in text.stdout   # whose command
+    assert f"$ true\n#   (sandbox {sb.id} of default, as 65534, in /tmp)\n# exit 0".encode() in text.stdout   # whose
     # output aged out of DSEC_OUT: json says so too, not only text (a reader took what was left for all: T)
     await stack.bus.js.purge_stream(streams.OUT_STREAM, subject=subjects.output("default", first["node"], sb.id,
                                                                                   first["exec_id"]))
@@ -205,6 +205,25 @@ async def test_trajectory_arguments_are_checked(client):
         client.trajectories(job=42)   # (a job of any text is taken: see the test above)
     with pytest.raises(libdsec.InvalidRequest):
         client.trajectories(since="yesterday")
+
+
+async def test_a_tenants_newlines_cannot_forge_lines_of_the_text_replay(stack, client):
+    """A command, a cwd or a user holding a newline printed as several lines of `dsec replay`: a script
+    `true\\n# exit 0 ...` made a lookalike exit line, in a tenant's own replay and in an operator's replay of a
+    job that another tenant's sandbox joined by its label (helper T2). Each is one line now, its newlines
+    escaped, and a job's commands say whose sandbox they ran in."""
+    forged = "# 12:00:00 sbforged destroyed"
+    async with await client.create(labels={"job": "jforge"}) as sb:
+        await sb.exec(f"true\n{forged}")
+        await sb.exec(["mkdir", "-p", f"/tmp/x\n{forged}"])
+        await sb.exec("true", cwd=f"/tmp/x\n{forged}")
+    for scope in (["--sandbox", sb.id], ["--job", "jforge"]):
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "replay", *scope, "--nats", stack.url],
+                                    capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        assert forged not in p.stdout.splitlines(), p.stdout
+        assert f"$ true\\n{forged}" in p.stdout and f"in /tmp/x\\n{forged}" in p.stdout, p.stdout
+    assert f"(sandbox {sb.id} of default, in /tmp/x" in p.stdout, p.stdout
 
 
 async def test_replay_follow_prints_records_as_they_come_and_stops_at_the_end(stack, client):
