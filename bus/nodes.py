@@ -27,10 +27,12 @@ def decode_node(key: str, raw: bytes | None) -> NodeInfo | None:
     return info if info.node == key else None
 
 
-async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, lost: bool | None = None,
+async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, stopping: bool | None = None,
+                   lost: bool | None = None,
                    lost_handled: bool | None = None, only_if_stale: float | None = None,
                    retry_lost_after: float | None = None) -> NodeInfo | None:
-    """Set a node's draining / lost / lost_handled flag by compare-and-set. With only_if_stale, lost is
+    """Set a node's draining / lost / lost_handled flag by compare-and-set (draining with stopping: its own
+    edge's stop's, which its next start clears; without: an operator's, which a restart keeps). With only_if_stale, lost is
     set only while the heartbeat is older than that many seconds and the node is not lost already (so
     exactly one engine wins the claim); declaring a node lost drops its bookings (their creates are
     placed again). With retry_lost_after, an unfinished lost-node job older than that is taken over
@@ -49,7 +51,7 @@ async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, lost: b
             return encode(msgspec.structs.replace(info, lost_at=time.time()))
         new = info
         if draining is not None:
-            new = msgspec.structs.replace(new, draining=draining)
+            new = msgspec.structs.replace(new, draining=draining, stopping=bool(stopping))
         if lost:
             new = msgspec.structs.replace(new, lost=True, lost_at=time.time(), lost_handled=False, bookings={})
         if lost_handled is not None:

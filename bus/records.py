@@ -44,6 +44,7 @@ class NodeInfo(Wire, tag="node"):
     max_disk: int = 0
     max_pids: int = 0
     draining: bool = False
+    stopping: bool = False           # draining because its edge was stopping (not an operator's drain)
     heartbeat: float = 0.0           # unix time
     backends: list[str] = msgspec.field(default_factory=lambda: ["container"])   # the kinds it runs
     kind_slots: dict[str, int] = {}  # kind -> sandboxes of that kind it may hold (within `slots` in all)

@@ -304,7 +304,7 @@ class Edge:
 
         await self.fence.stop()
         try:
-            await step(set_flag(self.bus, self.node, draining=True))
+            await step(set_flag(self.bus, self.node, draining=True, stopping=True))
             for w in (self._create_worker, self._pool_worker):
                 if w:
                     await step(w.stop(drain=False))

@@ -93,7 +93,12 @@ class NodeRecord:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 prior = None   # junk under our key: overwrite it
         now = time.time()
-        info = self.capacity.node_info(draining=prior.draining if prior and prior.node == self.node else False)
+        # an operator's drain holds across a restart; a stop's (one cut short left it) does not (helper T2: the
+        # node came back draining, refusing every create)
+        ours = prior is not None and prior.node == self.node
+        earlier_stop = ours and prior.stopping and prior.started_at != self.started_at
+        draining, stopping = (prior.draining, prior.stopping) if ours and not earlier_stop else (False, False)
+        info = msgspec.structs.replace(self.capacity.node_info(draining=draining), stopping=stopping)
         bookings = {}
         self._declared_lost = self._declared_lost or bool(prior and prior.node == self.node and prior.lost
                                                           and prior.started_at == self.started_at)

@@ -397,3 +397,17 @@ async def test_a_booking_whose_write_was_not_confirmed_goes_once_the_request_is_
     finally:
         await bus.kv_delete(streams.NODES_KV, node)
         await bus.close()
+
+
+async def test_a_stop_cut_short_leaves_no_drain_for_the_next_start_but_an_operators_drain_holds(stack, tmp_path):
+    """A stop marks its node draining first and removes its record last: cut short (SIGINT under load, the
+    10 s budget passed), the record stayed draining, and the restarted node refused every create until an
+    operator ran `dsec node undrain` (helper T2). A stop's drain is marked as such now; an operator's holds."""
+    from tests.conftest import extra_edge
+    for node, stopping, kept in (("cutstop", True, False), ("opdrain", False, True)):
+        left = NodeInfo(node=node, draining=True, stopping=stopping, started_at=time.time() - 60,
+                        heartbeat=time.time() - 60)
+        await stack.bus.kv_put(streams.NODES_KV, node, encode(left))
+        async with extra_edge(stack, tmp_path / node, node, 2) as st:
+            info = node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, node))
+            assert (info.draining, st.edge.draining, info.stopping) == (kept, kept, False), (node, info)
