@@ -141,12 +141,31 @@ class KvStore:
         with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
-    async def kv_purge_deletes(self, bucket: str, older_than: float) -> None:
-        """Drop a bucket's delete markers older than older_than seconds (with what is under them): a bucket
-        otherwise keeps one for every key ever deleted, and each whole-bucket read goes through them all."""
+    async def kv_purge_deletes(self, bucket: str, older_than: float, at_most: int = 1000) -> int:
+        """Drop up to at_most of a bucket's delete markers older than older_than seconds (a bucket otherwise
+        keeps one for every key ever deleted, and each whole-bucket read goes through them all); how many.
+        nats-py's purge_deletes left its watcher running, and purged every marker in one go. A watcher that
+        missed a delete learns it from kv_watch's on_synced."""
         kv = await self.kv(bucket)
+        stream = f"KV_{bucket}"
+        cutoff = time.time() - older_than
+        old: list[tuple[str, int]] = []
         with mapped_errors(f"kv purge deletes {bucket}"):
-            await kv.purge_deletes(olderthan=max(1, int(older_than)))
+            watcher = await kv.watchall()
+            try:
+                while True:
+                    entry = await watcher.updates(timeout=5.0)
+                    if entry is None or not hasattr(entry, "key"):
+                        break
+                    if entry.operation in ("DEL", "PURGE") and entry.created is not None \
+                            and entry.created.timestamp() < cutoff:
+                        old.append((entry.key, entry.revision))
+            finally:
+                with contextlib.suppress(Exception):
+                    await watcher.stop()
+            for key, revision in old[:at_most]:   # (up to the marker only: a value written since stays)
+                await self.js.purge_stream(stream, subject=f"$KV.{bucket}.{key}", seq=revision + 1)
+        return min(len(old), at_most)
 
     async def kv_items(self, bucket: str, tries: int = 5, *, prefix: str = "",
                        keys: str = "") -> list[tuple[str, bytes]]:
@@ -302,29 +321,37 @@ class KvStore:
 
 
 async def kv_watch(bus, bucket: str, on_change: Callable[[str, bytes | None, int], None], *,
-                   resync_every: float = 15.0) -> "asyncio.Task":
+                   resync_every: float = 15.0, on_synced: Callable[[set[str]], None] | None = None) -> "asyncio.Task":
     """Call on_change(key, value or None on delete, revision) for every current and future entry of a bucket.
 
     The watch is an ephemeral consumer on one server; if that server dies the watch can go silent. So
     it is started afresh after a reconnect, and whenever nothing arrived for `resync_every` seconds
-    (the current values are delivered again: callbacks must be idempotent per revision)."""
+    (the current values are delivered again: callbacks must be idempotent per revision). After each
+    delivery of the current values, on_synced(the keys that have one): a key deleted while the watch was
+    away, whose delete marker was swept since (kv_purge_deletes), is in no update, only missing there."""
     kv = await bus.kv(bucket)
     restart = asyncio.Event()
     remove = bus.on_reconnect(restart.set)
 
     async def _one() -> None:
         watcher = await kv.watchall()
+        present: set[str] | None = set()
         try:
             while True:
                 try:
                     entry = await watcher.updates(timeout=resync_every)
                 except nats.errors.TimeoutError:
                     return
-                if entry is None:
-                    continue   # end of the initial values
+                if entry is None:   # end of the initial values
+                    if present is not None and on_synced is not None:
+                        on_synced(present)
+                    present = None
+                    continue
                 if not hasattr(entry, "key"):
                     return     # the watcher was stopped
                 deleted = entry.operation in ("DEL", "PURGE")
+                if present is not None and not deleted:
+                    present.add(entry.key)
                 on_change(entry.key, None if deleted else entry.value, entry.revision)
         finally:
             with contextlib.suppress(Exception):

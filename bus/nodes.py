@@ -50,8 +50,9 @@ async def set_flag(bus: Bus, node: str, *, draining: bool | None = None, stoppin
                 return None
             return encode(msgspec.structs.replace(info, lost_at=time.time()))
         new = info
-        if draining is not None:
-            new = msgspec.structs.replace(new, draining=draining, stopping=bool(stopping))
+        if draining is not None:   # (a stop over an operator's drain leaves it the operator's)
+            own = bool(stopping) and not (info.draining and not info.stopping)
+            new = msgspec.structs.replace(new, draining=draining, stopping=own)
         if lost:
             new = msgspec.structs.replace(new, lost=True, lost_at=time.time(), lost_handled=False, bookings={})
         if lost_handled is not None:

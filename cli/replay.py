@@ -214,7 +214,7 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
                 elif out.aged_out() > 0:
                     _write(f"# ({out.aged_out()} output records aged out of dsec.out)\n".encode())
                 status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
-                    (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {rec.detail}]"
+                    (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {one_line(rec.detail)}]"
                                                                          if rec.error_code else "")
                 pid = f", pid {rec.pid}" if rec.pid else ""
                 _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s{pid}\n".encode())

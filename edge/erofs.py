@@ -27,6 +27,7 @@ DAX_ALIGN = 2 << 20
 # file's mtime below it (SOURCE_DATE_EPOCH clamps, in extended inodes): far in the future, it keeps them all.
 BUILD_TIME = 4102444800   # 2100-01-01
 PACKING = 2   # how pack_dir packs (2: mtimes kept); in the keys of packed layers cached outside a state dir
+MAX_NAME = 254   # bytes of one name this mkfs.erofs (1.5) packs: 255 fails "No such file or directory", naming none
 
 
 def pack_dir(src: Path, dst: Path, *, dax: bool = False) -> str:

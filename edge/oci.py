@@ -23,7 +23,7 @@ from pathlib import Path
 
 from edge.backends import kernel
 from edge.backends.treeops import remove_tree
-from edge.erofs import mtime_ns, set_dir_mtimes
+from edge.erofs import MAX_NAME, mtime_ns, set_dir_mtimes
 from edge.ociread import Budget, Image, OciError, read_docker_archive, read_oci_layout, unpack_archive
 
 __all__ = ["Budget", "Image", "OciError", "apply_layers", "read_docker_archive", "read_oci_layout", "unpack_archive"]
@@ -35,7 +35,6 @@ CAPABILITY = "security.capability"  # trusted.* (trusted.overlay.* would change 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 BLOCK = 1 << 20
 _ZERO = memoryview(bytes(BLOCK))   # (compared, never copied)
-MAX_NAME = 254                      # bytes of a file name (Debian 12's mkfs.erofs fails on 255: "No such file")
 
 
 # ------------------------------------------------------------------ applying layers
@@ -266,7 +265,8 @@ def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
         try:
             os.setxattr(path, name, raw, follow_symlinks=False)
         except OSError as exc:
-            if exc.errno == errno.ENOSPC:   # (not a full disk: ext4 keeps one block, ~4 KiB, of a file's xattrs)
+            if exc.errno == errno.ENOSPC and _room(dfd) > 16 << 20:   # (not a full disk: ext4 keeps one block,
+                                                                       # ~4 KiB, of a file's xattrs)
                 raise OciError(f"{m.name}: xattr {name}: its xattrs ({_xattr_bytes(m)} bytes in all) do not fit "
                                f"in the import's work directory (under {tempfile.gettempdir()}, on a filesystem "
                                f"that holds about 4 KiB of them a file, as ext4): set TMPDIR to a directory on btrfs "
@@ -274,6 +274,15 @@ def _attributes(dfd: int, base: str, m: tarfile.TarInfo) -> None:
             raise OciError(f"{m.name}: xattr {name}: {exc.strerror}") from None
     with contextlib.suppress(OSError):
         os.utime(base, ns=(mtime_ns(m.mtime),) * 2, dir_fd=dfd, follow_symlinks=False)
+
+
+def _room(dfd: int) -> int:
+    """Bytes free on the filesystem of directory fd dfd (0 when unknown)."""
+    try:
+        st = os.statvfs(f"/proc/self/fd/{dfd}")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _xattr_bytes(m: tarfile.TarInfo) -> int:

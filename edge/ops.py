@@ -15,13 +15,13 @@ import msgspec
 
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
-from bus.errors import DsecError, FileOpError, InvalidRequest, SandboxError, SandboxNotFound
+from bus.errors import DsecError, FileOpError, InvalidRequest, RateLimited, SandboxError, SandboxNotFound
 from bus.messages import (
     FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, ListProcesses, OkReply, ReadFile,
     ResumeRequest, RollbackRequest, SetNetworkRequest, SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile,
     encode, op_decoder)
 from bus.records import snapshot_decoder
-from bus.pull import Delivery, Verdict
+from bus.pull import Delivery, Lease, Verdict
 from chronus.execs import Execs
 from edge.backends.treeops import MAX_AFTER, MAX_DEPTH, check_metadata
 from edge.backends.base import BackendError, SandboxGone
@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
 MAX_TIMEOUT = 30 * 24 * 3600.0   # the longest set_timeout (a month)
-HEAVY_PER_TENANT = 2   # one tenant's file ops and snapshots the node runs at once (the rest wait their turn)
+HEAVY_PER_TENANT = 2   # one tenant's file ops (and, apart, its snapshots) the node runs at once; the rest wait
+HEAVY_RESERVE = 64     # ...and its waiting ones leave this many of the lane's credit (max_execs) to others:
+                       # past max_execs - HEAVY_RESERVE of them in flight, RateLimited
 NEEDS = {"write_file": "files", "read_file": "files", "file_op": "file_tree", "suspend": "suspend", "resume": "suspend",
          "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot",
          "set_network": "network"}   # op -> the capability (bus/kinds.py) it needs
@@ -50,7 +52,7 @@ class OpLane:
         self.outcomes: collections.Counter = collections.Counter()   # (message kind, verdict) -> ops handled
         self.network = None          # the edge's NodeNetwork (edge/network.py), set by the edge
         self._worker = None
-        self._heavy: dict[str, list] = {}   # tenant -> [its semaphore, ops holding or waiting for it]
+        self._heavy: dict[tuple, list] = {}   # (tenant, files|snapshots) -> [semaphore, ops holding or waiting]
 
     @property
     def duplicates(self) -> int:
@@ -96,20 +98,29 @@ class OpLane:
                                                 or sb.running[op.sandbox_id].record.tenant != tenant):
             await self._answer(op, _raise(await sb.gone(op.sandbox_id, tenant)))   # (another tenant's: never existed)
             return Verdict.ACK
+        if isinstance(op, ExecRequest):   # (an exec leases its own delivery while it runs)
+            return await self.execs.handle(msgspec.structs.replace(op, tenant=tenant), d)
+        lease = Lease(d)   # a snapshot, or an op waiting its turn, may take past the lane's ack wait (30 s): it was
+        try:               # delivered again, and a snapshot taken twice
+            await self._serve(op, tenant)
+        finally:
+            lease.cancel()
+        return Verdict.ACK
+
+    async def _serve(self, op, tenant: str) -> None:
+        sb = self.sandboxes
         match op:
-            case ExecRequest():
-                return await self.execs.handle(msgspec.structs.replace(op, tenant=tenant), d)
             case DestroyRequest():
                 await self._answer(op, self._on(op.sandbox_id, "destroy", lambda: self._destroy(tenant, op.sandbox_id),
                                                 tenant=tenant))
             case WriteFile():
-                await self._answer(op, self._in_turn(op, tenant, self._on(
+                await self._answer(op, self._in_turn(op, tenant, "files", lambda: self._on(
                     op.sandbox_id, "write_file", lambda: sb.backend.write_file(op.sandbox_id, op.path, op.data, op.mode),
                     FileOpError, tenant)))
             case ReadFile():
-                await self._answer(op, self._in_turn(op, tenant, self._read(op, tenant)))
+                await self._answer(op, self._in_turn(op, tenant, "files", lambda: self._read(op, tenant)))
             case FileOp():
-                await self._answer(op, self._in_turn(op, tenant, self._file_op(op, tenant)))
+                await self._answer(op, self._in_turn(op, tenant, "files", lambda: self._file_op(op, tenant)))
             case SetTimeoutRequest():
                 await self._answer(op, self._on(op.sandbox_id, "set_timeout", lambda: self._set_timeout(op),
                                                 tenant=tenant))
@@ -123,7 +134,7 @@ class OpLane:
             case SnapshotRequest():
                 async def snap() -> bytes:
                     return encode(await sb.snapshot(op.sandbox_id, op.tag, op.memory))
-                await self._answer(op, self._in_turn(op, tenant, self._on(
+                await self._answer(op, self._in_turn(op, tenant, "snapshots", lambda: self._on(
                     op.sandbox_id, "memory snapshot" if op.memory else "snapshot", snap, tenant=tenant)))
             case RollbackRequest():
                 await self._answer(op, self._on(op.sandbox_id, "rollback", lambda: self._rollback(op, tenant), tenant=tenant))
@@ -149,23 +160,27 @@ class OpLane:
                                message=f"{type(op).__name__} failed on the node: {exc.__class__.__name__}: {exc}")
         await self.bus.reply(op.reply_to, reply)
 
-    async def _in_turn(self, op, tenant: str, work):
-        """work, once one of the tenant's HEAVY_PER_TENANT turns is free: file ops and snapshots run in the
-        edge's threads, and one tenant's 128 listings of a 200,000-entry directory queued ahead of every other
-        tenant's (a 5 ms read took 10 s, then timed out: helper F2). An op whose deadline passed while it
-        waited is refused, not run."""
-        slot = self._heavy.setdefault(tenant, [asyncio.Semaphore(HEAVY_PER_TENANT), 0])
+    async def _in_turn(self, op, tenant: str, what: str, work):
+        """work(), once one of the tenant's HEAVY_PER_TENANT turns for `what` (files, snapshots) is free: they
+        run in the edge's threads, and one tenant's 128 listings of a 200,000-entry directory queued ahead of
+        every other tenant's (a 5 ms read took 10 s, then timed out: helper F2). Each waiting one holds a
+        delivery of the lane's credit: past max_execs - HEAVY_RESERVE of them, RateLimited, so another tenant's
+        ops are still pulled. One whose deadline passed while it waited is refused, not run."""
+        key = (tenant, what)
+        slot = self._heavy.setdefault(key, [asyncio.Semaphore(HEAVY_PER_TENANT), 0])
+        if slot[1] >= max(HEAVY_PER_TENANT + 1, self.max_execs - HEAVY_RESERVE):
+            raise RateLimited(f"{subjects.describe(tenant)} has {slot[1]} {what} ops in flight on node {self.node}, "
+                              f"the most it may: wait for some to end")
         slot[1] += 1
         try:
             async with slot[0]:
                 if op.deadline and time.time() > op.deadline:
-                    raise InvalidRequest("request expired while the tenant's earlier file ops and snapshots ran")
-                return await work
+                    raise InvalidRequest(f"request expired while the tenant's earlier {what} ops ran")
+                return await work()
         finally:
-            work.close()   # (never started: cancelled or expired while it waited; a no-op once it ran)
             slot[1] -= 1
             if not slot[1]:
-                del self._heavy[tenant]
+                del self._heavy[key]
 
     async def _on(self, sandbox_id: str, what: str, work, failure: type[DsecError] = SandboxError, tenant: str = ""):
         """Run work() for a sandbox this node runs: typed errors for a gone sandbox, an operation its kind

@@ -98,7 +98,7 @@ class WarmPools:
 
     async def start(self) -> None:
         """Watch the pool settings and keep the pools filled."""
-        self._tasks = [await kv_watch(self.bus, streams.WARM_POOLS_KV, self._on_change),
+        self._tasks = [await kv_watch(self.bus, streams.WARM_POOLS_KV, self._on_change, on_synced=self._on_synced),
                        asyncio.create_task(self._loop())]
 
     async def stop(self) -> None:
@@ -183,6 +183,13 @@ class WarmPools:
             if old is not None:
                 self._drop(old)
             self.pools[name] = Stock(spec)
+        self._wake.set()
+
+    def _on_synced(self, present: set[str]) -> None:
+        """The bucket's whole content was read: a pool not in it was deleted while the watch was away (its
+        delete marker swept since, so no update says it): drop it (it was kept and refilled for good)."""
+        for name in [n for n in self.pools if n not in present]:
+            self._drop(self.pools.pop(name))
         self._wake.set()
 
     def _drop(self, stock: Stock) -> None:

@@ -3,6 +3,7 @@ edge of the node pool watches them) and count the ready sandboxes the edges repo
 A pool belongs to the tenant that set it: another tenant can neither see, change nor remove it."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -19,8 +20,9 @@ from bus.validate import check_warm_pool
 log = logging.getLogger(__name__)
 
 DEFAULT_OWNER = "default"   # the owner of a pool written before pools had owners
-MAX_POOLS = 32              # warm pools one tenant (account) may have: each costs every edge of its node pool work
-PURGE_EVERY = 60.0          # seconds between sweeps of deleted pools' markers (each one is read by every listing)
+MAX_POOLS = 32              # warm pools one account (a tenant, or a project) may have: each costs every edge work
+MARKER_AGE = 600.0          # seconds a deleted pool's marker is kept (an edge away longer learns it on its resync)
+SWEEP_EVERY = 60.0          # seconds between sweeps of older markers (every listing reads each one)
 
 
 def owner_of(spec: WarmPool) -> str:
@@ -32,6 +34,7 @@ class WarmPools:
         self.bus = bus
         self.images = images
         self._purged_at = 0.0   # (monotonic) when deleted pools' markers were last swept
+        self._sweeping: asyncio.Task | None = None
 
     def handlers(self) -> dict:
         return {SetWarmPool: self._set, ListWarmPools: self._list, DeleteWarmPool: self._delete}
@@ -92,9 +95,10 @@ class WarmPools:
         """QuotaExceeded past MAX_POOLS pools of one tenant: pools of max=0 cost its quota nothing, and 20,000
         of them made every edge re-check each pool's image every 2 s, another tenant's create take 0.7 s and
         its pool listing time out (helper T2)."""
-        mine = [p.name for p in await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
-                if owner_of(p) == tenant and p.name != spec.name]
-        if len(mine) >= MAX_POOLS:
+        pools = await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
+        mine = [p.name for p in pools if owner_of(p) == tenant]
+        if spec.name not in mine and len(mine) >= MAX_POOLS:   # (one it has may always change; two sets racing
+                                                               # may pass it by one each: not a flood)
             raise QuotaExceeded(f"{subjects.describe(tenant)} has {len(mine)} warm pools, the most one tenant may "
                                 f"have: remove one (delete_warm_pool) first")
 
@@ -105,20 +109,25 @@ class WarmPools:
         if prior is None or owner_of(prior) != tenant:
             raise InvalidRequest(f"no warm pool named {req.name!r}")
         await self.bus.kv_delete(streams.WARM_POOLS_KV, req.name)
-        await self._purge_markers()
+        self._sweep_soon()
         return Done()
 
-    async def _purge_markers(self) -> None:
-        """Drop deleted pools' markers older than PURGE_EVERY (every edge has seen those deletes by then): a
+    def _sweep_soon(self) -> None:
+        """Drop, behind the delete, deleted pools' markers older than MARKER_AGE, at most every SWEEP_EVERY: a
         bucket keeps one for each name ever deleted, and every listing read them all (30,003 entries for 3
-        pools: another tenant's listing took 6 s)."""
+        pools: another tenant's listing took 6 s, for good; helper T2)."""
         now = time.monotonic()
-        if now - self._purged_at < PURGE_EVERY:
+        if (self._sweeping is not None and not self._sweeping.done()) or now - self._purged_at < SWEEP_EVERY:
             return
         self._purged_at = now
+        self._sweeping = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
         try:
-            await self.bus.kv_purge_deletes(streams.WARM_POOLS_KV, older_than=PURGE_EVERY)
-        except DsecError as exc:   # (the delete itself is done; the next one sweeps again)
+            swept = await self.bus.kv_purge_deletes(streams.WARM_POOLS_KV, older_than=MARKER_AGE)
+            if swept:
+                log.info("swept %d deleted warm pools' markers", swept)
+        except DsecError as exc:   # (the next delete sweeps again)
             log.warning("could not sweep deleted warm pools' markers: %s", exc)
 
     async def _list(self, tenant: str, _req: ListWarmPools) -> WarmPoolList:

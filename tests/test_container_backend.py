@@ -390,6 +390,31 @@ async def test_a_destroy_whose_processes_outlive_their_kill_is_finished_behind_i
     assert sandboxes.backend.residue(sid) == [] and _host_procs(["sleep", "100031"]) == []
 
 
+async def test_a_destroy_whose_processes_go_while_their_groups_are_removed_hands_its_uids_back_once(
+        sandboxes: Sandboxes, monkeypatch) -> None:
+    """The kill gave up, then the processes went while the groups were removed: the range was handed back
+    there, and the teardown finished behind the destroy handed it back again, so two live sandboxes shared
+    one host uid range (review R2). Nothing is finished behind it now, and the next creates get ranges of
+    their own."""
+    from edge.backends import cgroups
+    from edge.backends.container import launch
+    real = cgroups.kill_tree
+
+    async def late(freezer, timeout=10.0, init=None):   # kills, but reports them not gone yet
+        await real(freezer, timeout, init)
+        return False
+    monkeypatch.setattr(cgroups, "kill_tree", late)
+    monkeypatch.setattr(launch, "FINISH_RETRIES", (0.1, 0.2))
+    sid = await sandboxes.create()
+    await sandboxes.backend.destroy(sid)
+    monkeypatch.setattr(cgroups, "kill_tree", real)
+    first = await sandboxes.create()
+    await asyncio.sleep(0.6)   # (past where a second hand-back ran)
+    second = await sandboxes.create()
+    held = sandboxes.backend._sandboxes
+    assert held[first].ids.base != held[second].ids.base, (held[first].ids, held[second].ids)
+
+
 # ---------------------------------------------------------------- concurrency
 
 

@@ -404,10 +404,13 @@ async def test_a_stop_cut_short_leaves_no_drain_for_the_next_start_but_an_operat
     10 s budget passed), the record stayed draining, and the restarted node refused every create until an
     operator ran `dsec node undrain` (helper T2). A stop's drain is marked as such now; an operator's holds."""
     from tests.conftest import extra_edge
-    for node, stopping, kept in (("cutstop", True, False), ("opdrain", False, True)):
+    from bus.nodes import set_flag
+    for node, stopping, kept in (("cutstop", True, False), ("opdrain", False, True), ("opthenstop", False, True)):
         left = NodeInfo(node=node, draining=True, stopping=stopping, started_at=time.time() - 60,
                         heartbeat=time.time() - 60)
         await stack.bus.kv_put(streams.NODES_KV, node, encode(left))
+        if node == "opthenstop":   # an operator's drain, then a stop cut short: the drain stays the operator's
+            await set_flag(stack.bus, node, draining=True, stopping=True)
         async with extra_edge(stack, tmp_path / node, node, 2) as st:
             info = node_decoder.decode(await stack.bus.kv_get(streams.NODES_KV, node))
             assert (info.draining, st.edge.draining, info.stopping) == (kept, kept, False), (node, info)

@@ -217,6 +217,8 @@ async def test_a_tenants_newlines_cannot_forge_lines_of_the_text_replay(stack, c
         await sb.exec(f"true\n{forged}")
         await sb.exec(["mkdir", "-p", f"/tmp/x\n{forged}"])
         await sb.exec("true", cwd=f"/tmp/x\n{forged}")
+        with pytest.raises(libdsec.ExecFailed):   # its error, which names argv[0], is on the exit line (review R2)
+            await sb.exec([f"nosuch\n{forged}\n#"])
     for scope in (["--sandbox", sb.id], ["--job", "jforge"]):
         p = await asyncio.to_thread(subprocess.run, [DSEC, "replay", *scope, "--nats", stack.url],
                                     capture_output=True, text=True, timeout=60)

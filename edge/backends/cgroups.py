@@ -194,7 +194,10 @@ def rmdir_tree(group: Path) -> list[str]:
     return busy
 
 
-async def kill_tree(freezer: Path, timeout: float = 10.0, init: int | None = None) -> bool:
+KILL_TIMEOUT = 10.0   # seconds kill_tree waits for a group's killed processes to be gone
+
+
+async def kill_tree(freezer: Path, timeout: float = KILL_TIMEOUT, init: int | None = None) -> bool:
     """SIGKILL every process under a freezer group and wait until none is left; False if some survive.
 
     init: the pid-namespace init of the group, if any. Killed first, it makes the kernel kill its

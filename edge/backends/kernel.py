@@ -32,6 +32,7 @@ OPEN_TREE_CLONE = 1
 AT_EMPTY_PATH = 0x1000
 AT_RECURSIVE = 0x8000
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOUNT_ATTR_RDONLY = 0x00000001
 MOUNT_ATTR_NOSUID = 0x00000002
 MOUNT_ATTR_IDMAP = 0x00100000
 
@@ -232,14 +233,15 @@ def move_mount(fd: int, target: str) -> None:
            f"move_mount({target})")
 
 
-def idmapped_clone(path: str, userns_fd: int, suid: bool = False) -> int:
+def idmapped_clone(path: str, userns_fd: int, suid: bool = False, readonly: bool = False) -> int:
     """A detached copy of the mount at path whose file owners are seen through userns_fd's maps
     (on-disk id n shows as the host id that n maps to); returns its fd (open_tree + mount_setattr).
     suid: the copy honours setuid bits (the host's mount stays nosuid: the copy's owners are the
-    sandbox's range, so a setuid-root file there is setuid to the sandbox's root only)."""
+    sandbox's range, so a setuid-root file there is setuid to the sandbox's root only). readonly: the
+    copy is read-only."""
     fd = open_tree_clone(path)
-    attr = _MountAttr(MOUNT_ATTR_IDMAP | (0 if suid else MOUNT_ATTR_NOSUID), MOUNT_ATTR_NOSUID if suid else 0, 0,
-                      userns_fd)
+    attr = _MountAttr(MOUNT_ATTR_IDMAP | (0 if suid else MOUNT_ATTR_NOSUID) | (MOUNT_ATTR_RDONLY if readonly else 0),
+                      MOUNT_ATTR_NOSUID if suid else 0, 0, userns_fd)
     try:
         _check(_libc.syscall(SYS_MOUNT_SETATTR, fd, b"", AT_EMPTY_PATH, ctypes.byref(attr), ctypes.sizeof(attr)),
                f"mount_setattr({path}, idmap)")
@@ -249,9 +251,9 @@ def idmapped_clone(path: str, userns_fd: int, suid: bool = False) -> int:
     return fd
 
 
-def idmap_over(path: str, userns_fd: int, at: str | None = None, suid: bool = False) -> None:
+def idmap_over(path: str, userns_fd: int, at: str | None = None, suid: bool = False, readonly: bool = False) -> None:
     """Mount an idmapped copy of path over `at` (default: over path itself, stacked)."""
-    fd = idmapped_clone(path, userns_fd, suid)
+    fd = idmapped_clone(path, userns_fd, suid, readonly)
     try:
         move_mount(fd, at or path)
     finally:

@@ -9,9 +9,7 @@ from pathlib import Path
 
 from edge.backends import idmap, kernel
 from edge.backends.treeops import walk
-
-
-MAX_NAME = 254   # bytes of one name mkfs.erofs 1.5 packs (255 fails naming no file: edge/oci.py refuses them too)
+from edge.erofs import MAX_NAME
 
 
 def apparent_size(root: Path) -> int:
@@ -50,16 +48,18 @@ def inside(root: Path, path: str) -> str:
     return "/" + (rel if rel != "." else "")
 
 
-def pack_relative(upper: Path, dst: Path, ids: idmap.IdRange) -> str:
-    """mkfs.erofs of upper as the sandbox sees its owners (host base+n packed as n), through an idmapped
-    view mounted beside dst for the pack (mkfs.erofs resolves its source path, so a detached view read
-    through /proc/self/fd would be resolved away)."""
+def pack_relative(upper: Path, dst: Path, ids: idmap.IdRange, view: Path) -> str:
+    """mkfs.erofs of upper as the sandbox sees its owners (host base+n packed as n), through a read-only
+    idmapped view of it mounted at `view` for the pack (mkfs.erofs resolves its source path, so a detached
+    view read through /proc/self/fd would be resolved away). The view is the node's (state_dir/packing/<key>:
+    not in the upper's capped subvolume, where a full sandbox left no room for it, nor in any directory a
+    recursive clean-up removes, which would go through the mount); a start unmounts and removes what a crash
+    left there (lifecycle._reconcile)."""
     from edge.erofs import pack_dir
-    view = dst.parent / f"view-{upper.parent.name}"   # (not in the upper's subvolume: a full one had no room)
-    view.mkdir(exist_ok=True)
+    view.mkdir(parents=True, exist_ok=True)
     userns = idmap.relative_userns(ids)
     try:
-        kernel.idmap_over(str(upper), userns, at=str(view))
+        kernel.idmap_over(str(upper), userns, at=str(view), readonly=True)
     finally:
         os.close(userns)
     try:

@@ -301,10 +301,21 @@ def remove_path(path) -> None:
             mode = os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode
         except FileNotFoundError:
             return
-        if st.S_ISDIR(mode):
-            remove_tree(pfd, name)
-        else:
+        if not st.S_ISDIR(mode):
             os.unlink(name, dir_fd=pfd)
+            return
+        dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+        try:   # its entries one by one, so what remove_tree moves up stays inside it (never beside it)
+            with os.scandir(dfd) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            for child, is_dir in entries:
+                if is_dir:
+                    remove_tree(dfd, child)
+                else:
+                    os.unlink(child, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        os.rmdir(name, dir_fd=pfd)
     finally:
         os.close(pfd)
 

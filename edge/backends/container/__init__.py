@@ -47,6 +47,7 @@ class ContainerBackend(Lifecycle, Launching, Executing, Files, Freezing, Resetti
         self._layers = LayerMounts(self.state_dir / "layers")
         self._empty = self.state_dir / "empty"     # the lowerdir of a sandbox without layers
         self._trusted = self.state_dir / "trusted"  # the trusted shell, bind-mounted at /.dsec in every sandbox
+        self._packing = self.state_dir / "packing"  # snapshot packs' read-only idmapped views of uppers (packing.py)
         self._devices = self.state_dir / "devices"  # bound at /dev and /sys in every sandbox (nodemounts.py)
         self._sysfs = self.state_dir / "sysfs"
         self._launcher = Launcher(init_binary, label=f"{self.state_dir}:{node_id}")

@@ -62,10 +62,10 @@ class Freezing(Core):
                 raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: its files add up to {size} bytes "
                                        f"(sparse and reflinked files counted at their apparent size), above "
                                        f"its disk limit of {sb.spec.limits.disk} bytes")
-            return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids)
+            return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids, self._packing / sb.key)
         except (LayerBuildError, OSError) as exc:   # (named as the sandbox sees it; the edge adds whose)
             text = str(exc)
-            for host in (str(Path(dst).parent / f"view-{sb.key}"), str(upper)):
+            for host in (str(self._packing / sb.key), str(upper), str(Path(dst).parent)):
                 text = text.replace(host, "")
             raise BackendError(text) from exc
         finally:

@@ -177,7 +177,9 @@ class Launching(Core):
             if sb.resident is not None:   # first: it holds the sandbox's namespaces
                 await sb.resident.stop()
             groups = self._cgroups.sandbox(sb.key)
-            residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers, sb.ids)
+            released: list[bool] = []
+            residue = await self._teardown(sb.key, (sb.init_pid, sb.init_exit), groups, True, sb.layers, sb.ids,
+                                           released)
             if self.network is not None:
                 await self.network.detach(sb.spec.id)
         finally:
@@ -190,8 +192,12 @@ class Launching(Core):
             # Killed, but not gone within kill_tree's 10 s (a machine at load 70, tasks in uninterruptible I/O):
             # no command of the sandbox runs again, so its destroy is done for its user; the node finishes the
             # teardown (groups, upper, uid range) behind it (it failed the destroy and left them until a restart).
+            if released and len(residue) == 1:   # gone while their groups were removed: nothing is left
+                log.info("destroy %s: its killed processes took over %.0f s to go", sb.spec.id, cgroups.KILL_TIMEOUT)
+                return
             log.warning("destroy %s: %s; finishing its teardown in the background", sb.spec.id, "; ".join(residue))
-            self._drains.add(asyncio.ensure_future(self._finish_later(sb.spec.id, sb.key, groups, sb.ids)))
+            self._drains.add(asyncio.ensure_future(   # (a uid range handed back already is never handed back again)
+                self._finish_later(sb.spec.id, sb.key, groups, None if released else sb.ids)))
         elif residue:
             raise BackendError(f"destroy {sb.spec.id} left: {'; '.join(residue)}")
 
@@ -212,9 +218,11 @@ class Launching(Core):
 
     async def _teardown(self, key: str, init: tuple[int, asyncio.Future] | None,
                         groups: dict[str, Path] | None,
-                        upper: bool, layers: list[Path], ids: idmap.IdRange | None = None) -> list[str]:
+                        upper: bool, layers: list[Path], ids: idmap.IdRange | None = None,
+                        released: list[bool] | None = None) -> list[str]:
         """Undo a (partial) launch in reverse order; return what could not be removed. The uid range goes
-        back only when every process is gone (else it stays leased: a leftover keeps its identity)."""
+        back only when every process is gone (else it stays leased: a leftover keeps its identity); when it
+        went back, True is appended to `released`."""
         residue: list[str] = []
         gone = False
         try:
@@ -235,8 +243,11 @@ class Launching(Core):
                     residue.append(str(exc))
         finally:
             self._layers.release(layers)   # whatever failed above, the layer references go
-            if ids is not None and (gone or not groups) and not self._ids.release(ids):
-                self._drains.add(asyncio.ensure_future(self._release_later(ids)))
+            if ids is not None and (gone or not groups):
+                if released is not None:
+                    released.append(True)
+                if not self._ids.release(ids):
+                    self._drains.add(asyncio.ensure_future(self._release_later(ids)))
         return residue
 
     async def _release_later(self, ids: idmap.IdRange) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -95,6 +96,9 @@ class Lifecycle(Core):
         for point in reversed(mount_points()):
             if point.startswith(f"{self.state_dir}/"):
                 kernel.umount2(point, kernel.MNT_DETACH)
+        for view in (self._packing.iterdir() if self._packing.is_dir() else []):   # a crash's packing views:
+            with contextlib.suppress(OSError):                                   # empty once unmounted (rmdir,
+                view.rmdir()                                                     # never a recursive removal)
         if problems:
             raise BackendError(f"cannot clean up node {self.node_id}: {'; '.join(problems)}")
 

@@ -114,7 +114,8 @@ class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking
         for pid in qemu_processes(self.state_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.state_dir / "vms", ignore_errors=True)
+        with contextlib.suppress(OSError):   # (a pack's work dir in it may be a tree of any depth)
+            remove_path(self.state_dir / "vms")
         if not problems:
             self._ids.setup()
             await asyncio.to_thread(self._ids.reclaim)
@@ -246,7 +247,8 @@ class MicroVMBackend(GuestFiles, MemorySnapshots, Restoring, Booting, Networking
                 residue.append(f"processes survive in {groups['freezer']}")
             residue.extend(await _remove_groups(groups))
             await self._detach(vm)
-            shutil.rmtree(self._dir(vm.key), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_path(self._dir(vm.key))
             if self._dir(vm.key).exists():
                 residue.append(f"VM dir {self._dir(vm.key)}")
         finally:

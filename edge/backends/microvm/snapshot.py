@@ -22,7 +22,7 @@ import tarfile
 from pathlib import Path
 
 from edge.backends.base import BackendError, SnapshotTooLarge
-from edge.erofs import mtime_ns, set_dir_mtimes
+from edge.erofs import MAX_NAME, mtime_ns, set_dir_mtimes
 from edge.backends.gvisor.agent import AgentChannel
 from chronus.shell import TRUSTED_BUSYBOX
 
@@ -85,6 +85,8 @@ def unpack(tar: Path, root: Path, opaque: list[str]) -> None:
                 raise UnsafeArchive(f"{m.name!r} leaves the tree")
             if rel == "":
                 continue
+            if any(len(p.encode("utf-8", "surrogateescape")) > MAX_NAME for p in rel.split("/")):
+                raise SnapshotTooLarge(f"/{rel[:300]}: a name of 255 bytes (a layer holds names of up to {MAX_NAME})")
             if m.isblk() or (m.ischr() and (m.devmajor, m.devminor) != (0, 0)):
                 raise UnsafeArchive(f"{rel!r} is a device node (only whiteouts, 0/0, may be)")
             if not (m.isfile() or m.isdir() or m.issym() or m.islnk() or m.isfifo() or m.ischr()):
@@ -131,7 +133,10 @@ async def pack(chan: AgentChannel, sandbox_id: str, disk: int, env: dict[str, st
             why = sink.stderr.decode(errors="replace").strip()
             raise BackendError(f"tar in the guest exited {res.exit_code}: {why}")
         (work / "root").mkdir(mode=0o755)
-        await asyncio.to_thread(unpack, work / "upper.tar", work / "root", opaque)
+        try:
+            await asyncio.to_thread(unpack, work / "upper.tar", work / "root", opaque)
+        except SnapshotTooLarge as exc:
+            raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: {exc}") from None
         (work / "upper.tar").unlink()
         return await asyncio.to_thread(pack_dir, work / "root", dst)
     except (UnsafeArchive, tarfile.TarError, LayerBuildError, OSError) as exc:
