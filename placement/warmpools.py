@@ -52,8 +52,9 @@ class WarmPools:
         spec = msgspec.structs.replace(req.pool, owner=tenant, updated_at=time.time())
         check_warm_pool(spec)
         await self.images.compose(spec.image, spec.workspace, spec.toolkit)
-        await self._within_quota(tenant, spec)
-        await self._within_count(tenant, spec)
+        pools = await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)   # (read once for both checks)
+        await self._within_quota(tenant, spec, pools)
+        self._within_count(tenant, spec, pools)
         for _ in range(3):
             raw, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, spec.name)
             try:
@@ -66,7 +67,7 @@ class WarmPools:
                 return spec   # (over exactly what was checked: two tenants taking one new name, one wins)
         raise InvalidRequest(f"warm pool {spec.name!r} is being changed by someone else: try again")
 
-    async def _within_quota(self, tenant: str, spec: WarmPool) -> None:
+    async def _within_quota(self, tenant: str, spec: WarmPool, pools: list[WarmPool]) -> None:
         """QuotaExceeded when the tenant's pools could keep more ready (their `max`, on each node of their
         pool) than its quota lets it run: warm stock is not charged to the quota until claimed, so a tenant
         with a quota of 3 kept 32, the whole node's warm budget, and another tenant's pool never filled
@@ -79,23 +80,23 @@ class WarmPools:
                 q = None
             if q is None:
                 continue
-            pools = [p for p in await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
-                     if p.name != spec.name and subjects.tenant_root(owner_of(p)) == subjects.tenant_root(account)
-                     and (account == subjects.tenant_root(account) or owner_of(p) == account)] + [spec]
-            kept = sum(p.max for p in pools)
-            cpu = sum(p.max * p.resources.cpu for p in pools)
-            memory = sum(p.max * p.resources.memory for p in pools)
+            held = [p for p in pools
+                    if p.name != spec.name and subjects.tenant_root(owner_of(p)) == subjects.tenant_root(account)
+                    and (account == subjects.tenant_root(account) or owner_of(p) == account)] + [spec]
+            kept = sum(p.max for p in held)
+            cpu = sum(p.max * p.resources.cpu for p in held)
+            memory = sum(p.max * p.resources.memory for p in held)
             if ((q.max_sandboxes and kept > q.max_sandboxes) or (q.max_cpu and cpu > q.max_cpu + 1e-9)
                     or (q.max_memory and memory > q.max_memory)):
                 raise QuotaExceeded(f"{subjects.describe(account)}: its warm pools could keep {kept} sandboxes "
                                     f"ready on a node (their max: {cpu:g} cpu, {memory >> 20} MiB), more than its "
                                     "quota lets it run")
 
-    async def _within_count(self, tenant: str, spec: WarmPool) -> None:
+    @staticmethod
+    def _within_count(tenant: str, spec: WarmPool, pools: list[WarmPool]) -> None:
         """QuotaExceeded past MAX_POOLS pools of one tenant: pools of max=0 cost its quota nothing, and 20,000
         of them made every edge re-check each pool's image every 2 s, another tenant's create take 0.7 s and
         its pool listing time out (helper T2)."""
-        pools = await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)
         mine = [p.name for p in pools if owner_of(p) == tenant]
         if spec.name not in mine and len(mine) >= MAX_POOLS:   # (one it has may always change; two sets racing
                                                                # may pass it by one each: not a flood)
