@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import io
@@ -18,7 +19,7 @@ from nats.js import api
 
 from bus.errors import BusError
 from bus.messages import Wire, encode
-from bus.nats_errors import check_fits, mapped_errors, not_found
+from bus.nats_errors import check_fits, mapped_errors, not_found, timed_out
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,15 @@ class KvStore:
         with mapped_errors(f"kv delete {bucket}/{key}"), contextlib.suppress(nats.js.errors.KeyNotFoundError):
             await kv.delete(key)
 
+    async def kv_remove(self, bucket: str, key: str) -> None:
+        """Delete a key leaving no delete marker, in a bucket nothing watches (its readers find the key absent
+        either way, and a marker per key ever deleted would stay for good). A value written after the one
+        read here stays."""
+        _, revision = await self.kv_entry(bucket, key)
+        if revision:
+            with mapped_errors(f"kv remove {bucket}/{key}"):
+                await self.js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}", seq=revision + 1)
+
     async def kv_purge_deletes(self, bucket: str, older_than: float, at_most: int = 1000) -> int:
         """Drop up to at_most of a bucket's delete markers older than older_than seconds (a bucket otherwise
         keeps one for every key ever deleted, and each whole-bucket read goes through them all); how many.
@@ -192,8 +202,8 @@ class KvStore:
                     out.pop(key, None)
                 else:
                     out[key] = data
-            if upto >= info.state.last_seq:
-                return list(out.items())
+            if upto >= info.state.last_seq or await self.stored_after(f"KV_{bucket}", f"$KV.{bucket}.>", upto) is None:
+                return list(out.items())   # (a tail purged since, or expired: nothing stored after what was read)
             log.info("kv list %s read a replica behind its leader (%d < %d): again", bucket, upto,
                      info.state.last_seq)
             await asyncio.sleep(0.2 * (attempt + 1))
@@ -222,6 +232,50 @@ class KvStore:
             else:
                 out[subj[len(head):]] = data
         return list(out.items())
+
+    async def kv_scan(self, bucket: str, keys: str, after: int = 0, want: Callable[[], int] = lambda: 256):
+        """The entries of the keys a filter matches (`acme.>`) stored after stream sequence `after`, in
+        sequence order: (key, value or None for a delete, its sequence, how many matching entries follow).
+        A bucket keeping one revision per key (history=1) holds each key's latest alone, so a reader may
+        stop anywhere and go on after the last sequence it took, reading each entry once (one written
+        meanwhile comes again, later). Pulled want() at a time, which the reader says as it goes (a page of
+        500 needs at most 500 more): a reader that stops received little it did not take. Iterate it under
+        contextlib.aclosing when stopping early."""
+        subject, stream = f"$KV.{bucket}.{keys}", f"KV_{bucket}"
+        first = await self.stored_after(stream, subject, after)
+        if first is None:
+            return
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first.seq,
+                                    ack_policy=api.AckPolicy.NONE, inactive_threshold=10.0, mem_storage=True,
+                                    num_replicas=1)
+        head = f"$KV.{bucket}."
+        with mapped_errors(f"kv scan {bucket}"):
+            sub = await self.js.pull_subscribe(subject, stream=stream, config=config)
+        try:
+            while True:
+                try:
+                    with mapped_errors(f"kv scan {bucket}"):
+                        msgs = await sub.fetch(max(1, min(want(), 1000)), timeout=3)
+                except BusError as exc:
+                    if timed_out(exc):
+                        raise BusError(f"kv scan {bucket}: the read stalled before its end") from exc
+                    raise
+                for m in msgs:
+                    op = (m.headers or {}).get("KV-Operation", "PUT")
+                    pending = m.metadata.num_pending
+                    yield m.subject[len(head):], None if op in ("DEL", "PURGE") else m.data, \
+                        m.metadata.sequence.stream, pending
+                    if pending == 0:
+                        return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+                await self.nc.publish(f"$JS.API.CONSUMER.DELETE.{stream}.{sub._consumer}", b"")
+
+    async def kv_last_seq(self, bucket: str) -> int:
+        """The last stream sequence a bucket stored (as its stream's leader says)."""
+        with mapped_errors(f"kv info {bucket}"):
+            return (await self.js.stream_info(f"KV_{bucket}")).state.last_seq
 
     async def _kv_stream(self, bucket: str, subject: str = ""):
         with mapped_errors(f"kv list {bucket}"):
@@ -284,7 +338,8 @@ class KvStore:
         return True
 
     async def obj_delete(self, bucket: str, name: str) -> None:
-        """Delete an object (absent: nothing to do)."""
+        """Delete an object (absent: nothing to do): its chunks, and then the deleted-marker its store leaves
+        (one per object ever deleted otherwise stays for good). An object stored again since keeps its own."""
         try:
             with mapped_errors(f"object delete {bucket}/{name}"):
                 store = await self.admin.object_store(bucket)
@@ -292,6 +347,17 @@ class KvStore:
         except BusError as exc:
             if not not_found(exc):
                 raise
+        meta = f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+        try:
+            with mapped_errors(f"object delete {bucket}/{name}"):
+                last = await self.js.get_last_msg(f"OBJ_{bucket}", meta)
+                if msgspec.json.decode(last.data or b"{}").get("deleted"):
+                    await self.js.purge_stream(f"OBJ_{bucket}", subject=meta, seq=last.seq + 1)
+        except BusError as exc:
+            if not not_found(exc):
+                raise
+        except (msgspec.DecodeError, AttributeError):
+            pass   # not a store's meta: left as it is
 
     async def obj_list(self, bucket: str) -> dict[str, float]:
         """Every object stored: its name -> when it was stored (epoch seconds; 0 when not said)."""
@@ -321,19 +387,24 @@ class KvStore:
 
 
 async def kv_watch(bus, bucket: str, on_change: Callable[[str, bytes | None, int], None], *,
-                   resync_every: float = 15.0, on_synced: Callable[[set[str]], None] | None = None) -> "asyncio.Task":
+                   resync_every: float = 15.0, on_synced: Callable[[set[str]], None] | None = None,
+                   on_start: Callable[[], None] | None = None, restart: asyncio.Event | None = None) -> "asyncio.Task":
     """Call on_change(key, value or None on delete, revision) for every current and future entry of a bucket.
 
     The watch is an ephemeral consumer on one server; if that server dies the watch can go silent. So
     it is started afresh after a reconnect, and whenever nothing arrived for `resync_every` seconds
     (the current values are delivered again: callbacks must be idempotent per revision). After each
     delivery of the current values, on_synced(the keys that have one): a key deleted while the watch was
-    away, whose delete marker was swept since (kv_purge_deletes), is in no update, only missing there."""
+    away, whose delete marker was swept since (kv_purge_deletes), is in no update, only missing there.
+    on_start() is called as each watch begins; setting `restart` starts it afresh (a reader that finds it
+    behind)."""
     kv = await bus.kv(bucket)
-    restart = asyncio.Event()
+    restart = restart if restart is not None else asyncio.Event()
     remove = bus.on_reconnect(restart.set)
 
     async def _one() -> None:
+        if on_start is not None:
+            on_start()
         watcher = await kv.watchall()
         present: set[str] | None = set()
         try:

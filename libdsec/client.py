@@ -503,14 +503,15 @@ class AsyncClient:
         projects' sandboxes too (`.tenant` names the project's account, `<tenant>__<project>`)."""
         if labels is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
             raise InvalidRequest("labels must map str to str")
-        out: list[SandboxRecord] = []
+        out: dict[str, SandboxRecord] = {}
         token = ""
         while True:
             page = await self._ask(ListSandboxes(states=[] if all_states else ["ready"], labels=dict(labels or {}),
                                                  next_token=token), SandboxPage)
-            out.extend(page.records)
+            for r in page.records:   # (a record that changed while the pages were read comes again: the later wins)
+                out[r.sandbox_id] = r
             if not page.next_token:
-                return sorted(out, key=lambda r: (r.created_at, r.sandbox_id))
+                return sorted(out.values(), key=lambda r: (r.created_at, r.sandbox_id))
             token = page.next_token
 
     # ---- trajectories -----------------------------------------------------------------------------

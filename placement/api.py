@@ -9,6 +9,7 @@ every error turned into one typed ErrorReply. A handler only does its own work.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -18,12 +19,13 @@ from typing import Awaitable, Callable
 import msgspec
 
 from bus import lanes, streams, subjects
-from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, QuotaState, SandboxPage,
+from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, QuotaState,
                          api_request_decoder)
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
-from bus.messages import ErrorReply, Wire, encode
-from bus.records import Quota, SandboxRecord, engine_decoder, sandbox_decoder
+from bus.messages import ErrorReply, Wire
+from bus.records import Quota, engine_decoder, sandbox_decoder
+from placement.listing import Listings
 from placement.snapshots import Snapshots
 from placement.streamapi import StreamReadsApi
 from placement.warmpools import WarmPools
@@ -34,7 +36,6 @@ QUEUE = "dsec-api"
 DEFAULT_RATE = 200.0       # control requests per second per tenant (over all engines); a burst of twice that passes
 MAX_BUCKETS = 10_000       # tenants' rate buckets kept before the full ones are dropped
 ENGINE_ALIVE = 5.0         # seconds an engine's figures count it as answering (it puts them every second)
-MAX_REPLY = 768 << 10      # bytes of records per page (a reply stays under the server's 1 MiB max payload)
 STATES = ("starting", "ready", "destroyed", "expired", "failed", "node_lost")
 
 
@@ -68,13 +69,15 @@ class ControlApi:
         self.bus = bus
         self.quotas = quotas
         self.rate = rate
-        self.snapshots = Snapshots(bus, self.records)
+        self.listings = Listings(bus)
+        self.snapshots = Snapshots(bus, self.listings.live)
         self.pools = WarmPools(bus, images)
         self.reads = StreamReadsApi(bus)
         self.outcomes: collections.Counter = collections.Counter()   # (verb, code) -> answers
         self._buckets: dict[str, Bucket] = {}
         self._engines: dict[str, float] = {}   # engine -> when its figures were last heard (KV dsec-engines)
         self._sub = None
+        self._index: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
             GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(),
             **self.pools.handlers(), **self.reads.handlers()}
@@ -82,9 +85,14 @@ class ControlApi:
         self._run = lanes.chain(self._dispatch, self.steps)
 
     async def start(self) -> None:
+        self._index = await self.listings.start()
         self._sub = await self.bus.serve(subjects.api_all(), self.handle, queue=QUEUE)
 
     async def stop(self) -> None:
+        if self._index is not None:
+            self._index.cancel()
+            await asyncio.gather(self._index, return_exceptions=True)
+            self._index = None
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -187,13 +195,6 @@ class ControlApi:
 
     # ---- sandboxes ------------------------------------------------------------------------------
 
-    async def records(self, tenant: str) -> list[SandboxRecord]:
-        """Every record one account sees (any state), by id: a read of its keys alone (<tenant>.>), so a
-        list costs the tenant's records, and nothing is watched between lists. A tenant's read takes its
-        projects' records too (keyed <tenant>.<project>.<id>); a project's, its own alone."""
-        recs = await self.bus.kv_values(streams.SANDBOXES_KV, sandbox_decoder, prefix=subjects.record_prefix(tenant))
-        return sorted((r for r in recs if subjects.sees(tenant, r.tenant)), key=lambda r: r.sandbox_id)
-
     async def _get(self, tenant: str, req: GetSandbox) -> Wire:
         if not subjects.is_token(req.sandbox_id):
             raise InvalidRequest(f"sandbox_id must be 1-128 characters of [A-Za-z0-9_-], got {req.sandbox_id!r}")
@@ -218,21 +219,10 @@ class ControlApi:
             raise InvalidRequest(f"limit must be 1..{MAX_PAGE}, got {req.limit}")
         if req.next_token and not subjects.is_token(req.next_token):
             raise InvalidRequest(f"next_token {req.next_token!r} is not one this API gave")
-        chosen = [r for r in await self.records(tenant)   # by id: an order no state change moves a record in
-                  if (not req.states or r.state in req.states)
-                  and all(r.labels.get(k) == v for k, v in req.labels.items())
-                  and r.sandbox_id > req.next_token]
-        page, size = [], 0
-        for r in chosen[:req.limit]:
-            size += len(encode(r))
-            if page and size > MAX_REPLY:
-                break
-            page.append(r)
-        more = len(page) < len(chosen)
-        return SandboxPage(records=page, next_token=page[-1].sandbox_id if more else "")
+        return await self.listings.page(tenant, req)
 
     async def _quota(self, tenant: str, _req: GetQuota) -> Wire:
         quota = self.quotas.table.get(tenant) if self.quotas is not None else None
-        live = [r for r in await self.records(tenant) if r.state in ("starting", "ready")]
+        live = await self.listings.live(tenant)
         return QuotaState(quota=quota or Quota(tenant=tenant), sandboxes=len(live),
                           cpu=sum(r.resources.cpu for r in live), memory=sum(r.resources.memory for r in live))

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
+from nats.js.api import DeliverPolicy
 
 import libdsec
 from bus import streams, subjects
 from bus.apiwire import MAX_PAGE, ListSandboxes, SandboxPage, api_reply_decoder
 from bus.messages import ErrorReply
 from bus.records import Quota, SandboxRecord
-from placement import quota as quotas
+from placement import listing, quota as quotas
 
 
 @pytest.fixture
@@ -97,6 +99,102 @@ async def test_list_pages_and_filters_on_the_server(stack, client):
             assert len(page.records) == MAX_PAGE and page.next_token
     finally:
         await asyncio.gather(*(stack.bus.kv_delete(streams.SANDBOXES_KV, subjects.record_key(tenant, r.sandbox_id)) for r in recs))
+
+
+async def test_lists_of_running_sandboxes_read_what_runs_and_a_full_list_reads_each_record_once(stack):
+    """Helper S2's soak: a list of running sandboxes, a quota, `dsec ls` read every record the bucket kept for
+    two days, and a list of every state read them all again for each page (past about 80,000 records a
+    request timed out). The engine's connection counts what it received: a list of the running costs what
+    runs, and a whole list of every state about one message per record. Read-your-writes holds: a sandbox
+    a create just returned is listed, one just destroyed is not."""
+    tenant, n = "paged", 3000
+    now = time.time()
+    old = [SandboxRecord(sandbox_id=f"sb-old-{i:05d}", tenant=tenant, state="destroyed", created_at=now - 3600 + i)
+           for i in range(n)]
+    await asyncio.gather(*(stack.bus.kv_put(streams.SANDBOXES_KV, subjects.record_key(tenant, r.sandbox_id), r)
+                           for r in old))
+    engine = stack.placement.bus.nc
+
+    async def received(call):
+        before = engine.stats["in_msgs"]
+        out = await call
+        return out, engine.stats["in_msgs"] - before
+    sbs = []
+    try:
+        async with libdsec.AsyncClient(stack.url, tenant=tenant) as c:
+            for _ in range(3):
+                sbs.append(await c.create())
+                listed, cost = await received(c.list())
+                assert [r.sandbox_id for r in listed] == [sb.id for sb in sbs]
+                assert cost < 200, cost
+            usage, cost = await received(c.quota())
+            assert usage.sandboxes == 3 and cost < 200, (usage, cost)
+            gone = sbs.pop()
+            await gone.destroy()
+            assert [r.sandbox_id for r in await c.list()] == [sb.id for sb in sbs]
+            everything, cost = await received(c.list(all_states=True))
+            info = await stack.bus.js.stream_info(f"KV_{streams.SANDBOXES_KV}",
+                                                  subjects_filter=f"$KV.{streams.SANDBOXES_KV}.{tenant}.>")
+            stored = sum((info.state.subjects or {}).values())   # (with earlier tests' delete markers)
+            assert cost < stored + 100, (cost, stored)   # by id: 7 pages of every record each, 21,000
+            assert {r.sandbox_id: r.state for r in everything} == {
+                **{r.sandbox_id: "destroyed" for r in old}, gone.id: "destroyed", **{sb.id: "ready" for sb in sbs}}
+            # a record written while the pages are read comes again, later: the later wins
+            first = api_reply_decoder.decode(await stack.bus.request(
+                subjects.api(tenant, "sandbox-list"), ListSandboxes(states=[], limit=10), 5))
+            moved = msgspec.structs.replace(first.records[0], labels={"moved": "1"})
+            await stack.bus.kv_put(streams.SANDBOXES_KV, subjects.record_key(tenant, moved.sandbox_id), moved)
+            seen, token = [r.sandbox_id for r in first.records], first.next_token
+            while token:
+                page = api_reply_decoder.decode(await stack.bus.request(
+                    subjects.api(tenant, "sandbox-list"), ListSandboxes(states=[], next_token=token), 5))
+                seen += [r.sandbox_id for r in page.records]
+                token = page.next_token
+            assert len(set(seen)) == n + 3 and seen.count(moved.sandbox_id) == 2 and seen[-1] == moved.sandbox_id
+            while sbs:
+                await sbs.pop().destroy()
+            assert await c.list() == [] and (await c.quota()).sandboxes == 0
+        assert stack.placement.api.listings.index.fallbacks == 0
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in sbs), return_exceptions=True)
+        await asyncio.gather(*(stack.bus.kv_delete(streams.SANDBOXES_KV, subjects.record_key(tenant, r.sandbox_id))
+                               for r in old))
+
+
+async def test_an_index_that_stops_hearing_the_bucket_is_loaded_afresh_or_not_used(stack, monkeypatch):
+    """The engine's live index loses its watch (its consumer deleted on the server, as a server that died
+    with it would): a list right after a create still holds that sandbox, because the index, found behind,
+    is loaded afresh. An index that cannot catch up at all is not used: the list reads the bucket."""
+    index = stack.placement.api.listings.index
+    admin = stack.bus.js
+    async with libdsec.AsyncClient(stack.url, tenant="paged") as c:
+        sbs = [await c.create()]
+        watches = [ci.name for ci in await admin.consumers_info(f"KV_{streams.SANDBOXES_KV}")
+                   if ci.config.filter_subject == f"$KV.{streams.SANDBOXES_KV}.>"
+                   and ci.config.deliver_policy == DeliverPolicy.LAST_PER_SUBJECT]
+        assert watches
+        for name in watches:
+            await admin.delete_consumer(f"KV_{streams.SANDBOXES_KV}", name)
+        try:
+            sbs.append(await c.create())
+            assert [r.sandbox_id for r in await c.list()] == [sb.id for sb in sbs]
+            assert index.fallbacks == 0
+            api = stack.placement.api
+            api._index.cancel()   # no watch at all from here on
+            await asyncio.gather(api._index, return_exceptions=True)
+            monkeypatch.setattr(listing, "CATCH_UP", 0.2)
+            monkeypatch.setattr(listing, "RELOAD", 0.2)
+            await sbs.pop().destroy()
+            assert [r.sandbox_id for r in await c.list()] == [sbs[0].id]
+            assert (await c.quota()).sandboxes == 1 and index.fallbacks == 2
+        finally:
+            for sb in sbs:
+                await sb.destroy()
+            if stack.placement.api._index.done():
+                stack.placement.api._index = await index.start()
+    monkeypatch.undo()
+    async with libdsec.AsyncClient(stack.url, tenant="paged") as c:
+        assert await c.list() == []
 
 
 @pytest.mark.parametrize("subject,payload,code,says", [

@@ -197,6 +197,20 @@ async def test_a_tenant_has_at_most_max_pools_and_deleted_ones_leave_no_markers(
             break
         await asyncio.sleep(0.1)
     assert await markers() == 0   # (before: one message per name ever deleted, for good)
+    # the sweeper's own marker, the bucket's last message, swept too: a read of the whole bucket still ends
+    # (before: it took the purged last sequence for a replica behind, and failed every read)
+    await client.set_warm_pool("keeper", min=0, max=0)
+    try:
+        await client.set_warm_pool("sweeper", min=0, max=0)
+        await client.delete_warm_pool("sweeper")
+        await asyncio.sleep(0.6)
+        assert await stack.bus.kv_purge_deletes(streams.WARM_POOLS_KV, older_than=0.5) >= 1
+        info = await stack.bus.js.stream_info(f"KV_{streams.WARM_POOLS_KV}",
+                                              subjects_filter=f"$KV.{streams.WARM_POOLS_KV}.>")
+        assert list(info.state.subjects) == [f"$KV.{streams.WARM_POOLS_KV}.keeper"], info.state
+        assert "keeper" in {p.spec.name for p in await client.warm_pools()}
+    finally:
+        await client.delete_warm_pool("keeper")
 
 
 async def test_only_a_fresh_sandbox_can_be_claimed(stack):
