@@ -327,7 +327,8 @@ def edge_permissions(node: str, pool: str = "local") -> dict:
           for verb, tail in (("CREATE", ""), ("CREATE", ".>"), ("DELETE", ".*"), ("MSG.NEXT", ".*"))],
     ]
     return {"publish": {"allow": publish},
-            "subscribe": {"allow": ["_INBOX.>", f"dsec.in.{node}.>", "dsec.hb.*", "dsec.evt.>", "dsec.probe.>"]}}
+            "subscribe": {"allow": ["_INBOX.>", f"dsec.in.{node}.>", "dsec.hb.*", "dsec.evt.>", "dsec.probe.>",
+                                     subjects.layer_dropped()]}}
 
 
 @contextlib.contextmanager

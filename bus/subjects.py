@@ -134,6 +134,11 @@ def engine_probe(engine: str) -> str:
     return f"dsec.probe.{engine}"
 
 
+def layer_dropped() -> str:
+    """Where placement says a snapshot's layer was deleted (its digest): every edge drops its cached copy."""
+    return "dsec.layers.dropped"
+
+
 def event(tenant: str, sandbox: str) -> str:
     """Lifecycle events of one sandbox."""
     return f"dsec.evt.{tenant}.{sandbox}"

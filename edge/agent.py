@@ -106,6 +106,7 @@ class Edge:
         self.fence = EdgeFence(self.node, self.state_dir)
         self._create_worker = None
         self._pool_worker = None
+        self._dropped = None   # the core subscription to deleted snapshots' layers
         self._tasks: list[asyncio.Task] = []
         self._expiring: set[asyncio.Task] = set()   # TTL destroys in flight
 
@@ -173,6 +174,7 @@ class Edge:
             fncall.on_free = self.calls.poke
             await self.calls.start()
         await self.warm.start()
+        self._dropped = await self.bus.subscribe(subjects.layer_dropped(), self._layer_dropped)
         steps = [lanes.counted(self.creates.outcomes), lanes.decoded(self.bus, create_decoder, "create")]
         self._create_worker = await self.bus.pull_worker(streams.edge_create_consumer(self.node),
                                                          self.creates.on_node_create, credit=self._create_credit,
@@ -269,10 +271,16 @@ class Edge:
             log.exception("destroy of %s failed", sandbox_id)
 
     def _released(self, sandbox_id: str) -> None:
-        """A sandbox no longer runs: its room is free."""
+        """A sandbox no longer runs: its room is free (and a deleted snapshot's layer it used can go)."""
         self.capacity.release(sandbox_id)
+        self.layers.sweep()
         self.record.changed()
         self._poke()
+
+    async def _layer_dropped(self, data: bytes, _subject: str) -> None:
+        """A snapshot was deleted: its layer's file goes from this node's cache (once no sandbox uses it)."""
+        if self.layers.drop(data.decode(errors="replace")):
+            log.info("dropped the layer of a deleted snapshot from the cache")
 
     def _poke(self) -> None:
         for w in (self._create_worker, self._pool_worker):
@@ -310,6 +318,8 @@ class Edge:
                     await step(w.stop(drain=False))
             await step(self.record.stop())
             await step(self.warm.stop())
+            if self._dropped is not None:
+                await step(self._dropped.unsubscribe())
             await step(self.ops.stop())
             if self.calls is not None:
                 await step(self.calls.stop())

@@ -34,6 +34,7 @@ class LayerCache:
         self.in_use = in_use         # digests running sandboxes use
         self.on_change = on_change   # a layer came or went (the node record lists what it holds)
         self._fetching: dict[str, asyncio.Future] = {}
+        self._dropped: set[str] = set()   # deleted layers whose file goes once no sandbox uses it
         self._lru: collections.OrderedDict[Path, tuple[int, float]] = collections.OrderedDict()  # size, last use
         for f in sorted(self.root.glob("*.erofs"), key=lambda f: f.stat().st_mtime):   # kept across restarts
             self._lru[f] = (f.stat().st_size, 0.0)
@@ -153,6 +154,29 @@ class LayerCache:
             self._used(path)
             self._trim()
             self.on_change()
+
+    def drop(self, digest: str) -> bool:
+        """A deleted snapshot's layer: its file goes now, or when the last sandbox using it ends (sweep)."""
+        if not subjects.is_digest(digest):
+            return False
+        self._dropped.add(digest)
+        return self.sweep() > 0
+
+    def sweep(self) -> int:
+        """Remove the files of dropped layers no sandbox uses (a sandbox just ended); how many went."""
+        if not self._dropped:
+            return 0
+        busy, gone = self.in_use(), 0
+        for digest in [d for d in self._dropped if d not in busy and d not in self._fetching]:
+            self._dropped.discard(digest)
+            path = self._path_of(digest)
+            if path.exists() or path in self._lru:
+                path.unlink(missing_ok=True)
+                self._lru.pop(path, None)
+                gone += 1
+        if gone:
+            self.on_change()
+        return gone
 
     def evict(self, layers: list[LayerRef]) -> None:
         """Drop these layers' files (one would not mount): the next use fetches and verifies them again.

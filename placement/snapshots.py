@@ -2,6 +2,7 @@
 dsec-snapshots, bytes in object store dsec-layers). Only the server touches either."""
 from __future__ import annotations
 
+import contextlib
 from typing import Awaitable, Callable
 
 import msgspec
@@ -9,7 +10,7 @@ import msgspec
 from bus import streams, subjects
 from bus.apiwire import DeleteSnapshot, Done, GetSnapshot, ListSnapshots, SnapshotList
 from bus.conn import Bus
-from bus.errors import ImageNotFound, InvalidRequest
+from bus.errors import DsecError, ImageNotFound, InvalidRequest
 from bus.records import SnapshotRecord, snapshot_decoder
 
 
@@ -60,9 +61,11 @@ class Snapshots:
         users = [r.sandbox_id for r in await self.records(tenant) if r.state in ("starting", "ready") and own in r.layers]
         if users:
             raise InvalidRequest(f"snapshot {snap.id} is in use by running sandboxes ({', '.join(users)})")
-        await self.bus.kv_delete(streams.SNAPSHOTS_KV, subjects.record_key(snap.tenant, snap.id))
+        await self.bus.kv_remove(streams.SNAPSHOTS_KV, subjects.record_key(snap.tenant, snap.id))
         if not others and not await self._held_elsewhere(own, tenant):
             await self.bus.obj_delete(streams.LAYERS_OBJ, own)
+            with contextlib.suppress(DsecError):   # (an edge that misses it drops the file as its cache fills)
+                await self.bus.send(subjects.layer_dropped(), own.encode())
         return Done()
 
     async def _held_elsewhere(self, digest: str, tenant: str) -> bool:

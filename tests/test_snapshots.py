@@ -3,10 +3,12 @@ a snapshot of a snapshot stores only the new diff; deleting one others are built
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import pytest
 
 import libdsec
+from bus import streams
 
 SETUP = ("mkdir -p /data/sub && echo hello > /data/a.txt && chmod 640 /data/a.txt && ln -s a.txt /data/link && "
          "echo gone > /data/sub/tmp && rm /bin/vi && head -c 20971520 /dev/urandom > /data/big && "
@@ -15,7 +17,7 @@ STATE = ("stat -c '%a %s %N' /data/a.txt /data/link /data/sub/file; cat /data/a.
          "ls /bin/vi 2>&1; md5sum /data/big | cut -d' ' -f1")
 
 
-async def test_snapshot_fork_rollback_and_snapshot_of_a_snapshot(client):
+async def test_snapshot_fork_rollback_and_snapshot_of_a_snapshot(stack, client):
     sb = await client.create(labels={"job": "snaps"}, env={"FROM": "origin"}, resources=libdsec.Resources(disk="128Mi"))
     made: list[libdsec.AsyncSandbox] = []
     snaps = []
@@ -59,5 +61,20 @@ async def test_snapshot_fork_rollback_and_snapshot_of_a_snapshot(client):
     await client.delete_snapshot(snaps[1])
     await client.delete_snapshot(snaps[0])
     assert await client.snapshots(tag="step-1") == [] and await client.snapshots(tag="step-2") == []
+    # nothing of them stays stored: no record, no delete marker, no object, no object's deleted-marker
+    # (helper S2's soak: each deleted snapshot left a marker in both, for good)
+    for s in snaps:
+        meta = base64.urlsafe_b64encode(s.layers[-1].digest.encode()).decode()
+        for stream, subject in ((f"KV_{streams.SNAPSHOTS_KV}", f"$KV.{streams.SNAPSHOTS_KV}.>"),
+                                (f"OBJ_{streams.LAYERS_OBJ}", f"$O.{streams.LAYERS_OBJ}.M.{meta}")):
+            info = await stack.bus.js.stream_info(stream, subjects_filter=subject)
+            assert not [k for k in (info.state.subjects or {}) if s.id in k or meta in k], (stream, info.state.subjects)
+    # and no node keeps their bytes: the session edge's cache held both (made there, used there)
+    files = [stack.edge.layers.path(s.layers[-1]) for s in snaps]
+    for _ in range(50):
+        if not any(f.exists() for f in files):
+            break
+        await asyncio.sleep(0.1)
+    assert [f.name for f in files if f.exists()] == []
     with pytest.raises(libdsec.ImageNotFound):
         await client.create(from_snapshot=snaps[0].id)
