@@ -61,7 +61,11 @@ class Retention:
     output_max_age: float = 6 * HOUR
     output_max_bytes: int = 16 << 30   # oldest output is dropped first beyond this
     events_max_age: float = 7 * DAY
+    events_max_bytes: int = 4 << 30
     trajectories_max_age: float = 30 * DAY
+    # (helper S2's soak wrote about 100 MB of trajectories an hour: 70 GiB in 30 days, past the server's whole
+    # 64 GB store, which every stream shares; the oldest records go first beyond this)
+    trajectories_max_bytes: int = 24 << 30
     sandboxes_max_age: float = 2 * DAY
 
 
@@ -79,9 +83,11 @@ def stream_configs(ret: Retention, replicas: int = 1) -> list[api.StreamConfig]:
                          max_age=ret.output_max_age, max_bytes=ret.output_max_bytes,
                          discard=api.DiscardPolicy.OLD, **common),
         api.StreamConfig(name=EVT_STREAM, subjects=["dsec.evt.>"], retention=api.RetentionPolicy.LIMITS,
-                         max_age=ret.events_max_age, **common),
+                         max_age=ret.events_max_age, max_bytes=ret.events_max_bytes, discard=api.DiscardPolicy.OLD,
+                         **common),
         api.StreamConfig(name=TRAJ_STREAM, subjects=["dsec.traj.>"], retention=api.RetentionPolicy.LIMITS,
-                         max_age=ret.trajectories_max_age, **common),
+                         max_age=ret.trajectories_max_age, max_bytes=ret.trajectories_max_bytes,
+                         discard=api.DiscardPolicy.OLD, **common),
     ]
 
 

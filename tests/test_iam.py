@@ -398,6 +398,11 @@ async def test_a_tenant_cannot_fill_the_store_through_lanes_no_one_consumes(stac
     for name in (streams.REQ_STREAM, streams.NODE_STREAM, streams.CALL_STREAM):
         cfg = (await stack.bus.admin.stream_info(name)).config
         assert (cfg.max_bytes, cfg.discard) == (streams.LANE_MAX_BYTES, "old"), (name, cfg)
+    ret = streams.Retention()   # and the limit streams tenants fill through their execs (helper S2)
+    for name, bound in ((streams.OUT_STREAM, ret.output_max_bytes), (streams.EVT_STREAM, ret.events_max_bytes),
+                        (streams.TRAJ_STREAM, ret.trajectories_max_bytes)):
+        cfg = (await stack.bus.admin.stream_info(name)).config
+        assert (cfg.max_bytes, cfg.discard) == (bound, "old") and 0 < bound < 32 << 30, (name, cfg)
     sb = await alice.create()
     cfg = (await stack.bus.admin.stream_info(streams.NODE_STREAM)).config
     cfg.max_bytes = 4 << 20   # a small bound, to flood past it quickly
