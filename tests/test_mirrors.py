@@ -20,9 +20,11 @@ WHEEL = "dsecdemo-1.0-py3-none-any.whl"
 
 @pytest.fixture(scope="module")
 async def pip_image(stack):
-    """Debian with pip (debootstrap, cached outside the state dir: the first build downloads it)."""
+    """Debian with pip (debootstrap, cached outside the state dir: the first build downloads it). Its packages
+    are the E2B base's, whose root the setup step made already (a root of its own cost CI 104 52 s)."""
+    from edge import e2bbase
     r = await asyncio.to_thread(subprocess.run, [DSEC, "image", "build", "--nats", stack.url, "pip", "--debootstrap",
-                                                 "bookworm", "--packages", "python3-pip"],
+                                                 e2bbase.SUITE, "--packages", ",".join(e2bbase.PACKAGES)],
                                 capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-2000:]
     return "pip"
