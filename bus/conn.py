@@ -447,15 +447,22 @@ class Bus(KvStore, StreamReads):
                 pass   # no such stream yet
         for cfg in streams.stream_configs(ret, replicas):
             with mapped_errors(f"stream {cfg.name}"):
+                # one that exists is looked at first: a create of it, even as it is, and an update to the same
+                # bound are refused when the store cannot reserve its bound a second time (nats-server #3321)
                 try:
-                    await self.admin.add_stream(cfg)
-                except nats.js.errors.BadRequestError:
-                    # exists: bring limits up to date, but never scale a replicated stream down (an edge
-                    # joining a cluster provisions too)
-                    have = await self.admin.stream_info(cfg.name)
-                    cfg.num_replicas = max(cfg.num_replicas or 1, have.config.num_replicas or 1)
-                    if retention is None and cfg.retention != api.RetentionPolicy.WORK_QUEUE:   # (lanes: ours)
-                        cfg.max_age, cfg.max_bytes = have.config.max_age, have.config.max_bytes
+                    have = (await self.admin.stream_info(cfg.name)).config
+                except nats.js.errors.NotFoundError:
+                    try:
+                        await self.admin.add_stream(cfg)
+                        continue
+                    except nats.js.errors.BadRequestError:   # made meanwhile (by an edge joining)
+                        have = (await self.admin.stream_info(cfg.name)).config
+                # bring limits up to date, but never scale a replicated stream down (an edge joining a cluster
+                # provisions too)
+                cfg.num_replicas = max(cfg.num_replicas or 1, have.num_replicas or 1)
+                if retention is None and cfg.retention != api.RetentionPolicy.WORK_QUEUE:   # (lanes: ours)
+                    cfg.max_age, cfg.max_bytes = have.max_age, have.max_bytes
+                if _differs(cfg, have):
                     await self.admin.update_stream(cfg)
         for kcfg in streams.kv_configs(ret, replicas):
             with mapped_errors(f"kv {kcfg.bucket}"):
@@ -473,6 +480,13 @@ class Bus(KvStore, StreamReads):
                 except nats.js.errors.BadRequestError:
                     await self.admin.object_store(ocfg.bucket)
         await migrations.record_keys(self)
+
+
+def _differs(want: api.StreamConfig, have: api.StreamConfig) -> bool:
+    """Whether a stream's config lacks what provisioning sets."""
+    return any(getattr(want, f) != getattr(have, f) for f in (
+        "subjects", "retention", "max_age", "max_bytes", "discard", "num_replicas", "max_msg_size", "duplicate_window",
+        "storage"))
 
 
 def _where(url: str) -> str:

@@ -61,11 +61,13 @@ class Retention:
     output_max_age: float = 6 * HOUR
     output_max_bytes: int = 16 << 30   # oldest output is dropped first beyond this
     events_max_age: float = 7 * DAY
-    events_max_bytes: int = 4 << 30
+    events_max_bytes: int = 2 << 30
     trajectories_max_age: float = 30 * DAY
     # (helper S2's soak wrote about 100 MB of trajectories an hour: 70 GiB in 30 days, past the server's whole
-    # 64 GB store, which every stream shares; the oldest records go first beyond this)
-    trajectories_max_bytes: int = 24 << 30
+    # 64 GB store, which every stream shares; the oldest records go first beyond this). The bounds together
+    # (37 GiB) leave the store room to reserve the largest again: nats-server refuses an update of a stream
+    # whose bound it cannot reserve a second time (nats-server #3321).
+    trajectories_max_bytes: int = 16 << 30
     sandboxes_max_age: float = 2 * DAY
 
 

@@ -403,6 +403,16 @@ async def test_a_tenant_cannot_fill_the_store_through_lanes_no_one_consumes(stac
                         (streams.TRAJ_STREAM, ret.trajectories_max_bytes)):
         cfg = (await stack.bus.admin.stream_info(name)).config
         assert (cfg.max_bytes, cfg.discard) == (bound, "old") and 0 < bound < 32 << 30, (name, cfg)
+    # provisioning again updates no stream it finds as it would make it: nats-server refuses an update to the
+    # same bound when its store cannot reserve that bound a second time (a restart of `dsec up` on a server
+    # whose store is sized by its disk failed so: nats-server #3321)
+    updates = []
+    update, stack.bus.admin.update_stream = stack.bus.admin.update_stream, lambda cfg: updates.append(cfg.name)
+    try:
+        await stack.bus.provision(streams.Retention())
+    finally:
+        stack.bus.admin.update_stream = update
+    assert updates == []
     sb = await alice.create()
     cfg = (await stack.bus.admin.stream_info(streams.NODE_STREAM)).config
     cfg.max_bytes = 4 << 20   # a small bound, to flood past it quickly
