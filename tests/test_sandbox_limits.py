@@ -3,6 +3,7 @@ sandbox still answers afterwards, and the host is untouched."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import os
 from pathlib import Path
@@ -70,7 +71,20 @@ async def test_hanging_command_times_out_and_its_tree_is_gone(client, stack):
         assert isinstance(ei.value, TimeoutError) and ei.value.stdout == b"started\n"
         sleeps = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "100000"]]
         assert sleeps == [], "the timed-out command's process tree survived"
+        # and reaped: its helper (dsec-enter), in none of the exec's cgroups, outlives the kill and reaps the
+        # command. Killed with it, it left the command's zombie to the host's init, the orphan reaper of its
+        # pid namespace, which reaped it up to seconds later; the sandbox's init could not end before, and a
+        # destroy right after a timeout took about 2 s (helper S2).
+        zombies = [p.info for p in psutil.process_iter(["pid", "ppid", "name", "status"])
+                   if p.info["name"] in ("sh", "sleep") and p.info["status"] == psutil.STATUS_ZOMBIE]
+        assert zombies == [], zombies
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
+    sb = await client.create()
+    with pytest.raises(libdsec.ExecTimeout):
+        await sb.exec("sleep 100000", timeout=1)
+    began = time.monotonic()
+    await sb.destroy()
+    assert time.monotonic() - began < 1.0
 
 
 async def test_isolation_is_real(client, stack):

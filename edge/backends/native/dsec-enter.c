@@ -5,13 +5,14 @@
  * it holds nothing but the sandbox's namespaces, cgroups and credentials does it make the command's
  * process, the first one the sandbox can see, which at once execs the command:
  *
- *   1. join the exec's cgroups; setns ipc, uts, net, mnt, pid (for its children only) and cgroup (its
+ *   1. open the exec's cgroup tasks files (as host root: cgroup v1 checks the credentials a file was
+ *      opened with); setns ipc, uts, net, mnt, pid (for its children only) and cgroup (the command's
  *      cgroups then read as the sandbox's own, from "/");
  *   2. setns the sandbox's user namespace S and become its root (host uid = the sandbox's range base);
  *      chroot to the sandbox root;
  *   3. clone the command's process into the pid namespace with a user namespace E of its own inside S
- *      (and, for fncall, an IPC namespace of its own). Still root in S, this helper writes E's maps
- *      (0..65535 of S, through the host's /proc) and says go. The command's process closes every fd
+ *      (and, for fncall, an IPC namespace of its own). Still root in S, this helper writes the command's
+ *      host pid into the tasks files, E's maps (0..65535 of S, through the host's /proc) and says go. The command's process closes every fd
  *      but its stdio and the error pipe, and, holding only the sandbox's namespaces, cgroups and
  *      credentials, takes its cwd, a clean slate (no core dumps, umask, a session keyring), the
  *      seccomp filter, capabilities, its own session, and execs the command;
@@ -19,9 +20,12 @@
  *      edge sends to the exec's processes reaches the command, not it), waits for it and exits the same
  *      way (its exit code, or killed by the same signal), so the edge watches one child of its own. The
  *      command's process first writes "pid:N\n" (its pid in the sandbox) on the error pipe; if
- *      anything in it failed after that, it reports that there too and exits 127. If
- *      the helper is killed (a timeout kills the exec's whole cgroup), the sandbox's init reaps the
- *      command.
+ *      anything in it failed after that, it reports that there too and exits 127. The helper is in none
+ *      of the exec's cgroups, so a timeout, which kills the exec's whole cgroup, kills the command and
+ *      not it: it reaps the command at once. (When it was in them and killed with it, the command's
+ *      zombie went to the host's init, the orphan reaper of the helper's pid namespace, not to the
+ *      sandbox's: until that one reaped it, maybe seconds later, the sandbox's init could not end, and
+ *      a destroy right after an exec's timeout took about 2 s.)
  *
  * The user namespace E owned by the sandbox's uid is what keeps one exec's leftovers from reading or
  * tracing another's processes (the kernel lets a process ptrace, read /proc/<pid>/fd, mem or environ of
@@ -368,15 +372,9 @@ static const char *parse_setup(size_t got, int with_command, struct command_line
     return NULL;
 }
 
-/* Steps 1-2: join the cgroups of the tasks files, the sandbox's namespaces (fds at ns_fd0.., its user
- * namespace at userns_fd) as its root, chrooted to root_fd. NULL, or the stage that failed (errno). */
-static const char *enter_sandbox(const char *tasks, const char *tasks_end, int ns_fd0, int userns_fd, int root_fd) {
-    for (const char *p = tasks; p < tasks_end; p += strlen(p) + 1) {
-        int fd = open(p, O_WRONLY | O_CLOEXEC);
-        int ok = fd >= 0 && write(fd, "0", 1) == 1;
-        if (fd >= 0) close(fd);
-        if (!ok) return "join cgroup";
-    }
+/* Step 2 (and the rest of 1): the sandbox's namespaces (fds at ns_fd0.., its user namespace at userns_fd)
+ * as its root, chrooted to root_fd. NULL, or the stage that failed (errno). */
+static const char *enter_sandbox(int ns_fd0, int userns_fd, int root_fd) {
     for (int k = 0; k < NS_COUNT; k++)
         if (setns(ns_fd0 + k, 0)) return "setns";
     if (setns(userns_fd, CLONE_NEWUSER)) return "setns user";
@@ -566,12 +564,18 @@ static void enter_and_run(int base, char **cmd, char **envp) {
     c.envp = envp;
     int proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);   /* the host's: E's maps by host pid */
     if (proc_fd < 0) fail("setup", "/proc");
-    const char *stage = enter_sandbox(c.tasks, c.tasks_end, NS_FD0, USERNS_FD, ROOT_FD);
+    int tasks[16], ntasks = 0;   /* the command's cgroups, joined by it alone (step 3) */
+    for (const char *p = c.tasks; p < c.tasks_end; p += strlen(p) + 1) {
+        if (ntasks == (int)(sizeof tasks / sizeof *tasks)) { errno = E2BIG; fail("setup", "join cgroup"); }
+        if ((tasks[ntasks++] = open(p, O_WRONLY | O_CLOEXEC)) < 0) fail("setup", "join cgroup");
+    }
+    const char *stage = enter_sandbox(NS_FD0, USERNS_FD, ROOT_FD);
     if (stage) fail("setup", stage);
     const int stdio[3] = {0, 1, 2};
     const char *what;
-    pid_t pid = spawn_command(&c, stdio, ERR_FD, proc_fd, NULL, 0, &what);
+    pid_t pid = spawn_command(&c, stdio, ERR_FD, proc_fd, tasks, ntasks, &what);
     if (pid < 0) fail("setup", what);
+    for (int k = 0; k < ntasks; k++) close(tasks[k]);
     close(ERR_FD);                                  /* the command's process holds it until it execs */
     for (int fd = 0; fd < 3; fd++) close(fd);       /* the command's stdio is the command's alone */
     int status = 0;
@@ -777,7 +781,7 @@ static const char *serve_enter(int base, int ntasks) {
     serve_ntasks = ntasks;
     serve_proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (serve_proc_fd < 0) return "/proc";
-    const char *stage = enter_sandbox("", "", base + 4, base + 10, base + 11);
+    const char *stage = enter_sandbox(base + 4, base + 10, base + 11);
     if (stage) return stage;
     for (int fd = base + 4; fd <= base + 11; fd++) close(fd);
     return NULL;
