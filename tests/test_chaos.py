@@ -34,15 +34,16 @@ def test_edge_killed_mid_burst_verdict():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fault,burst", [("server-leader", True), ("edge", True), ("pause", True)])
+@pytest.mark.parametrize("fault,burst", [("server-leader", True), ("edge", True)])
 def test_a_3_server_cluster_under_one_fault(fault, burst):
     """3 servers, 2 engines, 4 local edges and a cloud edge (25 slots each); 300 creates at once, each running
     `echo <id>` checked byte for byte, then destroyed; one fault mid-burst. Checked from the client's side
     and on the streams: nothing lost, duplicated, wrong or stale; each event and exit record once.
-    (CI's budget, at 29 of its 30 minutes: 300 creates rather than the scenario's 400, and three of its seven
-    faults: a stream's leading server, an edge, and a paused server. `none`, the control, has its one check
-    of its own, the burst reaching the cloud pool, in test_placement_faults; `server-other`, `meta-leader`
-    and `engine` are run by `python -m chaos.cluster_faults --fault F --runs 10`, outside CI.)"""
+    (CI's budget, at 28 of its 30 minutes: 300 creates rather than the scenario's 400, and two of its seven
+    faults: a stream's leading server and an edge. `none`, the control, has its one check of its own, the
+    burst reaching the cloud pool, in test_placement_faults; `server-other`, `meta-leader`, `engine` and
+    `pause` are run by `python -m chaos.cluster_faults --fault F --runs 10`, outside CI; a paused single
+    server's creates and execs are test_truth's.)"""
     args = [sys.executable, "-m", "chaos.cluster_faults", "--fault", fault, "--creates", "300"] + \
         ([] if burst else ["--no-burst"])
     p = subprocess.run(args, capture_output=True, text=True, timeout=280)
