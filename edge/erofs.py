@@ -30,7 +30,7 @@ PACKING = 2   # how pack_dir packs (2: mtimes kept); in the keys of packed layer
 MAX_NAME = 254   # bytes of one name this mkfs.erofs (1.5) packs: 255 fails "No such file or directory", naming none
 
 
-def pack_dir(src: Path, dst: Path, *, dax: bool = False) -> str:
+def pack_dir(src: Path, dst: Path, *, dax: bool = False, sparse: bool = False) -> str:
     """Pack directory src into the EROFS file dst (owners, modes and mtimes kept); return its sha256 digest.
     Reproducible: a fixed build time and filesystem UUID, so the same tree always gives the same bytes,
     hence the same digest (a layer is stored once; an unchanged rebuild makes no new version). Mtimes are
@@ -38,14 +38,18 @@ def pack_dir(src: Path, dst: Path, *, dax: bool = False) -> str:
     recorded (with every mtime 0, each process compiled every module it imported again, in memory), and
     make compares them.
     dax: for a guest to map (see DAX_ALIGN): no inline tails, the file padded with zeros to whole 2 MiB
-    (EROFS reads nothing past its own blocks); ~10% larger for a Debian root."""
+    (EROFS reads nothing past its own blocks); ~10% larger for a Debian root.
+    sparse: files stored in 4 KiB chunks, of which those all zero (holes among them) are stored as none: a
+    sparse file costs its data, not its size. mkfs.erofs (1.5) then reads every byte of every file (7 s per
+    GiB here, holes too, against about 1 s written whole), so only for a tree with holes."""
     if not src.is_dir():
         raise LayerBuildError(f"not a directory: {src}")
     if shutil.which("mkfs.erofs") is None:
         raise LayerBuildError("mkfs.erofs not found: install erofs-utils (make setup does)")
     tmp = dst.with_suffix(".tmp")
     proc = subprocess.run(["mkfs.erofs", "--quiet", f"-U{FIXED_UUID}",
-                           *(["-E", "noinline_data"] if dax else []), str(tmp), str(src)],
+                           *(["-E", "noinline_data"] if dax else []), *(["--chunksize=4096"] if sparse and not dax else []),
+                           str(tmp), str(src)],
                           capture_output=True, text=True, env={**os.environ, "SOURCE_DATE_EPOCH": str(BUILD_TIME)})
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -66,6 +66,25 @@ async def test_a_sparse_file_snapshot_is_refused_naming_both_sizes(client, stack
         assert await client.snapshots(tag="sparse") == []
 
 
+async def test_a_sparse_file_costs_its_data_in_a_snapshot_not_its_size(client, stack):
+    """Helper F2: a snapshot of a 1,000 MiB sparse file cost 1,000 MiB of store and of every cache that held
+    it (mkfs.erofs wrote its holes out as zeros). Packed with its holes kept, it costs its data; a fork reads
+    the same bytes."""
+    async with await client.create(resources=libdsec.Resources(disk="256Mi")) as sb:
+        r = await sb.exec("truncate -s 200M /data.sp && printf middle | dd of=/data.sp bs=1 seek=104857600 "
+                          "conv=notrunc 2>/dev/null && echo small > /small && md5sum /data.sp | cut -d' ' -f1")
+        assert r.exit_code == 0, r
+        snap = await sb.snapshot(tag="holes")
+        try:
+            assert snap.size < 2 << 20, snap.size   # (before: about 200 MiB)
+            async with await client.create(from_snapshot=snap.id) as fork:
+                got = await fork.exec("stat -c %s /data.sp; md5sum /data.sp | cut -d' ' -f1; "
+                                      "dd if=/data.sp bs=1 skip=104857600 count=6 2>/dev/null; cat /small")
+                assert got.stdout == b"209715200\n" + r.stdout + b"middlesmall\n", got
+        finally:
+            await client.delete_snapshot(snap)
+
+
 async def test_a_full_sandbox_snapshots_and_trees_no_layer_holds_are_refused_in_the_sandboxs_words(client, stack):
     """Helper F2: a sandbox at its disk limit could not be snapshotted (the edge made its packing view inside
     the sandbox's own capped subvolume: EDQUOT); a 255-byte name failed in mkfs.erofs naming no file; a

@@ -12,13 +12,16 @@ from edge.backends.treeops import walk
 from edge.erofs import MAX_NAME
 
 
-def apparent_size(root: Path) -> int:
-    """Bytes the files under root claim (st_size of every regular file, links counted once each), plus
-    4 KiB per other inode: what packing them as a layer writes. SnapshotTooLarge for a tree no layer can
-    hold: a name longer than MAX_NAME, or a path too long for the packer's (path-based) walk, named as the
-    sandbox sees them."""
+HOLES = 1 << 20   # bytes of holes (sparse files) past which a tree is packed with its holes kept (pack_dir)
+
+
+def apparent_size(root: Path) -> tuple[int, int]:
+    """(bytes the files under root claim: st_size of every regular file, links counted once each, plus 4 KiB
+    per other inode: what packing them as a layer reads; of those, the bytes of holes in sparse files).
+    SnapshotTooLarge for a tree no layer can hold: a name longer than MAX_NAME, or a path too long for the
+    packer's (path-based) walk, named as the sandbox sees them."""
     from edge.backends.base import SnapshotTooLarge
-    total, seen = 0, set()
+    total, holes, seen = 0, 0, set()
     try:
         for dirpath, dirnames, filenames in walk(root):
             total += 4096 * (len(dirnames) + 1)
@@ -33,13 +36,15 @@ def apparent_size(root: Path) -> int:
                         continue
                     seen.add(st.st_ino)
                 total += st.st_size if stat.S_ISREG(st.st_mode) else 4096
+                if stat.S_ISREG(st.st_mode):
+                    holes += max(0, st.st_size - st.st_blocks * 512)
     except OSError as exc:
         if exc.errno != errno.ENAMETOOLONG:
             raise
         raise SnapshotTooLarge(f"a path too deep to pack: {inside(root, exc.filename or '')[:120]}... (about "
                                f"{len(os.fsencode(exc.filename or '')) - len(os.fsencode(str(root)))} bytes; "
                                f"the node packs paths of up to {4095 - len(os.fsencode(str(root)))})") from None
-    return total
+    return total, holes
 
 
 def inside(root: Path, path: str) -> str:
@@ -48,7 +53,7 @@ def inside(root: Path, path: str) -> str:
     return "/" + (rel if rel != "." else "")
 
 
-def pack_relative(upper: Path, dst: Path, ids: idmap.IdRange, view: Path) -> str:
+def pack_relative(upper: Path, dst: Path, ids: idmap.IdRange, view: Path, sparse: bool = False) -> str:
     """mkfs.erofs of upper as the sandbox sees its owners (host base+n packed as n), through a read-only
     idmapped view of it mounted at `view` for the pack (mkfs.erofs resolves its source path, so a detached
     view read through /proc/self/fd would be resolved away). The view is the node's (state_dir/packing/<key>:
@@ -63,7 +68,7 @@ def pack_relative(upper: Path, dst: Path, ids: idmap.IdRange, view: Path) -> str
     finally:
         os.close(userns)
     try:
-        return pack_dir(view, dst)
+        return pack_dir(view, dst, sparse=sparse)
     finally:
         kernel.umount2(str(view), kernel.MNT_DETACH)
         view.rmdir()

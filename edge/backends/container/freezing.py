@@ -46,7 +46,9 @@ class Freezing(Core):
         """Freeze (unless suspended already), pack upper/ with mkfs.erofs, thaw: the freeze lasts the pack.
         The layer is read through an idmapped view, so its files are owned relative to the sandbox. A
         layer whose files add up (at their apparent size: sparse files and reflinks count in full, as
-        mkfs.erofs stores them) to more than the sandbox's disk limit is refused (SnapshotTooLarge)."""
+        mkfs.erofs reads them) to more than the sandbox's disk limit is refused (SnapshotTooLarge). Holes
+        of sparse files are kept as holes (a 1,000 MiB sparse file cost 1,000 MiB of store and of every
+        node's cache: helper F2), which costs the pack a read of them."""
         from edge.erofs import LayerBuildError
         sb = self._live(sandbox_id)
         was_frozen = sb.frozen_since is not None
@@ -55,14 +57,15 @@ class Freezing(Core):
         upper = self._uppers.root / sb.key / "upper"
         try:
             try:
-                size = await asyncio.to_thread(packing.apparent_size, upper)
+                size, holes = await asyncio.to_thread(packing.apparent_size, upper)
             except SnapshotTooLarge as exc:
                 raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: {exc}") from None
             if size > sb.spec.limits.disk:
                 raise SnapshotTooLarge(f"snapshot of {sandbox_id} refused: its files add up to {size} bytes "
                                        f"(sparse and reflinked files counted at their apparent size), above "
                                        f"its disk limit of {sb.spec.limits.disk} bytes")
-            return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids, self._packing / sb.key)
+            return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids, self._packing / sb.key,
+                                           holes > packing.HOLES)
         except (LayerBuildError, OSError) as exc:   # (named as the sandbox sees it; the edge adds whose)
             text = str(exc)
             for host in (str(self._packing / sb.key), str(upper), str(Path(dst).parent)):
