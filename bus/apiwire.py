@@ -99,6 +99,14 @@ class QuotaState(Wire, tag="quota_state"):
     memory: int = 0
 
 
+class GetBackends(Wire, tag="get_backends"):
+    """The backend kinds some live node offers now (a call needs one running fncall workers)."""
+
+
+class Backends(Wire, tag="backends"):
+    kinds: list[str] = []
+
+
 class ReadOutput(Wire, tag="read_output"):
     """One stored record of one of the caller's execs (DSEC_OUT): the first after stream seq `after`, or
     with `last` the last one; `found` False in the reply when there is none."""
@@ -162,15 +170,15 @@ class Done(Wire, tag="done"):
 
 
 ApiRequest = Union[GetSandbox, ListSandboxes, GetSnapshot, ListSnapshots, DeleteSnapshot, SetWarmPool,
-                   ListWarmPools, DeleteWarmPool, GetQuota, ReadOutput, FetchTrajectories, AckTrajectories,
-                   CloseTrajectories]
+                   ListWarmPools, DeleteWarmPool, GetQuota, GetBackends, ReadOutput, FetchTrajectories,
+                   AckTrajectories, CloseTrajectories]
 
 # verb (the subject's last token) -> the one request type it takes
 VERBS: dict[str, type] = {
     "sandbox-get": GetSandbox, "sandbox-list": ListSandboxes,
     "snapshot-get": GetSnapshot, "snapshot-list": ListSnapshots, "snapshot-delete": DeleteSnapshot,
     "pool-set": SetWarmPool, "pool-list": ListWarmPools, "pool-delete": DeleteWarmPool,
-    "quota-get": GetQuota,
+    "quota-get": GetQuota, "backends-get": GetBackends,
     "output-read": ReadOutput,
     "traj-fetch": FetchTrajectories, "traj-ack": AckTrajectories, "traj-close": CloseTrajectories,
 }
@@ -178,5 +186,5 @@ VERB_OF = {cls: verb for verb, cls in VERBS.items()}
 
 api_request_decoder = msgspec.json.Decoder(ApiRequest)
 api_reply_decoder = msgspec.json.Decoder(Union[SandboxRecord, SandboxPage, SnapshotRecord, SnapshotList,
-                                               WarmPool, WarmPoolList, QuotaState, StoredOutput,
+                                               WarmPool, WarmPoolList, QuotaState, Backends, StoredOutput,
                                                TrajectoryBatch, Done, ErrorReply])

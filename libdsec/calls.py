@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import msgspec
 
 from bus import subjects, validate
+from bus.apiwire import Backends, GetBackends
 from bus.errors import CapacityUnavailable, DsecError, InvalidRequest, from_code
 from bus.callwire import CallReply, CallRequest, call_reply_decoder
 from bus.messages import ErrorReply, encode
@@ -76,6 +77,35 @@ def _request(tenant: str, cmd: str | Sequence[str], *, stdin: bytes | str, files
     return req
 
 
+OFFERED_FOR = 5.0   # seconds a client trusts an answer that some node runs fncall workers
+
+
+@dataclass
+class Offered:
+    """A client's last answer to whether some live node runs fncall workers (asked once for many calls)."""
+
+    until: float = 0.0                    # (monotonic) trusted until
+    asking: asyncio.Future | None = None  # the question in flight, which concurrent calls share
+
+
+async def _need_fncall(client: "AsyncClient") -> None:
+    """CapacityUnavailable at once when no live node runs fncall workers: the call would wait its whole
+    `wait` (30 s by default) for a worker none has. The answer that one does is kept OFFERED_FOR seconds."""
+    seen = client._fncall
+    if time.monotonic() < seen.until:
+        return
+    if seen.asking is None or seen.asking.done():
+        seen.asking = asyncio.ensure_future(client._ask(GetBackends(), Backends))
+    try:
+        kinds = (await asyncio.shield(seen.asking)).kinds
+    except InvalidRequest:   # a control API from before the question: the call goes as it did
+        return
+    if "fncall" not in kinds:
+        raise CapacityUnavailable("no node runs fncall workers (no live node offers the fncall backend kind; "
+                                  "start one with e.g. `dsec up --backend fncall`): the call was not sent")
+    seen.until = time.monotonic() + OFFERED_FOR
+
+
 async def call(client: "AsyncClient", cmd: str | Sequence[str], *, stdin: bytes | str = b"",
                files: dict[str, bytes | str] | None = None, image: str = "busybox", timeout: float = 10.0,
                resources: Resources | None = None, read_back: Sequence[str] | None = None,
@@ -88,6 +118,7 @@ async def call(client: "AsyncClient", cmd: str | Sequence[str], *, stdin: bytes 
                    max_output=max_output, wait=wait)
     bus, replies = client._need_bus(), client._replies
     assert replies is not None
+    await _need_fncall(client)
     reply_to, q = replies.register(req.call_id)
     req = msgspec.structs.replace(req, reply_to=reply_to)
     try:

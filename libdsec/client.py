@@ -94,6 +94,7 @@ class AsyncClient:
         self._loop: asyncio.AbstractEventLoop | None = None   # the event loop it connected in
         self._replies: _Replies | None = None
         self._settling: set[asyncio.Task] = set()   # cancelled creates, destroyed once they settle
+        self._fncall = calls.Offered()              # whether some node runs fncall workers (calls.py)
 
     async def __aenter__(self) -> "AsyncClient":
         await self.connect()

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable
 import msgspec
 
 from bus import lanes, streams, subjects
-from bus.apiwire import (MAX_PAGE, VERBS, GetQuota, GetSandbox, ListSandboxes, QuotaState,
+from bus.apiwire import (MAX_PAGE, VERBS, Backends, GetBackends, GetQuota, GetSandbox, ListSandboxes, QuotaState,
                          api_request_decoder)
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, RateLimited, SandboxNotFound
@@ -65,8 +65,9 @@ class Bucket:
 class ControlApi:
     """The service: the chain, then one handler per request type."""
 
-    def __init__(self, bus: Bus, images, quotas=None, rate: float = DEFAULT_RATE) -> None:
+    def __init__(self, bus: Bus, images, quotas=None, rate: float = DEFAULT_RATE, nodes=lambda: []) -> None:
         self.bus = bus
+        self.nodes = nodes   # the node records placement knows (its ledger)
         self.quotas = quotas
         self.rate = rate
         self.listings = Listings(bus)
@@ -79,7 +80,8 @@ class ControlApi:
         self._sub = None
         self._index: asyncio.Task | None = None
         self._handlers: dict[type, Callable[[str, Wire], Awaitable[Wire]]] = {
-            GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, **self.snapshots.handlers(),
+            GetSandbox: self._get, ListSandboxes: self._list, GetQuota: self._quota, GetBackends: self._backends,
+            **self.snapshots.handlers(),
             **self.pools.handlers(), **self.reads.handlers()}
         self.steps: list[Step] = [self._count, self._answer_errors, self._authorise, self._limit, self._decode]
         self._run = lanes.chain(self._dispatch, self.steps)
@@ -220,6 +222,9 @@ class ControlApi:
         if req.next_token and not subjects.is_token(req.next_token):
             raise InvalidRequest(f"next_token {req.next_token!r} is not one this API gave")
         return await self.listings.page(tenant, req)
+
+    async def _backends(self, _tenant: str, _req: GetBackends) -> Wire:
+        return Backends(kinds=sorted({k for n in self.nodes() if not n.lost and not n.draining for k in n.backends}))
 
     async def _quota(self, tenant: str, _req: GetQuota) -> Wire:
         quota = self.quotas.table.get(tenant) if self.quotas is not None else None

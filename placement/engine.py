@@ -72,7 +72,7 @@ class PlacementEngine:
         self.watch = BookingWatch(bus, self.ledger, self._place_again)
         self.ledger.hears_itself = self.reaper.hears_itself
         self.records = SandboxRecords(bus, "")
-        self.api = ControlApi(bus, self.images, self.quotas)
+        self.api = ControlApi(bus, self.images, self.quotas, nodes=self.ledger.nodes)
         self.outcomes: collections.Counter = collections.Counter()   # (message kind, verdict) -> creates handled
         self.max_waiting = max_waiting
         self.burst_threshold = burst_threshold

@@ -159,9 +159,17 @@ async def test_bad_calls_fail_typed_and_a_batch_goes_on(stack, client, tmp_path)
         assert after.ok, "the node is healthy after all of it"
 
 
-async def test_a_call_no_node_can_take_fails_after_its_wait_and_never_runs_later(stack, client, tmp_path):
+async def test_a_call_no_node_can_take_fails_at_once_or_after_its_wait_and_never_runs_later(stack, client, tmp_path):
+    """With no node running fncall workers a call fails at once, unsent (it waited its whole `wait`, 30 s by
+    default, for a worker none had). One sent while a node was there (the client trusts that answer a few
+    seconds) that no worker takes fails after its wait, and a node coming later drops it, never runs it."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
+    with pytest.raises(libdsec.CapacityUnavailable, match="no node runs fncall workers.*not sent"):
+        await client.call("echo never > /dev/null", timeout=1)
+    assert loop.time() - t0 < 2
+    assert (await stack.bus.js.consumer_info(streams.CALL_STREAM, "calls-latency")).num_pending == 0
+    client._fncall.until = loop.time() + 60   # as if a node had been there a moment ago
     with pytest.raises(libdsec.CapacityUnavailable, match="no fncall worker"):
         await client.call("echo late > /dev/null", timeout=1, wait=1)
     assert loop.time() - t0 < 15
