@@ -177,3 +177,28 @@ async def test_flush_returns_once_every_earlier_change_is_out(client):
                 assert seen[-3:] == [("create", f"{n}.txt"), ("write", f"{n}.txt"), ("chmod", f"{n}.txt")], seen
         finally:
             await seen.end()
+
+
+async def test_a_moved_directorys_files_are_reported_under_its_new_path_never_its_old(client):
+    """Helper F2: a recursive watch reported files of a directory moved twice in a row under its first path
+    (the second move came before the watch looked at the first), and files of one moved out of the watched
+    tree under the path it had in it. A move within the tree renames what the watch follows; one out of it
+    ends there."""
+    async with await client.create() as sb:
+        await sb.exec("mkdir /m")
+        w = await sb.files.watch("/m", recursive=True)
+        seen = Seen(w)
+        try:
+            for i in range(10):
+                await sb.exec(f"mkdir -p /m/a{i}/sub && echo 0 > /m/a{i}/sub/keep")
+                await w.flush()
+                seen.clear()
+                await sb.exec(f"mv /m/a{i} /m/b{i} && echo 1 > /m/b{i}/sub/f && mv /m/b{i} /m/c{i} && "
+                              f"echo 2 > /m/c{i}/sub/g && mv /m/c{i} /tmp/out{i} && echo 3 > /tmp/out{i}/sub/h")
+                await w.flush()
+                names = [name for _, name in seen]
+                assert ("create", f"b{i}/sub/f") in seen and ("create", f"c{i}/sub/g") in seen, seen
+                assert not [n for n in names if n.startswith((f"a{i}/", f"b{i}/sub/g", f"c{i}/sub/h"))], seen
+                assert ("rename", f"c{i}") in seen, seen   # moved out: its end is said, then nothing of it
+        finally:
+            await seen.end()

@@ -86,6 +86,7 @@ class Watch:
         self.opener, self.base, self.recursive = opener, base.rstrip("/") or "/", recursive
         self.dirs: dict[int, str] = {}
         self.seen: set[str] = set()   # entries reported as found in a new directory, whose create may follow
+        self.leaving: tuple[int, str] | None = None   # (cookie, path) of a directory moved away, till its arrival
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -155,9 +156,12 @@ class Watch:
         out: list[Event] = []
         at = 0
         while at + HEAD.size <= len(data):
-            wd, mask, _cookie, size = HEAD.unpack_from(data, at)
+            wd, mask, cookie, size = HEAD.unpack_from(data, at)
             name = data[at + HEAD.size:at + HEAD.size + size].split(b"\0", 1)[0].decode(errors="surrogateescape")
             at += HEAD.size + size
+            if self.leaving is not None and not (mask & IN_MOVED_TO and cookie == self.leaving[0]):
+                self._forget(self.leaving[1])   # (the kernel queues a move's arrival right after its departure)
+                self.leaving = None
             if mask & IN_Q_OVERFLOW:
                 out.append(Event("overflow"))
                 continue
@@ -183,9 +187,37 @@ class Watch:
                 if mask & bit:
                     out.append(Event(kind, path))
                     break
-            if self.recursive and mask & IN_ISDIR and mask & (IN_CREATE | IN_MOVED_TO):
-                out += self._add_new(path)
+            if self.recursive and mask & IN_ISDIR:
+                if mask & IN_MOVED_FROM:
+                    self.leaving = (cookie, path)
+                elif mask & IN_MOVED_TO and self.leaving is not None and self._renamed(self.leaving[1], path):
+                    self.leaving = None
+                elif mask & (IN_CREATE | IN_MOVED_TO):
+                    self.leaving = None
+                    out += self._add_new(path)
         return out
+
+    def _under(self, path: str) -> list[int]:
+        return [wd for wd, rel in self.dirs.items() if rel == path or rel.startswith(path + "/")]
+
+    def _renamed(self, old: str, new: str) -> bool:
+        """A directory moved within the tree: what the watch follows of it is named by its new path (looked up
+        by nothing on disk: it may have moved on again by now, and its later events are named by the move
+        that comes next). False when the watch did not follow it yet (its arrival is then added as new)."""
+        wds = self._under(old)
+        if not wds:
+            return False
+        for wd in wds:
+            self.dirs[wd] = new + self.dirs[wd][len(old):]
+        self.seen = {new + p[len(old):] if p == old or p.startswith(old + "/") else p for p in self.seen}
+        return True
+
+    def _forget(self, path: str) -> None:
+        """A directory moved out of the tree: nothing in it is reported any more (it was, under its old path)."""
+        for wd in self._under(path):
+            _libc.inotify_rm_watch(self.fd, wd)
+            del self.dirs[wd]
+        self.seen = {p for p in self.seen if not (p == path or p.startswith(path + "/"))}
 
     def _add_new(self, path: str) -> list[Event]:
         """A directory made or moved in below a watched one: watched too (past MAX_DIRS, or gone: not); a

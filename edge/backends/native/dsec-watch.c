@@ -7,7 +7,8 @@
  * watched, then one JSON line per change: {"type":"create"|"write"|"remove"|"rename"|"chmod","name":REL}
  * (REL relative to PATH; "" for PATH itself, after which it ends), {"type":"overflow"} when events were
  * lost. A directory made or moved in is watched too; what it holds by then is reported as created (and
- * the one create inotify may still queue for such an entry is dropped). Each line on stdin comes back as
+ * the one create inotify may still queue for such an entry is dropped). One moved within the tree is named
+ * by its new path from its move on; one moved out is followed no more. Each line on stdin comes back as
  * {"type":"mark","name":LINE} after every event queued when it came. Fails with exit status errno.
  */
 #define _GNU_SOURCE
@@ -15,6 +16,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -128,6 +130,43 @@ static int add_tree(const char *rel, int found)
     return wd;
 }
 
+static int under(const char *rel, const char *dir)
+{
+    size_t n = strlen(dir);
+    return !strncmp(rel, dir, n) && (!rel[n] || rel[n] == '/');
+}
+
+/* A directory moved within the tree (old -> new): what is followed of it takes its new name, by its path
+ * alone (it may have moved on already: its later events are named by the move that comes next). 0 when
+ * nothing of it was followed yet. */
+static int renamed(const char *old, const char *new)
+{
+    int found = 0;
+    for (int wd = 1; wd <= MAX_DIRS; wd++)
+        if (dirs[wd] && *dirs[wd] && under(dirs[wd], old)) {
+            char *name = join(new, dirs[wd] + strlen(old) + (dirs[wd][strlen(old)] == '/'));
+            free(dirs[wd]);
+            dirs[wd] = name;
+            found = 1;
+        }
+    return found;
+}
+
+/* A directory moved out of the tree: nothing in it is reported any more. */
+static void forget(const char *dir)
+{
+    for (int wd = 1; wd <= MAX_DIRS; wd++)
+        if (dirs[wd] && *dirs[wd] && under(dirs[wd], dir)) {
+            inotify_rm_watch(ifd, wd);
+            free(dirs[wd]);
+            dirs[wd] = NULL;
+            ndirs--;
+        }
+}
+
+static uint32_t leaving_cookie;
+static char *leaving;   /* the path of a directory moved away, until its arrival (queued right after it) */
+
 static int was_seen(const char *rel)
 {
     for (int i = 0; i < nseen; i++)
@@ -148,6 +187,11 @@ static int drain(void)
         for (char *p = buf; p < buf + len; ) {
             struct inotify_event *ev = (struct inotify_event *)p;
             p += sizeof *ev + ev->len;
+            if (leaving && !((ev->mask & IN_MOVED_TO) && ev->cookie == leaving_cookie)) {
+                forget(leaving);
+                free(leaving);
+                leaving = NULL;
+            }
             if (ev->mask & IN_Q_OVERFLOW) {
                 emit("overflow", "");
                 continue;
@@ -179,8 +223,18 @@ static int drain(void)
                              : ev->mask & IN_ATTRIB ? "chmod" : NULL;
             if (!skip && type)
                 emit(type, path);
-            if (!skip && recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO)))
+            if (recursive && (ev->mask & IN_ISDIR) && (ev->mask & IN_MOVED_FROM)) {
+                leaving_cookie = ev->cookie;
+                leaving = strdup(path);
+            } else if (recursive && (ev->mask & IN_ISDIR) && (ev->mask & IN_MOVED_TO) && leaving
+                       && renamed(leaving, path)) {
+                free(leaving);
+                leaving = NULL;
+            } else if (!skip && recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO))) {
+                free(leaving);
+                leaving = NULL;
                 add_tree(path, 1);
+            }
             free(path);
         }
     }
