@@ -22,6 +22,7 @@ from bus.messages import Wire, encode
 from bus.nats_errors import check_fits, mapped_errors, not_found, timed_out
 
 log = logging.getLogger(__name__)
+SCAN_TRIES = 6   # pulls of a scan's consumer that may meet "no responders" before it is taken up
 
 
 @dataclass
@@ -253,13 +254,20 @@ class KvStore:
             sub = await self.js.pull_subscribe(subject, stream=stream, config=config)
         try:
             while True:
-                try:
-                    with mapped_errors(f"kv scan {bucket}"):
-                        msgs = await sub.fetch(max(1, min(want(), 1000)), timeout=3)
-                except BusError as exc:
-                    if timed_out(exc):
-                        raise BusError(f"kv scan {bucket}: the read stalled before its end") from exc
-                    raise
+                for attempt in range(SCAN_TRIES):
+                    try:
+                        with mapped_errors(f"kv scan {bucket}"):
+                            msgs = await sub.fetch(max(1, min(want(), 1000)), timeout=3)
+                        break
+                    except BusError as exc:
+                        if timed_out(exc):
+                            raise BusError(f"kv scan {bucket}: the read stalled before its end") from exc
+                        # a consumer just made on a replicated stream may answer "no responders" (503) to its
+                        # first pulls, before its server has taken it up (helper 28: 3 of 300 fetches)
+                        if attempt == SCAN_TRIES - 1 or not isinstance(
+                                exc.__cause__, (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError)):
+                            raise
+                        await asyncio.sleep(0.05 * (attempt + 1))
                 for m in msgs:
                     op = (m.headers or {}).get("KV-Operation", "PUT")
                     pending = m.metadata.num_pending

@@ -218,3 +218,26 @@ async def test_an_embedded_cluster_enforces_identities_on_every_server(tmp_path)
                     assert kept in [r.sandbox_id for r in await c.list()]
         finally:
             await st.stop()
+
+
+async def test_scans_of_a_replicated_bucket_read_every_page(cluster):
+    """A list of every state pages through KV dsec-sandboxes with a pull consumer made per page: on a
+    replicated stream its first pull sometimes met "no responders" (503) before its server had taken it up,
+    and the whole list failed (helper 28: 3 of 300 pulls, a 25-page list one time in four)."""
+    from contextlib import aclosing
+    bus = await Bus.connect(cluster.url, creds=cluster.admin)
+    try:
+        await bus.provision(replicas=3)
+        await asyncio.gather(*(bus.kv_put(streams.SANDBOXES_KV, f"scan.sb-{i:04d}", b"{}") for i in range(300)))
+        first = (await bus.js.stream_info(f"KV_{streams.SANDBOXES_KV}")).state.first_seq
+        for i in range(400):
+            got = []
+            async with aclosing(bus.kv_scan(streams.SANDBOXES_KV, "scan.>", first + i % 250,
+                                            want=lambda: 50 - len(got))) as entries:
+                async for key, _raw, _seq, _pending in entries:
+                    got.append(key)
+                    if len(got) == 50:
+                        break
+            assert len(got) == 50, (i, got)
+    finally:
+        await bus.close()
