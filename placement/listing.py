@@ -4,8 +4,9 @@ Live records (starting, ready) come from an index every engine keeps in memory, 
 dsec-sandboxes: a list of running sandboxes costs what the tenant runs, not every record the bucket keeps
 for two days (helper S2's soak: at about 80,000 records such a list would pass a request's timeout). A read
 of the index first waits until it holds every write the bucket stored before the read began, so a sandbox a
-create just returned is listed; an index that does not catch up within CATCH_UP is started afresh, and one
-still behind after RELOAD more is not used: that read goes to the bucket.
+create just returned is listed. An index still loading (its watch delivering) is waited for up to RELOAD;
+one whose watch went silent short of the bucket is started afresh (at most once per RELOAD: a restart on
+every read would never let a large load end); a read that cannot wait for either goes to the bucket.
 
 Lists of other states read the bucket in stream order, a page at a time, each page going on after the last
 sequence the one before it read, so a whole list reads each record once (paging by id read all the tenant's
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
 
@@ -30,8 +32,8 @@ from edge.records import decode_record, key_of
 log = logging.getLogger(__name__)
 
 LIVE = ("starting", "ready")
-CATCH_UP = 1.0      # seconds a read waits for the index to hold every write stored before it...
-RELOAD = 5.0        # ...and then for a fresh load of it, before reading the bucket itself
+CATCH_UP = 1.0      # seconds of silence from a watch short of the bucket before it is started afresh...
+RELOAD = 5.0        # ...at most once in this long; and the longest a read waits for the index
 RESYNC = 600.0      # seconds of silence after which the watch loads afresh (a reader that finds it behind does sooner)
 SCAN_MAX = 5000     # records one page of a stream-order list reads at most (a page with few matches comes back short)
 MAX_REPLY = 768 << 10   # bytes of records per page (a reply stays under the server's 1 MiB max payload)
@@ -50,7 +52,10 @@ class LiveIndex:
         self.bus = bus
         self._live: dict[str, dict[str, tuple[int, SandboxRecord]]] = {}   # tenant root -> key -> (revision, record)
         self.seen = 0                     # the highest stream sequence the current watch delivered
-        self._moved = asyncio.Event()
+        self._waiters: list[tuple[int, int, asyncio.Future]] = []   # (target, n, future): a heap by target
+        self._n = 0
+        self._heard = time.monotonic()    # when the watch last delivered (or began)
+        self._restarted = 0.0             # when a reader last started it afresh
         self._restart = asyncio.Event()
         self.fallbacks = 0                # reads that went to the bucket: the index stayed behind
 
@@ -60,6 +65,7 @@ class LiveIndex:
 
     def _on_start(self) -> None:
         self.seen = 0
+        self._heard = time.monotonic()
 
     def _on_synced(self, present: set[str]) -> None:
         """The watch delivered every current value: keys it did not deliver are gone (expired: no marker)."""
@@ -85,19 +91,26 @@ class LiveIndex:
             del live[key]
             if not live:
                 self._live.pop(root, None)
-        self._moved.set()
-        self._moved = asyncio.Event()
+        self._heard = time.monotonic()
+        while self._waiters and self._waiters[0][0] <= self.seen:   # (each reader woken once, when it may go on)
+            fut = heapq.heappop(self._waiters)[2]
+            if not fut.done():
+                fut.set_result(None)
 
     async def _caught_up(self, target: int, wait: float) -> bool:
-        """Wait until the watch delivered the bucket's writes up to sequence target."""
-        give_up = time.monotonic() + wait
-        while self.seen < target:
-            moved, left = self._moved, give_up - time.monotonic()
-            if left <= 0:
-                return False
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(moved.wait(), left)
-        return True
+        """Wait until the watch delivered the bucket's writes up to sequence target (at most `wait` s)."""
+        if self.seen >= target:
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self._n += 1
+        heapq.heappush(self._waiters, (target, self._n, fut))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, wait)
+        if not fut.done():
+            fut.cancel()
+            self._waiters = [w for w in self._waiters if not w[2].done()]
+            heapq.heapify(self._waiters)
+        return self.seen >= target
 
     async def _nothing_after(self, seq: int) -> bool:
         """Whether the bucket stores nothing after sequence seq (its last sequence may be one expired since)."""
@@ -107,10 +120,17 @@ class LiveIndex:
         """The account's live records by id (a tenant's take its projects'), holding every write stored
         before the call; None when the index stayed behind (the caller reads the bucket)."""
         target = await self.bus.kv_last_seq(streams.SANDBOXES_KV)
-        if not await self._caught_up(target, CATCH_UP) and not await self._nothing_after(self.seen):
-            log.info("live index behind the bucket (%d < %d): loading it afresh", self.seen, target)
-            self._restart.set()
-            if not await self._caught_up(target, RELOAD) and not await self._nothing_after(self.seen):
+        give_up = time.monotonic() + RELOAD
+        while not await self._caught_up(target, min(CATCH_UP, give_up - time.monotonic())):
+            if await self._nothing_after(self.seen):   # (the bucket's last entries expired since)
+                break
+            now = time.monotonic()
+            if now - self._heard >= CATCH_UP and now - self._restarted >= RELOAD:   # silent, not loading
+                log.info("live index behind the bucket (%d < %d) and its watch silent: loading it afresh",
+                         self.seen, target)
+                self._restarted = now
+                self._restart.set()
+            if now >= give_up:
                 self.fallbacks += 1
                 return None
         live = self._live.get(subjects.tenant_root(tenant), {})
