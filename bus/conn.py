@@ -461,7 +461,9 @@ class Bus(KvStore, StreamReads):
                 # provisions too)
                 cfg.num_replicas = max(cfg.num_replicas or 1, have.num_replicas or 1)
                 if retention is None and cfg.retention != api.RetentionPolicy.WORK_QUEUE:   # (lanes: ours)
-                    cfg.max_age, cfg.max_bytes = have.max_age, have.max_bytes
+                    # the operator's age and bound stay; a stream made before it had a bound takes the default
+                    cfg.max_age = have.max_age
+                    cfg.max_bytes = have.max_bytes if (have.max_bytes or -1) > 0 else cfg.max_bytes
                 if _differs(cfg, have):
                     await self.admin.update_stream(cfg)
         for kcfg in streams.kv_configs(ret, replicas):

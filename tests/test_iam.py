@@ -394,7 +394,7 @@ async def test_provisioning_again_on_a_store_that_holds_the_bounds_once(tmp_path
     """A server whose store holds the streams' bounds but not the largest of them twice (its store sized by
     its disk): nats-server refuses a create of an existing stream, even as it is, and an update to the same
     bound (nats-server #3321), so a second provisioning, a restart's, failed. It goes through now, and
-    changes what it should."""
+    changes what it should: a stream made before the bounds takes its bound at the next `dsec up`."""
     from bus.server import free_port, server_binary
     port = free_port()
     conf = tmp_path / "small.conf"
@@ -406,6 +406,11 @@ async def test_provisioning_again_on_a_store_that_holds_the_bounds_once(tmp_path
             await bus.provision(streams.Retention())
             await bus.provision(streams.Retention())     # (before: insufficient storage resources available)
             await bus.provision(streams.Retention(trajectories_max_age=86400.0))
+            cfg = (await bus.admin.stream_info(streams.TRAJ_STREAM)).config
+            assert (cfg.max_age, cfg.max_bytes) == (86400.0, streams.Retention().trajectories_max_bytes)
+            cfg.max_bytes = -1   # a stream made before it had a bound: `dsec up` (no retention given) bounds it
+            await bus.admin.update_stream(cfg)
+            await bus.provision()
             cfg = (await bus.admin.stream_info(streams.TRAJ_STREAM)).config
             assert (cfg.max_age, cfg.max_bytes) == (86400.0, streams.Retention().trajectories_max_bytes)
         finally:
