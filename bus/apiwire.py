@@ -105,6 +105,7 @@ class GetBackends(Wire, tag="get_backends"):
 
 class Backends(Wire, tag="backends"):
     kinds: list[str] = []
+    known: bool = True   # False: the engine has not read the node records yet (an engine just started)
 
 
 class ReadOutput(Wire, tag="read_output"):

@@ -78,6 +78,7 @@ def _request(tenant: str, cmd: str | Sequence[str], *, stdin: bytes | str, files
 
 
 OFFERED_FOR = 5.0   # seconds a client trusts an answer that some node runs fncall workers
+ASK_FOR = 2.0       # seconds a call waits for that answer (none: it is sent as if yes)
 
 
 @dataclass
@@ -89,18 +90,20 @@ class Offered:
 
 
 async def _need_fncall(client: "AsyncClient") -> None:
-    """CapacityUnavailable at once when no live node runs fncall workers: the call would wait its whole
-    `wait` (30 s by default) for a worker none has. The answer that one does is kept OFFERED_FOR seconds."""
+    """CapacityUnavailable at once when placement says no live node runs fncall workers: the call would wait
+    its whole `wait` (30 s by default) for a worker none has. A yes, or no answer within ASK_FOR (calls go
+    to the nodes' lane, not through placement), is kept OFFERED_FOR seconds."""
     seen = client._fncall
     if time.monotonic() < seen.until:
         return
     if seen.asking is None or seen.asking.done():
-        seen.asking = asyncio.ensure_future(client._ask(GetBackends(), Backends))
+        seen.asking = asyncio.ensure_future(client._ask(GetBackends(), Backends, timeout=ASK_FOR))
     try:
-        kinds = (await asyncio.shield(seen.asking)).kinds
-    except InvalidRequest:   # a control API from before the question: the call goes as it did
+        answer = await asyncio.shield(seen.asking)
+    except DsecError:   # no answer (placement down or slow, a control API from before the question): the call
+        seen.until = time.monotonic() + OFFERED_FOR   # goes as it did, straight to the nodes' lane
         return
-    if "fncall" not in kinds:
+    if answer.known and "fncall" not in answer.kinds:
         raise CapacityUnavailable("no node runs fncall workers (no live node offers the fncall backend kind; "
                                   "start one with e.g. `dsec up --backend fncall`): the call was not sent")
     seen.until = time.monotonic() + OFFERED_FOR

@@ -19,8 +19,8 @@ TRY_FOR = 2.0          # seconds the first try of a read waits for its reply; ea
                        # (a lost reply is asked again soon, an engine slow under load is not asked 5 times over)
 # asked again when a reply is lost: reads, and what is harmless twice (an ack; a fetch, whose records
 # are handed out again after the reader's ack wait)
-READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list", "quota-get", "output-read",
-         "traj-fetch", "traj-ack")
+READS = ("sandbox-get", "sandbox-list", "snapshot-get", "snapshot-list", "pool-list", "quota-get", "backends-get",
+         "output-read", "traj-fetch", "traj-ack")
 
 
 async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float = ASK_TIMEOUT) -> Wire:

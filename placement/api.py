@@ -67,7 +67,8 @@ class ControlApi:
 
     def __init__(self, bus: Bus, images, quotas=None, rate: float = DEFAULT_RATE, nodes=lambda: []) -> None:
         self.bus = bus
-        self.nodes = nodes   # the node records placement knows (its ledger)
+        self.nodes = nodes   # the node records placement knows (its ledger)...
+        self.nodes_known = False   # ...once its watch delivered them all
         self.quotas = quotas
         self.rate = rate
         self.listings = Listings(bus)
@@ -224,7 +225,8 @@ class ControlApi:
         return await self.listings.page(tenant, req)
 
     async def _backends(self, _tenant: str, _req: GetBackends) -> Wire:
-        return Backends(kinds=sorted({k for n in self.nodes() if not n.lost and not n.draining for k in n.backends}))
+        return Backends(kinds=sorted({k for n in self.nodes() if not n.lost and not n.draining for k in n.backends}),
+                        known=self.nodes_known)
 
     async def _quota(self, tenant: str, _req: GetQuota) -> Wire:
         quota = self.quotas.table.get(tenant) if self.quotas is not None else None

@@ -93,7 +93,8 @@ class PlacementEngine:
         """Watch nodes and quotas, then pull both priorities."""
         # every edge heartbeats every few seconds: a node watch silent for longer has lost its server
         self._subs.append(await self.bus.subscribe(subjects.heartbeat(), self._heartbeat))
-        self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0),
+        self._tasks = [await kv_watch(self.bus, streams.NODES_KV, self.ledger.on_change, resync_every=4.0,
+                                      on_synced=lambda _keys: setattr(self.api, "nodes_known", True)),
                        await kv_watch(self.bus, streams.QUOTAS_KV, self.quotas.on_change),
                        await kv_watch(self.bus, streams.IMAGES_KV, self.images.on_change),   # drops stale resolves
                        await kv_watch(self.bus, streams.ENGINES_KV, self.api.on_engine),   # the rate's share

@@ -1038,3 +1038,33 @@ def test_a_snapshot_tag_is_a_name_not_a_line_or_an_id():
         with pytest.raises(InvalidRequest) as ei:
             check_tag(bad)
         assert len(str(ei.value)) < 200
+
+
+async def test_a_call_is_refused_unsent_only_when_placement_says_no_node_runs_fncall():
+    """A call asks placement once (backends-get) whether some live node runs fncall workers, and fails at once
+    only on its word that none does: with no answer (placement down, slow, rate-limited), or an engine that
+    has not read the node records yet, the call goes to the nodes' lane as it always did (calls do not go
+    through placement). Either answer is kept a few seconds, for the calls after it."""
+    from bus.apiwire import Backends
+    from libdsec import calls
+
+    class Client:
+        def __init__(self, answer) -> None:
+            self._fncall, self.answer, self.asked = calls.Offered(), answer, 0
+
+        async def _ask(self, _request, _expect, timeout=0.0):
+            self.asked += 1
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+    for answer in (errors.BusUnavailable("no engine"), errors.BusError("no answer"), errors.RateLimited("slow down"),
+                   Backends(kinds=[], known=False), Backends(kinds=["container", "fncall"])):
+        c = Client(answer)
+        await asyncio.gather(*(calls._need_fncall(c) for _ in range(20)))   # (concurrent calls: asked once)
+        await calls._need_fncall(c)
+        assert c.asked == 1, answer
+    c = Client(Backends(kinds=["container"]))
+    for _ in range(2):   # a no is asked again each time (a node may have come)
+        with pytest.raises(errors.CapacityUnavailable, match="no node runs fncall workers"):
+            await calls._need_fncall(c)
+    assert c.asked == 2
