@@ -285,12 +285,17 @@ async def wait_or_kill(fut: asyncio.Future, groups: dict[str, Path], timeout: fl
             await wait_unfrozen(fut, timeout, frozen_for)
             return False
         except asyncio.TimeoutError:
-            await kill_exec(groups)
-            try:
-                await asyncio.wait_for(asyncio.shield(fut), KILL_GRACE)
-            except asyncio.TimeoutError:
-                raise BackendError("command killed but its output pipes stayed open") from None
-            return True
+            # killed again until it ends: a command still being started joins the group only as its helper
+            # (in none of the exec's groups) lets it go, which a timeout of a few ms can come before
+            give_up = time.monotonic() + KILL_GRACE
+            while True:
+                await kill_exec(groups)
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), min(0.2, max(0.0, give_up - time.monotonic())))
+                    return True
+                except asyncio.TimeoutError:
+                    if time.monotonic() >= give_up:
+                        raise BackendError("command killed but its output pipes stayed open") from None
     except BaseException:
         await asyncio.shield(kill_exec(groups))
         raise
@@ -331,14 +336,12 @@ async def report_start(pipes: Pipes, exited: asyncio.Future, control: ExecContro
     if pid:
         await control.started(pid)
 
-async def signal_exec(groups: dict[str, Path], sig: int, init: int = 0) -> bool:
+async def signal_exec(groups: dict[str, Path], sig: int) -> bool:
     """Signal every process of one exec (SIGKILL: the whole tree, verified gone); False when none is left.
-    init: the sandbox's init, whose pid namespace the command's processes are in (SIGKILL: those go first)."""
+    (The command's helper is in none of its groups: it reaps the command at once, not the host's init.)"""
     if not groups["freezer"].is_dir():
         return False
     if sig == signal.SIGKILL:
-        if init:
-            await _commands_first(groups["freezer"], init)
         return await cgroups.kill_tree(groups["freezer"])
     try:
         pids = cgroups.procs_under(groups["freezer"])
@@ -348,38 +351,6 @@ async def signal_exec(groups: dict[str, Path], sig: int, init: int = 0) -> bool:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
     return bool(pids)
-
-async def _commands_first(freezer: Path, init: int, wait: float = 0.1, most: int = 64) -> None:
-    """SIGKILL the processes of the group that are in the sandbox's pid namespace, then give its helper (the
-    command's parent, in the host's) a moment to reap the command and end by itself. Killed with them, the
-    helper left the command's zombie to the host's init (the reaper of the helper's namespace), which may
-    take seconds to reap it (~2 s on this host): until then the sandbox saw it, and a kill waited for it."""
-    try:
-        ns = os.stat(f"/proc/{init}/ns/pid").st_ino
-    except OSError:
-        return
-
-    def outside() -> list[int]:
-        left = []
-        pids = cgroups.procs_under(freezer)
-        if len(pids) > most:   # (a tree this large: all killed at once below, not polled on the loop)
-            return []
-        for pid in pids:
-            try:
-                if os.stat(f"/proc/{pid}/ns/pid").st_ino == ns:
-                    os.kill(pid, signal.SIGKILL)
-                else:
-                    left.append(pid)
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-        return left
-    try:
-        give_up = time.monotonic() + wait
-        while outside() and time.monotonic() < give_up:
-            await asyncio.sleep(0.002)
-    except OSError:
-        return
-
 
 REAP_WAIT = 2.0   # seconds a killed command's pid may take to be reaped (its helper's end, then the init's wait)
 

@@ -79,7 +79,7 @@ class Executing(Core):
     async def _signal(sb: Running, groups: dict, sig: int, control: ExecControl) -> bool:
         """Signal the exec's processes; after a SIGKILL, return once its command's pid is gone from the
         sandbox (reaped, not a zombie any more: `kill -0 PID` inside fails), at most REAP_WAIT later."""
-        sent = await execio.signal_exec(groups, sig, sb.init_pid)
+        sent = await execio.signal_exec(groups, sig)
         if sent and sig == signal.SIGKILL and control.pid:
             await execio.reaped(f"/proc/{sb.init_pid}/root/proc/{control.pid}")
         return sent
