@@ -12,7 +12,13 @@ from edge.backends.treeops import walk
 from edge.erofs import MAX_NAME
 
 
-HOLES = 1 << 20   # bytes of holes (sparse files) past which a tree is packed with its holes kept (pack_dir)
+HOLES = 64 << 20   # bytes of holes (sparse files), and a quarter of the tree, past which a tree is packed with
+                   # its holes kept (pack_dir: the pack then reads every byte, 7 s per GiB against 1 s written)
+
+
+def keeps_holes(size: int, holes: int) -> bool:
+    """Whether a tree of `size` apparent bytes, `holes` of them holes, is packed with its holes kept."""
+    return holes >= HOLES and 4 * holes >= size
 
 
 def apparent_size(root: Path) -> tuple[int, int]:

@@ -65,7 +65,7 @@ class Freezing(Core):
                                        f"(sparse and reflinked files counted at their apparent size), above "
                                        f"its disk limit of {sb.spec.limits.disk} bytes")
             return await asyncio.to_thread(packing.pack_relative, upper, Path(dst), sb.ids, self._packing / sb.key,
-                                           holes > packing.HOLES)
+                                           packing.keeps_holes(size, holes))
         except (LayerBuildError, OSError) as exc:   # (named as the sandbox sees it; the edge adds whose)
             text = str(exc)
             for host in (str(self._packing / sb.key), str(upper), str(Path(dst).parent)):
