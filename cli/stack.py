@@ -116,6 +116,7 @@ class Stack:
             self.cluster = NatsCluster(self.state_dir / "nats-cluster", self.host, size=self.servers,
                                        ports=[self.port + i for i in range(self.servers)], iam=self.iam)
             self.cluster.start()   # from this thread (parent-death signal); blocks about a second
+            self._keeper = asyncio.ensure_future(self._keep_server())
         elif self.external_url is None:
             self.server = NatsServer(self.state_dir / "nats", self.host, self.port, iam=self.iam)
             self.server.start()   # from this thread: the server's parent-death signal is tied to it
@@ -178,12 +179,21 @@ class Stack:
             return
 
     async def _keep_server(self) -> None:
-        """The embedded server, started again whenever it exits (every part reconnects to it); if it keeps
-        exiting or cannot start, the stack is broken (`dsec up` stops and exits non-zero, saying why)."""
+        """The embedded server (each of an embedded cluster's), started again whenever it exits (every part
+        reconnects to it; a killed cluster member stayed down for good, a zombie of `dsec up`: helper 28);
+        if one keeps exiting or cannot start, the stack is broken (`dsec up` stops and exits non-zero,
+        saying why)."""
+        servers = self.cluster.servers if self.cluster is not None else [self.server]
+        keeping = [asyncio.ensure_future(s.keep()) for s in servers]
         try:
-            self.broken_reason = await self.server.keep()
+            done, _ = await asyncio.wait(keeping, return_when=asyncio.FIRST_COMPLETED)
+            self.broken_reason = next(iter(done)).result()
         except Exception as exc:   # (not a way it should end: said, not left in a task nobody reads)
             self.broken_reason = f"watching the NATS server failed: {exc!r}"
+        finally:
+            for k in keeping:
+                k.cancel()
+            await asyncio.gather(*keeping, return_exceptions=True)
         log.error("%s", self.broken_reason)
         self.broken.set()
 

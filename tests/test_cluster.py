@@ -216,6 +216,24 @@ async def test_an_embedded_cluster_enforces_identities_on_every_server(tmp_path)
                     finally:
                         await raw.close()
                     assert kept in [r.sandbox_id for r in await c.list()]
+            # a member killed is started again (before: it stayed down, a zombie of `dsec up`: helper 28)
+            before = st.cluster.pids[2]
+            st.cluster.kill(2)
+            for _ in range(100):
+                if st.cluster.running(2) and st.cluster.pids[2] != before:
+                    break
+                await asyncio.sleep(0.1)
+            assert st.cluster.running(2) and st.cluster.pids[2] != before
+            async with libdsec.AsyncClient(urls[2], creds=default) as c2:
+                for _ in range(100):   # (until it answers again)
+                    try:
+                        await c2.list()
+                        break
+                    except libdsec.DsecError:
+                        await asyncio.sleep(0.2)
+                async with await c2.create() as sb:
+                    assert (await sb.exec("echo again")).stdout == b"again\n"
+            assert not st.broken.is_set()
         finally:
             await st.stop()
 
