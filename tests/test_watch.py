@@ -3,6 +3,7 @@ inotify on the directory resolved inside the sandbox's root."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -47,6 +48,18 @@ class Seen(list):
         await self.w.close()
 
 
+@contextlib.asynccontextmanager
+async def recursive_watch(client, path: str):
+    """A fresh sandbox with directory `path` made, and a recursive watch of it: (sandbox, Seen)."""
+    async with await client.create() as sb:
+        await sb.exec(f"mkdir {path}")
+        seen = Seen(await sb.files.watch(path, recursive=True))
+        try:
+            yield sb, seen
+        finally:
+            await seen.end()
+
+
 async def test_a_watch_streams_each_change_as_it_happens(client):
     async with await client.create() as sb:
         await sb.exec("mkdir -p /w/d")
@@ -88,22 +101,16 @@ async def test_a_recursive_watch_follows_new_directories_but_no_symlink(client, 
 async def test_what_a_new_directory_holds_before_its_watch_is_added_is_reported_once(client):
     """mkdir -p and files made in the same breath as their directory: made before the edge could add the new
     directory's watch, they are reported as created when it is added; never missed, never twice."""
-    async with await client.create() as sb:
-        await sb.exec("mkdir /n")
-        w = await sb.files.watch("/n", recursive=True)
-        seen = Seen(w)
-        try:
-            for i in range(8):
-                made = [f"{i}", f"{i}/b", f"{i}/b/c", f"{i}/b/c/f", f"{i}/b/g", f"{i}/h"]
-                await sb.exec(f"cd /n && mkdir -p {i}/b/c && echo x > {i}/b/c/f && touch {i}/b/g {i}/h")
-                await w.flush()
-                created = sorted(name for kind, name in seen if kind == "create" and name.split("/")[0] == f"{i}")
-                assert created == sorted(made), seen
-            await sb.exec("echo y > /n/0/b/c/later")   # the dirs found by the listing are watched too
-            await w.flush()
-            assert ("create", "0/b/c/later") in seen, seen
-        finally:
-            await seen.end()
+    async with recursive_watch(client, "/n") as (sb, seen):
+        for i in range(8):
+            made = [f"{i}", f"{i}/b", f"{i}/b/c", f"{i}/b/c/f", f"{i}/b/g", f"{i}/h"]
+            await sb.exec(f"cd /n && mkdir -p {i}/b/c && echo x > {i}/b/c/f && touch {i}/b/g {i}/h")
+            await seen.w.flush()
+            created = sorted(name for kind, name in seen if kind == "create" and name.split("/")[0] == f"{i}")
+            assert created == sorted(made), seen
+        await sb.exec("echo y > /n/0/b/c/later")   # the dirs found by the listing are watched too
+        await seen.w.flush()
+        assert ("create", "0/b/c/later") in seen, seen
 
 
 async def test_watching_what_is_no_directory_is_a_clear_error(client):
@@ -184,21 +191,15 @@ async def test_a_moved_directorys_files_are_reported_under_its_new_path_never_it
     (the second move came before the watch looked at the first), and files of one moved out of the watched
     tree under the path it had in it. A move within the tree renames what the watch follows; one out of it
     ends there."""
-    async with await client.create() as sb:
-        await sb.exec("mkdir /m")
-        w = await sb.files.watch("/m", recursive=True)
-        seen = Seen(w)
-        try:
-            for i in range(10):
-                await sb.exec(f"mkdir -p /m/a{i}/sub && echo 0 > /m/a{i}/sub/keep")
-                await w.flush()
-                seen.clear()
-                await sb.exec(f"mv /m/a{i} /m/b{i} && echo 1 > /m/b{i}/sub/f && mv /m/b{i} /m/c{i} && "
-                              f"echo 2 > /m/c{i}/sub/g && mv /m/c{i} /tmp/out{i} && echo 3 > /tmp/out{i}/sub/h")
-                await w.flush()
-                names = [name for _, name in seen]
-                assert ("create", f"b{i}/sub/f") in seen and ("create", f"c{i}/sub/g") in seen, seen
-                assert not [n for n in names if n.startswith((f"a{i}/", f"b{i}/sub/g", f"c{i}/sub/h"))], seen
-                assert ("rename", f"c{i}") in seen, seen   # moved out: its end is said, then nothing of it
-        finally:
-            await seen.end()
+    async with recursive_watch(client, "/m") as (sb, seen):
+        for i in range(10):
+            await sb.exec(f"mkdir -p /m/a{i}/sub && echo 0 > /m/a{i}/sub/keep")
+            await seen.w.flush()
+            seen.clear()
+            await sb.exec(f"mv /m/a{i} /m/b{i} && echo 1 > /m/b{i}/sub/f && mv /m/b{i} /m/c{i} && "
+                          f"echo 2 > /m/c{i}/sub/g && mv /m/c{i} /tmp/out{i} && echo 3 > /tmp/out{i}/sub/h")
+            await seen.w.flush()
+            names = [name for _, name in seen]
+            assert ("create", f"b{i}/sub/f") in seen and ("create", f"c{i}/sub/g") in seen, seen
+            assert not [n for n in names if n.startswith((f"a{i}/", f"b{i}/sub/g", f"c{i}/sub/h"))], seen
+            assert ("rename", f"c{i}") in seen, seen   # moved out: its end is said, then nothing of it
