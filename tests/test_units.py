@@ -1068,3 +1068,35 @@ async def test_a_call_is_refused_unsent_only_when_placement_says_no_node_runs_fn
         with pytest.raises(errors.CapacityUnavailable, match="no node runs fncall workers"):
             await calls._need_fncall(c)
     assert c.asked == 2
+
+
+async def test_a_live_index_still_loading_is_waited_for_not_started_again(monkeypatch):
+    """A load of the live index longer than a second (helper S2's 80,000 records take about 4 s): a read that
+    found it behind after 1 s started it afresh, so under lists polled each second it never ended (helper
+    29). Now it is started afresh only when its watch went silent; readers wait while it delivers, and each
+    gets the index once it reaches the sequence the bucket had when the read began."""
+    from bus.records import SandboxRecord
+    from placement import listing
+    target = 300
+
+    class Bus:
+        async def kv_last_seq(self, _bucket):
+            return target
+
+        async def stored_after(self, *_a):
+            return object()   # (more stored: the index is behind)
+    index = listing.LiveIndex(Bus())
+
+    async def load() -> None:   # a watch delivering the bucket's records over 1.5 s
+        for seq in range(1, target + 1):
+            rec = SandboxRecord(sandbox_id=f"sb{seq}", tenant="acme", state="ready")
+            index._on_change(f"acme.sb{seq}", encode(rec), seq)
+            await asyncio.sleep(0.005)
+    loading = asyncio.ensure_future(load())
+    reads = await asyncio.gather(*(index.records("acme") for _ in range(5)))
+    await loading
+    assert not index._restart.is_set() and index.fallbacks == 0
+    assert all(len(r) == target for r in reads)
+    monkeypatch.setattr(listing, "RELOAD", 1.5)   # a watch gone silent short of the bucket: started afresh, then
+    target = 301                                   # the read goes to the bucket when the wait runs out
+    assert await index.records("acme") is None and index._restart.is_set() and index.fallbacks == 1
