@@ -278,7 +278,9 @@ class KvStore:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-                await self.nc.publish(f"$JS.API.CONSUMER.DELETE.{stream}.{sub._consumer}", b"")
+            if self.deletes_consumers:   # (now, not at its inactive threshold: see _kv_stream)
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(f"$JS.API.CONSUMER.DELETE.{stream}.{sub._consumer}", b"")
 
     async def kv_last_seq(self, bucket: str) -> int:
         """The last stream sequence a bucket stored (as its stream's leader says)."""
