@@ -198,7 +198,7 @@ class Watch:
         return out
 
     def _under(self, path: str) -> list[int]:
-        return [wd for wd, rel in self.dirs.items() if rel == path or rel.startswith(path + "/")]
+        return [wd for wd, rel in self.dirs.items() if _inside(rel, path)]
 
     def _renamed(self, old: str, new: str) -> bool:
         """A directory moved within the tree: what the watch follows of it is named by its new path (looked up
@@ -209,7 +209,7 @@ class Watch:
             return False
         for wd in wds:
             self.dirs[wd] = new + self.dirs[wd][len(old):]
-        self.seen = {new + p[len(old):] if p == old or p.startswith(old + "/") else p for p in self.seen}
+        self.seen = {new + p[len(old):] if _inside(p, old) else p for p in self.seen}
         return True
 
     def _forget(self, path: str) -> None:
@@ -217,7 +217,7 @@ class Watch:
         for wd in self._under(path):
             _libc.inotify_rm_watch(self.fd, wd)
             del self.dirs[wd]
-        self.seen = {p for p in self.seen if not (p == path or p.startswith(path + "/"))}
+        self.seen = {p for p in self.seen if not _inside(p, path)}
 
     def _add_new(self, path: str) -> list[Event]:
         """A directory made or moved in below a watched one: watched too (past MAX_DIRS, or gone: not); a
@@ -230,6 +230,11 @@ class Watch:
             finally:
                 os.close(fd)
         return found
+
+
+def _inside(rel: str, root: str) -> bool:
+    """Whether a path relative to the watch is root or below it."""
+    return rel == root or rel.startswith(root + "/")
 
 
 def _inotify_as(uid: int) -> int:
