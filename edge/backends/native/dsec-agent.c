@@ -281,10 +281,25 @@ static pid_t exec_spawn(struct child *c) {
     return pid;
 }
 
+/* An exec that never had a process: why ('F'), then its end ('X', exit 127 as a command that could not
+ * start), as no child will exit to send it (without it the edge waited for the exec's timeout). */
+static void never_started(uint32_t id, const char *why, size_t n, const char *text, size_t tn) {
+    char p[20] = {0};
+    int32_t st = 127 << 8;
+    reply('F', id, why, n, text, tn);
+    memcpy(p, &st, 4);
+    reply('X', id, p, 20, NULL, 0);
+}
+
 static void start_exec(uint32_t id, const char *p, size_t n) {
     struct exec *x = NULL;
     for (int i = 0; i < MAXEXEC; i++) if (!execs[i].pid) { x = &execs[i]; break; }
-    if (!x || n < 8) { char m[] = "setup\0" "11\0too many execs"; reply('F', id, m, sizeof m - 1, NULL, 0); return; }
+    if (!x || n < 8) {
+        char m[48]; int k = snprintf(m, sizeof m, "setup%c11%c", 0, 0);
+        char t[64]; int tn = snprintf(t, sizeof t, "too many execs in this sandbox at once (%d)", MAXEXEC);
+        never_started(id, m, (size_t)k, t, (size_t)tn);
+        return;
+    }
     uint32_t argc = get32(p), envc = get32(p + 4);
     const char *user = NULL, *size = NULL;
     int with_user = (argc & 0x80000000u) != 0, with_tty = (argc & 0x40000000u) != 0;
@@ -304,7 +319,7 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
         master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
         if (master < 0 || unlockpt(master) || ioctl(master, TIOCSWINSZ, &ws)) {
             int e = errno; char m[64]; int k = snprintf(m, sizeof m, "terminal%c%d%c", 0, e, 0);
-            reply('F', id, m, (size_t)k, strerror(e), strlen(strerror(e)));
+            never_started(id, m, (size_t)k, strerror(e), strlen(strerror(e)));
             if (master >= 0) close(master);
             free(vec); return;
         }
@@ -330,7 +345,7 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     pid_t pid = exec_spawn(&c);
     if (pid < 0) {
         int e = errno; char m[64]; int k = snprintf(m, sizeof m, "fork%c%d%c", 0, e, 0);
-        reply('F', id, m, (size_t)k, strerror(e), strlen(strerror(e)));
+        never_started(id, m, (size_t)k, strerror(e), strlen(strerror(e)));
         close(in[0]); close(in[1]); close(out[0]); close(out[1]); close(err[0]); close(err[1]);
         close(rep[0]); close(rep[1]); free(vec);
         if (master >= 0) close(master);
@@ -700,7 +715,7 @@ static void write_file(const char *path, const char *text) {
     if (fd >= 0) close(fd);
 }
 
-/* Mount one cgroup v1 controller at dir and make its group dir/sandbox with file set to value; 1 if done. */
+/* Mount a cgroup v1 hierarchy of these controllers at dir and make its group dir/sandbox with file set to value; 1 if done. */
 static int sandbox_group(const char *dir, const char *controller, const char *file, const char *value) {
     char path[96];
     mkdir(dir, 0700);
@@ -717,15 +732,23 @@ static int sandbox_group(const char *dir, const char *controller, const char *fi
 
 /* The sandbox's pids limit, enforced by the sentry's own pids controller (fork fails with EAGAIN): the
  * agent and so every exec join a group limited to $DSEC_PIDS_MAX, mounted at /dev/.pids (it must stay
- * mounted for the limit to hold). The host cgroup's pids limit is only a backstop for the sentry. */
+ * mounted for the limit to hold). The host cgroup's pids limit is only a backstop for the sentry.
+ * In a VM the cpu controller shares the hierarchy: each exec's group is then a scheduling entity of its
+ * own, so a fork bomb's processes share one exec's turn and a command started beside it (and the agent
+ * relaying it, in the root group) still runs (one vCPU under TCG: it waited behind all of the bomb's). */
 static void limit_pids(void) {
     const char *max = getenv("DSEC_PIDS_MAX");
     char pid[32];
     if (!max) return;
-    if (!sandbox_group("/dev/.pids", "pids", "pids.max", max)) return;
+    if (!(in_vm && sandbox_group("/dev/.pids", "pids,cpu", "pids.max", max)) &&
+        !sandbox_group("/dev/.pids", "pids", "pids.max", max)) return;
+    groups_ok = 1;
+    if (in_vm) return;   /* a guest's limit is hierarchical: the agent stays out of it, or a command holding
+                          * the limit would refuse its fork of every later exec (a fork bomb's neighbour).
+                          * Each exec's child joins its group by moving there, which a full group does not
+                          * refuse, as a container's command is attached (one process past the limit). */
     snprintf(pid, sizeof pid, "%d", getpid());
     write_file("/dev/.pids/sandbox/cgroup.procs", pid);
-    groups_ok = 1;
 }
 
 /* A VM's memory limit for its commands (DSEC_MEMORY_MAX bytes, set by the microVM's init): a memory group
