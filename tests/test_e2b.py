@@ -494,6 +494,14 @@ def _sync_findings(monkeypatch) -> None:
             h.wait()
         h = Sandbox.connect(sbx.sandbox_id).commands.connect(h.pid)
         assert h.kill() is True
+        # helper U2: a line over ~64 KB was refused (the script held it twice), and ~ was a directory named ~
+        long = "echo " + "a" * 100_000
+        assert sbx.commands.run(long).stdout == "a" * 100_000 + "\n"
+        assert sbx.commands.run("echo ${__dsec_line:-unset}").stdout == "unset\n"   # (the line's own variable)
+        sbx.files.write("~/tilde.txt", "t")
+        assert sbx.files.read("/home/user/tilde.txt") == "t" and sbx.files.exists("~/tilde.txt")
+        assert sbx.commands.run("pwd", cwd="~", user="root").stdout == "/root\n"
+        assert sbx.commands.run("pwd", cwd="~/", user="root").stdout == "/root\n"
         # output past the cap was cut without a word (16 MiB: the native default): the result's error says so
         monkeypatch.setattr(command, "MAX_OUTPUT", 1000)
         r = sbx.commands.run("head -c 5000 /dev/zero | tr '\\0' b")

@@ -64,6 +64,10 @@ def _as_e2b_code() -> None:
             imports.stdout   # its .pyc is used: compiled again in every process when the layer lost the mtimes
         sbx.files.write("/home/user/notes.txt", "hi")
         assert sbx.commands.run("cat ~/notes.txt").stdout == "hi"
+        # a line of 100,000 bytes under bash -l -c (refused over ~64 KB: the script held it twice), and no
+        # variable of the relay's reaches it
+        r = sbx.commands.run("echo ${#__dsec_line} " + "a" * 100_000 + " $0")
+        assert r.stdout == "0 " + "a" * 100_000 + " /bin/bash\n", r.stdout[:80]
     finally:
         sbx.kill()
 

@@ -23,18 +23,26 @@ NO_LIMIT = 24 * 3600.0   # a command timeout of 0 (E2B: no limit)
 KILL_WAIT = 5.0          # seconds a foreground run left early waits for its command to be killed
 
 
-LOGIN = "if [ -x /bin/bash ]; then exec /bin/bash -l -c "
+# The command line is in the script once (as a variable: the script is one argument, which Linux takes up to
+# 128 KiB, so a line of up to about that runs, as in E2B); the eval unsets it before the line runs.
+LOGIN = '; if [ -x /bin/bash ]; then exec /bin/bash -l -c "$__dsec_line"; fi; eval "unset __dsec_line; $__dsec_line"'
 
 
 def login_shell(cmd: str) -> str:
     """The trusted sh's script for a command line: bash -l -c it where the image has bash, else run it here."""
-    return f"{LOGIN}{shlex.quote(cmd)}; fi\n{cmd}"
+    return f"__dsec_line={shlex.quote(cmd)}{LOGIN}"
 
 
 def command_line(script: str) -> str | None:
     """The command line of a login_shell script (None: the script is not one)."""
-    head, newline, cmd = script.partition("\n")
-    return cmd if newline and head == f"{LOGIN}{shlex.quote(cmd)}; fi" else None
+    if not (script.startswith("__dsec_line=") and script.endswith(LOGIN)):
+        return None
+    quoted = script[len("__dsec_line="):-len(LOGIN)]
+    try:
+        words = shlex.split(quoted)
+    except ValueError:
+        return None
+    return words[0] if len(words) == 1 and shlex.quote(words[0]) == quoted else None
 
 
 class AsyncCommands:

@@ -25,12 +25,15 @@ KERNEL_VIEWS = ("/proc/", "/sys/", "/dev/")   # mounts of the sandbox's own, rea
 
 
 def absolute(path: str, user: Optional[str]) -> str:
-    """path as the sandbox sees it: a relative one under the user's home."""
+    """path as the sandbox sees it: a relative one under the user's home, and ~ (~/...) that home, as E2B's."""
     if not isinstance(path, str) or not path:
         raise InvalidArgumentException(f"path must be a non-empty string, got {path!r}")
     if path.startswith("/"):
         return path
-    return posixpath.join("/root" if user in ("root", "0") else "/home/user", path)
+    home = "/root" if user in ("root", "0") else "/home/user"
+    if path == "~" or path.startswith("~/"):
+        return posixpath.normpath(home + path[1:])
+    return posixpath.join(home, path)
 
 
 def _ids(text: str) -> Dict[int, str]:
