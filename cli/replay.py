@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import re
 import shlex
@@ -133,6 +134,51 @@ def _write(data: bytes) -> None:
     _OUT.write(data)
 
 
+async def _show(bus: Bus, rec: TrajRecord, seq: int, fmt: str, job: str | None) -> None:
+    """Write one trajectory record (an exec's with its output) as replay prints it."""
+    if fmt == "json":
+        _write(msgspec.json.encode({"seq": seq, **msgspec.to_builtins(rec)}) + b"\n")
+        if rec.type == "exec":
+            out = await _output(bus, rec)
+            if not out.kept_only:   # the trajectory record above already holds the part it kept
+                for record in (out.start, *out.chunks, out.exit):
+                    if record is not None:
+                        _write(encode(record) + b"\n")
+            if out.kept_only or out.aged_out() > 0:   # (a reader must not take what is left for all)
+                gone = {"kind": "aged_out", "exec_id": rec.exec_id, "kept_only": out.kept_only,
+                        "records": out.aged_out()}
+                _write(msgspec.json.encode(gone) + b"\n")
+    elif rec.type != "exec":
+        stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
+        _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + one_line(rec.detail) if rec.detail else ''}\n"
+               .encode(errors="surrogateescape"))
+        for d in rec.decisions:        # a network record: the proxy's decisions, one a line
+            where = f"{d.get('name') or d.get('address', '')}:{d.get('port', 0)}"
+            said = d.get("reason") or f"{d.get('bytes_out', 0)} B out, {d.get('bytes_in', 0)} B in"
+            _write(f"#   {d.get('verdict', '?')} {one_line(where)} ({one_line(str(said))})\n".encode(errors="replace"))
+        if rec.suppressed:
+            _write(f"#   and {sum(v for k, v in rec.suppressed.items() if k != 'bytes')} more, only counted "
+                   f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
+    else:
+        out = await _output(bus, rec)
+        how = ", ".join(([f"sandbox {rec.sandbox_id} of {rec.tenant}"] if job else [])   # (a job's commands:
+                        + ([f"as {one_line(rec.user)}"] if rec.user else [])       # many sandboxes, and with
+                        + ([f"in {one_line(rec.cwd)}"] if rec.cwd else []))        # an operator's, tenants)
+        _write(f"$ {_command(rec)}\n".encode(errors="surrogateescape")
+               + (f"#   ({how})\n".encode(errors="surrogateescape") if how else b"") + marked(out.chunks))
+        if out.kept_only:
+            if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:
+                _write(f"# (output aged out of dsec.out: only the first {len(rec.stdout)} of {rec.stdout_bytes}"
+                       f" stdout and {len(rec.stderr)} of {rec.stderr_bytes} stderr bytes were kept)\n".encode())
+        elif out.aged_out() > 0:
+            _write(f"# ({out.aged_out()} output records aged out of dsec.out)\n".encode())
+        status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
+            (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {one_line(rec.detail)}]"
+                                                                 if rec.error_code else "")
+        pid = f", pid {rec.pid}" if rec.pid else ""
+        _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s{pid}\n".encode())
+
+
 @main.command()
 @nats_option
 @click.option("--sandbox", "sandbox_id", default=None, help="Replay one sandbox's episode.")
@@ -170,56 +216,17 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
     try:
         previous = None
         count = 0
-        async for item in read(bus, config, follow):
-            rec = item.record
-            await item.ack()
-            count += 1
-            if speed == "original" and previous is not None and rec.at > previous:
-                await asyncio.sleep(min(rec.at - previous, 60.0))
-            previous = rec.at
-            if fmt == "json":
-                _write(msgspec.json.encode({"seq": item.seq, **msgspec.to_builtins(rec)}) + b"\n")
-                if rec.type == "exec":
-                    out = await _output(bus, rec)
-                    if not out.kept_only:   # the trajectory record above already holds the part it kept
-                        for record in (out.start, *out.chunks, out.exit):
-                            if record is not None:
-                                _write(encode(record) + b"\n")
-                    if out.kept_only or out.aged_out() > 0:   # (a reader must not take what is left for all)
-                        gone = {"kind": "aged_out", "exec_id": rec.exec_id, "kept_only": out.kept_only,
-                                "records": out.aged_out()}
-                        _write(msgspec.json.encode(gone) + b"\n")
-            elif rec.type != "exec":
-                stamp = time.strftime("%H:%M:%S", time.localtime(rec.at))
-                _write(f"# {stamp} {rec.sandbox_id} {rec.type}{': ' + one_line(rec.detail) if rec.detail else ''}\n"
-                       .encode(errors="surrogateescape"))
-                for d in rec.decisions:        # a network record: the proxy's decisions, one a line
-                    where = f"{d.get('name') or d.get('address', '')}:{d.get('port', 0)}"
-                    said = d.get("reason") or f"{d.get('bytes_out', 0)} B out, {d.get('bytes_in', 0)} B in"
-                    _write(f"#   {d.get('verdict', '?')} {one_line(where)} ({one_line(str(said))})\n".encode(errors="replace"))
-                if rec.suppressed:
-                    _write(f"#   and {sum(v for k, v in rec.suppressed.items() if k != 'bytes')} more, only counted "
-                           f"({rec.suppressed.get('bytes', 0)} B)\n".encode())
-            else:
-                out = await _output(bus, rec)
-                how = ", ".join(([f"sandbox {rec.sandbox_id} of {rec.tenant}"] if job else [])   # (a job's commands:
-                                + ([f"as {one_line(rec.user)}"] if rec.user else [])       # many sandboxes, and with
-                                + ([f"in {one_line(rec.cwd)}"] if rec.cwd else []))        # an operator's, tenants)
-                _write(f"$ {_command(rec)}\n".encode(errors="surrogateescape")
-                       + (f"#   ({how})\n".encode(errors="surrogateescape") if how else b"") + marked(out.chunks))
-                if out.kept_only:
-                    if len(rec.stdout) < rec.stdout_bytes or len(rec.stderr) < rec.stderr_bytes:
-                        _write(f"# (output aged out of dsec.out: only the first {len(rec.stdout)} of {rec.stdout_bytes}"
-                               f" stdout and {len(rec.stderr)} of {rec.stderr_bytes} stderr bytes were kept)\n".encode())
-                elif out.aged_out() > 0:
-                    _write(f"# ({out.aged_out()} output records aged out of dsec.out)\n".encode())
-                status = f"exit {rec.exit_code}" + (" (timed out)" if rec.timed_out else "") + \
-                    (" (output truncated)" if rec.truncated else "") + (f" [{rec.error_code}: {one_line(rec.detail)}]"
-                                                                         if rec.error_code else "")
-                pid = f", pid {rec.pid}" if rec.pid else ""
-                _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s{pid}\n".encode())
-            if follow and sandbox_id and rec.type in ENDS:
-                break
+        async with contextlib.aclosing(read(bus, config, follow)) as items:   # closed here, before the bus
+            async for item in items:
+                rec = item.record
+                await item.ack()
+                count += 1
+                if speed == "original" and previous is not None and rec.at > previous:
+                    await asyncio.sleep(min(rec.at - previous, 60.0))
+                previous = rec.at
+                await _show(bus, rec, item.seq, fmt, job)
+                if follow and sandbox_id and rec.type in ENDS:
+                    break
         if count == 0:
             fail(f"no trajectory records for {'sandbox ' + sandbox_id if sandbox_id else 'job ' + str(job)}")
     finally:
