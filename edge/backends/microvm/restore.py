@@ -70,6 +70,7 @@ class Restoring:
         except BaseException:
             os.close(state)
             raise
+        wake = None
         try:
             await vm.qmp.execute("migrate-set-capabilities", capabilities=IGNORE_SHARED)
             await vm.qmp.execute("migrate-incoming", uri=f"fd:{state}")
@@ -78,6 +79,7 @@ class Restoring:
                 await vm.qmp.execute("cont")
             vm.chan.ready.add_done_callback(lambda f: f.cancelled() or f.exception())   # wake() reports it
             wake = asyncio.ensure_future(vm.chan.wake(vm.spec.id, READY_TIMEOUT))
+            wake.add_done_callback(lambda f: f.cancelled() or f.exception())   # (a restore cancelled meanwhile)
             await asyncio.wait({wake, exited}, return_when=asyncio.FIRST_COMPLETED)
             if not wake.done() or wake.exception() is not None:
                 if not exited.done():    # the agent is gone: QEMU is on its way out (or wedged)
@@ -97,6 +99,8 @@ class Restoring:
             os.close(state)
             if not exited.done():
                 exited.cancel()
+            if wake is not None and not wake.done():
+                wake.cancel()
 
     async def _migrate(self, vm: VM, dst: Path, *, shared: bool) -> None:
         """Migrate a stopped VM's state into the new file dst: RAM included unless shared (then a memfd RAM
