@@ -287,6 +287,11 @@ class KvStore:
         with mapped_errors(f"kv info {bucket}"):
             return (await self.js.stream_info(f"KV_{bucket}")).state.last_seq
 
+    async def kv_max_age(self, bucket: str) -> float:
+        """How long a bucket keeps a key not written again (seconds; 0: for ever)."""
+        with mapped_errors(f"kv info {bucket}"):
+            return (await self.js.stream_info(f"KV_{bucket}")).config.max_age or 0.0
+
     async def _kv_stream(self, bucket: str, subject: str = ""):
         with mapped_errors(f"kv list {bucket}"):
             sub = await self.js.subscribe(subject or f"$KV.{bucket}.>", stream=f"KV_{bucket}", ordered_consumer=True,

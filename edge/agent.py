@@ -61,6 +61,9 @@ HAND_BACK_BUDGET = 1.2      # seconds for handing waiting creates back at a stop
 OUTBOX_DRAIN = 1.5          # seconds a stop waits for the outbox to empty (what is left: next start)
 TTL_EVERY = 0.5             # seconds between two looks for expired sandboxes
 MEMORY_PRUNE_EVERY = 30.0   # seconds between two looks for memory snapshots whose snapshot was deleted
+REFRESH_EVERY = 60.0        # seconds between two looks for records the sandboxes bucket would soon drop:
+REFRESH_AT = 0.25           # those last written this share of its age ago are written again,
+REFRESH_MAX = 500           # at most this many a look
 
 
 class Edge:
@@ -374,7 +377,7 @@ class Edge:
     async def _ttl_loop(self) -> None:
         expiring = self._expiring
         in_flight: set[str] = set()       # ids whose _expire runs now
-        pruned = time.monotonic()
+        pruned = refreshed = time.monotonic()
         while True:   # a look every TTL_EVERY, sooner when a deadline falls before it (an expiry is on time)
             await asyncio.sleep(min(TTL_EVERY, max(0.005, self.box.deadlines.next_at() - time.time())))
             if self.fence.tick():   # it did not run for FENCE_AFTER: its sandboxes were ended under it
@@ -382,6 +385,11 @@ class Edge:
             if time.monotonic() - pruned >= MEMORY_PRUNE_EVERY and self.box.backend.memories():
                 pruned = time.monotonic()
                 task = asyncio.ensure_future(self._prune_memories())
+                expiring.add(task)
+                task.add_done_callback(expiring.discard)
+            if time.monotonic() - refreshed >= REFRESH_EVERY:
+                refreshed = time.monotonic()
+                task = asyncio.ensure_future(self._refresh_records())
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
             now, max_paused = time.time(), self.config.max_paused
@@ -394,6 +402,14 @@ class Edge:
                 expiring.add(task)
                 task.add_done_callback(expiring.discard)
                 task.add_done_callback(lambda _, sid=sid: in_flight.discard(sid))
+
+    async def _refresh_records(self) -> None:
+        try:
+            age = await self.bus.kv_max_age(streams.SANDBOXES_KV)
+            if age > 0 and await self.box.refresh(time.time() - REFRESH_AT * age, REFRESH_MAX):
+                log.debug("records of sandboxes unchanged for %.0f s written again", REFRESH_AT * age)
+        except Exception as exc:   # a sick bus: looked at again next time
+            log.warning("records not refreshed: %s", exc)
 
     async def _prune_memories(self) -> None:
         try:

@@ -15,7 +15,7 @@ import pytest
 import libdsec
 from bus import streams, subjects
 from bus.execwire import ExitRecord, decode_output
-from bus.records import traj_decoder
+from bus.records import event_decoder, traj_decoder
 from tests.conftest import own_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -315,6 +315,42 @@ async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
                 info = await st.bus.js.consumer_info(streams.NODE_STREAM, "edge-lease-ops")
                 assert info.config.ack_wait == 1.5
                 assert st.edge.ops.duplicates == 0, "the exec's message was redelivered: its lease lapsed"
+    finally:
+        await st.stop()
+        srv.stop()
+
+
+async def test_a_sandbox_unchanged_for_longer_than_its_buckets_age_keeps_its_record(tmp_path, monkeypatch):
+    """The sandboxes bucket drops a key not written for its age (2 days); a sandbox may run unchanged for
+    longer (its TTL up to 7 days, set_timeout a month, suspended). Its record was gone: `get` said not found,
+    and its end could not be recorded. Here the bucket's age is 3 s; the edge writes old records again."""
+    from cli.stack import Stack
+    from edge import agent
+    from edge.capacity import EdgeConfig
+    monkeypatch.setattr(agent, "REFRESH_EVERY", 0.3)
+    srv = own_server(tmp_path, ["ka"])
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="ka"),
+               creds=srv.creds("admin"))
+    await st.start()
+    try:
+        cfg = (await st.bus.admin.stream_info(f"KV_{streams.SANDBOXES_KV}")).config
+        cfg.max_age, cfg.duplicate_window = 3.0, 1.0
+        await st.bus.admin.update_stream(cfg)
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
+            sb = await client.create(ttl=600)
+            first = await client._record(sb.id)
+            await asyncio.sleep(8)
+            assert (await client.get(sb.id)).id == sb.id   # (was: SandboxNotFound)
+            now = await client._record(sb.id)
+            assert (now.state, now.node, now.expires_at) == ("ready", "ka", first.expires_at)
+            assert now.version > first.version and now.updated_at > first.updated_at + 2
+            assert [r.sandbox_id for r in await client.list()] == [sb.id]
+            assert (await sb.exec("echo on")).stdout == b"on\n"
+            await sb.destroy()
+            assert (await client._record(sb.id)).state == "destroyed"
+        evs = [event_decoder.decode(d) async for d in st.bus.read_subject(streams.EVT_STREAM,
+                                                                          subjects.event("default", sb.id))]
+        assert [e.type for e in evs] == ["created", "destroyed"]   # (a record written again is no event)
     finally:
         await st.stop()
         srv.stop()
