@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from typing import Awaitable, Callable
 
@@ -20,7 +21,7 @@ from nats.js import api
 from bus import lanes, migrations, streams, subjects
 from bus.acks import AckedPublisher
 from bus.creds import credential_options, expired, principal_of
-from bus.errors import AuthenticationFailed, BusError, BusUnavailable, InvalidRequest
+from bus.errors import AuthenticationFailed, BusError, BusUnavailable, InvalidRequest, PermissionDenied
 from bus.kvstore import CasResult, KvStore, kv_watch
 from bus.messages import ErrorReply, Wire, encode
 from bus.nats_errors import check_fits, mapped_errors, not_found, timed_out
@@ -42,6 +43,7 @@ RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish:
 # election instead of waiting out a long timeout. Provisioning and consumers get the long one.
 JS_TIMEOUT = 1.5
 ADMIN_TIMEOUT = 10.0
+_PUBLISH_DENIED = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
 ADMIN_TRIES = 3   # an idempotent admin request (a consumer's create or delete) unanswered in time is sent again
 
 
@@ -67,6 +69,20 @@ class Bus(KvStore, StreamReads):
         self.cut = asyncio.Event()
         self.cut_reason = ""
         self._closing = False
+        # core requests in flight by subject: a publish the server refuses to this credential ends them at
+        # once with PermissionDenied (the server says so only asynchronously; they waited out their timeout)
+        self._asking: dict[str, set[asyncio.Task]] = {}
+        self._refused_tasks: dict[asyncio.Task, str] = {}
+
+    def _violation(self, text: str) -> None:
+        """The server refused a publish of this connection (error_cb): end the requests to that subject."""
+        m = _PUBLISH_DENIED.search(text)
+        if m is None:
+            return
+        for task in self._asking.get(m.group(1), ()):
+            if task not in self._refused_tasks and not task.done():
+                self._refused_tasks[task] = text
+                task.cancel()
 
     def _closed(self) -> None:
         """nats-py closed the connection: cut, unless close() asked for it."""
@@ -89,6 +105,8 @@ class Bus(KvStore, StreamReads):
             if "authorization violation" in text.lower() or "authentication" in text.lower():
                 refused.append(text)
                 denied.set()
+            elif made:
+                made[0]._violation(text)
             log.debug("nats: %s", exc)
 
         listeners: list[Callable[[], None]] = []
@@ -307,6 +325,9 @@ class Bus(KvStore, StreamReads):
         self.check_credential()
         data = encode(msg)
         check_fits(self.nc, f"request {subject}", data)
+        task = asyncio.current_task()
+        asking = self._asking.setdefault(subject, set())
+        asking.add(task)
         try:
             with mapped_errors(f"request {subject}"):
                 m = await self.nc.request(subject, data, timeout=timeout)
@@ -315,6 +336,18 @@ class Bus(KvStore, StreamReads):
                 return None
             self.check_credential()
             raise
+        except asyncio.CancelledError:
+            said = self._refused_tasks.pop(task, None)
+            if said is None:
+                raise
+            task.uncancel()
+            raise PermissionDenied(f"request {subject}: the NATS server refused the credential "
+                                   f"{self.creds or '(none)'} a publish there") from nats.errors.Error(said)
+        finally:
+            asking.discard(task)
+            if not asking:
+                self._asking.pop(subject, None)
+            self._refused_tasks.pop(task, None)   # (refused just as its reply came)
         return m.data
 
     async def flush(self, timeout: float = 2.0) -> None:

@@ -11,7 +11,7 @@ import msgspec
 from bus import subjects
 from bus.apiwire import VERB_OF, api_reply_decoder
 from bus.conn import Bus
-from bus.errors import AuthenticationFailed, BusError, BusUnavailable, from_code
+from bus.errors import AuthenticationFailed, BusError, BusUnavailable, PermissionDenied, from_code
 from bus.messages import ErrorReply, Wire
 
 ASK_TIMEOUT = 10.0
@@ -35,7 +35,7 @@ async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float
         left = give_up - time.monotonic()
         try:
             data = await bus.request(subject, request, timeout=max(0.05, left if once else min(wait, left)))
-        except (BusUnavailable, AuthenticationFailed):
+        except (BusUnavailable, AuthenticationFailed, PermissionDenied):
             raise
         except BusError as exc:
             if once or time.monotonic() >= give_up:

@@ -18,11 +18,13 @@ import pytest
 
 import libdsec
 from bus import iam, iamserver, streams, subjects
+from bus.apiwire import ListSandboxes, SandboxPage
 from bus.conn import Bus
 from bus.creds import seed_of
 from bus.messages import encode
 from bus.records import EngineStats, Quota
 from bus.execwire import ExitRecord, decode_output
+from libdsec import control
 from placement.quota import set_quota
 from tests.conftest import NODE
 
@@ -199,6 +201,27 @@ async def test_dsec_replay_with_b_credentials_is_refused(stack, alice):
     p = subprocess.run([DSEC, "replay", "--nats", stack.url, "--sandbox", sb.id], capture_output=True, text=True,
                        timeout=60, env=env)
     assert p.returncode == 0 and "1| replay-me" in p.stdout, p.stderr
+
+
+async def test_a_request_the_server_refuses_the_credential_fails_at_once(stack):
+    # `dsec ls` with ops' or an edge's credential (neither may publish to the control API) waited its whole
+    # 10 s and said "no answer within 10s" while the server's log said Publish Violation (helper U2)
+    for who in ("ops", f"edge-{NODE}"):
+        env = {"DSEC_CREDS": creds_of(stack, who), "PATH": "/usr/bin:/bin"}
+        t0 = time.monotonic()
+        p = await asyncio.to_thread(subprocess.run, [DSEC, "ls", "--nats", stack.url], capture_output=True,
+                                    text=True, timeout=60, env=env)
+        took = time.monotonic() - t0
+        assert p.returncode == 1 and p.stdout == "", (p.stdout, p.stderr)
+        assert p.stderr.startswith("dsec: error: request dsec.api.") and "refused the credential" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and took < 5, (took, p.stderr)
+    ops = await Bus.connect(stack.url, creds=creds_of(stack, "ops"))
+    try:   # the SDK's own call: PermissionDenied at once, the connection fine for what it may do
+        with pytest.raises(libdsec.PermissionDenied, match="refused the credential"):
+            await asyncio.wait_for(control.ask(ops, "default", ListSandboxes(), SandboxPage), 5)
+        await ops.flush()
+    finally:
+        await ops.close()
 
 
 async def test_an_edge_credential_is_held_to_its_own_node(stack):
