@@ -331,11 +331,21 @@ async def rm(nats_url, sandbox_ids) -> None:
 
 
 @main.command()
-@click.option("--cycles", default=100, show_default=True, help="Cycles per level (sequential, 8 and 32 in flight).")
-@click.option("--raw", default=100, show_default=True, help="Raw `unshare` baseline launches.")
+@click.option("--cycles", default=100, show_default=True, type=click.IntRange(1, 100_000),
+              help="Cycles per level: sequential, then 8 and 32 in flight (those run at least 4 per slot: 32, 128).")
+@click.option("--raw", default=100, show_default=True, type=click.IntRange(1, 100_000),
+              help="Raw `unshare` baseline launches.")
 @click.option("--nats", "nats_url", default=None, metavar="URL",
               help="Measure a running `dsec up` (default: start one on free ports).")
-def bench(cycles: int, raw: int, nats_url: str | None) -> None:
+@click.option("--creds", default=None, metavar="FILE", envvar="DSEC_CREDS",
+              help="With --nats: the tenant credential to measure with (env DSEC_CREDS; default the one `dsec up` "
+                   "wrote under $DSEC_STATE_DIR, .dsec/creds/).")
+def bench(cycles: int, raw: int, nats_url: str | None, creds: str | None) -> None:
     """Benchmark create -> exec `true` -> destroy against a raw `unshare` launch (same as python -m bench.cycle)."""
     from bench.cycle import main as run_bench
-    run_bench(cycles, raw, nats_url)
+    if creds:
+        os.environ["DSEC_CREDS"] = creds   # (the SDK's client reads it)
+    try:
+        run_bench(cycles, raw, nats_url)
+    except libdsec.DsecError as exc:
+        fail(str(exc))

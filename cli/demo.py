@@ -87,8 +87,10 @@ def summary(n: int, stats: dict) -> str:
 
 @main.command()
 @state_dir_option
-@click.option("--sandboxes", "-n", default=32, show_default=True, help="Sandboxes created in parallel.")
-@click.option("--port", default=4222, show_default=True, help="Embedded NATS port (a free one if taken).")
+@click.option("--sandboxes", "-n", default=32, show_default=True, type=click.IntRange(1, 10_000),
+              help="Sandboxes created in parallel.")
+@click.option("--port", default=4222, show_default=True, type=click.IntRange(1, 65535),
+              help="Embedded NATS port (a free one if taken).")
 @run_async
 async def demo(state_dir: Path, sandboxes: int, port: int) -> None:
     """The main job: start everything locally, run a rollout of N sandboxes in parallel (write a file, run a

@@ -271,12 +271,13 @@ async def _serve_until_signal(stack, ready_line: str, after=None) -> None:
               help="With --nats: the credential placement and the edge connect with (default: the admin's under "
                    "STATE_DIR/creds, else $DSEC_CREDS). The embedded server's are made under STATE_DIR.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address the embedded NATS and metrics bind.")
-@click.option("--port", default=4222, show_default=True,
+@click.option("--port", default=4222, show_default=True, type=click.IntRange(1, 65535),
               help="Port of the embedded NATS server (with --servers N: the first of N consecutive ports).")
 @click.option("--servers", default=1, show_default=True, type=click.IntRange(1, 7),
               help="Embedded NATS servers: 3 runs a local JetStream cluster with R3 streams (route ports are "
                    "chosen free); edges and placement elsewhere connect with the comma-separated URL list printed.")
-@click.option("--metrics-port", default=9464, show_default=True, help="Prometheus endpoint port (0: off).")
+@click.option("--metrics-port", default=9464, show_default=True, type=click.IntRange(0, 65535),
+              help="Prometheus endpoint port (0: off).")
 @click.option("--auth/--no-auth", default=True, show_default=True,
               help="The embedded server (each, with --servers N) enforces identities: credentials under STATE_DIR/creds (made if missing); "
                    "--no-auth lets any client act as any tenant (development only).")
@@ -372,7 +373,8 @@ async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, nod
               help="This part's credential (env DSEC_CREDS; default STATE_DIR/creds/placement.creds when there).")
 @state_dir_option
 @placement_options
-@click.option("--metrics-port", default=0, show_default=True, help="Prometheus endpoint port (0: off).")
+@click.option("--metrics-port", default=0, show_default=True, type=click.IntRange(0, 65535),
+              help="Prometheus endpoint port (0: off).")
 @click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
 @run_async
 async def placement(nats_url: str, creds: str | None, state_dir: Path, burst_threshold: float, burst_pool: str, max_waiting: int,

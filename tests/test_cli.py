@@ -226,6 +226,18 @@ def test_absurd_output_and_retention_options_are_refused(tmp_path):
         assert args[0] in p.stderr, (args, p.stderr)
 
 
+def test_numbers_out_of_range_are_refused_before_anything_starts():
+    # (helper U2: `up --port 99999` said "internal error: OverflowError ... please report it", `demo -n 0` ran
+    # with none, `bench --cycles 0` ran, and `bench` on a server that is not there printed a traceback)
+    for args, word in ((["up", "--port", "99999"], "--port"), (["up", "--metrics-port", "70000"], "--metrics-port"),
+                       (["demo", "-n", "0"], "-n"), (["demo", "--port", "0"], "--port"),
+                       (["bench", "--cycles", "0"], "--cycles"), (["bench", "--raw", "-1"], "--raw")):
+        p = dsec(*args)
+        assert p.returncode == 2 and word in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+    p = dsec("bench", "--cycles", "1", "--raw", "1", "--nats", f"nats://127.0.0.1:{free_port()}")
+    assert "cannot connect to NATS" in one_clear_line(p) and p.returncode == 1, p.stderr
+
+
 def test_image_build_and_ls(up, tmp_path):
     root = tmp_path / "root"
     (root / "data").mkdir(parents=True)
