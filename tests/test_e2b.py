@@ -234,7 +234,7 @@ async def test_a_command_outlives_its_client_process_and_another_process_reattac
 
 async def test_watch_dir_in_both_flavours(e2b_env):
     from e2b import AsyncSandbox
-    from e2b.exceptions import FileNotFoundException
+    from e2b.exceptions import FileNotFoundException, InvalidArgumentException
     from e2b.sandbox.filesystem.watch_handle import FilesystemEvent, FilesystemEventType
     sbx = await AsyncSandbox.create(template="busybox")
     try:
@@ -257,6 +257,9 @@ async def test_watch_dir_in_both_flavours(e2b_env):
         assert ended == [None]
         with pytest.raises(FileNotFoundException):
             await sbx.files.watch_dir("/missing", seen.append)
+        await sbx.files.write("/w-file", "x")
+        with pytest.raises(InvalidArgumentException, match="not a directory: /w-file"):   # (E2B's envd: so)
+            await sbx.files.watch_dir("/w-file", seen.append)
         await asyncio.to_thread(_sync_watch, sbx.sandbox_id)
     finally:
         await sbx.kill()

@@ -116,7 +116,7 @@ async def test_what_a_new_directory_holds_before_its_watch_is_added_is_reported_
 async def test_watching_what_is_no_directory_is_a_clear_error(client):
     async with await client.create() as sb:
         await sb.exec("echo f > /file")
-        for path, why in (("/nope", "no such directory: /nope"), ("/file", "no such directory: /file")):
+        for path, why in (("/nope", "no such directory: /nope"), ("/file", "not a directory: /file")):
             with pytest.raises(libdsec.FileOpError, match=why):
                 await sb.files.watch(path)
         with pytest.raises(libdsec.InvalidRequest, match="absolute"):

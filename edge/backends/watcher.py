@@ -100,8 +100,9 @@ class Watch:
         try:
             fd = self.opener(self.base)
         except OSError as exc:
-            raise BackendError(f"no such directory: {self.base}" if exc.errno in (errno.ENOENT, errno.ENOTDIR)
-                               else f"cannot watch {self.base}: {exc.strerror}") from None
+            raise BackendError({errno.ENOENT: f"no such directory: {self.base}",
+                                errno.ENOTDIR: f"not a directory: {self.base}"}.get(
+                                    exc.errno, f"cannot watch {self.base}: {exc.strerror}")) from None
         try:
             self._add(fd, "")
         finally:

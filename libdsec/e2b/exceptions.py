@@ -52,6 +52,8 @@ def mapped(err: errors.DsecError) -> Exception:
             return SandboxNotFoundException(text)
         case errors.FileOpError() if text.startswith(("no such file", "no such directory")):
             return FileNotFoundException(text)
+        case errors.FileOpError() if text.startswith("not a directory"):   # (as E2B's envd: invalid argument)
+            return InvalidArgumentException(text)
         case errors.FileOpError() if "quota" in text or "no space" in text:
             return NotEnoughSpaceException(text)
         case errors.ExecTimeout() | errors.RequestExpired():

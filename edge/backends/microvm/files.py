@@ -162,8 +162,8 @@ class GuestFiles:
                 await asyncio.gather(marks, return_exceptions=True)
         if not ready.done() or not ready.result():
             why = err.decode(errors="replace").strip().rpartition(": ")[2] or os.strerror(res.exit_code)
-            raise BackendError(f"no such directory: {path}" if res.exit_code in (errno.ENOENT, errno.ENOTDIR)
-                               else f"cannot watch {path}: {why}")
+            raise BackendError({errno.ENOENT: f"no such directory: {path}", errno.ENOTDIR: f"not a directory: {path}"}
+                               .get(res.exit_code, f"cannot watch {path}: {why}"))
         return res
 
 
