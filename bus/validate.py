@@ -16,6 +16,9 @@ from bus.records import WarmPool
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20
 MAX_TTL = 7 * 24 * 3600.0
+# A sandbox's most tasks: a node's sandboxes share a part of the host's (edge/backends/cgroups.node_tasks:
+# 77,000 on this 24 GiB host), and 4,194,304 let one take the host's pid_max whole (helper A2)
+MAX_PIDS = 1 << 14
 MAX_WAIT = 1800.0   # a create may wait this long for room; well inside the request streams' max age
 MAX_WARM_POOL = 64   # the largest `max` of a warm pool (sandboxes per edge)
 MAX_CALL = Resources(cpu=4.0, memory=4 << 30, pids=4096, disk=1 << 30)   # the most one fncall may ask for
@@ -44,8 +47,8 @@ def check_resources(r: Resources) -> None:
         raise InvalidRequest(f"resources.cpu must be > 0 and <= 1024 cores, got {r.cpu}")
     if r.memory < MIN_MEMORY:
         raise InvalidRequest(f"resources.memory must be at least {MIN_MEMORY >> 20}Mi, got {r.memory} bytes")
-    if r.pids < 1 or r.pids > 1 << 22:
-        raise InvalidRequest(f"resources.pids must be between 1 and {1 << 22}, got {r.pids}")
+    if r.pids < 1 or r.pids > MAX_PIDS:
+        raise InvalidRequest(f"resources.pids must be between 1 and {MAX_PIDS}, got {r.pids}")
     if r.disk < MIN_DISK:
         raise InvalidRequest(f"resources.disk must be at least 1Mi, got {r.disk} bytes")
 

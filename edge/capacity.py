@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import msgspec
 import psutil
 
-from bus import kinds
+from bus import kinds, validate
 from bus.messages import Resources
 from bus.records import NodeInfo
 
@@ -21,15 +21,11 @@ PIDS_PER_SLOT = 2         # an idle sandbox's init, and one command
 
 def default_slots(memory: int = 0) -> tuple[int, str]:
     """A node's default slot count and what capped it: its memory / SLOT_MEMORY, the uid ranges sandboxes
-    lease (edge/backends/idmap.py), and kernel.pid_max / PIDS_PER_SLOT."""
-    from edge.backends import idmap
-    try:
-        with open("/proc/sys/kernel/pid_max") as f:
-            pid_max = int(f.read())
-    except (OSError, ValueError):
-        pid_max = 32768
+    lease (edge/backends/idmap.py), and the tasks its sandboxes may hold (cgroups.node_tasks) /
+    PIDS_PER_SLOT."""
+    from edge.backends import cgroups, idmap
     caps = {"memory": (memory or psutil.virtual_memory().total) // SLOT_MEMORY, "uid ranges": idmap.COUNT,
-            "pids": pid_max // PIDS_PER_SLOT}
+            "pids": cgroups.node_tasks() // PIDS_PER_SLOT}
     which = min(caps, key=lambda k: caps[k])
     return max(1, caps[which]), which
 
@@ -160,6 +156,6 @@ class Capacity:
         return NodeInfo(node=c.node_id, pool=c.pool, slots=c.slots, cpu=self.cpu, memory=self.memory, disk=c.disk,
                         used_slots=len(self.used), used_cpu=self.used_cpu(), used_memory=self.used_memory(),
                         used_disk=self.used_disk(), max_cpu=self.cores, max_memory=self.memory,
-                        max_disk=c.disk, max_pids=1 << 22, draining=draining, heartbeat=time.time(),
+                        max_disk=c.disk, max_pids=validate.MAX_PIDS, draining=draining, heartbeat=time.time(),
                         backends=list(c.backends), kind_slots={k: self.kind_slots(k) for k in c.backends},
                         kind_used=dict(self.per_kind), accel=dict(self.accel))

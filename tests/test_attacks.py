@@ -186,6 +186,56 @@ async def test_a_sandbox_cannot_fill_the_hosts_table_of_open_files(client, stack
         assert (await a.exec("echo own")).stdout == b"own\n"
 
 
+async def test_a_sandbox_cannot_take_the_hosts_process_ids(client, stack, hostile):
+    """Helper A2: a create of 100,000 pids was taken (up to 4,194,304 were), and its 24,000 threads took most
+    of the host's 32,768 process ids in 3 s (~8,500 more and no process of the host could fork). Now a
+    sandbox holds at most validate.MAX_PIDS, the node's sandboxes together a share of the host's tasks
+    (their groups' pids.max), and the edge lifts kernel.pid_max as systemd does (kernel stacks are charged
+    to each sandbox's memory)."""
+    from bus import validate
+    from edge.backends import cgroups
+    with pytest.raises(libdsec.InvalidRequest, match=f"pids must be between 1 and {validate.MAX_PIDS}"):
+        await client.create(resources=libdsec.Resources(pids=validate.MAX_PIDS + 1))
+    with open("/proc/sys/kernel/pid_max") as f:
+        assert int(f.read()) >= cgroups.PID_MAX
+    node = stack.edge.backend.backends["container"]._cgroups
+    assert int((node.base["pids"] / "pids.max").read_text()) == cgroups.node_tasks() < cgroups.PID_MAX // 2
+    async with await client.create(resources=libdsec.Resources(pids=4096, memory="512Mi")) as a, \
+            await client.create() as b:
+        await armed(a, hostile)
+        got, err = (await background(a, "/tmp/hostile threads 20000", "/tmp/threads.out")).split()
+        assert 4000 <= int(got) < 4096 and err == str(errno.EAGAIN), (got, err)   # its own limit stops it
+        assert (await b.exec("echo neighbour")).stdout == b"neighbour\n"
+        async with await client.create() as c:
+            assert (await c.exec("echo new")).stdout == b"new\n"
+
+
+async def test_a_sandbox_cannot_take_every_terminal_of_the_host(client, stack, hostile):
+    """Helper A2: one sandbox opened 3,071 terminals, all that every devpts instance together may hold at
+    the kernel's default (4,096 less the host's reserve), and no other sandbox could open one (its
+    terminal() failed: No space left on device). Now each sandbox's devpts holds at most DEVPTS_MAX, and
+    the edge lifts kernel.pty.max."""
+    from edge.backends.zygote import DEVPTS_MAX
+    async with await client.create() as a, await client.create() as b:
+        await armed(a, hostile)
+        got, err = (await background(a, "/tmp/hostile ptys 5000", "/tmp/ptys.out")).split()
+        assert int(got) <= DEVPTS_MAX and err == str(errno.ENOSPC), (got, err)
+        h = await b.terminal(["/bin/sh", "-c", "tty; echo ok"])   # (was: ExecFailed, no space left on device)
+        r = await h.wait()
+        assert b"/dev/pts/" in r.stdout and b"ok" in r.stdout and r.exit_code == 0, r
+
+
+async def test_native_aio_contexts_are_refused(client, stack, hostile):
+    """Helper A2: one sandbox's io_setup calls took the host's whole table of AIO events (fs.aio-max-nr,
+    65,536) in a second, and every other process's io_setup failed (EAGAIN). Refused now (ENOSYS, as a
+    kernel without AIO says: libaio's users fall back to threads)."""
+    async with await client.create() as a:
+        await armed(a, hostile)
+        assert (await a.exec("/tmp/hostile syscall io_setup")).stdout == f"{errno.ENOSYS}\n".encode()
+    with open("/proc/sys/fs/aio-nr") as f:
+        assert int(f.read()) < 65536
+
+
 async def test_an_oom_storm_in_a_sandbox_cannot_kill_its_init(client, stack, hostile):
     """A sandbox fills its memory limit with kernel memory (open files in 60 processes: no process's RSS
     shows it, so the OOM killer's choice among them is a toss-up, and freeing one frees little): the

@@ -43,6 +43,7 @@ EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
 # leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host). Core scheduling would keep batch work off a latency
 # sandbox's SMT sibling; this kernel lacks it (and this machine has no SMT).
 BATCH_SHARES = 2
+NODE_TASKS_SHARE = 0.4   # of the host's tasks, what each tree of a node's groups may hold (NodeCgroups.setup)
 BATCH_SUFFIX = ".batch"
 SHARDS = 16   # groups the sandboxes of a node are spread over (see the module's text); each memcg costs the
               # host a shrinker map (edge/backends/nodemounts.py), so not more than needed
@@ -319,27 +320,63 @@ def favor_dynmods(mountinfo: str = "/proc/self/mountinfo") -> bool:
 
 
 FILE_MAX = (1 << 63) - 1   # fs.file-max's own ceiling (LONG_MAX)
+PID_MAX = 1 << 22          # kernel.pid_max's ceiling on 64-bit, systemd's setting at boot (v243 on)
+PTY_MAX = 1 << 20          # kernel.pty.max's ceiling (NR_UNIX98_PTY_MAX)
+# Host-wide tables a sandbox could fill for everyone, lifted at the edge's start (unless
+# DSEC_LIFT_HOST_TABLES=0), each bounded per sandbox instead:
+HOST_TABLES = (
+    # open files: each is charged to its memory cgroup. At the kernel's default (10% of RAM in KiB: 2.4M
+    # on 24 GiB) one sandbox of 2 GiB filled the table, and every process of the host without
+    # CAP_SYS_ADMIN failed to open anything (ENFILE): the execs and creates of every other sandbox.
+    ("/proc/sys/fs/file-max", FILE_MAX, "open files are bounded by each sandbox's memory limit"),
+    # process ids: at the kernel's default (32,768) one sandbox's 24,000 threads took most of them (helper
+    # A2); each task's kernel stack is charged to its memory cgroup, and the node's groups hold at most
+    # NODE_TASKS_SHARE of kernel.threads-max (NodeCgroups.setup)
+    ("/proc/sys/kernel/pid_max", PID_MAX, "process ids are bounded by kernel.threads-max and each group's pids"),
+    # terminals: 3,072 for every devpts instance together at the default (4,096 less the host's reserve
+    # of 1,024); one sandbox took them all and no other could open a terminal (helper A2). Each sandbox's
+    # devpts holds DEVPTS_MAX (zygote.py)
+    ("/proc/sys/kernel/pty/max", PTY_MAX, "terminals are bounded by each sandbox's devpts (max=)"),
+)
 
 
-def lift_file_max(path: str = "/proc/sys/fs/file-max") -> bool:
-    """Bound the host's table of open files by memory alone, as systemd (v240 on) sets it at boot: every
-    open file is charged to its memory cgroup, so a sandbox's files are bounded by its memory limit. At
-    the kernel's default (10% of RAM in KiB: 2.4M on 24 GiB) one sandbox of 2 GiB filled the table, and
-    every process of the host without CAP_SYS_ADMIN failed to open anything (ENFILE): the execs and
-    creates of every other sandbox. Whether it is lifted (unless DSEC_LIFT_FILE_MAX=0)."""
-    if os.environ.get("DSEC_LIFT_FILE_MAX") == "0":
-        return False
-    try:
-        with open(path) as f:
-            if int(f.read()) >= FILE_MAX:
-                return True
-        with open(path, "w") as f:
-            f.write(str(FILE_MAX))
-    except (OSError, ValueError) as exc:
-        log.warning("fs.file-max not lifted (%s): one sandbox may fill the host's table of open files", exc)
-        return False
-    log.info("fs.file-max lifted to %d: open files are bounded by each sandbox's memory limit", FILE_MAX)
-    return True
+def _lifting() -> bool:
+    return os.environ.get("DSEC_LIFT_HOST_TABLES", os.environ.get("DSEC_LIFT_FILE_MAX")) != "0"
+
+
+def lift_host_tables() -> list[str]:
+    """Lift the host-wide tables of HOST_TABLES to their ceilings (as systemd lifts file-max and pid_max
+    at boot); those lifted (or already there)."""
+    if not _lifting():
+        return []
+    done = []
+    for path, ceiling, why in HOST_TABLES:
+        try:
+            with open(path) as f:
+                if int(f.read()) < ceiling:
+                    with open(path, "w") as f:
+                        f.write(str(ceiling))
+                    log.info("%s lifted to %d: %s", path, ceiling, why)
+            done.append(path)
+        except (OSError, ValueError) as exc:
+            log.warning("%s not lifted (%s): one sandbox may fill the host's table", path, exc)
+    return done
+
+
+def node_tasks() -> int:
+    """The tasks the node's sandboxes may hold in all (each tree of groups: NodeCgroups.setup), a share of
+    what the host can have (kernel.threads-max, and pid_max as lift_host_tables leaves it); the rest is
+    the host's."""
+    limits = []
+    for path in ("/proc/sys/kernel/threads-max", "/proc/sys/kernel/pid_max"):
+        try:
+            with open(path) as f:
+                limits.append(int(f.read()))
+        except (OSError, ValueError):
+            limits.append(32768)
+    if _lifting():
+        limits[1] = max(limits[1], PID_MAX)
+    return max(1024, int(min(limits) * NODE_TASKS_SHARE))
 
 
 class NodeCgroups:
@@ -357,13 +394,17 @@ class NodeCgroups:
     def setup(self) -> None:
         """Create the node groups (existing ones are kept). The cpuset group takes its parent's cpus and
         memory nodes and hands them to every sandbox group made in it (clone_children): sandboxes get
-        the node's cpus, in a cpuset group of their own, which lxcfs needs to size their cpuinfo."""
+        the node's cpus, in a cpuset group of their own, which lxcfs needs to size their cpuinfo. The host's
+        tables a sandbox could fill are lifted first (lift_host_tables): the node's pids share follows."""
+        lift_host_tables()
         self._make(self.base)
 
     @staticmethod
     def _make(tree: dict[str, Path]) -> None:
         for path in tree.values():
             path.mkdir(exist_ok=True)
+        if "pids" in tree:   # what all its sandboxes together hold: the host keeps the rest (helper A2)
+            write(tree["pids"] / "pids.max", str(node_tasks()))
         if "cpuset" in tree:
             node = tree["cpuset"]
             for name in ("cpuset.cpus", "cpuset.mems"):

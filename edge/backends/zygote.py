@@ -38,6 +38,7 @@ from edge.backends import hostsfile, kernel, nskeeper
 from edge.backends.kernel import enter_class
 
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
+DEVPTS_MAX = 256            # terminals a sandbox holds at once (its devpts's max=; the host's: cgroups.HOST_TABLES)
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())
 KEEP_MASK = sum(1 << c for c in KEEP_CAPS)
 MASKED_PROC = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "sched_debug", "sysrq-trigger",
@@ -409,8 +410,8 @@ def _mount_dev(req: Launch, dev: str) -> None:
     kernel.mount(req.devices, dev, None, kernel.MS_BIND)
     kernel.mount(None, dev, None, kernel.MS_BIND | kernel.MS_REMOUNT | kernel.MS_RDONLY | kernel.MS_NOSUID
                  | kernel.MS_NOEXEC)
-    kernel.mount("devpts", f"{dev}/pts", "devpts", kernel.MS_NOSUID | kernel.MS_NOEXEC,
-                 f"newinstance,ptmxmode=0666,mode=0620,gid={req.uid_base + 5}")   # tty: gid 5 inside
+    kernel.mount("devpts", f"{dev}/pts", "devpts", kernel.MS_NOSUID | kernel.MS_NOEXEC,   # tty: gid 5 inside
+                 f"newinstance,ptmxmode=0666,mode=0620,gid={req.uid_base + 5},max={DEVPTS_MAX}")
     if not os.path.isdir(req.shm):   # (a restored writable layer may have it already)
         os.mkdir(req.shm)
     os.chmod(req.shm, 0o1777)

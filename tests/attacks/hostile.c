@@ -27,6 +27,9 @@
  *                               print "ok" or the errno
  *   hostile hop N               N busy processes, each moving itself to the next CPU every ~20 us
  *                               (sched_setaffinity); print "hopping", then go on for ever
+ *   hostile ptys N              open up to N terminals (/dev/ptmx); print "N errno", then hold them
+ *   hostile threads N           make up to N threads (tiny stacks, each asleep); print "N errno", then
+ *                               hold them
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -122,6 +125,12 @@ static void hoppers(int n) {
     printf("hopping\n");
     fflush(stdout);
     hopper(cpus, 0);
+}
+
+static int sleeper(void *unused) {
+    (void)unused;
+    for (;;) syscall(SYS_pause);
+    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -251,6 +260,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(argv[2], "io_uring")) {   /* a ring of 8 entries: the params zeroed */
             char params[120] = {0};
             r = syscall(425 /* io_uring_setup */, 8, params);
+        } else if (!strcmp(argv[2], "io_setup")) {   /* a native AIO context of 4,096 events */
+            unsigned long ctx = 0;
+            r = syscall(SYS_io_setup, 4096, &ctx);
         } else {
             errno = EINVAL;
         }
@@ -288,6 +300,26 @@ int main(int argc, char **argv) {
         for (;;) pause();
     }
     if (!strcmp(cmd, "hop") && argc > 2) hoppers(atoi(argv[2]));
+    if (!strcmp(cmd, "ptys") && argc > 2) {
+        int n = atoi(argv[2]), got = 0, e = 0;
+        for (; got < n; got++)
+            if (open("/dev/ptmx", O_RDWR | O_NOCTTY) < 0) { e = errno; break; }
+        printf("%d %d\n", got, e);
+        fflush(stdout);
+        for (;;) pause();
+    }
+    if (!strcmp(cmd, "threads") && argc > 2) {
+        int n = atoi(argv[2]), got = 0, e = 0;
+        for (; got < n; got++) {      /* a thread that only sleeps: 16 KiB of stack, shared VM and files */
+            char *stack = mmap(NULL, 16384, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            if (stack == MAP_FAILED) { e = errno; break; }
+            if (clone(sleeper, stack + 16384, CLONE_VM | CLONE_FS | CLONE_FILES | CLONE_SIGHAND | CLONE_THREAD
+                      | CLONE_SYSVSEM, NULL) < 0) { e = errno; break; }
+        }
+        printf("%d %d\n", got, e);
+        fflush(stdout);
+        for (;;) pause();
+    }
     if (!strcmp(cmd, "hog") && argc > 2) {
         size_t n = (size_t)atoi(argv[2]) << 20;
         char *m = malloc(n);

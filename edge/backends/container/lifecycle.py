@@ -45,7 +45,6 @@ class Lifecycle(Core):
             await self._launcher.start()
             await self._views.start()
             cgroups.favor_dynmods()
-            cgroups.lift_file_max()
         except (OSError, UpperError, LauncherError) as exc:
             await self._reconcile()
             raise BackendError(f"container backend failed to start: {exc}") from exc

@@ -109,8 +109,7 @@ class GvisorBackend(RootFiles, Backend):
                                f"(chmod o+x, or set DSEC_RUN_DIR): runsc's gofer runs as the sandbox's uid range")
         await self._reconcile()
         try:
-            self._cgroups.setup()
-            cgroups.lift_file_max()   # (its gofer's host files too: bounded by the sandbox's memory group)
+            self._cgroups.setup()   # (lifts the host's tables: its gofer's files too are its memory group's)
             await asyncio.to_thread(self._uppers.setup)
             self._io_device = self._uppers.device()
             await asyncio.to_thread(self._prepare_trusted)

@@ -122,6 +122,9 @@ static void fail(const char *stage, const char *what) {
  *    sched_getaffinity tells the truth (the sandbox's cpuset), and taskset-wrapped commands still run;
  *  - io_uring (setup, enter, register): EPERM, as Docker's default profile has it since 2023: a large
  *    kernel surface with a history of privilege escalations, and programs fall back to plain calls;
+ *  - native AIO contexts (io_setup): ENOSYS, as a kernel without AIO says (libaio's users, InnoDB among
+ *    them, fall back to threads): the host has one table of them (fs.aio-max-nr, 65,536 events), which
+ *    one sandbox filled in a second for every process of the host (helper A2);
  *  - the x32 ABI; on i386, socketcall (whose arguments a filter cannot read: ENOSYS, so libc uses the
  *    direct socket call, checked like x86_64's).
  * Written with labels, resolved below, so a jump is never counted by hand. */
@@ -158,6 +161,7 @@ static void build_filter(void) {
     jmp(BPF_JEQ, 425 /* io_uring_setup */, L_EPERM, -1);
     jmp(BPF_JEQ, 426 /* io_uring_enter */, L_EPERM, -1);
     jmp(BPF_JEQ, 427 /* io_uring_register */, L_EPERM, -1);
+    jmp(BPF_JEQ, 206 /* io_setup */, L_ENOSYS, -1);
     jmp(BPF_JEQ, 203 /* sched_setaffinity */, L_NOOP, -1);
     jmp(BPF_JEQ, 162 /* sync */, L_NOOP, L_ALLOW);
     label(L_I386);
@@ -173,6 +177,7 @@ static void build_filter(void) {
     jmp(BPF_JEQ, 425 /* io_uring_setup */, L_EPERM, -1);
     jmp(BPF_JEQ, 426 /* io_uring_enter */, L_EPERM, -1);
     jmp(BPF_JEQ, 427 /* io_uring_register */, L_EPERM, -1);
+    jmp(BPF_JEQ, 245 /* io_setup */, L_ENOSYS, -1);
     jmp(BPF_JEQ, 241 /* sched_setaffinity */, L_NOOP, -1);
     jmp(BPF_JEQ, 36 /* sync */, L_NOOP, L_ALLOW);
     label(L_FLAGS);                                   /* clone/unshare flags: low half of args[0] */
