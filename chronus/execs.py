@@ -23,7 +23,8 @@ import msgspec
 
 from bus import streams, subjects, validate
 from bus.conn import Bus
-from bus.errors import DsecError, ExecFailed, InvalidRequest, SandboxNotFound, SandboxSuspended
+from bus.errors import (DsecError, ExecFailed, InvalidRequest, RateLimited, RequestExpired, SandboxNotFound,
+                        SandboxSuspended)
 from bus.messages import ErrorReply, ExecRequest, OkReply, encode
 from bus.records import Event, SandboxRecord, TrajRecord
 from bus.execwire import (ExecInput, ExecResize, ExecSignal, ExitRecord, ProcessEntry, ProcessList, control_decoder,
@@ -44,6 +45,7 @@ MAX_PTY = 4096            # rows or columns of a terminal, at most
 REMEMBERED_PIECES = 64   # piece ids of stdin sent by pid kept per exec, to answer a retry without writing again
 STDIN_ANSWER_WAIT = 4.0   # a repeated stdin piece is answered within this (busy, if still not written)
 MAX_BACKGROUND_PER_EXEC_SLOT = 4   # background execs a node runs at once: this times max_execs
+TENANT_SHARE = 0.75       # of those (foreground: max_execs; background: the above), what one tenant may run at once
 SETTLE_WAIT = 2.0         # a destroy waits this long for its sandbox's execs to record their ends
 
 
@@ -138,6 +140,7 @@ class Execs:
         self._live: dict[str, LiveExec] = {}        # running: its control subject answers
         self._recording: dict[str, LiveExec] = {}   # until its exit and trajectory records are out
         self._background: set[asyncio.Task] = set()
+        self._held: collections.Counter = collections.Counter()   # (tenant, background) -> its execs running
         self._controls = None
 
     async def start(self) -> None:
@@ -294,6 +297,7 @@ class Execs:
                                        reason="suspended")
             if op.background and len(self._background) >= MAX_BACKGROUND_PER_EXEC_SLOT * self.limits.max_execs:
                 raise ExecFailed(f"too many background execs on node {self.node} ({len(self._background)})")
+            self._within_share(op)
         except DsecError as err:
             await self.reject(op.tenant, op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
@@ -301,6 +305,7 @@ class Execs:
                             min(op.max_output, self.limits.max_output), self.limits.traj_output)
         live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started))
         self._live[op.exec_id] = live
+        self._held[op.tenant, op.background] += 1   # (given back in _execute, when it ended)
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
             task = asyncio.ensure_future(self._execute(op, relay, None))
             self._background.add(task)
@@ -322,6 +327,10 @@ class Execs:
             finally:
                 live.control.close()         # nothing more reaches it: late stdin is answered at once
                 self._live.pop(op.exec_id, None)
+                held = (op.tenant, op.background)
+                self._held[held] -= 1
+                if self._held[held] <= 0:
+                    del self._held[held]
             traj = None
             if rec is not None:   # on the timeline (durably) before anything ends the sandbox; meanwhile the
                 traj = asyncio.ensure_future(self.host.timeline(   # exit record goes out
@@ -464,7 +473,19 @@ class Execs:
         if op.cwd and not op.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {op.cwd!r}")
         if op.deadline and time.time() > op.deadline:
-            raise InvalidRequest("exec request expired before the node served it")
+            raise RequestExpired("exec request expired before the node served it (its node was busy)")
+
+    def _within_share(self, op: ExecRequest) -> None:
+        """RateLimited past the tenant's share of the node's execs: one tenant's 256 long execs held every
+        exec slot of the node (the lane's credit), and every other tenant's exec waited until it expired;
+        its 1,024 background ones made every other's background exec fail (helper A2)."""
+        most = self.limits.max_execs * (MAX_BACKGROUND_PER_EXEC_SLOT if op.background else 1)
+        share = max(1, int(most * TENANT_SHARE))
+        held = self._held[op.tenant, op.background]
+        if held >= share:
+            raise RateLimited(f"{subjects.describe(op.tenant)} runs {held} {'background ' if op.background else ''}"
+                              f"execs on node {self.node}, the most one tenant may ({share} of {most}): "
+                              f"wait for some to end")
 
     async def _already_ran(self, op: ExecRequest, d: Delivery) -> bool:
         """A redelivered exec, or one for a sandbox this node does not run (a restart recreates the lanes:

@@ -15,7 +15,8 @@ import msgspec
 
 from bus import kinds, lanes, streams, subjects
 from bus.conn import Bus
-from bus.errors import DsecError, FileOpError, InvalidRequest, RateLimited, SandboxError, SandboxNotFound
+from bus.errors import (DsecError, FileOpError, InvalidRequest, RateLimited, RequestExpired, SandboxError,
+                        SandboxNotFound)
 from bus.messages import (
     FILE_OPS, FILE_PIECE, DestroyRequest, ErrorReply, ExecRequest, FileOp, ListProcesses, OkReply, ReadFile,
     ResumeRequest, RollbackRequest, SetNetworkRequest, SetTimeoutRequest, SnapshotRequest, SuspendRequest, WriteFile,
@@ -148,7 +149,7 @@ class OpLane:
         try:
             if op.deadline and time.time() > op.deadline:
                 work.close()
-                raise InvalidRequest("request expired before the node served it")
+                raise RequestExpired("request expired before the node served it (its node was busy)")
             data = await work
             reply = OkReply(request_id=op.request_id, data=data or b"")
         except DsecError as err:
@@ -175,7 +176,7 @@ class OpLane:
         try:
             async with slot[0]:
                 if op.deadline and time.time() > op.deadline:
-                    raise InvalidRequest(f"request expired while the tenant's earlier {what} ops ran")
+                    raise RequestExpired(f"request expired while the tenant's earlier {what} ops ran")
                 return await work()
         finally:
             slot[1] -= 1

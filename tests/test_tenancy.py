@@ -277,3 +277,30 @@ async def test_one_tenants_file_ops_take_at_most_its_turns_and_anothers_are_serv
         got = await asyncio.gather(*(a.files.list("/tmp/d") for _ in range(12)), return_exceptions=True)
         assert any(isinstance(g, libdsec.RateLimited) for g in got), got
         assert all(isinstance(g, libdsec.RateLimited) or len(g) == 10000 for g in got), got
+
+
+async def test_one_tenants_long_execs_leave_the_nodes_other_exec_slots_to_others(stack, client, other):
+    """Helper A2: tenant A's 256 long execs held every exec slot of the node (the lane's credit), and B's
+    `exec true` waited 93 s, then failed as expired (an InvalidRequest); A's 1,024 background ones made every
+    other tenant's background exec fail. Now one tenant runs at most TENANT_SHARE of each: past it, its exec
+    is RateLimited at once, and B's run."""
+    from chronus.execs import TENANT_SHARE
+    most = stack.edge.ops.max_execs
+    share = int(most * TENANT_SHARE)
+    async with await client.create(resources=libdsec.Resources(pids=2048, memory="1Gi")) as a, \
+            await other.create() as b:
+        held = [asyncio.ensure_future(a.exec(["sleep", "60"], timeout=90)) for _ in range(most)]
+        for _ in range(300):   # every slot is taken: A's share runs, the rest of A's are refused
+            await asyncio.sleep(0.05)
+            refused = [t for t in held if t.done()]
+            if len(refused) >= most - share:
+                break
+        assert len(refused) == most - share, len(refused)
+        assert all(isinstance(t.exception(), libdsec.RateLimited) for t in refused), [t.exception() for t in refused]
+        assert "the most one tenant may" in str(refused[0].exception())
+        t0 = time.monotonic()
+        assert (await b.exec("echo served", timeout=10)).stdout == b"served\n"
+        assert time.monotonic() - t0 < 3
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
