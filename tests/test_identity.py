@@ -213,7 +213,7 @@ async def test_the_images_setuid_programs_work_inside(client, hostile):
     made = []
     try:
         await sb.exec("mkdir -p /opt")
-        await sb.write_file("/opt/suid", hostile, mode=0o755)
+        await sb.files.write("/opt/suid", hostile, mode=0o755)
         r = await sb.exec("chmod 4755 /opt/suid && stat -c '%u:%g %a' /opt/suid && /opt/suid drop 1000 /opt/suid euid")
         assert r.stdout == b"0:0 4755\n0\n", r.stdout + r.stderr
         snap = await sb.snapshot(tag="suid")

@@ -9,6 +9,12 @@ disables), and every sandbox bind-mounts these files over its /proc ones when it
 If lxcfs dies, a sandbox's views would fail (the FUSE connection is gone), so the edge starts it again
 and has the zygote put fresh binds into every running sandbox (detached clones of the new files,
 moved into each sandbox's mount namespace): their views recover within about a second.
+
+lxcfs works for whichever sandbox reads, in no sandbox's cgroups: one re-reading /proc/stat in 8 threads
+took 144% of the host's CPU from a sandbox of a quarter core, and one holding 160,000 opened views grew it
+by 330 MB, never given back (helper A2). It runs in cgroups of its own (`dsec-<node>.views`): at most
+VIEWS_CPU cores at a low weight, and VIEWS_MEMORY bytes, past which it is OOM-killed and started again
+(every sandbox's views back within a second; the hostile one's opened files gone with it).
 """
 from __future__ import annotations
 
@@ -24,19 +30,24 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from edge.backends import kernel
+from edge.backends.cgroups import own_paths, read, write
 from edge.backends.uppers import mounted_at
 from edge.backends.zygote import PROC_VIEWS
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 10.0
+VIEWS_CPU = 0.5              # cores lxcfs may use (the CFS quota of its group)
+VIEWS_SHARES = 256           # its weight beside the edge and NATS (1,024 each)
+VIEWS_MEMORY = 256 << 20     # its memory (an idle one holds ~3 MB; each opened view a few KB)
 
 
 class ProcViews:
     """The node's lxcfs: started, watched, restarted; `proc_dir` is where its /proc files are."""
 
     def __init__(self, state_dir: Path, on_restart: Callable[[], Awaitable[None]],
-                 serving: Callable[[], bool] = lambda: True) -> None:
+                 serving: Callable[[], bool] = lambda: True, node_id: str = "local") -> None:
+        self.groups = {c: p / f"dsec-{node_id}.views" for c, p in own_paths().items() if c in ("cpu", "memory")}
         self.mount = state_dir / "lxcfs"
         self.pidfile = state_dir / "lxcfs.pid"
         self.on_restart = on_restart
@@ -67,7 +78,10 @@ class ProcViews:
     def _launch(self) -> None:
         self.cleanup()
         self.mount.mkdir(mode=0o755, exist_ok=True)
-        self.proc = subprocess.Popen(["lxcfs", "--foreground", "--disable-swap", "--enable-cfs",
+        self._make_groups()
+        join = "; ".join(f'echo $$ > "{g}/cgroup.procs"' for g in self.groups.values())
+        self.proc = subprocess.Popen(["sh", "-c", f'{join} && exec "$@"', "sh",   # in its groups from its start
+                                      "lxcfs", "--foreground", "--disable-swap", "--enable-cfs",
                                       f"--pidfile={self.pidfile}", str(self.mount)],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
@@ -121,8 +135,17 @@ class ProcViews:
                 self.proc.kill()
                 self.proc.wait()
 
+    def _make_groups(self) -> None:
+        for c, g in self.groups.items():
+            g.mkdir(exist_ok=True)
+        write(self.groups["cpu"] / "cpu.shares", str(VIEWS_SHARES))
+        period = int(read(self.groups["cpu"] / "cpu.cfs_period_us") or 100000)
+        write(self.groups["cpu"] / "cpu.cfs_quota_us", str(int(VIEWS_CPU * period)))
+        write(self.groups["memory"] / "memory.limit_in_bytes", str(VIEWS_MEMORY))
+
     def cleanup(self) -> None:
-        """Unmount a (dead or live) lxcfs mount and kill a leftover daemon of this state dir."""
+        """Unmount a (dead or live) lxcfs mount, kill a leftover daemon of this state dir, and remove its
+        groups."""
         pid = _read_pid(self.pidfile)
         if pid and _is_ours(pid, str(self.mount)):
             with contextlib.suppress(ProcessLookupError):
@@ -132,6 +155,15 @@ class ProcViews:
                 break
             kernel.umount2(str(self.mount), kernel.MNT_DETACH)
         self.pidfile.unlink(missing_ok=True)
+        for g in self.groups.values():
+            for _ in range(100):   # (a killed daemon leaves its group a moment later)
+                try:
+                    g.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
 
 
 def _read_pid(path: Path) -> int:

@@ -30,6 +30,7 @@
  *   hostile ptys N              open up to N terminals (/dev/ptmx); print "N errno", then hold them
  *   hostile threads N           make up to N threads (tiny stacks, each asleep); print "N errno", then
  *                               hold them
+ *   hostile reread FILE N SECS  N processes re-reading FILE from its start for SECS s; print "done"
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -49,6 +50,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
@@ -300,6 +302,22 @@ int main(int argc, char **argv) {
         for (;;) pause();
     }
     if (!strcmp(cmd, "hop") && argc > 2) hoppers(atoi(argv[2]));
+    if (!strcmp(cmd, "reread") && argc > 4) {
+        int n = atoi(argv[3]);
+        time_t until = time(NULL) + atoi(argv[4]);
+        for (int i = 0; i < n; i++) {
+            if (fork() == 0) {
+                char buf[65536];
+                int fd = open(argv[2], O_RDONLY);
+                while (fd >= 0 && time(NULL) < until)
+                    if (pread(fd, buf, sizeof buf, 0) < 0) break;
+                _exit(0);
+            }
+        }
+        while (wait(NULL) > 0) {}
+        printf("done\n");
+        return 0;
+    }
     if (!strcmp(cmd, "ptys") && argc > 2) {
         int n = atoi(argv[2]), got = 0, e = 0;
         for (; got < n; got++)

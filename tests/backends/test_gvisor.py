@@ -28,7 +28,7 @@ async def gvisor(stack, tmp_path_factory):
 async def test_the_kernel_inside_is_gvisors_and_it_lacks_what_the_host_has(client, gvisor, hostile):
     async with await client.create(backend="gvisor") as g, await client.create() as c:
         for sb in (g, c):
-            await sb.write_file("/tmp/h", hostile, mode=0o755)
+            await sb.files.write("/tmp/h", hostile, mode=0o755)
         r = await g.exec("uname -r; cat /proc/version; dmesg")
         assert r.exit_code == 0 and r.stdout.startswith(b"4.4.0") and b"Starting gVisor" in r.stdout, r.stdout
         assert b"gVisor" not in (await c.exec("dmesg 2>&1; cat /proc/version")).stdout

@@ -56,6 +56,7 @@ class ContainerBackend(Lifecycle, Launching, Executing, Files, Freezing, Resetti
         self._starting: set[str] = set()
         self._spawner: enter.Spawner | None = None   # exec spawns (dsec-enter, built at start)
         self._ids = idmap.Allocator(node_id)
-        self._views = procviews.ProcViews(self.state_dir, self._refresh_views, serving=lambda: self._launcher.alive)
+        self._views = procviews.ProcViews(self.state_dir, self._refresh_views, serving=lambda: self._launcher.alive,
+                                          node_id=node_id)
         self._io_device = ""                          # the pool's loop device: sandboxes' I/O is throttled on it
         self._drains: set[asyncio.Task] = set()       # ranges looked at again while their keys are collected
