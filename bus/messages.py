@@ -131,6 +131,9 @@ class ExecRequest(Wire, tag="exec"):
     pty_cols: int = 0                # stderr; its output one stream, stdout); resized with ExecResize
     watch: str = ""                  # instead of a command: this directory's changes, a JSON line each on
     recursive: bool = False          # stdout (edge/backends/watcher.py), until signalled or its timeout
+    end_on_exit: bool = False        # it ends when its command exits, with what its pipes hold then; a process it
+                                     # left running keeps on, its later output not read (E2B's commands.run).
+                                     # False: once every holder of its stdout and stderr closed them too
 
 
 class DestroyRequest(Wire, tag="destroy"):

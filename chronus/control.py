@@ -29,8 +29,10 @@ class ExecControl:
     command runs (in order; each write resolves True once the pipe took it, False when the command's
     stdin is gone) and signals to its processes."""
 
-    def __init__(self, live_stdin: bool = False, on_start: Callable[[int], Awaitable[None]] | None = None) -> None:
+    def __init__(self, live_stdin: bool = False, on_start: Callable[[int], Awaitable[None]] | None = None,
+                 end_on_exit: bool = False) -> None:
         self.live_stdin = live_stdin      # stdin comes through write(), after the request's bytes
+        self.end_on_exit = end_on_exit    # the exec ends when its command exits (ExecRequest.end_on_exit)
         self.pid = 0                      # the command's pid in its sandbox, once the backend said (started)
         self._started = False
         self._on_start = on_start

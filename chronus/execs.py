@@ -303,7 +303,7 @@ class Execs:
             return Verdict.ACK
         relay = OutputRelay(self.bus, subjects.output(op.tenant, self.node, op.sandbox_id, op.exec_id), op.exec_id,
                             min(op.max_output, self.limits.max_output), self.limits.traj_output)
-        live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started))
+        live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started, end_on_exit=op.end_on_exit))
         self._live[op.exec_id] = live
         self._held[op.tenant, op.background] += 1   # (given back in _execute, when it ended)
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)

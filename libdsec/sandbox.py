@@ -143,7 +143,7 @@ class AsyncSandbox:
     async def _start(self, cmd: Command, timeout: float, cwd: str | None, env: dict[str, str] | None,
                      stdin: Stdin, max_output: int, background: bool = False,
                      keep_output: bool = True, user: str | None = None, what: dict | None = None,
-                     pty: tuple[int, int] | None = None) -> ExecHandle:
+                     pty: tuple[int, int] | None = None, end_on_exit: bool = False) -> ExecHandle:
         """Send an exec (what: its fields instead of cmd's, e.g. a watch) and a handle on it."""
         validate.seconds(timeout, "timeout")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
@@ -162,7 +162,7 @@ class AsyncSandbox:
                           cwd=cwd or "", user=user or "", stdin=first, timeout=float(timeout),
                           deadline=time.time() + min(timeout, START_BY) + EXIT_GRACE,   # no node starts it later
                           max_output=max_output, live_stdin=live, background=background,
-                          pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0)
+                          pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0, end_on_exit=end_on_exit)
         validate.check_exec_words(req.argv, req.env, req.cwd, req.shell)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
@@ -282,7 +282,8 @@ class AsyncSandbox:
 
     async def exec(self, cmd: Command, *, timeout: float | None = None, cwd: str | None = None,
                    env: dict[str, str] | None = None, stdin: Stdin = None,
-                   max_output: int = DEFAULT_MAX_OUTPUT, background: bool = False, user: str | None = None) -> Any:
+                   max_output: int = DEFAULT_MAX_OUTPUT, background: bool = False, user: str | None = None,
+                   end_on_exit: bool = False) -> Any:
         """Run a command to the end and return its ExecResult; ExecTimeout (with the partial output) if it
         outlived `timeout` (default 30 s). background=True returns an ExecHandle once it started instead
         (.pid: its pid; default timeout 24 h): stream its output, wait() for it or kill() it later. cwd defaults to the image's
@@ -290,10 +291,14 @@ class AsyncSandbox:
         uid[:gid] (kinds with the "users" capability), run with its groups and HOME. stdin as stream()'s, or
         True with background=True: a live stdin written later, by this or any client, with
         handle.send_stdin() / close_stdin() (sb.attach(pid=...) finds it again). A foreground exec is this call's:
-        cancelled (or failing to read its end) it is killed."""
+        cancelled (or failing to read its end) it is killed. It ends once its command exited and every process
+        holding its stdout or stderr closed them (`server &` keeps it running, as subprocess and docker exec
+        do); end_on_exit=True: once its command exited, with what its output held then, and a process it left
+        running keeps on, its later output not read (E2B's commands.run)."""
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
-        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user)
+        handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user,
+                                   end_on_exit=end_on_exit)
         if background:    # once it started: h.pid is its pid (it was 0, and send_stdin(h.pid) found no command)
             try:
                 await handle.started()

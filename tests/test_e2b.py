@@ -497,6 +497,13 @@ def _sync_findings(monkeypatch) -> None:
             h.wait()
         h = Sandbox.connect(sbx.sandbox_id).commands.connect(h.pid)
         assert h.kill() is True
+        # helper U2: `server & echo started` ran until its timeout (the server held the output) and the
+        # server was killed with it; as E2B's, the run ends with the shell and the server keeps running
+        t0 = time.monotonic()
+        assert sbx.commands.run("sleep 60 & echo started", timeout=20).stdout == "started\n"
+        assert time.monotonic() - t0 < 5
+        assert sbx.commands.run("for p in /proc/[0-9]*; do read -r c < $p/comm && [ $c = sleep ] && echo alive; "
+                                "done 2>/dev/null | head -1").stdout == "alive\n"
         # helper U2: a line over ~64 KB was refused (the script held it twice), and ~ was a directory named ~
         long = "echo " + "a" * 100_000
         assert sbx.commands.run(long).stdout == "a" * 100_000 + "\n"

@@ -135,16 +135,28 @@ async def exited(proc: subprocess.Popen) -> int:
     return proc.wait()                           # it has exited: reaps without blocking
 
 
-async def pump(fd: int, name: str, sink: OutputSink, after: asyncio.Future | None = None) -> None:
-    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF; from
-    when `after` is done (the command's start reported)."""
+async def pump(fd: int, name: str, sink: OutputSink, after: asyncio.Future | None = None,
+               ended: asyncio.Future | None = None) -> None:
+    """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF, or once
+    `ended` is done, until it holds nothing more (what a process the command left running writes later is
+    not waited for); from when `after` is done (the command's start reported)."""
     if after is not None:
         await asyncio.shield(after)
     while True:
         try:
             chunk = os.read(fd, CHUNK)
         except BlockingIOError:
-            await wait_fd(fd)
+            if ended is None:
+                await wait_fd(fd)
+            elif ended.done():
+                return
+            else:
+                readable = asyncio.ensure_future(wait_fd(fd))
+                try:
+                    await asyncio.wait({readable, ended}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    readable.cancel()
+                    await asyncio.gather(readable, return_exceptions=True)
             continue
         except OSError as exc:   # a terminal's master once every slave fd is closed
             if exc.errno == errno.EIO:
@@ -311,8 +323,9 @@ async def supervise(exited: asyncio.Future, groups: dict[str, Path], pipes: Pipe
     else:
         feeder = asyncio.ensure_future(feed(pipes.take("stdin_w"), stdin or b""))
     start = asyncio.ensure_future(report_start(pipes, exited, control)) if control is not None else None
-    pumps = [asyncio.ensure_future(pump(pipes.stdout_r, "stdout", sink, start)),
-             asyncio.ensure_future(pump(pipes.stderr_r, "stderr", sink, start))]
+    ended = exited if control is not None and control.end_on_exit else None
+    pumps = [asyncio.ensure_future(pump(pipes.stdout_r, "stdout", sink, start, ended)),
+             asyncio.ensure_future(pump(pipes.stderr_r, "stderr", sink, start, ended))]
     # The exit future is shared with the launcher: shield it so cancelling the gather spares it.
     everything = asyncio.gather(asyncio.shield(exited), *pumps)
     try:

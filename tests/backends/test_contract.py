@@ -460,6 +460,26 @@ async def test_an_exec_past_the_sandboxs_concurrent_execs_fails_at_once(client, 
         assert (await sb.exec("echo ok", timeout=20)).stdout == b"ok\n"   # a freed place is taken again
 
 
+ALIVE = "for p in /proc/[0-9]*; do read -r c < $p/comm && [ $c = sleep ] && echo alive; done 2>/dev/null | head -1"
+
+
+@pytest.mark.parametrize("kind", REAL)
+async def test_an_exec_may_end_with_its_command_and_leave_its_background_running(client, kind):
+    # E2B's commands.run("server & echo started") returns once the shell exits; here it ran until its
+    # timeout (the server held its output pipes) and the server was killed with it (helper U2)
+    async with await fresh(client, kind) as sb:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r = await sb.exec("sleep 60 & head -c 300000 /dev/zero | tr '\\0' a; echo err >&2; exit 3",
+                          end_on_exit=True, timeout=20)
+        assert (r.stdout, r.stderr, r.exit_code) == (b"a" * 300_000, b"err\n", 3), (len(r.stdout), r.stderr, r)
+        assert loop.time() - t0 < 10 and not r.timed_out
+        assert (await sb.exec(ALIVE)).stdout == b"alive\n"
+        with pytest.raises(libdsec.ExecTimeout) as ei:   # without it: its output's every holder is waited for
+            await sb.exec("sleep 60 & echo started", timeout=2)
+        assert ei.value.stdout == b"started\n"
+
+
 # What a snapshot must carry, made over a first snapshot's layer: a file deleted from below (a whiteout), a
 # dir removed and made again (opaque: nothing of below shows through), a hard link, symlinks, a setuid
 # file of another owner, a fifo, odd names and binary bytes.

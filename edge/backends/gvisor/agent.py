@@ -24,6 +24,7 @@ STDIN_CHUNK = 64 << 10
 KILL_GRACE = 5.0
 WITH_USER = 1 << 31        # an exec request's argc flag: a user "UID:GID[:GROUP...]" follows its cwd
 WITH_TTY = 1 << 30         # and "ROWS COLS" follows (after the user): it runs on a terminal of that size
+WITH_END = 1 << 29         # it ends with its command (ExecRequest.end_on_exit)
 
 
 @dataclass
@@ -260,7 +261,8 @@ class AgentChannel:
         words = [cwd, *who, *size, *argv, *(f"{k}={v}" for k, v in env.items())]
         if any("\0" in w for w in words):
             raise BackendError("NUL byte in argv, env or cwd")
-        flags = (WITH_USER if who else 0) | (WITH_TTY if size else 0)
+        flags = (WITH_USER if who else 0) | (WITH_TTY if size else 0) | \
+            (WITH_END if control is not None and control.end_on_exit else 0)
         payload = struct.pack("<II", len(argv) | flags, len(env)) + b"".join(w.encode() + b"\0" for w in words)
         try:
             self._send(b"E", xid, payload)

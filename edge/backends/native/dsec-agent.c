@@ -26,6 +26,8 @@
  *            'U' u8 detach: speak again (answered 'H' u32 0, u32 the highest exec id in use). With detach 1 (a VM started from a memory
  *                snapshot, whose edge never started its execs) every running exec is let go: its processes
  *                run on, their output is read and dropped, no frame names them again and their ids are free
+ *            (an 'E' request's argc: bit 31 a user follows its cwd, bit 30 a terminal's size, bit 29 it ends
+ *            with its command: end_with_command)
  * Replies:   'R' ready (id 0, once)    'P' u32 pid: started    'F' stage\0errno\0text: never started
  *            'O' / 'e' stdout / stderr bytes    'A' one 'I' frame written    'C' its stdin is gone
  *            'X' i32 wait status, u64 cpu microseconds, u64 peak rss KiB: exited, pipes at EOF
@@ -78,6 +80,7 @@ struct exec {
     long inflight;              /* output bytes sent, not yet credited */
     int detached;               /* started by the edge of the VM a memory snapshot was taken of: no frames */
     int tty;                    /* the master of its terminal (resizes), -1: none */
+    int end_on_exit;            /* it ends with its command (end_with_command) */
 };
 
 static struct exec execs[MAXEXEC];
@@ -303,7 +306,8 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     uint32_t argc = get32(p), envc = get32(p + 4);
     const char *user = NULL, *size = NULL;
     int with_user = (argc & 0x80000000u) != 0, with_tty = (argc & 0x40000000u) != 0;
-    argc &= 0x3fffffffu;
+    int with_end = (argc & 0x20000000u) != 0;
+    argc &= 0x1fffffffu;
     char **vec = calloc(argc + envc + 3, sizeof(char *));
     const char *s = p + 8, *end = p + n;
     const char *cwd = s;
@@ -357,6 +361,7 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     close(rep[0]); free(vec);
     memset(x, 0, sizeof *x);
     x->id = id; x->pid = pid; x->out[0] = out[0]; x->out[1] = err[0]; x->in = in[1]; x->tty = -1;
+    x->end_on_exit = with_end;
     if (master >= 0) {      /* its output and input are the terminal's: the pipes go */
         close(out[0]); close(err[0]); close(in[1]);
         x->out[0] = master; x->out[1] = -1;
@@ -445,6 +450,27 @@ static void end_terminal(struct exec *x) {
     }
 }
 
+/* An exec that ends with its command (the request's end flag, E2B's commands.run): what its pipes hold
+ * when it exited is sent; a process it left running is not waited for, and its pipes close (its next write
+ * there fails with EPIPE, as under E2B's envd). */
+static void end_with_command(struct exec *x) {
+    char buf[CHUNK];
+    for (int s = 0; s < 2; s++) {
+        if (x->out[s] < 0) continue;
+        fcntl(x->out[s], F_SETFL, O_NONBLOCK);
+        for (;;) {
+            ssize_t n = read(x->out[s], buf, sizeof buf);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) break;
+            if (x->detached) continue;
+            x->inflight += n;
+            reply(s ? 'e' : 'O', x->id, buf, (size_t)n, NULL, 0);
+        }
+        close(x->out[s]);
+        x->out[s] = -1;
+    }
+}
+
 static void reap(void) {
     int status; struct rusage ru; pid_t pid;
     if (nstale) sweep_groups();
@@ -455,7 +481,8 @@ static void reap(void) {
         }
         for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
             execs[i].status_known = 1; execs[i].status = status; execs[i].ru = ru;
-            if (execs[i].tty >= 0 && !in_vm) end_terminal(&execs[i]);
+            if (execs[i].end_on_exit) end_with_command(&execs[i]);
+            else if (execs[i].tty >= 0 && !in_vm) end_terminal(&execs[i]);
             finish_if_done(&execs[i]);
         }
     }

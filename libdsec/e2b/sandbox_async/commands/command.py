@@ -62,6 +62,7 @@ class AsyncCommands:
             if not isinstance(cmd, str) or not cmd or "\0" in cmd:
                 raise InvalidRequest("cmd must be a non-empty string without NUL bytes")
             handle = await self._sb.exec(login_shell(cmd), background=True, env=envs, max_output=MAX_OUTPUT,
+                                         end_on_exit=True,   # as E2B's: `server &` does not hold the command
                                          cwd=absolute(cwd, user) if cwd else None, user=user,
                                          timeout=NO_LIMIT if not timeout else float(timeout),
                                          stdin=True if stdin else None)
