@@ -385,6 +385,19 @@ def _snapshots() -> None:
         time.sleep(3)
         made += sbx.fork(1, 60)
         assert len(fork_snapshots()) == 1 and fork_snapshots() != first
+        # another process's fork snapshots, left by it (its forks all ended), go at a fork() once old
+        # enough: they stayed for good and held their image (helper U2)
+        from libdsec.e2b.sandbox_async import snapshots
+        left = [snapshots._FORKED.pop(f.sandbox_id) for f in made[-1:]]   # (as if another process made them)
+        made[-1].kill()
+        made.pop()
+        assert fork_snapshots() == left
+        snapshots.SWEEP_AFTER = 0.0
+        try:
+            made += sbx.fork(1, 60)
+        finally:
+            snapshots.SWEEP_AFTER = 600.0
+        assert len(fork_snapshots()) == 1 and fork_snapshots() != left
     finally:
         for s in made:
             s.kill()

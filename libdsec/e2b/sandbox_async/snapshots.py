@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from typing import Any, List, Optional
 
 from bus.errors import DsecError, ImageNotFound, InvalidRequest
@@ -96,11 +97,21 @@ async def fork(client, sandbox_id: str, make, timeout: Optional[int], count: Opt
 _FORKED: dict[str, str] = {}   # fork sandbox id -> the snapshot it was made from (this process's forks)
 
 
+SWEEP_AFTER = 600.0   # seconds: an e2b-fork snapshot of another process this old has its forks made
+
+
 async def sweep_forks(client) -> None:
-    """Delete the snapshots this process's fork() made whose forks have all ended (one still in use is refused
-    and kept). Only those whose forks were all made: another fork() may be between its snapshot and its creates."""
+    """Delete the snapshots fork() made whose forks have all ended (one still in use is refused and kept):
+    this process's, and any other's older than SWEEP_AFTER (a process that ended left them, and they held
+    their image for good: helper U2). Only those whose forks were all made: another fork() may be between
+    its snapshot and its creates."""
     for snap_id in set(_FORKED.values()):
         await _delete_quietly(client, snap_id)
+    mine = set(_FORKED.values())
+    old = time.time() - SWEEP_AFTER
+    for snap in await client.snapshots(tag=FORK_TAG):
+        if snap.id not in mine and snap.created_at < old:
+            await _delete_quietly(client, snap.id)
 
 
 async def forked_sandbox_gone(client, sandbox_id: str) -> None:
