@@ -510,6 +510,11 @@ def _sync_findings(monkeypatch) -> None:
             h.wait()
         h = Sandbox.connect(sbx.sandbox_id).commands.connect(h.pid)
         assert h.kill() is True
+        # helper U2: a chunk that only began a character called on_stdout(''), and a cut character at the end
+        # reached the result, never the handler
+        cut: list = []
+        r = sbx.commands.run("printf '\\303'; sleep 0.3; printf '\\251\\n'; printf 'ab\\303'", on_stdout=cut.append)
+        assert "" not in cut and "".join(cut) == r.stdout == "\u00e9\nab\ufffd", (cut, r.stdout)
         # helper U2: `server & echo started` ran until its timeout (the server held the output) and the
         # server was killed with it; as E2B's, the run ends with the shell and the server keeps running
         t0 = time.monotonic()

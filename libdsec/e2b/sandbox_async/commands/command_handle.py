@@ -79,6 +79,16 @@ class AsyncCommandHandle:
         """Its exit code once it ended, else None."""
         return self._result.exit_code if self._result else None
 
+    async def _text(self, stream: str, text: str) -> None:
+        """Text of a stream to its result, events and handler; none for a chunk that only began a character
+        (E2B's handlers get no empty text), and the end of a cut character at the exit (helper U2: it reached
+        the result, never the handler)."""
+        if not text:
+            return
+        (self._stdout if stream == "stdout" else self._stderr).append(text)
+        self.events.put_nowait((text, None, None) if stream == "stdout" else (None, text, None))
+        await call_handler(self._on[stream], text)
+
     async def _read(self) -> CommandResult:
         try:
             async for ev in self._handle.stream(lines=False):
@@ -89,15 +99,10 @@ class AsyncCommandHandle:
                     else:
                         await call_handler(self._on_pty, ev.data)
                 elif isinstance(ev, Output):
-                    text = self._decoders[ev.stream].decode(ev.data)
-                    (self._stdout if ev.stream == "stdout" else self._stderr).append(text)
-                    self.events.put_nowait((text, None, None) if ev.stream == "stdout" else (None, text, None))
-                    await call_handler(self._on[ev.stream], text)
+                    await self._text(ev.stream, self._decoders[ev.stream].decode(ev.data))
                 elif isinstance(ev, Exit):
                     for name, decoder in self._decoders.items():   # a cut character at the very end
-                        tail = decoder.decode(b"", final=True)
-                        if tail:
-                            (self._stdout if name == "stdout" else self._stderr).append(tail)
+                        await self._text(name, decoder.decode(b"", final=True))
                     error = TIMED_OUT if ev.timed_out else TRUNCATED if ev.truncated else None
                     self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=ev.exit_code,
                                                  error=error)
