@@ -158,6 +158,7 @@ class TrajectoryBatch(Wire, tag="trajectory_batch"):
 class AckTrajectories(Wire, tag="ack_trajectories"):
     reader: str = ""
     acks: list[str] = []
+    naks: list[str] = []     # records fetched and not processed: due again at once
 
 
 class CloseTrajectories(Wire, tag="close_trajectories"):

@@ -5,6 +5,7 @@ acked through the control API: a tenant has no JetStream rights of its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass
@@ -77,6 +78,12 @@ class _Reader:
     async def ack(self, tokens: list[str]) -> None:
         await control.ask(self.bus, self.tenant, AckTrajectories(reader=self.request.reader, acks=tokens), Done)
 
+    async def give_back(self, tokens: list[str]) -> None:
+        """Records fetched and never handed to the caller: due again at once, not after the ack wait."""
+        with contextlib.suppress(Exception):   # (best effort: they come again after the ack wait anyway)
+            await control.ask(self.bus, self.tenant, AckTrajectories(reader=self.request.reader, naks=tokens), Done,
+                              timeout=2.0)
+
     async def close(self) -> None:
         if not self.request.durable:
             try:
@@ -117,6 +124,7 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
     reader = _Reader(bus, tenant, request)
     unacked: set[int] = set()
     give_up: float | None = None
+    unseen: list[str] = []   # of the batch being handed out, the tokens of records not handed out yet
     try:
         while True:
             try:
@@ -126,7 +134,8 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
                     raise
                 await asyncio.sleep(WAIT)   # the API moving to another engine: ask again
                 continue
-            for pulled in batch.records:
+            for i, pulled in enumerate(batch.records):
+                unseen = [p.ack for p in batch.records[i + 1:]]
                 try:
                     rec = traj_decoder.decode(pulled.data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -134,6 +143,7 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
                     continue
                 unacked.add(pulled.seq)
                 yield Trajectory(rec, pulled.seq, _Ack(reader, pulled.ack), unacked)
+            unseen = []
             if follow or (batch.records and batch.pending > 0):
                 continue
             if not request.durable:
@@ -144,4 +154,6 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
             if time.monotonic() > give_up:
                 return
     finally:
+        if unseen and request.durable:   # a caller that stopped mid-batch (helper U2: the next reader on the
+            await reader.give_back(unseen)   # durable got them only after the ack wait, 30 s)
         await reader.close()

@@ -173,11 +173,13 @@ class StreamReadsApi:
 
     async def _ack(self, tenant: str, req: AckTrajectories) -> Wire:
         prefix = f"$JS.ACK.{streams.TRAJ_STREAM}.{reader_consumer(tenant, _token(req.reader, 'reader'))}."
-        bad = [a for a in req.acks if not a.startswith(prefix) or " " in a or len(a) > 300]
+        bad = [a for a in (*req.acks, *req.naks) if not a.startswith(prefix) or " " in a or len(a) > 300]
         if bad:
             raise InvalidRequest(f"traj-ack: {len(bad)} ack(s) are not this reader's (first: {bad[0][:80]!r})")
         for a in req.acks:
             await self.bus.send(a, b"+ACK")
+        for a in req.naks:
+            await self.bus.send(a, b"-NAK")
         return Done()
 
     async def _close(self, tenant: str, req: CloseTrajectories) -> Wire:

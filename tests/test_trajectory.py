@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -125,6 +126,30 @@ async def test_a_durable_trajectory_consumer_resumes_where_it_left_off(client):
     assert everything == ["created", "exec", "exec", "exec", "exec", "destroyed"]
     later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=1)
     assert [t async for t in client.trajectories(job=job, since=later, follow=False)] == []
+
+
+async def test_a_durable_reader_left_mid_batch_gives_back_what_it_never_handed_out(client):
+    """A reader that stops after its first record leaves the rest of its fetched batch to the next reader at
+    once: it waited the ack wait (30 s) for them (helper U2)."""
+    job, durable = f"jb{os.getpid()}", f"brk{os.getpid()}"
+    async with await client.create(labels={"job": job}) as sb:
+        for i in range(3):
+            await sb.exec(f"echo {i}")
+    for _ in range(100):
+        if len([t async for t in client.trajectories(job=job, follow=False)]) == 5:
+            break
+        await asyncio.sleep(0.05)
+    async for t in client.trajectories(job=job, durable=durable, follow=False):
+        await t.ack()
+        first = t.record
+        break
+    t0 = time.monotonic()
+    rest = []
+    async for t in client.trajectories(job=job, durable=durable, follow=False):
+        rest.append(t.record)
+        await t.ack()
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
+    assert first.type == "created" and [r.type for r in rest] == ["exec", "exec", "exec", "destroyed"], rest
 
 
 async def test_records_past_one_answer_come_at_once_in_order_and_none_is_left_out(client):
