@@ -304,10 +304,28 @@ async def ls(nats_url, all_states) -> None:
                + ("EXPIRES  PROJECT" if projects else "EXPIRES"))
     for r in recs:
         created = datetime.datetime.fromtimestamp(r.created_at).strftime("%Y-%m-%d %H:%M:%S")
-        expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") if r.expires_at else "-"
+        paused = r.state == "ready" and r.suspended   # (it showed `ready`, with the expiry its pause moves on)
+        expires = datetime.datetime.fromtimestamp(r.expires_at).strftime("%H:%M:%S") \
+            if r.expires_at and not paused else "-"
         owner = field(subjects.display_name(r.tenant)) if r.tenant != client.tenant else "-"
-        click.echo(f"{field(r.sandbox_id):<20} {r.state:<10} {field(r.backend):<10} {field(r.node):<12} {field(r.image):<14} {r.network.summary():<12} {created:<20} "
+        state = "suspended" if paused else r.state
+        click.echo(f"{field(r.sandbox_id):<20} {state:<10} {field(r.backend):<10} {field(r.node):<12} {field(r.image):<14} {r.network.summary():<12} {created:<20} "
                    + (f"{expires:<8} {owner}" if projects else expires))
+
+
+async def _each(nats_url: str, sandbox_ids, act) -> None:
+    """act(sandbox) on each sandbox given, printing its id; exit 1 if any was not found."""
+    failed = 0
+    async with libdsec.AsyncClient(nats_url) as client:
+        for sid in sandbox_ids:
+            try:
+                await act(await client.get(sid))
+                click.echo(sid)
+            except libdsec.SandboxNotFound as exc:
+                click.echo(f"dsec: error: {exc}", err=True)
+                failed += 1
+    if failed:
+        sys.exit(1)
 
 
 @main.command()
@@ -316,18 +334,25 @@ async def ls(nats_url, all_states) -> None:
 @run_async
 async def rm(nats_url, sandbox_ids) -> None:
     """Destroy sandboxes."""
-    failed = 0
-    async with libdsec.AsyncClient(nats_url) as client:
-        for sid in sandbox_ids:
-            try:
-                sb = await client.get(sid)
-                await sb.destroy()
-                click.echo(sid)
-            except libdsec.SandboxNotFound as exc:
-                click.echo(f"dsec: error: {exc}", err=True)
-                failed += 1
-    if failed:
-        sys.exit(1)
+    await _each(nats_url, sandbox_ids, lambda sb: sb.destroy())
+
+
+@main.command()
+@nats_option
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@run_async
+async def suspend(nats_url, sandbox_ids) -> None:
+    """Freeze sandboxes: their processes stop, their TTL stops counting (`dsec ls` says suspended)."""
+    await _each(nats_url, sandbox_ids, lambda sb: sb.suspend())
+
+
+@main.command()
+@nats_option
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@run_async
+async def resume(nats_url, sandbox_ids) -> None:
+    """Resume suspended sandboxes: their processes go on where they were."""
+    await _each(nats_url, sandbox_ids, lambda sb: sb.resume())
 
 
 @main.command()

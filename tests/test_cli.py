@@ -156,6 +156,14 @@ def test_create_exec_ls_rm(up):
     assert (p.returncode, p.stdout) == (0, f"in-{sid}\n")
     p = dsec("ls", "--nats", up["url"])
     assert p.returncode == 0 and sid in p.stdout
+    # suspend and resume (helper U2: no command did, and `ls` said ready with the expiry the pause moves on)
+    assert dsec("suspend", "--nats", up["url"], sid).stdout == f"{sid}\n"
+    row = next(line for line in dsec("ls", "--nats", up["url"]).stdout.splitlines() if sid in line).split()
+    assert row[1] == "suspended" and row[-1] == "-", row
+    assert dsec("resume", "--nats", up["url"], sid).stdout == f"{sid}\n"
+    row = next(line for line in dsec("ls", "--nats", up["url"]).stdout.splitlines() if sid in line).split()
+    assert row[1] == "ready" and row[-1] != "-", row
+    assert dsec("exec", "--nats", up["url"], sid, "--", "echo", "back").stdout == "back\n"
     assert dsec("rm", "--nats", up["url"], sid).returncode == 0
     line = one_clear_line(dsec("rm", "--nats", up["url"], sid))
     assert sid in line and "destroyed" in line
