@@ -97,5 +97,7 @@ async def top(nats_url: str, interval: float, once: bool) -> None:
             click.echo("\x1b[H\x1b[2J" + "\n".join(cur.lines), nl=True)
             prev = cur
             await asyncio.sleep(interval)
+    except asyncio.CancelledError:   # Ctrl-C, the way to quit: exit 0, quietly (it said "interrupted", 130)
+        return
     finally:
         await bus.close()

@@ -283,6 +283,11 @@ def test_errors_are_one_line(up):
     p = dsec("run", "--nats", up["url"], "--creds", str(garbage), "--", "true")
     assert "is malformed" in one_clear_line(p) and p.returncode == 125
     assert dsec("top", "--nats", up["url"], "--interval", "0").returncode == 2
+    top = subprocess.Popen([DSEC, "top", "--nats", up["url"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    assert "dsec top" in top.stdout.readline()   # (a frame is up)
+    top.send_signal(signal.SIGINT)   # Ctrl-C, the way to quit it: said "dsec: error: interrupted", exit 130
+    assert top.wait(15) == 0 and top.stderr.read() == "", "top quit with an error"
     p = dsec("replay", "--nats", up["url"], "--job", "nosuch", "--since", "99999999h")
     assert "no trajectory records" in one_clear_line(p)
     # fork -n 100000: 32 s of CPU, then a misleading error; now a usage error
