@@ -246,6 +246,22 @@ def test_numbers_out_of_range_are_refused_before_anything_starts():
     assert "cannot connect to NATS" in one_clear_line(p) and p.returncode == 1, p.stderr
 
 
+def test_ctrl_c_while_the_cli_loads_is_one_line():
+    # its imports take ~0.3 s: a Ctrl-C then printed Python's KeyboardInterrupt traceback (helper U2)
+    import socket
+    mute = socket.socket()   # a server that never answers: the command is still at it when the signal comes
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+    url = f"nats://127.0.0.1:{mute.getsockname()[1]}"
+    for delay in (0.1, 0.15, 0.2, 0.6):
+        p = subprocess.Popen([DSEC, "ls", "--nats", url], stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        err = p.communicate(timeout=30)[1]
+        assert p.returncode == 130 and err == "dsec: error: interrupted\n", (delay, p.returncode, err)
+    mute.close()
+
+
 def test_image_build_and_ls(up, tmp_path):
     root = tmp_path / "root"
     (root / "data").mkdir(parents=True)
