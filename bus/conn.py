@@ -80,7 +80,7 @@ class Bus(KvStore, StreamReads, Provisioning):
         m = _PUBLISH_DENIED.search(text)
         if m is None:
             return
-        for task in self._asking.get(m.group(1), ()):
+        for task in self._asking.get(m.group(1).lower(), ()):   # (nats-py lowercases the server's error)
             if task not in self._refused_tasks and not task.done():
                 self._refused_tasks[task] = text
                 task.cancel()
@@ -327,7 +327,7 @@ class Bus(KvStore, StreamReads, Provisioning):
         data = encode(msg)
         check_fits(self.nc, f"request {subject}", data)
         task = asyncio.current_task()
-        asking = self._asking.setdefault(subject, set())
+        asking = self._asking.setdefault(subject.lower(), set())
         asking.add(task)
         try:
             with mapped_errors(f"request {subject}"):
@@ -341,14 +341,16 @@ class Bus(KvStore, StreamReads, Provisioning):
             said = self._refused_tasks.pop(task, None)
             if said is None:
                 raise
-            task.uncancel()
+            if task.uncancel() > 0:   # cancelled for another reason too: that wins
+                raise
             raise PermissionDenied(f"request {subject}: the NATS server refused the credential "
                                    f"{self.creds or '(none)'} a publish there") from nats.errors.Error(said)
         finally:
             asking.discard(task)
             if not asking:
-                self._asking.pop(subject, None)
-            self._refused_tasks.pop(task, None)   # (refused just as its reply came)
+                self._asking.pop(subject.lower(), None)
+            if self._refused_tasks.pop(task, None) is not None:   # refused just as its reply came: the cancel
+                task.uncancel()                                   # was swallowed, and is taken back
         return m.data
 
     async def flush(self, timeout: float = 2.0) -> None:

@@ -305,13 +305,23 @@ class Execs:
                             min(op.max_output, self.limits.max_output), self.limits.traj_output)
         live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started, end_on_exit=op.end_on_exit))
         self._live[op.exec_id] = live
-        self._held[op.tenant, op.background] += 1   # (given back in _execute, when it ended)
+        held = (subjects.tenant_root(op.tenant), op.background)   # (a tenant's projects share its share)
+        self._held[held] += 1
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
             task = asyncio.ensure_future(self._execute(op, relay, None))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+            task.add_done_callback(lambda _t: self._release(held))   # (also one cancelled before it began)
             return Verdict.ACK
-        return await self._execute(op, relay, Lease(d))
+        try:
+            return await self._execute(op, relay, Lease(d))
+        finally:
+            self._release(held)
+
+    def _release(self, held: tuple[str, bool]) -> None:
+        self._held[held] -= 1
+        if self._held[held] <= 0:
+            del self._held[held]
 
     async def _execute(self, op: ExecRequest, relay: OutputRelay, lease: Lease | None) -> Verdict:
         rec = self.host.record_of(op.sandbox_id)
@@ -327,10 +337,6 @@ class Execs:
             finally:
                 live.control.close()         # nothing more reaches it: late stdin is answered at once
                 self._live.pop(op.exec_id, None)
-                held = (op.tenant, op.background)
-                self._held[held] -= 1
-                if self._held[held] <= 0:
-                    del self._held[held]
             traj = None
             if rec is not None:   # on the timeline (durably) before anything ends the sandbox; meanwhile the
                 traj = asyncio.ensure_future(self.host.timeline(   # exit record goes out
@@ -481,7 +487,7 @@ class Execs:
         its 1,024 background ones made every other's background exec fail (helper A2)."""
         most = self.limits.max_execs * (MAX_BACKGROUND_PER_EXEC_SLOT if op.background else 1)
         share = max(1, int(most * TENANT_SHARE))
-        held = self._held[op.tenant, op.background]
+        held = self._held[subjects.tenant_root(op.tenant), op.background]
         if held >= share:
             raise RateLimited(f"{subjects.describe(op.tenant)} runs {held} {'background ' if op.background else ''}"
                               f"execs on node {self.node}, the most one tenant may ({share} of {most}): "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from dataclasses import dataclass
 
@@ -80,6 +81,8 @@ async def top(nats_url: str, interval: float, once: bool) -> None:
     placement latency p50/p99 and burst share. Ctrl-C quits."""
     bus = await connect(nats_url, "dsec-top", "ops")
     prev = None
+    loop, me, quit_ = asyncio.get_running_loop(), asyncio.current_task(), []
+    loop.add_signal_handler(signal.SIGINT, lambda: (quit_.append(True), me.cancel()))   # Ctrl-C: quit, exit 0
     try:
         while True:
             try:
@@ -97,7 +100,9 @@ async def top(nats_url: str, interval: float, once: bool) -> None:
             click.echo("\x1b[H\x1b[2J" + "\n".join(cur.lines), nl=True)
             prev = cur
             await asyncio.sleep(interval)
-    except asyncio.CancelledError:   # Ctrl-C, the way to quit: exit 0, quietly (it said "interrupted", 130)
-        return
+    except asyncio.CancelledError:   # Ctrl-C, the way to quit: exit 0, quietly (it said "interrupted", 130);
+        if not quit_:                # SIGTERM, SIGHUP: 143, 129 as for any command
+            raise
     finally:
+        loop.remove_signal_handler(signal.SIGINT)
         await bus.close()

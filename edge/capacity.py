@@ -25,7 +25,7 @@ def default_slots(memory: int = 0) -> tuple[int, str]:
     PIDS_PER_SLOT."""
     from edge.backends import cgroups, idmap
     caps = {"memory": (memory or psutil.virtual_memory().total) // SLOT_MEMORY, "uid ranges": idmap.COUNT,
-            "pids": cgroups.node_tasks() // PIDS_PER_SLOT}
+            "pids": cgroups.node_tasks(lifted=True) // PIDS_PER_SLOT}
     which = min(caps, key=lambda k: caps[k])
     return max(1, caps[which]), which
 

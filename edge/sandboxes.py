@@ -125,9 +125,12 @@ class Sandboxes:
         days), and a sandbox may run unchanged for longer (a TTL of up to 7 days, a month's set_timeout, a
         suspend): its record was gone, `get` said not found and its end could not be recorded."""
         old = [r for r in self.running.values() if not r.ending and r.record.updated_at < older_than]
+        done = 0
         for running in sorted(old, key=lambda r: r.record.updated_at)[:at_most]:
-            await self.record(running, wait=False)
-        return min(len(old), at_most)
+            if self.running.get(running.record.sandbox_id) is running and not running.ending:   # (ended meanwhile)
+                await self.record(running, wait=False)
+                done += 1
+        return done
 
     # ---- what Chronus asks (ExecHost) ---------------------------------------------------------------
 

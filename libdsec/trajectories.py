@@ -124,18 +124,17 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
     reader = _Reader(bus, tenant, request)
     unacked: set[int] = set()
     give_up: float | None = None
-    unseen: list[str] = []   # of the batch being handed out, the tokens of records not handed out yet
+    batch, handed = None, 0   # the batch being handed out, and how many of it were
     try:
         while True:
             try:
-                batch = await reader.fetch()
+                batch, handed = await reader.fetch(), 0
             except BusError:
                 if not follow:
                     raise
                 await asyncio.sleep(WAIT)   # the API moving to another engine: ask again
                 continue
-            for i, pulled in enumerate(batch.records):
-                unseen = [p.ack for p in batch.records[i + 1:]]
+            for handed, pulled in enumerate(batch.records, 1):
                 try:
                     rec = traj_decoder.decode(pulled.data)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -143,7 +142,6 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
                     continue
                 unacked.add(pulled.seq)
                 yield Trajectory(rec, pulled.seq, _Ack(reader, pulled.ack), unacked)
-            unseen = []
             if follow or (batch.records and batch.pending > 0):
                 continue
             if not request.durable:
@@ -154,6 +152,7 @@ async def read(bus, tenant: str, request: FetchTrajectories, follow: bool) -> As
             if time.monotonic() > give_up:
                 return
     finally:
+        unseen = [p.ack for p in batch.records[handed:]] if batch is not None else []
         if unseen and request.durable:   # a caller that stopped mid-batch (helper U2: the next reader on the
             await reader.give_back(unseen)   # durable got them only after the ack wait, 30 s)
         await reader.close()

@@ -253,8 +253,9 @@ def test_ctrl_c_while_the_cli_loads_is_one_line():
     mute.bind(("127.0.0.1", 0))
     mute.listen()
     url = f"nats://127.0.0.1:{mute.getsockname()[1]}"
-    for delay in (0.1, 0.15, 0.2, 0.6):
-        p = subprocess.Popen([DSEC, "ls", "--nats", url], stderr=subprocess.PIPE, text=True)
+    for delay in (0.2, 0.3, 0.6):   # (past the interpreter's own start: a signal then is Python's to print)
+        p = subprocess.Popen([DSEC, "ls", "--nats", url], stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # (CI: `&`'s SIG_IGN)
         time.sleep(delay)
         p.send_signal(signal.SIGINT)
         err = p.communicate(timeout=30)[1]
@@ -300,7 +301,7 @@ def test_errors_are_one_line(up):
     assert "is malformed" in one_clear_line(p) and p.returncode == 125
     assert dsec("top", "--nats", up["url"], "--interval", "0").returncode == 2
     top = subprocess.Popen([DSEC, "top", "--nats", up["url"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                           text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # (as above)
     assert "dsec top" in top.stdout.readline()   # (a frame is up)
     top.send_signal(signal.SIGINT)   # Ctrl-C, the way to quit it: said "dsec: error: interrupted", exit 130
     assert top.wait(15) == 0 and top.stderr.read() == "", "top quit with an error"

@@ -810,7 +810,7 @@ def test_network_entries_parse_and_match_as_documented():
 def test_default_slots_come_from_memory_capped_by_uid_ranges_and_pids():
     from edge.backends import cgroups, idmap
     from edge.capacity import default_slots
-    pids = cgroups.node_tasks() // 2
+    pids = cgroups.node_tasks(lifted=True) // 2
     assert default_slots(8 << 30) == (min(8192, pids, idmap.COUNT), "memory" if 8192 <= min(pids, idmap.COUNT)
                                       else ("pids" if pids < idmap.COUNT else "uid ranges"))
     slots, cap = default_slots(1 << 50)                  # memory plenty: a kernel limit caps it

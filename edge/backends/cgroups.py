@@ -43,7 +43,8 @@ EXEC_CONTROLLERS = ("cpuacct", "memory", "pids", "freezer")
 # leave (RLIMIT_NICE 0, no CAP_SYS_NICE on the host). Core scheduling would keep batch work off a latency
 # sandbox's SMT sibling; this kernel lacks it (and this machine has no SMT).
 BATCH_SHARES = 2
-NODE_TASKS_SHARE = 0.4   # of the host's tasks, what each tree of a node's groups may hold (NodeCgroups.setup)
+NODE_TASKS_SHARE = 0.3   # of the host's tasks, what each tree of a node's groups may hold (NodeCgroups.setup):
+                         # its latency and batch trees together 60%
 BATCH_SUFFIX = ".batch"
 SHARDS = 16   # groups the sandboxes of a node are spread over (see the module's text); each memcg costs the
               # host a shrinker map (edge/backends/nodemounts.py), so not more than needed
@@ -330,8 +331,8 @@ HOST_TABLES = (
     # CAP_SYS_ADMIN failed to open anything (ENFILE): the execs and creates of every other sandbox.
     ("/proc/sys/fs/file-max", FILE_MAX, "open files are bounded by each sandbox's memory limit"),
     # process ids: at the kernel's default (32,768) one sandbox's 24,000 threads took most of them (helper
-    # A2); each task's kernel stack is charged to its memory cgroup, and the node's groups hold at most
-    # NODE_TASKS_SHARE of kernel.threads-max (NodeCgroups.setup)
+    # A2); each task's kernel stack is charged to its memory cgroup, and each tree of the node's groups
+    # holds at most NODE_TASKS_SHARE of kernel.threads-max (NodeCgroups.setup)
     ("/proc/sys/kernel/pid_max", PID_MAX, "process ids are bounded by kernel.threads-max and each group's pids"),
     # terminals: 3,072 for every devpts instance together at the default (4,096 less the host's reserve
     # of 1,024); one sandbox took them all and no other could open a terminal (helper A2). Each sandbox's
@@ -363,10 +364,10 @@ def lift_host_tables() -> list[str]:
     return done
 
 
-def node_tasks() -> int:
-    """The tasks the node's sandboxes may hold in all (each tree of groups: NodeCgroups.setup), a share of
-    what the host can have (kernel.threads-max, and pid_max as lift_host_tables leaves it); the rest is
-    the host's."""
+def node_tasks(lifted: bool = False) -> int:
+    """The tasks each tree of the node's sandbox groups may hold (NodeCgroups.setup), a share of what the
+    host can have (kernel.threads-max and kernel.pid_max as they are; lifted: pid_max as lift_host_tables
+    will leave it, for a node not started yet); the rest is the host's."""
     limits = []
     for path in ("/proc/sys/kernel/threads-max", "/proc/sys/kernel/pid_max"):
         try:
@@ -374,7 +375,7 @@ def node_tasks() -> int:
                 limits.append(int(f.read()))
         except (OSError, ValueError):
             limits.append(32768)
-    if _lifting():
+    if lifted and _lifting():
         limits[1] = max(limits[1], PID_MAX)
     return max(1024, int(min(limits) * NODE_TASKS_SHARE))
 

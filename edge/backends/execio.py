@@ -138,13 +138,19 @@ async def exited(proc: subprocess.Popen) -> int:
 async def pump(fd: int, name: str, sink: OutputSink, after: asyncio.Future | None = None,
                ended: asyncio.Future | None = None) -> None:
     """Read a pipe in chunks, awaiting the sink before reading more (backpressure), until EOF, or once
-    `ended` is done, until it holds nothing more (what a process the command left running writes later is
-    not waited for); from when `after` is done (the command's start reported)."""
+    `ended` is done, what it held then (what a process the command left running writes later is not read:
+    one writing all the time, `yes &`, kept it full and the exec running); from when `after` is done (the
+    command's start reported)."""
     if after is not None:
         await asyncio.shield(after)
+    left = -1   # bytes still to read once `ended` is done (-1: not yet)
     while True:
+        if left < 0 and ended is not None and ended.done():
+            left = pending_bytes(fd)
+        if left == 0:
+            return
         try:
-            chunk = os.read(fd, CHUNK)
+            chunk = os.read(fd, CHUNK if left < 0 else min(CHUNK, left))
         except BlockingIOError:
             if ended is None:
                 await wait_fd(fd)
@@ -164,7 +170,17 @@ async def pump(fd: int, name: str, sink: OutputSink, after: asyncio.Future | Non
             raise
         if not chunk:
             return
+        if left > 0:
+            left -= len(chunk)
         await sink(name, chunk)
+
+
+def pending_bytes(fd: int) -> int:
+    """Bytes a pipe (or terminal) holds now."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 async def feed(fd: int, data: bytes) -> None:

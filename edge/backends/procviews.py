@@ -79,7 +79,7 @@ class ProcViews:
         self.cleanup()
         self.mount.mkdir(mode=0o755, exist_ok=True)
         self._make_groups()
-        join = "; ".join(f'echo $$ > "{g}/cgroup.procs"' for g in self.groups.values())
+        join = " && ".join(f'echo $$ > "{g}/cgroup.procs"' for g in self.groups.values()) or "true"
         self.proc = subprocess.Popen(["sh", "-c", f'{join} && exec "$@"', "sh",   # in its groups from its start
                                       "lxcfs", "--foreground", "--disable-swap", "--enable-cfs",
                                       f"--pidfile={self.pidfile}", str(self.mount)],
@@ -136,12 +136,14 @@ class ProcViews:
                 self.proc.wait()
 
     def _make_groups(self) -> None:
-        for c, g in self.groups.items():
+        for g in self.groups.values():
             g.mkdir(exist_ok=True)
-        write(self.groups["cpu"] / "cpu.shares", str(VIEWS_SHARES))
-        period = int(read(self.groups["cpu"] / "cpu.cfs_period_us") or 100000)
-        write(self.groups["cpu"] / "cpu.cfs_quota_us", str(int(VIEWS_CPU * period)))
-        write(self.groups["memory"] / "memory.limit_in_bytes", str(VIEWS_MEMORY))
+        if "cpu" in self.groups:
+            write(self.groups["cpu"] / "cpu.shares", str(VIEWS_SHARES))
+            period = int(read(self.groups["cpu"] / "cpu.cfs_period_us") or 100000)
+            write(self.groups["cpu"] / "cpu.cfs_quota_us", str(int(VIEWS_CPU * period)))
+        if "memory" in self.groups:
+            write(self.groups["memory"] / "memory.limit_in_bytes", str(VIEWS_MEMORY))
 
     def cleanup(self) -> None:
         """Unmount a (dead or live) lxcfs mount, kill a leftover daemon of this state dir, and remove its

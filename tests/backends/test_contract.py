@@ -475,6 +475,9 @@ async def test_an_exec_may_end_with_its_command_and_leave_its_background_running
         assert (r.stdout, r.stderr, r.exit_code) == (b"a" * 300_000, b"err\n", 3), (len(r.stdout), r.stderr, r)
         assert loop.time() - t0 < 10 and not r.timed_out
         assert (await sb.exec(ALIVE)).stdout == b"alive\n"
+        t0 = loop.time()   # one left writing all the time does not keep it going either (review)
+        r = await sb.exec("yes & echo started; sleep 0.2", end_on_exit=True, timeout=20)
+        assert b"started\n" in r.stdout and r.exit_code == 0 and loop.time() - t0 < 10, r
         with pytest.raises(libdsec.ExecTimeout) as ei:   # without it: its output's every holder is waited for
             await sb.exec("sleep 60 & echo started", timeout=2)
         assert ei.value.stdout == b"started\n"

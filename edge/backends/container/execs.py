@@ -15,6 +15,8 @@ from edge.backends.base import BackendError, CommandNotStarted, ExecControl, Exe
 from edge.backends.cgroups import CallGroup, CgroupError, NodeCgroups
 from edge.backends.container.state import DEFAULT_ENV, Core, Running
 
+INIT_END_WAIT = 1.0   # seconds an exec that ended with its sandbox's init waits for that end to be told
+
 
 class Collected(NamedTuple):
     """A collected command's end (see Executing.collect)."""
@@ -61,6 +63,10 @@ class Executing(Core):
                     control.on_resize(pipes.resize)
             status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
                                                      sb.frozen_for)
+            if status and not sb.init_exit.done() and execio.pid_gone(sb.init_pid):
+                # its sandbox's init died and took the command with it: that end is told first (the
+                # sandbox then is ending), so the exec says the sandbox failed, not an exit 137 (CI 108)
+                await asyncio.wait([sb.init_exit], timeout=INIT_END_WAIT)   # (never raises, never cancels it)
             failure = execio.exec_failure(pipes.read_error(), argv, cwd)
         finally:
             pipes.close()

@@ -457,11 +457,14 @@ static void end_with_command(struct exec *x) {
     char buf[CHUNK];
     for (int s = 0; s < 2; s++) {
         if (x->out[s] < 0) continue;
+        int left = 0;               /* what it holds now, no more: a process still writing (`yes &`) would */
+        if (ioctl(x->out[s], FIONREAD, &left) < 0) left = 0;   /* keep it full, and the agent here, for ever */
         fcntl(x->out[s], F_SETFL, O_NONBLOCK);
-        for (;;) {
-            ssize_t n = read(x->out[s], buf, sizeof buf);
+        while (left > 0) {
+            ssize_t n = read(x->out[s], buf, (size_t)left < sizeof buf ? (size_t)left : sizeof buf);
             if (n < 0 && errno == EINTR) continue;
             if (n <= 0) break;
+            left -= (int)n;
             if (x->detached) continue;
             x->inflight += n;
             reply(s ? 'e' : 'O', x->id, buf, (size_t)n, NULL, 0);
@@ -760,14 +763,15 @@ static int sandbox_group(const char *dir, const char *controller, const char *fi
 /* The sandbox's pids limit, enforced by the sentry's own pids controller (fork fails with EAGAIN): the
  * agent and so every exec join a group limited to $DSEC_PIDS_MAX, mounted at /dev/.pids (it must stay
  * mounted for the limit to hold). The host cgroup's pids limit is only a backstop for the sentry.
- * In a VM the cpu controller shares the hierarchy: each exec's group is then a scheduling entity of its
- * own, so a fork bomb's processes share one exec's turn and a command started beside it (and the agent
- * relaying it, in the root group) still runs (one vCPU under TCG: it waited behind all of the bomb's). */
+ * In a microVM the cpu controller shares the hierarchy: each exec's group is then a scheduling entity of
+ * its own, so a fork bomb's processes share one exec's turn and a command started beside it (and the agent
+ * relaying it, in the root group) still runs (one vCPU under TCG: it waited behind all of the bomb's). Not
+ * in a full VM, whose systemd mounts cpu (and pids) itself: a hierarchy of both would take them from it. */
 static void limit_pids(void) {
     const char *max = getenv("DSEC_PIDS_MAX");
     char pid[32];
     if (!max) return;
-    if (!(in_vm && sandbox_group("/dev/.pids", "pids,cpu", "pids.max", max)) &&
+    if (!(in_vm && !in_os && sandbox_group("/dev/.pids", "pids,cpu", "pids.max", max)) &&
         !sandbox_group("/dev/.pids", "pids", "pids.max", max)) return;
     groups_ok = 1;
     if (in_vm) return;   /* a guest's limit is hierarchical: the agent stays out of it, or a command holding
