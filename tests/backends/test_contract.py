@@ -411,7 +411,7 @@ async def test_limits_hold(client, kind):
             assert kind == "gvisor", exc
 
 
-@pytest.mark.parametrize("kind", [k for k in REAL if k != "gvisor"])
+@pytest.mark.parametrize("kind", ["container", "microvm"])   # (a full VM's agent is a microVM's; CI's budget)
 async def test_a_fork_bomb_does_not_starve_the_sandboxs_other_execs(client, kind):
     # A bomb holds as many busy processes as its limit lets it; a command started beside it still gets its
     # turn. In a VM, with one vCPU under TCG, a new command waited behind the bomb's 256 (an exec 5 s into
@@ -429,7 +429,8 @@ async def test_a_fork_bomb_does_not_starve_the_sandboxs_other_execs(client, kind
             assert r.stdout == b"ok\n" and r.exit_code == 0, r
             assert took < 6, f"an exec beside a fork bomb took {took:.1f}s"
         finally:
-            with contextlib.suppress(libdsec.DsecError):
+            bomb.cancel()   # (a foreground exec cancelled is killed, its whole tree)
+            with contextlib.suppress(libdsec.DsecError, asyncio.CancelledError):
                 await bomb
         assert (await sb.exec("echo alive", timeout=20)).stdout == b"alive\n"
 
