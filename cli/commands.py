@@ -328,31 +328,18 @@ async def _each(nats_url: str, sandbox_ids, act) -> None:
         sys.exit(1)
 
 
-@main.command()
-@nats_option
-@click.argument("sandbox_ids", nargs=-1, required=True)
-@run_async
-async def rm(nats_url, sandbox_ids) -> None:
-    """Destroy sandboxes."""
-    await _each(nats_url, sandbox_ids, lambda sb: sb.destroy())
+def _per_sandbox(name: str, doc: str, method: str) -> None:
+    """`dsec NAME ID...`: sandbox.METHOD() on each."""
+    async def command(nats_url, sandbox_ids) -> None:
+        await _each(nats_url, sandbox_ids, lambda sb: getattr(sb, method)())
+    command.__doc__ = doc
+    main.command(name=name)(nats_option(click.argument("sandbox_ids", nargs=-1, required=True)(run_async(command))))
 
 
-@main.command()
-@nats_option
-@click.argument("sandbox_ids", nargs=-1, required=True)
-@run_async
-async def suspend(nats_url, sandbox_ids) -> None:
-    """Freeze sandboxes: their processes stop, their TTL stops counting (`dsec ls` says suspended)."""
-    await _each(nats_url, sandbox_ids, lambda sb: sb.suspend())
-
-
-@main.command()
-@nats_option
-@click.argument("sandbox_ids", nargs=-1, required=True)
-@run_async
-async def resume(nats_url, sandbox_ids) -> None:
-    """Resume suspended sandboxes: their processes go on where they were."""
-    await _each(nats_url, sandbox_ids, lambda sb: sb.resume())
+_per_sandbox("rm", "Destroy sandboxes.", "destroy")
+_per_sandbox("suspend", "Freeze sandboxes: their processes stop, their TTL stops counting (`dsec ls` says suspended).",
+             "suspend")
+_per_sandbox("resume", "Resume suspended sandboxes: their processes go on where they were.", "resume")
 
 
 @main.command()

@@ -22,19 +22,28 @@ pytestmark = pytest.mark.timeout(180)
 DSEC = str(Path(sys.executable).parent / "dsec")
 
 
+@contextlib.asynccontextmanager
+async def own_stack(tmp_path, node: str, **config):
+    """A stack of its own (placement, one edge named node) on its own NATS server: (server, stack)."""
+    from cli.stack import Stack
+    from edge.capacity import EdgeConfig
+    srv = own_server(tmp_path, [node])
+    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id=node, **config),
+               creds=srv.creds("admin"))
+    await st.start()
+    try:
+        yield srv, st
+    finally:
+        await st.stop()
+        srv.stop()
+
+
 @pytest.fixture
 async def small_stack(tmp_path):
     """Its own NATS server and a stack whose edge has room for 2 sandboxes."""
-    from cli.stack import Stack
-    from edge.capacity import EdgeConfig
-    srv = own_server(tmp_path, ["bp"])
-    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="bp", slots=2),
-               creds=srv.creds("admin"))
-    st.tenant = srv.creds("tenant:default")
-    await st.start()
-    yield st
-    await st.stop()
-    srv.stop()
+    async with own_stack(tmp_path, "bp", slots=2) as (srv, st):
+        st.tenant = srv.creds("tenant:default")
+        yield st
     from edge.backends.registry import node_leftovers as leftovers
     assert leftovers(tmp_path / "state" / "edge", "bp") == []
 
@@ -299,15 +308,9 @@ async def test_creates_wait_for_a_node_and_for_cpu(tmp_path):
 async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
     """An exec that outlives the ack wait extends its lease: never redelivered, one outcome."""
     from bus import pull, streams as st_mod
-    from cli.stack import Stack
-    from edge.capacity import EdgeConfig
     monkeypatch.setattr(st_mod, "ACK_WAIT", 1.5)
     monkeypatch.setattr(pull, "LEASE_EVERY", 0.4)
-    srv = own_server(tmp_path, ["lease"])
-    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="lease"),
-               creds=srv.creds("admin"))
-    await st.start()
-    try:
+    async with own_stack(tmp_path, "lease") as (srv, st):
         async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
             async with await client.create() as sb:
                 r = await sb.exec("sleep 4; echo done", timeout=20)
@@ -315,24 +318,15 @@ async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
                 info = await st.bus.js.consumer_info(streams.NODE_STREAM, "edge-lease-ops")
                 assert info.config.ack_wait == 1.5
                 assert st.edge.ops.duplicates == 0, "the exec's message was redelivered: its lease lapsed"
-    finally:
-        await st.stop()
-        srv.stop()
 
 
 async def test_a_sandbox_unchanged_for_longer_than_its_buckets_age_keeps_its_record(tmp_path, monkeypatch):
     """The sandboxes bucket drops a key not written for its age (2 days); a sandbox may run unchanged for
     longer (its TTL up to 7 days, set_timeout a month, suspended). Its record was gone: `get` said not found,
     and its end could not be recorded. Here the bucket's age is 3 s; the edge writes old records again."""
-    from cli.stack import Stack
     from edge import agent
-    from edge.capacity import EdgeConfig
     monkeypatch.setattr(agent, "REFRESH_EVERY", 0.3)
-    srv = own_server(tmp_path, ["ka"])
-    st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="ka"),
-               creds=srv.creds("admin"))
-    await st.start()
-    try:
+    async with own_stack(tmp_path, "ka") as (srv, st):
         cfg = (await st.bus.admin.stream_info(f"KV_{streams.SANDBOXES_KV}")).config
         cfg.max_age, cfg.duplicate_window = 3.0, 1.0
         await st.bus.admin.update_stream(cfg)
@@ -351,9 +345,6 @@ async def test_a_sandbox_unchanged_for_longer_than_its_buckets_age_keeps_its_rec
         evs = [event_decoder.decode(d) async for d in st.bus.read_subject(streams.EVT_STREAM,
                                                                           subjects.event("default", sb.id))]
         assert [e.type for e in evs] == ["created", "destroyed"]   # (a record written again is no event)
-    finally:
-        await st.stop()
-        srv.stop()
 
 
 async def test_create_many_rolls_back_the_ones_that_succeeded(small_stack):
