@@ -1,9 +1,9 @@
 """The node's package mirrors (issue 16, part B), run by the edge as processes of its own, each with its own
 config, port and cache dir under the state dir, and started again if one dies:
 
-- pip: proxpi (PyPI's `proxpi`), a caching proxy of a simple index (`--mirror-pypi`, default PyPI's). Its
-  download timeout is raised (PROXPI_DOWNLOAD_TIMEOUT): past it proxpi would send a client to the upstream
-  file itself, which a sandbox cannot reach.
+- pip: proxpi (PyPI's `proxpi`), a caching proxy of a simple index (`--mirror-pypi`, default PyPI's), with one
+  download per file at a time (aether/pipmirror.py). Its download timeout is raised (PROXPI_DOWNLOAD_TIMEOUT):
+  past it proxpi would send a client to the upstream file itself, which a sandbox cannot reach.
 - apt: apt-cacher-ng (Debian's), as an HTTP proxy that serves only Debian's archive names (deb.debian.org
   and the like), each fetched from the node's Debian mirror (`--mirror-apt`); ForceManaged refuses every
   other URL and no CONNECT passes, so it relays nothing else.
@@ -117,7 +117,7 @@ def pip_mirror(state_dir: Path, node: str, upstream: str) -> Mirror:
            "PROXPI_CACHE_DIR": str(cache), "PROXPI_DOWNLOAD_TIMEOUT": "600", "PROXPI_INDEX_TTL": "300",
            "PROXPI_CONNECT_TIMEOUT": "10", "PROXPI_READ_TIMEOUT": "60", "PROXPI_CACHE_SIZE": str(10 << 30),
            "DSEC_MIRROR_NODE": node}       # names its node to leftover checks
-    argv = [sys.executable, "-m", "flask", "--app", "proxpi.server", "run", "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "flask", "--app", "aether.pipmirror", "run", "--host", "127.0.0.1",
             "--port", str(port), "--with-threads", "--no-reload", "--no-debugger"]
     return Mirror("pip", argv, env, port, node, PIP_PORT, lambda: _tree_bytes(cache))
 

@@ -1,0 +1,38 @@
+"""The node's pip mirror as a Flask app: proxpi's, with one file download per file at a time.
+
+proxpi 1.3.1 (the newest) registers a file's download thread before starting it, and a second request for the
+same file in that gap joins the unstarted thread: `RuntimeError: cannot join thread before it is started`,
+which proxpi takes as a failed download and answers with a redirect to the upstream file. A sandbox cannot reach
+the upstream (mirror-only), so its install failed: about one of 20 concurrent first installs of a wheel (CI
+110). Two requests can also both find no entry and download the file twice. Here a request for a file holds
+that file's lock until proxpi has it (or gave up), so the others wait for the one download and are served from
+the cache. Run as `flask --app aether.pipmirror run` (aether/mirrors.py).
+"""
+from __future__ import annotations
+
+import threading
+
+from proxpi import _cache
+
+
+class OnceFileCache(_cache._FileCache):
+    """proxpi's file cache, whose get() of one file runs one at a time (other files' go on in parallel)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._once: dict[str, threading.RLock] = {}   # reentrant: proxpi's get() calls itself once started
+        self._once_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def get(self, url: str) -> str:
+        key = self._get_key(url)
+        with self._once_lock:
+            lock = self._once.setdefault(key, threading.RLock())
+        with lock:
+            return super().get(url)
+
+
+_cache.Cache._file_cache_cls = OnceFileCache
+
+from proxpi.server import app  # noqa: E402  (made after the cache class is ours: it builds its cache at import)
+
+__all__ = ["app", "OnceFileCache"]
