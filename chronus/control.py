@@ -39,7 +39,7 @@ class ExecControl:
         self._queue: asyncio.Queue[tuple[bytes | None, asyncio.Future]] = asyncio.Queue()
         self._signal: Callable[[int], Awaitable[bool]] | None = None
         self._resize: Callable[[int, int], None] | None = None
-        self.closed = False
+        self.closed = False               # its stdin takes no more writes
 
     def write(self, data: bytes | None) -> asyncio.Future:
         """Queue stdin bytes (None: end of stdin); the future says whether they were written."""
@@ -55,10 +55,15 @@ class ExecControl:
         return await self._queue.get()
 
     def close(self) -> None:
-        """The command's stdin is gone (or the exec ended): every queued and later write fails."""
-        self.closed = True
+        """The exec ended: every queued and later write fails, and signals and resizes are refused."""
         self._signal = None
         self._resize = None
+        self.close_stdin()
+
+    def close_stdin(self) -> None:
+        """The command's stdin is gone (its end was sent, or the command closed it): every queued and later
+        write fails. Its signals still reach it (a kill after close_stdin killed nothing before)."""
+        self.closed = True
         while not self._queue.empty():
             _, fut = self._queue.get_nowait()
             if not fut.done():

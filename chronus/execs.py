@@ -246,10 +246,11 @@ class Execs:
 
     @staticmethod
     def _write(live: LiveExec, msg: ExecInput) -> asyncio.Future:
-        done = live.control.write(msg.data)
-        if msg.eof:
-            done = live.control.write(None)
-        return done
+        if msg.eof:     # (its bytes first, if any: an empty write is an end of stdin to the VM agents')
+            if msg.data:
+                live.control.write(msg.data)
+            return live.control.write(None)
+        return live.control.write(msg.data)
 
     @staticmethod
     async def _answer_write(done: asyncio.Future):

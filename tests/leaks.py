@@ -82,7 +82,7 @@ def _residue() -> list[str]:
             out.append(f"fence pid {proc.info['pid']} (node {cmd[cmd.index('--node') + 1]})")
         if "edge.backends.zygote" in cmd and not is_live(cmd[-1].rsplit(":", 1)[-1]):
             out.append(f"zygote pid {proc.info['pid']} ({cmd[-1]})")
-        if "proxpi.server" in cmd or (cmd[:1] and cmd[0].endswith("apt-cacher-ng")):   # a node's mirrors
+        if "aether.pipmirror" in cmd or (cmd[:1] and cmd[0].endswith("apt-cacher-ng")):   # a node's mirrors
             try:
                 mirror_node = proc.environ().get("DSEC_MIRROR_NODE")
             except psutil.Error:

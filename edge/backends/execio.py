@@ -226,7 +226,7 @@ async def feed_live(fd: int, first: bytes, control: ExecControl) -> None:
         if done is not None and not done.done():
             done.set_result(False)
         os.close(fd)
-        control.close()
+        control.close_stdin()
 
 
 async def read_to_eof(fd: int) -> bytes:

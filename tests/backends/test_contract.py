@@ -180,6 +180,24 @@ async def test_signals_and_live_stdin(client, kind):
 
 
 @pytest.mark.parametrize("kind", REAL)
+async def test_a_command_whose_stdin_was_closed_is_still_killed(client, kind):
+    """close_stdin(), then kill(): a container's exec dropped its signals with its stdin, so kill() said False
+    ("had already ended") and the command ran on to its end. And in the agents' kinds an empty write closed
+    the command's stdin (close_stdin() said False; send_stdin("") ended it)."""
+    async with await fresh(client, kind) as sb:
+        h = await sb.exec("cat; echo after-eof; exec sleep 60", stdin=True, background=True, timeout=120)
+        assert await h.send_stdin("") and await h.send_stdin("in\n") and await h.close_stdin()
+        seen = b""
+        async for ev in h.stream():
+            seen += ev.data if isinstance(ev, libdsec.Output) else b""
+            if b"after-eof" in seen:
+                break
+        assert await h.kill()
+        res = await asyncio.wait_for(h.wait(), 20)
+        assert (res.exit_code, res.stdout) == (128 + signal.SIGKILL, b"in\nafter-eof\n"), res
+
+
+@pytest.mark.parametrize("kind", REAL)
 async def test_files_stay_inside_the_root(client, kind, tmp_path):
     secret = tmp_path / "host-secret"     # a file of the host's that no sandbox root has
     secret.write_bytes(b"host only\n")

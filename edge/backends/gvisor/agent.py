@@ -344,7 +344,8 @@ class AgentChannel:
                 if data is None:
                     done.set_result(ok and await self._write_stdin(xid, ex, b""))
                     return
-                ok = ok and await self._write_stdin(xid, ex, data)
+                if data:   # (an empty frame would close its stdin)
+                    ok = ok and await self._write_stdin(xid, ex, data)
                 done.set_result(ok)
         elif ok:
             await self._write_stdin(xid, ex, b"")
