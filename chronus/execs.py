@@ -372,6 +372,8 @@ class Execs:
         when the platform ended its sandbox under it)."""
         t0 = time.monotonic()
         try:
+            if control.doomed:   # killed before it began: it is not started at all
+                return dict(exit_code=128 + control.doomed, duration=time.monotonic() - t0)
             if op.watch:
                 res = await self.host.watch(op.sandbox_id, op.watch, op.recursive, timeout=op.timeout, sink=relay.sink,
                                             control=control)

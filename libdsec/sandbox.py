@@ -167,14 +167,17 @@ class AsyncSandbox:
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()
+        handle = ExecHandle(bus, subjects.exec_input(self.node, self.client.tenant, self.id, req.exec_id), self.id,
+                            req.exec_id, stream, timeout, keep_output)
         try:
             await _send_until_taken(bus, subjects.node_ops(self.node, self.client.tenant, self.id), encode(req),
                                     req.exec_id, req.deadline - EXIT_GRACE)
+        except asyncio.CancelledError as exc:   # left while it was being sent: the bus may have it all the same,
+            await _abandon(handle, exc)          # and its node would run it (13 of 40 quick cancels did): killed
+            raise
         except BaseException:
             await stream.close()
             raise
-        handle = ExecHandle(bus, subjects.exec_input(self.node, self.client.tenant, self.id, req.exec_id), self.id,
-                            req.exec_id, stream, timeout, keep_output)
         if live and stdin is not True:
             handle.feed(stdin)  # type: ignore[arg-type]
         return handle

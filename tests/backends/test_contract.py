@@ -198,6 +198,25 @@ async def test_a_command_whose_stdin_was_closed_is_still_killed(client, kind):
 
 
 @pytest.mark.parametrize("kind", REAL)
+async def test_a_call_cancelled_before_its_command_started_leaves_it_not_run(client, kind):
+    """exec() cancelled within a few ms of being sent (asyncio.wait_for): the SDK kills the command, and it
+    must not run after the caller was told it timed out. A kill that came before the command was in its groups
+    found them empty, said it had killed, and the command ran: 13-15 of 40 in a container."""
+    async with await fresh(client, kind) as sb:
+        returned = set()
+        for i in range(30):
+            try:
+                await asyncio.wait_for(sb.exec(f"sleep 0.3; echo > /tmp/ran.{i}"), 0.002 + 0.001 * (i % 10))
+                returned.add(i)   # (Python 3.11's wait_for may drop the cancel: then the call ran to its end)
+            except asyncio.TimeoutError:
+                pass
+        await asyncio.sleep(1)
+        r = await sb.exec("cd /tmp && ls | grep '^ran' || true")
+        ran = {int(name.split(".")[1]) for name in r.stdout.decode().split()}
+        assert ran == returned, f"ran after a timeout was reported: {sorted(ran - returned)}"
+
+
+@pytest.mark.parametrize("kind", REAL)
 async def test_files_stay_inside_the_root(client, kind, tmp_path):
     secret = tmp_path / "host-secret"     # a file of the host's that no sandbox root has
     secret.write_bytes(b"host only\n")

@@ -58,7 +58,7 @@ class Executing(Core):
             finally:
                 pipes.close_child_ends()    # else our copies of the write ends would hide EOF
             if control is not None:
-                control.on_signal(lambda sig: self._signal(sb, groups, sig, control))
+                control.on_signal(lambda sig: self._signal(sb, groups, sig, control), after_start=True)
                 if isinstance(pipes, execio.PtyPipes):
                     control.on_resize(pipes.resize)
             status, timed_out = await execio.supervise(exited, groups, pipes, stdin, timeout, sink, control,
