@@ -7,6 +7,10 @@ the upstream (mirror-only), so its install failed: about one of 20 concurrent fi
 110). Two requests can also both find no entry and download the file twice. Here a request for a file holds
 that file's lock until proxpi has it (or gave up), so the others wait for the one download and are served from
 the cache. Run as `flask --app aether.pipmirror run` (aether/mirrors.py).
+
+Sandboxes of every tenant share it, so it serves only what pip reads: GET and HEAD under /index/. proxpi's own
+admin requests (`DELETE /cache/list`, `DELETE /cache/<project>`) let any sandbox empty the node's cache and send
+every tenant's next install to the upstream (helper A3); they are refused with 403 here.
 """
 from __future__ import annotations
 
@@ -34,5 +38,21 @@ class OnceFileCache(_cache._FileCache):
 _cache.Cache._file_cache_cls = OnceFileCache
 
 from proxpi.server import app  # noqa: E402  (made after the cache class is ours: it builds its cache at import)
+
+SERVED = ("GET", "HEAD")
+
+
+def _reads_only(wsgi_app):
+    """The WSGI app answering only reads of the index; anything else 403."""
+    def served(environ, start_response):
+        if environ.get("REQUEST_METHOD") in SERVED and environ.get("PATH_INFO", "").startswith("/index/"):
+            return wsgi_app(environ, start_response)
+        body = b"the node's pip mirror serves only GET and HEAD under /index/\n"
+        start_response("403 Forbidden", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
+    return served
+
+
+app.wsgi_app = _reads_only(app.wsgi_app)
 
 __all__ = ["app", "OnceFileCache"]

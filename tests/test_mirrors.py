@@ -36,6 +36,16 @@ def fetched(logs, name: str) -> int:
     return path.read_text().count(f'"GET /packages/{name} ') if path.exists() else 0
 
 
+# python3 - <<...: proxpi's admin requests and a page outside the index, from inside a sandbox; each one's status
+ADMIN = """<<'EOF'
+import re, urllib.request as u, urllib.error as e
+base = re.search(r"index-url = (http://[^/]+)/", open("/etc/pip.conf").read()).group(1)
+for method, path in (("DELETE", "/cache/list"), ("DELETE", "/cache/dsecdemo"), ("GET", "/"), ("POST", "/index/")):
+    try:
+        print(u.urlopen(u.Request(base + path, method=method), timeout=10).status)
+    except e.HTTPError as exc:
+        print(exc.code)
+EOF"""
 PIP = "pip install --no-cache-dir --break-system-packages --disable-pip-version-check -q dsecdemo"
 
 
@@ -48,6 +58,9 @@ async def test_sandboxes_install_through_the_node_mirror_and_upstream_sees_each_
         assert [(r.exit_code, r.stdout) for r in results] == [(0, b"1.0\n")] * INSTALLS, \
             [r.stderr[-3000:] for r in results if r.exit_code]
         assert fetched(upstream, WHEEL) == 1
+        # the mirror is every tenant's: a sandbox may read the index, not empty the node's cache (helper A3)
+        r = await sbs[1].exec(f"python3 - {ADMIN}")
+        assert r.stdout.split() == [b"403"] * 4, r
         # mirror-only: the index is the only place it reaches; pip pointed elsewhere gets nowhere
         r = await sbs[0].exec("pip download --no-deps -d /tmp/x --index-url http://allowed.test/simple/ "
                               "--disable-pip-version-check --timeout 3 --retries 0 dsecdemo", timeout=60)
