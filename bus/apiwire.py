@@ -109,14 +109,22 @@ class Backends(Wire, tag="backends"):
 
 
 class ReadOutput(Wire, tag="read_output"):
-    """One stored record of one of the caller's execs (DSEC_OUT): the first after stream seq `after`, or
-    with `last` the last one; `found` False in the reply when there is none."""
+    """Stored records of one of the caller's execs (DSEC_OUT): the first after stream seq `after` (and with
+    `batch` > 1 up to that many in all, the rest in the reply's `more`), or with `last` the last one; `found`
+    False in the reply when there is none."""
 
     node: str = ""
     sandbox_id: str = ""
     exec_id: str = ""
     after: int = 0
     last: bool = False
+    batch: int = 1
+
+
+class StoredPiece(Wire, tag="stored_piece"):
+    seq: int = 0
+    data: bytes = b""
+    headers: dict[str, str] = {}
 
 
 class StoredOutput(Wire, tag="stored_output"):
@@ -124,6 +132,7 @@ class StoredOutput(Wire, tag="stored_output"):
     seq: int = 0
     data: bytes = b""
     headers: dict[str, str] = {}
+    more: list[StoredPiece] = []   # the records after this one (ReadOutput.batch), in order
 
 
 class FetchTrajectories(Wire, tag="fetch_trajectories"):

@@ -31,6 +31,7 @@ QUIET_CHECK = 1.0   # seconds without a record before the stream is asked whethe
 QUIET_CHECK_MAX = 8.0   # ...doubling up to this while the exec stays quiet
 TERMINAL = ("destroyed", "expired", "failed", "node_lost")
 READ_TIMEOUT = 3.0  # seconds one read of the stream (through the control API) may take before it is an error
+READ_BATCH = 64     # records one read back asks for (one per request met the tenant's rate limit at 400)
 _WAKE = object()    # queued on reconnect: look at the stream
 
 
@@ -255,27 +256,30 @@ class ExecStream:
 
     async def _read_back(self) -> None:
         seq, consumed = self._resume_at, True
-        while (m := await self._stored(after=seq)) is not None:
-            seq = m.seq
-            try:
-                rec = decode_output(m.data, m.headers)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue
-            if rec.seq < self._next:
-                if isinstance(rec, ExitRecord):   # below what was read: numbered afresh
-                    self._renumbered = rec
-                if consumed:
-                    self._resume_at = m.seq   # everything up to here is consumed: the next read starts after
-            else:
-                consumed = False
-                self._held.setdefault(rec.seq, rec)
+        while (got := await self._stored(after=seq, batch=READ_BATCH)) is not None:
+            for m in [got, *got.more]:
+                seq = m.seq
+                try:
+                    rec = decode_output(m.data, m.headers)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue
+                if rec.seq < self._next:
+                    if isinstance(rec, ExitRecord):   # below what was read: numbered afresh
+                        self._renumbered = rec
+                    if consumed:
+                        self._resume_at = m.seq   # everything up to here is consumed: the next read starts after
+                else:
+                    consumed = False
+                    self._held.setdefault(rec.seq, rec)
 
-    async def _stored(self, after: int = 0, last: bool = False) -> StoredOutput | None:
-        """A record DSEC_OUT keeps on this exec's subject (the first after stream seq `after`, or the
-        last), read through the control API; BusError when it cannot say now."""
+    async def _stored(self, after: int = 0, last: bool = False, batch: int = 1) -> StoredOutput | None:
+        """A record DSEC_OUT keeps on this exec's subject (the first after stream seq `after`, with up to
+        batch - 1 more after it in .more; or the last), read through the control API; BusError when it cannot
+        say now."""
         try:
             got = await control.ask(self.bus, self.tenant, ReadOutput(node=self.node, sandbox_id=self.sandbox_id,
-                                                                      exec_id=self.exec_id, after=after, last=last),
+                                                                      exec_id=self.exec_id, after=after, last=last,
+                                                                      batch=batch),
                                     StoredOutput, timeout=READ_TIMEOUT)
         except BusError:
             raise

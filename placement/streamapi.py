@@ -19,12 +19,14 @@ from nats.js import api
 
 from bus import streams, subjects
 from bus.apiwire import (AckTrajectories, CloseTrajectories, Done, FetchTrajectories, PulledRecord, ReadOutput,
-                         StoredOutput, TrajectoryBatch)
+                         StoredOutput, StoredPiece, TrajectoryBatch)
 from bus.conn import Bus
 from bus.errors import BusError, InvalidRequest
 from bus.messages import Wire
 
 MAX_BATCH = 1000
+MAX_OUTPUT_BATCH = 64           # stored output records one ReadOutput answers at most
+OUTPUT_BATCH_BYTES = 256 << 10  # ... and no more once this many bytes are in (a reply stays under max_payload)
 MAX_WAIT = 5.0
 IDLE_READER = 60.0     # seconds after its last read a reader that is not durable is dropped
 MAX_REPLY = 768 << 10
@@ -72,7 +74,15 @@ class StreamReadsApi:
         m = await self.bus.stored_after(streams.OUT_STREAM, subject, max(0, req.after))
         if m is None:
             return StoredOutput()
-        return StoredOutput(found=True, seq=m.seq, data=m.data, headers=dict(m.headers or {}))
+        out = StoredOutput(found=True, seq=m.seq, data=m.data, headers=dict(m.headers or {}))
+        size = len(m.data)   # read here, not a request each: 400 records read back one per request met the
+        for _ in range(min(max(1, req.batch), MAX_OUTPUT_BATCH) - 1):   # tenant's rate limit (helper F3)
+            if size >= OUTPUT_BATCH_BYTES or (m := await self.bus.stored_after(streams.OUT_STREAM, subject,
+                                                                                m.seq)) is None:
+                break
+            out.more.append(StoredPiece(seq=m.seq, data=m.data, headers=dict(m.headers or {})))
+            size += len(m.data)
+        return out
 
     def _config(self, tenant: str, req: FetchTrajectories) -> api.ConsumerConfig:
         name = reader_consumer(tenant, _token(req.reader, "reader"))

@@ -138,3 +138,23 @@ async def test_a_killed_command_is_gone_when_kill_returns(client):
             assert (await handle.wait()).exit_code == 128 + 9
             await handle.close()
         assert await sb.kill_process(pid) is False                 # gone: nothing to kill
+
+
+async def test_attaching_to_finished_execs_reads_their_output_back_whole(client):
+    """10 sandboxes each ran 80 lines (~10 ms apart); attach(exec_id) to each finished exec reads its output
+    back from the stream. It read one record per control-API request, 200 a second per tenant: 10 of 10 ended
+    "no exit record ... within 16s: node unavailable" (helper F3). Now one request reads up to 64 records."""
+    import asyncio
+    sbs = await asyncio.gather(*(client.create() for _ in range(10)))
+    try:
+        handles = [await sb.exec("for i in $(seq 80); do echo line $i; sleep 0.01; done", background=True)
+                   for sb in sbs]
+        want = [await h.wait() for h in handles]
+        assert all(w.stdout.count(b"\n") == 80 for w in want)
+
+        async def again(sb, h):
+            return await (await sb.attach(h.id)).wait()
+        got = await asyncio.gather(*(again(sb, h) for sb, h in zip(sbs, handles)), return_exceptions=True)
+        assert [g if isinstance(g, Exception) else g.stdout for g in got] == [w.stdout for w in want]
+    finally:
+        await asyncio.gather(*(sb.destroy() for sb in sbs))
