@@ -170,6 +170,47 @@ async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path
     assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "1000"]]
 
 
+async def test_after_an_edge_restart_a_sandbox_told_node_lost_has_its_record_say_so(tmp_path):
+    """16 sandboxes each streaming an exec when the edge is SIGKILLed; restarted, it ends each exec node_lost.
+    A caller told so (its exec's exit record) read the sandbox's record as `ready` for up to 1.9 s after: the
+    restart closed every sandbox's execs one after another before writing any node_lost (helper F3). Now each
+    sandbox's record follows its own execs' ends within tens of ms (the exit record is stored first, the
+    record after the exec's trajectory record)."""
+    async with _rs_placement(tmp_path) as (srv, st, edges):
+        edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), "container")
+        edges.append(edge)
+        await _wait_line(edge, "dsec: edge rs ready")
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
+            sbs = await client.create_many(16, timeout=120)
+            handles = [await sb.exec("while :; do echo tick; sleep 0.05; done", background=True, timeout=600)
+                       for sb in sbs]
+            await asyncio.sleep(0.5)
+            edge.send_signal(signal.SIGKILL)
+            edge.wait()
+
+            async def told(sb, handle):
+                with pytest.raises(libdsec.SandboxNotFound) as ei:
+                    await asyncio.wait_for(handle.wait(), 60)
+                assert ei.value.reason == "node_lost"
+                t0 = time.monotonic()
+                while True:
+                    try:
+                        await client.get(sb.id)
+                    except libdsec.SandboxNotFound as exc:
+                        return exc.reason, round(time.monotonic() - t0, 2)
+                    await asyncio.sleep(0.01)
+            waits = [asyncio.ensure_future(told(sb, h)) for sb, h in zip(sbs, handles)]
+            await asyncio.sleep(1)
+            edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), "container")
+            edges.append(edge)
+            await _wait_line(edge, "dsec: edge rs ready")
+            got = await asyncio.gather(*waits)   # (reason, seconds its record said ready after the caller was told)
+            assert [reason for reason, _ in got] == ["node_lost"] * 16
+            assert max(lag for _, lag in got) < 0.25, got   # 0.1-0.47 s here before (up to 1.9 s under load), 0.04 now
+        edge.send_signal(signal.SIGTERM)
+        assert edge.wait(15) == 0
+
+
 async def test_a_stopped_edge_is_fenced_before_its_users_are_told_node_lost(tmp_path):
     """SIGSTOP an edge (a node that hangs rather than dies): its command ran on for the whole pause, 80 s
     past the node_lost its user got at 10 s, while the user ran the work again elsewhere (helper N). Its
