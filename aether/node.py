@@ -76,6 +76,7 @@ class Aether:
         self.links: Links | None = None
         self.port = self.dns_port = 0
         self.attached: dict[str, tuple[End, Network]] = {}
+        self.tenants: dict[str, str] = {}   # sandbox -> its tenant (the proxy's connections are shared by tenant)
         self._applying: dict[str, asyncio.Task] = {}      # attach's policy, being put in force
         self._last_attach = 0.0
         self._pool: list[End] = []
@@ -123,7 +124,7 @@ class Aether:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._kill()
         ends = self._pool + [end for end, _ in self.attached.values()]
-        self._pool, self.attached = [], {}
+        self._pool, self.attached, self.tenants = [], {}, {}
         if self.links is not None:
             for end in ends:
                 await self._in_thread(self.links.free, end)
@@ -163,7 +164,7 @@ class Aether:
         self.port, self.dns_port = hello["port"], hello["dns_port"]
         self._tasks.append(asyncio.ensure_future(self._read(reader)))
         for sid, (end, policy) in self.attached.items():   # a restart: every policy before it serves
-            await self._op({"op": "set", "address": end.address, "sandbox": sid,
+            await self._op({"op": "set", "address": end.address, "sandbox": sid, "tenant": self.tenants.get(sid, ""),
                             "policy": msgspec.to_builtins(policy)}, ready=False)
         self._ready.set()
 
@@ -251,9 +252,9 @@ class Aether:
         if error:
             raise AetherError(error)
 
-    async def attach(self, sandbox_id: str, policy: Network) -> End:
-        """A network end for a sandbox (the pool's, else a new one). Its policy is being put in force
-        meanwhile: the backend awaits in_force() before the sandbox runs anything of its own."""
+    async def attach(self, sandbox_id: str, policy: Network, tenant: str = "") -> End:
+        """A network end for a sandbox of `tenant` (the pool's, else a new one). Its policy is being put in
+        force meanwhile: the backend awaits in_force() before the sandbox runs anything of its own."""
         if sandbox_id in self.attached:
             raise AetherError(f"sandbox {sandbox_id} has a network already")
         end = self._pool.pop() if self._pool else None
@@ -262,6 +263,7 @@ class Aether:
         if end is None:
             end = await self._make()
         self.attached[sandbox_id] = (end, policy)
+        self.tenants[sandbox_id] = tenant
         self.links.held(end)
         self._applying[sandbox_id] = asyncio.ensure_future(self._apply(sandbox_id, end, policy))
         return end
@@ -288,7 +290,7 @@ class Aether:
             await self._in_thread(shape, end, rate, self._unshaped)
             end.bandwidth = rate
         await self._op({"op": "set", "address": end.address, "sandbox": sandbox_id,
-                        "policy": msgspec.to_builtins(policy)})
+                        "tenant": self.tenants.get(sandbox_id, ""), "policy": msgspec.to_builtins(policy)})
 
     async def set_policy(self, sandbox_id: str, policy: Network) -> None:
         """Change a sandbox's policy; in force for every connection it opens once this returns."""
@@ -303,6 +305,7 @@ class Aether:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         item = self.attached.pop(sandbox_id, None)
+        self.tenants.pop(sandbox_id, None)
         if item is None:
             return
         with contextlib.suppress(AetherError, asyncio.TimeoutError):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from bus.network import DEFAULT_MAX_CONNECTIONS, Network, Rule, matches, parse_entry
+from bus.subjects import tenant_root
 
 WINDOW = 10.0               # seconds over which a sandbox's decisions are counted
 DECISIONS_PER_WINDOW = 20   # written one by one per window; past it, only counted (a flood stays small)
@@ -78,6 +79,7 @@ class SandboxState:
     sandbox: str
     policy: Network
     rules: list[Rule] = field(default_factory=list)
+    tenant: str = ""        # whose (its tenant: a project's is the tenant above it)
     open: int = 0
     pending: list[Decision] = field(default_factory=list)
     window_start: float = 0.0
@@ -86,9 +88,14 @@ class SandboxState:
     live: set = field(default_factory=set)   # its connections (proxy.Connection) from accept to close
     lookups: int = 0        # its DNS questions waiting on the upstream resolver
 
+    @property
+    def owner(self) -> str:
+        """Whose share of the proxy its connections take: its tenant's (one not named: its own)."""
+        return self.tenant or self.sandbox
+
     @classmethod
-    def of(cls, sandbox: str, policy: Network) -> "SandboxState":
-        return cls(sandbox, policy, [parse_entry(e) for e in policy.allow])
+    def of(cls, sandbox: str, policy: Network, tenant: str = "") -> "SandboxState":
+        return cls(sandbox, policy, [parse_entry(e) for e in policy.allow], tenant=tenant_root(tenant))
 
     def update(self, policy: Network) -> None:
         self.policy, self.rules = policy, [parse_entry(e) for e in policy.allow]

@@ -19,6 +19,7 @@ the node's rules, or sent to it as HTTP(S)_PROXY) and is decided before a byte g
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import logging
@@ -127,7 +128,11 @@ class Connection:
             self.address, self.port = dst, dport
             if self.sb.open >= min(self.sb.max_connections, self.proxy.share):
                 raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
+            if self.proxy.tenant_open[self.sb.owner] >= self.proxy.share:
+                raise Denied(f"its tenant's sandboxes have {self.proxy.share} connections open on this node (the "
+                             "most one tenant may)")
             self.sb.open += 1            # from its accept: one being decided counts too
+            self.proxy.tenant_open[self.sb.owner] += 1
             counted = True
             self.explicit = dport == self.proxy.port and dst == self.proxy.gateway_of(self.peer)
             if self.explicit:        # the destination is the request's, not the proxy
@@ -166,6 +171,9 @@ class Connection:
             self.sb.live.discard(self)
             if counted:
                 self.sb.open -= 1
+                self.proxy.tenant_open[self.sb.owner] -= 1
+                if not self.proxy.tenant_open[self.sb.owner]:
+                    del self.proxy.tenant_open[self.sb.owner]
             for s in (self.sock, upstream):
                 if s is not None:
                     s.close()
@@ -369,9 +377,15 @@ class Proxy:
         self.sandboxes: dict[str, SandboxState] = {}
         self._reporting: set[SandboxState] = set()
         self._tasks: set[asyncio.Task] = set()
-        # the most one sandbox holds at once, whatever its policy says: a quarter of what this process's fds
-        # relay (6 a connection), so one sandbox alone never takes the node's proxy away from the others
-        self.share = max(64, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256) // 6 // 4)
+        self.tenant_open: collections.Counter[str] = collections.Counter()   # connections open, by owner
+
+    @property
+    def share(self) -> int:
+        """The most one sandbox holds at once, whatever its policy says, and one tenant's sandboxes together: a
+        quarter of what this process's fds relay (6 a connection), so neither takes the node's proxy away from
+        the others (five sandboxes of one tenant took every fd: no other tenant's sandbox connected, and DNS
+        failed: helper A3)."""
+        return max(64, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256) // 6 // 4)
 
     def track(self, task: asyncio.Task) -> None:
         """Hold a connection's task until it ends."""

@@ -74,7 +74,7 @@ class Dns(asyncio.DatagramProtocol):
             sb.lookups += 1
             try:
                 addresses = await self.proxy.pins.resolve(q.name)
-            except dns.DnsError:
+            except (dns.DnsError, OSError):    # (OSError: out of fds; the query is refused, the loop goes on)
                 reply = dns.answer(q, dns.SERVFAIL)
             else:
                 good = [a for a in addresses if not self.proxy.guard.denied(ipaddress.ip_address(a))]
@@ -131,7 +131,7 @@ class Control:
         else:
             if sb is not None:
                 sb.close_all()
-            self.proxy.sandboxes[address] = SandboxState.of(msg["sandbox"], policy)
+            self.proxy.sandboxes[address] = SandboxState.of(msg["sandbox"], policy, str(msg.get("tenant", "")))
 
 
 async def _accept_loop(proxy: Proxy, listener: socket.socket) -> None:

@@ -429,6 +429,6 @@ def _ready(outcome: Outcome | None) -> bool:
 def _spec(req: CreateRequest, paths: list[str]) -> SandboxSpec:
     """What the backend starts for a create, its layers fetched to paths."""
     return SandboxSpec(id=req.sandbox_id, layers=paths, env=dict(req.env), limits=limits(req.resources, req.effective_cpu_class()),
-                       cwd=req.cwd, user=req.user,
+                       cwd=req.cwd, user=req.user, tenant=req.tenant,
                        kind=req.backend, privileged=req.privileged, memory=req.snapshot if req.memory else "",
                        network=req.network if req.network.mode != "none" else None)

@@ -290,6 +290,32 @@ async def test_connections_past_the_limit_are_refused(client, upstream):
         assert "fourth" in out
 
 
+async def test_one_tenants_sandboxes_together_leave_the_proxy_to_other_tenants(client, upstream, stack):
+    """Helper A3: five sandboxes of one tenant, each holding the most connections one sandbox may (a quarter of
+    the proxy's relays), took every fd of the node's proxy: no other tenant's sandbox connected, and DNS
+    failed. Now one tenant's sandboxes together hold at most that quarter. (The proxy's open-file limit is
+    lowered here: its share is then the floor, 64 connections.)"""
+    import psutil
+    proc = proxy_process(stack)
+    soft, hard = proc.rlimit(psutil.RLIMIT_NOFILE)
+    proc.rlimit(psutil.RLIMIT_NOFILE, (proc.num_fds() + 800, hard))
+    policy = libdsec.Network(allow=[f"{UPSTREAM}:7000"])
+    hold = f"for i in $(seq 40); do (sleep 6 | nc {UPSTREAM} 7000 >/dev/null) & done; sleep 1; echo held"
+    try:
+        async with libdsec.AsyncClient(stack.url, tenant="tenant-b") as other:
+            async with await client.create("busybox", network=policy) as a1, \
+                    await client.create("busybox", network=policy) as a2, \
+                    await client.create("busybox", network=policy) as a3, \
+                    await other.create("busybox", network=policy) as b:
+                held = [asyncio.ensure_future(sh(s, hold)) for s in (a1, a2)]   # 80 asked, 64 the tenant's most
+                await asyncio.sleep(2)
+                assert "third" not in (await sh(a3, f"echo third | nc -w 2 {UPSTREAM} 7000"))[1]
+                assert "other" in (await sh(b, f"echo other | nc -w 2 {UPSTREAM} 7000"))[1]
+                await asyncio.gather(*held)
+    finally:
+        proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
+
+
 def proxy_process(stack):
     import psutil
     return psutil.Process(stack.edge.network.aether._proc.pid)

@@ -44,6 +44,7 @@ class SandboxSpec:
     network: Network | None = None   # its network policy (Aether); None or mode none: loopback only
     cwd: str = ""               # every exec's default cwd ("": /) and user ("": root): an imported image's
     user: str = ""
+    tenant: str = ""            # whose it is (the node's proxy shares its connections out by tenant)
 
 
 class BackendError(Exception):
@@ -105,7 +106,7 @@ class Backend(abc.ABC):
             raise SpecRefused(f"sandbox {spec.id}: this node runs no Aether (network {spec.network.mode!r} "
                               f"needs it: dsec edge without --no-aether)")
         try:
-            return await self.network.attach(spec.id, spec.network)
+            return await self.network.attach(spec.id, spec.network, tenant=spec.tenant)
         except Exception as exc:
             raise BackendError(f"sandbox {spec.id}: its network: {exc}") from exc
 
