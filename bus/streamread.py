@@ -145,6 +145,16 @@ class StreamReads:
                 return False
             raise
 
+    async def consumer_descriptions(self, stream: str) -> list[str]:
+        """The description of every consumer on a stream (the server lists 256 a page)."""
+        out: list[str] = []
+        while True:
+            with mapped_errors(f"consumers of {stream}"):
+                page = await self.admin.consumers_info(stream, offset=len(out) or None)
+            out += [(c.config.description or "") if c.config else "" for c in page]
+            if len(page) < 256:
+                return out
+
     async def durable_reader(self, stream: str, config: api.ConsumerConfig) -> DurableReader:
         """A pull consumer read in batches by its holder (who acks): trajectory consumers. A durable
         one resumes where it was left, after any restart."""

@@ -530,6 +530,16 @@ class AsyncClient:
         request = fetch_request(job, sandbox, since, durable, ack_wait)
         return read(self._need_bus(), self.tenant, request, follow)
 
+    async def drop_trajectory_reader(self, durable: str) -> None:
+        """Forget the durable trajectory reader `durable` (its position goes; reading under the name again
+        starts afresh). A tenant holds at most 64 readers on the server at once."""
+        from bus.apiwire import CloseTrajectories, Done
+        try:
+            name = subjects.token(durable, "durable")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        await control.ask(self._need_bus(), self.tenant, CloseTrajectories(reader=name), Done)
+
     # ---- ops (used by AsyncSandbox) -------------------------------------------------------------
 
     async def _op(self, node: str, sandbox_id: str, make, timeout: float, recheck=None) -> bytes:

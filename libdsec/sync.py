@@ -349,6 +349,10 @@ class Client:
         """Remove a warm pool."""
         self._loop.run(self._async.delete_warm_pool(name))
 
+    def drop_trajectory_reader(self, durable: str) -> None:
+        """Forget a durable trajectory reader (AsyncClient.drop_trajectory_reader)."""
+        self._loop.run(self._async.drop_trajectory_reader(durable))
+
     def trajectories(self, **kwargs: Any) -> Iterator["Trajectory"]:
         """This tenant's trajectory records in order, one at a time (nothing read ahead); each a Trajectory
         (`.record`, `.seq`, `.ack()`). Arguments as AsyncClient.trajectories (job, sandbox, since, durable,

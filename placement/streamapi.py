@@ -21,7 +21,7 @@ from bus import streams, subjects
 from bus.apiwire import (AckTrajectories, CloseTrajectories, Done, FetchTrajectories, PulledRecord, ReadOutput,
                          StoredOutput, StoredPiece, TrajectoryBatch)
 from bus.conn import Bus
-from bus.errors import BusError, InvalidRequest
+from bus.errors import BusError, InvalidRequest, RateLimited
 from bus.messages import Wire
 
 MAX_BATCH = 1000
@@ -29,6 +29,7 @@ MAX_OUTPUT_BATCH = 64           # stored output records one ReadOutput answers a
 OUTPUT_BATCH_BYTES = 256 << 10  # ... and no more once this many bytes are in (a reply stays under max_payload)
 MAX_WAIT = 5.0
 IDLE_READER = 60.0     # seconds after its last read a reader that is not durable is dropped
+MAX_READERS = 64       # trajectory readers one tenant (with its projects) has on the server at once
 MAX_REPLY = 768 << 10
 
 
@@ -106,7 +107,7 @@ class StreamReadsApi:
             raise InvalidRequest(f"batch must be 1..{MAX_BATCH} and wait 0..{MAX_WAIT:g} s")
         config = self._config(tenant, req)
         for again in (True, False):
-            bound = await self._binding(config)
+            bound = await self._binding(config, tenant)
             async with bound.lock:
                 try:
                     pulled = await bound.reader.fetch(req.batch, max(0.05, req.wait))
@@ -134,7 +135,7 @@ class StreamReadsApi:
             ack_pending = await self.bus.consumer_ack_pending(streams.TRAJ_STREAM, config.durable_name)
         return TrajectoryBatch(records=out, pending=pending, ack_pending=ack_pending)
 
-    async def _binding(self, config: api.ConsumerConfig) -> _Bound:
+    async def _binding(self, config: api.ConsumerConfig, tenant: str) -> _Bound:
         """This engine's binding to the consumer of config: the one kept when its configuration is the
         same, else the consumer created (or updated) and bound; bindings idle too long are let go."""
         now = time.monotonic()
@@ -145,7 +146,7 @@ class StreamReadsApi:
             return bound
         if bound is not None:
             await self._unbind(config.durable_name)
-        await self._same_reader(config)
+        await self._same_reader(config, tenant)
         try:
             reader = await self.bus.durable_reader(streams.TRAJ_STREAM, config)
         except BusError as exc:   # (a follow reader retried this for ever: helper T)
@@ -157,15 +158,25 @@ class StreamReadsApi:
         bound = self._bound[config.durable_name] = _Bound(config, reader)
         return bound
 
-    async def _same_reader(self, config: api.ConsumerConfig) -> None:
+    async def _same_reader(self, config: api.ConsumerConfig, tenant: str) -> None:
         """InvalidRequest when the durable reader exists for another job: binding it rewrote its filter, kept
-        its position past that job's records, and read nothing, silently (helper T)."""
+        its position past that job's records, and read nothing, silently (helper T). A new one: RateLimited
+        when the tenant has MAX_READERS already (one tenant's 1,000 durable readers filled the stream's
+        consumers, and no other tenant, nor the operator's replay, read a trajectory: helper A3)."""
         if not config.durable_name:
             return
         have = await self.bus.consumer_config(streams.TRAJ_STREAM, config.durable_name)
         if have is not None and have.filter_subject and have.filter_subject != config.filter_subject:
             raise InvalidRequest(f"{config.description} reads another job "
                                  f"({have.filter_subject}): use a new name for this one")
+        if have is None:
+            root = subjects.tenant_root(tenant)
+            held = sum(1 for d in await self.bus.consumer_descriptions(streams.TRAJ_STREAM)
+                       if subjects.tenant_root(d.rpartition(" of tenant ")[2]) == root and d.startswith("trajectory reader"))
+            if held >= MAX_READERS:
+                raise RateLimited(f"{subjects.describe(root)} has {held} trajectory readers, the most one tenant may "
+                                  f"({MAX_READERS}): drop a durable one (client.drop_trajectory_reader) or read "
+                                  "under a name it has")
 
     async def close(self) -> None:
         """Let go of every binding (the consumers stay on the server)."""

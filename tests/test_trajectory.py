@@ -193,6 +193,33 @@ async def test_a_durable_reader_asked_with_other_settings_is_refused_not_hung_or
         await asyncio.wait_for(anext(client.trajectories(job=job + "x", durable=durable, follow=False)), 15)
 
 
+async def test_one_tenant_holds_at_most_its_readers_and_leaves_the_stream_to_others(stack, client, monkeypatch):
+    """Helper A3: one tenant's 1,000 durable readers filled DSEC_TRAJ's consumers, and no other tenant (nor the
+    operator's replay) read a trajectory. Now a tenant holds at most MAX_READERS (64; 3 more than it has here):
+    past it, RateLimited; a dropped durable one makes room."""
+    from placement import streamapi
+    held = sum(d.endswith(" of tenant default") for d in await stack.bus.consumer_descriptions(streams.TRAJ_STREAM))
+    monkeypatch.setattr(streamapi, "MAX_READERS", held + 3)
+
+    async def read(c, name):
+        return [t async for t in c.trajectories(durable=name, follow=False, job="no-such-job")]
+    names = ["hog0", "hog1", "hog2"]
+    try:
+        for name in names:
+            assert await read(client, name) == []
+        with pytest.raises(libdsec.RateLimited, match="the most one tenant may"):
+            await read(client, "one-more")
+        async with libdsec.AsyncClient(stack.url, tenant="tenant-b") as other:
+            assert await read(other, "b-reader") == []
+            await other.drop_trajectory_reader("b-reader")
+        await client.drop_trajectory_reader(names.pop())
+        assert await read(client, "one-more") == []
+        names.append("one-more")
+    finally:
+        for name in names:
+            await client.drop_trajectory_reader(name)
+
+
 async def test_a_reader_keeps_its_consumer_between_fetches_and_rebinds_a_gone_one(stack, client, monkeypatch):
     """A reader fetching in several batches has its consumer created once, not once per fetch; a durable
     reader whose consumer went behind the engine's back is bound afresh and reads everything again."""
