@@ -1099,3 +1099,37 @@ async def test_a_live_index_still_loading_is_waited_for_not_started_again(monkey
     monkeypatch.setattr(listing, "RELOAD", 1.5)   # a watch gone silent short of the bucket: started afresh, then
     target = 301                                   # the read goes to the bucket when the wait runs out
     assert await index.records("acme") is None and index._restart.is_set() and index.fallbacks == 1
+
+
+async def test_provisioning_waits_for_a_server_that_does_not_answer_yet_and_not_for_a_refusal(monkeypatch):
+    """After a 3-server cluster's restart its streams' leaders come seconds after the meta leader: one try per
+    stream left `dsec up --servers 3` unable to start on its own state (helper F3). Unanswered requests are
+    asked again for PROVISION_WAIT seconds; a refusal is raised at once."""
+    import nats.errors
+    import nats.js.errors
+    from bus import provision
+    calls = []
+
+    async def late():
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise nats.errors.TimeoutError
+        return "made"
+    p = provision.Provisioning()
+    assert await p._patiently("stream X", late) == "made" and len(calls) == 3
+
+    async def refused():
+        calls.append(0)
+        raise nats.js.errors.BadRequestError(code=400, description="no")
+    calls.clear()
+    with pytest.raises(errors.BusError, match="stream Y"):
+        await p._patiently("stream Y", refused)
+    assert len(calls) == 1
+    monkeypatch.setattr(provision, "PROVISION_WAIT", 0.6)
+
+    async def never():
+        raise nats.js.errors.ServiceUnavailableError(code=503, description="JetStream system temporarily unavailable")
+    t0 = time.monotonic()
+    with pytest.raises(errors.BusError, match="stream Z"):
+        await p._patiently("stream Z", never)
+    assert 0.2 < time.monotonic() - t0 < 2
