@@ -81,6 +81,7 @@ class SandboxState:
     rules: list[Rule] = field(default_factory=list)
     tenant: str = ""        # whose (its tenant: a project's is the tenant above it)
     open: int = 0
+    mirror_open: int = 0    # of those, to the node's mirrors
     pending: list[Decision] = field(default_factory=list)
     window_start: float = 0.0
     written: int = 0        # decisions written in this window

@@ -36,6 +36,8 @@ SO_ORIGINAL_DST = 80
 FIRST_BYTES = 10.0          # seconds a connection has to send its first bytes (TLS or HTTP, or raw)
 RAW_WAIT = 0.5              # transparent: a client that says nothing this long is a server-speaks-first one
 CONNECT_TIMEOUT = 10.0
+MIRROR_PER_SANDBOX = 16     # connections one sandbox holds to the node's mirrors at once (pip and apt use a few)
+MIRROR_PER_TENANT = 128     # ... and one tenant's sandboxes together (100 installing at once fit)
 MAX_HELLO = (16 << 10) + 5
 log = logging.getLogger("aether.proxy")
 
@@ -122,7 +124,7 @@ class Connection:
         self.task = asyncio.current_task()
         self.sb.live.add(self)
         upstream = None
-        counted = False
+        counted = mirrored = False
         try:
             dst, dport = original_dst(self.sock)
             self.address, self.port = dst, dport
@@ -141,6 +143,14 @@ class Connection:
             self.decided = True   # from here a policy change cuts it (close_revoked); one made while it was
             if not self.still_allowed():   # being decided (a CONNECT waiting for its first bytes) is seen here
                 raise Denied("no longer in the allow list")
+            if self.mirror:      # the node's mirrors serve every tenant: 250 slow connections of one sandbox left
+                owner = self.sb.owner   # apt-cacher-ng answering no one (helper A3)
+                if self.sb.mirror_open >= MIRROR_PER_SANDBOX or self.proxy.mirror_open[owner] >= MIRROR_PER_TENANT:
+                    raise Denied(f"{self.sb.mirror_open} connections to the node's mirrors open (the most a sandbox "
+                                 f"may: {MIRROR_PER_SANDBOX}; its tenant's sandboxes: {MIRROR_PER_TENANT})")
+                self.sb.mirror_open += 1
+                self.proxy.mirror_open[owner] += 1
+                mirrored = True
             upstream = self.upstream = await self._connect(target)
             await self._relay(upstream)
             self.proxy.note(self.sb, Decision(time.time(), "allowed", self.name, self.address, self.port,
@@ -174,6 +184,9 @@ class Connection:
                 self.proxy.tenant_open[self.sb.owner] -= 1
                 if not self.proxy.tenant_open[self.sb.owner]:
                     del self.proxy.tenant_open[self.sb.owner]
+            if mirrored:
+                self.sb.mirror_open -= 1
+                self.proxy.mirror_open[self.sb.owner] -= 1
             for s in (self.sock, upstream):
                 if s is not None:
                     s.close()
@@ -378,6 +391,7 @@ class Proxy:
         self._reporting: set[SandboxState] = set()
         self._tasks: set[asyncio.Task] = set()
         self.tenant_open: collections.Counter[str] = collections.Counter()   # connections open, by owner
+        self.mirror_open: collections.Counter[str] = collections.Counter()   # ... to the node's mirrors
 
     @property
     def share(self) -> int:

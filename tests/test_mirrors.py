@@ -90,6 +90,35 @@ async def test_a_killed_mirror_gives_a_clear_error_then_recovers(client, upstrea
         assert r.exit_code == 0, r.stderr[-1000:]
 
 
+# python3 - <<...: 24 connections to the node's apt mirror held open by one sandbox; how many the proxy kept
+HOLD = """<<'EOF'
+import socket, time
+gateway = open("/etc/resolv.conf").read().split()[1]
+held = [socket.create_connection((gateway, 3142), timeout=5) for _ in range(24)]
+time.sleep(1.5)
+kept = 0
+for s in held:
+    s.setblocking(False)
+    try:
+        s.recv(1)            # b"" (or a reset): the proxy closed it
+    except BlockingIOError:
+        kept += 1            # open, waiting for a request
+    except OSError:
+        pass
+print(kept)
+EOF"""
+
+
+async def test_one_sandbox_holds_at_most_its_share_of_the_nodes_mirrors(client, upstream, pip_image):
+    """Helper A3: one mirror-only sandbox's 250 slow connections to the apt mirror left apt-cacher-ng answering
+    no other tenant's sandbox. Now a sandbox holds at most MIRROR_PER_SANDBOX connections to the node's mirrors
+    (its tenant's sandboxes MIRROR_PER_TENANT); the rest are closed at once."""
+    from aether.proxy import MIRROR_PER_SANDBOX
+    async with await client.create(pip_image, network="mirror-only") as sb:
+        r = await sb.exec(f"python3 - {HOLD}", timeout=60)
+        assert r.stdout == f"{MIRROR_PER_SANDBOX}\n".encode(), r
+
+
 APT_INSTALLS = 4     # sandboxes installing the same Debian package at once (apt is slower than pip)
 DEB = "dsecdemo_1.0_all.deb"
 # The image's own sources name deb.debian.org (which the node's apt mirror serves from its --mirror-apt, here
