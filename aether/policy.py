@@ -17,6 +17,8 @@ from bus.subjects import tenant_root
 WINDOW = 10.0               # seconds over which a sandbox's decisions are counted
 DECISIONS_PER_WINDOW = 20   # written one by one per window; past it, only counted (a flood stays small)
 HOST_REFRESH = 5.0          # seconds between reads of the host's addresses
+QUERY_RATE = 200.0          # DNS questions a sandbox asks a second (past it they are dropped: asked again)...
+QUERY_BURST = 400.0         # ... after a burst of this many
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -88,6 +90,18 @@ class SandboxState:
     suppressed: dict = field(default_factory=lambda: {"allowed": 0, "denied": 0, "bytes": 0})
     live: set = field(default_factory=set)   # its connections (proxy.Connection) from accept to close
     lookups: int = 0        # its DNS questions waiting on the upstream resolver
+    queries: float = QUERY_BURST   # DNS questions it may ask now (a bucket refilled at QUERY_RATE a second)
+    queried_at: float = 0.0
+
+    def query_allowed(self, now: float) -> bool:
+        """One more DNS question within its rate: one sandbox's flood of 300,000 in 25 s made other tenants'
+        lookups fail and stall 2 s, on the node's one resolver socket (helper A3)."""
+        self.queries = min(QUERY_BURST, self.queries + (now - self.queried_at) * QUERY_RATE)
+        self.queried_at = now
+        if self.queries < 1:
+            return False
+        self.queries -= 1
+        return True
 
     @property
     def owner(self) -> str:

@@ -53,7 +53,9 @@ class Dns(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr) -> None:
         sb = self.proxy.sandboxes.get(addr[0])
-        q = dns.parse_query(data) if sb is not None else None
+        if sb is None or not sb.query_allowed(time.monotonic()):   # past its rate: dropped unread (it asks again)
+            return
+        q = dns.parse_query(data)
         if q is not None:
             asyncio.ensure_future(self._answer(sb, q, addr))
 

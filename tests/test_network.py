@@ -316,6 +316,18 @@ async def test_one_tenants_sandboxes_together_leave_the_proxy_to_other_tenants(c
         proc.rlimit(psutil.RLIMIT_NOFILE, (soft, hard))
 
 
+async def test_one_sandboxs_dns_flood_is_answered_only_at_its_rate(client, upstream, hostile):
+    """Helper A3: one sandbox's 300,000 DNS questions in 25 s, on the node's one resolver socket, made other
+    tenants' lookups fail and stall 2 s. Now a sandbox's questions past QUERY_RATE a second (after a burst of
+    QUERY_BURST) are dropped unread: 3,000 sent at once get about QUERY_BURST answers (every one before)."""
+    from aether.policy import QUERY_BURST
+    async with await client.create("busybox", network=libdsec.Network(allow=["allowed.test"])) as sb:
+        await sb.files.write("/tmp/hostile", hostile, mode=0o755)
+        code, out = await sh(sb, "/tmp/hostile dnsflood $(awk '/^nameserver/ {print $2}' /etc/resolv.conf) 3000")
+        assert code == 0 and QUERY_BURST * 0.7 < int(out) < QUERY_BURST * 1.6, out
+        assert (await sh(sb, "sleep 2; nslookup allowed.test"))[0] == 0   # its rate back, it resolves again
+
+
 def proxy_process(stack):
     import psutil
     return psutil.Process(stack.edge.network.aether._proc.pid)

@@ -31,6 +31,8 @@
  *   hostile threads N           make up to N threads (tiny stacks, each asleep); print "N errno", then
  *                               hold them
  *   hostile reread FILE N SECS  N processes re-reading FILE from its start for SECS s; print "done"
+ *   hostile dnsflood IP N       send N DNS questions (A x.test) to IP:53 as fast as it can; print how many
+ *                               were answered (counted until 1 s passes with none)
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -52,6 +54,9 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <poll.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -337,6 +342,24 @@ int main(int argc, char **argv) {
         printf("%d %d\n", got, e);
         fflush(stdout);
         for (;;) pause();
+    }
+    if (!strcmp(cmd, "dnsflood") && argc > 3) {
+        int s = socket(AF_INET, SOCK_DGRAM, 0), n = atoi(argv[3]), got = 0, big = 1 << 22;
+        struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons(53)};
+        inet_pton(AF_INET, argv[2], &to.sin_addr);
+        setsockopt(s, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+        if (s < 0 || connect(s, (struct sockaddr *)&to, sizeof to)) { perror("dnsflood"); return 1; }
+        unsigned char q[] = {0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 'x', 4, 't', 'e', 's', 't', 0, 0, 1, 0, 1};
+        char buf[512];
+        for (int i = 0; i < n; i++) {
+            q[0] = i >> 8; q[1] = i;
+            send(s, q, sizeof q, 0);
+            while (recv(s, buf, sizeof buf, MSG_DONTWAIT) > 0) got++;
+        }
+        struct pollfd p = {.fd = s, .events = POLLIN};
+        while (poll(&p, 1, 1000) > 0) if (recv(s, buf, sizeof buf, 0) > 0) got++;
+        printf("%d\n", got);
+        return 0;
     }
     if (!strcmp(cmd, "hog") && argc > 2) {
         size_t n = (size_t)atoi(argv[2]) << 20;
