@@ -26,7 +26,7 @@ from typing import Callable
 
 import msgspec
 
-from bus import streams
+from bus import streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import DsecError, ImageNotFound, InvalidRequest
 from bus.messages import LayerRef, Resources
@@ -71,6 +71,11 @@ class Stock:
             self.demand.popleft()
         want = math.ceil(len(self.demand) / WINDOW * HORIZON)
         return max(self.spec.min, min(self.spec.max, want))
+
+
+def _owner(stock: Stock) -> str:
+    """The tenant a pool's stock counts against (a project's: its tenant's)."""
+    return subjects.tenant_root(stock.spec.owner or "default")
 
 
 class WarmPools:
@@ -251,7 +256,10 @@ class WarmPools:
             target = stock.target(now)
             while len(stock.ready) > target and now - stock.ready[0][1] > IDLE:
                 self.retire(stock.ready.popleft()[0])
-            if len(stock.ready) < target and now >= stock.paused_until and self._room(stock):
+            if stock.ready and self._over_share(stock, now):   # another tenant's pool waits for room
+                self.retire(stock.ready.popleft()[0])
+            if len(stock.ready) < target and now >= stock.paused_until and self._room(stock) \
+                    and not self._at_share(stock, now):
                 await self._fill_one(stock)
                 self._wake.set()
 
@@ -269,6 +277,30 @@ class WarmPools:
         if key != stock.key:   # a new version of a layer (or none any more): the old warm ones go
             self._drop(stock)
             stock.layers, stock.key = layers, key
+
+    def _held_by(self, owner: str) -> int:
+        return sum(len(s.ready) for s in self.pools.values() if _owner(s) == owner)
+
+    def _hungry(self, now: float) -> set[str]:
+        """Tenants with a pool here below its target."""
+        return {_owner(s) for s in self.pools.values() if s.key and len(s.ready) < s.target(now)}
+
+    def _share(self, now: float) -> int:
+        """The node's warm budget over the tenants whose pools want stock (or hold it)."""
+        wanting = self._hungry(now) | {_owner(s) for s in self.pools.values() if s.ready}
+        return max(1, self.warm_max // max(1, len(wanting)))
+
+    def _at_share(self, stock: Stock, now: float) -> bool:
+        """Its tenant holds its share while another tenant's pool waits: one tenant's pool of min=max=32 held
+        the node's whole budget, and another's never filled (helper A3)."""
+        me = _owner(stock)
+        return bool(self._hungry(now) - {me}) and self._held_by(me) >= self._share(now)
+
+    def _over_share(self, stock: Stock, now: float) -> bool:
+        """Its tenant holds more than its share while another tenant's pool waits for room: give one back."""
+        me = _owner(stock)
+        return (self.ready() + self.filling >= self.warm_max and bool(self._hungry(now) - {me})
+                and self._held_by(me) > self._share(now))
 
     def _room(self, stock: Stock) -> bool:
         cap, held = self.capacity, self.ready() + self.filling

@@ -301,3 +301,26 @@ async def test_a_warm_sandbox_whose_init_dies_leaves_the_stock_at_once(stack, cl
             assert (await sb.exec("echo live")).stdout == b"live\n"
         finally:
             await sb.destroy()
+
+
+async def test_one_tenants_pool_leaves_another_tenant_its_share_of_the_nodes_warm_budget(stack, client, monkeypatch):
+    """Helper A3: a tenant with no quota set a pool of min=max=32, the node's whole warm budget, and another
+    tenant's pool never filled. Now while another tenant's pool waits, a tenant holds at most an equal share
+    of the budget (what it holds past it is given back)."""
+    monkeypatch.setattr(stack.edge.warm, "warm_max", 4)
+    pools = stack.edge.warm
+
+    def held(owner: str) -> int:
+        return sum(len(s.ready) for s in pools.pools.values() if (s.spec.owner or "default") == owner)
+    async with libdsec.AsyncClient(stack.url, tenant="tenant-b") as other:
+        async with warm_pool(stack, client, "hog", min=4, max=4):
+            await wait_for(lambda: held("default") == 4, 60, "the first tenant's pool filled")
+            await other.set_warm_pool("fair", min=2, max=2)
+            try:
+                await wait_for(lambda: held("tenant-b") == 2 and held("default") == 2, 60,
+                               "the budget shared out")
+                await asyncio.sleep(1)
+                assert (held("default"), held("tenant-b")) == (2, 2)
+            finally:
+                await other.delete_warm_pool("fair")
+        await wait_for(lambda: all_gone(stack), what="warm sandboxes destroyed")
