@@ -18,6 +18,13 @@ import threading
 
 from proxpi import _cache
 
+# proxpi's own names this leans on (1.3.x; pyproject pins it below 1.4): a release without them fails here, loudly
+for _name in ("_FileCache", "Cache"):
+    if not hasattr(_cache, _name):
+        raise ImportError(f"aether.pipmirror: proxpi._cache.{_name} is gone (proxpi changed)")
+if not (hasattr(_cache._FileCache, "_get_key") and hasattr(_cache.Cache, "_file_cache_cls")):
+    raise ImportError("aether.pipmirror: proxpi's file cache changed (no _get_key / _file_cache_cls)")
+
 
 class OnceFileCache(_cache._FileCache):
     """proxpi's file cache, whose get() of one file runs one at a time (other files' go on in parallel)."""

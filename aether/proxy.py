@@ -130,9 +130,9 @@ class Connection:
             self.address, self.port = dst, dport
             if self.sb.open >= min(self.sb.max_connections, self.proxy.share):
                 raise Denied(f"the sandbox has {self.sb.open} connections open (its limit)")
-            if self.proxy.tenant_open[self.sb.owner] >= self.proxy.share:
-                raise Denied(f"its tenant's sandboxes have {self.proxy.share} connections open on this node (the "
-                             "most one tenant may)")
+            if self.proxy.tenant_open[self.sb.owner] >= 3 * self.proxy.share:
+                raise Denied(f"its tenant's sandboxes have {3 * self.proxy.share} connections open on this node (the "
+                             "most one tenant may: a quarter stays for the others)")
             self.sb.open += 1            # from its accept: one being decided counts too
             self.proxy.tenant_open[self.sb.owner] += 1
             counted = True
@@ -145,9 +145,12 @@ class Connection:
                 raise Denied("no longer in the allow list")
             if self.mirror:      # the node's mirrors serve every tenant: 250 slow connections of one sandbox left
                 owner = self.sb.owner   # apt-cacher-ng answering no one (helper A3)
-                if self.sb.mirror_open >= MIRROR_PER_SANDBOX or self.proxy.mirror_open[owner] >= MIRROR_PER_TENANT:
-                    raise Denied(f"{self.sb.mirror_open} connections to the node's mirrors open (the most a sandbox "
-                                 f"may: {MIRROR_PER_SANDBOX}; its tenant's sandboxes: {MIRROR_PER_TENANT})")
+                if self.sb.mirror_open >= MIRROR_PER_SANDBOX:
+                    raise Denied(f"the sandbox has {MIRROR_PER_SANDBOX} connections to the node's mirrors open (the "
+                                 "most one sandbox may)")
+                if self.proxy.mirror_open[owner] >= MIRROR_PER_TENANT:
+                    raise Denied(f"its tenant's sandboxes have {MIRROR_PER_TENANT} connections to the node's mirrors "
+                                 "open (the most one tenant may)")
                 self.sb.mirror_open += 1
                 self.proxy.mirror_open[owner] += 1
                 mirrored = True
@@ -187,6 +190,8 @@ class Connection:
             if mirrored:
                 self.sb.mirror_open -= 1
                 self.proxy.mirror_open[self.sb.owner] -= 1
+                if not self.proxy.mirror_open[self.sb.owner]:
+                    del self.proxy.mirror_open[self.sb.owner]
             for s in (self.sock, upstream):
                 if s is not None:
                     s.close()
@@ -395,10 +400,10 @@ class Proxy:
 
     @property
     def share(self) -> int:
-        """The most one sandbox holds at once, whatever its policy says, and one tenant's sandboxes together: a
-        quarter of what this process's fds relay (6 a connection), so neither takes the node's proxy away from
-        the others (five sandboxes of one tenant took every fd: no other tenant's sandbox connected, and DNS
-        failed: helper A3)."""
+        """The most one sandbox holds at once, whatever its policy says: a quarter of what this process's fds
+        relay (6 a connection), so one sandbox never takes the node's proxy away from the others. One tenant's
+        sandboxes together hold at most three of those quarters (five sandboxes of one tenant took every fd: no
+        other tenant's sandbox connected, and DNS failed: helper A3)."""
         return max(64, (resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256) // 6 // 4)
 
     def track(self, task: asyncio.Task) -> None:

@@ -10,7 +10,7 @@ from nats.js import api
 
 from bus import migrations, streams
 from bus.errors import BusError
-from bus.nats_errors import mapped_errors
+from bus.nats_errors import mapped_errors, timed_out
 
 
 PROVISION_WAIT = 30.0   # seconds provisioning waits for the server to answer for each stream (leaders elected)
@@ -38,7 +38,7 @@ class Provisioning:
         await migrations.record_keys(self)
 
 
-    async def _patiently(self, what: str, make) -> None:
+    async def _patiently(self, what: str, make):
         """make() until the server answers it, for PROVISION_WAIT seconds: after a cluster's restart its
         streams' leaders are elected seconds after the meta leader, and one try each left `dsec up --servers 3`
         unable to start again on its own state ("stream DSEC_EVT: NATS did not answer in time", helper F3)."""
@@ -90,11 +90,10 @@ class Provisioning:
             await self.admin.object_store(ocfg.bucket)
 
 
-def _unanswered(exc: BaseException) -> bool:
-    """A request nobody answered in time, or JetStream not ready (no leader yet): not a refusal."""
-    return (isinstance(exc, nats.js.errors.ServiceUnavailableError)
-            or isinstance(exc.__cause__, nats.js.errors.ServiceUnavailableError)
-            or "did not answer in time" in str(exc))
+def _unanswered(exc: BusError) -> bool:
+    """A request nobody answered in time (no stream leader yet), or JetStream saying it is not ready: not a
+    refusal. (No responders at all, JetStream off, is a refusal: raised at once.)"""
+    return timed_out(exc) or isinstance(exc.__cause__, nats.js.errors.ServiceUnavailableError)
 
 
 def _differs(want: api.StreamConfig, have: api.StreamConfig) -> bool:

@@ -8,11 +8,6 @@ import signal as signals
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Literal
 
-# Signals whose default action ends a process (the rest are ignored, or stop it): one sent before the
-# command started keeps it from running at all.
-ENDING = frozenset(range(1, 65)) - {signals.SIGCHLD, signals.SIGCONT, signals.SIGURG, signals.SIGWINCH,
-                                    signals.SIGSTOP, signals.SIGTSTP, signals.SIGTTIN, signals.SIGTTOU}
-
 StreamName = Literal["stdout", "stderr"]
 # Called with each chunk read from a command's stdout or stderr, in the order read.
 # Awaited before the next read of that stream, so a slow consumer slows the reader (no unbounded buffering).
@@ -95,8 +90,9 @@ class ExecControl:
 
     @property
     def doomed(self) -> int:
-        """A signal that ends a process, sent before the command started (0: none): it need not start."""
-        return next((sig for sig in self._early if sig in ENDING), 0)
+        """SIGKILL, when one came before the command started (0: none): it need not start. (Another signal is
+        sent once it can be: a command may trap it.)"""
+        return signals.SIGKILL if signals.SIGKILL in self._early else 0
 
     def on_signal(self, fn: Callable[[int], Awaitable[bool]], after_start: bool = False) -> None:
         """For the backend: how to signal the exec's processes. Signals sent before are sent now, in order, or
@@ -132,7 +128,8 @@ class ExecControl:
         if self.ended:
             return False
         if self._signal is None or (self._after_start and not self._started):
-            self._early.append(sig)
+            if sig not in self._early:   # (each once: a frozen sandbox's start may keep them a while)
+                self._early.append(sig)
             return True
         return await self._signal(sig)
 

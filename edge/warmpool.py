@@ -282,8 +282,12 @@ class WarmPools:
         return sum(len(s.ready) for s in self.pools.values() if _owner(s) == owner)
 
     def _hungry(self, now: float) -> set[str]:
-        """Tenants with a pool here below its target."""
-        return {_owner(s) for s in self.pools.values() if s.key and len(s.ready) < s.target(now)}
+        """Tenants with a pool here below its target that could fill now (not one paused after failures, nor
+        one whose sandboxes the node cannot hold: such a pool would keep the others at their share for nothing)."""
+        cap = self.capacity
+        return {_owner(s) for s in self.pools.values()
+                if s.key and len(s.ready) < s.target(now) and now >= s.paused_until
+                and cap.fits(s.spec.resources, s.spec.backend)}
 
     def _share(self, now: float) -> int:
         """The node's warm budget over the tenants whose pools want stock (or hold it)."""

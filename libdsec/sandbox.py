@@ -112,6 +112,15 @@ async def _abandon(handle: ExecHandle, why: BaseException | None) -> None:
         await handle.close()
 
 
+_LEFT: set[asyncio.Task] = set()   # kills of commands left as they were sent, running on
+
+
+def _abandon_later(handle: ExecHandle, why: BaseException) -> None:
+    task = asyncio.ensure_future(_abandon(handle, why))
+    _LEFT.add(task)
+    task.add_done_callback(_LEFT.discard)
+
+
 class AsyncSandbox:
     """A handle on one running sandbox; any client may hold one for the same id."""
 
@@ -173,10 +182,10 @@ class AsyncSandbox:
             await _send_until_taken(bus, subjects.node_ops(self.node, self.client.tenant, self.id), encode(req),
                                     req.exec_id, req.deadline - EXIT_GRACE)
         except asyncio.CancelledError as exc:   # left while it was being sent: the bus may have it all the same,
-            await _abandon(handle, exc)          # and its node would run it (13 of 40 quick cancels did): killed
-            raise
+            _abandon_later(handle, exc)          # and its node would run it (13 of 40 quick cancels did): killed,
+            raise                                # in the background (the cancel is not held up by it)
         except BaseException:
-            await stream.close()
+            await handle.close()
             raise
         if live and stdin is not True:
             handle.feed(stdin)  # type: ignore[arg-type]

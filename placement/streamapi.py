@@ -11,6 +11,7 @@ consumer)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import hashlib
 import time
@@ -27,6 +28,7 @@ from bus.messages import Wire
 MAX_BATCH = 1000
 MAX_OUTPUT_BATCH = 64           # stored output records one ReadOutput answers at most
 OUTPUT_BATCH_BYTES = 256 << 10  # ... and no more once this many bytes are in (a reply stays under max_payload)
+OUTPUT_BATCH_TIME = 0.25        # ... or once this many seconds went on reading them (a slow server)
 MAX_WAIT = 5.0
 IDLE_READER = 60.0     # seconds after its last read a reader that is not durable is dropped
 MAX_READERS = 64       # trajectory readers one tenant (with its projects) has on the server at once
@@ -59,6 +61,7 @@ class StreamReadsApi:
         self.bus = bus
         self._bound: dict[str, _Bound] = {}   # consumer name -> this engine's binding to it
         self.consumer_creates = 0             # consumers created or updated for fetches (not one per fetch)
+        self._making: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
 
     def handlers(self) -> dict:
         return {ReadOutput: self._output, FetchTrajectories: self._fetch, AckTrajectories: self._ack,
@@ -77,9 +80,10 @@ class StreamReadsApi:
             return StoredOutput()
         out = StoredOutput(found=True, seq=m.seq, data=m.data, headers=dict(m.headers or {}))
         size = len(m.data)   # read here, not a request each: 400 records read back one per request met the
-        for _ in range(min(max(1, req.batch), MAX_OUTPUT_BATCH) - 1):   # tenant's rate limit (helper F3)
-            if size >= OUTPUT_BATCH_BYTES or (m := await self.bus.stored_after(streams.OUT_STREAM, subject,
-                                                                                m.seq)) is None:
+        until = time.monotonic() + OUTPUT_BATCH_TIME   # tenant's rate limit (helper F3)
+        for _ in range(min(max(1, req.batch), MAX_OUTPUT_BATCH) - 1):
+            if size >= OUTPUT_BATCH_BYTES or time.monotonic() > until or (
+                    m := await self.bus.stored_after(streams.OUT_STREAM, subject, m.seq)) is None:
                 break
             out.more.append(StoredPiece(seq=m.seq, data=m.data, headers=dict(m.headers or {})))
             size += len(m.data)
@@ -146,14 +150,15 @@ class StreamReadsApi:
             return bound
         if bound is not None:
             await self._unbind(config.durable_name)
-        await self._same_reader(config, tenant)
-        try:
-            reader = await self.bus.durable_reader(streams.TRAJ_STREAM, config)
-        except BusError as exc:   # (a follow reader retried this for ever: helper T)
-            if "can not be updated" in str(exc):
-                raise InvalidRequest(f"{config.description} was made with other settings "
-                                     f"(since): read it with the ones it was made with, or under a new name") from None
-            raise
+        async with self._making[subjects.tenant_root(tenant)]:   # a tenant's count and make, one at a time (here)
+            await self._same_reader(config, tenant)
+            try:
+                reader = await self.bus.durable_reader(streams.TRAJ_STREAM, config)
+            except BusError as exc:   # (a follow reader retried this for ever: helper T)
+                if "can not be updated" in str(exc):
+                    raise InvalidRequest(f"{config.description} was made with other settings (since): read it "
+                                         "with the ones it was made with, or under a new name") from None
+                raise
         self.consumer_creates += 1
         bound = self._bound[config.durable_name] = _Bound(config, reader)
         return bound
