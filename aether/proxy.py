@@ -184,14 +184,10 @@ class Connection:
             self.sb.live.discard(self)
             if counted:
                 self.sb.open -= 1
-                self.proxy.tenant_open[self.sb.owner] -= 1
-                if not self.proxy.tenant_open[self.sb.owner]:
-                    del self.proxy.tenant_open[self.sb.owner]
+                _less(self.proxy.tenant_open, self.sb.owner)
             if mirrored:
                 self.sb.mirror_open -= 1
-                self.proxy.mirror_open[self.sb.owner] -= 1
-                if not self.proxy.mirror_open[self.sb.owner]:
-                    del self.proxy.mirror_open[self.sb.owner]
+                _less(self.proxy.mirror_open, self.sb.owner)
             for s in (self.sock, upstream):
                 if s is not None:
                     s.close()
@@ -384,6 +380,13 @@ class Connection:
             up.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+
+
+def _less(counts: collections.Counter, key: str) -> None:
+    """One fewer for key (gone at none: the counters hold only owners with connections open)."""
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]
 
 
 class Proxy:

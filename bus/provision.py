@@ -37,7 +37,6 @@ class Provisioning:
             await self._patiently(f"object store {ocfg.bucket}", lambda ocfg=ocfg: self._objects(ocfg))
         await migrations.record_keys(self)
 
-
     async def _patiently(self, what: str, make):
         """make() until the server answers it, for PROVISION_WAIT seconds: after a cluster's restart its
         streams' leaders are elected seconds after the meta leader, and one try each left `dsec up --servers 3`

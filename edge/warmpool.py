@@ -247,6 +247,7 @@ class WarmPools:
             if now - stock.resolved_at > RESOLVE_EVERY:
                 await self._resolve(stock)
         self._index()
+        hungry, share = self._shares(now)   # (once a pass: each is a walk over every pool)
         for stock in list(self.pools.values()):
             if not stock.key or self._by_key.get(stock.key) is not stock:
                 continue
@@ -256,10 +257,10 @@ class WarmPools:
             target = stock.target(now)
             while len(stock.ready) > target and now - stock.ready[0][1] > IDLE:
                 self.retire(stock.ready.popleft()[0])
-            if stock.ready and self._over_share(stock, now):   # another tenant's pool waits for room
+            past = self._past_share(stock, hungry, share)
+            if stock.ready and past > 0 and self.ready() + self.filling >= self.warm_max:   # another's waits for room
                 self.retire(stock.ready.popleft()[0])
-            if len(stock.ready) < target and now >= stock.paused_until and self._room(stock) \
-                    and not self._at_share(stock, now):
+            if len(stock.ready) < target and now >= stock.paused_until and self._room(stock) and past < 0:
                 await self._fill_one(stock)
                 self._wake.set()
 
@@ -278,33 +279,25 @@ class WarmPools:
             self._drop(stock)
             stock.layers, stock.key = layers, key
 
-    def _held_by(self, owner: str) -> int:
-        return sum(len(s.ready) for s in self.pools.values() if _owner(s) == owner)
-
-    def _hungry(self, now: float) -> set[str]:
-        """Tenants with a pool here below its target that could fill now (not one paused after failures, nor
-        one whose sandboxes the node cannot hold: such a pool would keep the others at their share for nothing)."""
+    def _shares(self, now: float) -> tuple[set[str], int]:
+        """The tenants with a pool here below its target that could fill now (not one paused after failures,
+        nor one whose sandboxes the node cannot hold: it would keep the others at their share for nothing), and
+        the node's warm budget over the tenants whose pools want stock or hold it."""
         cap = self.capacity
-        return {_owner(s) for s in self.pools.values()
-                if s.key and len(s.ready) < s.target(now) and now >= s.paused_until
-                and cap.fits(s.spec.resources, s.spec.backend)}
+        hungry = {_owner(s) for s in self.pools.values()
+                  if s.key and len(s.ready) < s.target(now) and now >= s.paused_until
+                  and cap.fits(s.spec.resources, s.spec.backend)}
+        wanting = hungry | {_owner(s) for s in self.pools.values() if s.ready}
+        return hungry, max(1, self.warm_max // max(1, len(wanting)))
 
-    def _share(self, now: float) -> int:
-        """The node's warm budget over the tenants whose pools want stock (or hold it)."""
-        wanting = self._hungry(now) | {_owner(s) for s in self.pools.values() if s.ready}
-        return max(1, self.warm_max // max(1, len(wanting)))
-
-    def _at_share(self, stock: Stock, now: float) -> bool:
-        """Its tenant holds its share while another tenant's pool waits: one tenant's pool of min=max=32 held
-        the node's whole budget, and another's never filled (helper A3)."""
+    def _past_share(self, stock: Stock, hungry: set[str], share: int) -> int:
+        """How far its tenant's warm stock is past its share while another tenant's pool waits (-1: not
+        bound by it): one tenant's pool of min=max=32 held the node's whole budget, and another's never filled
+        (helper A3). At 0 it fills no more; past it, it gives back one at a time once the budget is full."""
         me = _owner(stock)
-        return bool(self._hungry(now) - {me}) and self._held_by(me) >= self._share(now)
-
-    def _over_share(self, stock: Stock, now: float) -> bool:
-        """Its tenant holds more than its share while another tenant's pool waits for room: give one back."""
-        me = _owner(stock)
-        return (self.ready() + self.filling >= self.warm_max and bool(self._hungry(now) - {me})
-                and self._held_by(me) > self._share(now))
+        if not hungry - {me}:
+            return -1
+        return sum(len(s.ready) for s in self.pools.values() if _owner(s) == me) - share
 
     def _room(self, stock: Stock) -> bool:
         cap, held = self.capacity, self.ready() + self.filling
