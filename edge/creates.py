@@ -160,7 +160,7 @@ class CreateLane:
             return Verdict.ACK
         running = self._running(req, spec)
         try:
-            ready = _ready(await self._record_ready(running, revision))
+            ready = _ready(await self._record_ready(running, revision, req.deadline))
         except Unrecorded as err:
             await self._undo(req, err, revision)
             return Verdict.ACK
@@ -193,11 +193,12 @@ class CreateLane:
         self.sandboxes.add(running)
         return running
 
-    async def _record_ready(self, running: Running, claim: int) -> Outcome | None:
+    async def _record_ready(self, running: Running, claim: int, until: float) -> Outcome | None:
         """Write the `ready` record (with its `created` event and trajectory record) over our `starting`
         claim's revision, or over no record (claim 0, a warm claim: a deleted record or this node's own
         claim from an earlier delivery is written over). NOT_OURS when the id is someone else's now.
-        None when the bus did not take it in time: it runs, the client is told, the outbox goes on."""
+        None when the bus did not take it by the client's deadline `until`: it runs, the client is told, the
+        outbox goes on."""
         rec = running.record
         try:
             pending = await self.records.change(rec, publishes=lifecycle(rec, "created", node=self.node,
@@ -206,7 +207,7 @@ class CreateLane:
         except OSError as exc:   # the outbox's disk: nothing durable says it runs, so it must not run
             raise Unrecorded(f"node {self.node} could not record sandbox {rec.sandbox_id} ({exc}); it was not "
                              f"started") from exc
-        outcome = await wait_stored(pending.record, rec.sandbox_id)
+        outcome = await wait_stored(pending.record, rec.sandbox_id, until)
         if outcome is None:   # if it turns out not ours later, what runs here is nobody's: destroy it
             pending.record.add_done_callback(lambda f: self._late_outcome(f, rec.sandbox_id))
         return outcome
@@ -245,7 +246,7 @@ class CreateLane:
             return False
         running = self._running(req, spec)
         try:
-            ready = _ready(await self._record_ready(running, 0))
+            ready = _ready(await self._record_ready(running, 0, req.deadline))
         except Unrecorded as err:
             await self._undo(req, err, 0)
             return True
@@ -409,7 +410,7 @@ class CreateLane:
             pending = await self.records.change(rec, terminal_event=True, publishes=lifecycle(
                 rec, state, node=self.node, request_id=req.request_id, detail=str(err),
                 failure_class="environment" if isinstance(err, EnvironmentFailure) else ""))
-            await wait_stored(pending.record, req.sandbox_id)
+            await wait_stored(pending.record, req.sandbox_id, req.deadline)
         except OSError as exc:   # the outbox's disk: the client still gets its answer
             log.error("failure of %s not recorded: %s", req.sandbox_id, exc)
         await self.bus.reply(req.reply_to, ErrorReply(request_id=req.request_id, code=err.code, message=str(err)))

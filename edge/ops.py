@@ -27,7 +27,7 @@ from chronus.execs import Execs
 from edge.backends.treeops import MAX_AFTER, MAX_DEPTH, check_metadata
 from edge.backends.base import BackendError, SandboxGone
 from edge.records import Outcome
-from edge.sandboxes import Sandboxes
+from edge.sandboxes import ANSWERING_BY, Sandboxes
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,9 @@ class OpLane:
         return Verdict.ACK
 
     async def _answer(self, op, work) -> None:
-        """Run work (unless the op expired) and answer the op once, whatever happens."""
+        """Run work (unless the op expired) and answer the op once, whatever happens. A change work makes is
+        answered once its record is stored, or just before the op's deadline (edge.sandboxes.ANSWERING_BY)."""
+        answering = ANSWERING_BY.set(op.deadline)
         try:
             if op.deadline and time.time() > op.deadline:
                 work.close()
@@ -159,6 +161,8 @@ class OpLane:
             log.exception("op %s on %s failed", type(op).__name__, op.sandbox_id)
             reply = ErrorReply(request_id=op.request_id, code=SandboxError.code,
                                message=f"{type(op).__name__} failed on the node: {exc.__class__.__name__}: {exc}")
+        finally:
+            ANSWERING_BY.reset(answering)
         await self.bus.reply(op.reply_to, reply)
 
     async def _in_turn(self, op, tenant: str, what: str, work):

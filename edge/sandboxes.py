@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import dataclasses
 import logging
 import secrets
@@ -38,7 +39,14 @@ from edge.records import TERMINAL, Outcome, SandboxRecords, lifecycle
 
 log = logging.getLogger(__name__)
 
-RECORD_WAIT = 8.0       # seconds a reply waits for its record to be stored (it is kept trying after)
+RECORD_WAIT = 8.0       # seconds a change nobody asked for (a TTL's end) waits for its record (kept trying after)
+RECORD_WAIT_MAX = 60.0  # seconds an answer waits for its record at most, whatever its caller's deadline
+REPLY_MARGIN = 1.0      # seconds before its caller's deadline such an answer goes out anyway
+# The deadline (unix time) of the request being answered: a change made for it is answered once its record is
+# stored, or just before that deadline. Not a fixed RECORD_WAIT: with one server of 3 killed, the bucket's new
+# leader and the outbox's backoff took past 8 s, and create() or destroy() returned before its record said
+# so: a cleanup by the `ready` records missed a sandbox still running (helper F3).
+ANSWERING_BY: contextvars.ContextVar[float] = contextvars.ContextVar("answering_by", default=0.0)
 ENDED_KEPT = 100_000    # sandboxes that ended here whose final state is remembered (a late op's answer)
 
 
@@ -387,7 +395,7 @@ class Sandboxes:
                               memory_node=self.node if memory else "", memory_kind=rec.backend if memory else "")
         try:
             await self.bus.kv_put(streams.SNAPSHOTS_KV, subjects.record_key(rec.tenant, snap_id), snap,
-                                  retry_for=RECORD_WAIT)
+                                  retry_for=record_wait())
         except BaseException:
             self.backend.drop_memory(snap_id)     # (none unless memory): nobody can name it
             raise
@@ -451,12 +459,21 @@ class Sandboxes:
                           cwd=cwd, user=snap.user)
 
 
-async def wait_stored(stored: asyncio.Future, sandbox_id: str, wait: float = RECORD_WAIT) -> Outcome | None:
-    """Wait (bounded) for a change to be stored; None if the bus did not take it in time (the outbox
-    keeps trying: the change is durable already)."""
+async def wait_stored(stored: asyncio.Future, sandbox_id: str, until: float = 0.0) -> Outcome | None:
+    """Wait (bounded: record_wait) for a change to be stored; None if the bus did not take it in time (the
+    outbox keeps trying: the change is durable already)."""
+    wait = record_wait(until)
     try:
         return await asyncio.wait_for(asyncio.shield(stored), wait)
     except asyncio.TimeoutError:
         log.warning("record of %s not stored within %.0fs; kept trying from the outbox", sandbox_id, wait)
         return None
 
+
+def record_wait(until: float = 0.0) -> float:
+    """Seconds to wait for a record: until `until` (else the deadline of the request being answered) less
+    REPLY_MARGIN, at most RECORD_WAIT_MAX; RECORD_WAIT when there is no deadline."""
+    until = until or ANSWERING_BY.get()
+    if not until:
+        return RECORD_WAIT
+    return min(RECORD_WAIT_MAX, max(0.2, until - time.time() - REPLY_MARGIN))

@@ -53,7 +53,10 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
     answers, but no stream or bucket has a quorum, so nothing it writes is stored (and nothing is kept
     in a client buffer for later). The sandbox's TTL fires meanwhile. Once the servers are back its record
     says expired, its events are there exactly once, and the quota it held is free (before: 'state not
-    recorded' after 8 s: the record stayed ready for good and the quota stayed held)."""
+    recorded' after 8 s: the record stayed ready for good and the quota stayed held).
+    In flight at the kill, each held 1 s in the node's backend: a destroy and a create. Each is answered
+    only once its record is stored, after the servers are back (before: after RECORD_WAIT, 8 s, the records
+    still `ready` and `starting`: a cleanup by the `ready` records missed a sandbox that was running)."""
     from bus.cluster import NatsCluster
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
@@ -70,21 +73,45 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
         await boot.close()
         await st.start()
         async with libdsec.AsyncClient(cluster.urls[0], creds=str(ids.creds_path("tenant:default"))) as client:
-            await set_quota(st.bus, Quota(tenant="default", max_sandboxes=1))
+            await set_quota(st.bus, Quota(tenant="default", max_sandboxes=3))
             await asyncio.sleep(0.5)   # placement's quota watch
             sb = await client.create(ttl=3)
+            doomed = await client.create()
+            backend, inside = st.edge.backend, {"create": asyncio.Event(), "destroy": asyncio.Event()}
+
+            def held(name: str, real):
+                async def call(*args, **kw):
+                    inside[name].set()
+                    await asyncio.sleep(1)
+                    return await real(*args, **kw)
+                return call
+
+            async def answered(call):
+                return await call, time.monotonic()
+            backend.create, backend.destroy = held("create", backend.create), held("destroy", backend.destroy)
+            destroying = asyncio.ensure_future(answered(doomed.destroy(timeout=60)))
+            creating = asyncio.ensure_future(answered(client.create(timeout=60)))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in inside.values())), 20)
             cluster.kill(1)
             cluster.kill(2)
+            del backend.create, backend.destroy
             t0 = time.monotonic()   # the TTL fires meanwhile, and its record waits past any retry window
             while time.monotonic() - t0 < 3 + RECORD_WAIT + 1 or sb.id in st.edge.sandboxes:   # (TTL, RECORD_WAIT)
                 assert time.monotonic() - t0 < 30, "the TTL must fire while the records have no quorum"
                 await asyncio.sleep(0.2)
+            assert not destroying.done() and not creating.done(), "answered while their records had no quorum"
+            back = time.monotonic()
             await asyncio.gather(asyncio.to_thread(cluster.restart, 1), asyncio.to_thread(cluster.restart, 2))
+            (_, destroyed_at), (new, created_at) = await asyncio.wait_for(asyncio.gather(destroying, creating), 60)
+            assert destroyed_at > back and created_at > back
+            assert (await _record(st.bus, doomed.id)).state == "destroyed"   # stored before the answer
+            assert (await _record(st.bus, new.id)).state == "ready"
             rec = await _until(lambda: _record_in(st.bus, sb.id, "expired"), 40)
             assert rec.state == "expired"
             assert await _until(lambda: _has_events(st.bus, sb.id, ["created", "expired"]), 20)
-            again = await client.create(timeout=30)   # the quota it held is free
-            await again.destroy()
+            again = [await client.create(timeout=30) for _ in range(2)]   # the quota they held is free
+            for x in [new, *again]:
+                await x.destroy()
 
             async def unquota() -> bool:   # (each bucket's group elects its leader in its own time after the restart)
                 await st.bus.kv_delete(streams.QUOTAS_KV, "default")
