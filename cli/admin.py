@@ -8,6 +8,7 @@ import click
 
 from bus import streams, subjects
 from bus.conn import Bus
+from bus.errors import BusError, BusUnavailable, PermissionDenied
 from bus.records import quota_decoder
 from cli.main import connect, fail, main, nats_option, run_async
 from bus import nodes
@@ -40,10 +41,26 @@ def node_rows(records) -> list[str]:
     return out
 
 
-async def read_nodes(bus: Bus):
-    """Every node record (junk skipped)."""
+READ_FOR = 10.0   # seconds a read of the node records is tried again when the bus times out
+
+
+async def read_nodes(bus: Bus, read_for: float = READ_FOR):
+    """Every node record (junk skipped). A read the bus did not answer (a server of the cluster killed: the
+    bucket's leader moving) is tried again for read_for seconds (helper F3: `dsec node ls` failed "kv list
+    ... did not answer in time" once)."""
+    until = time.monotonic() + read_for
+    while True:
+        try:
+            items = await bus.kv_items(streams.NODES_KV)
+            break
+        except (BusUnavailable, PermissionDenied):
+            raise
+        except BusError:
+            if time.monotonic() >= until:
+                raise
+            await asyncio.sleep(0.5)
     out = []
-    for key, raw in await bus.kv_items(streams.NODES_KV):
+    for key, raw in items:
         info = nodes.decode_node(key, raw)
         if info is not None:
             out.append(info)

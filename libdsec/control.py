@@ -1,6 +1,7 @@
 """The SDK's side of the control API (bus/apiwire.py): one request to `dsec.api.<tenant>.<verb>`, one typed
 reply or a typed error. Reads are asked again when a reply is lost (a connection moving to another
-server); changes are asked once."""
+server), or answered with a bus error (the engine's own read of the bus failed: a server of the cluster
+killed, a bucket's leader moving); changes are asked once."""
 from __future__ import annotations
 
 import asyncio
@@ -53,6 +54,9 @@ async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise BusError(f"control API {verb}: undecodable reply: {exc}") from None
         if isinstance(reply, ErrorReply):
+            if not once and reply.code == BusError.code and time.monotonic() + 0.5 < give_up:
+                await asyncio.sleep(0.25)   # (after a server of 3 was killed: "kv scan ... did not answer in time")
+                continue
             raise from_code(reply.code, reply.message, reason=reply.reason)
         if not isinstance(reply, expect):
             raise BusError(f"control API {verb}: expected {expect.__name__}, got {type(reply).__name__}")

@@ -669,6 +669,60 @@ async def test_an_unanswered_read_is_asked_again_less_and_less_often(monkeypatch
     assert [round(t, 1) for t in tries[:3]] == [0.1, 0.2, 0.4] and len(tries) == 4, tries   # then what is left
 
 
+async def test_a_read_the_engine_failed_on_the_bus_is_asked_again_and_a_change_is_not():
+    """An engine whose own read of the bus failed answers a bus error (helper F3, a server of 3 killed:
+    `client.list(all_states=True)` raised "kv scan ... did not answer in time"): a read is asked again
+    until it is answered or its time is up; a change (not harmless twice) is not."""
+    from bus.apiwire import DeleteSnapshot, Done, GetQuota, QuotaState
+    from bus.messages import ErrorReply
+    from libdsec import control
+
+    class Flaky:   # a bus whose engine answers a bus error to the first two requests
+        def __init__(self):
+            self.asked = 0
+
+        async def request(self, subject, msg, timeout):
+            self.asked += 1
+            if self.asked <= 2:
+                return encode(ErrorReply(code="bus", message="kv scan sandboxes: did not answer in time"))
+            return encode(QuotaState(sandboxes=7))
+    bus = Flaky()
+    assert (await control.ask(bus, "t", GetQuota(), QuotaState, timeout=5)).sandboxes == 7 and bus.asked == 3
+    bus = Flaky()
+    with pytest.raises(errors.BusError, match="did not answer in time"):
+        await control.ask(bus, "t", DeleteSnapshot(), Done, timeout=5)
+    assert bus.asked == 1
+    t0, bus.asked = time.monotonic(), -100   # a read failing for good: its error, once its time is up
+    with pytest.raises(errors.BusError, match="did not answer in time"):
+        await control.ask(bus, "t", GetQuota(), QuotaState, timeout=1)
+    assert 0.5 <= time.monotonic() - t0 < 1.5
+
+
+async def test_dsec_node_ls_reads_the_node_records_again_when_the_bus_timed_out():
+    """`dsec node ls` after a server of 3 was killed failed "kv list nodes: did not answer in time" (helper
+    F3): its read is tried again for a while; a bus that is not there at all is said at once."""
+    import cli.main   # noqa: F401  (first, as the dsec command does: it loads its commands)
+    from cli.admin import read_nodes
+
+    class Moving:   # the bucket's leader moving: two reads time out
+        def __init__(self, fail):
+            self.fail, self.reads = fail, 0
+
+        async def kv_items(self, bucket):
+            self.reads += 1
+            if self.reads <= 2:
+                raise self.fail("kv list nodes: did not answer in time")
+            return []
+    bus = Moving(errors.BusError)
+    assert await read_nodes(bus, read_for=5) == [] and bus.reads == 3
+    bus = Moving(errors.BusUnavailable)
+    with pytest.raises(errors.BusUnavailable):
+        await read_nodes(bus, read_for=5)
+    assert bus.reads == 1
+    with pytest.raises(errors.BusError, match="did not answer"):
+        await read_nodes(Moving(errors.BusError), read_for=0.2)
+
+
 def test_favordynmods_is_read_from_mountinfo_and_can_be_declined(tmp_path, monkeypatch):
     """The cgroup2 mount's favordynmods: kept when on, nothing done without a cgroup2 mount or when
     declined (DSEC_FAVOR_DYNMODS=0); never a mount call in these cases."""
