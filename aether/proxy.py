@@ -38,6 +38,7 @@ RAW_WAIT = 0.5              # transparent: a client that says nothing this long 
 CONNECT_TIMEOUT = 10.0
 MIRROR_PER_SANDBOX = 16     # connections one sandbox holds to the node's mirrors at once (pip and apt use a few)
 MIRROR_PER_TENANT = 128     # ... and one tenant's sandboxes together (100 installing at once fit)
+MIRROR_WAIT = 60.0          # seconds a connection past those waits for a place before it is refused (uv opens ~50)
 MAX_HELLO = (16 << 10) + 5
 log = logging.getLogger("aether.proxy")
 
@@ -144,15 +145,7 @@ class Connection:
             if not self.still_allowed():   # being decided (a CONNECT waiting for its first bytes) is seen here
                 raise Denied("no longer in the allow list")
             if self.mirror:      # the node's mirrors serve every tenant: 250 slow connections of one sandbox left
-                owner = self.sb.owner   # apt-cacher-ng answering no one (helper A3)
-                if self.sb.mirror_open >= MIRROR_PER_SANDBOX:
-                    raise Denied(f"the sandbox has {MIRROR_PER_SANDBOX} connections to the node's mirrors open (the "
-                                 "most one sandbox may)")
-                if self.proxy.mirror_open[owner] >= MIRROR_PER_TENANT:
-                    raise Denied(f"its tenant's sandboxes have {MIRROR_PER_TENANT} connections to the node's mirrors "
-                                 "open (the most one tenant may)")
-                self.sb.mirror_open += 1
-                self.proxy.mirror_open[owner] += 1
+                await self._mirror_place()   # apt-cacher-ng answering no one (helper A3)
                 mirrored = True
             upstream = self.upstream = await self._connect(target)
             await self._relay(upstream)
@@ -188,9 +181,27 @@ class Connection:
             if mirrored:
                 self.sb.mirror_open -= 1
                 _less(self.proxy.mirror_open, self.sb.owner)
+                self.proxy.mirror_freed()
             for s in (self.sock, upstream):
                 if s is not None:
                     s.close()
+
+    async def _mirror_place(self) -> None:
+        """Take a place among the sandbox's MIRROR_PER_SANDBOX connections to the node's mirrors and its
+        tenant's MIRROR_PER_TENANT, waiting up to MIRROR_WAIT for one to end (refused at once, the 17th of uv's
+        ~50 parallel downloads failed its install)."""
+        owner, loop = self.sb.owner, asyncio.get_running_loop()
+        until = loop.time() + MIRROR_WAIT
+        while self.sb.mirror_open >= MIRROR_PER_SANDBOX or self.proxy.mirror_open[owner] >= MIRROR_PER_TENANT:
+            try:
+                await asyncio.wait_for(self.proxy.mirror_free.wait(), max(0.0, until - loop.time()))
+            except asyncio.TimeoutError:
+                which = (f"the sandbox has {MIRROR_PER_SANDBOX}" if self.sb.mirror_open >= MIRROR_PER_SANDBOX
+                         else f"its tenant's sandboxes have {MIRROR_PER_TENANT}")
+                raise Denied(f"{which} connections to the node's mirrors open (the most it may) for "
+                             f"{MIRROR_WAIT:.0f}s") from None
+        self.sb.mirror_open += 1
+        self.proxy.mirror_open[owner] += 1
 
     async def _say(self, status: str, text: str) -> None:
         body = (text + "\n").encode()
@@ -400,6 +411,11 @@ class Proxy:
         self._tasks: set[asyncio.Task] = set()
         self.tenant_open: collections.Counter[str] = collections.Counter()   # connections open, by owner
         self.mirror_open: collections.Counter[str] = collections.Counter()   # ... to the node's mirrors
+        self.mirror_free = asyncio.Event()   # set (and replaced) when one of those ends: its waiters look again
+
+    def mirror_freed(self) -> None:
+        freed, self.mirror_free = self.mirror_free, asyncio.Event()
+        freed.set()
 
     @property
     def share(self) -> int:
