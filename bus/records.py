@@ -252,10 +252,10 @@ class SnapshotRecord(Wire, tag="snapshot"):
 
 
 class WarmPool(Wire, tag="warmpool"):
-    """KV dsec-warm-pools: every edge of a node pool keeps between `min` and `max` ready sandboxes of one
-    (layers, resources) key, sized by the recent rate of creates that match it; a matching create
-    claims one. Names (image, workspace, toolkit) are resolved by each edge, so a new version of a
-    layer turns the pool over to it."""
+    """KV dsec-warm-pools, under `<owner>.<name>` (warm_pool_key: each tenant names its pools in a space of its
+    own): every edge of a node pool keeps between `min` and `max` ready sandboxes of one (layers, resources)
+    key, sized by the recent rate of creates that match it; a matching create claims one. Names (image,
+    workspace, toolkit) are resolved by each edge, so a new version of a layer turns the pool over to it."""
 
     name: str = ""
     image: str = "busybox"
@@ -268,6 +268,12 @@ class WarmPool(Wire, tag="warmpool"):
     node_pool: str = "local"         # the edges of this node pool keep it
     updated_at: float = 0.0
     owner: str = ""                  # the tenant that set it (only it changes or removes it; "" = default)
+
+
+def warm_pool_key(owner: str, name: str) -> str:
+    """A warm pool's key in KV dsec-warm-pools: its owner's, then its name (one key space for every tenant
+    told a tenant another's pool names, "taken by another tenant", and let it squat them: helper A3)."""
+    return f"{owner or 'default'}.{name}"
 
 
 def pool_key(layers: list[LayerRef], r: Resources, kind: str = "container", owner: str = "default") -> str:

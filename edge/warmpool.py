@@ -30,7 +30,7 @@ from bus import streams, subjects
 from bus.conn import Bus, kv_watch
 from bus.errors import DsecError, ImageNotFound, InvalidRequest
 from bus.messages import LayerRef, Resources
-from bus.records import WarmPool, pool_key, warm_pool_decoder
+from bus.records import WarmPool, pool_key, warm_pool_decoder, warm_pool_key
 from bus.images import ImageRegistry
 from edge.backends.base import Backend, BackendError, Limits, SandboxGone, SandboxSpec
 from edge.capacity import Capacity
@@ -174,12 +174,12 @@ class WarmPools:
     # ---- settings ---------------------------------------------------------------------------------
 
     def _on_change(self, name: str, raw: bytes | None, revision: int) -> None:
-        spec = None
+        spec = None   # (name: the pool's key, <owner>.<name>)
         if raw is not None:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 spec = warm_pool_decoder.decode(raw)
         old = self.pools.get(name)
-        if spec is None or spec.node_pool != self.pool or spec.name != name:
+        if spec is None or spec.node_pool != self.pool or warm_pool_key(spec.owner, spec.name) != name:
             if old is not None:
                 self._drop(self.pools.pop(name))
         elif old is not None and _what(old.spec) == _what(spec):
@@ -320,7 +320,7 @@ class WarmPools:
         finally:
             self.filling -= 1
         self.started += 1
-        if self.pools.get(stock.spec.name) is not stock or stock.key != key:   # changed meanwhile
+        if self.pools.get(warm_pool_key(stock.spec.owner, stock.spec.name)) is not stock or stock.key != key:   # changed meanwhile
             self.retire(warm_id)
             return
         stock.ready.append((warm_id, time.monotonic()))

@@ -1,6 +1,7 @@
 """The control API's warm pool handlers: set, list and remove the settings in KV dsec-warm-pools (every
 edge of the node pool watches them) and count the ready sandboxes the edges report in their node records.
-A pool belongs to the tenant that set it: another tenant can neither see, change nor remove it."""
+A pool belongs to the tenant that set it, under a key of its own (`<tenant>.<name>`): another tenant can
+neither see, change nor remove it, and names its own pools as it likes."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,7 @@ from bus.apiwire import DeleteWarmPool, Done, ListWarmPools, SetWarmPool, WarmPo
 from bus.conn import Bus
 from bus.errors import DsecError, InvalidRequest, QuotaExceeded
 from bus.messages import encode
-from bus.records import WarmPool, node_decoder, pool_key, quota_decoder, warm_pool_decoder
+from bus.records import WarmPool, node_decoder, pool_key, quota_decoder, warm_pool_decoder, warm_pool_key
 from bus.validate import check_warm_pool
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ class WarmPools:
     def handlers(self) -> dict:
         return {SetWarmPool: self._set, ListWarmPools: self._list, DeleteWarmPool: self._delete}
 
-    async def _spec(self, name: str) -> WarmPool | None:
-        raw = await self.bus.kv_get(streams.WARM_POOLS_KV, name)
+    async def _spec(self, tenant: str, name: str) -> WarmPool | None:
+        raw = await self.bus.kv_get(streams.WARM_POOLS_KV, warm_pool_key(tenant, name))
         try:
             return warm_pool_decoder.decode(raw) if raw is not None else None
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -55,16 +56,11 @@ class WarmPools:
         pools = await self.bus.kv_values(streams.WARM_POOLS_KV, warm_pool_decoder)   # (read once for both checks)
         await self._within_quota(tenant, spec, pools)
         self._within_count(tenant, spec, pools)
+        key = warm_pool_key(tenant, spec.name)
         for _ in range(3):
-            raw, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, spec.name)
-            try:
-                prior = warm_pool_decoder.decode(raw) if raw is not None else None
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                prior = None
-            if prior is not None and owner_of(prior) != tenant:
-                raise InvalidRequest(f"warm pool name {spec.name!r} is taken by another tenant: choose another")
-            if await self.bus.kv_cas(streams.WARM_POOLS_KV, spec.name, encode(spec), revision) is not None:
-                return spec   # (over exactly what was checked: two tenants taking one new name, one wins)
+            _, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, key)
+            if await self.bus.kv_cas(streams.WARM_POOLS_KV, key, encode(spec), revision) is not None:
+                return spec   # (over exactly what was checked: two sets of one new pool, one wins)
         raise InvalidRequest(f"warm pool {spec.name!r} is being changed by someone else: try again")
 
     async def _within_quota(self, tenant: str, spec: WarmPool, pools: list[WarmPool]) -> None:
@@ -80,8 +76,8 @@ class WarmPools:
                 q = None
             if q is None:
                 continue
-            held = [p for p in pools
-                    if p.name != spec.name and subjects.tenant_root(owner_of(p)) == subjects.tenant_root(account)
+            held = [p for p in pools if (owner_of(p), p.name) != (tenant, spec.name)
+                    and subjects.tenant_root(owner_of(p)) == subjects.tenant_root(account)
                     and (account == subjects.tenant_root(account) or owner_of(p) == account)] + [spec]
             kept = sum(p.max for p in held)
             cpu = sum(p.max * p.resources.cpu for p in held)
@@ -106,10 +102,10 @@ class WarmPools:
     async def _delete(self, tenant: str, req: DeleteWarmPool) -> Done:
         """Every edge then destroys the pool's ready sandboxes (claimed ones live on)."""
         named = isinstance(req.name, str) and subjects.is_token(req.name)   # (a bad key was a BusError)
-        prior = await self._spec(req.name) if named else None
+        prior = await self._spec(tenant, req.name) if named else None
         if prior is None or owner_of(prior) != tenant:
             raise InvalidRequest(f"no warm pool named {req.name!r}")
-        await self.bus.kv_delete(streams.WARM_POOLS_KV, req.name)
+        await self.bus.kv_delete(streams.WARM_POOLS_KV, warm_pool_key(tenant, req.name))
         self._sweep_soon()
         return Done()
 

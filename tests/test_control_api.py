@@ -60,9 +60,15 @@ async def test_a_tenant_sees_only_its_own_sandboxes_snapshots_and_pools(stack, c
                 await other.create(from_snapshot=snap, timeout=5)
             assert "api-a-pool" in [p.spec.name for p in await client.warm_pools()]
             assert "api-a-pool" not in [p.spec.name for p in await other.warm_pools()]
-            with pytest.raises(libdsec.InvalidRequest, match="taken by another tenant"):
-                await other.set_warm_pool("api-a-pool", min=0, max=1)
             with pytest.raises(libdsec.InvalidRequest, match="no warm pool"):
+                await other.delete_warm_pool("api-a-pool")
+            # B names a pool of its own as it likes: one of A's names tells it nothing, squats nothing (helper A3:
+            # "taken by another tenant"), and the two pools are each their tenant's alone
+            await other.set_warm_pool("api-a-pool", min=0, max=1)
+            try:
+                assert [(p.spec.name, p.spec.max) for p in await other.warm_pools()] == [("api-a-pool", 1)]
+                assert [p.spec.max for p in await client.warm_pools() if p.spec.name == "api-a-pool"] == [0]
+            finally:
                 await other.delete_warm_pool("api-a-pool")
             assert [p.spec.max for p in await client.warm_pools() if p.spec.name == "api-a-pool"] == [0]
             assert await client.snapshot(snap.id) == snap        # A's own still are

@@ -665,7 +665,7 @@ async def test_dsec_iam_adds_limits_refuses_removal_with_live_sandboxes_and_revo
                 rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key(account, sid))
                 assert b'"destroyed"' in rec   # destroyed first, then the accounts went
             assert not Path(pcreds).exists() and "cli-t__p1" not in iam.Iam.load(Path(state)).tenants
-            assert await stack.bus.kv_get(streams.WARM_POOLS_KV, "cli-t-pool") is None   # (it kept its name: T2)
+            assert await stack.bus.kv_get(streams.WARM_POOLS_KV, "cli-t.cli-t-pool") is None   # (it kept its name: T2)
         p = await asyncio.to_thread(run_dsec, "ls", "--nats", url, creds=str(kept))
         assert p.returncode == 1 and "AuthenticationFailed" not in p.stderr and "refused the credential" in p.stderr, \
             p.stderr

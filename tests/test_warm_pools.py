@@ -87,7 +87,7 @@ async def test_warm_sandboxes_are_reachable_by_no_one(stack, client):
 async def test_hits_misses_and_metrics(stack, client):
     from cli.metrics import StackCollector
     async with warm_pool(stack, client, "counted", min=0, max=0) as pools:   # a pool that never fills
-        await wait_for(lambda: "counted" in pools.pools and pools.pools["counted"].key, what="pool resolved")
+        await wait_for(lambda: "default.counted" in pools.pools and pools.pools["default.counted"].key, what="pool resolved")
         misses = pools.misses
         sb = await client.create()
         await sb.destroy()
@@ -105,7 +105,7 @@ async def test_the_pool_grows_with_demand_within_its_bounds(stack, client, monke
     monkeypatch.setattr(edge.warmpool, "WINDOW", 120.0)   # a window no slow machine outlasts:
     monkeypatch.setattr(edge.warmpool, "HORIZON", 40.0)   # a third of the creates seen so far
     async with warm_pool(stack, client, "adaptive", min=0, max=3) as pools:
-        await wait_for(lambda: "adaptive" in pools.pools and pools.pools["adaptive"].key, what="pool resolved")
+        await wait_for(lambda: "default.adaptive" in pools.pools and pools.pools["default.adaptive"].key, what="pool resolved")
         assert pools.ready() == 0          # no demand yet: min
         boxes = await client.create_many(6)
         await asyncio.gather(*(b.destroy() for b in boxes))
@@ -190,7 +190,7 @@ async def test_a_tenant_has_at_most_max_pools_and_deleted_ones_leave_no_markers(
 
     async def markers() -> int:
         info = await stack.bus.js.stream_info(f"KV_{streams.WARM_POOLS_KV}",
-                                              subjects_filter=f"$KV.{streams.WARM_POOLS_KV}.many-*")
+                                              subjects_filter=f"$KV.{streams.WARM_POOLS_KV}.default.many-*")
         return len(info.state.subjects or {})
     for _ in range(50):
         if not await markers():
@@ -207,7 +207,7 @@ async def test_a_tenant_has_at_most_max_pools_and_deleted_ones_leave_no_markers(
         assert await stack.bus.kv_purge_deletes(streams.WARM_POOLS_KV, older_than=0.5) >= 1
         info = await stack.bus.js.stream_info(f"KV_{streams.WARM_POOLS_KV}",
                                               subjects_filter=f"$KV.{streams.WARM_POOLS_KV}.>")
-        assert list(info.state.subjects) == [f"$KV.{streams.WARM_POOLS_KV}.keeper"], info.state
+        assert list(info.state.subjects) == [f"$KV.{streams.WARM_POOLS_KV}.default.keeper"], info.state
         assert "keeper" in {p.spec.name for p in await client.warm_pools()}
     finally:
         await client.delete_warm_pool("keeper")
@@ -251,7 +251,7 @@ async def test_the_node_record_shows_its_warm_stock_and_layers(stack, client):
     from bus.records import layer_mark, node_decoder, pool_key
     async with warm_pool(stack, client, "advertised", min=1, max=1) as pools:
         await wait_for(lambda: pools.ready() == 1, what="pool filled")
-        stock = pools.pools["advertised"]
+        stock = pools.pools["default.advertised"]
         key, marks = stock.key, [layer_mark(la.digest) for la in stock.layers]
         assert key == pool_key(stock.layers, stock.spec.resources)
 
