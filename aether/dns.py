@@ -11,6 +11,7 @@ import time
 from typing import NamedTuple
 
 A, AAAA = 1, 28
+IN = 1                             # the Internet class (CH, HS, ANY: no address)
 NOERROR, SERVFAIL, NXDOMAIN, REFUSED = 0, 2, 3, 5
 MIN_TTL, MAX_TTL = 5, 300          # seconds a resolution is pinned, whatever the upstream said
 QUERY_TIMEOUT = 2.0

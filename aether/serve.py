@@ -68,8 +68,8 @@ class Dns(asyncio.DatagramProtocol):
             self.proxy.note(sb, Decision(time.time(), "denied", q.name, "", 53, reason="a DNS query for a name "
                                          "not in the allow list"))
             reply = dns.answer(q, dns.NXDOMAIN)
-        elif q.qtype != dns.A:
-            reply = dns.answer(q, dns.NOERROR)          # no AAAA (no IPv6), nothing else
+        elif q.qtype != dns.A or q.qclass != dns.IN:
+            reply = dns.answer(q, dns.NOERROR)          # no AAAA (no IPv6), nothing else (a CH question got an A)
         elif sb.lookups >= LOOKUPS_PER_SANDBOX:     # its own flood waits on itself, not on the node
             reply = dns.answer(q, dns.SERVFAIL)
         else:

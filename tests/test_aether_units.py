@@ -7,6 +7,8 @@ import os
 import random
 import ssl
 import struct
+import time
+import types
 
 import pytest
 
@@ -85,9 +87,23 @@ def test_names_dns_cannot_carry_are_no_host_names():
         assert not dns.valid_name(bad), bad
 
 
-def query(name: str, qtype: int = dns.A, flags: int = 0x0100) -> bytes:
+def query(name: str, qtype: int = dns.A, flags: int = 0x0100, qclass: int = dns.IN) -> bytes:
     labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
-    return struct.pack(">6H", 0x1234, flags, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", qtype, 1)
+    return struct.pack(">6H", 0x1234, flags, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", qtype, qclass)
+
+
+async def test_a_question_of_another_class_than_internet_gets_no_address():
+    """Helper A3: a class-CH question for an allowed name was answered with the name's IN A record."""
+    from aether.proxy import Proxy
+    from aether.serve import Dns
+    proxy = Proxy(Guard(["198.51.100.0/24"], "10.250.0.0/16"), dns.Pins(("127.0.0.1", 9)), 0)
+    sb = proxy.sandboxes["10.250.0.2"] = SandboxState.of("sb1", Network(mode="proxied", allow=["a.test"]))
+    proxy.pins._cache["a.test"] = (time.monotonic() + 60, ["198.51.100.2"])   # (pinned: no upstream asked)
+    resolver, sent = Dns(proxy), []
+    resolver.transport = types.SimpleNamespace(sendto=lambda data, addr: sent.append(data))
+    for qclass, want in ((dns.IN, ["198.51.100.2"]), (3, []), (255, [])):   # IN, CH, ANY
+        await resolver._answer(sb, dns.parse_query(query("a.test", qclass=qclass)), ("10.250.0.2", 5353))
+        assert dns._parse_a_records(sent.pop(), 0x1234)[:2] == (dns.NOERROR, want), qclass
 
 
 def test_dns_questions_are_read_and_answered():
