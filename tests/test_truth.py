@@ -4,6 +4,7 @@ edge's outbox surviving a crash. Each against a real nats-server (killed and res
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import re
 import signal
@@ -56,7 +57,9 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
     recorded' after 8 s: the record stayed ready for good and the quota stayed held).
     In flight at the kill, each held 1 s in the node's backend: a destroy and a create. Each is answered
     only once its record is stored, after the servers are back (before: after RECORD_WAIT, 8 s, the records
-    still `ready` and `starting`: a cleanup by the `ready` records missed a sandbox that was running)."""
+    still `ready` and `starting`: a cleanup by the `ready` records missed a sandbox that was running). A third,
+    a create whose answer is lost and whose time runs out meanwhile, is destroyed once it is up (before: it ran
+    on, unseen, until its TTL)."""
     from bus.cluster import NatsCluster
     from cli.stack import Stack
     from edge.capacity import EdgeConfig
@@ -73,24 +76,35 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
         await boot.close()
         await st.start()
         async with libdsec.AsyncClient(cluster.urls[0], creds=str(ids.creds_path("tenant:default"))) as client:
-            await set_quota(st.bus, Quota(tenant="default", max_sandboxes=3))
+            await set_quota(st.bus, Quota(tenant="default", max_sandboxes=4))
             await asyncio.sleep(0.5)   # placement's quota watch
             sb = await client.create(ttl=3)
             doomed = await client.create()
             backend, inside = st.edge.backend, {"create": asyncio.Event(), "destroy": asyncio.Event()}
+            entered = collections.Counter()
 
-            def held(name: str, real):
+            def held(name: str, real, want: int):
                 async def call(*args, **kw):
-                    inside[name].set()
+                    entered[name] += 1
+                    if entered[name] == want:
+                        inside[name].set()
                     await asyncio.sleep(1)
                     return await real(*args, **kw)
                 return call
 
             async def answered(call):
                 return await call, time.monotonic()
-            backend.create, backend.destroy = held("create", backend.create), held("destroy", backend.destroy)
+            started = st.edge.creates._started
+
+            async def late(req):   # the answer to the create labelled so comes past its deadline (lost)
+                if req.labels.get("answer") == "late":
+                    await asyncio.sleep(req.deadline - time.time() + 1)
+                await started(req)
+            st.edge.creates._started = late
+            backend.create, backend.destroy = held("create", backend.create, 2), held("destroy", backend.destroy, 1)
             destroying = asyncio.ensure_future(answered(doomed.destroy(timeout=60)))
             creating = asyncio.ensure_future(answered(client.create(timeout=60)))
+            lost = asyncio.ensure_future(client.create(timeout=6, labels={"answer": "late"}))
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in inside.values())), 20)
             cluster.kill(1)
             cluster.kill(2)
@@ -100,16 +114,22 @@ async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_
                 assert time.monotonic() - t0 < 30, "the TTL must fire while the records have no quorum"
                 await asyncio.sleep(0.2)
             assert not destroying.done() and not creating.done(), "answered while their records had no quorum"
+            # the lost answer's create: its time ran out while its record could not be read (its sandbox came up
+            # all the same, and ran on unseen until its TTL: helper F4)
+            with pytest.raises(libdsec.CapacityUnavailable, match="destroyed once it is up") as err:
+                await lost
+            unseen = err.value.details["sandbox_id"]
             back = time.monotonic()
             await asyncio.gather(asyncio.to_thread(cluster.restart, 1), asyncio.to_thread(cluster.restart, 2))
             (_, destroyed_at), (new, created_at) = await asyncio.wait_for(asyncio.gather(destroying, creating), 60)
             assert destroyed_at > back and created_at > back
             assert (await _record(st.bus, doomed.id)).state == "destroyed"   # stored before the answer
             assert (await _record(st.bus, new.id)).state == "ready"
+            assert (await _until(lambda: _record_in(st.bus, unseen, "destroyed"), 40)).state == "destroyed"
             rec = await _until(lambda: _record_in(st.bus, sb.id, "expired"), 40)
             assert rec.state == "expired"
             assert await _until(lambda: _has_events(st.bus, sb.id, ["created", "expired"]), 20)
-            again = [await client.create(timeout=30) for _ in range(2)]   # the quota they held is free
+            again = [await client.create(timeout=30) for _ in range(3)]   # the quota they held is free
             for x in [new, *again]:
                 await x.destroy()
 
