@@ -31,6 +31,8 @@ RECHECK_EVERY = 3.0   # seconds without a reply after which the sandbox's record
 SETTLE_EVERY = 0.25   # how often a cancelled create's or a starting sandbox's record is read again
 SETTLE_SLOWLY = 2.0   # ... once its deadline is past
 ABANDON_AFTER = 60.0  # seconds past its deadline a create given up on is watched, to be destroyed if it comes up
+UNKNOWN = object()    # a record that could not be read
+CLAIM_SEEN = 1.0      # seconds past a create's deadline by which a node's claim of it (written before) is read
 CLOSE_WAIT = 15.0     # seconds close() waits for cancelled creates to settle (each destroyed once ready)
 FINAL = ("destroyed", "expired", "failed", "node_lost")   # states a sandbox never leaves
 
@@ -401,16 +403,23 @@ class AsyncClient:
 
     async def _abandon_when_settled(self, sandbox_id: str, deadline: float) -> None:
         """A create given up on: destroyed once it is ready. It may still be starting, or wait for room until
-        its deadline, past which no node starts it; one its node started just before then is recorded ready
-        when the bus takes its record, which after a server of 3 was killed came up to 30 s later (helper F4:
-        18 sandboxes of creates that timed out ran on until their TTL; one read of the record, 2 s, saw them
-        starting). So it is watched until ABANDON_AFTER past the deadline, more slowly once that passed. A
-        cancelled create ran on too, a VM of 352 MiB no one held, until its TTL (helper V)."""
+        its deadline, past which no node starts it (a node claims the id, `starting`, before it starts a
+        sandbox: with no record past the deadline, none ever will). One its node started just before then is
+        recorded ready when the bus takes its record, which after a server of 3 was killed came up to 30 s
+        later (helper F4: 18 sandboxes of creates that timed out ran on until their TTL; one read of the
+        record, 2 s, saw them starting). So one starting, or whose record cannot be read, is watched until
+        ABANDON_AFTER past the deadline, more slowly once that passed. A cancelled create ran on too, a VM
+        of 352 MiB no one held, until its TTL (helper V)."""
         while time.time() < deadline + ABANDON_AFTER:
-            rec = await self._record_quiet(sandbox_id)
-            if rec is not None and rec.state in FINAL:
+            try:
+                rec = await asyncio.wait_for(self._record(sandbox_id), timeout=2)
+            except (DsecError, asyncio.TimeoutError):
+                rec = UNKNOWN
+            if rec is None and time.time() > deadline + CLAIM_SEEN:
+                return   # never claimed by its deadline: never started
+            if rec is not None and rec is not UNKNOWN and rec.state in FINAL:
                 return
-            if rec is not None and rec.state == "ready":
+            if rec is not None and rec is not UNKNOWN and rec.state == "ready":
                 with contextlib.suppress(DsecError, asyncio.TimeoutError):
                     await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
                 return
