@@ -5,6 +5,8 @@ metadata, documentation, reserved, multicast, IPv6) unless the node's operator a
 (`dsec edge --aether-allow-cidr`); the host and the sandboxes stay denied even then."""
 from __future__ import annotations
 
+import collections
+
 import ipaddress
 import time
 from dataclasses import dataclass, field
@@ -84,6 +86,8 @@ class SandboxState:
     tenant: str = ""        # whose (its tenant: a project's is the tenant above it)
     open: int = 0
     mirror_open: int = 0    # of those, to the node's mirrors
+    mirror_queue: collections.deque = field(default_factory=collections.deque)   # futures of those waiting for a
+    mirror_waiting: int = 0     # place (proxy.Proxy.give_mirror), and how many of them still wait
     pending: list[Decision] = field(default_factory=list)
     window_start: float = 0.0
     written: int = 0        # decisions written in this window
