@@ -87,7 +87,7 @@ class SandboxState:
     open: int = 0
     mirror_open: int = 0    # of those, to the node's mirrors
     mirror_queue: collections.deque = field(default_factory=collections.deque)   # futures of those waiting for a
-    mirror_waiting: int = 0     # place (proxy.Proxy.give_mirror), and how many of them still wait
+    mirror_waiting: int = 0     # place (aether/mirrorplaces.py), and how many of them still wait
     pending: list[Decision] = field(default_factory=list)
     window_start: float = 0.0
     written: int = 0        # decisions written in this window

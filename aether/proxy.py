@@ -30,14 +30,13 @@ import time
 
 from aether import relay, sniff
 from aether.dns import DnsError, Pins
+from aether.mirrorplaces import MirrorPlaces
 from aether.policy import Decision, Guard, SandboxState
 
 SO_ORIGINAL_DST = 80
 FIRST_BYTES = 10.0          # seconds a connection has to send its first bytes (TLS or HTTP, or raw)
 RAW_WAIT = 0.5              # transparent: a client that says nothing this long is a server-speaks-first one
 CONNECT_TIMEOUT = 10.0
-MIRROR_PER_SANDBOX = 16     # connections one sandbox holds to the node's mirrors at once (pip and apt use a few)
-MIRROR_PER_TENANT = 128     # ... and one tenant's sandboxes together (100 installing at once fit)
 MIRROR_WAIT = 60.0          # seconds a connection past those waits for a place before it is refused (uv opens ~50)
 MAX_HELLO = (16 << 10) + 5
 log = logging.getLogger("aether.proxy")
@@ -179,37 +178,34 @@ class Connection:
                 self.sb.open -= 1
                 _less(self.proxy.tenant_open, self.sb.owner)
             if mirrored:
-                self.proxy.give_mirror(self.sb)
+                self.proxy.mirrors_held.give(self.sb)
             for s in (self.sock, upstream):
                 if s is not None:
                     s.close()
 
     async def _mirror_place(self) -> None:
-        """Take a place among the sandbox's MIRROR_PER_SANDBOX connections to the node's mirrors and its
-        tenant's MIRROR_PER_TENANT, or wait up to MIRROR_WAIT, in turn, for one to be handed over (refused at
-        once, the 17th of uv's ~50 parallel downloads failed its install). A place that frees is handed to one
-        waiter (each end woke every waiter on the node: 2,350 of one tenant made each end cost 9 ms: helper A4)."""
-        sb, proxy = self.sb, self.proxy
-        if proxy.mirror_room(sb) and not sb.mirror_waiting:
-            proxy.take_mirror(sb)
+        """Take a place among the sandbox's and its tenant's connections to the node's mirrors, or wait up to
+        MIRROR_WAIT, in turn, for one to be handed over (refused at once, the 17th of uv's ~50 parallel
+        downloads failed its install)."""
+        sb, places = self.sb, self.proxy.mirrors_held
+        if places.room(sb) and not sb.mirror_waiting:
+            places.take(sb)
             return
         handed = asyncio.get_running_loop().create_future()
-        proxy.queue_mirror(sb, handed)
+        places.queue(sb, handed)
         try:
             await asyncio.wait_for(asyncio.shield(handed), MIRROR_WAIT)
         except asyncio.TimeoutError:
             if handed.done():   # (handed over as the wait ended)
                 return
-            proxy.unqueue_mirror(sb, handed)
-            which = (f"the sandbox has {MIRROR_PER_SANDBOX}" if sb.mirror_open >= MIRROR_PER_SANDBOX
-                     else f"its tenant's sandboxes have {MIRROR_PER_TENANT}")
-            raise Denied(f"{which} connections to the node's mirrors open (the most it may) for "
+            places.unqueue(sb, handed)
+            raise Denied(f"{places.full(sb)} connections to the node's mirrors open (the most it may) for "
                          f"{MIRROR_WAIT:.0f}s") from None
         except asyncio.CancelledError:
             if handed.done():
-                proxy.give_mirror(sb)
+                places.give(sb)
             else:
-                proxy.unqueue_mirror(sb, handed)
+                places.unqueue(sb, handed)
             raise
 
     async def _say(self, status: str, text: str) -> None:
@@ -419,59 +415,7 @@ class Proxy:
         self._reporting: set[SandboxState] = set()
         self._tasks: set[asyncio.Task] = set()
         self.tenant_open: collections.Counter[str] = collections.Counter()   # connections open, by owner
-        self.mirror_open: collections.Counter[str] = collections.Counter()   # ... to the node's mirrors
-        self.mirror_queued: dict[str, dict[SandboxState, None]] = {}   # owner -> its sandboxes with waiters
-
-    # ---- places to the node's mirrors (Connection._mirror_place) ----------------------------------------
-
-    def mirror_room(self, sb: SandboxState) -> bool:
-        return sb.mirror_open < MIRROR_PER_SANDBOX and self.mirror_open[sb.owner] < MIRROR_PER_TENANT
-
-    def take_mirror(self, sb: SandboxState) -> None:
-        sb.mirror_open += 1
-        self.mirror_open[sb.owner] += 1
-
-    def queue_mirror(self, sb: SandboxState, handed: asyncio.Future) -> None:
-        sb.mirror_queue.append(handed)
-        sb.mirror_waiting += 1
-        self.mirror_queued.setdefault(sb.owner, {})[sb] = None
-
-    def unqueue_mirror(self, sb: SandboxState, handed: asyncio.Future) -> None:
-        """A waiter that gave up (left in the queue, skipped when reached)."""
-        handed.cancel()
-        sb.mirror_waiting -= 1
-        if not sb.mirror_waiting:
-            self._settled(sb)
-
-    def give_mirror(self, sb: SandboxState) -> None:
-        """A place of sb's ends: handed to sb's first waiter, else to the first waiter of another of its
-        tenant's sandboxes that has room of its own."""
-        sb.mirror_open -= 1
-        _less(self.mirror_open, sb.owner)
-        queued = self.mirror_queued.get(sb.owner)
-        if not queued:
-            return
-        for other in ([sb] if sb in queued else []) + [o for o in queued if o is not sb]:
-            if not self.mirror_room(other):
-                continue
-            while other.mirror_queue:
-                handed = other.mirror_queue.popleft()
-                if not handed.done():
-                    self.take_mirror(other)
-                    handed.set_result(None)
-                    other.mirror_waiting -= 1
-                    if not other.mirror_waiting:
-                        self._settled(other)
-                    return
-
-    def _settled(self, sb: SandboxState) -> None:
-        """sb has no waiter left."""
-        sb.mirror_queue.clear()
-        queued = self.mirror_queued.get(sb.owner, {})
-        queued.pop(sb, None)
-        if not queued:
-            self.mirror_queued.pop(sb.owner, None)
-
+        self.mirrors_held = MirrorPlaces()   # connections to the node's mirrors, by sandbox and owner, and waiters
     @property
     def share(self) -> int:
         """The most one sandbox holds at once, whatever its policy says: a quarter of what this process's fds

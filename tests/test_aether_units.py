@@ -272,13 +272,14 @@ async def test_a_freed_mirror_place_is_handed_to_one_waiter_in_turn():
     9 ms of the proxy, and another tenant's fetches 100-380 ms (helper A4). A place now goes to one waiter, the
     sandbox's first; the others are not woken (nothing more is scheduled than that one), and a waiter that
     gives up leaves nothing behind."""
-    from aether.proxy import MIRROR_PER_SANDBOX, Connection, Proxy
+    from aether.mirrorplaces import MIRROR_PER_SANDBOX
+    from aether.proxy import Connection, Proxy
     proxy = Proxy(Guard([], "10.250.0.0/16"), dns.Pins(None), 0)
     a = SandboxState.of("sba", Network(mode="mirror-only"), tenant="ta")
     b = SandboxState.of("sbb", Network(mode="mirror-only"), tenant="tb")
     for _ in range(MIRROR_PER_SANDBOX):
-        proxy.take_mirror(a)
-        proxy.take_mirror(b)
+        proxy.mirrors_held.take(a)
+        proxy.mirrors_held.take(b)
     order: list[tuple[str, int]] = []
 
     async def wait(sb, i):
@@ -288,18 +289,18 @@ async def test_a_freed_mirror_place_is_handed_to_one_waiter_in_turn():
     await asyncio.sleep(0.05)
     assert a.mirror_waiting == b.mirror_waiting == 2000 and not order
     loop = asyncio.get_running_loop()
-    proxy.give_mirror(b)
+    proxy.mirrors_held.give(b)
     assert len(loop._ready) <= 2, len(loop._ready)   # one waiter's wake-up (old: all 4,000 at once)
     for _ in range(5):
         await asyncio.sleep(0)
     assert order == [("sbb", 0)] and b.mirror_open == MIRROR_PER_SANDBOX and b.mirror_waiting == 1999
     waiters[0].cancel()   # a's first gives up: the next place of a goes to a's second
     await asyncio.sleep(0)
-    proxy.give_mirror(a)
+    proxy.mirrors_held.give(a)
     for _ in range(5):
         await asyncio.sleep(0)
     assert order == [("sbb", 0), ("sba", 1)] and a.mirror_waiting == 1998
     for w in waiters:
         w.cancel()
     await asyncio.gather(*waiters, return_exceptions=True)
-    assert proxy.mirror_queued == {} and a.mirror_waiting == b.mirror_waiting == 0
+    assert proxy.mirrors_held.queued == {} and proxy.mirrors_held.held == {"ta": 16, "tb": 16} and a.mirror_waiting == b.mirror_waiting == 0

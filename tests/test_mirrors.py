@@ -137,7 +137,7 @@ async def test_one_sandbox_holds_at_most_its_share_of_the_nodes_mirrors(client, 
     at once (its tenant's sandboxes MIRROR_PER_TENANT); the rest wait in the proxy for a place (they were
     refused: uv's ~50 parallel downloads failed an install), so 40 requests at once are all served."""
     import psutil
-    from aether.proxy import MIRROR_PER_SANDBOX
+    from aether.mirrorplaces import MIRROR_PER_SANDBOX
     apt = next(m for m in stack.edge.network.mirrors if m.name == "apt")
 
     def reaching_apt() -> int:
