@@ -48,8 +48,9 @@ class MirrorPlaces:
             self._settled(sb)
 
     def give(self, sb: SandboxState) -> None:
-        """A place of sb's ends: handed to sb's first waiter, else to the first waiter of another of its
-        tenant's sandboxes that has room of its own."""
+        """A place of sb's ends: handed to the first waiter of the first of its tenant's sandboxes, in turn,
+        that has room of its own (sb's own first waiters took every place it freed, and a sandbox of the same
+        tenant with none waited out its 60 s: review R5); that sandbox goes to the end of the turn."""
         sb.mirror_open -= 1
         self.held[sb.owner] -= 1
         if self.held[sb.owner] <= 0:
@@ -57,7 +58,7 @@ class MirrorPlaces:
         queued = self.queued.get(sb.owner)
         if not queued:
             return
-        for other in ([sb] if sb in queued else []) + [o for o in queued if o is not sb]:
+        for other in list(queued):
             if not self.room(other):
                 continue
             while other.mirror_queue:
@@ -68,6 +69,9 @@ class MirrorPlaces:
                     other.mirror_waiting -= 1
                     if not other.mirror_waiting:
                         self._settled(other)
+                    else:
+                        del queued[other]
+                        queued[other] = None
                     return
 
     def _settled(self, sb: SandboxState) -> None:

@@ -207,6 +207,9 @@ class Connection:
             else:
                 places.unqueue(sb, handed)
             raise
+        if self.sock is not None and _closed(self.sock):   # its client gave up waiting (pip's 15 s, uv's 30 s):
+            places.give(sb)                                 # the place goes on, no connection to the mirror
+            raise ConnectionError("the sandbox closed it while it waited for a place at the node's mirrors")
 
     async def _say(self, status: str, text: str) -> None:
         body = (text + "\n").encode()
@@ -396,6 +399,16 @@ class Connection:
             up.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer closed sock (nothing left to read but its end)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _less(counts: collections.Counter, key: str) -> None:

@@ -8,7 +8,7 @@ import click
 
 from bus import streams, subjects
 from bus.conn import Bus
-from bus.errors import BusError, BusUnavailable, PermissionDenied
+from bus.errors import AuthenticationFailed, BusError, BusUnavailable, PermissionDenied
 from bus.records import quota_decoder
 from cli.main import connect, fail, main, nats_option, run_async
 from bus import nodes
@@ -53,7 +53,7 @@ async def read_nodes(bus: Bus, read_for: float = READ_FOR):
         try:
             items = await bus.kv_items(streams.NODES_KV)
             break
-        except (BusUnavailable, PermissionDenied):
+        except (BusUnavailable, AuthenticationFailed, PermissionDenied):
             raise
         except BusError:
             if time.monotonic() >= until:

@@ -147,7 +147,7 @@ class OpLane:
     async def _answer(self, op, work) -> None:
         """Run work (unless the op expired) and answer the op once, whatever happens. A change work makes is
         answered once its record is stored, or just before the op's deadline (edge.sandboxes.ANSWERING_BY)."""
-        answering = ANSWERING_BY.set(op.deadline)
+        answering = ANSWERING_BY.set((op.deadline, asyncio.current_task()))
         try:
             if op.deadline and time.time() > op.deadline:
                 work.close()

@@ -46,7 +46,10 @@ REPLY_MARGIN = 1.0      # seconds before its caller's deadline such an answer go
 # stored, or just before that deadline. Not a fixed RECORD_WAIT: with one server of 3 killed, the bucket's new
 # leader and the outbox's backoff took past 8 s, and create() or destroy() returned before its record said
 # so: a cleanup by the `ready` records missed a sandbox still running (helper F3).
-ANSWERING_BY: contextvars.ContextVar[float] = contextvars.ContextVar("answering_by", default=0.0)
+# Held with the task answering it: a task or callback made meanwhile inherits the variable (a sandbox's death
+# watcher registered by a rollback), and its changes are nobody's answer.
+ANSWERING_BY: contextvars.ContextVar[tuple[float, object]] = contextvars.ContextVar("answering_by",
+                                                                                    default=(0.0, None))
 ENDED_KEPT = 100_000    # sandboxes that ended here whose final state is remembered (a late op's answer)
 
 
@@ -473,7 +476,9 @@ async def wait_stored(stored: asyncio.Future, sandbox_id: str, until: float = 0.
 def record_wait(until: float = 0.0) -> float:
     """Seconds to wait for a record: until `until` (else the deadline of the request being answered) less
     REPLY_MARGIN, at most RECORD_WAIT_MAX; RECORD_WAIT when there is no deadline."""
-    until = until or ANSWERING_BY.get()
+    if not until:
+        by, task = ANSWERING_BY.get()
+        until = by if task is not None and task is asyncio.current_task() else 0.0
     if not until:
         return RECORD_WAIT
     return min(RECORD_WAIT_MAX, max(0.2, until - time.time() - REPLY_MARGIN))

@@ -331,6 +331,7 @@ class AsyncClient:
         req = msgspec.structs.replace(req, reply_to=reply_to)
         queued = ""
         unsent: BusError | None = None
+        doubtful = False   # a read of its record failed meanwhile (the bus in trouble: its record may come late)
         try:
             # A publish the bus did not ack may still be taken (it waits in our connection's buffer, or in a
             # stopped server's socket): so not an error yet. It is sent again (its msg id stores it once)
@@ -346,7 +347,9 @@ class AsyncClient:
                         unsent = await self._send_create(bus, req)
                     # A reply is a core message: one sent while our connection moved to another server
                     # is gone. The sandbox's record says whether it was served meanwhile.
-                    rec = await self._record_quiet(req.sandbox_id)
+                    rec = await self._record_read(req.sandbox_id)
+                    if rec is UNKNOWN:
+                        doubtful, rec = True, None
                     if rec is not None and rec.request_id == req.request_id and rec.state == "ready":
                         return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend, rec.network)
                     if rec is not None and rec.request_id == req.request_id:
@@ -366,17 +369,18 @@ class AsyncClient:
                         queued = reply.reason or "queued"
                     case ErrorReply():   # (the id tells which sandbox, e.g. one lost with its node)
                         raise from_code(reply.code, reply.message, reason=reply.reason, sandbox_id=req.sandbox_id)
-            self._abandon_later(req.sandbox_id, req.deadline)
+            await self._abandon_now_or_later(req.sandbox_id, req.deadline, doubtful or unsent is not None)
             if unsent is not None:
-                raise BusError(f"{unsent}; the create was not taken within {timeout:.0f}s and expires: it will not "
-                               f"start later (sandbox {req.sandbox_id})", sandbox_id=req.sandbox_id) from unsent
+                raise BusError(f"{unsent}; the create was not taken within {timeout:.0f}s and expires: no node "
+                               f"starts it later, and one that was starting as the time ran out is destroyed once "
+                               f"it is up (sandbox {req.sandbox_id})", sandbox_id=req.sandbox_id) from unsent
             why = f" (queued: {queued})" if queued else ""
             raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; the request "
                                       f"expires: no node starts it later, and one that was starting as the time ran "
                                       f"out is destroyed once it is up (sandbox {req.sandbox_id})",
                                       sandbox_id=req.sandbox_id)
         except asyncio.CancelledError:   # the caller gave up (wait_for, Ctrl-C): it must not run on unseen
-            self._abandon_later(req.sandbox_id, req.deadline)
+            self._abandon_later(req.sandbox_id, req.deadline, doubtful or unsent is not None)
             raise
         finally:
             replies.forget(req.request_id)
@@ -389,34 +393,49 @@ class AsyncClient:
 
     async def _record_quiet(self, sandbox_id: str):
         """The sandbox's record, or None (also when the bus does not answer now)."""
+        rec = await self._record_read(sandbox_id)
+        return None if rec is UNKNOWN else rec
+
+    async def _record_read(self, sandbox_id: str):
+        """The sandbox's record, None when it has none, UNKNOWN when it cannot be read now."""
         try:
             return await asyncio.wait_for(self._record(sandbox_id), timeout=2)
         except (DsecError, asyncio.TimeoutError):
-            return None
+            return UNKNOWN
 
-    def _abandon_later(self, sandbox_id: str, deadline: float) -> None:
+    async def _abandon_now_or_later(self, sandbox_id: str, deadline: float, doubtful: bool) -> None:
+        """A create whose time ran out: destroyed now if it is up, else watched in the background (a client
+        closed meanwhile stops watching after CLOSE_WAIT)."""
+        rec = await self._record_read(sandbox_id)
+        if rec is not UNKNOWN and rec is not None and rec.state == "ready":
+            with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
+                return
+        if rec is UNKNOWN or rec is None or rec.state not in FINAL:
+            self._abandon_later(sandbox_id, deadline, doubtful or rec is UNKNOWN)
+
+    def _abandon_later(self, sandbox_id: str, deadline: float, doubtful: bool = False) -> None:
         """A create given up on (its time ran out, or its caller cancelled it) must not run on unseen: watched,
         in the background, until it settles; destroyed if it comes up."""
-        task = asyncio.ensure_future(self._abandon_when_settled(sandbox_id, deadline))
+        task = asyncio.ensure_future(self._abandon_when_settled(sandbox_id, deadline, doubtful))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _abandon_when_settled(self, sandbox_id: str, deadline: float) -> None:
+    async def _abandon_when_settled(self, sandbox_id: str, deadline: float, doubtful: bool = False) -> None:
         """A create given up on: destroyed once it is ready. It may still be starting, or wait for room until
-        its deadline, past which no node starts it (a node claims the id, `starting`, before it starts a
-        sandbox: with no record past the deadline, none ever will). One its node started just before then is
-        recorded ready when the bus takes its record, which after a server of 3 was killed came up to 30 s
-        later (helper F4: 18 sandboxes of creates that timed out ran on until their TTL; one read of the
-        record, 2 s, saw them starting). So one starting, or whose record cannot be read, is watched until
-        ABANDON_AFTER past the deadline, more slowly once that passed. A cancelled create ran on too, a VM
-        of 352 MiB no one held, until its TTL (helper V)."""
+        its deadline, past which no node starts it: a node claims the id (`starting`) before it starts a
+        sandbox, so with the bus answering all along, no record 1 s past the deadline means none ever will.
+        But a warm sandbox's claim is its `ready` record, and one its node started just before the deadline is
+        recorded when the bus takes the record, which after a server of 3 was killed came up to 30 s later
+        (helper F4: 18 sandboxes of creates that timed out ran on until their TTL; one read of the record, 2 s,
+        saw them starting). So when a read of its record failed (doubtful), or it is starting, it is watched
+        until ABANDON_AFTER past the deadline, every SETTLE_SLOWLY once that passed. A cancelled create ran on
+        too, a VM of 352 MiB no one held, until its TTL (helper V)."""
         while time.time() < deadline + ABANDON_AFTER:
-            try:
-                rec = await asyncio.wait_for(self._record(sandbox_id), timeout=2)
-            except (DsecError, asyncio.TimeoutError):
-                rec = UNKNOWN
-            if rec is None and time.time() > deadline + CLAIM_SEEN:
-                return   # never claimed by its deadline: never started
+            rec = await self._record_read(sandbox_id)
+            doubtful = doubtful or rec is UNKNOWN
+            if rec is None and not doubtful and time.time() > deadline + CLAIM_SEEN:
+                return   # never claimed by its deadline, the bus answering: never started
             if rec is not None and rec is not UNKNOWN and rec.state in FINAL:
                 return
             if rec is not None and rec is not UNKNOWN and rec.state == "ready":

@@ -88,6 +88,7 @@ class ControlApi:
         self._run = lanes.chain(self._dispatch, self.steps)
 
     async def start(self) -> None:
+        await self.pools.migrate()
         self._index = await self.listings.start()
         self._sub = await self.bus.serve(subjects.api_all(), self.handle, queue=QUEUE)
 

@@ -37,6 +37,32 @@ class WarmPools:
         self._purged_at = 0.0   # (monotonic) when deleted pools' markers were last swept
         self._sweeping: asyncio.Task | None = None
 
+    async def migrate(self) -> None:
+        """Move pools an earlier version stored under their bare name to `<owner>.<name>` (the edges keep only
+        those, and a delete or `dsec iam tenant rm` finds only those: review R5). Each engine tries at start,
+        best effort; a pool set since under the new key is kept."""
+        try:
+            items = await self.bus.kv_items(streams.WARM_POOLS_KV)
+        except DsecError as exc:
+            log.warning("warm pools not migrated: %s", exc)
+            return
+        for key, raw in items:
+            try:
+                spec = warm_pool_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            if "." in key or spec.name != key:
+                continue
+            new = warm_pool_key(owner_of(spec), spec.name)
+            try:
+                value, revision = await self.bus.kv_entry(streams.WARM_POOLS_KV, new)
+                if value is None:
+                    await self.bus.kv_cas(streams.WARM_POOLS_KV, new, raw, revision)
+                await self.bus.kv_delete(streams.WARM_POOLS_KV, key)
+                log.info("warm pool %s moved to %s", key, new)
+            except DsecError as exc:
+                log.warning("warm pool %s not migrated: %s", key, exc)
+
     def handlers(self) -> dict:
         return {SetWarmPool: self._set, ListWarmPools: self._list, DeleteWarmPool: self._delete}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import re
 import time
 from pathlib import Path
@@ -701,7 +702,7 @@ async def test_a_read_the_engine_failed_on_the_bus_is_asked_again_and_a_change_i
 async def test_dsec_node_ls_reads_the_node_records_again_when_the_bus_timed_out():
     """`dsec node ls` after a server of 3 was killed failed "kv list nodes: did not answer in time" (helper
     F3): its read is tried again for a while; a bus that is not there at all is said at once."""
-    import cli.main   # noqa: F401  (first, as the dsec command does: it loads its commands)
+    importlib.import_module("cli.main")   # (first, as the dsec command does: it loads its commands)
     from cli.admin import read_nodes
 
     class Moving:   # the bucket's leader moving: two reads time out
@@ -1187,3 +1188,63 @@ async def test_provisioning_waits_for_a_server_that_does_not_answer_yet_and_not_
     with pytest.raises(errors.BusError, match="stream Z"):
         await p._patiently("stream Z", never)
     assert 0.2 < time.monotonic() - t0 < 2
+
+
+async def test_an_answer_waits_for_its_record_until_its_callers_deadline_and_only_its_own():
+    """record_wait: RECORD_WAIT without a deadline; the deadline less REPLY_MARGIN (at least 0.2 s, at most
+    RECORD_WAIT_MAX) with one; an op's deadline (ANSWERING_BY) counts in the task answering it only, not in a
+    task or callback made meanwhile (a sandbox's death watcher a rollback registered: review R5)."""
+    from edge import sandboxes as sbx
+    now = time.time()
+    assert sbx.record_wait() == sbx.RECORD_WAIT
+    assert 28.5 < sbx.record_wait(now + 30) <= 29.0
+    assert sbx.record_wait(now - 5) == 0.2 and sbx.record_wait(now + 3600) == sbx.RECORD_WAIT_MAX
+    token = sbx.ANSWERING_BY.set((now + 20, asyncio.current_task()))
+    try:
+        assert 18.5 < sbx.record_wait() <= 19.0
+        assert await asyncio.ensure_future(asyncio.sleep(0, sbx.record_wait())) <= 19.0   # (evaluated here)
+
+        async def inherited() -> float:
+            return sbx.record_wait()
+        assert await asyncio.ensure_future(inherited()) == sbx.RECORD_WAIT
+    finally:
+        sbx.ANSWERING_BY.reset(token)
+    assert sbx.record_wait() == sbx.RECORD_WAIT
+
+
+async def test_a_create_given_up_on_is_watched_while_its_record_may_still_come(monkeypatch):
+    """A create whose time ran out: with no record 1 s past its deadline and the bus answering, none ever
+    comes (a node claims before it starts); once a read of its record failed, or while it is starting, it is
+    watched, and destroyed once it is up (helper F4: 18 sandboxes ran on, unseen, until their TTL)."""
+    from bus.records import SandboxRecord
+    from libdsec import client as client_mod
+    monkeypatch.setattr(client_mod, "SETTLE_EVERY", 0.01)
+    monkeypatch.setattr(client_mod, "SETTLE_SLOWLY", 0.05)
+    monkeypatch.setattr(client_mod, "ABANDON_AFTER", 3.0)
+    destroyed: list[str] = []
+
+    async def destroy(self, **kw):
+        destroyed.append(self.id)
+    monkeypatch.setattr(client_mod.AsyncSandbox, "destroy", destroy)
+    c = client_mod.AsyncClient("nats://127.0.0.1:1")
+
+    def script(*steps):
+        it = iter(steps)
+
+        async def record(sandbox_id):
+            step = next(it, steps[-1])
+            if isinstance(step, Exception):
+                raise step
+            return None if step is None else msgspec.structs.replace(
+                SandboxRecord(sandbox_id=sandbox_id, node="n1"), state=step)
+        return record
+    t0 = time.time()
+    c._record = script(None)
+    await c._abandon_when_settled("sb-never", t0)   # no record, the bus answering: done 1 s past the deadline
+    assert 1.0 <= time.time() - t0 < 1.5 and destroyed == []
+    c._record = script(errors.BusError("no answer"), *[None] * 60, "ready")   # a warm claim's record came late
+    await c._abandon_when_settled("sb-late", time.time())
+    assert destroyed == ["sb-late"]
+    c._record = script("starting", "starting", "destroyed")
+    await c._abandon_when_settled("sb-ended", time.time())
+    assert destroyed == ["sb-late"]

@@ -324,3 +324,26 @@ async def test_one_tenants_pool_leaves_another_tenant_its_share_of_the_nodes_war
             finally:
                 await other.delete_warm_pool("fair")
         await wait_for(lambda: all_gone(stack), what="warm sandboxes destroyed")
+
+
+async def test_a_pool_an_earlier_version_stored_under_its_bare_name_is_moved_to_its_tenants_key(stack, client):
+    """Warm pools are keyed <tenant>.<name> now; one stored under its bare name was kept by no edge, could
+    not be deleted (`dsec iam tenant rm` stopped on it) and was listed twice once set again (review R5). An
+    engine's start moves it; a pool set under the new key meanwhile is kept."""
+    from bus import streams
+    from bus.messages import encode
+    old = WarmPool(name="bare-p", image="busybox", min=0, max=0, owner="default")
+    newer = WarmPool(name="bare-q", image="busybox", min=0, max=1, owner="default")
+    await stack.bus.kv_put(streams.WARM_POOLS_KV, "bare-p", encode(old))
+    await stack.bus.kv_put(streams.WARM_POOLS_KV, "bare-q", encode(WarmPool(name="bare-q", image="busybox", max=0, owner="default")))
+    await stack.bus.kv_put(streams.WARM_POOLS_KV, "default.bare-q", encode(newer))
+    try:
+        await stack.placement.api.pools.migrate()
+        assert await stack.bus.kv_get(streams.WARM_POOLS_KV, "bare-p") is None
+        assert await stack.bus.kv_get(streams.WARM_POOLS_KV, "bare-q") is None
+        assert {p.spec.name: p.spec.max for p in await client.warm_pools()
+                if p.spec.name.startswith("bare-")} == {"bare-p": 0, "bare-q": 1}
+    finally:
+        for name in ("bare-p", "bare-q"):
+            await client.delete_warm_pool(name)
+    assert not [p for p in await client.warm_pools() if p.spec.name.startswith("bare-")]
