@@ -320,7 +320,8 @@ class WarmPools:
         finally:
             self.filling -= 1
         self.started += 1
-        if self.pools.get(warm_pool_key(stock.spec.owner, stock.spec.name)) is not stock or stock.key != key:   # changed meanwhile
+        current = self.pools.get(warm_pool_key(stock.spec.owner, stock.spec.name))
+        if current is not stock or stock.key != key:   # changed meanwhile
             self.retire(warm_id)
             return
         stock.ready.append((warm_id, time.monotonic()))
