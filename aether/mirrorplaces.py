@@ -52,9 +52,7 @@ class MirrorPlaces:
         that has room of its own (sb's own first waiters took every place it freed, and a sandbox of the same
         tenant with none waited out its 60 s: review R5); that sandbox goes to the end of the turn."""
         sb.mirror_open -= 1
-        self.held[sb.owner] -= 1
-        if self.held[sb.owner] <= 0:
-            del self.held[sb.owner]
+        less(self.held, sb.owner)
         queued = self.queued.get(sb.owner)
         if not queued:
             return
@@ -81,3 +79,10 @@ class MirrorPlaces:
         queued.pop(sb, None)
         if not queued:
             self.queued.pop(sb.owner, None)
+
+
+def less(counts: collections.Counter, key: str) -> None:
+    """One fewer for key (gone at none: the proxy's counters hold only owners with connections open)."""
+    counts[key] -= 1
+    if counts[key] <= 0:
+        del counts[key]

@@ -6,7 +6,6 @@ metadata, documentation, reserved, multicast, IPv6) unless the node's operator a
 from __future__ import annotations
 
 import collections
-
 import ipaddress
 import time
 from dataclasses import dataclass, field

@@ -30,7 +30,7 @@ import time
 
 from aether import relay, sniff
 from aether.dns import DnsError, Pins
-from aether.mirrorplaces import MirrorPlaces
+from aether.mirrorplaces import MirrorPlaces, less
 from aether.policy import Decision, Guard, SandboxState
 
 SO_ORIGINAL_DST = 80
@@ -176,7 +176,7 @@ class Connection:
             self.sb.live.discard(self)
             if counted:
                 self.sb.open -= 1
-                _less(self.proxy.tenant_open, self.sb.owner)
+                less(self.proxy.tenant_open, self.sb.owner)
             if mirrored:
                 self.proxy.mirrors_held.give(self.sb)
             for s in (self.sock, upstream):
@@ -411,13 +411,6 @@ def _closed(sock: socket.socket) -> bool:
         return True
 
 
-def _less(counts: collections.Counter, key: str) -> None:
-    """One fewer for key (gone at none: the counters hold only owners with connections open)."""
-    counts[key] -= 1
-    if counts[key] <= 0:
-        del counts[key]
-
-
 class Proxy:
     """The node's proxy state: sandboxes by address, the guard, the pins, where decisions go."""
 
@@ -429,6 +422,7 @@ class Proxy:
         self._tasks: set[asyncio.Task] = set()
         self.tenant_open: collections.Counter[str] = collections.Counter()   # connections open, by owner
         self.mirrors_held = MirrorPlaces()   # connections to the node's mirrors, by sandbox and owner, and waiters
+
     @property
     def share(self) -> int:
         """The most one sandbox holds at once, whatever its policy says: a quarter of what this process's fds

@@ -32,6 +32,9 @@ SETTLE_EVERY = 0.25   # how often a cancelled create's or a starting sandbox's r
 SETTLE_SLOWLY = 2.0   # ... once its deadline is past
 ABANDON_AFTER = 60.0  # seconds past its deadline a create given up on is watched, to be destroyed if it comes up
 UNKNOWN = object()    # a record that could not be read
+DONE = object()       # a create given up on that has settled
+EXPIRES = ("no node starts it later, and one that was starting as the time ran out is destroyed once it is up "
+           "(sandbox {})")   # what a create whose time ran out then comes to
 CLAIM_SEEN = 1.0      # seconds past a create's deadline by which a node's claim of it (written before) is read
 CLOSE_WAIT = 15.0     # seconds close() waits for cancelled creates to settle (each destroyed once ready)
 FINAL = ("destroyed", "expired", "failed", "node_lost")   # states a sandbox never leaves
@@ -370,15 +373,13 @@ class AsyncClient:
                     case ErrorReply():   # (the id tells which sandbox, e.g. one lost with its node)
                         raise from_code(reply.code, reply.message, reason=reply.reason, sandbox_id=req.sandbox_id)
             await self._abandon_now_or_later(req.sandbox_id, req.deadline, doubtful or unsent is not None)
+            expires = EXPIRES.format(req.sandbox_id)
             if unsent is not None:
-                raise BusError(f"{unsent}; the create was not taken within {timeout:.0f}s and expires: no node "
-                               f"starts it later, and one that was starting as the time ran out is destroyed once "
-                               f"it is up (sandbox {req.sandbox_id})", sandbox_id=req.sandbox_id) from unsent
+                raise BusError(f"{unsent}; the create was not taken within {timeout:.0f}s and expires: {expires}",
+                               sandbox_id=req.sandbox_id) from unsent
             why = f" (queued: {queued})" if queued else ""
             raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; the request "
-                                      f"expires: no node starts it later, and one that was starting as the time ran "
-                                      f"out is destroyed once it is up (sandbox {req.sandbox_id})",
-                                      sandbox_id=req.sandbox_id)
+                                      f"expires: {expires}", sandbox_id=req.sandbox_id)
         except asyncio.CancelledError:   # the caller gave up (wait_for, Ctrl-C): it must not run on unseen
             self._abandon_later(req.sandbox_id, req.deadline, doubtful or unsent is not None)
             raise
@@ -403,16 +404,26 @@ class AsyncClient:
         except (DsecError, asyncio.TimeoutError):
             return UNKNOWN
 
+    async def _end_if_up(self, sandbox_id: str):
+        """One look at a create given up on: DONE once it has settled (final, or up and destroyed now), else
+        what the read of its record said (None, UNKNOWN, or its record, `starting`)."""
+        rec = await self._record_read(sandbox_id)
+        if rec is None or rec is UNKNOWN:
+            return rec
+        if rec.state in FINAL:
+            return DONE
+        if rec.state == "ready":
+            with contextlib.suppress(DsecError, asyncio.TimeoutError):
+                await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
+                return DONE
+        return rec
+
     async def _abandon_now_or_later(self, sandbox_id: str, deadline: float, doubtful: bool) -> None:
         """A create whose time ran out: destroyed now if it is up, else watched in the background (a client
         closed meanwhile stops watching after CLOSE_WAIT)."""
-        rec = await self._record_read(sandbox_id)
-        if rec is not UNKNOWN and rec is not None and rec.state == "ready":
-            with contextlib.suppress(DsecError, asyncio.TimeoutError):
-                await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
-                return
-        if rec is UNKNOWN or rec is None or rec.state not in FINAL:
-            self._abandon_later(sandbox_id, deadline, doubtful or rec is UNKNOWN)
+        look = await self._end_if_up(sandbox_id)
+        if look is not DONE:
+            self._abandon_later(sandbox_id, deadline, doubtful or look is UNKNOWN)
 
     def _abandon_later(self, sandbox_id: str, deadline: float, doubtful: bool = False) -> None:
         """A create given up on (its time ran out, or its caller cancelled it) must not run on unseen: watched,
@@ -432,16 +443,12 @@ class AsyncClient:
         until ABANDON_AFTER past the deadline, every SETTLE_SLOWLY once that passed. A cancelled create ran on
         too, a VM of 352 MiB no one held, until its TTL (helper V)."""
         while time.time() < deadline + ABANDON_AFTER:
-            rec = await self._record_read(sandbox_id)
-            doubtful = doubtful or rec is UNKNOWN
-            if rec is None and not doubtful and time.time() > deadline + CLAIM_SEEN:
+            look = await self._end_if_up(sandbox_id)
+            if look is DONE:
+                return
+            doubtful = doubtful or look is UNKNOWN
+            if look is None and not doubtful and time.time() > deadline + CLAIM_SEEN:
                 return   # never claimed by its deadline, the bus answering: never started
-            if rec is not None and rec is not UNKNOWN and rec.state in FINAL:
-                return
-            if rec is not None and rec is not UNKNOWN and rec.state == "ready":
-                with contextlib.suppress(DsecError, asyncio.TimeoutError):
-                    await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
-                return
             await asyncio.sleep(SETTLE_EVERY if time.time() < deadline + RECHECK_EVERY else SETTLE_SLOWLY)
 
     async def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[AsyncSandbox]:

@@ -51,7 +51,7 @@ class WarmPools:
                 spec = warm_pool_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
-            if "." in key or spec.name != key:
+            if spec.name != key:   # (stored under <owner>.<name> already: a name has no dot)
                 continue
             new = warm_pool_key(owner_of(spec), spec.name)
             try:
