@@ -140,7 +140,8 @@ class Execs:
         self._live: dict[str, LiveExec] = {}        # running: its control subject answers
         self._recording: dict[str, LiveExec] = {}   # until its exit and trajectory records are out
         self._background: set[asyncio.Task] = set()
-        self._held: collections.Counter = collections.Counter()   # (tenant, background) -> its execs running
+        self._held: collections.Counter = collections.Counter()   # (tenant, background) -> its execs running or waiting
+        self._slots = asyncio.Semaphore(limits.max_execs)   # foreground execs running
         self._controls = None
 
     async def start(self) -> None:
@@ -302,32 +303,42 @@ class Execs:
         except DsecError as err:
             await self.reject(op.tenant, op.sandbox_id, op.exec_id, err)
             return Verdict.ACK
-        relay = OutputRelay(self.bus, subjects.output(op.tenant, self.node, op.sandbox_id, op.exec_id), op.exec_id,
-                            min(op.max_output, self.limits.max_output), self.limits.traj_output)
-        live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started, end_on_exit=op.end_on_exit))
-        self._live[op.exec_id] = live
         held = (subjects.tenant_root(op.tenant), op.background)   # (a tenant's projects share its share)
         self._held[held] += 1
         if op.background:   # acked now: it runs on outside the lane's credit (it may run for hours)
-            task = asyncio.ensure_future(self._execute(op, relay, None))
+            task = asyncio.ensure_future(self._execute(op, *self._begin(op), None))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             task.add_done_callback(lambda _t: self._release(held))   # (also one cancelled before it began)
             return Verdict.ACK
+        lease = Lease(d)   # (its wait for a slot may take past the lane's ack wait)
         try:
-            return await self._execute(op, relay, Lease(d))
+            async with self._slots:   # the lane holds more than max_execs (other ops wait their turns there)
+                if op.deadline and time.time() > op.deadline:
+                    await self.reject(op.tenant, op.sandbox_id, op.exec_id, RequestExpired(
+                        f"exec request expired while the node's {self.limits.max_execs} exec slots were taken"))
+                    return Verdict.ACK
+                return await self._execute(op, *self._begin(op), lease)
         finally:
+            lease.cancel()
             self._release(held)
+
+    def _begin(self, op: ExecRequest) -> tuple[OutputRelay, LiveExec]:
+        """The exec's output relay, and its entry as a live exec (its control subject answers from now)."""
+        relay = OutputRelay(self.bus, subjects.output(op.tenant, self.node, op.sandbox_id, op.exec_id), op.exec_id,
+                            min(op.max_output, self.limits.max_output), self.limits.traj_output)
+        live = LiveExec(op, ExecControl(live_stdin=op.live_stdin, on_start=relay.started, end_on_exit=op.end_on_exit))
+        self._live[op.exec_id] = live
+        return relay, live
 
     def _release(self, held: tuple[str, bool]) -> None:
         self._held[held] -= 1
         if self._held[held] <= 0:
             del self._held[held]
 
-    async def _execute(self, op: ExecRequest, relay: OutputRelay, lease: Lease | None) -> Verdict:
+    async def _execute(self, op: ExecRequest, relay: OutputRelay, live: LiveExec, lease: Lease | None) -> Verdict:
         rec = self.host.record_of(op.sandbox_id)
         started = time.time()
-        live = self._live[op.exec_id]
         self._recording[op.exec_id] = live
         if self.journal is not None:
             self.journal.begin(op, started)

@@ -5,6 +5,8 @@ credentials, the NATS server also refuses B's use of A's subjects; that is the a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import collections
 import time
 
 import pytest
@@ -248,8 +250,8 @@ async def test_one_tenants_file_ops_take_at_most_its_turns_and_anothers_are_serv
                                                                                           monkeypatch):
     """Tenant A keeps 12 listings of a 10,000-entry directory in flight (each page walks it again). Every one
     ran in the edge's few threads at once, FIFO with everyone's: at 128 in flight another tenant's 5 ms read
-    took 10 s, then timed out (helper F2). Now A holds at most HEAVY_PER_TENANT of them at a time (B's read and
-    snapshot are served beside them), and past its share of the lane's credit it is RateLimited."""
+    took 10 s, then timed out (helper F2). Now A runs at most PER_TENANT["files"] of them at a time (B's read and
+    snapshot are served beside them), and past its share of the lane's backlog it is RateLimited."""
     from edge import ops
     registry = stack.edge.backend
     real, running, peak = registry.file_op, {}, {}
@@ -270,10 +272,11 @@ async def test_one_tenants_file_ops_take_at_most_its_turns_and_anothers_are_serv
         snap = await b.snapshot(tag="meanwhile")
         assert [len(x) for x in await asyncio.gather(*listings)] == [10000] * 12
         await other.delete_snapshot(snap)
-        assert peak[a.id] <= ops.HEAVY_PER_TENANT, peak
-        # past its share of the lane's credit, A is told to slow down (its waiting ops held the lane's credit: at
+        assert peak[a.id] <= ops.PER_TENANT["files"], peak
+        # past its share of the lane's backlog, A is told to slow down (its waiting ops held the lane's credit: at
         # 256, no other tenant's op was even pulled)
-        monkeypatch.setattr(ops, "HEAVY_RESERVE", stack.edge.ops.max_execs - 4)
+        monkeypatch.setattr(ops, "OP_BACKLOG", 8)
+        monkeypatch.setattr(ops, "SHARE_MIN", 4)
         got = await asyncio.gather(*(a.files.list("/tmp/d") for _ in range(12)), return_exceptions=True)
         assert any(isinstance(g, libdsec.RateLimited) for g in got), got
         assert all(isinstance(g, libdsec.RateLimited) or len(g) == 10000 for g in got), got
@@ -304,3 +307,76 @@ async def test_one_tenants_long_execs_leave_the_nodes_other_exec_slots_to_others
         for t in held:
             t.cancel()
         await asyncio.gather(*held, return_exceptions=True)
+
+
+async def test_one_tenants_flood_of_ops_leaves_another_tenants_ops_their_turn(stack, client, other, monkeypatch):
+    """Helper A4: the node's op lane took ops first come, first served, 256 at a time: tenant B's 1,500
+    parallel suspend/resume/set_timeout loops put A's exec at 0.9 s, 12,000 of them at 22 s. Here 300 of B's
+    set_timeouts are held in the node (each as if its sandbox were slow): A's set_timeout and exec are served
+    meanwhile, in A's own turn; B's run at most PER_TENANT["ops"] at a time, and past its share of the lane's
+    backlog B is told to slow down at once. Every one of B's ends, none lost."""
+    from edge import ops
+    box, real = stack.edge.box, stack.edge.box.set_timeout
+    release, running, peak = asyncio.Event(), [0], [0]
+
+    async def slow(sandbox_id, seconds):
+        if sandbox_id == b.id:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            try:
+                await release.wait()
+            finally:
+                running[0] -= 1
+        return await real(sandbox_id, seconds)
+    monkeypatch.setattr(box, "set_timeout", slow)
+    monkeypatch.setattr(ops, "OP_BACKLOG", 200)
+    async with await client.create() as a, await other.create() as b:
+        flood = [asyncio.ensure_future(b.set_timeout(600, timeout=60)) for _ in range(300)]
+        for _ in range(200):   # B's past its share (200 alone) are refused at once
+            await asyncio.sleep(0.05)
+            if sum(t.done() for t in flood) >= 100 and running[0] == ops.PER_TENANT["ops"]:
+                break
+        t0 = time.monotonic()
+        await a.set_timeout(600, timeout=30)
+        assert (await a.exec("echo served", timeout=30)).stdout == b"served\n"
+        served = time.monotonic() - t0
+        refused = [t for t in flood if t.done()]
+        release.set()
+        got = await asyncio.gather(*flood, return_exceptions=True)
+    assert served < 2, f"A waited {served:.1f} s behind B's held ops"
+    assert peak[0] == ops.PER_TENANT["ops"], peak
+    assert all(isinstance(t.exception(), libdsec.RateLimited) for t in refused), [t.exception() for t in refused]
+    assert len(refused) == 100 and "its share of the node's op lane (200" in str(refused[0].exception())
+    assert sum(g is None for g in got) == 200 and len(got) == 300, collections.Counter(type(g).__name__ for g in got)
+
+
+async def test_the_nodes_exec_slots_hold_however_many_tenants_share_them(stack, client, other, monkeypatch):
+    """The lane now holds more deliveries than the node's exec slots (other ops wait their turns there):
+    execs still run at most max_execs at once, whoever's they are; the rest wait for a slot, then run."""
+    execs = stack.edge.execs
+    monkeypatch.setattr(execs, "limits", dataclasses.replace(execs.limits, max_execs=4))
+    monkeypatch.setattr(execs, "_slots", asyncio.Semaphore(4))
+
+    async def started(sb) -> int:   # (a file op: no exec slot needed to look)
+        return sum(e.name.startswith("s.") for e in await sb.files.list("/tmp"))
+    async with await client.create() as a, await other.create() as b:
+        def held(sb):   # each marks its start in its sandbox, then waits for /go
+            return asyncio.ensure_future(sb.exec("touch /tmp/s.$$; while [ ! -e /go ]; do sleep 0.05; done",
+                                                 timeout=60))
+        first = [held(a) for _ in range(3)]   # A's share of the 4: 3
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if await started(a) == 3:
+                break
+        then = [held(b) for _ in range(3)]   # one slot is left
+        await asyncio.sleep(2)
+        assert [await started(a), await started(b)] == [3, 1]
+        await a.write_file("/go", b"")
+        assert [r.exit_code for r in await asyncio.gather(*first)] == [0] * 3
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if await started(b) == 3:
+                break
+        assert await started(b) == 3   # B's two waiting ones ran once A's ended
+        await b.write_file("/go", b"")
+        assert [r.exit_code for r in await asyncio.gather(*then)] == [0] * 3
