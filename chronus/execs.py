@@ -313,15 +313,39 @@ class Execs:
             return Verdict.ACK
         lease = Lease(d)   # (its wait for a slot may take past the lane's ack wait)
         try:
-            async with self._slots:   # the lane holds more than max_execs (other ops wait their turns there)
-                if op.deadline and time.time() > op.deadline:
-                    await self.reject(op.tenant, op.sandbox_id, op.exec_id, RequestExpired(
-                        f"exec request expired while the node's {self.limits.max_execs} exec slots were taken"))
-                    return Verdict.ACK
+            if not await self._slot(op):
+                return Verdict.ACK
+            try:
                 return await self._execute(op, *self._begin(op), lease)
+            finally:
+                self._slots.release()
         finally:
             lease.cancel()
             self._release(held)
+
+    async def _slot(self, op: ExecRequest) -> bool:
+        """One of the node's max_execs slots, taken (the lane holds more: other ops wait their turns there);
+        False when the exec was refused instead (its exit record stored): its deadline passed while it
+        waited, or meanwhile its sandbox ended or was suspended."""
+        try:
+            left = op.deadline - time.time() if op.deadline else None
+            await asyncio.wait_for(self._slots.acquire(), max(left, 0.001) if left is not None else None)
+        except asyncio.TimeoutError:
+            await self.reject(op.tenant, op.sandbox_id, op.exec_id, RequestExpired(
+                f"exec request expired while the node's {self.limits.max_execs} exec slots were taken"))
+            return False
+        try:
+            rec = self.host.record_of(op.sandbox_id)
+            if rec is None or rec.tenant != op.tenant:
+                raise await self.host.gone(op.sandbox_id, op.tenant)
+            if self.host.suspended(op.sandbox_id):
+                raise SandboxSuspended(f"sandbox {op.sandbox_id} was suspended while the exec waited for a slot: "
+                                       f"resume it to run commands", reason="suspended")
+        except DsecError as err:
+            self._slots.release()
+            await self.reject(op.tenant, op.sandbox_id, op.exec_id, err)
+            return False
+        return True
 
     def _begin(self, op: ExecRequest) -> tuple[OutputRelay, LiveExec]:
         """The exec's output relay, and its entry as a live exec (its control subject answers from now)."""

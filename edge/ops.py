@@ -39,8 +39,14 @@ MAX_TIMEOUT = 30 * 24 * 3600.0   # the longest set_timeout (a month)
 # (FIFO with 256 held, one tenant's 1,500 parallel suspend/resume loops put another's exec at 0.9 s, its
 # 12,000 at 22 s: helper A4. Held here, not in JetStream, they are pulled past: python -m bench.oplane.)
 OP_BACKLOG = 8192
-PER_TENANT = {"ops": 64, "files": 2, "snapshots": 2}   # files and snapshots run in the edge's few threads
+PER_TENANT = {"ops": 64, "destroy": 64, "files": 2, "snapshots": 2}   # (files and snapshots run in the edge's
+# few threads; a destroy never waits behind its tenant's other ops)
 SHARE_MIN = 64
+# File ops and snapshots carry up to 1 MiB each: one tenant holds at most HEAVY_WAITING of each kind, and the
+# lane at most HEAVY_LANE of them in all (the lane's memory: ~0.4 GB, as when its credit was 256)
+HEAVY = ("files", "snapshots")
+HEAVY_WAITING = 64
+HEAVY_LANE = 256
 NEEDS = {"write_file": "files", "read_file": "files", "file_op": "file_tree", "suspend": "suspend", "resume": "suspend",
          "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot",
          "set_network": "network"}   # op -> the capability (bus/kinds.py) it needs
@@ -60,6 +66,7 @@ class OpLane:
         self._worker = None
         self._turns: dict[tuple, list] = {}   # (tenant, kind) -> [semaphore, its ops running or waiting]
         self._holding: collections.Counter = collections.Counter()   # tenant -> its ops running or waiting
+        self._heavy = 0   # file ops and snapshots running or waiting, every tenant's
 
     @property
     def duplicates(self) -> int:
@@ -120,7 +127,7 @@ class OpLane:
         sb, sid = self.sandboxes, op.sandbox_id
         match op:
             case DestroyRequest():
-                return "ops", lambda: self._on(sid, "destroy", lambda: self._destroy(tenant, sid), tenant=tenant)
+                return "destroy", lambda: self._on(sid, "destroy", lambda: self._destroy(tenant, sid), tenant=tenant)
             case WriteFile():
                 return "files", lambda: self._on(sid, "write_file", lambda: sb.backend.write_file(
                     sid, op.path, op.data, op.mode), FileOpError, tenant)
@@ -179,15 +186,19 @@ class OpLane:
         tenant's share of the lane's backlog (so another tenant's ops are still pulled, and run in their own
         turns). One whose deadline passed while it waited is refused, not run. A tenant's projects share it."""
         root = subjects.tenant_root(tenant)
-        held, share = self._holding[root], self.share(root)
-        if held >= share:
+        key, heavy = (root, kind), kind in HEAVY
+        held, share, mine = self._holding[root], self.share(root), self._turns.get(key, (None, 0))[1]
+        if held >= share and kind != "destroy":   # (a destroy is never refused: the sandboxes bound them)
             raise RateLimited(f"{subjects.describe(tenant)} has {held} ops waiting or running on node {self.node}, "
                               f"its share of the node's op lane ({share}, {len(self._holding)} tenants holding "
                               f"some): wait for some to end")
-        key = (root, kind)
+        if heavy and (mine >= HEAVY_WAITING or self._heavy >= HEAVY_LANE):
+            raise RateLimited(f"{subjects.describe(tenant)} has {mine} {kind} ops waiting or running on node "
+                              f"{self.node} ({self._heavy} of every tenant's), the most it may: wait for some to end")
         turn = self._turns.setdefault(key, [asyncio.Semaphore(PER_TENANT[kind]), 0])
         turn[1] += 1
         self._holding[root] += 1
+        self._heavy += heavy
         try:
             async with turn[0]:
                 if op.deadline and time.time() > op.deadline:
@@ -197,6 +208,7 @@ class OpLane:
             turn[1] -= 1
             if not turn[1]:
                 del self._turns[key]
+            self._heavy -= heavy
             self._holding[root] -= 1
             if not self._holding[root]:
                 del self._holding[root]
