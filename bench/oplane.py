@@ -4,10 +4,11 @@ Run: python -m bench.oplane [--par 400,1500,4000] [--seconds 15] [--sandboxes 20
      (starts its own `dsec up` with identities on, and adds tenants `oplanea` and `oplaneb`)
 Tenant A has one sandbox; it runs, one after the other, `exec true` and `set_timeout`, and times each.
 Tenant B has --sandboxes sandboxes and runs PAR loops of suspend / resume / set_timeout on them (each loop
-waits for its op's answer, then sends the next). The raw baseline is A's same loop in the same run with
-B idle. Printed per PAR: A's exec and set_timeout p50 / p95 / max beside the baseline, B's answered ops/s
-and its errors by kind (RateLimited is B being told to slow down). Then B alone at the largest PAR, for B's
-own throughput with nobody else on the node.
+waits for its op's answer, then sends the next), in a process of its own (in A's, B's thousands of loops
+would slow A's client, not the node). The raw baseline is A's same loop in the same run with B idle.
+Printed per PAR: A's exec and set_timeout p50 / p95 / max beside the baseline, B's answered ops/s and its
+errors by kind (RateLimited is B being told to slow down), and the largest RSS of the `dsec up` process
+meanwhile. Then B alone at the largest PAR, for B's own throughput with nobody else on the node.
 """
 from __future__ import annotations
 

@@ -42,10 +42,11 @@ OP_BACKLOG = 8192
 PER_TENANT = {"ops": 64, "destroy": 64, "files": 2, "snapshots": 2}   # (files and snapshots run in the edge's
 # few threads; a destroy never waits behind its tenant's other ops)
 SHARE_MIN = 64
-# File ops and snapshots carry up to 1 MiB each: one tenant holds at most HEAVY_WAITING of each kind, and the
-# lane at most HEAVY_LANE of them in all (the lane's memory: ~0.4 GB, as when its credit was 256)
+# File ops and snapshots carry up to 1 MiB each: one tenant holds at most HEAVY_WAITING of each kind (as when
+# the lane's credit was 256: 150 files written at once must fit), and the lane at most HEAVY_LANE of them in
+# all (its memory: ~0.4 GB)
 HEAVY = ("files", "snapshots")
-HEAVY_WAITING = 64
+HEAVY_WAITING = 192
 HEAVY_LANE = 256
 NEEDS = {"write_file": "files", "read_file": "files", "file_op": "file_tree", "suspend": "suspend", "resume": "suspend",
          "snapshot": "snapshot", "rollback": "snapshot", "memory snapshot": "memory_snapshot",
