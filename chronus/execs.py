@@ -291,12 +291,7 @@ class Execs:
             return Verdict.ACK   # a redelivered exec never runs twice (its exit record is stored)
         try:
             self._check(op)
-            rec = self.host.record_of(op.sandbox_id)
-            if rec is None or rec.tenant != op.tenant:
-                raise await self.host.gone(op.sandbox_id, op.tenant)
-            if self.host.suspended(op.sandbox_id):
-                raise SandboxSuspended(f"sandbox {op.sandbox_id} is suspended: resume it to run commands",
-                                       reason="suspended")
+            await self._runnable(op)
             if op.background and len(self._background) >= MAX_BACKGROUND_PER_EXEC_SLOT * self.limits.max_execs:
                 raise ExecFailed(f"too many background execs on node {self.node} ({len(self._background)})")
             self._within_share(op)
@@ -335,17 +330,22 @@ class Execs:
                 f"exec request expired while the node's {self.limits.max_execs} exec slots were taken"))
             return False
         try:
-            rec = self.host.record_of(op.sandbox_id)
-            if rec is None or rec.tenant != op.tenant:
-                raise await self.host.gone(op.sandbox_id, op.tenant)
-            if self.host.suspended(op.sandbox_id):
-                raise SandboxSuspended(f"sandbox {op.sandbox_id} was suspended while the exec waited for a slot: "
-                                       f"resume it to run commands", reason="suspended")
+            await self._runnable(op)
         except DsecError as err:
             self._slots.release()
             await self.reject(op.tenant, op.sandbox_id, op.exec_id, err)
             return False
         return True
+
+    async def _runnable(self, op: ExecRequest) -> None:
+        """SandboxNotFound when the node does not run the exec's sandbox for its tenant; SandboxSuspended when
+        the sandbox is frozen (looked at on arrival, and again once the exec has its slot)."""
+        rec = self.host.record_of(op.sandbox_id)
+        if rec is None or rec.tenant != op.tenant:
+            raise await self.host.gone(op.sandbox_id, op.tenant)
+        if self.host.suspended(op.sandbox_id):
+            raise SandboxSuspended(f"sandbox {op.sandbox_id} is suspended: resume it to run commands",
+                                   reason="suspended")
 
     def _begin(self, op: ExecRequest) -> tuple[OutputRelay, LiveExec]:
         """The exec's output relay, and its entry as a live exec (its control subject answers from now)."""
