@@ -37,7 +37,7 @@ BACKLOG = 4096
 LOOKUPS_PER_SANDBOX = 32   # a sandbox's DNS questions waiting on the upstream at once (more: SERVFAIL)
 ACCEPT_PAUSE = 0.05     # seconds the accept loop waits when out of fds
 NOFILE = 1 << 20        # the proxy's open-file limit (6 fds a relayed connection; bounded by memory: see
-                        # edge/backends/cgroups.lift_host_tables)
+                        # edge/backends/hosttables.lift_host_tables)
 log = logging.getLogger("aether.serve")
 
 

@@ -16,7 +16,7 @@ from bus.records import WarmPool
 MIN_MEMORY = 8 << 20
 MIN_DISK = 1 << 20
 MAX_TTL = 7 * 24 * 3600.0
-# A sandbox's most tasks: a node's sandboxes share a part of the host's (edge/backends/cgroups.node_tasks:
+# A sandbox's most tasks: a node's sandboxes share a part of the host's (edge/backends/hosttables.node_tasks:
 # 77,000 on this 24 GiB host), and 4,194,304 let one take the host's pid_max whole (helper A2)
 MAX_PIDS = 1 << 14
 MAX_WAIT = 1800.0   # a create may wait this long for room; well inside the request streams' max age

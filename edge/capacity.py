@@ -21,11 +21,11 @@ PIDS_PER_SLOT = 2         # an idle sandbox's init, and one command
 
 def default_slots(memory: int = 0) -> tuple[int, str]:
     """A node's default slot count and what capped it: its memory / SLOT_MEMORY, the uid ranges sandboxes
-    lease (edge/backends/idmap.py), and the tasks its sandboxes may hold (cgroups.node_tasks) /
+    lease (edge/backends/idmap.py), and the tasks its sandboxes may hold (hosttables.node_tasks) /
     PIDS_PER_SLOT."""
-    from edge.backends import cgroups, idmap
+    from edge.backends import hosttables, idmap
     caps = {"memory": (memory or psutil.virtual_memory().total) // SLOT_MEMORY, "uid ranges": idmap.COUNT,
-            "pids": cgroups.node_tasks(lifted=True) // PIDS_PER_SLOT}
+            "pids": hosttables.node_tasks(lifted=True) // PIDS_PER_SLOT}
     which = min(caps, key=lambda k: caps[k])
     return max(1, caps[which]), which
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -13,68 +12,20 @@ from bus.apiwire import (DeleteSnapshot, DeleteWarmPool, Done, GetQuota, GetSand
                          ListSnapshots, ListWarmPools, QuotaState, SandboxPage, SetWarmPool, SnapshotList, WarmPoolList)
 from bus.kinds import check_create_kind
 from bus.conn import Bus
-from bus.errors import (BusError, CapacityUnavailable, DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
+from bus.errors import (DsecError, InvalidRequest, PermissionDenied, SandboxError, SandboxNotFound,
                          from_code)
 from bus.messages import (
-    CreateRequest, ErrorReply, Queued, ResumeRequest, SandboxReady, SuspendRequest, create_reply_decoder, encode,
+    CreateRequest, ErrorReply, ResumeRequest, SuspendRequest, encode,
     op_reply_decoder)
 from bus.records import SandboxRecord, SnapshotRecord, WarmPool
-from libdsec import calls, control, warmpools
+from libdsec import calls, control, creating, warmpools
 from libdsec.ids import new_id
 from libdsec.network import Network, to_wire as network_policy
 from libdsec.resources import Resources
-from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox, send_request
+from libdsec.sandbox import PUBLISH_RETRIES, PUBLISH_RETRY_FOR, PUBLISH_TRY, AsyncSandbox
 
 DEFAULT_CREATE_TIMEOUT = 60.0
 DEFAULT_TTL = 600.0
-RECHECK_EVERY = 3.0   # seconds without a reply after which the sandbox's record is read instead
-SETTLE_EVERY = 0.25   # how often a cancelled create's or a starting sandbox's record is read again
-SETTLE_SLOWLY = 2.0   # ... once its deadline is past
-ABANDON_AFTER = 60.0  # seconds past its deadline a create given up on is watched, to be destroyed if it comes up
-UNKNOWN = object()    # a record that could not be read
-DONE = object()       # a create given up on that has settled
-EXPIRES = ("no node starts it later, and one that was starting as the time ran out is destroyed once it is up "
-           "(sandbox {})")   # what a create whose time ran out then comes to
-CLAIM_SEEN = 1.0      # seconds past a create's deadline by which a node's claim of it (written before) is read
-CLOSE_WAIT = 15.0     # seconds close() waits for cancelled creates to settle (each destroyed once ready)
-FINAL = ("destroyed", "expired", "failed", "node_lost")   # states a sandbox never leaves
-
-
-async def _next(q: asyncio.Queue[bytes], timeout: float) -> bytes | None:
-    """The next reply, or None when `timeout` seconds pass first."""
-    if timeout <= 0:
-        return None
-    try:
-        return await asyncio.wait_for(q.get(), timeout=timeout)
-    except asyncio.TimeoutError:
-        return None
-
-
-class _Replies:
-    """One wildcard inbox subscription; replies are routed to waiters by request id."""
-
-    def __init__(self, bus: Bus, tenant: str) -> None:
-        self.bus = bus
-        self.prefix = f"{subjects.replies(tenant)}.{bus.inbox().rsplit('.', 1)[-1]}"   # dsec.reply.<tenant>.<nuid>
-        self._waiters: dict[str, asyncio.Queue[bytes]] = {}
-        self._sub = None
-
-    async def open(self) -> None:
-        async def _cb(data: bytes, subject: str) -> None:
-            q = self._waiters.get(subject.rsplit(".", 1)[-1])
-            if q is not None:
-                q.put_nowait(data)
-        self._sub = await self.bus.subscribe(f"{self.prefix}.*", _cb)
-
-    def register(self, request_id: str) -> tuple[str, asyncio.Queue[bytes]]:
-        q: asyncio.Queue[bytes] = asyncio.Queue()
-        self._waiters[request_id] = q
-        return f"{self.prefix}.{request_id}", q
-
-    def forget(self, request_id: str) -> None:
-        self._waiters.pop(request_id, None)
-
-
 MAX_MANY = 10_000   # sandboxes one create_many (or fork) starts: n=100,000 spent 32 s of CPU before it failed
 
 
@@ -99,8 +50,8 @@ class AsyncClient:
         self.connect_timeout = connect_timeout
         self.bus: Bus | None = None
         self._loop: asyncio.AbstractEventLoop | None = None   # the event loop it connected in
-        self._replies: _Replies | None = None
-        self._settling: set[asyncio.Task] = set()   # cancelled creates, destroyed once they settle
+        self._replies: creating.Replies | None = None
+        self._given_up = creating.GivenUp(self._record, self._destroy_given_up)   # creates, destroyed if they come up
         self._fncall = calls.Offered()              # whether some node runs fncall workers (calls.py)
 
     async def __aenter__(self) -> "AsyncClient":
@@ -114,17 +65,13 @@ class AsyncClient:
         """Connect to the bus (BusUnavailable if nobody answers)."""
         self.bus = await Bus.connect(self.url, name="libdsec", timeout=self.connect_timeout, creds=self.creds)
         self._loop = asyncio.get_running_loop()
-        self._replies = _Replies(self.bus, self.tenant)
+        self._replies = creating.Replies(self.bus, self.tenant)
         await self._replies.open()
 
     async def close(self) -> None:
         """Close the connection (sandboxes live on until destroyed or their TTL; a create cancelled meanwhile
-        is given up to CLOSE_WAIT seconds to settle and be destroyed)."""
-        if self._settling:
-            _done, late = await asyncio.wait(self._settling, timeout=CLOSE_WAIT)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*late, return_exceptions=True)
+        is given up to creating.CLOSE_WAIT seconds to settle and be destroyed)."""
+        await self._given_up.close()
         if self.bus is not None:
             await self.bus.close()
             self.bus = None
@@ -328,128 +275,15 @@ class AsyncClient:
         return await control.ask(self._need_bus(), self.tenant, request, expect, timeout)
 
     async def _create(self, req: CreateRequest, timeout: float, on_queued=None) -> AsyncSandbox:
-        bus, replies = self._need_bus(), self._replies
-        assert replies is not None
-        reply_to, q = replies.register(req.request_id)
-        req = msgspec.structs.replace(req, reply_to=reply_to)
-        queued = ""
-        unsent: BusError | None = None
-        doubtful = False   # a read of its record failed meanwhile (the bus in trouble: its record may come late)
-        try:
-            # A publish the bus did not ack may still be taken (it waits in our connection's buffer, or in a
-            # stopped server's socket): so not an error yet. It is sent again (its msg id stores it once)
-            # and the reply waited for until the deadline, past which no node starts it.
-            unsent = await self._send_create(bus, req)
-            while True:
-                left = req.deadline - time.time()
-                data = await _next(q, min(left, RECHECK_EVERY))
-                if data is None:
-                    if left <= RECHECK_EVERY:
-                        break
-                    if unsent is not None:
-                        unsent = await self._send_create(bus, req)
-                    # A reply is a core message: one sent while our connection moved to another server
-                    # is gone. The sandbox's record says whether it was served meanwhile.
-                    rec = await self._record_read(req.sandbox_id)
-                    if rec is UNKNOWN:
-                        doubtful, rec = True, None
-                    if rec is not None and rec.request_id == req.request_id and rec.state == "ready":
-                        return AsyncSandbox(self, rec.sandbox_id, rec.node, rec.backend, rec.network)
-                    if rec is not None and rec.request_id == req.request_id:
-                        unsent = None   # taken (its ack was lost): served or being served
-                    continue
-                try:
-                    reply = create_reply_decoder.decode(data)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue   # junk on our inbox is skipped
-                unsent = None   # an answer to it: it was taken
-                match reply:
-                    case SandboxReady():
-                        return AsyncSandbox(self, reply.sandbox_id, reply.node, req.backend, req.network)
-                    case Queued():
-                        if not queued and on_queued is not None:
-                            on_queued(reply.reason)
-                        queued = reply.reason or "queued"
-                    case ErrorReply():   # (the id tells which sandbox, e.g. one lost with its node)
-                        raise from_code(reply.code, reply.message, reason=reply.reason, sandbox_id=req.sandbox_id)
-            await self._abandon_now_or_later(req.sandbox_id, req.deadline, doubtful or unsent is not None)
-            expires = EXPIRES.format(req.sandbox_id)
-            if unsent is not None:
-                raise BusError(f"{unsent}; the create was not taken within {timeout:.0f}s and expires: {expires}",
-                               sandbox_id=req.sandbox_id) from unsent
-            why = f" (queued: {queued})" if queued else ""
-            raise CapacityUnavailable(f"no sandbox could be started within {timeout:.0f}s{why}; the request "
-                                      f"expires: {expires}", sandbox_id=req.sandbox_id)
-        except asyncio.CancelledError:   # the caller gave up (wait_for, Ctrl-C): it must not run on unseen
-            self._abandon_later(req.sandbox_id, req.deadline, doubtful or unsent is not None)
-            raise
-        finally:
-            replies.forget(req.request_id)
-
-    async def _send_create(self, bus: Bus, req: CreateRequest) -> BusError | None:
-        """Publish the create request (again: its msg id stores it once); the BusError when the bus did not
-        ack it in time (a refusal, PermissionDenied or a bad request, is raised)."""
-        return await send_request(bus, subjects.create_request(self.tenant, req.priority), encode(req), req.request_id,
-                                  req.deadline - RECHECK_EVERY)
+        return await creating.wait_ready(self, req, timeout, on_queued)
 
     async def _record_quiet(self, sandbox_id: str):
         """The sandbox's record, or None (also when the bus does not answer now)."""
-        rec = await self._record_read(sandbox_id)
-        return None if rec is UNKNOWN else rec
+        rec = await creating.read_record(self._record, sandbox_id)
+        return None if rec is creating.UNKNOWN else rec
 
-    async def _record_read(self, sandbox_id: str):
-        """The sandbox's record, None when it has none, UNKNOWN when it cannot be read now."""
-        try:
-            return await asyncio.wait_for(self._record(sandbox_id), timeout=2)
-        except (DsecError, asyncio.TimeoutError):
-            return UNKNOWN
-
-    async def _end_if_up(self, sandbox_id: str):
-        """One look at a create given up on: DONE once it has settled (final, or up and destroyed now), else
-        what the read of its record said (None, UNKNOWN, or its record, `starting`)."""
-        rec = await self._record_read(sandbox_id)
-        if rec is None or rec is UNKNOWN:
-            return rec
-        if rec.state in FINAL:
-            return DONE
-        if rec.state == "ready":
-            with contextlib.suppress(DsecError, asyncio.TimeoutError):
-                await AsyncSandbox(self, sandbox_id, rec.node).destroy(timeout=10)
-                return DONE
-        return rec
-
-    async def _abandon_now_or_later(self, sandbox_id: str, deadline: float, doubtful: bool) -> None:
-        """A create whose time ran out: destroyed now if it is up, else watched in the background (a client
-        closed meanwhile stops watching after CLOSE_WAIT)."""
-        look = await self._end_if_up(sandbox_id)
-        if look is not DONE:
-            self._abandon_later(sandbox_id, deadline, doubtful or look is UNKNOWN)
-
-    def _abandon_later(self, sandbox_id: str, deadline: float, doubtful: bool = False) -> None:
-        """A create given up on (its time ran out, or its caller cancelled it) must not run on unseen: watched,
-        in the background, until it settles; destroyed if it comes up."""
-        task = asyncio.ensure_future(self._abandon_when_settled(sandbox_id, deadline, doubtful))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
-
-    async def _abandon_when_settled(self, sandbox_id: str, deadline: float, doubtful: bool = False) -> None:
-        """A create given up on: destroyed once it is ready. It may still be starting, or wait for room until
-        its deadline, past which no node starts it: a node claims the id (`starting`) before it starts a
-        sandbox, so with the bus answering all along, no record 1 s past the deadline means none ever will.
-        But a warm sandbox's claim is its `ready` record, and one its node started just before the deadline is
-        recorded when the bus takes the record, which after a server of 3 was killed came up to 30 s later
-        (helper F4: 18 sandboxes of creates that timed out ran on until their TTL; one read of the record, 2 s,
-        saw them starting). So when a read of its record failed (doubtful), or it is starting, it is watched
-        until ABANDON_AFTER past the deadline, every SETTLE_SLOWLY once that passed. A cancelled create ran on
-        too, a VM of 352 MiB no one held, until its TTL (helper V)."""
-        while time.time() < deadline + ABANDON_AFTER:
-            look = await self._end_if_up(sandbox_id)
-            if look is DONE:
-                return
-            doubtful = doubtful or look is UNKNOWN
-            if look is None and not doubtful and time.time() > deadline + CLAIM_SEEN:
-                return   # never claimed by its deadline, the bus answering: never started
-            await asyncio.sleep(SETTLE_EVERY if time.time() < deadline + RECHECK_EVERY else SETTLE_SLOWLY)
+    async def _destroy_given_up(self, sandbox_id: str, node: str) -> None:
+        await AsyncSandbox(self, sandbox_id, node).destroy(timeout=10)
 
     async def create_many(self, n: int, image: str = "busybox", **kwargs: Any) -> list[AsyncSandbox]:
         """Create n sandboxes in one round; all are returned, or none survive and the first error is raised."""
@@ -471,7 +305,7 @@ class AsyncClient:
         rec = await self._record(sandbox_id)
         until = time.monotonic() + timeout
         while rec is not None and rec.state == "starting" and time.monotonic() < until:
-            await asyncio.sleep(SETTLE_EVERY)
+            await asyncio.sleep(creating.SETTLE_EVERY)
             rec = await self._record(sandbox_id)
         if rec is not None and rec.state == "starting":
             raise SandboxError(f"sandbox {sandbox_id} is still starting after {timeout:.0f}s", sandbox_id=sandbox_id)
@@ -594,11 +428,11 @@ class AsyncClient:
             give_up = time.monotonic() + timeout
             while True:
                 left = give_up - time.monotonic()
-                data = await _next(q, min(left, RECHECK_EVERY))
+                data = await creating.next_reply(q, min(left, creating.RECHECK_EVERY))
                 if data is None:
-                    if left > RECHECK_EVERY:
+                    if left > creating.RECHECK_EVERY:
                         rec = await self._record_quiet(sandbox_id)
-                        if rec is not None and rec.state in FINAL:
+                        if rec is not None and rec.state in creating.FINAL:
                             answer = recheck(rec) if recheck is not None else None
                             if answer is not None:
                                 return answer

@@ -194,13 +194,13 @@ async def test_a_sandbox_cannot_take_the_hosts_process_ids(client, stack, hostil
     (their groups' pids.max), and the edge lifts kernel.pid_max as systemd does (kernel stacks are charged
     to each sandbox's memory)."""
     from bus import validate
-    from edge.backends import cgroups
+    from edge.backends import hosttables
     with pytest.raises(libdsec.InvalidRequest, match=f"pids must be between 1 and {validate.MAX_PIDS}"):
         await client.create(resources=libdsec.Resources(pids=validate.MAX_PIDS + 1))
     with open("/proc/sys/kernel/pid_max") as f:
-        assert int(f.read()) >= cgroups.PID_MAX
+        assert int(f.read()) >= hosttables.PID_MAX
     node = stack.edge.backend.backends["container"]._cgroups
-    assert int((node.base["pids"] / "pids.max").read_text()) == cgroups.node_tasks() < cgroups.PID_MAX // 2
+    assert int((node.base["pids"] / "pids.max").read_text()) == hosttables.node_tasks() < hosttables.PID_MAX // 2
     async with await client.create(resources=libdsec.Resources(pids=4096, memory="512Mi")) as a, \
             await client.create() as b:
         await armed(a, hostile)

@@ -727,7 +727,7 @@ async def test_dsec_node_ls_reads_the_node_records_again_when_the_bus_timed_out(
 def test_favordynmods_is_read_from_mountinfo_and_can_be_declined(tmp_path, monkeypatch):
     """The cgroup2 mount's favordynmods: kept when on, nothing done without a cgroup2 mount or when
     declined (DSEC_FAVOR_DYNMODS=0); never a mount call in these cases."""
-    from edge.backends import cgroups, kernel
+    from edge.backends import hosttables, kernel
     calls = []
     monkeypatch.setattr(kernel, "mount", lambda *a: calls.append(a))
     on = tmp_path / "on"
@@ -736,13 +736,13 @@ def test_favordynmods_is_read_from_mountinfo_and_can_be_declined(tmp_path, monke
     none.write_text("31 25 0:27 / /sys/fs/cgroup/freezer rw - cgroup cgroup rw,freezer\n")
     off = tmp_path / "off"
     off.write_text("30 25 0:26 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate\n")
-    assert cgroups.favor_dynmods(str(on)) is True
-    assert cgroups.favor_dynmods(str(none)) is False
+    assert hosttables.favor_dynmods(str(on)) is True
+    assert hosttables.favor_dynmods(str(none)) is False
     monkeypatch.setenv("DSEC_FAVOR_DYNMODS", "0")
-    assert cgroups.favor_dynmods(str(off)) is False
+    assert hosttables.favor_dynmods(str(off)) is False
     assert calls == []
     monkeypatch.delenv("DSEC_FAVOR_DYNMODS")
-    assert cgroups.favor_dynmods(str(off)) is True   # remounted with the options it had, plus favordynmods
+    assert hosttables.favor_dynmods(str(off)) is True   # remounted with the options it had, plus favordynmods
     assert calls == [("cgroup2", "/sys/fs/cgroup/unified", "cgroup2", kernel.MS_REMOUNT, "nsdelegate,favordynmods")]
 
 
@@ -863,9 +863,9 @@ def test_network_entries_parse_and_match_as_documented():
 
 
 def test_default_slots_come_from_memory_capped_by_uid_ranges_and_pids():
-    from edge.backends import cgroups, idmap
+    from edge.backends import hosttables, idmap
     from edge.capacity import default_slots
-    pids = cgroups.node_tasks(lifted=True) // 2
+    pids = hosttables.node_tasks(lifted=True) // 2
     assert default_slots(8 << 30) == (min(8192, pids, idmap.COUNT), "memory" if 8192 <= min(pids, idmap.COUNT)
                                       else ("pids" if pids < idmap.COUNT else "uid ranges"))
     slots, cap = default_slots(1 << 50)                  # memory plenty: a kernel limit caps it
@@ -1216,16 +1216,15 @@ async def test_a_create_given_up_on_is_watched_while_its_record_may_still_come(m
     comes (a node claims before it starts); once a read of its record failed, or while it is starting, it is
     watched, and destroyed once it is up (helper F4: 18 sandboxes ran on, unseen, until their TTL)."""
     from bus.records import SandboxRecord
-    from libdsec import client as client_mod
-    monkeypatch.setattr(client_mod, "SETTLE_EVERY", 0.01)
-    monkeypatch.setattr(client_mod, "SETTLE_SLOWLY", 0.05)
-    monkeypatch.setattr(client_mod, "ABANDON_AFTER", 3.0)
+    from libdsec import creating
+    monkeypatch.setattr(creating, "SETTLE_EVERY", 0.01)
+    monkeypatch.setattr(creating, "SETTLE_SLOWLY", 0.05)
+    monkeypatch.setattr(creating, "ABANDON_AFTER", 3.0)
     destroyed: list[str] = []
 
-    async def destroy(self, **kw):
-        destroyed.append(self.id)
-    monkeypatch.setattr(client_mod.AsyncSandbox, "destroy", destroy)
-    c = client_mod.AsyncClient("nats://127.0.0.1:1")
+    async def destroy(sandbox_id, node):
+        destroyed.append(sandbox_id)
+    watch = creating.GivenUp(None, destroy)
 
     def script(*steps):
         it = iter(steps)
@@ -1238,8 +1237,8 @@ async def test_a_create_given_up_on_is_watched_while_its_record_may_still_come(m
                 SandboxRecord(sandbox_id=sandbox_id, node="n1"), state=step)
         return record
     t0 = time.time()
-    c._record = script(None)
-    await c._abandon_when_settled("sb-never", t0)   # no record, the bus answering: done 1 s past the deadline
+    watch.record = script(None)
+    await watch.when_settled("sb-never", t0)   # no record, the bus answering: done 1 s past the deadline
     assert 1.0 <= time.time() - t0 < 1.5 and destroyed == []
     late = time.time()   # a warm claim's `ready` record, stored 1.5 s past the deadline, after a failed read
 
@@ -1250,9 +1249,9 @@ async def test_a_create_given_up_on_is_watched_while_its_record_may_still_come(m
         return (None if time.time() < late + 1.5
                 else msgspec.structs.replace(SandboxRecord(sandbox_id=sandbox_id, node="n1"), state="ready"))
     calls: list[int] = []
-    c._record = record_late
-    await c._abandon_when_settled("sb-late", late)
+    watch.record = record_late
+    await watch.when_settled("sb-late", late)
     assert destroyed == ["sb-late"] and time.time() - late >= 1.5
-    c._record = script("starting", "starting", "destroyed")
-    await c._abandon_when_settled("sb-ended", time.time())
+    watch.record = script("starting", "starting", "destroyed")
+    await watch.when_settled("sb-ended", time.time())
     assert destroyed == ["sb-late"]

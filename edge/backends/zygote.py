@@ -38,7 +38,7 @@ from edge.backends import hostsfile, kernel, nskeeper
 from edge.backends.kernel import enter_class
 
 MAX_MESSAGE = 200_000       # below the default socket buffer, so one packet always fits
-DEVPTS_MAX = 256            # terminals a sandbox holds at once (its devpts's max=; the host's: cgroups.HOST_TABLES)
+DEVPTS_MAX = 256            # terminals a sandbox holds at once (its devpts's max=; the host's: hosttables.HOST_TABLES)
 KEEP_CAPS = set(kernel.DEFAULT_CAPS.values())
 KEEP_MASK = sum(1 << c for c in KEEP_CAPS)
 MASKED_PROC = ("kcore", "keys", "key-users", "latency_stats", "timer_list", "sched_debug", "sysrq-trigger",

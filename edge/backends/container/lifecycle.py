@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from edge.backends import cgroups, enter, idmap, kernel, native, nodemounts, procviews, watcher, zygote
+from edge.backends import cgroups, enter, hosttables, idmap, kernel, native, nodemounts, procviews, watcher, zygote
 from edge.backends.base import BackendError, SandboxGone
 from edge.backends.cgroups import NodeCgroups
 from edge.backends.container.state import Core
@@ -44,14 +44,14 @@ class Lifecycle(Core):
             self._empty.mkdir(exist_ok=True)
             await self._launcher.start()
             await self._views.start()
-            cgroups.favor_dynmods()
+            hosttables.favor_dynmods()
         except (OSError, UpperError, LauncherError) as exc:
             await self._reconcile()
             raise BackendError(f"container backend failed to start: {exc}") from exc
 
     async def _refresh_views(self) -> None:
         """lxcfs was started again: fresh /proc views into every running sandbox (through the zygote)."""
-        cgroups.favor_dynmods()   # lxcfs mounted cgroup2 again, with its own flags
+        hosttables.favor_dynmods()   # lxcfs mounted cgroup2 again, with its own flags
         views = self._views.proc_dir
         for sb in [sb for sb in self._sandboxes.values() if sb.dying is None and not sb.init_exit.done()]:
             try:
