@@ -299,6 +299,13 @@ class ExecStream:
         return OutputIncomplete(f"exec output on {self.subject} is incomplete: records {_spans(missing)} of "
                                 f"{end.seq - 1} are missing ({why})", missing=missing, exit_code=end.exit_code)
 
+    async def holds_any(self) -> bool:
+        """Whether DSEC_OUT holds some record of this exec (True when it cannot say now)."""
+        try:
+            return await self._stored(last=True) is not None
+        except BusError:
+            return True
+
     async def ended(self) -> bool:
         """Whether the exec's exit record is stored (asked of the stream, not of this subscription)."""
         if self.finished:

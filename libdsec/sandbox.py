@@ -235,7 +235,8 @@ class AsyncSandbox:
                      keep_output: bool = True) -> ExecHandle:
         """A handle on an exec started before (by any client, a crashed one too), by its exec id or its pid
         while it runs: its output from the first byte on (what DSEC_OUT holds), its end, kill() and, for an
-        exec started with stdin=True, send_stdin(). InvalidRequest when no running exec has that pid."""
+        exec started with stdin=True, send_stdin(). InvalidRequest when no running exec has that pid, or none
+        has that exec id and DSEC_OUT holds none of its output (a wrong id, or its output aged out)."""
         entry = await self._running(exec_id, pid)
         exec_id = entry.exec_id if entry is not None else exec_id
         try:
@@ -244,6 +245,9 @@ class AsyncSandbox:
             raise InvalidRequest(str(exc)) from None
         left = _left(entry) if entry is not None else 1.0
         stream = self._stream(exec_id)
+        if entry is None and not await stream.holds_any():   # (it waited 16 s, then blamed the node)
+            raise InvalidRequest(f"sandbox {self.id} has no exec {exec_id}: none by that id is running, and DSEC_OUT "
+                                 "holds no output of it (a wrong id, or its output aged out or was purged)")
         await stream.open(replay=True)
         return ExecHandle(self.client._need_bus(), subjects.exec_input(self.node, self.client.tenant, self.id, exec_id),
                           self.id, exec_id, stream, left, keep_output)

@@ -83,6 +83,23 @@ async def test_another_client_attaches_by_pid_replays_the_output_and_writes_stdi
         assert (await later.wait()).stdout == b"ready\none\ntwo\n"
 
 
+async def test_attaching_to_an_exec_whose_output_is_gone_says_so_at_once(client, stack):
+    """attach(exec_id) of an exec that is not running and of which DSEC_OUT holds nothing (a wrong id, or its
+    output aged out or purged) waited 16 s, then blamed the node ("no exit record ... node unavailable")."""
+    async with await client.create() as sb:
+        res = await sb.exec("echo kept")
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.InvalidRequest, match=f"sandbox {sb.id} has no exec ex-nosuch"):
+            await sb.attach("ex-nosuch")
+        await stack.bus.admin.purge_stream(streams.OUT_STREAM,
+                                           subject=subjects.output(client.tenant, sb.node, sb.id, res.exec_id))
+        with pytest.raises(libdsec.InvalidRequest, match="holds no output of it"):
+            await sb.attach(res.exec_id)
+        assert time.monotonic() - t0 < 3.0
+        again = await sb.exec("echo still", background=True)   # attaching to one that ran or runs is as before
+        assert (await (await sb.attach(again.id)).wait()).stdout == b"still\n"
+
+
 async def test_a_background_exec_knows_its_pid_when_it_returns(client):
     """The README's `h = await sb.exec("cat", background=True, stdin=True); await sb.send_stdin(h.pid, ...)`:
     h.pid was 0 until its start record came, so send_stdin(0, ...) failed ("no running command ... has pid
