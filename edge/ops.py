@@ -13,7 +13,7 @@ import time
 
 import msgspec
 
-from bus import kinds, lanes, streams, subjects
+from bus import kinds, lanes, streams, subjects, validate
 from bus.conn import Bus
 from bus.errors import (DsecError, FileOpError, InvalidRequest, RateLimited, RequestExpired, SandboxError,
                         SandboxNotFound)
@@ -32,7 +32,6 @@ from edge.sandboxes import ANSWERING_BY, Sandboxes
 log = logging.getLogger(__name__)
 
 MAX_READ = 700_000          # a reply is one message: 1 MiB max payload, base64 in JSON
-MAX_TIMEOUT = 30 * 24 * 3600.0   # the longest set_timeout (a month)
 # The lane holds up to max_execs + OP_BACKLOG deliveries. An op other than an exec waits its tenant's turn
 # there: one tenant runs at most PER_TENANT[kind] of each kind at once. A tenant holds at most its share of
 # OP_BACKLOG (split evenly among the tenants holding some, at least SHARE_MIN); past it, RateLimited at once.
@@ -247,8 +246,8 @@ class OpLane:
         return encode(self.execs.processes(op.sandbox_id, tenant))
 
     async def _set_timeout(self, op: SetTimeoutRequest) -> None:
-        if not 0 <= op.timeout <= MAX_TIMEOUT:
-            raise InvalidRequest(f"timeout must be 0..{MAX_TIMEOUT:.0f} seconds, got {op.timeout}")
+        if not 0 <= op.timeout <= validate.MAX_TTL:   # as a create's ttl
+            raise InvalidRequest(f"timeout must be 0..{validate.MAX_TTL:.0f} seconds, got {op.timeout}")
         await self.sandboxes.set_timeout(op.sandbox_id, op.timeout)
 
     async def _file_op(self, op: FileOp, tenant: str) -> bytes:

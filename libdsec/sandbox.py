@@ -405,9 +405,12 @@ class AsyncSandbox:
             request_id=rid, sandbox_id=self.id, reply_to=to, deadline=dl), timeout)
 
     async def set_timeout(self, seconds: float, *, timeout: float = DEFAULT_OP_TIMEOUT) -> None:
-        """It now expires `seconds` from now, shorter or longer than before (0: at once); a suspended one's
-        count starts when it is resumed."""
+        """It now expires `seconds` from now, shorter or longer than before (0: at once; at most a create's
+        longest ttl, 7 days); a suspended one's count starts when it is resumed."""
         validate.seconds(seconds, "seconds", zero=True)
+        if seconds > validate.MAX_TTL:   # (a month was taken here: more than any create may ask)
+            raise InvalidRequest(f"seconds must be at most {validate.MAX_TTL:.0f} (7 days, a create's longest ttl), "
+                                 f"got {seconds!r}")
         await self.client._op(self.node, self.id, lambda rid, to, dl: SetTimeoutRequest(
             request_id=rid, sandbox_id=self.id, timeout=float(seconds), reply_to=to, deadline=dl), timeout)
 

@@ -7,6 +7,8 @@ import time
 import pytest
 
 import libdsec
+from bus import validate
+from bus.messages import SetTimeoutRequest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +85,13 @@ async def test_bad_timeouts_are_refused(client):
     async with await client.create() as sb:
         with pytest.raises(libdsec.InvalidRequest):
             await sb.set_timeout(-1)
+        # no longer than a create may live (7 days): a month was taken, by the SDK and by the node
+        with pytest.raises(libdsec.InvalidRequest, match="at most 604800"):
+            await sb.set_timeout(validate.MAX_TTL + 1)
+        with pytest.raises(libdsec.InvalidRequest, match="timeout must be 0..604800"):
+            await client._op(sb.node, sb.id, lambda rid, to, dl: SetTimeoutRequest(
+                request_id=rid, sandbox_id=sb.id, timeout=20 * 86400.0, reply_to=to, deadline=dl), 10)
+        await sb.set_timeout(validate.MAX_TTL)
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
 
 
