@@ -30,16 +30,25 @@ class OnceFileCache(_cache._FileCache):
     """proxpi's file cache, whose get() of one file runs one at a time (other files' go on in parallel)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self._once: dict[str, threading.RLock] = {}   # reentrant: proxpi's get() calls itself once started
+        # per file: its lock (reentrant: proxpi's get() calls itself once started) and the gets holding or
+        # awaiting it; dropped with its last get (kept, one per file ever asked for stayed for the mirror's life)
+        self._once: dict[str, list] = {}
         self._once_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def get(self, url: str) -> str:
         key = self._get_key(url)
         with self._once_lock:
-            lock = self._once.setdefault(key, threading.RLock())
-        with lock:
-            return super().get(url)
+            held = self._once.setdefault(key, [threading.RLock(), 0])
+            held[1] += 1
+        try:
+            with held[0]:
+                return super().get(url)
+        finally:
+            with self._once_lock:
+                held[1] -= 1
+                if not held[1]:
+                    del self._once[key]
 
 
 _cache.Cache._file_cache_cls = OnceFileCache

@@ -1255,3 +1255,33 @@ async def test_a_create_given_up_on_is_watched_while_its_record_may_still_come(m
     watch.record = script("starting", "starting", "destroyed")
     await watch.when_settled("sb-ended", time.time())
     assert destroyed == ["sb-late"]
+
+
+def test_the_pip_mirrors_per_file_locks_serialise_one_file_and_go_with_their_last_get(tmp_path, monkeypatch):
+    """One download per file at a time (proxpi's own race, CI 110); and a file's lock goes with its last get:
+    one per file ever asked for was kept for the mirror's life."""
+    import threading
+    from aether import pipmirror
+    from proxpi import _cache
+    inside: dict[str, int] = {}
+    most: dict[str, int] = {}
+    guard = threading.Lock()
+
+    def fake_get(self, url):   # proxpi's download, slow enough for the gets to overlap
+        with guard:
+            inside[url] = inside.get(url, 0) + 1
+            most[url] = max(most.get(url, 0), inside[url])
+        time.sleep(0.02)
+        with guard:
+            inside[url] -= 1
+        return "/cache/" + url.rsplit("/", 1)[-1]
+    monkeypatch.setattr(_cache._FileCache, "get", fake_get)
+    cache = pipmirror.OnceFileCache(1 << 20, str(tmp_path))
+    urls = [f"http://upstream.test/files/pkg-{i % 5}.whl" for i in range(40)]
+    threads = [threading.Thread(target=cache.get, args=(u,)) for u in urls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most == {f"http://upstream.test/files/pkg-{i}.whl": 1 for i in range(5)}   # one at a time per file
+    assert cache._once == {}
