@@ -41,6 +41,16 @@ def seconds(value, what: str, *, zero: bool = False) -> float:
     return float(value)
 
 
+def file_path(path, what: str = "path") -> str:
+    """A path inside a sandbox as a file operation takes it: absolute, without NUL; InvalidRequest otherwise
+    (checked by the SDK, and by the node again)."""
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise InvalidRequest(f"{what} must be absolute (start with /): {path!r}")
+    if "\0" in path:
+        raise InvalidRequest(f"{what} must not hold a NUL byte: {path!r}")
+    return path
+
+
 def check_resources(r: Resources) -> None:
     """Plain range checks (node maximums are checked by scoring)."""
     if not r.cpu > 0 or r.cpu > 1024:

@@ -398,6 +398,8 @@ class Execs:
             return Execs._check_times(op)
         if op.shell and op.argv:
             raise InvalidRequest("give argv or shell, not both")
+        if op.max_output <= 0:
+            raise InvalidRequest(f"max_output must be a positive number of bytes, got {op.max_output}")
         if (op.pty_rows or op.pty_cols) and not (0 < op.pty_rows <= MAX_PTY and 0 < op.pty_cols <= MAX_PTY):
             raise InvalidRequest(f"a terminal's rows and cols must be 1..{MAX_PTY}, got {op.pty_rows}x{op.pty_cols}")
         if not op.shell and (not op.argv or not op.argv[0]):

@@ -129,8 +129,7 @@ class OpLane:
             case DestroyRequest():
                 return "destroy", lambda: self._on(sid, "destroy", lambda: self._destroy(tenant, sid), tenant=tenant)
             case WriteFile():
-                return "files", lambda: self._on(sid, "write_file", lambda: sb.backend.write_file(
-                    sid, op.path, op.data, op.mode), FileOpError, tenant)
+                return "files", lambda: self._write(op, tenant)
             case ReadFile():
                 return "files", lambda: self._read(op, tenant)
             case FileOp():
@@ -236,9 +235,15 @@ class OpLane:
             reason = rec.state if rec is not None else "destroyed"
             raise SandboxNotFound.ended(sandbox_id, reason, rec.reason if rec is not None else "")
 
+    async def _write(self, op: WriteFile, tenant: str) -> None:
+        validate.file_path(op.path)
+        await self._on(op.sandbox_id, "write_file", lambda: self.sandboxes.backend.write_file(
+            op.sandbox_id, op.path, op.data, op.mode), FileOpError, tenant)
+
     async def _read(self, op: ReadFile, tenant: str) -> bytes:
-        if op.limit > MAX_READ:
-            raise InvalidRequest(f"limit: read_file returns at most {MAX_READ} bytes per call, got {op.limit}")
+        validate.file_path(op.path)
+        if not 0 < op.limit <= MAX_READ:
+            raise InvalidRequest(f"limit: read_file returns 1..{MAX_READ} bytes per call, got {op.limit}")
         return await self._on(op.sandbox_id, "read_file", lambda: self.sandboxes.backend.read_file(
             op.sandbox_id, op.path, op.limit), FileOpError, tenant)
 
@@ -261,8 +266,9 @@ class OpLane:
             check_metadata(op.metadata)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        if not op.path.startswith("/") or "\0" in op.path or (op.op == "rename" and not op.dest.startswith("/")):
-            raise InvalidRequest(f"paths must be absolute: {op.path!r}")
+        validate.file_path(op.path)
+        if op.op == "rename":
+            validate.file_path(op.dest, "dest")
         if "\0" in op.after or len(op.after) > MAX_AFTER:
             raise InvalidRequest(f"after: a path of at most {MAX_AFTER} characters without NUL (a listing's last)")
         async def work() -> bytes:

@@ -7,7 +7,7 @@ import contextlib
 import posixpath
 from typing import TYPE_CHECKING, AsyncIterator
 
-from bus import kinds
+from bus import kinds, validate
 from bus.errors import ExecFailed, FileOpError, InvalidRequest
 from bus.messages import (FILE_PIECE, FileEntry, FileEvent, FileOp, FileOpResult, file_event_decoder,
                           file_result_decoder)
@@ -35,10 +35,7 @@ class AsyncFiles:
     async def _op(self, op: str, path: str, timeout: float = DEFAULT_TIMEOUT, user: str | None = None,
                   **fields) -> FileOpResult:
         self._sb._needs("file_tree", f"files.{op}")
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
-        if "\0" in path:
-            raise InvalidRequest(f"path must not hold a NUL byte: {path!r}")
+        validate.file_path(path)
         if user is not None and not isinstance(user, str):
             raise InvalidRequest(f"user must be a name or uid[:gid] string, got {user!r}")
         kinds.require_user(self._sb.backend, user, f"files.{op}")
@@ -91,8 +88,7 @@ class AsyncFiles:
     async def rename(self, old_path: str, new_path: str, *, timeout: float = DEFAULT_TIMEOUT,
                      user: str | None = None) -> FileEntry:
         """Move old_path to new_path; the entry now at new_path."""
-        if not isinstance(new_path, str) or not new_path.startswith("/"):
-            raise InvalidRequest(f"path must be absolute (start with /): {new_path!r}")
+        validate.file_path(new_path)
         entry = (await self._op("rename", old_path, timeout, user, dest=new_path)).entry
         assert entry is not None
         return entry
@@ -178,8 +174,7 @@ class AsyncFiles:
         stop(), the timeout or the directory's removal. Returns once the watch is in place: every change made
         after it is reported. FileOpError when path is no directory of the sandbox."""
         self._sb._needs("watch", "files.watch")
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise InvalidRequest(f"path must be absolute (start with /): {path!r}")
+        validate.file_path(path)
         handle = await self._sb._start("", timeout, None, None, True, 16 << 20, background=True, keep_output=False,
                                        what={"watch": path, "recursive": bool(recursive)})
         try:

@@ -155,6 +155,8 @@ class AsyncSandbox:
                      pty: tuple[int, int] | None = None, end_on_exit: bool = False) -> ExecHandle:
         """Send an exec (what: its fields instead of cmd's, e.g. a watch) and a handle on it."""
         validate.seconds(timeout, "timeout")
+        if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output <= 0:
+            raise InvalidRequest(f"max_output must be a positive number of bytes, got {max_output!r}")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
         self._needs("exec", "exec")
         kinds.require_user(self.backend, user, "exec")
@@ -311,6 +313,9 @@ class AsyncSandbox:
         holding its stdout or stderr closed them (`server &` keeps it running, as subprocess and docker exec
         do); end_on_exit=True: once its command exited, with what its output held then, and a process it left
         running keeps on, its later output not read (E2B's commands.run)."""
+        if stdin is True and not background:   # (nothing could write it: the command sat out its timeout)
+            raise InvalidRequest("stdin=True (a live stdin written later) needs background=True; a foreground exec "
+                                 "takes stdin as bytes, str or an async iterable")
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user,
@@ -334,6 +339,7 @@ class AsyncSandbox:
                          timeout: float = DEFAULT_OP_TIMEOUT) -> None:
         """Write a file inside the sandbox (paths resolve inside its root)."""
         self._needs("files", "write_file")
+        validate.file_path(path)
         check_mode(mode)
         if isinstance(data, str):
             data = data.encode()
@@ -346,8 +352,11 @@ class AsyncSandbox:
             request_id=rid, sandbox_id=self.id, path=path, data=data, mode=mode, reply_to=to, deadline=dl), timeout)
 
     async def read_file(self, path: str, *, limit: int = MAX_FILE_OP, timeout: float = DEFAULT_OP_TIMEOUT) -> bytes:
-        """Read a file inside the sandbox."""
+        """Read a file inside the sandbox (at most `limit` bytes: 1..700,000; sb.files.read reads any size)."""
         self._needs("files", "read_file")
+        validate.file_path(path)
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_FILE_OP:
+            raise InvalidRequest(f"limit must be 1..{MAX_FILE_OP} bytes, got {limit!r}")
         return await self.client._op(self.node, self.id, lambda rid, to, dl: ReadFile(
             request_id=rid, sandbox_id=self.id, path=path, limit=limit, reply_to=to, deadline=dl), timeout)
 

@@ -341,3 +341,48 @@ async def test_wrong_types_and_non_finite_numbers_in_the_sdk_are_invalid_request
                 await call()
         assert (await sb.exec("echo ok")).stdout == b"ok\n"
     assert libdsec.Resources.of({"memory": "1Pi"}).to_wire().memory == 1 << 50
+
+
+async def test_file_calls_and_output_caps_a_user_gets_wrong_are_refused_by_the_sdk_and_by_the_node(client, stack):
+    """helper-40: write_file("relative") wrote /relative, read_file of a path with a NUL said "not a regular file",
+    write_file("") "no such directory: /", read_file(limit=-1) "exceeds the limit of -1 bytes", exec(max_output=0)
+    ran with its output silently dropped (truncated) and a foreground exec(stdin=True) sat out its timeout. Each is
+    InvalidRequest now, from the SDK and from the node for a request sent past it."""
+    from bus.messages import ExecRequest, ReadFile, WriteFile, encode
+    from libdsec.execstream import ExecStream, exit_of
+    async with await client.create() as sb:
+        for call, says in ((lambda: sb.write_file("relative", b"x"), "absolute"),
+                           (lambda: sb.write_file("", b"x"), "absolute"),
+                           (lambda: sb.write_file("/tmp/\0x", b"x"), "NUL"),
+                           (lambda: sb.read_file("/tmp/\0x"), "NUL"), (lambda: sb.read_file(""), "absolute"),
+                           (lambda: sb.read_file("/etc/hostname", limit=0), "limit"),
+                           (lambda: sb.read_file("/etc/hostname", limit=-1), "limit"),
+                           (lambda: sb.exec("echo x", max_output=0), "max_output"),
+                           (lambda: sb.exec("echo x", max_output=-1), "max_output"),
+                           (lambda: sb.exec("cat", stdin=True), "background=True")):
+            t0 = time.monotonic()
+            with pytest.raises(libdsec.InvalidRequest, match=says):
+                await call()
+            assert time.monotonic() - t0 < 1.0
+        for make, says in ((lambda rid, to, dl: WriteFile(request_id=rid, sandbox_id=sb.id, path="relative",
+                                                           data=b"x", reply_to=to, deadline=dl), "absolute"),
+                           (lambda rid, to, dl: ReadFile(request_id=rid, sandbox_id=sb.id, path="/tmp/\0x", limit=10,
+                                                          reply_to=to, deadline=dl), "NUL"),
+                           (lambda rid, to, dl: ReadFile(request_id=rid, sandbox_id=sb.id, path="/etc/hostname",
+                                                          limit=-1, reply_to=to, deadline=dl), "limit")):
+            with pytest.raises(libdsec.InvalidRequest, match=says):
+                await client._op(sb.node, sb.id, make, 10)
+        req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=["echo", "x"], timeout=10.0,
+                          max_output=0)
+        es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
+        await es.open()
+        nc = await raw_nats(stack.url)
+        try:
+            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", encode(req))
+        finally:
+            await nc.close()
+        recs = [r async for r in es.records(10)]
+        await es.close()
+        with pytest.raises(libdsec.InvalidRequest, match="max_output"):
+            exit_of(recs[-1])
+        assert (await sb.exec("ls /relative; echo alive")).stdout == b"alive\n"   # nothing was written at /relative
