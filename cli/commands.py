@@ -89,7 +89,7 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
     interactive (-i): our stdin is the command's (else its stdin is empty, and ours is left unread, as
     `docker exec` without -i: a loop reading ids from a file must not lose them to the first exec).
     Interrupted (a signal), the command is killed before we go."""
-    cmd = argv[0] if len(argv) == 1 and " " in argv[0] else argv
+    cmd = list(argv)   # argv as given, as `docker exec` takes it (one word with a space was run as a shell script)
     limit = _size(max_output, "--max-output")
     outs = {"stdout": Terminal(sys.stdout.buffer), "stderr": Terminal(sys.stderr.buffer)}
     stdin = None
@@ -99,14 +99,17 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
         stdin = local_stdin()
     handle = await sb._start(cmd, timeout, cwd, env, stdin, limit, keep_output=False, user=user)
     try:
+        got = 0
         async for ev in handle.stream(lines=False):
             if isinstance(ev, libdsec.Output):
                 outs[ev.stream].write(ev.data)
+                got += len(ev.data)
                 continue
             for out in outs.values():
                 out.close()
-            if ev.truncated:
-                click.echo(f"dsec: the command's output was cut at {limit:,} bytes (--max-output)", err=True)
+            if ev.truncated:   # (at --max-output, or at the node's own cap when that is lower: it said --max-output's)
+                click.echo(f"dsec: the command's output was cut after {got:,} bytes (--max-output {limit:,}, or "
+                           f"the node's own cap if lower)", err=True)
             if ev.timed_out:
                 click.echo(f"dsec: command timed out after {timeout}s", err=True)
                 return 124

@@ -135,7 +135,13 @@ def test_exec_takes_our_stdin_says_a_cut_and_an_interrupt_kills_its_command(up):
                            f"-- echo got-$x; done"], capture_output=True, text=True, timeout=60)
     assert loop.stdout == "got-a\ngot-b\n", loop
     p = dsec("exec", "--nats", up["url"], "--max-output", "1Mi", sid, "--", "sh", "-c", "head -c 2000000 /dev/zero")
-    assert p.returncode == 0 and len(p.stdout) == 1 << 20 and "cut at 1,048,576 bytes" in p.stderr, p.stderr
+    assert p.returncode == 0 and len(p.stdout) == 1 << 20 and "cut after 1,048,576 bytes" in p.stderr, p.stderr
+    p = dsec("exec", "--nats", up["url"], "--max-output", "100Mi", sid, "--", "sh", "-c", "head -c 2000000 /dev/zero")
+    assert len(p.stdout) == 1 << 20 and "cut after 1,048,576 bytes" in p.stderr, p.stderr   # the node's cap (1Mi)
+    assert dsec("exec", "--nats", up["url"], sid, "--", "sh", "-c", "printf '#!/bin/sh\\necho ran\\n' > '/tmp/my prog'; "
+                "chmod +x '/tmp/my prog'").returncode == 0
+    p = dsec("exec", "--nats", up["url"], sid, "--", "/tmp/my prog")   # one word with a space is one word
+    assert (p.returncode, p.stdout) == (0, "ran\n"), p
     for sig in (signal.SIGTERM, signal.SIGHUP):
         proc = subprocess.Popen([DSEC, "exec", "--nats", up["url"], sid, "--", "sh", "-c", "echo started; sleep 60"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
