@@ -378,6 +378,12 @@ class Bus(KvStore, StreamReads, Provisioning):
             info = await self.admin.consumer_info(stream, durable)
         return info.num_ack_pending
 
+    async def held_on(self, stream: str, subject: str) -> int:
+        """How many messages `stream` holds on the subjects matching `subject` (wildcards allowed)."""
+        with mapped_errors(f"stream info {stream}"):
+            info = await self.admin.stream_info(stream, subjects_filter=subject)
+        return sum((info.state.subjects or {}).values())
+
     async def consumer_config(self, stream: str, durable: str) -> api.ConsumerConfig | None:
         """A durable consumer's configuration, or None when there is none."""
         try:

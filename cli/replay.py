@@ -179,6 +179,16 @@ async def _show(bus: Bus, rec: TrajRecord, seq: int, fmt: str, job: str | None) 
         _write(f"# {status}, {rec.ended_at - rec.started_at:.3f}s, cpu {rec.cpu_time:.3f}s{pid}\n".encode())
 
 
+async def _known(bus: Bus, sandbox_id: str) -> bool:
+    """Whether some tenant's sandbox has this id: its record (a tenant's or a project's key) or a trajectory record."""
+    where = [(streams.TRAJ_STREAM, subjects.trajectory("*", "*", sandbox_id)),
+             *((f"KV_{streams.SANDBOXES_KV}", f"$KV.{streams.SANDBOXES_KV}.{key}.{sandbox_id}") for key in ("*", "*.*"))]
+    for stream, subject in where:
+        if await bus.held_on(stream, subject):
+            return True
+    return False
+
+
 @main.command()
 @nats_option
 @click.option("--sandbox", "sandbox_id", default=None, help="Replay one sandbox's episode.")
@@ -214,6 +224,8 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
         fail(str(exc))
     bus = await connect(nats_url, "dsec-replay", "ops", reconnect=follow)
     try:
+        if follow and sandbox_id and not await _known(bus, sandbox_id):   # (it waited for ever, printing nothing)
+            fail(f"no sandbox {sandbox_id}: it has no record and no trajectory records (a wrong id?)")
         previous = None
         count = 0
         async with contextlib.aclosing(read(bus, config, follow)) as items:   # closed here, before the bus

@@ -303,6 +303,14 @@ async def test_replay_follow_prints_records_as_they_come_and_stops_at_the_end(st
             await proc.wait()
 
 
+async def test_replay_follow_of_a_sandbox_that_never_existed_says_so_at_once(stack):
+    """`dsec replay --sandbox <a wrong id> --follow` waited for ever, printing nothing (helper-40)."""
+    p = await asyncio.to_thread(subprocess.run, [DSEC, "replay", "--sandbox", "sbnosuch0000", "--follow", "--nats",
+                                                 stack.url], capture_output=True, text=True, timeout=20)
+    assert (p.returncode, p.stdout) == (1, ""), p
+    assert "no sandbox sbnosuch0000: it has no record and no trajectory records" in p.stderr, p.stderr
+
+
 async def test_a_command_too_long_for_one_record_is_cut_and_the_sandbox_record_still_moves_on(stack, client):
     """An exec of 900 KB of arguments writing 100 KB on each stream: its trajectory record (argv plus the two
     streams' first 64 KiB) came to 1.08 MB, which the NATS server refused. The node's outbox tried it again
