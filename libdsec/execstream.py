@@ -18,7 +18,8 @@ import msgspec
 from bus import subjects
 from bus.conn import Bus
 from bus.apiwire import ReadOutput, StoredOutput
-from bus.errors import BusError, DsecError, OutputIncomplete, SandboxError, SandboxNotFound, from_code
+from bus.errors import (AuthenticationFailed, BusError, DsecError, OutputIncomplete, SandboxError, SandboxNotFound,
+                        from_code)
 from bus.records import event_decoder
 from bus.execwire import ExitRecord, OutputChunk, StartRecord, decode_output
 from libdsec import control
@@ -144,7 +145,8 @@ class ExecStream:
                 try:
                     item = await asyncio.wait_for(self._queue.get(), max(0.01, until - now))
                 except asyncio.TimeoutError:
-                    now = time.monotonic()
+                    self.bus.check_credential()   # revoked meanwhile: said now (it waited out the exec, then
+                    now = time.monotonic()        # blamed the node: helper-40)
                     if now >= deadline_():
                         async for out in self._caught_up(now + 2.0):   # a last look before giving up
                             yield out
@@ -224,6 +226,8 @@ class ExecStream:
             if last is not None and decode_output(last.data, last.headers).seq >= self._next:
                 return True
             rec = await self._record() if self._record is not None else None
+        except AuthenticationFailed:
+            raise
         except (BusError, msgspec.DecodeError, msgspec.ValidationError):
             return False   # asked again after the next quiet spell
         if rec is not None and rec.state in TERMINAL:
@@ -240,6 +244,8 @@ class ExecStream:
             try:
                 await self._read_back()
                 break
+            except AuthenticationFailed:
+                raise
             except BusError as exc:
                 if time.monotonic() + delay >= give_up:
                     out = self._in_order()

@@ -625,6 +625,40 @@ def run_dsec(*args: str, creds: str | None = None) -> subprocess.CompletedProces
     return subprocess.run([DSEC, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
+async def test_an_exec_running_when_its_credential_is_revoked_ends_with_authentication_failed(stack):
+    """helper-40: an exec in flight when its tenant's credential was revoked waited out its timeout plus 15 s
+    (46 s), then said "no exit record ... node unavailable", though the node was fine: the client was refused."""
+    ids = stack.nats_server.iam
+    ids.add_tenant("revokedmid")
+    ids.save()
+    iamserver.reload(ids)
+    client = libdsec.AsyncClient(stack.url, creds=str(ids.creds_path("tenant:revokedmid")))
+    await client.connect()
+    try:
+        sb = await client.create()
+        handle = await sb.exec("echo a; sleep 8; echo b", timeout=30, background=True)
+        first = await handle.stream().__anext__()
+        assert first.data == b"a\n"
+        ids.revoke("tenant:revokedmid")
+        ids.save()
+        iamserver.reload(ids)
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.AuthenticationFailed, match="revoked or removed while connected"):
+            await handle.wait()
+        assert time.monotonic() - t0 < 12, time.monotonic() - t0   # (within the quiet checks' 8 s, not 46 s)
+    finally:
+        await client.close()
+        ids.issue_tenant("revokedmid")   # a fresh credential, to end its sandbox
+        ids.save()
+        iamserver.reload(ids)
+        async with libdsec.AsyncClient(stack.url, creds=str(ids.creds_path("tenant:revokedmid"))) as again:
+            for rec in await again.list():
+                await (await again.get(rec.sandbox_id)).destroy()
+        ids.remove_tenant("revokedmid")
+        ids.save()
+        iamserver.reload(ids)
+
+
 async def test_dsec_iam_adds_limits_refuses_removal_with_live_sandboxes_and_revokes(stack, tmp_path):
     state = str(stack.nats_server.iam.root)
     url = stack.url

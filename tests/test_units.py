@@ -293,6 +293,9 @@ class _OutBus:
         self.reads = 0
         self.reconnect = []
 
+    def check_credential(self):
+        pass   # (the connection's credential is never refused here)
+
     async def subscribe(self, subject, cb, with_headers=False):
         self.cb = cb
         return self
