@@ -135,9 +135,10 @@ class ExecHandle:
         """Its exit record has been read."""
         return self._inner.done
 
-    def stream(self) -> Iterator[Output | Exit]:
-        """Lines as they are produced, then the Exit; leave it any time, stream() again goes on from there."""
-        return _iterate_exact(self._loop, self._inner.stream())
+    def stream(self, lines: bool = True) -> Iterator[Output | Exit]:
+        """Lines as they are produced (lines=False: chunks as they come), then the Exit; leave it any time,
+        stream() again goes on from there."""
+        return _iterate_exact(self._loop, self._inner.stream(lines))
 
     def wait(self) -> ExecResult:
         """Wait for the end (ExecTimeout past its timeout)."""
@@ -163,6 +164,10 @@ class ExecHandle:
     def close_stdin(self) -> bool:
         """End its live stdin."""
         return self._loop.run(self._inner.close_stdin())
+
+    def resize(self, rows: int, cols: int) -> bool:
+        """Resize its terminal (one started by Sandbox.terminal); False when it had ended."""
+        return self._loop.run(self._inner.resize(rows, cols))
 
     def close(self) -> None:
         """Stop listening."""
@@ -262,6 +267,18 @@ class Sandbox:
         """Write to the live stdin of the running exec with that pid."""
         return self._client._loop.run(self._inner.send_stdin(pid, data, eof=eof))
 
+    def terminal(self, cmd=None, **kwargs: Any) -> ExecHandle:
+        """A command on a terminal of its own (default: a login shell); send_stdin() what is typed, resize()."""
+        return ExecHandle(self._client._loop, self._client._loop.run(self._inner.terminal(cmd, **kwargs)))
+
+    def resize_terminal(self, pid: int, rows: int, cols: int) -> bool:
+        """Resize the terminal of the running exec with that pid; False when it ended meanwhile."""
+        return self._client._loop.run(self._inner.resize_terminal(pid, rows, cols))
+
+    def set_network(self, network: Any, **kwargs: Any) -> None:
+        """Change its network policy ("mirror-only" or libdsec.Network(allow=[...]))."""
+        self._client._loop.run(self._inner.set_network(network, **kwargs))
+
 
 class Client:
     """Synchronous SDK entry point; use as `with Client(url) as client`."""
@@ -312,6 +329,14 @@ class Client:
     def fork(self, snapshot, n: int = 1, **kwargs: Any) -> list[Sandbox]:
         """n new sandboxes from a snapshot (create's keyword arguments apply)."""
         return [Sandbox(self, s) for s in self._loop.run(self._async.fork(snapshot, n, **kwargs))]
+
+    def snapshot(self, ref):
+        """A snapshot's record by id (or the record itself, looked up again)."""
+        return self._loop.run(self._async.snapshot(ref))
+
+    def quota(self):
+        """This tenant's quota and what its live sandboxes hold now."""
+        return self._loop.run(self._async.quota())
 
     def snapshots(self, tag: str | None = None) -> list:
         """This tenant's snapshots (with tag, only those)."""

@@ -105,6 +105,21 @@ def _use_sync_client(url: str) -> None:
             assert {(e.stream, e.data) for e in out[:-1]} == {("stdout", b"a\n"), ("stderr", b"b\n")}
             sb.write_file("/tmp/x", "y")
             assert sb.read_file("/tmp/x") == b"y"
+            # the rest of the async API's calls, each a real round trip (helper-40: these were missing)
+            term = sb.terminal(["cat"], rows=20, cols=60)
+            assert term.send_stdin(b"typed\n") and term.resize(30, 100) and sb.resize_terminal(term.pid, 40, 120)
+            seen = b""
+            for ev in term.stream(lines=False):
+                seen += ev.data if isinstance(ev, libdsec.Output) else b""
+                if b"typed" in seen.replace(b"\r", b""):
+                    break
+            assert term.kill() is True
+            with pytest.raises(libdsec.Unsupported):   # created with network "none": it keeps it
+                sb.set_network("mirror-only")
+            assert client.quota().sandboxes >= 1
+            snap = sb.snapshot(tag="syncsnap")
+            assert client.snapshot(snap.id).id == snap.id
+            client.delete_snapshot(snap.id)
         # the trajectories too (they were the async client's only): records in order, each acked plainly
         seen = []
         for t in client.trajectories(job="syncj", follow=False, durable="syncd"):

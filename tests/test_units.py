@@ -1288,3 +1288,16 @@ def test_the_pip_mirrors_per_file_locks_serialise_one_file_and_go_with_their_las
         t.join()
     assert most == {f"http://upstream.test/files/pkg-{i}.whl": 1 for i in range(5)}   # one at a time per file
     assert cache._once == {}
+
+
+def test_the_sync_api_has_every_call_of_the_async_one():
+    """libdsec.Client / Sandbox / ExecHandle are "the same API" (README): every public call of the async classes
+    has its twin, but connect (the sync client connects when made) and feed (an async iterable)."""
+    import libdsec
+    from libdsec import sync
+    from libdsec.exechandle import ExecHandle
+    for asynchronous, synchronous, apart in ((libdsec.AsyncClient, sync.Client, {"connect"}),
+                                             (libdsec.AsyncSandbox, sync.Sandbox, set()),
+                                             (ExecHandle, sync.ExecHandle, {"feed"})):
+        names = {n for n in dir(asynchronous) if not n.startswith("_")}
+        assert names - apart <= set(dir(synchronous)), (synchronous.__name__, names - apart - set(dir(synchronous)))
