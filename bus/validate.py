@@ -131,7 +131,7 @@ def _check_length(field: str, *parts: str) -> None:
                              "argument or environment entry (MAX_ARG_STRLEN): pass long data as stdin or a file")
 
 
-def check_exec_words(argv: list[str], env: dict[str, str], cwd: str, shell: str = "") -> None:
+def check_exec_words(argv: list[str], env: dict[str, str], cwd: str, shell: str = "", user: str = "") -> None:
     """An exec's argv (or shell script), env and cwd as execve takes them; InvalidRequest naming the field
     (checked by the SDK before sending and by the node again: a NUL byte made a container's exec fail as a
     node error, and a word too long failed as each backend put it, gVisor's as "File name too long")."""
@@ -146,6 +146,9 @@ def check_exec_words(argv: list[str], env: dict[str, str], cwd: str, shell: str 
     if "\0" in cwd:
         raise InvalidRequest("cwd must not contain NUL bytes")
     _check_text("cwd", cwd)
+    if "\0" in user:   # (it failed as ExecFailed, from the backend)
+        raise InvalidRequest("user must not contain NUL bytes")
+    _check_text("user", user)
 
 
 def _check_text(field: str, text: str) -> None:

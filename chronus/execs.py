@@ -407,7 +407,7 @@ class Execs:
                                  "script)")
         if "\0" in op.shell:
             raise InvalidRequest("shell script must not contain NUL bytes")
-        validate.check_exec_words(op.argv, op.env, op.cwd, op.shell)
+        validate.check_exec_words(op.argv, op.env, op.cwd, op.shell, op.user)
         Execs._check_times(op)
 
     @staticmethod

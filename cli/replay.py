@@ -213,7 +213,7 @@ async def replay(nats_url: str, sandbox_id: str | None, job: str | None, since: 
     dsec.out while it is kept, else the part kept in the trajectory) and exit codes. Works after the
     sandbox is gone and after a restart (the streams are on disk). An operator's command: it reads the streams
     with an admin's or ops' credential (STATE_DIR/creds/admin.creds), not a tenant's (a tenant reads its own
-    trajectories with the SDK's client.trajectories())."""
+    trajectories with the SDK's client.trajectories()). Give exactly one of --sandbox or --job."""
     if bool(sandbox_id) == bool(job):
         fail("give exactly one of --sandbox ID or --job J")
     if since is not None and seq is not None:

@@ -20,7 +20,7 @@ from edge.capacity import DEFAULT_DEBIAN, DEFAULT_PYPI, EdgeConfig
 
 def state_dir_option(fn):
     """--state-dir, default $DSEC_STATE_DIR or .dsec in the working directory."""
-    return click.option("--state-dir", type=click.Path(path_type=Path), show_default=True,
+    return click.option("--state-dir", type=click.Path(path_type=Path), show_default="$DSEC_STATE_DIR, else .dsec",
                         default=lambda: os.environ.get("DSEC_STATE_DIR", ".dsec"),
                         help="Where node state lives (NATS store, layer cache, writable layers).")(fn)
 

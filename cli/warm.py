@@ -24,7 +24,7 @@ def warm() -> None:
 @click.option("--disk", default="256Mi", show_default=True, help="Writable layer size (creates must ask the same).")
 @click.option("--min", "min_", default=0, show_default=True, help="Ready sandboxes per edge, at least.")
 @click.option("--max", "max_", default=4, show_default=True,
-              help="Ready sandboxes per edge, at most; between the two the recent create rate decides.")
+              help="Ready sandboxes per edge, at most (up to 64); between the two the recent create rate decides.")
 @click.option("--node-pool", default="local", show_default=True, help="The node pool whose edges keep it.")
 @run_async
 async def set_pool(nats_url, name, image, workspace, toolkit, cpu, memory, pids, disk, min_, max_, node_pool) -> None:

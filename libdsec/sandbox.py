@@ -174,7 +174,7 @@ class AsyncSandbox:
                           deadline=time.time() + min(timeout, START_BY) + EXIT_GRACE,   # no node starts it later
                           max_output=max_output, live_stdin=live, background=background,
                           pty_rows=pty[0] if pty else 0, pty_cols=pty[1] if pty else 0, end_on_exit=end_on_exit)
-        validate.check_exec_words(req.argv, req.env, req.cwd, req.shell)
+        validate.check_exec_words(req.argv, req.env, req.cwd, req.shell, req.user)
         stream = ExecStream(bus, self.node, self.id, req.exec_id, self.client.tenant,
                             record=lambda: self.client._record_quiet(self.id))
         await stream.open()

@@ -165,6 +165,7 @@ async def test_exec_with_missing_binary_and_bad_args(client):
     ("env: invalid variable name", {"argv": ["true"], "env": {"": "1"}}),
     ("env: the value of A", {"argv": ["true"], "env": {"A": "x\0y"}}),
     ("cwd", {"argv": ["true"], "cwd": "/tmp\0x"}),
+    ("user", {"argv": ["true"], "user": "ro\0ot"}),   # (ExecFailed, from the backend: helper-40)
     # Longer than execve takes in one word (MAX_ARG_STRLEN, bytes with the NUL): a container's exec failed
     # with ExecFailed "Argument list too long", gVisor's with "File name too long".
     ("argv\\[1\\] is 132,000 bytes", {"argv": ["echo", "\u20ac" * 44_000]}),
@@ -177,11 +178,13 @@ async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(
     exec failed as a node error (ExecFailed: ValueError) and a VM's ran with the variable mangled."""
     async with await client.create() as sb:
         with pytest.raises(libdsec.InvalidRequest, match=field):
-            await sb.exec(words.get("shell") or words["argv"], env=words.get("env"), cwd=words.get("cwd"))
+            await sb.exec(words.get("shell") or words["argv"], env=words.get("env"), cwd=words.get("cwd"),
+                          user=words.get("user"))
         from libdsec.execstream import ExecStream, exit_of
         from bus.messages import ExecRequest, encode
         req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=words.get("argv", []),
-                          shell=words.get("shell", ""), env=words.get("env", {}), cwd=words.get("cwd", ""), timeout=10.0)
+                          shell=words.get("shell", ""), env=words.get("env", {}), cwd=words.get("cwd", ""), timeout=10.0,
+                          user=words.get("user", ""))
         es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
         await es.open()
         nc = await raw_nats(stack.url)
