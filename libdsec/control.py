@@ -40,6 +40,9 @@ async def ask(bus: Bus, tenant: str, request: Wire, expect: type, timeout: float
             raise
         except BusError as exc:
             if once or time.monotonic() >= give_up:
+                if not bus.connected:   # (the server went away: it said "no answer", the base BusError)
+                    raise BusUnavailable(f"control API {verb}: not connected to NATS (the server went away; "
+                                         f"reconnecting) for its {timeout:g}s") from None
                 raise BusError(f"control API {verb}: no answer within {timeout:g}s ({exc})") from None
             wait *= 2
             await asyncio.sleep(0.05)

@@ -292,6 +292,21 @@ async def test_bus_unavailable_is_typed_and_quick():
     assert asyncio.get_running_loop().time() - t0 < 5
 
 
+async def test_a_client_whose_server_went_away_is_told_the_bus_is_unavailable(tmp_path):
+    """helper-40: with the server stopped under a connected client, list() said "no answer within 10s" as the
+    base BusError, not BusUnavailable."""
+    from tests.conftest import own_server
+    srv = own_server(tmp_path, [])
+    try:
+        async with libdsec.AsyncClient(srv.url, creds=srv.creds("tenant:default")) as client:
+            srv.stop()
+            from bus.apiwire import ListSandboxes, SandboxPage
+            with pytest.raises(libdsec.BusUnavailable, match="not connected to NATS"):
+                await client._ask(ListSandboxes(states=["ready"]), SandboxPage, timeout=2.0)   # list()'s, in 2 s
+    finally:
+        srv.stop()
+
+
 async def test_creates_published_straight_to_a_node_lane_are_checked(stack):
     """The node lane is open to any publisher: a request that skipped placement is still validated."""
     import time as _time
