@@ -18,7 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from bus import lanes, subjects
+from bus import lanes, subjects, validate
 from bus.acks import AckedPublisher
 from bus.creds import credential_options, expired, principal_of
 from bus.errors import AuthenticationFailed, BusError, BusUnavailable, InvalidRequest, PermissionDenied
@@ -43,6 +43,7 @@ RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish:
 # 4-9 s in nats-server) answers nothing; short tries, retried, use a new leader within a second of its
 # election instead of waiting out a long timeout. Provisioning and consumers get the long one.
 JS_TIMEOUT = 1.5
+REFUSED_FOR = 1.5   # seconds every connect of a first connection may be refused before nothing is said to listen
 ADMIN_TIMEOUT = 10.0
 _PUBLISH_DENIED = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
 ADMIN_TRIES = 3   # an idempotent admin request (a consumer's create or delete) unanswered in time is sent again
@@ -100,9 +101,15 @@ class Bus(KvStore, StreamReads, Provisioning):
         AuthenticationFailed, naming the file and why, when the server refuses it or it is unreadable."""
         refused: list[str] = []
         denied = asyncio.Event()   # refused at the first connect: said at once, not after the retries
+        nobody = asyncio.Event()   # every connect refused for REFUSED_FOR: nothing listens (said then, not at timeout)
+        refusing: dict[str, float] = {}
 
         async def _errors(exc: Exception) -> None:
             text = str(exc)
+            if isinstance(exc, ConnectionRefusedError) and not made:   # nothing listens (yet): for how long
+                refusing.setdefault("since", time.monotonic())
+                if time.monotonic() - refusing["since"] >= REFUSED_FOR:
+                    nobody.set()
             if "authorization violation" in text.lower() or "authentication" in text.lower():
                 refused.append(text)
                 denied.set()
@@ -126,6 +133,8 @@ class Bus(KvStore, StreamReads, Provisioning):
         servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
         if not servers:   # (nats-py then spun at full CPU for ever, deaf to SIGTERM: an unset $DSEC_NATS, helper C)
             raise InvalidRequest("no NATS server URL given: nats://HOST:PORT (--nats, $DSEC_NATS, or the SDK's url)")
+        for server in servers:
+            validate.nats_url(server)
         auth = credential_options(creds)
         nc = nats.NATS()
         try:
@@ -134,11 +143,13 @@ class Bus(KvStore, StreamReads, Provisioning):
                            allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_errors,
                            reconnected_cb=_reconnected, closed_cb=_closed, ping_interval=PING_INTERVAL,
                            max_outstanding_pings=MAX_PINGS, pending_size=64 << 20, **auth))
-            refusal = asyncio.ensure_future(denied.wait())
+            refusal, silence = asyncio.ensure_future(denied.wait()), asyncio.ensure_future(nobody.wait())
             try:
-                await asyncio.wait({connecting, refusal}, timeout=timeout + 1, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({connecting, refusal, silence}, timeout=timeout + 1,
+                                   return_when=asyncio.FIRST_COMPLETED)
             finally:
                 refusal.cancel()
+                silence.cancel()
             if not connecting.done():
                 connecting.cancel()
                 with contextlib.suppress(BaseException):
@@ -154,7 +165,8 @@ class Bus(KvStore, StreamReads, Provisioning):
                     if creds else
                     f"NATS at {url} requires a credential: pass creds= (the SDK), --creds or $DSEC_CREDS "
                     f"(`dsec up` writes them under its state dir, .dsec/creds/){_where(url)}") from None
-            raise BusUnavailable(f"cannot connect to NATS at {url}") from exc
+            why = f": connection refused for {REFUSED_FOR:g}s (nothing listens there)" if nobody.is_set() else ""
+            raise BusUnavailable(f"cannot connect to NATS at {url}{why}") from exc
         bus = cls(nc, listeners)
         made.append(bus)
         bus.refused, bus.creds, bus.url = refused, creds, url   # (url, creds: what a helper process connects with)

@@ -6,6 +6,7 @@ import math
 import posixpath
 import re
 import time
+import urllib.parse
 
 from bus import kinds, network, subjects
 from bus.errors import InvalidRequest
@@ -39,6 +40,20 @@ def seconds(value, what: str, *, zero: bool = False) -> float:
         raise InvalidRequest(f"{what} must be a {'non-negative' if zero else 'positive'} finite number of seconds, "
                              f"got {value!r}")
     return float(value)
+
+
+def nats_url(url: str) -> str:
+    """One NATS server URL as nats-py takes it (nats://, tls://, ws://, wss:// or a bare HOST:PORT); InvalidRequest
+    otherwise (a URL like `bogus://x` waited for the connect's timeout, then said it could not connect)."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"nats://{url}")
+    try:
+        parts.port
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname or any(
+            c.isspace() for c in url):
+        raise InvalidRequest(f"not a NATS server URL: {url!r} (nats://HOST:PORT)")
+    return url
 
 
 def file_path(path, what: str = "path") -> str:

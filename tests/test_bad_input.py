@@ -292,6 +292,23 @@ async def test_bus_unavailable_is_typed_and_quick():
     assert asyncio.get_running_loop().time() - t0 < 5
 
 
+async def test_a_wrong_nats_url_or_a_port_nothing_listens_on_is_said_before_the_connects_timeout():
+    """helper-40: `bogus://x` and `not a url` waited out the connect (6 s from the CLI) and said "cannot connect";
+    a refused port waited it out too."""
+    from bus.server import free_port
+    for url in ("bogus://x", "not a url", "nats://127.0.0.1:notaport", "nats://:4222"):
+        t0 = time.monotonic()
+        with pytest.raises(libdsec.InvalidRequest, match="not a NATS server URL"):
+            async with libdsec.AsyncClient(url, connect_timeout=5):
+                pass
+        assert time.monotonic() - t0 < 0.5, url
+    t0 = time.monotonic()
+    with pytest.raises(libdsec.BusUnavailable, match="connection refused for 1.5s"):
+        async with libdsec.AsyncClient(f"nats://127.0.0.1:{free_port()}", connect_timeout=5):
+            pass
+    assert time.monotonic() - t0 < 3.0
+
+
 async def test_a_client_whose_server_went_away_is_told_the_bus_is_unavailable(tmp_path):
     """helper-40: with the server stopped under a connected client, list() said "no answer within 10s" as the
     base BusError, not BusUnavailable."""
