@@ -54,7 +54,14 @@ def _agent_loop() -> None:
         assert h.kill() is True
         with pytest.raises(CommandExitException) as ei:
             h.wait()
-        assert ei.value.exit_code == 137 and "started" in ei.value.stdout
+        # as E2B's envd says a command it killed (its CLI checks exitCode -1 and error "signal: killed"): DSec
+        # said 137, error None (helper-41); a command's own non-zero exit says "exit status N", as envd's
+        assert (ei.value.exit_code, ei.value.error) == (-1, "signal: killed") and "started" in ei.value.stdout
+        assert (h.exit_code, h.error) == (-1, "signal: killed")
+        with pytest.raises(CommandExitException) as ei:
+            sbx.commands.run("echo out; echo err >&2; exit 3")
+        assert (ei.value.exit_code, ei.value.error, ei.value.stdout, ei.value.stderr) == (3, "exit status 3",
+                                                                                      "out\n", "err\n")
 
         info = sbx.files.write("/work/sub/a.txt", "hello")       # parents made, as E2B does
         assert (info.path, info.type) == ("/work/sub/a.txt", FileType.FILE)
@@ -183,7 +190,7 @@ def _by_pid() -> None:
         assert sbx.commands.kill(s.pid) is True
         with pytest.raises(CommandExitException) as ei:
             s.wait()
-        assert ei.value.exit_code == 137
+        assert (ei.value.exit_code, ei.value.error) == (-1, "signal: killed")
         assert sbx.commands.kill(s.pid) is False                # ended: not found, never raises
         assert sbx.commands.run("echo $$").exit_code == 0
     finally:

@@ -15,7 +15,7 @@ from bus.execwire import ProcessEntry
 from libdsec.e2b.exceptions import NotFoundException, SandboxException, mapped
 from libdsec.e2b.sandbox.commands.main import ProcessInfo
 from libdsec.e2b.sandbox_async.commands.command_handle import (MAX_OUTPUT, AsyncCommandHandle, OutputHandler,
-                                                               started_or_closed)
+                                                               killed_here, started_or_closed)
 from libdsec.e2b.sandbox_async.filesystem.filesystem import absolute
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
@@ -95,6 +95,8 @@ class AsyncCommands:
     async def kill(self, pid: int, request_timeout: Optional[float] = None) -> bool:
         """Kill the command with that pid and its whole process tree; False when no running command has it."""
         try:
+            if isinstance(pid, int):
+                killed_here(self._sb.id, pid)   # (its result then says -1, "signal: killed", as E2B's)
             return await self._sb.kill_process(pid)
         except DsecError as err:
             raise mapped(err) from err

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import inspect
+import signal
 from typing import Any, Callable, Optional
 
 from bus.errors import DsecError
@@ -18,6 +20,27 @@ TIMED_OUT = "timed out"
 MAX_OUTPUT = 64 << 20   # bytes of a command's output kept (the edge's cap by default); the rest is dropped, said in
 TRUNCATED = f"output past {MAX_OUTPUT >> 20} MiB was dropped (the node's cap per command)"   # the result's error
 END = object()   # the end of a handle's events
+KILLED = "signal: killed"   # E2B's result of a command it killed (exit code -1), as its envd says it
+_killed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()   # (sandbox, pid) killed here
+REMEMBERED_KILLS = 10_000
+
+
+def killed_here(sandbox_id: str, pid: int) -> None:
+    """A command of this process's facade was killed (commands.kill, a handle's or a terminal's kill): its result
+    says so as E2B's does (exit code -1, error "signal: killed"), not as the shell's 137."""
+    _killed[(sandbox_id, pid)] = None
+    while len(_killed) > REMEMBERED_KILLS:
+        _killed.popitem(last=False)
+
+
+def _error(ev: Exit, killed: bool) -> Optional[str]:
+    """The result's error as E2B's envd words it ("exit status 3", "signal: killed"), or DSec's own cases."""
+    if ev.timed_out:
+        return TIMED_OUT
+    if killed:
+        return KILLED
+    said = f"exit status {ev.exit_code}" if ev.exit_code else None
+    return f"{said}; {TRUNCATED}" if said and ev.truncated else said or (TRUNCATED if ev.truncated else None)
 
 
 async def call_handler(fn: Optional[Callable[..., Any]], *args: Any) -> None:
@@ -76,8 +99,13 @@ class AsyncCommandHandle:
 
     @property
     def exit_code(self) -> Optional[int]:
-        """Its exit code once it ended, else None."""
+        """Its exit code once it ended, else None (-1 when it was killed, as E2B says it)."""
         return self._result.exit_code if self._result else None
+
+    @property
+    def error(self) -> Optional[str]:
+        """Once it ended: why it failed ("exit status 3", "signal: killed"), else None."""
+        return self._result.error if self._result else None
 
     async def _text(self, stream: str, text: str) -> None:
         """Text of a stream to its result, events and handler; none for a chunk that only began a character
@@ -103,9 +131,9 @@ class AsyncCommandHandle:
                 elif isinstance(ev, Exit):
                     for name, decoder in self._decoders.items():   # a cut character at the very end
                         await self._text(name, decoder.decode(b"", final=True))
-                    error = TIMED_OUT if ev.timed_out else TRUNCATED if ev.truncated else None
-                    self._result = CommandResult(stderr=self.stderr, stdout=self.stdout, exit_code=ev.exit_code,
-                                                 error=error)
+                    killed = ev.exit_code == 128 + signal.SIGKILL and (self._handle.sandbox_id, self.pid) in _killed
+                    self._result = CommandResult(stderr=self.stderr, stdout=self.stdout,
+                                                 exit_code=-1 if killed else ev.exit_code, error=_error(ev, killed))
         except SandboxNotFound as err:   # as E2B says it: the command's connection timed out, the sandbox gone
             exc = TimeoutException(f"{err}: the sandbox was killed or reached its end of life")
             self.events.put_nowait(exc)
@@ -153,6 +181,7 @@ class AsyncCommandHandle:
     async def kill(self) -> bool:
         """Kill its whole process tree; False when it had already ended."""
         try:
+            killed_here(self._handle.sandbox_id, self.pid)   # (before: its exit may come before the answer)
             return await self._handle.kill()
         except DsecError as err:
             raise mapped(err) from err

@@ -7,7 +7,7 @@ from bus.errors import DsecError
 from libdsec.e2b.exceptions import mapped
 from libdsec.e2b.sandbox.commands.command_handle import PtySize
 from libdsec.e2b.sandbox_async.commands.command import not_found
-from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, started_or_closed
+from libdsec.e2b.sandbox_async.commands.command_handle import AsyncCommandHandle, killed_here, started_or_closed
 from libdsec.sandbox import AsyncSandbox as NativeSandbox
 
 NO_LIMIT = 24 * 3600.0   # a timeout of 0 (E2B: no limit)
@@ -62,6 +62,8 @@ class AsyncPty:
     async def kill(self, pid: int, request_timeout: Optional[float] = None) -> bool:
         """Kill the terminal's whole process tree; False when no running command has the pid."""
         try:
+            if isinstance(pid, int):
+                killed_here(self._sb.id, pid)   # (its result then says -1, "signal: killed", as E2B's)
             return await self._sb.kill_process(pid)
         except DsecError as err:
             raise mapped(err) from err

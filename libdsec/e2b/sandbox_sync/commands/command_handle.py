@@ -84,6 +84,10 @@ class CommandHandle:
     def exit_code(self) -> Optional[int]:
         return self._inner.exit_code
 
+    @property
+    def error(self) -> Optional[str]:
+        return self._inner.error
+
     def __iter__(self) -> Iterator[Tuple[Optional[str], Optional[str], Optional[bytes]]]:
         """(stdout, stderr, pty) per chunk as it arrives, one of them set; at the end TimeoutException if it
         timed out (a non-zero exit ends the iteration: wait() tells it)."""
