@@ -96,17 +96,24 @@ class AsyncFiles:
     async def read(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> bytes:
         """The whole file, any size, a piece per request. A file that changes while it is read gives
         FileOpError rather than a mix of its old and new bytes."""
+        return b"".join([piece async for piece in self.read_pieces(path, timeout=timeout, user=user)])
+
+    async def read_pieces(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
+                          user: str | None = None) -> AsyncIterator[bytes]:
+        """The file's bytes a piece (up to 512 KiB) at a time, each read when the one before was taken: a file of
+        any size in bounded memory. FileOpError, at the piece where it shows, when the file changes meanwhile."""
         first = await self._op("read", path, timeout, user, offset=0, length=FILE_PIECE)
-        parts, got = [first.data], len(first.data)
+        got = len(first.data)
+        if first.data:
+            yield first.data
         while got < first.size:
             piece = await self._op("read", path, timeout, user, offset=got, length=FILE_PIECE)
             if piece.size != first.size or not piece.data:
                 raise FileOpError(f"changed while read: {path} ({first.size} bytes, then {piece.size})")
-            parts.append(piece.data)
             got += len(piece.data)
+            yield piece.data
         if got != first.size:
             raise FileOpError(f"changed while read: {path} ({first.size} bytes, then {got})")
-        return b"".join(parts)
 
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, metadata: dict[str, str] | None = None,
                     timeout: float = DEFAULT_TIMEOUT, user: str | None = None) -> None:

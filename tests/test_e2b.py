@@ -420,9 +420,10 @@ def _details() -> None:
     a killed sandbox's command as a TimeoutException, iteration over a handle, stream reads as context
     managers, relative cwd, list order and pages, lifecycle forms, Secret refused."""
     import datetime
+    import hashlib
     import time
     from e2b import Sandbox, SandboxQuery, Secret
-    from e2b.exceptions import FileNotFoundException, InvalidArgumentException, TimeoutException
+    from e2b.exceptions import FileNotFoundException, InvalidArgumentException, SandboxException, TimeoutException
     tag = f"details-{time.time_ns()}"
     first = Sandbox.create(template="busybox", timeout=120, metadata={"t": tag},
                            lifecycle={"on_timeout": {"action": "pause", "keep_memory": None}})
@@ -449,6 +450,17 @@ def _details() -> None:
         assert [c for c in h] == [("one\n", None, None), (None, "two\n", None)]
         with first.files.read("/m.txt", format="stream") as stream:
             assert b"".join(stream) == b"y"
+        # a stream is read as it is taken, a piece at a time (helper-41: 200 MB were read whole first, 609 MiB held)
+        first.commands.run("head -c 3145728 /dev/urandom > /tmp/big")
+        digest = first.commands.run("sha256sum /tmp/big").stdout.split()[0]
+        with first.files.read("/tmp/big", format="stream") as stream:
+            pieces = list(stream)
+        assert len(pieces) > 1 and hashlib.sha256(b"".join(pieces)).hexdigest() == digest
+        with first.files.read("/tmp/big", format="stream") as stream:
+            next(stream)
+            first.commands.run("echo more >> /tmp/big")   # changed after its first piece: said, not mixed
+            with pytest.raises(SandboxException, match="changed while read"):
+                list(stream)
         first.files.make_dir("/home/user/sub")
         assert first.commands.run("pwd", cwd="sub").stdout == "/home/user/sub\n"   # relative: the user's home
         # /proc and /sys: the sandbox's own, as a program of it reads them (not the host's; not refused)

@@ -9,7 +9,7 @@ from libdsec.e2b.exceptions import NOT_OFFERED, not_offered
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent
 from libdsec.e2b.sandbox.sandbox_api import SandboxQuery
 from libdsec.e2b.sandbox_async import main as aio
-from libdsec.e2b.sandbox_async.filesystem.filesystem import PIECE
+from libdsec.e2b.sandbox_async.filesystem.filesystem import AsyncFileStreamReader
 from libdsec.e2b.sandbox_sync.commands.command_handle import CommandHandle, HandlerThread
 from libdsec.e2b.sandbox_sync.commands.pty import Pty
 from libdsec.e2b.sandbox_sync.filesystem.watch_handle import WatchHandle
@@ -83,7 +83,7 @@ class Filesystem:
 
     def read(self, path: str, format: str = "text", **kwargs: Any) -> Any:
         if format == "stream":
-            return FileStreamReader(bytes(run(self._inner.read(path, "bytes", **kwargs))))
+            return FileStreamReader(run(self._inner.read(path, "stream", **kwargs)))
         return run(self._inner.read(path, format, **kwargs))
 
     def __getattr__(self, name: str) -> Any:
@@ -94,23 +94,23 @@ class Filesystem:
 
 
 class FileStreamReader:
-    """read(format="stream"): an iterator of the file's bytes, usable as a context manager; close() ends it."""
+    """read(format="stream"): an iterator of the file's bytes as they are read, a piece at a time, usable as a
+    context manager; close() ends it."""
 
-    def __init__(self, data: bytes) -> None:
-        self._data, self._at = data, 0
+    def __init__(self, inner: AsyncFileStreamReader) -> None:
+        self._inner = inner
 
     def __iter__(self) -> Iterator[bytes]:
         return self
 
     def __next__(self) -> bytes:
-        if self._at >= len(self._data):
-            raise StopIteration
-        piece = self._data[self._at:self._at + PIECE]
-        self._at += len(piece)
-        return piece
+        try:
+            return run(self._inner.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
 
     def close(self) -> None:
-        self._at = len(self._data)
+        run(self._inner.aclose())
 
     def __enter__(self) -> "FileStreamReader":
         return self

@@ -47,29 +47,43 @@ def _ids(text: str) -> Dict[int, str]:
 
 
 class AsyncFileStreamReader:
-    """read(format="stream"): an async iterator of the file's bytes, usable as an async context manager."""
+    """read(format="stream"): an async iterator of the file's bytes as they are read, a piece at a time (a file of
+    any size in bounded memory: it was read whole first, 609 MiB held for 200 MB), usable as an async context
+    manager; aclose() ends it."""
 
-    def __init__(self, data: bytes) -> None:
-        self._data, self._at = data, 0
+    def __init__(self, pieces: AsyncIterator[bytes]) -> None:
+        self._pieces = pieces
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._at >= len(self._data):
-            raise StopAsyncIteration
-        piece = self._data[self._at:self._at + PIECE]
-        self._at += len(piece)
-        return piece
+        try:
+            return await self._pieces.__anext__()
+        except DsecError as err:
+            raise mapped(err) from err
 
     async def aclose(self) -> None:
-        self._at = len(self._data)
+        await self._pieces.aclose()
 
     async def __aenter__(self) -> "AsyncFileStreamReader":
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    async for piece in rest:
+        yield piece
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    """A file read whole (a kernel view's, by cat) as stream pieces."""
+    for at in range(0, len(data), PIECE):
+        yield data[at:at + PIECE]
 
 
 class AsyncFilesystem:
@@ -106,6 +120,15 @@ class AsyncFilesystem:
         if format not in ("text", "bytes", "stream"):
             raise InvalidArgumentException(f"format must be text, bytes or stream, got {format!r}")
         path = absolute(path, user)
+        if format == "stream" and not path.startswith(KERNEL_VIEWS):   # its first piece read now: errors said here
+            pieces = self._files.read_pieces(path, user=user)
+            try:
+                first = await pieces.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except DsecError as err:
+                raise mapped(err) from err
+            return AsyncFileStreamReader(_then(first, pieces))
         if path.startswith(KERNEL_VIEWS):
             data = await self._kernel_view(path, user)
         else:
@@ -114,7 +137,7 @@ class AsyncFilesystem:
             return data.decode(errors="replace")
         if format == "bytes":
             return bytearray(data)
-        return AsyncFileStreamReader(data)
+        return AsyncFileStreamReader(_once(data))
 
     async def _kernel_view(self, path: str, user: Optional[str]) -> bytes:
         """A file of the sandbox's /proc, /sys or /dev (its own kernel views, which the edge's file operations do
