@@ -450,6 +450,12 @@ def _details() -> None:
         assert [c for c in h] == [("one\n", None, None), (None, "two\n", None)]
         with first.files.read("/m.txt", format="stream") as stream:
             assert b"".join(stream) == b"y"
+        # as E2B's envd answers them (400: InvalidArgumentException), not SandboxException (helper-41)
+        first.files.make_dir("/home/user/adir")
+        for call in (lambda: first.files.read("/home/user/adir"), lambda: first.files.write("/home/user/adir", "x"),
+                     lambda: first.commands.run("pwd", cwd="/nonexistent")):
+            with pytest.raises(InvalidArgumentException):
+                call()
         # a stream is read as it is taken, a piece at a time (helper-41: 200 MB were read whole first, 609 MiB held)
         first.commands.run("head -c 3145728 /dev/urandom > /tmp/big")
         digest = first.commands.run("sha256sum /tmp/big").stdout.split()[0]

@@ -52,7 +52,9 @@ def mapped(err: errors.DsecError) -> Exception:
             return SandboxNotFoundException(text)
         case errors.FileOpError() if text.startswith(("no such file", "no such directory")):
             return FileNotFoundException(text)
-        case errors.FileOpError() if text.startswith("not a directory"):   # (as E2B's envd: invalid argument)
+        case errors.FileOpError() if text.startswith(("not a directory", "not a regular file", "is a directory")):
+            return InvalidArgumentException(text)   # (as E2B's envd: invalid argument, HTTP 400)
+        case errors.ExecFailed() if text.startswith("no such directory"):   # a cwd that is not there (envd's 400)
             return InvalidArgumentException(text)
         case errors.FileOpError() if "quota" in text or "no space" in text:
             return NotEnoughSpaceException(text)
