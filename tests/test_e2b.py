@@ -496,6 +496,14 @@ def _details() -> None:
             Sandbox.create(template="busybox", lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
         with pytest.raises(InvalidArgumentException, match="secrets"):
             Secret()
+        from e2b import BuildException, GitAuthException, Template   # importable, as E2B code imports them
+        from e2b.exceptions import AuthenticationException, VolumeNotFoundException, NotFoundException
+        assert issubclass(GitAuthException, AuthenticationException) and issubclass(VolumeNotFoundException,
+                                                                                    NotFoundException)
+        assert not issubclass(BuildException, SandboxException)
+        for use in (lambda: Template(), lambda: Template.build("x")):
+            with pytest.raises(InvalidArgumentException, match="dsec image build"):
+                use()
     finally:
         first.kill()
         second.kill()

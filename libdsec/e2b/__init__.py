@@ -11,10 +11,11 @@ import importlib
 import pkgutil
 import sys
 
-from libdsec.e2b.exceptions import (AuthenticationException, FileNotFoundException, InvalidArgumentException,
-                                    NotEnoughSpaceException, NotFoundException, RateLimitException,
-                                    SandboxException, SandboxNotFoundException, Secret, TemplateException,
-                                    TimeoutException)
+from libdsec.e2b.exceptions import (AsyncTemplate, AuthenticationException, BuildException, FileNotFoundException,
+                                    FileUploadException, GitAuthException, GitUpstreamException,
+                                    InvalidArgumentException, NotEnoughSpaceException, NotFoundException,
+                                    RateLimitException, SandboxException, SandboxNotFoundException, Secret, Template,
+                                    TemplateException, TimeoutException)
 from libdsec.e2b.sandbox.commands.command_handle import (CommandExitException, CommandResult, PtyOutput, PtySize,
                                                          Stderr, Stdout)
 from libdsec.e2b.sandbox.commands.main import ProcessInfo
@@ -48,4 +49,6 @@ __all__ = [
     "RateLimitException", "Sandbox", "SandboxException", "SandboxInfo", "SandboxNotFoundException",
     "SandboxPaginator", "SandboxQuery", "SandboxState", "Secret", "Stderr", "Stdout", "TemplateException",
     "TimeoutException", "WriteEntry", "WriteInfo", "install",
+    # importable so code naming them runs; DSec raises none of these, and Template/AsyncTemplate refuse any use
+    "AsyncTemplate", "BuildException", "FileUploadException", "GitAuthException", "GitUpstreamException", "Template",
 ]

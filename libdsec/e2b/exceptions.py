@@ -44,6 +44,56 @@ class RateLimitException(SandboxException):
     """A quota or rate limit was hit."""
 
 
+# E2B's other exception classes, in its hierarchy, so that code catching them runs: DSec raises none of them (it has
+# no git module, template builds, volumes or secrets; an unreachable sandbox is a TimeoutException as before).
+class SandboxNotRunningException(TimeoutException):
+    """(E2B: the sandbox was killed or reached its timeout.)"""
+
+
+class SandboxUnreachableException(TimeoutException):
+    """(E2B: the sandbox runs but its daemon cannot be reached.)"""
+
+
+class GitAuthException(AuthenticationException):
+    """(E2B's git module: not offered by DSec.)"""
+
+
+class GitUpstreamException(SandboxException):
+    """(E2B's git module: not offered by DSec.)"""
+
+
+class ServiceBusyException(Exception):
+    """(E2B: its API answered 503.)"""
+
+
+class BuildException(Exception):
+    """(E2B's template builds: DSec builds images with `dsec image build` / `dsec image import`.)"""
+
+
+class FileUploadException(BuildException):
+    """(E2B's template builds.)"""
+
+
+class VolumeException(Exception):
+    """(E2B's volumes: not offered by DSec.)"""
+
+
+class VolumeNotFoundException(NotFoundException):
+    """(E2B's volumes.)"""
+
+
+class VolumePathNotFoundException(NotFoundException):
+    """(E2B's volumes.)"""
+
+
+class SecretException(Exception):
+    """(E2B's secrets: not offered by DSec.)"""
+
+
+class SecretNotFoundException(SecretException):
+    """(E2B's secrets.)"""
+
+
 def mapped(err: errors.DsecError) -> Exception:
     """The E2B exception for one of DSec's errors (its message kept; the original is its __cause__)."""
     text = str(err)
@@ -92,6 +142,8 @@ NOT_OFFERED = {
     "get_metrics": "per-sandbox metrics are the node's (Prometheus: dsec up --metrics-port)",
     "upload_url": "files go in through files.write", "download_url": "files come out through files.read",
     "sandbox_domain": "a sandbox has no public domain",
+    "Template": "images are built with `dsec image build` or imported with `dsec image import` (docs/images.md)",
+    "AsyncTemplate": "images are built with `dsec image build` or imported with `dsec image import` (docs/images.md)",
 }
 
 
@@ -102,3 +154,35 @@ class NotOffered(InvalidArgumentException, AttributeError):
 
 def not_offered(name: str) -> InvalidArgumentException:
     return NotOffered(f"{name} is not offered by DSec: {NOT_OFFERED[name]} (docs/e2b.md)")
+
+
+class _NotOfferedClass:
+    """An E2B class DSec does not offer: importable (code importing it runs), and any use of it (making one, or a
+    class method such as Template.build) raises NotOffered naming it."""
+
+    _name = ""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise not_offered(self._name)
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._name = cls.__name__
+
+    def __class_getitem__(cls, item: object) -> type:
+        return cls
+
+
+class _Refusing(type):
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise not_offered(cls.__name__)
+
+
+class Template(_NotOfferedClass, metaclass=_Refusing):
+    """E2B's template builder: not offered (NOT_OFFERED says what instead)."""
+
+
+class AsyncTemplate(_NotOfferedClass, metaclass=_Refusing):
+    """E2B's template builder: not offered (NOT_OFFERED says what instead)."""
