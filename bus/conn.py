@@ -43,7 +43,7 @@ RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish:
 # 4-9 s in nats-server) answers nothing; short tries, retried, use a new leader within a second of its
 # election instead of waiting out a long timeout. Provisioning and consumers get the long one.
 JS_TIMEOUT = 1.5
-REFUSED_FOR = 1.5   # seconds every connect of a first connection may be refused before nothing is said to listen
+REFUSED_FOR = 3.0   # seconds every connect of a first connection may be refused before nothing is said to listen
 ADMIN_TIMEOUT = 10.0
 _PUBLISH_DENIED = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
 ADMIN_TRIES = 3   # an idempotent admin request (a consumer's create or delete) unanswered in time is sent again
@@ -106,10 +106,13 @@ class Bus(KvStore, StreamReads, Provisioning):
 
         async def _errors(exc: Exception) -> None:
             text = str(exc)
-            if isinstance(exc, ConnectionRefusedError) and not made:   # nothing listens (yet): for how long
-                refusing.setdefault("since", time.monotonic())
-                if time.monotonic() - refusing["since"] >= REFUSED_FOR:
-                    nobody.set()
+            if not made:   # every connect refused (a host of several addresses: each) for REFUSED_FOR: nothing listens
+                if isinstance(exc, ConnectionRefusedError) or (isinstance(exc, OSError) and "[Errno 111]" in text):
+                    refusing.setdefault("since", time.monotonic())
+                    if time.monotonic() - refusing["since"] >= REFUSED_FOR:
+                        nobody.set()
+                else:
+                    refusing.clear()
             if "authorization violation" in text.lower() or "authentication" in text.lower():
                 refused.append(text)
                 denied.set()

@@ -133,7 +133,7 @@ class Sandboxes:
     async def refresh(self, older_than: float, at_most: int) -> int:
         """Write again (no event, one version on) the records of up to at_most running sandboxes last written
         before older_than (wall time); how many. The sandboxes bucket drops a key not written for its age (2
-        days), and a sandbox may run unchanged for longer (a TTL of up to 7 days, a month's set_timeout, a
+        days), and a sandbox may run unchanged for longer (a TTL of up to 7 days, a 7-day set_timeout, a
         suspend): its record was gone, `get` said not found and its end could not be recorded."""
         old = [r for r in self.running.values() if not r.ending and r.record.updated_at < older_than]
         done = 0

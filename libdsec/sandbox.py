@@ -289,6 +289,9 @@ class AsyncSandbox:
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
         them (interactive; its end closes the command's stdin). The command is this loop's: left before
         the Exit (a break, an exception, a cancel) it is killed (exec(background=True) leaves one running)."""
+        if stdin is True:   # (nothing could write it: the command sat out its timeout)
+            raise InvalidRequest("stdin=True (a live stdin written later) needs exec(background=True); stream takes "
+                                 "stdin as bytes, str or an async iterable")
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False, user=user)
         try:
             async for ev in handle.stream(lines):

@@ -187,6 +187,10 @@ class Files:
             raise AttributeError(name)
         return lambda *args, **kwargs: self._loop.run(method(*args, **kwargs))
 
+    def read_pieces(self, path: str, **kwargs: Any) -> Iterator[bytes]:
+        """The file's bytes a piece at a time, each read as the one before is taken."""
+        return _iterate_exact(self._loop, self._inner.read_pieces(path, **kwargs))
+
 
 class Sandbox:
     """Synchronous handle on one sandbox (see AsyncSandbox for each method)."""

@@ -303,10 +303,10 @@ async def test_a_wrong_nats_url_or_a_port_nothing_listens_on_is_said_before_the_
                 pass
         assert time.monotonic() - t0 < 0.5, url
     t0 = time.monotonic()
-    with pytest.raises(libdsec.BusUnavailable, match="connection refused for 1.5s"):
-        async with libdsec.AsyncClient(f"nats://127.0.0.1:{free_port()}", connect_timeout=5):
+    with pytest.raises(libdsec.BusUnavailable, match="connection refused for 3s"):
+        async with libdsec.AsyncClient(f"nats://127.0.0.1:{free_port()}", connect_timeout=10):
             pass
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 5.0   # (the connect's own timeout: 11 s)
 
 
 async def test_a_client_whose_server_went_away_is_told_the_bus_is_unavailable(tmp_path):
@@ -394,7 +394,8 @@ async def test_file_calls_and_output_caps_a_user_gets_wrong_are_refused_by_the_s
                            (lambda: sb.read_file("/etc/hostname", limit=-1), "limit"),
                            (lambda: sb.exec("echo x", max_output=0), "max_output"),
                            (lambda: sb.exec("echo x", max_output=-1), "max_output"),
-                           (lambda: sb.exec("cat", stdin=True), "background=True")):
+                           (lambda: sb.exec("cat", stdin=True), "background=True"),
+                           (lambda: sb.stream("cat", stdin=True).__anext__(), "background=True")):
             t0 = time.monotonic()
             with pytest.raises(libdsec.InvalidRequest, match=says):
                 await call()

@@ -104,10 +104,11 @@ def _use_sync_client(url: str) -> None:
             out = [ev for ev in sb.stream(["sh", "-c", "echo a; echo b >&2"])]
             assert {(e.stream, e.data) for e in out[:-1]} == {("stdout", b"a\n"), ("stderr", b"b\n")}
             sb.write_file("/tmp/x", "y")
-            assert sb.read_file("/tmp/x") == b"y"
+            assert sb.read_file("/tmp/x") == b"y" and list(sb.files.read_pieces("/tmp/x")) == [b"y"]
             # the rest of the async API's calls, each a real round trip (helper-40: these were missing)
             term = sb.terminal(["cat"], rows=20, cols=60)
-            assert term.send_stdin(b"typed\n") and term.resize(30, 100) and sb.resize_terminal(term.pid, 40, 120)
+            pid = term.started()
+            assert term.send_stdin(b"typed\n") and term.resize(30, 100) and sb.resize_terminal(pid, 40, 120)
             seen = b""
             for ev in term.stream(lines=False):
                 seen += ev.data if isinstance(ev, libdsec.Output) else b""

@@ -363,7 +363,7 @@ async def test_long_exec_keeps_its_message_leased(tmp_path, monkeypatch):
 
 async def test_a_sandbox_unchanged_for_longer_than_its_buckets_age_keeps_its_record(tmp_path, monkeypatch):
     """The sandboxes bucket drops a key not written for its age (2 days); a sandbox may run unchanged for
-    longer (its TTL up to 7 days, set_timeout a month, suspended). Its record was gone: `get` said not found,
+    longer (its TTL up to 7 days, set_timeout 7 days, suspended). Its record was gone: `get` said not found,
     and its end could not be recorded. Here the bucket's age is 3 s; the edge writes old records again."""
     from edge import agent
     monkeypatch.setattr(agent, "REFRESH_EVERY", 0.3)

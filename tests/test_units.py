@@ -660,7 +660,9 @@ async def test_an_unanswered_read_is_asked_again_less_and_less_often(monkeypatch
     monkeypatch.setattr(control, "TRY_FOR", 0.1)
     tries: list[float] = []
 
-    class Silent:   # a bus whose requests are never answered
+    class Silent:   # a bus whose requests are never answered (it stays connected)
+        connected = True
+
         async def request(self, subject, msg, timeout):
             tries.append(timeout)
             await asyncio.sleep(timeout)

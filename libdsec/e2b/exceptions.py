@@ -167,7 +167,8 @@ class _NotOfferedClass:
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        cls._name = cls.__name__
+        if cls.__name__ in NOT_OFFERED:   # (a user's subclass of Template is refused as Template)
+            cls._name = cls.__name__
 
     def __class_getitem__(cls, item: object) -> type:
         return cls
@@ -177,7 +178,7 @@ class _Refusing(type):
     def __getattr__(cls, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        raise not_offered(cls.__name__)
+        raise not_offered(cls._name)
 
 
 class Template(_NotOfferedClass, metaclass=_Refusing):

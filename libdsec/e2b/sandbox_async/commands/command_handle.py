@@ -25,12 +25,21 @@ _killed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDic
 REMEMBERED_KILLS = 10_000
 
 
-def killed_here(sandbox_id: str, pid: int) -> None:
-    """A command of this process's facade was killed (commands.kill, a handle's or a terminal's kill): its result
-    says so as E2B's does (exit code -1, error "signal: killed"), not as the shell's 137."""
-    _killed[(sandbox_id, pid)] = None
+async def killed_here(sandbox_id: str, pid: int, kill) -> bool:
+    """Kill a command of this process's facade (commands.kill, a handle's or a terminal's kill: `kill` does it)
+    so that its result says so as E2B's does (exit code -1, error "signal: killed"), not as the shell's 137.
+    Marked before the kill (its exit may come before the kill's answer); a kill that found nothing unmarks it."""
+    key = (sandbox_id, pid)
+    _killed[key] = None
     while len(_killed) > REMEMBERED_KILLS:
         _killed.popitem(last=False)
+    done = False
+    try:
+        done = await kill()
+        return done
+    finally:
+        if not done:
+            _killed.pop(key, None)
 
 
 def _error(ev: Exit, killed: bool) -> Optional[str]:
@@ -131,7 +140,8 @@ class AsyncCommandHandle:
                 elif isinstance(ev, Exit):
                     for name, decoder in self._decoders.items():   # a cut character at the very end
                         await self._text(name, decoder.decode(b"", final=True))
-                    killed = ev.exit_code == 128 + signal.SIGKILL and (self._handle.sandbox_id, self.pid) in _killed
+                    marked = _killed.pop((self._handle.sandbox_id, self.pid), False) is None   # (looked at once)
+                    killed = marked and ev.exit_code == 128 + signal.SIGKILL
                     self._result = CommandResult(stderr=self.stderr, stdout=self.stdout,
                                                  exit_code=-1 if killed else ev.exit_code, error=_error(ev, killed))
         except SandboxNotFound as err:   # as E2B says it: the command's connection timed out, the sandbox gone
@@ -181,8 +191,7 @@ class AsyncCommandHandle:
     async def kill(self) -> bool:
         """Kill its whole process tree; False when it had already ended."""
         try:
-            killed_here(self._handle.sandbox_id, self.pid)   # (before: its exit may come before the answer)
-            return await self._handle.kill()
+            return await killed_here(self._handle.sandbox_id, self.pid, self._handle.kill)
         except DsecError as err:
             raise mapped(err) from err
 

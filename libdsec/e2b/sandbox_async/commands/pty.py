@@ -62,8 +62,8 @@ class AsyncPty:
     async def kill(self, pid: int, request_timeout: Optional[float] = None) -> bool:
         """Kill the terminal's whole process tree; False when no running command has the pid."""
         try:
-            if isinstance(pid, int):
-                killed_here(self._sb.id, pid)   # (its result then says -1, "signal: killed", as E2B's)
-            return await self._sb.kill_process(pid)
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                return await self._sb.kill_process(pid)   # (its error says what a pid is)
+            return await killed_here(self._sb.id, pid, lambda: self._sb.kill_process(pid))
         except DsecError as err:
             raise mapped(err) from err

@@ -73,11 +73,14 @@ class AsyncFileStreamReader:
         await self.aclose()
 
 
-async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    if first:
-        yield first
-    async for piece in rest:
-        yield piece
+async def _then(first: bytes, rest) -> AsyncIterator[bytes]:
+    try:
+        if first:
+            yield first
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()
 
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
