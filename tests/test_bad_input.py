@@ -180,23 +180,29 @@ async def test_an_exec_execve_cannot_take_is_refused_by_the_sdk_and_by_the_node(
         with pytest.raises(libdsec.InvalidRequest, match=field):
             await sb.exec(words.get("shell") or words["argv"], env=words.get("env"), cwd=words.get("cwd"),
                           user=words.get("user"))
-        from libdsec.execstream import ExecStream, exit_of
-        from bus.messages import ExecRequest, encode
-        req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=words.get("argv", []),
-                          shell=words.get("shell", ""), env=words.get("env", {}), cwd=words.get("cwd", ""), timeout=10.0,
-                          user=words.get("user", ""))
-        es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
-        await es.open()
-        nc = await raw_nats(stack.url)
-        try:
-            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", encode(req))
-        finally:
-            await nc.close()
-        recs = [r async for r in es.records(10)]
-        await es.close()
+        from libdsec.execstream import exit_of
+        end = await _past_the_sdk(stack, client, sb, argv=words.get("argv", []), shell=words.get("shell", ""),
+                                  env=words.get("env", {}), cwd=words.get("cwd", ""), user=words.get("user", ""))
         with pytest.raises(libdsec.InvalidRequest, match=field):
-            exit_of(recs[-1])
+            exit_of(end)
         assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+
+async def _past_the_sdk(stack, client, sb, **fields):
+    """The exit record of an exec request published straight to the node's lane (past the SDK's checks)."""
+    from libdsec.execstream import ExecStream
+    from bus.messages import ExecRequest, encode
+    req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, timeout=10.0, **fields)
+    es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
+    await es.open()
+    nc = await raw_nats(stack.url)
+    try:
+        await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", encode(req))
+    finally:
+        await nc.close()
+    recs = [r async for r in es.records(10)]
+    await es.close()
+    return recs[-1]
 
 
 async def test_text_that_is_not_utf8_is_refused_naming_the_field(client, stack):
@@ -383,8 +389,8 @@ async def test_file_calls_and_output_caps_a_user_gets_wrong_are_refused_by_the_s
     write_file("") "no such directory: /", read_file(limit=-1) "exceeds the limit of -1 bytes", exec(max_output=0)
     ran with its output silently dropped (truncated) and a foreground exec(stdin=True) sat out its timeout. Each is
     InvalidRequest now, from the SDK and from the node for a request sent past it."""
-    from bus.messages import ExecRequest, ReadFile, WriteFile, encode
-    from libdsec.execstream import ExecStream, exit_of
+    from bus.messages import ReadFile, WriteFile
+    from libdsec.execstream import exit_of
     async with await client.create() as sb:
         for call, says in ((lambda: sb.write_file("relative", b"x"), "absolute"),
                            (lambda: sb.write_file("", b"x"), "absolute"),
@@ -408,17 +414,6 @@ async def test_file_calls_and_output_caps_a_user_gets_wrong_are_refused_by_the_s
                                                           limit=-1, reply_to=to, deadline=dl), "limit")):
             with pytest.raises(libdsec.InvalidRequest, match=says):
                 await client._op(sb.node, sb.id, make, 10)
-        req = ExecRequest(exec_id=f"xbad{os.urandom(6).hex()}", sandbox_id=sb.id, argv=["echo", "x"], timeout=10.0,
-                          max_output=0)
-        es = ExecStream(stack.bus, sb.node, sb.id, req.exec_id, client.tenant)
-        await es.open()
-        nc = await raw_nats(stack.url)
-        try:
-            await nc.jetstream().publish(f"dsec.node.{sb.node}.exec.{client.tenant}.{sb.id}", encode(req))
-        finally:
-            await nc.close()
-        recs = [r async for r in es.records(10)]
-        await es.close()
         with pytest.raises(libdsec.InvalidRequest, match="max_output"):
-            exit_of(recs[-1])
+            exit_of(await _past_the_sdk(stack, client, sb, argv=["echo", "x"], max_output=0))
         assert (await sb.exec("ls /relative; echo alive")).stdout == b"alive\n"   # nothing was written at /relative
