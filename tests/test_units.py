@@ -1303,3 +1303,37 @@ def test_the_sync_api_has_every_call_of_the_async_one():
                                              (ExecHandle, sync.ExecHandle, {"feed"})):
         names = {n for n in dir(asynchronous) if not n.startswith("_")}
         assert names - apart <= set(dir(synchronous)), (synchronous.__name__, names - apart - set(dir(synchronous)))
+
+
+async def test_a_cluster_serves_on_while_a_majority_of_its_servers_run():
+    """helper-42: one server of three restarted three times within a minute (keep() gave up on it) stopped the whole
+    `dsec up --servers 3`, its sandboxes destroyed, though the other two held the majority. Now that member stays
+    down and the stack goes on; it is broken once fewer than a majority run (the single server: at once)."""
+    import types
+    from cli.stack import Stack
+
+    class Server:
+        def __init__(self, gives_up_after=None):
+            self.after = gives_up_after
+
+        async def keep(self):
+            if self.after is None:
+                await asyncio.Event().wait()   # runs on
+            await asyncio.sleep(self.after)
+            return f"server gave up at {self.after}"
+
+    def stack(servers, single=None):
+        return types.SimpleNamespace(cluster=types.SimpleNamespace(servers=servers) if servers else None,
+                                     server=single, broken=asyncio.Event(), broken_reason="")
+    one_down = stack([Server(0.01), Server(), Server()])
+    task = asyncio.ensure_future(Stack._keep_server(one_down))
+    await asyncio.sleep(0.3)
+    assert not one_down.broken.is_set() and not task.done()   # two of three serve on
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    two_down = stack([Server(0.01), Server(0.05), Server()])
+    await asyncio.wait_for(Stack._keep_server(two_down), 5)
+    assert two_down.broken.is_set() and two_down.broken_reason == "server gave up at 0.05"
+    alone = stack([], single=Server(0.01))
+    await asyncio.wait_for(Stack._keep_server(alone), 5)
+    assert alone.broken.is_set() and alone.broken_reason == "server gave up at 0.01"
