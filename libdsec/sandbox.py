@@ -157,6 +157,9 @@ class AsyncSandbox:
         validate.seconds(timeout, "timeout")
         if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output <= 0:
             raise InvalidRequest(f"max_output must be a positive number of bytes, got {max_output!r}")
+        if stdin is True and not background:   # (nothing could write it: the command sat out its timeout)
+            raise InvalidRequest("stdin=True (a live stdin written later) needs exec(background=True); a foreground "
+                                 "exec or stream takes stdin as bytes, str or an async iterable")
         live = stdin is not None and not isinstance(stdin, (bytes, bytearray, str))
         self._needs("exec", "exec")
         kinds.require_user(self.backend, user, "exec")
@@ -289,9 +292,6 @@ class AsyncSandbox:
         stdin: bytes/str given at once, or an async iterable whose pieces reach the command as it yields
         them (interactive; its end closes the command's stdin). The command is this loop's: left before
         the Exit (a break, an exception, a cancel) it is killed (exec(background=True) leaves one running)."""
-        if stdin is True:   # (nothing could write it: the command sat out its timeout)
-            raise InvalidRequest("stdin=True (a live stdin written later) needs exec(background=True); stream takes "
-                                 "stdin as bytes, str or an async iterable")
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, keep_output=False, user=user)
         try:
             async for ev in handle.stream(lines):
@@ -316,9 +316,6 @@ class AsyncSandbox:
         holding its stdout or stderr closed them (`server &` keeps it running, as subprocess and docker exec
         do); end_on_exit=True: once its command exited, with what its output held then, and a process it left
         running keeps on, its later output not read (E2B's commands.run)."""
-        if stdin is True and not background:   # (nothing could write it: the command sat out its timeout)
-            raise InvalidRequest("stdin=True (a live stdin written later) needs background=True; a foreground exec "
-                                 "takes stdin as bytes, str or an async iterable")
         if timeout is None:
             timeout = DEFAULT_BACKGROUND_TIMEOUT if background else DEFAULT_EXEC_TIMEOUT
         handle = await self._start(cmd, timeout, cwd, env, stdin, max_output, background, user=user,
