@@ -10,7 +10,7 @@ from bus import streams, subjects
 from bus.conn import Bus
 from bus.errors import AuthenticationFailed, BusError, BusUnavailable, PermissionDenied
 from bus.records import quota_decoder
-from cli.main import connect, fail, main, nats_option, run_async
+from cli.main import Size, connect, fail, main, nats_option, run_async
 from bus import nodes
 from placement import quota as quotas
 
@@ -143,21 +143,20 @@ def quota() -> None:
 @nats_option
 @click.option("--sandboxes", default=None, type=click.IntRange(min=0), help="Max concurrent sandboxes (0: no limit).")
 @click.option("--cpu", default=None, type=click.FloatRange(min=0), help="Max cores in total (0: no limit).")
-@click.option("--memory", default=None, help="Max memory in total, e.g. 64Gi (0: no limit).")
+@click.option("--memory", default=None, type=Size(zero_ok=True), help="Max memory in total, e.g. 64Gi (0: no limit).")
 @click.option("--rate", default=None, type=click.FloatRange(min=0),
               help="Control API requests/s over all engines (0: the default, 200); past it requests get RateLimited.")
 @run_async
-async def quota_set(tenant: str, nats_url: str, sandboxes: int | None, cpu: float | None, memory: str | None,
+async def quota_set(tenant: str, nats_url: str, sandboxes: int | None, cpu: float | None, memory: int | None,
                     rate: float | None) -> None:
     """Set TENANT's quota: the limits given change, the others stay as they are."""
-    from libdsec.resources import parse_size
     try:
         subjects.token(tenant, "tenant")
     except ValueError as exc:
         fail(str(exc))
     changes = {k: v for k, v in (("max_sandboxes", sandboxes), ("max_cpu", cpu), ("rate", rate)) if v is not None}
     if memory is not None:
-        changes["max_memory"] = 0 if memory.strip() == "0" else parse_size(memory, "--memory")
+        changes["max_memory"] = memory
     if not changes:
         fail("give at least one of --sandboxes, --cpu, --memory, --rate")
     bus = await _bus(nats_url)

@@ -12,9 +12,8 @@ import click
 
 import libdsec
 from bus import kinds, subjects
-from libdsec.resources import parse_size
 from cli.termsafe import Terminal, field
-from cli.main import fail, main, nats_option, run_async
+from cli.main import Size, fail, main, nats_option, run_async
 
 
 def resource_options(fn):
@@ -27,9 +26,9 @@ def resource_options(fn):
         click.option("--workspace", default=None, metavar="NAME[@VERSION]", help="Workspace layer over the base."),
         click.option("--toolkit", default=None, metavar="NAME[@VERSION]", help="Toolkit layer on top."),
         click.option("--cpu", default=1.0, show_default=True, help="Cores."),
-        click.option("--memory", default="256Mi", show_default=True, help="Memory (swap capped equal)."),
+        click.option("--memory", default="256Mi", show_default=True, type=Size(), help="Memory (swap capped equal)."),
         click.option("--pids", default=256, show_default=True, help="Max processes."),
-        click.option("--disk", default="256Mi", show_default=True, help="Writable layer size."),
+        click.option("--disk", default="256Mi", show_default=True, type=Size(), help="Writable layer size."),
         click.option("--ttl", default=600.0, show_default=True, help="Seconds before it is destroyed."),
         click.option("--env", "-e", multiple=True, metavar="K=V", help="Environment of every exec."),
         click.option("--label", "-l", multiple=True, metavar="K=V", help="Labels."),
@@ -82,7 +81,7 @@ def _network(mode: str | None, allow: tuple[str, ...]):
     return mode or "none"
 
 
-async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float, max_output: str,
+async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout: float, max_output: int,
                               interactive: bool = False, user: str | None = None, cwd: str | None = None,
                               env: dict[str, str] | None = None) -> int:
     """The command's output on our stdout/stderr as it comes: escaped on a terminal, byte-exact otherwise.
@@ -90,7 +89,7 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
     `docker exec` without -i: a loop reading ids from a file must not lose them to the first exec).
     Interrupted (a signal), the command is killed before we go."""
     cmd = list(argv)   # argv as given, as `docker exec` takes it (one word with a space was run as a shell script)
-    limit = _size(max_output, "--max-output")
+    limit = max_output
     outs = {"stdout": Terminal(sys.stdout.buffer), "stderr": Terminal(sys.stderr.buffer)}
     stdin = None
     if interactive:
@@ -121,13 +120,6 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
         raise
     finally:
         await handle.close()
-
-
-def _size(text: str, what: str) -> int:
-    try:
-        return parse_size(text, what)
-    except libdsec.InvalidRequest as exc:
-        fail(str(exc), PLATFORM_ERROR)
 
 
 def local_stdin():
@@ -193,7 +185,7 @@ def command_options(fn):
 @nats_option
 @resource_options
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
-@click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
+@click.option("--max-output", default="16Mi", show_default=True, type=Size(),
               help="Output kept past this is cut (said on stderr).")
 @click.option("-i", "--interactive", is_flag=True, help="Our stdin is the command's (else it reads nothing).")
 @command_options
@@ -248,7 +240,7 @@ async def create(nats_url, **options) -> None:
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})
 @nats_option
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds the command may run.")
-@click.option("--max-output", default="16Mi", show_default=True, metavar="SIZE",
+@click.option("--max-output", default="16Mi", show_default=True, type=Size(),
               help="Output kept past this is cut (said on stderr).")
 @click.option("-i", "--interactive", is_flag=True, help="Our stdin is the command's (else it reads nothing).")
 @command_options

@@ -8,7 +8,7 @@ import click
 from bus import iam as identities, iamserver, subjects
 from bus.creds import expired, iso_time
 from bus.errors import DsecError
-from cli.main import connect, fail, main, nats_option, run_async
+from cli.main import Size, connect, fail, main, nats_option, run_async
 from cli.up import state_dir_option
 
 
@@ -241,13 +241,12 @@ def iam_sweep(state_dir: Path) -> None:
               help="Control API requests/s over all engines (0: the default, 200); past it: RateLimited.")
 @click.option("--sandboxes", default=None, type=click.IntRange(min=0), help="Max concurrent sandboxes (0: none).")
 @click.option("--cpu", default=None, type=click.FloatRange(min=0), help="Max cores in total (0: no limit).")
-@click.option("--memory", default=None, help="Max memory in total, e.g. 64Gi (0: no limit).")
+@click.option("--memory", default=None, type=Size(zero_ok=True), help="Max memory in total, e.g. 64Gi (0: no limit).")
 @run_async
 async def iam_set(name: str, state_dir: Path, nats_url: str, rate: float | None, sandboxes: int | None,
-                  cpu: float | None, memory: str | None) -> None:
+                  cpu: float | None, memory: int | None) -> None:
     """Set tenant (or TENANT/PROJECT) NAME's limits (kept in its quota record, read by every placement
     engine). A project's sandboxes and requests count against its own limits and its tenant's."""
-    from libdsec.resources import parse_size
     from placement import quota as quotas
     found = _load(state_dir)
     found.tenant(name)
@@ -256,7 +255,7 @@ async def iam_set(name: str, state_dir: Path, nats_url: str, rate: float | None,
     try:
         changes = {k: v for k, v in (("rate", rate), ("max_sandboxes", sandboxes), ("max_cpu", cpu)) if v is not None}
         if memory is not None:
-            changes["max_memory"] = 0 if memory.strip() == "0" else parse_size(memory, "--memory")
+            changes["max_memory"] = memory
         q = await quotas.change_quota(bus, name, **changes)
     finally:
         await bus.close()

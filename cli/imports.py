@@ -17,11 +17,10 @@ from bus.errors import InvalidRequest
 from bus.images import ImageRegistry, parse_ref
 from bus.records import ImageConfig
 from cli.image import image
-from cli.main import connect, nats_option, run_async
+from cli.main import Size, connect, nats_option, run_async
 from edge import oci
 from edge.backends.treeops import remove_path, scratch_dir
 from edge.erofs import LayerBuildError, pack_dir
-from libdsec.resources import parse_size
 
 
 @image.command(name="import")
@@ -41,7 +40,7 @@ from libdsec.resources import parse_size
               help="With --from: verify the registry's TLS certificate (off for a plain-HTTP registry).")
 @click.option("--kind", type=click.Choice(["base", "workspace", "toolkit"]), default="base", show_default=True,
               help="Layer kind (as `image build`).")
-@click.option("--max-size", default="16Gi", show_default=True, metavar="SIZE",
+@click.option("--max-size", default="16Gi", show_default=True, type=Size(),
               help="The most the image's files may add up to, applied (a decompression bomb stops here; it also "
                    "stops before the disk it unpacks on, TMPDIR, has less than 1 GiB free).")
 @run_async
@@ -63,7 +62,7 @@ async def import_image(nats_url: str, name: str, layout: Path | None, oci_archiv
     for path, what in ((layout, "--oci-layout"), (oci_archive, "--oci-archive"), (docker_archive, "--docker-archive")):
         if path is not None and not (path.is_dir() if what == "--oci-layout" else path.is_file()):
             raise InvalidRequest(f"{what}: no such {'directory' if what == '--oci-layout' else 'file'}: {path}")
-    budget = oci.Budget(max_bytes=parse_size(max_size, "--max-size"))
+    budget = oci.Budget(max_bytes=max_size)
     _sweep_stale()
     with scratch_dir(prefix=f"{PREFIX}{os.getpid()}-") as tmp:
         work = Path(tmp)

@@ -29,6 +29,31 @@ creds_option = click.option("--creds", metavar="FILE", default=None, expose_valu
                                  "$DSEC_STATE_DIR, .dsec/creds/: the default tenant's, or admin's for admin commands).")
 
 
+class Size(click.ParamType):
+    """A size: 256Mi, 1G, 512k or a byte count (bytes out); with zero_ok, 0 too (no limit). Checked as the
+    command line is read (exit 2), before any connect: a bad size was found only after connecting (so with no
+    server, the connect's error hid it) and exited 1 or 125."""
+
+    name = "size"
+
+    def __init__(self, zero_ok: bool = False):
+        self.zero_ok = zero_ok
+
+    def convert(self, value, param, ctx) -> int:
+        from bus.errors import InvalidRequest
+        from libdsec.resources import parse_size
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip()
+        if self.zero_ok and text == "0":
+            return 0
+        try:
+            return parse_size(text, "the size")
+        except InvalidRequest:
+            self.fail(f"{value!r} is not a size: give one like 256Mi, 1G, 512k or a byte count above 0"
+                      + (", or 0 for no limit" if self.zero_ok else ""), param, ctx)
+
+
 def nats_option(fn):
     """--nats URL and --creds FILE: where to connect, and as whom."""
     fn = creds_option(fn)

@@ -14,7 +14,7 @@ import click
 
 from bus.errors import BusUnavailable
 from bus.kinds import KINDS
-from cli.main import DEFAULT_URL, main, run_async
+from cli.main import DEFAULT_URL, Size, main, run_async
 from edge.capacity import DEFAULT_DEBIAN, DEFAULT_PYPI, EdgeConfig
 
 
@@ -51,10 +51,10 @@ def edge_options(fn):
                      help="FnCall workers at most (the pool grows with calls in flight, shrinks when idle)."),
         click.option("--cpu-overcommit", default=16.0, show_default=True, help="Schedulable cores per core."),
         click.option("--memory-fraction", default=0.8, show_default=True, help="Share of RAM sandboxes may book."),
-        click.option("--max-output", default="64Mi", show_default=True, metavar="SIZE",
+        click.option("--max-output", default="64Mi", show_default=True, type=Size(),
                      help="Per-exec output cap (stdout+stderr), whatever a client asks for; past it the rest is "
                           "dropped and the exit record says truncated."),
-        click.option("--layer-cache", default="16Gi", show_default=True, metavar="SIZE",
+        click.option("--layer-cache", default="16Gi", show_default=True, type=Size(),
                      help="Layers kept on this node; beyond, the least recently used that no sandbox runs on go "
                           "(fetched again when needed)."),
         click.option("--warm-max", default=32, show_default=True,
@@ -85,7 +85,7 @@ def edge_options(fn):
                      type=click.FloatRange(min=0, min_open=True),
                      help="How long a suspended sandbox (suspend, E2B's pause, a TTL with on_timeout=suspend) keeps "
                           "its slot and memory; then it is destroyed as expired."),
-        click.option("--traj-output", default="64Ki", show_default=True, metavar="SIZE",
+        click.option("--traj-output", default="64Ki", show_default=True, type=Size(),
                      help="Bytes of each stream kept in an exec's trajectory record, at most 256Ki (all of it is "
                           "on dsec.out while that stream keeps it)."),
     ]):
@@ -94,8 +94,8 @@ def edge_options(fn):
 
 
 def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcommit: float,
-                memory_fraction: float, max_output: str = "64Mi", traj_output: str = "64Ki",
-                layer_cache: str = "16Gi", warm_max: int = 32, backends: list[str] | None = None,
+                memory_fraction: float, max_output: int | str = "64Mi", traj_output: int | str = "64Ki",
+                layer_cache: int | str = "16Gi", warm_max: int = 32, backends: list[str] | None = None,
                 network: dict | None = None, lazy_layers: bool = False, max_paused: float = 24.0) -> EdgeConfig:
     """An EdgeConfig from the command line; a clear error for a malformed --capacity."""
     from cli.main import fail
@@ -300,8 +300,8 @@ async def _serve_until_signal(stack, ready_line: str, after=None) -> None:
 async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str, port: int, servers: int, metrics_port: int, auth: bool,
              traj_retention: float | None, output_retention: float | None, node_id: str, slots: int, capacity: str,
              backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
-             cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
-             traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
+             cpu_overcommit: float, memory_fraction: float, max_output: int, layer_cache: int, warm_max: int,
+             traj_output: int, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...], mirrors: bool,
              mirror_pypi: str, mirror_apt: str, lazy_layers: bool, max_paused: float, burst_threshold: float,
              burst_pool: str, max_waiting: int, e2b_base: bool, verbose: bool) -> None:
     """Run DSec on this machine in the foreground: embedded NATS with JetStream, placement, one edge
@@ -348,8 +348,8 @@ async def up(state_dir: Path, nats_url: str | None, creds: str | None, host: str
 @run_async
 async def edge(state_dir: Path, nats_url: str, creds: str | None, pool: str, node_id: str, slots: int, capacity: str,
                backends: tuple[str, ...], fncall_workers: int | None, fncall_min: int, fncall_max: int,
-               cpu_overcommit: float, memory_fraction: float, max_output: str, layer_cache: str, warm_max: int,
-               traj_output: str, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
+               cpu_overcommit: float, memory_fraction: float, max_output: int, layer_cache: int, warm_max: int,
+               traj_output: int, aether: bool, aether_dns: str, aether_allow_cidr: tuple[str, ...],
                mirrors: bool, mirror_pypi: str, mirror_apt: str, lazy_layers: bool, max_paused: float,
                verbose: bool) -> None:
     """Run one edge (node agent) against an existing NATS server (a comma-separated URL list for a cluster).

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 import libdsec
-from cli.main import main, nats_option, run_async
+from cli.main import Size, main, nats_option, run_async
 
 
 @main.group()
@@ -19,9 +19,9 @@ def warm() -> None:
 @click.option("--workspace", default=None, metavar="NAME[@VERSION]", help="Workspace layer over the base.")
 @click.option("--toolkit", default=None, metavar="NAME[@VERSION]", help="Toolkit layer on top.")
 @click.option("--cpu", default=1.0, show_default=True, help="Cores (creates must ask the same to match).")
-@click.option("--memory", default="256Mi", show_default=True, help="Memory (creates must ask the same).")
+@click.option("--memory", default="256Mi", show_default=True, type=Size(), help="Memory (creates must ask the same).")
 @click.option("--pids", default=256, show_default=True, help="Max processes (creates must ask the same).")
-@click.option("--disk", default="256Mi", show_default=True, help="Writable layer size (creates must ask the same).")
+@click.option("--disk", default="256Mi", show_default=True, type=Size(), help="Writable layer size (creates must ask the same).")
 @click.option("--min", "min_", default=0, show_default=True, help="Ready sandboxes per edge, at least.")
 @click.option("--max", "max_", default=4, show_default=True,
               help="Ready sandboxes per edge, at most (up to 64); between the two the recent create rate decides.")

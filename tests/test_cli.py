@@ -252,6 +252,23 @@ def test_numbers_out_of_range_are_refused_before_anything_starts():
     assert "cannot connect to NATS" in one_clear_line(p) and p.returncode == 1, p.stderr
 
 
+def test_a_bad_size_is_a_usage_error_said_before_any_connect():
+    # (helper-40: `exec --max-output abc` was found only after connecting, exit 125 as if DSec had failed to run
+    # the command; `create --memory abc` with no server said only that NATS was not there)
+    url = f"nats://127.0.0.1:{free_port()}"   # nothing listens: a connect would be refused
+    for args in (["exec", "--max-output", "abc", "sb1", "--", "true"], ["run", "--max-output", "0", "--", "true"],
+                 ["create", "--memory", "lots"], ["create", "--disk", "12q"], ["run", "--memory", "-1", "--", "true"],
+                 ["warm", "set", "p", "--memory", "zz"], ["quota", "set", "t", "--memory", "1x"],
+                 ["image", "import", "x", "--max-size", "abc"]):
+        option, value = next((a, b) for a, b in zip(args, args[1:]) if a.startswith("--"))
+        p = dsec(*args[:2], "--nats", url, *args[2:]) if args[0] in ("warm", "quota", "image") else \
+            dsec(args[0], "--nats", url, *args[1:])
+        assert p.returncode == 2 and f"Invalid value for '{option}': '{value}' is not a size" in p.stderr \
+            and "NATS" not in p.stderr, (args, p.returncode, p.stderr)
+    p = dsec("quota", "set", "t", "--nats", url, "--memory", "0")   # 0 is no limit there: read, then the connect fails
+    assert p.returncode == 1 and "NATS" in p.stderr, p.stderr
+
+
 def test_ctrl_c_while_the_cli_loads_is_one_line():
     # its imports take ~0.3 s: a Ctrl-C then printed Python's KeyboardInterrupt traceback (helper U2)
     import socket
@@ -281,7 +298,6 @@ def test_image_build_and_ls(up, tmp_path):
 
 
 def test_errors_are_one_line(up):
-    assert "resources.memory" in one_clear_line(dsec("create", "--nats", up["url"], "--memory", "lots"))
     # exec and run: DSec's own failure is 125 (as docker's), never a code the command could have exited with
     p = dsec("exec", "--nats", up["url"], "sbnope", "--", "true")
     assert "not found" in one_clear_line(p) and p.returncode == 125
