@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from bus.errors import BusUnavailable
-from bus.kinds import KINDS
+from bus.kinds import KINDS, SERVED
 from cli.main import DEFAULT_URL, Size, main, run_async
 from edge.capacity import DEFAULT_DEBIAN, DEFAULT_PYPI, EdgeConfig
 
@@ -122,7 +122,7 @@ def edge_config(node_id: str, pool: str, slots: int, capacity: str, cpu_overcomm
                 kind, _, dim = key.partition(".")
                 if kind not in KINDS or dim != "slots":
                     fail(f"--capacity: {key!r}: per-kind capacity is KIND.slots=N with KIND one of "
-                         f"{', '.join(KINDS)}")
+                         f"{', '.join(SERVED)}")
                 fields["kind_slots"][kind] = int(value)
                 if fields["kind_slots"][kind] < 0:
                     fail(f"--capacity: {key} must not be negative")
@@ -184,7 +184,7 @@ def backend_choice(backends: tuple[str, ...], fncall_workers: int | None, fncall
     from edge.backends.registry import config_for, runnable
     for kind in backends:
         if kind not in KINDS:
-            fail(f"--backend: unknown kind {kind!r}; the kinds are: {', '.join(KINDS)}")
+            fail(f"--backend: unknown kind {kind!r}; the kinds are: {', '.join(SERVED)}")
     if len(set(backends)) != len(backends):
         fail("--backend: a kind is given twice")
     if fncall_workers is not None:

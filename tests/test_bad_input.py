@@ -140,6 +140,8 @@ async def test_wrong_typed_exec_ends_with_an_error_record(client, stack):
      "at most 256"),
     ({"network": libdsec.Network(allow=["pypi.org"]), "backend": "fncall"}, libdsec.Unsupported,
      "network policies"),   # a function call has no network
+    ({"backend": "bogus"}, libdsec.InvalidRequest,   # (the tests' own kind, noop, was named among them: helper-40)
+     "backend must be one of container, fncall, gvisor, microvm, fullvm, got 'bogus'$"),
 ])
 async def test_impossible_creates_fail_clearly(client, stack, kwargs, error, field):
     with pytest.raises(error, match=field.replace("(", r"\(")):
