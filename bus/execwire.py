@@ -52,7 +52,8 @@ class ExitRecord(Wire, tag="exit"):
     reason: str = ""          # for sandbox_not_found: destroyed, expired, node_lost, never_existed
     pid: int = 0              # as its start record said (0: none)
     failure_class: str = ""   # "environment": it failed while its node's environment failed under it (a chunk of
-    fault: str = ""           # a lazily loaded layer could not be read: EIO), what failed; "" otherwise
+    fault: str = ""           # a lazily loaded layer could not be read: EIO), what failed; "task": its own doing
+                              # that its exit code hides (out of memory: the OOM killer chose it); "" otherwise
 
 
 OutputRecord = Union[OutputChunk, StartRecord, ExitRecord]

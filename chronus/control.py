@@ -23,6 +23,7 @@ class ExecResult:
     cpu_time: float             # seconds of CPU used by the command's cgroup
     peak_memory: int            # bytes, max usage of the command's cgroup
     timed_out: bool = False     # killed because the timeout passed (tree verified gone)
+    oom_kills: int = 0          # its processes the kernel's OOM killer chose at the sandbox's memory limit
 
 
 class ExecControl:

@@ -336,6 +336,9 @@ class Execs:
         faults = self.host.environment_faults(op.sandbox_id, t0) if res.exit_code != 0 or res.timed_out else []
         if faults:   # it failed while the node failed under it: the environment's failure, not the task's
             fields.update(failure_class="environment", fault="; ".join(faults[:4])[:1000])
+        elif res.oom_kills and (res.exit_code != 0 or res.timed_out):   # its own doing, said (it was a bare 137)
+            fields.update(failure_class="task", fault=f"out of memory: the kernel's OOM killer killed {res.oom_kills} "
+                                                      f"of its processes at the sandbox's memory limit")
         return fields
 
     def _ended_fields(self, sandbox_id: str, t0: float) -> dict:
@@ -373,14 +376,15 @@ class Execs:
             error_code=fields.get("error_code", ""), detail=fields.get("error", ""), background=op.background,
             live_stdin=op.live_stdin, failure_class="task" if task_failed else fields.get("failure_class", ""),
             pid=relay.pid, watch=op.watch)
-        if env_failed:
+        if fields.get("fault"):   # (the environment's failure, or the task's own: out of memory)
             traj = msgspec.structs.replace(traj, detail=fields.get("fault", ""))
         traj = fit(traj)
         out = [(subjects.trajectory(rec.tenant, job, op.sandbox_id), encode(traj), f"{op.exec_id}-traj")]
         if task_failed:
             out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
                 type="task_failed", sandbox_id=op.sandbox_id, tenant=rec.tenant, node=self.node, at=time.time(),
-                detail=f"exec {op.exec_id} exited {traj.exit_code}", failure_class="task")), f"{op.exec_id}-failed"))
+                detail=f"exec {op.exec_id} exited {traj.exit_code}" + (f": {traj.detail}" if fields.get("fault") else ""),
+                failure_class="task")), f"{op.exec_id}-failed"))
         elif env_failed:
             out.append((subjects.event(rec.tenant, op.sandbox_id), encode(Event(
                 type="environment_failed", sandbox_id=op.sandbox_id, tenant=rec.tenant, node=self.node,

@@ -109,6 +109,10 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
             if ev.truncated:   # (at --max-output, or at the node's own cap when that is lower: it said --max-output's)
                 click.echo(f"dsec: the command's output was cut after {got:,} bytes (--max-output {limit:,}, or "
                            f"the node's own cap if lower)", err=True)
+            if ev.failure_class == "environment":
+                click.echo(f"dsec: the node failed under the command ({ev.fault}): retry it in a fresh sandbox", err=True)
+            elif ev.fault:
+                click.echo(f"dsec: {ev.fault}", err=True)   # (its own: out of memory)
             if ev.timed_out:
                 click.echo(f"dsec: command timed out after {timeout}s", err=True)
                 return 124

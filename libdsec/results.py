@@ -26,7 +26,8 @@ class Exit:
     exec_id: str = ""           # its output is on dsec.out.<tenant>.<node>.<sandbox>.<exec_id>, its record in the trajectory
     pid: int = 0                # its pid in the sandbox (0: it never started, or its kind does not say)
     failure_class: str = ""     # "environment": it failed while the node failed under it (fault says how), not
-    fault: str = ""             # by its own doing: retry it, in a fresh sandbox (another node); "" otherwise
+    fault: str = ""             # by its own doing: retry it, in a fresh sandbox (another node); "task" with a fault:
+                                # its own doing that the exit code alone hides ("out of memory: ..."); "" otherwise
 
 
 @dataclass(frozen=True)

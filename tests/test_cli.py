@@ -304,6 +304,8 @@ def test_errors_are_one_line(up):
     p = dsec("run", "--nats", up["url"], "--image", "nope", "--", "true")
     assert "image" in one_clear_line(p) and p.returncode == 125
     assert dsec("run", "--nats", up["url"], "--", "sh", "-c", "exit 1").returncode == 1
+    p = dsec("run", "--nats", up["url"], "--memory", "32Mi", "--", "tail", "/dev/zero")   # why a 137, said
+    assert p.returncode == 137 and p.stderr.startswith("dsec: out of memory: the kernel's OOM killer killed "), p
     # a command that cannot start, as a shell and `docker run` say it (it was 125, DSec's own failure: helper C)
     p = dsec("run", "--nats", up["url"], "--", "nosuchcmd")
     assert "command not found: nosuchcmd" in one_clear_line(p) and p.returncode == 127, p

@@ -13,6 +13,7 @@ import pytest
 
 import libdsec
 from edge.backends.cgroups import NodeCgroups, procs_under
+from tests.test_failure_classes import events_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,6 +36,19 @@ async def test_memory_bomb_is_oom_killed_inside(client, stack):
             await client.create() as bystander:
         r = await sb.exec("tail /dev/zero", timeout=60)
         assert r.exit_code == 137
+        # said, not a bare 137 as a kill -9 gives (helper-40): the task's own failure, and why
+        assert r.failure_class == "task" and r.fault.startswith("out of memory: the kernel's OOM killer killed "), r
+        r = await sb.exec("sh -c 'tail /dev/zero; echo \"tail: $?\"; exit 3'", timeout=60)   # a child chosen
+        assert (r.exit_code, r.stdout, r.failure_class) == (3, b"tail: 137\n", "task") and "out of memory" in r.fault
+        killed = await sb.exec("kill -9 $$", timeout=60)   # a 137 of no OOM says nothing of memory
+        assert (killed.exit_code, killed.failure_class, killed.fault) == (137, "", "")
+        failed = [e for e in await events_of(stack, sb.id, until={"task_failed"}) if e.type == "task_failed"]
+        for _ in range(100):
+            if len(failed) == 3:
+                break
+            await asyncio.sleep(0.05)
+            failed = [e for e in await events_of(stack, sb.id) if e.type == "task_failed"]
+        assert ["out of memory" in e.detail for e in failed] == [True, True, False], failed
         assert stack.edge.backend.backends["container"].limit_events(sb.id)["oom_kill"] > 0, "the memory cgroup never OOM-killed"
         assert r.peak_memory <= (64 << 20) + (1 << 20)
         assert (await sb.exec("echo ok")).stdout == b"ok\n"

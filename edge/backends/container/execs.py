@@ -71,12 +71,13 @@ class Executing(Core):
         finally:
             pipes.close()
             cpu, peak = sb.call_group.stats() if worker and sb.call_group else NodeCgroups.exec_stats(groups)
+            events = {}
             if not worker:   # a worker's group stays for its next call (its reset kills what is left)
-                events = NodeCgroups.limit_events(groups)
+                events = NodeCgroups.limit_events(groups)   # (v1 counts an OOM kill in the victim's group)
                 if not NodeCgroups.remove(groups):   # stays if background processes remain; destroy removes it
                     sb.events.update(events)
         result = ExecResult(exit_code=execio.exit_code(status), duration=time.monotonic() - started,
-                            cpu_time=cpu, peak_memory=peak, timed_out=timed_out)
+                            cpu_time=cpu, peak_memory=peak, timed_out=timed_out, oom_kills=events.get("oom_kill", 0))
         if failure and not timed_out:
             raise CommandNotStarted(failure, ExecResult(-1, result.duration, cpu, peak))
         return result
