@@ -140,9 +140,16 @@ class SandboxNotFound(_PartialOutput, SandboxError, LookupError):
 
 
 class ExecTimeout(_PartialOutput, SandboxError, TimeoutError):
-    """The command did not finish in time; its whole process tree was killed."""
+    """The command did not finish in time; its whole process tree was killed. Carries the output received
+    (.stdout, .stderr) and the command's exit code: 137 (SIGKILL) when the timeout killed it, its own when it
+    had exited and processes it left running held its output open until the timeout."""
 
     code = "exec_timeout"
+
+    @property
+    def exit_code(self) -> int:
+        """The command's exit code (137: the timeout killed it; -1: not known)."""
+        return int(self.details.get("exit_code", -1))  # type: ignore[arg-type]
 
     @property
     def truncated(self) -> bool:

@@ -11,6 +11,7 @@ import threading
 import click
 
 import libdsec
+from libdsec.exechandle import left_running
 from bus import kinds, subjects
 from cli.termsafe import Terminal, field
 from cli.main import Size, fail, main, nats_option, run_async
@@ -114,7 +115,7 @@ async def _stream_to_terminal(sb: libdsec.AsyncSandbox, argv: list[str], timeout
             elif ev.fault:
                 click.echo(f"dsec: {ev.fault}", err=True)   # (its own: out of memory)
             if ev.timed_out:
-                click.echo(f"dsec: command timed out after {timeout}s", err=True)
+                click.echo(f"dsec: command timed out after {timeout}s{left_running(ev.exit_code)}", err=True)
                 return 124
             return ev.exit_code
         return 1

@@ -146,8 +146,9 @@ class ExecHandle:
             err.details.update(stdout=stdout, stderr=stderr)   # was dropped: helper V, a VM's QEMU killed)
             raise
         if ex.timed_out:
-            raise ExecTimeout(f"command timed out after {self._timeout}s; its process tree was killed",
-                              stdout=stdout, stderr=stderr, truncated=ex.truncated)
+            raise ExecTimeout(f"command timed out after {self._timeout}s; its process tree was killed"
+                              + left_running(ex.exit_code), stdout=stdout, stderr=stderr, truncated=ex.truncated,
+                              exit_code=ex.exit_code, exec_id=ex.exec_id)
         return ExecResult(exit_code=ex.exit_code, stdout=stdout, stderr=stderr, duration=ex.duration,
                           cpu_time=ex.cpu_time, peak_memory=ex.peak_memory, timed_out=False,
                           truncated=ex.truncated, exec_id=ex.exec_id, pid=ex.pid, failure_class=ex.failure_class,
@@ -223,3 +224,11 @@ class ExecHandle:
             await self._controls.ask(ExecInput(exec_id=self.id, seq=seq + 1, eof=True))
         except DsecError as exc:
             self._stdin_error = self._stdin_error or exc
+
+
+def left_running(exit_code: int) -> str:
+    """For a timed-out command: that it had exited by itself (any code but a SIGKILL's 137, the timeout's
+    kill) and processes it left running held its output open, said; else nothing."""
+    if exit_code in (137, -1):
+        return ""
+    return f" (the command itself had exited {exit_code}: processes it left running held its output open)"

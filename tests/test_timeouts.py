@@ -116,3 +116,17 @@ async def test_a_sandbox_suspended_past_max_paused_is_destroyed_as_expired(clien
         await kept.destroy()
     finally:
         stack.edge.config = old
+
+
+async def test_a_command_that_exited_before_its_timeout_keeps_its_exit_code(client):
+    # `sh -c 'sleep 100 & exit 5'`: the shell exits 5 at once, its sleep holds the output open until the
+    # timeout; the error said only "timed out" and the 5 was lost (helper-40)
+    async with await client.create() as sb:
+        with pytest.raises(libdsec.ExecTimeout) as err:
+            await sb.exec("echo out; sleep 100 & exit 5", timeout=2)
+        assert (err.value.exit_code, err.value.stdout) == (5, b"out\n")
+        assert str(err.value).endswith("(the command itself had exited 5: processes it left running held its "
+                                       "output open)"), err.value
+        with pytest.raises(libdsec.ExecTimeout) as err:   # killed by the timeout: SIGKILL's 137, nothing more said
+            await sb.exec("sleep 100", timeout=1)
+        assert err.value.exit_code == 137 and str(err.value).endswith("its process tree was killed"), err.value
