@@ -14,7 +14,7 @@ import libdsec
 from libdsec.exechandle import left_running
 from bus import kinds, subjects
 from cli.termsafe import Terminal, field
-from cli.main import Size, fail, main, nats_option, run_async
+from cli.main import Size, client_options, fail, main, run_async
 
 
 def resource_options(fn):
@@ -187,7 +187,7 @@ def command_options(fn):
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@nats_option
+@client_options
 @resource_options
 @click.option("--exec-timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.option("--max-output", default="16Mi", show_default=True, type=Size(),
@@ -232,7 +232,7 @@ async def _run(nats_url, exec_timeout, max_output, interactive, argv, options, u
 
 
 @main.command()
-@nats_option
+@client_options
 @resource_options
 @run_async
 async def create(nats_url, **options) -> None:
@@ -243,7 +243,7 @@ async def create(nats_url, **options) -> None:
 
 
 @main.command(name="exec", context_settings={"ignore_unknown_options": True})
-@nats_option
+@client_options
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds the command may run.")
 @click.option("--max-output", default="16Mi", show_default=True, type=Size(),
               help="Output kept past this is cut (said on stderr).")
@@ -292,7 +292,7 @@ def platform_errors():
 
 
 @main.command(name="ls")
-@nats_option
+@client_options
 @click.option("--all", "all_states", is_flag=True, help="Include destroyed, expired and failed sandboxes.")
 @run_async
 async def ls(nats_url, all_states) -> None:
@@ -333,7 +333,7 @@ def _per_sandbox(name: str, doc: str, method: str) -> None:
     async def command(nats_url, sandbox_ids) -> None:
         await _each(nats_url, sandbox_ids, lambda sb: getattr(sb, method)())
     command.__doc__ = doc
-    main.command(name=name)(nats_option(click.argument("sandbox_ids", nargs=-1, required=True)(run_async(command))))
+    main.command(name=name)(client_options(click.argument("sandbox_ids", nargs=-1, required=True)(run_async(command))))
 
 
 _per_sandbox("rm", "Destroy sandboxes.", "destroy")

@@ -61,6 +61,23 @@ def nats_option(fn):
                         help="NATS server to talk to (env DSEC_NATS).")(fn)
 
 
+def _set_tenant(_ctx, _param, value):
+    if value:
+        os.environ["DSEC_TENANT"] = value   # whose sandboxes the SDK's client of this command acts on
+    return value
+
+
+def client_options(fn):
+    """--nats, --creds and --tenant NAME: whose sandboxes (an operator, with admin's credential, reaches any
+    tenant's: one whose credential was revoked left its sandboxes running, beyond anyone's reach)."""
+    fn = click.option("--tenant", metavar="NAME", default=None, expose_value=False, callback=_set_tenant,
+                      is_eager=True,
+                      help="Act on tenant (or TENANT/PROJECT) NAME's sandboxes (env DSEC_TENANT; default: the "
+                           "credential's). With admin's credential (--creds .dsec/creds/admin.creds) any "
+                           "tenant's, a revoked one's too.")(fn)
+    return nats_option(fn)
+
+
 async def connect(url: str, name: str, principal: str = "admin", reconnect: bool = True):
     """A connection for an operator command, as `principal` (admin, ops) unless --creds / $DSEC_CREDS
     says otherwise."""

@@ -7,7 +7,7 @@ import datetime
 import click
 
 import libdsec
-from cli.main import main, nats_option, run_async
+from cli.main import client_options, main, run_async
 from cli.termsafe import field
 
 
@@ -17,7 +17,7 @@ def snapshot() -> None:
 
 
 @snapshot.command(name="take")
-@nats_option
+@client_options
 @click.argument("sandbox_id")
 @click.option("--tag", default="", help="A name to find it by (the newest snapshot with a tag wins).")
 @click.option("--memory", is_flag=True,
@@ -34,7 +34,7 @@ async def take(nats_url, sandbox_id, tag, memory, timeout) -> None:
 
 
 @snapshot.command(name="ls")
-@nats_option
+@client_options
 @click.option("--tag", default=None, help="Only snapshots with this tag.")
 @run_async
 async def ls_snapshots(nats_url, tag) -> None:
@@ -50,7 +50,7 @@ async def ls_snapshots(nats_url, tag) -> None:
 
 
 @snapshot.command(name="rm")
-@nats_option
+@client_options
 @click.argument("refs", nargs=-1, required=True)
 @run_async
 async def rm_snapshots(nats_url, refs) -> None:
@@ -70,7 +70,7 @@ async def rm_snapshots(nats_url, refs) -> None:
 
 
 @main.command()
-@nats_option
+@client_options
 @click.argument("ref")
 @click.option("-n", "count", default=1, show_default=True, type=click.IntRange(1, 10_000),
               help="Sandboxes to start (all or none), 1 to 10,000.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 import libdsec
-from cli.main import Size, main, nats_option, run_async
+from cli.main import Size, client_options, main, run_async
 
 
 @main.group()
@@ -13,7 +13,7 @@ def warm() -> None:
 
 
 @warm.command(name="set")
-@nats_option
+@client_options
 @click.argument("name")
 @click.option("--image", default="busybox", show_default=True, help="Base image name[@version].")
 @click.option("--workspace", default=None, metavar="NAME[@VERSION]", help="Workspace layer over the base.")
@@ -37,7 +37,7 @@ async def set_pool(nats_url, name, image, workspace, toolkit, cpu, memory, pids,
 
 
 @warm.command(name="ls")
-@nats_option
+@client_options
 @run_async
 async def ls_pools(nats_url) -> None:
     """Warm pools, their bounds and how many sandboxes are ready now."""
@@ -52,7 +52,7 @@ async def ls_pools(nats_url) -> None:
 
 
 @warm.command(name="rm")
-@nats_option
+@client_options
 @click.argument("name")
 @run_async
 async def rm_pool(nats_url, name) -> None:

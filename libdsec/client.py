@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -36,13 +37,21 @@ class AsyncClient:
                  connect_timeout: float = 5.0) -> None:
         """creds: the tenant's credential file; default $DSEC_CREDS, else the one `dsec up` wrote for the
         tenant under $DSEC_STATE_DIR (.dsec/creds/tenants/<tenant>.creds), else none (a server without
-        auth). tenant: default the one the credential names, else `default`; a project under a tenant is
-        `tenant/project` (it sees its own sandboxes; the tenant's credential sees its projects' too)."""
+        auth). tenant: default $DSEC_TENANT, else the one the credential names, else `default`; a project
+        under a tenant is `tenant/project` (it sees its own sandboxes; the tenant's credential sees its
+        projects' too). Admin's credential may name any tenant (an operator acting on its sandboxes)."""
         self.url = url
+        tenant = tenant or os.environ.get("DSEC_TENANT") or None
         tenant = subjects.account_name(tenant) if tenant else tenant
         self.creds = creds or credentials.default_creds(f"tenant:{tenant or 'default'}")
-        if tenant is None and self.creds:
-            tenant = credentials.tenant_of_creds(self.creds)
+        own = credentials.tenant_of_creds(self.creds) if self.creds else None
+        if tenant is None:
+            tenant = own
+        elif own is not None and subjects.account_name(own) != tenant:
+            # (the server drops every request it would make: a create waited out its 60 s, a list blamed placement)
+            raise PermissionDenied(f"credential {self.creds} is tenant {own}'s: it acts on no other tenant's "
+                                   f"sandboxes (asked for {subjects.display_name(tenant)}; admin's credential "
+                                   f"acts on any tenant's)")
         try:
             self.tenant = subjects.token(tenant or "default", "tenant")
         except ValueError as exc:

@@ -659,6 +659,48 @@ async def test_an_exec_running_when_its_credential_is_revoked_ends_with_authenti
         iamserver.reload(ids)
 
 
+async def test_an_operator_reaches_a_revoked_tenants_sandboxes_and_another_tenants_credential_is_refused(stack):
+    """helper-40: a tenant whose credential was revoked left its sandboxes running to their TTL, beyond anyone's
+    reach: admin's `dsec ls` and `dsec rm` act as the credential's own principal and found none. And a tenant's
+    credential naming another tenant (--tenant, tenant=) waited out a create's 60 s, or blamed placement."""
+    ids = stack.nats_server.iam
+    ids.add_tenant("revokedops")
+    ids.save()
+    iamserver.reload(ids)
+    admin, url = creds_of(stack, "admin"), stack.url
+    try:
+        async with libdsec.AsyncClient(url, creds=str(ids.creds_path("tenant:revokedops"))) as c:
+            sb = await c.create()
+        ids.revoke("tenant:revokedops")
+        ids.save()
+        iamserver.reload(ids)
+        p = await asyncio.to_thread(run_dsec, "ls", "--nats", url, creds=admin)   # (admin's own: none)
+        assert p.returncode == 0 and sb.id not in p.stdout, (p.stdout, p.stderr)
+        p = await asyncio.to_thread(run_dsec, "ls", "--nats", url, "--tenant", "revokedops", creds=admin)
+        assert p.returncode == 0 and f"{sb.id}   ready" in p.stdout, (p.stdout, p.stderr)
+        p = await asyncio.to_thread(run_dsec, "exec", "--nats", url, "--tenant", "revokedops", sb.id, "--", "echo",
+                                    "reached", creds=admin)
+        assert (p.returncode, p.stdout) == (0, "reached\n"), p.stderr
+        p = await asyncio.to_thread(run_dsec, "rm", "--nats", url, "--tenant", "revokedops", sb.id, creds=admin)
+        assert p.returncode == 0, p.stderr
+        rec = await stack.bus.kv_get(streams.SANDBOXES_KV, subjects.record_key("revokedops", sb.id))
+        assert b'"destroyed"' in rec
+        t0 = time.monotonic()   # another tenant's credential: refused before anything is sent
+        p = await asyncio.to_thread(run_dsec, "create", "--nats", url, "--tenant", "revokedops",
+                                    creds=creds_of(stack, "tenant:alice"))
+        assert p.returncode == 1 and "is tenant alice's: it acts on no other tenant's sandboxes" in p.stderr, p.stderr
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+        with pytest.raises(libdsec.PermissionDenied, match="asked for revokedops"):
+            libdsec.AsyncClient(url, tenant="revokedops", creds=creds_of(stack, "tenant:alice"))
+    finally:
+        async with libdsec.AsyncClient(url, tenant="revokedops", creds=admin) as op:
+            for rec in await op.list():
+                await (await op.get(rec.sandbox_id)).destroy()
+        ids.remove_tenant("revokedops")
+        ids.save()
+        iamserver.reload(ids)
+
+
 async def test_dsec_iam_adds_limits_refuses_removal_with_live_sandboxes_and_revokes(stack, tmp_path):
     state = str(stack.nats_server.iam.root)
     url = stack.url
