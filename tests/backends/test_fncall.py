@@ -99,6 +99,15 @@ async def test_calls_are_isolated_on_one_reused_worker(stack, client, tmp_path, 
             assert lines[1:5] == ["0", "LEAK=none", "procs=2", "clean"], r.stdout   # the init and this shell
             assert r.peak_memory < 32 << 20, "the 64 MiB hog of the first call is gone"
         assert seen == {first.worker}, "the same worker served every call"
+        # a call that writes /dev/shm alone (no /tmp): the wipe saw it empty and the next call read the file
+        # (a btrfs dir listed through the fd the wipe kept shows no entry made since: helper-44, across tenants)
+        for n in range(3):
+            planted = await client.call(f"echo s3cret-{n} > /dev/shm/only-{n}; ls -A /dev/shm", image=img,
+                                        resources=res)
+            assert planted.stdout == b"only-%d\n" % n, planted
+            after = await client.call("ls -A /dev/shm /tmp; cat /dev/shm/* 2>&1", image=img, resources=res)
+            assert after.stdout == b"/dev/shm:\n\n/tmp:\ncat: can't open '/dev/shm/*': No such file or directory\n", \
+                after.stdout
         big = await client.call("/hostile hog 200", image=img, resources=libdsec.Resources(memory="128Mi"),
                                 timeout=20)
         assert big.exit_code != 0 and not big.timed_out and b"held" not in big.stdout, big   # killed at its limit (the

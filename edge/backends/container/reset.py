@@ -45,7 +45,10 @@ def _reset_scratch(dirs: list[tuple[int, int]], owner: int) -> bool:
         try:
             os.fchmod(fd, mode)
             os.fchown(fd, owner, owner)
-            dirty = dirty or bool(os.listdir(fd))
+            # listed through a fresh open of the dir (its magic link), never the fd kept: a btrfs dir read
+            # through a file opened earlier lists none of the entries made since (its last index is cached
+            # there), so a call that wrote only /dev/shm (a subvolume) left it to the next tenant (helper-44)
+            dirty = dirty or bool(os.listdir(f"/proc/self/fd/{fd}"))
         except OSError as exc:
             raise BackendError(f"cannot reset the worker's scratch dir: {exc}") from exc
     return dirty
