@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import struct
 import subprocess
 
 import pytest
@@ -35,15 +36,17 @@ def _vm_memory(kind: str) -> dict:
     return {"resources": libdsec.Resources(memory=memory, pids=32) if memory else libdsec.Resources(pids=32)}
 
 
-# gVisor's sentry (Debian's runsc, 2022) gives a child's new mount namespace to its parent too, so the agent
-# cannot mask its groups from a command there: a root command in gVisor can leave them (the host cgroup's
-# pids and memory limits still hold the sandbox as a whole). VMs only, for now.
-# A full VM's systemd mounts the same hierarchies under /sys/fs/cgroup: out of sight too.
-@pytest.mark.parametrize("kind", VMS)
+# A full VM's systemd mounts the same hierarchies under /sys/fs/cgroup: out of sight too. gVisor's sentry
+# (Debian's runsc, 2022) gives a child's new mount namespace to its parent too, so there the agent covers its
+# group's mount point for everyone and keeps it open (a root command raised its own pids.max, or moved itself
+# to the root group, then forked past the limit: helper-44).
+@pytest.mark.parametrize("kind", KINDS)
 async def test_a_root_command_cannot_leave_its_limit_groups(client, kind):
     async with await client.create(backend=kind, timeout=120, **_vm_memory(kind)) as sb:
         r = await sb.exec("for g in /dev/.pids /dev/.mem /sys/fs/cgroup/pids /sys/fs/cgroup/memory; do "
                           "echo $$ > $g/cgroup.procs && echo moved $g; "
+                          "echo 100000 > $g/sandbox/pids.max && echo raised $g; "
+                          "umount $g && echo unmounted $g; "
                           "echo $$ > $g/sandbox/cgroup.procs && echo moved-up $g; ls $g; done; "
                           "mount -t cgroup -o pids none /mnt && echo mounted; true", timeout=30)
         assert b"moved" not in r.stdout and b"mounted" not in r.stdout, r
@@ -197,9 +200,34 @@ async def test_a_privileged_vm_owns_its_kernel_and_touches_nothing_else(client, 
     assert backend.residue(vm.id) == [] and backend.residue(neighbour.id) == []
 
 
+async def test_a_gvisor_command_cannot_reach_the_agents_channel_to_the_edge(client):
+    """helper-44: runsc (2022) let a root command open the agent's /proc/1/fd/1 and /proc/1/fd/0, its channel to
+    the edge, whatever its dumpability: frames written there passed for another exec's (a forged exit 0 and
+    output for a grader's command still running), and the next exec's request (argv, environment) could be
+    read off it. The commands have a pid namespace of their own, where the agent has no pid."""
+    async with await client.create(backend="gvisor", timeout=60) as sb:
+        victim = await sb.exec("sleep 2; echo real-output; exit 3", background=True)
+        forged = b"".join(struct.pack("<IBI", 5 + len(p), ord(k), xid) + p for xid in range(1, 64)   # the agent's
+                          for k, p in (("O", b"ALL TESTS PASSED (forged)\n"), ("X", struct.pack("<iQQ", 0, 0, 0))))
+        assert len(forged) < 4096   # (one write: a pipe keeps it whole among the agent's own frames)
+        await sb.files.write("/tmp/forged", forged)
+        r = await sb.exec("cat /tmp/forged > /proc/1/fd/1; (timeout 4 cat /proc/1/fd/0 > /tmp/stolen 2>&1 &); "
+                          "readlink /proc/1/fd/0; readlink /proc/1/fd/1", timeout=30)
+        assert r.stdout == b"/dev/null\n/dev/null\n", r   # pid 1 there is the namespace's init, holding nothing
+        graded = await sb.exec(["env", "GRADER_TOKEN=hunter2", "echo", "grader-run"])
+        assert (graded.exit_code, graded.stdout) == (0, b"grader-run\n"), graded
+        done = await victim.wait()
+        assert (done.exit_code, done.stdout) == (3, b"real-output\n"), done
+        await asyncio.sleep(2.5)
+        assert b"hunter2" not in await sb.read_file("/tmp/stolen")
+        r = await sb.exec("echo $$; sleep 0.2", background=True)   # the pid it is given is the one it has
+        assert (await r.wait()).stdout == b"%d\n" % r.pid, r.pid
+
+
 async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes):
-    """runsc (2022) lets a command SIGKILL the sandbox's pid 1, the agent: the sandbox ends then. It must
-    say so (failed, the exec it cut short too), not pass for a lost node."""
+    """runsc (2022) lets a command SIGKILL its pid namespace's pid 1 (the commands' init; it was the agent
+    itself): no command can run after, and the agent ends, so the sandbox ends. It must say so (failed, the
+    exec it cut short too), not pass for a lost node."""
     backend = nodes["gvisor"].edge.backend.backends["gvisor"]
     sb = await client.create(backend="gvisor", timeout=60)
     try:

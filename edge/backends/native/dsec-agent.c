@@ -36,6 +36,8 @@
  * it), plus its session, process group and their descendants; it runs without CAP_SYS_ADMIN (nothing can be mounted over /.dsec, nor the
  * hostname changed), which the agent keeps, nor CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE and CAP_SYS_BOOT.
  * A microVM's guest runs it as pid 1 too, its stdio one virtio-serial port (microvm/init.sh). An exec stops being read once WINDOW bytes of its output are not yet consumed.
+ * In gVisor the commands run in a pid namespace of their own under a /proc of their own, where the agent has
+ * no pid (isolate_commands), and the pids hierarchy is covered for them (the agent keeps it open).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -87,12 +89,14 @@ static struct exec execs[MAXEXEC];
 static const int dropped[] = {21, 16, 17, 19, 22};
 static int mem_ok;             /* the memory group of a VM's commands is set up */
 static int groups_ok;           /* the pids cgroup is mounted: execs get groups of their own */
+static int pidsfd = -1;         /* that hierarchy (/dev/.pids), held: gVisor's commands find it covered */
 static uint32_t stale[MAXEXEC]; /* groups of finished execs whose background processes still live */
 static int nstale;
 static void group_path(char *buf, size_t n, uint32_t id, const char *file);
 static void sweep_groups(void);
 static int kill_group(uint32_t id);
 static void write_file(const char *path, const char *text);
+static void write_at(int dirfd, const char *path, const char *text);
 static int sigpipe[2];
 static int quiet;               /* between 'Q' and 'U': no frame goes out, no exec is read */
 static char *rbuf; static size_t rlen, rcap;
@@ -147,6 +151,8 @@ static pid_t os_pid;            /* that systemd (the agent's pid for it) */
 static int os_mnt = -1;         /* its mount namespace, which commands enter */
 static int in_vm;               /* DSEC_VM: a guest kernel of its own. gVisor's sentry (2022) shares a child's
                                  * new mount namespace with its parent, so masks there would be the agent's */
+static int procfd = -1;         /* the agent's /proc (its own pid namespace's): what it reads of processes */
+static pid_t commands_init;     /* gVisor: pid 1 of the commands' pid namespace (isolate_commands), else 0 */
 
 /* In an exec's child, before its capabilities go: a mount namespace of its own with those masks (it
  * keeps the agent's root; without CAP_SYS_ADMIN nothing of it can be undone). */
@@ -240,9 +246,10 @@ static int exec_child(void *arg) {
     const struct child *c = arg;
     sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
+    if (commands_init) { pid_t me = getpid(); (void)!write(c->rep, &me, 4); }  /* its pid as commands see it */
     setsid();
     if (c->groups_ok) {
-        int fd = open(c->group, O_WRONLY | O_CLOEXEC);
+        int fd = openat(pidsfd, c->group, O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, "0", 1) != 1) fail_child(c->rep, "setup");
         close(fd);
     }
@@ -332,10 +339,11 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     char **argv = vec, **envp = vec + argc + 1;
     char group[96];
     group_path(group, sizeof group, id, NULL);
-    if (groups_ok && mkdir(group, 0700) && errno != EEXIST) fprintf(stderr, "dsec-agent: %s: %s\n", group, strerror(errno));
+    if (groups_ok && mkdirat(pidsfd, group, 0700) && errno != EEXIST)
+        fprintf(stderr, "dsec-agent: %s: %s\n", group, strerror(errno));
     if (groups_ok) {        /* the sentry charges a fork to its task's own group only: each one gets the limit */
         group_path(group, sizeof group, id, "pids.max");
-        write_file(group, getenv("DSEC_PIDS_MAX"));
+        write_at(pidsfd, group, getenv("DSEC_PIDS_MAX"));
     }
     /* A guest kernel's child joins through `tasks` (v1: moves only this thread, which is the whole
      * single-threaded child): writing cgroup.procs takes the global threadgroup rwsem, whose RCU grace
@@ -357,6 +365,15 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     }
     close(in[0]); close(out[1]); close(err[1]); close(rep[1]);
     char msg[512]; ssize_t k;
+    uint32_t shown = (uint32_t)pid;     /* its pid in the sandbox: in gVisor its namespace's, its first word */
+    for (size_t got = 0; commands_init && got < 4; ) {
+        uint32_t v;
+        ssize_t r = read(rep[0], (char *)&v + got, 4 - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+        if (got == 4) shown = v;
+    }
     while ((k = read(rep[0], msg, sizeof msg)) < 0 && errno == EINTR) {}
     close(rep[0]); free(vec);
     memset(x, 0, sizeof *x);
@@ -370,13 +387,13 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     }
     fcntl(x->in, F_SETFL, O_NONBLOCK);
     if (k > 0) reply('F', id, msg, (size_t)k, NULL, 0);
-    else { uint32_t v = (uint32_t)pid; reply('P', id, &v, 4, NULL, 0); }
+    else reply('P', id, &shown, 4, NULL, 0);
 }
 
 static int proc_stat(pid_t pid, pid_t *ppid, pid_t *pgrp, pid_t *sid) {
     char path[64], buf[512];
-    snprintf(path, sizeof path, "/proc/%d/stat", pid);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    snprintf(path, sizeof path, "%d/stat", pid);
+    int fd = openat(procfd, path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return -1;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
@@ -394,12 +411,13 @@ static void kill_tree(struct exec *x) {
     if (groups_ok) kill_group(x->id);
     for (int pass = 0; pass < 200; pass++) {
         pid_t pids[4096], parents[4096]; int live[4096]; int n = 0, found = 0;
-        DIR *d = opendir("/proc");
-        if (!d) return;
+        int dfd = openat(procfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);   /* a fresh read of the agent's */
+        DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
+        if (!d) { if (dfd >= 0) close(dfd); return; }
         struct dirent *de;
         while ((de = readdir(d)) && n < 4096) {
             pid_t pid = atoi(de->d_name), pp, pg, sd;
-            if (pid <= 1) continue;
+            if (pid <= 1 || pid == commands_init) continue;
             int z = proc_stat(pid, &pp, &pg, &sd);
             if (z < 0) continue;
             pids[n] = pid; parents[n] = pp; live[n] = !z && (pg == x->pid || sd == x->pid || pid == x->pid); n++;
@@ -478,6 +496,10 @@ static void reap(void) {
     int status; struct rusage ru; pid_t pid;
     if (nstale) sweep_groups();
     while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0) {
+        if (commands_init && pid == commands_init) {   /* no command can run any more: the sandbox ends */
+            fprintf(stderr, "dsec-agent: the commands' pid namespace ended (its init: status %d)\n", status);
+            exit(0);
+        }
         if (os_pid && pid == os_pid) {      /* poweroff, or systemd died: the VM ends with it (init.sh) */
             fprintf(stderr, "<3>dsec-agent: the operating system ended (systemd: status %d)\n", status);
             exit(0);
@@ -532,6 +554,52 @@ static void start_os(void) {
     os_mnt = open(path, O_RDONLY | O_CLOEXEC);
     if (os_mnt < 0) die("systemd's mount namespace");
     os_pid = pid;
+}
+
+static void on_wake(int sig) { (void)sig; }
+
+/* gVisor: the commands get a pid namespace of their own, under a /proc of its own, where the agent has no
+ * pid. runsc (2022) lets a root command open /proc/1/fd/N whatever the agent's dumpability (Linux asks that
+ * the opener may trace it): the agent's channel to the edge, whose frames (a forged exit, another exec's
+ * request and environment read) were then any command's to write or read (helper-44). Its init only reaps
+ * (an orphan of a command is its child); the agent finds an exec's processes in its own /proc (procfd, the
+ * old one, detached) and learns each command's pid as the namespace numbers it from the command itself. */
+static void isolate_commands(void) {
+    int rep[2];
+    if (unshare(CLONE_NEWPID)) die("unshare a pid namespace for the commands");
+    if (pipe2(rep, O_CLOEXEC)) die("pipe");
+    pid_t pid = fork();
+    if (pid < 0) die("fork the commands' init");
+    if (pid == 0) {
+        sigset_t chld, none;
+        struct sigaction sa = {0};
+        sa.sa_handler = on_wake; sa.sa_flags = SA_NOCLDSTOP;
+        sigaction(SIGCHLD, &sa, NULL);
+        sigemptyset(&none); sigemptyset(&chld); sigaddset(&chld, SIGCHLD);
+        sigprocmask(SIG_SETMASK, &chld, NULL);
+        if (umount2("/proc", MNT_DETACH) || mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
+            fail_child(rep[1], "the commands' /proc");
+        int null = open("/dev/null", O_RDWR);   /* none of the agent's files: its channel least of all */
+        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) fail_child(rep[1], "stdio");
+        for (int fd = 3; fd < 4096; fd++) if (fd != rep[1]) close(fd);
+        close(rep[1]);                          /* EOF: ready */
+        for (;;) {
+            while (waitpid(-1, NULL, WNOHANG) > 0) {}
+            sigsuspend(&none);
+        }
+    }
+    close(rep[1]);
+    char msg[512]; ssize_t k;
+    while ((k = read(rep[0], msg, sizeof msg - 1)) < 0 && errno == EINTR) {}
+    close(rep[0]);
+    if (k > 0) {
+        msg[k] = 0;
+        const char *text = msg + strlen(msg) + 1;
+        text += strlen(text) + 1;
+        fprintf(stderr, "dsec-agent: the commands' pid namespace: %s: %s\n", msg, text < msg + k ? text : "");
+        _exit(111);
+    }
+    commands_init = pid;
 }
 
 static void stdin_gone(struct exec *x) {
@@ -739,8 +807,10 @@ static void read_output(struct exec *x, int s) {
     reply(s ? 'e' : 'O', x->id, buf, (size_t)n, NULL, 0);
 }
 
-static void write_file(const char *path, const char *text) {
-    int fd = open(path, O_WRONLY | O_CLOEXEC);
+static void write_file(const char *path, const char *text) { write_at(AT_FDCWD, path, text); }
+
+static void write_at(int dirfd, const char *path, const char *text) {
+    int fd = openat(dirfd, path, O_WRONLY | O_CLOEXEC);
     if (fd < 0 || write(fd, text, strlen(text)) < 0) fprintf(stderr, "dsec-agent: %s: %s\n", path, strerror(errno));
     if (fd >= 0) close(fd);
 }
@@ -773,6 +843,8 @@ static void limit_pids(void) {
     if (!max) return;
     if (!(in_vm && !in_os && sandbox_group("/dev/.pids", "pids,cpu", "pids.max", max)) &&
         !sandbox_group("/dev/.pids", "pids", "pids.max", max)) return;
+    pidsfd = open("/dev/.pids", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (pidsfd < 0) { fprintf(stderr, "dsec-agent: /dev/.pids: %s\n", strerror(errno)); return; }
     groups_ok = 1;
     if (in_vm) return;   /* a guest's limit is hierarchical: the agent stays out of it, or a command holding
                           * the limit would refuse its fork of every later exec (a fork bomb's neighbour).
@@ -792,7 +864,7 @@ static void limit_memory(void) {
 }
 
 static void group_path(char *buf, size_t n, uint32_t id, const char *file) {
-    snprintf(buf, n, "/dev/.pids/sandbox/x%u%s%s", id, file ? "/" : "", file ? file : "");
+    snprintf(buf, n, "sandbox/x%u%s%s", id, file ? "/" : "", file ? file : "");   /* (under pidsfd) */
 }
 
 /* Remove the groups of finished execs that have emptied (rmdir fails while a member lives). */
@@ -800,7 +872,7 @@ static void sweep_groups(void) {
     char path[96];
     for (int i = 0; i < nstale; ) {
         group_path(path, sizeof path, stale[i], NULL);
-        if (rmdir(path) == 0 || errno == ENOENT) stale[i] = stale[--nstale]; else i++;
+        if (unlinkat(pidsfd, path, AT_REMOVEDIR) == 0 || errno == ENOENT) stale[i] = stale[--nstale]; else i++;
     }
 }
 
@@ -810,7 +882,7 @@ static int kill_group(uint32_t id) {
     int any = 0;
     group_path(path, sizeof path, id, "cgroup.procs");
     for (int pass = 0; pass < 500; pass++) {
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        int fd = openat(pidsfd, path, O_RDONLY | O_CLOEXEC);
         if (fd < 0) return any;
         ssize_t n = read(fd, buf, sizeof buf - 1);
         close(fd);
@@ -849,6 +921,15 @@ int main(void) {
     if (in_os) start_os();     /* before the agent joins its limit groups: systemd's services are not in them */
     limit_pids();
     limit_memory();
+    procfd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);   /* before gVisor's commands get theirs */
+    if (procfd < 0) die("/proc");
+    if (!in_vm) isolate_commands();
+    /* gVisor: the group that holds the commands' limit is the agent's alone (pidsfd); its mount point is
+     * covered for them, which they cannot undo (no CAP_SYS_ADMIN): a root command raised its own pids.max or
+     * moved itself to the root group, then forked past the limit (helper-44). A VM's confine() hides it. */
+    if (!in_vm && groups_ok && mount("none", "/dev/.pids", "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                     "size=4k,mode=000"))
+        die("cover /dev/.pids");
     if (in_vm && !privileged && !in_os) make_confined();    /* after the groups: it hides their mounts */
     char host[65] = "";
     if (gethostname(host, sizeof host - 1) == 0) name_host(host, strlen(host));   /* a cold start's name */
