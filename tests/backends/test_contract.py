@@ -248,6 +248,19 @@ async def test_a_file_op_never_lands_where_the_sandboxs_commands_cannot_see_it(c
                     await sb.files.make_dir(f"{path}-d")
         r = await sb.exec("ls -d /proc/dsec-x* /sys/dsec-x* /.dsec/dsec-x* 2>/dev/null; true")
         assert r.stdout == b"", r
+        # through links the sandbox made (helper-44: gVisor's file calls took them to its root's own directories,
+        # under the sentry's mounts, where a write was read back by read_file and never seen inside)
+        r = await sb.exec("ln -s /proc /tmp/p && ln -s /.dsec/sh /tmp/sh && ln -s ../../sys/x /tmp/rel && "
+                          "mkdir /tmp/d && ln -s .. /tmp/d/up && ln -s /tmp/d/up/p /tmp/chain")
+        assert r.exit_code == 0, r
+        for path in ("/tmp/p/dsec-x", "/tmp/sh", "/tmp/rel", "/tmp/chain/dsec-x", "/tmp/d/up/p/dsec-x"):
+            with pytest.raises(libdsec.FileOpError):
+                await sb.write_file(path, b"HIDDEN\n")
+        for path in ("/tmp/p/dsec-x", "/tmp/chain/dsec-x"):
+            with pytest.raises(libdsec.FileOpError):
+                await sb.read_file(path)
+        r = await sb.exec("ls -d /proc/dsec-x /sys/x 2>/dev/null; head -c 4 /.dsec/sh | od -c | head -1")
+        assert r.stdout.startswith(b"0000000 177   E   L   F"), r   # the trusted shell is the shell still
 
 
 @pytest.mark.parametrize("kind", REAL)

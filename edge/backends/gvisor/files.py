@@ -9,7 +9,7 @@ import errno
 import os
 
 from bus.messages import FileOp
-from edge.backends import rootfiles, treeops, watcher
+from edge.backends import kernel, rootfiles, treeops, watcher
 from edge.backends.base import TRUSTED_DIR, ExecControl, ExecResult, OutputSink, SandboxGone
 
 # The sentry's own mounts (the spec's), over directories of the root it leaves unseen: a file written
@@ -18,10 +18,54 @@ from edge.backends.base import TRUSTED_DIR, ExecControl, ExecResult, OutputSink,
 COVERED = ("/proc", "/sys", "/dev", TRUSTED_DIR)
 
 
-def _reachable(path: str, creating: bool) -> None:
-    normal = treeops.normal(path)
-    if any(normal == top or normal.startswith(top + "/") for top in COVERED):
+MAX_LINKS = 40   # symlinks followed on one path, as Linux's
+
+
+def _reachable(root: int, path: str, creating: bool) -> None:
+    """EXDEV when path lands (its symlinks followed inside the root, as a command's would be) under one of the
+    sentry's own mounts: a link the sandbox made (/tmp/p -> /proc, /tmp/sh -> /.dsec/sh) took a write
+    there on the host that no command could see, and read_file returned it (helper-44)."""
+    lands = landing(root, path)
+    if any(lands == top or lands.startswith(top + "/") for top in COVERED):
         raise rootfiles.file_error(OSError(errno.EXDEV, "the sentry's own mount"), path, creating)
+
+
+def landing(root: int, path: str) -> str:
+    """Where path lands in the root: each symlink on the way followed inside it (a dangling one too), each
+    `..` taken where the links led; ELOOP past MAX_LINKS links."""
+    here, links = "/", 0
+    todo = [c for c in path.split("/") if c not in ("", ".")]
+    while todo:
+        name = todo.pop(0)
+        if name == "..":
+            here = os.path.dirname(here)
+            continue
+        target = _link(root, here, name)
+        if target is None:
+            here = os.path.join(here, name)
+            continue
+        links += 1
+        if links > MAX_LINKS:
+            raise rootfiles.file_error(OSError(errno.ELOOP, "too many levels of symbolic links"), path, False)
+        if target.startswith("/"):
+            here = "/"
+        todo[:0] = [c for c in target.split("/") if c not in ("", ".")]
+    return here
+
+
+def _link(root: int, here: str, name: str) -> str | None:
+    """The target of here/name if it is a symlink (here has none: it was resolved), else None."""
+    try:
+        fd = kernel.openat2(root, here.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0,
+                            kernel.RESOLVE_IN_ROOT)
+    except OSError:
+        return None   # (no such dir: nothing further can be a link)
+    try:
+        return os.readlink(name, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 class RootFiles:
@@ -35,10 +79,13 @@ class RootFiles:
         except OSError as exc:
             raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
 
-    def _in_root(self, sb, op):
-        """op(root fd) on a fresh fd of the sandbox's root, closed after."""
+    def _in_root(self, sb, op, paths=(), creating=False):
+        """op(root fd) on a fresh fd of the sandbox's root, closed after; first, each of paths must land
+        outside the sentry's own mounts (_reachable)."""
         root = self._root(sb)
         try:
+            for path in paths:
+                _reachable(root, path, creating)
             return op(root)
         finally:
             os.close(root)
@@ -46,31 +93,29 @@ class RootFiles:
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         """Create or truncate a file in the root (symlinks resolved inside it), owned by the sandbox's root."""
         sb = self._live(sandbox_id)
-        _reachable(path, creating=True)
         await asyncio.to_thread(self._in_root, sb, lambda root: rootfiles.write_in(root, path, path, data, mode,
-                                                                                    sb.ids.base))
+                                                                                    sb.ids.base), (path,), True)
 
     async def read_file(self, sandbox_id: str, path: str, limit: int) -> bytes:
         """Read a file of the root (symlinks resolved inside it), at most limit bytes."""
         sb = self._live(sandbox_id)
-        _reachable(path, creating=False)
-        return await asyncio.to_thread(self._in_root, sb, lambda root: rootfiles.read_in(root, path, path, limit))
+        return await asyncio.to_thread(self._in_root, sb, lambda root: rootfiles.read_in(root, path, path, limit),
+                                       (path,))
 
     async def file_op(self, sandbox_id: str, op: FileOp, user=None) -> bytes:
         """One file-tree op in the root as user (users.ExecUser: its host ids, every permission checked as
         it; None: the sandbox's root)."""
         sb = self._live(sandbox_id)
-        for path in (op.path, *([op.dest] if op.op == "rename" else [])):
-            _reachable(path, creating=op.op in ("mkdir", "write", "rename"))
         base = sb.ids.base
         who = None if user is None else user.on_host(base)
         return await asyncio.to_thread(self._in_root, sb,
-                                       lambda root: rootfiles.tree_op_in(root, op.path, op, base, who=who))
+                                       lambda root: rootfiles.tree_op_in(root, op.path, op, base, who=who),
+                                       (op.path, *([op.dest] if op.op == "rename" else [])),
+                                       op.op in ("mkdir", "write", "rename"))
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
                     control: ExecControl | None = None) -> ExecResult:
         """A directory's changes (watcher.py), resolved inside the root each time a directory is added."""
         sb = self._live(sandbox_id)
-        _reachable(path, creating=False)
-        return await watcher.watch(lambda p: self._in_root(sb, lambda root: treeops.dir_in_root(root, p)),
+        return await watcher.watch(lambda p: self._in_root(sb, lambda root: treeops.dir_in_root(root, p), (p,)),
                                    path, recursive, timeout, sink, control, sb.frozen_for, owner=sb.ids.base)
