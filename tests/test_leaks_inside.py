@@ -50,6 +50,14 @@ async def test_no_host_hotplug_events(client, stack, hostile):
         assert (await sb.exec("/tmp/hostile uevent")).stdout == f"{errno.EPERM}\n".encode()
 
 
+async def test_no_vsock_to_the_hosts_hypervisor(client, stack, hostile):
+    """vsock is no namespace's: a sandbox's AF_VSOCK socket reached past its network namespace to the host's
+    hypervisor and its services (CID 2; helper-44). Refused, as Docker's default profile does."""
+    async with await client.create() as sb:
+        await armed(sb, hostile)
+        assert (await sb.exec("/tmp/hostile vsock")).stdout == f"{errno.EPERM}\n".encode()
+
+
 async def test_io_uring_is_refused(client, stack, hostile):
     """io_uring (a large kernel surface with a history of privilege escalations; Docker's default profile
     refuses it) made a ring in a sandbox: its setup, enter and register are EPERM now."""

@@ -113,6 +113,8 @@ static void fail(const char *stage, const char *what) {
  *    cannot read, fails with ENOSYS, so libc falls back to clone (as Docker does). Each exec's own
  *    namespace is made here, before the filter;
  *  - netlink uevent sockets (NETLINK_KOBJECT_UEVENT: the host's hotplug events): EPERM;
+ *  - vsock sockets (AF_VSOCK, as Docker's default profile): no namespace holds them, so a sandbox reached the
+ *    host's hypervisor and its services (CID 2) past its network namespace (helper-44): EPERM;
  *  - the page-cache probe on shared layers: mincore, and posix_fadvise(POSIX_FADV_DONTNEED): EPERM;
  *  - sync(2), which would flush every filesystem of the host: a no-op returning success (fsync,
  *    fdatasync and syncfs of the sandbox's own files still work);
@@ -185,6 +187,7 @@ static void build_filter(void) {
     jmp(BPF_JSET, CLONE_NEWUSER, L_EPERM, L_ALLOW);
     label(L_SOCKET);                                  /* socket(AF_NETLINK, *, NETLINK_KOBJECT_UEVENT) */
     load(ARG0);
+    jmp(BPF_JEQ, 40 /* AF_VSOCK */, L_EPERM, -1);
     jmp(BPF_JEQ, 16 /* AF_NETLINK */, -1, L_ALLOW);
     load(ARG2);
     jmp(BPF_JEQ, 15 /* NETLINK_KOBJECT_UEVENT */, L_EPERM, L_ALLOW);
