@@ -86,7 +86,7 @@ struct exec {
 };
 
 static struct exec execs[MAXEXEC];
-static const int dropped[] = {21, 16, 17, 19, 22};
+static const int dropped[] = {21, 16, 17, 19, 22, 24};
 static int mem_ok;             /* the memory group of a VM's commands is set up */
 static int groups_ok;           /* the pids cgroup is mounted: execs get groups of their own */
 static int pidsfd = -1;         /* that hierarchy (/dev/.pids), held: gVisor's commands find it covered */
@@ -260,8 +260,10 @@ static int exec_child(void *arg) {
     if (confined_mnt >= 0) {        /* its root is the initramfs's again: the guest's is /newroot */
         if (setns(confined_mnt, CLONE_NEWNS) || chroot("/newroot")) fail_child(c->rep, "confine");
     } else if (in_vm && !privileged) confine(c->rep);
-    /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT: no mount over /.dsec, no hostname, no
-     * kernel module or raw device, and no ptrace of the agent (its caps exceed the exec's). */
+    /* SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT, SYS_RESOURCE: no mount over /.dsec, no
+     * hostname, no kernel module or raw device, no ptrace of the agent (its caps exceed the exec's), and no
+     * oom_score_adj below the agent's share (a command at -1000 left the OOM killer nothing but a panic of
+     * the guest: helper-44), as a container's commands have none of them either. */
     for (size_t i = 0; !privileged && i < sizeof dropped / sizeof *dropped; i++)
         prctl(PR_CAPBSET_DROP, dropped[i], 0, 0, 0);
     int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);   /* the agent's -1000 is not */
