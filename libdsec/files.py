@@ -13,7 +13,7 @@ from bus.messages import (FILE_PIECE, FileEntry, FileEvent, FileOp, FileOpResult
                           file_result_decoder)
 from libdsec.exechandle import ExecHandle
 from libdsec.ids import new_id
-from libdsec.results import Output
+from libdsec.results import Exit, Output
 
 if TYPE_CHECKING:
     from libdsec.sandbox import AsyncSandbox
@@ -213,13 +213,16 @@ class DirWatch:
         self._handle = handle
         self.path = path
         self.id = handle.id
+        self.ended: Exit | None = None   # how it ended, once events() came to its end (.timed_out: its timeout)
         self._marks: dict[str, asyncio.Future] = {}
 
     async def events(self) -> AsyncIterator[FileEvent]:
-        """Each event as it happens, until the watch ends; SandboxNotFound when its sandbox ended under it."""
+        """Each event as it happens, until the watch ends (then .ended says how); SandboxNotFound when its
+        sandbox ended under it."""
         try:
             async for ev in self._handle.stream():
                 if not isinstance(ev, Output):
+                    self.ended = ev
                     return
                 if not ev.data.endswith(b"\n"):
                     continue

@@ -46,6 +46,12 @@ def _agent_loop() -> None:
             time.sleep(0.05)
         assert parts == ["abc"] and h.stdout == "abc"
         assert h.kill() is True
+        # E2B's sync run ignores a background command's handlers, so code written for it gives them to wait()
+        # too: each chunk reaches a handler once (helper-41: every chunk still to come came twice)
+        seen_once: list[str] = []
+        h = sbx.commands.run("echo one; sleep 0.3; echo two", background=True, on_stdout=seen_once.append)
+        h.wait(on_stdout=seen_once.append)
+        assert "".join(seen_once) == "one\ntwo\n", seen_once
         h = sbx.commands.run("echo started; sleep 60", background=True)
         for _ in range(100):
             if h.stdout:
@@ -84,6 +90,9 @@ def _agent_loop() -> None:
 
         got = sbx.get_info()
         assert got.sandbox_id == sbx.sandbox_id and got.metadata == {"job": "e2b-t1"} and got.template_id == "busybox"
+        # E2B's fields and types (helper-41: sandbox_domain was missing, cpu_count a float)
+        assert (got.cpu_count, got.memory_mb, got.sandbox_domain) == (1, 256, None), got
+        assert type(got.cpu_count) is int
         assert sbx.is_running()
         listed = Sandbox.list(query=SandboxQuery(metadata={"job": "e2b-t1"})).next_items()
         assert [i.sandbox_id for i in listed] == [sbx.sandbox_id]
@@ -262,6 +271,13 @@ async def test_watch_dir_in_both_flavours(e2b_env):
         assert isinstance(seen[0], FilesystemEvent)
         await handle.stop()
         assert ended == [None]
+        timed: list = []   # one that ends at its timeout says so, as E2B's (it said None, as if stopped: helper-41)
+        await sbx.files.watch_dir("/w", seen.append, on_exit=timed.append, timeout=1)
+        for _ in range(100):
+            if timed:
+                break
+            await asyncio.sleep(0.05)
+        assert [type(e).__name__ for e in timed] == ["TimeoutException"], timed
         with pytest.raises(FileNotFoundException):
             await sbx.files.watch_dir("/missing", seen.append)
         await sbx.files.write("/w-file", "x")

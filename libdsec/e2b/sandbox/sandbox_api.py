@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -35,9 +36,10 @@ class SandboxInfo:
     started_at: datetime.datetime
     end_at: datetime.datetime
     state: SandboxState
-    cpu_count: float
+    cpu_count: int                      # as E2B's, whole cores: DSec's cores rounded up (0.5 -> 1)
     memory_mb: int
     envd_version: str = "dsec"
+    sandbox_domain: Optional[str] = None   # (none: a DSec sandbox has no public domain)
 
 
 def info_of(rec) -> SandboxInfo:
@@ -47,7 +49,7 @@ def info_of(rec) -> SandboxInfo:
                        started_at=datetime.datetime.fromtimestamp(rec.created_at, utc),
                        end_at=datetime.datetime.fromtimestamp(rec.expires_at or rec.created_at, utc),
                        state=SandboxState.PAUSED if rec.suspended else SandboxState.RUNNING,
-                       cpu_count=rec.resources.cpu, memory_mb=rec.resources.memory >> 20)
+                       cpu_count=max(1, math.ceil(rec.resources.cpu)), memory_mb=rec.resources.memory >> 20)
 
 
 @dataclass

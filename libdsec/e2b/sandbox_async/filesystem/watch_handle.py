@@ -5,7 +5,7 @@ import asyncio
 from typing import Any, Awaitable, Callable, Optional
 
 from bus.errors import DsecError
-from libdsec.e2b.exceptions import mapped
+from libdsec.e2b.exceptions import TimeoutException, mapped
 from libdsec.e2b.sandbox.filesystem.watch_handle import FilesystemEvent, event_of
 from libdsec.e2b.sandbox_async.commands.command_handle import call_handler
 from libdsec.files import DirWatch
@@ -36,6 +36,9 @@ class AsyncWatchHandle:
             error = exc
         finally:
             await self._watch.close()
+        if error is None and self._watch.ended is not None and self._watch.ended.timed_out:
+            # as E2B's (its stream's deadline): on_exit(None) said the watch was stopped (helper-41)
+            error = TimeoutException(f"the watch of {self._watch.path} ended at its timeout")
         await call_handler(self._on_exit, error)
 
     async def flush(self) -> None:

@@ -23,6 +23,10 @@ class HandlerThread:
         self._queue: queue.Queue = queue.Queue()
         threading.Thread(target=self._serve, name="e2b-handlers", daemon=True).start()
 
+    def handler(self, stream: str) -> Optional[Callable[[str], None]]:
+        """The handler this thread calls for stream's chunks."""
+        return self._on[stream]
+
     def stdout(self, text: str) -> None:
         self._queue.put(("stdout", text))
 
@@ -110,6 +114,11 @@ class CommandHandle:
         """Wait for the end, calling the handlers (E2B's order: on_pty, on_stdout, on_stderr; run()'s when
         not given here) here with each chunk still to come; CommandExitException when the exit code is not 0."""
         on_stdout, on_stderr = on_stdout or self._on_stdout, on_stderr or self._on_stderr
+        if self._calls is not None:
+            # run()'s own handlers, given here again, are not called twice a chunk: E2B's sync run ignores a
+            # background command's, so code written for it passes them to both (they came twice: helper-41)
+            on_stdout = None if on_stdout == self._calls.handler("stdout") else on_stdout
+            on_stderr = None if on_stderr == self._calls.handler("stderr") else on_stderr
         chunks = iter(self)
         while True:
             try:
