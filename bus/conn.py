@@ -1,7 +1,8 @@
 """The one door to NATS: connection, publishing, inboxes, consumers, provisioning.
 
 KV and object stores are in bus/kvstore.py, stream reads in bus/streamread.py, provisioning in
-bus/provision.py (mixins of Bus), and the mapping of nats errors to ours in bus/nats_errors.py.
+bus/provision.py (mixins of Bus), the first connect and nats-py's callbacks in bus/connecting.py, and the
+mapping of nats errors to ours in bus/nats_errors.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import api
 
-from bus import lanes, subjects, validate
+from bus import connecting, lanes, subjects, validate
 from bus.acks import AckedPublisher
 from bus.creds import credential_options, expired, principal_of
 from bus.errors import AuthenticationFailed, BusError, BusUnavailable, InvalidRequest, PermissionDenied
@@ -33,17 +34,11 @@ __all__ = ["Bus", "CasResult", "DurableReader", "Pulled", "kv_watch", "mapped_er
 
 log = logging.getLogger(__name__)
 
-# A server that stops answering (paused, its host gone, a half-open TCP connection) is noticed after
-# PING_INTERVAL * MAX_PINGS seconds and the client moves to another server of the cluster; nats-py's
-# defaults (2 minutes) would leave an edge silent, and so declared lost, long before that.
-PING_INTERVAL = 1.0
-MAX_PINGS = 3
 RETRY_PAUSE = 0.25   # longest pause between two tries of an idempotent publish: a leader back is used at once
 # Seconds a JetStream request waits for its answer. A stream or bucket without a leader (an election:
 # 4-9 s in nats-server) answers nothing; short tries, retried, use a new leader within a second of its
 # election instead of waiting out a long timeout. Provisioning and consumers get the long one.
 JS_TIMEOUT = 1.5
-REFUSED_FOR = 3.0   # seconds every connect of a first connection may be refused before nothing is said to listen
 ADMIN_TIMEOUT = 10.0
 _PUBLISH_DENIED = re.compile(r'Permissions Violation for Publish to "([^"]+)"', re.IGNORECASE)
 ADMIN_TRIES = 3   # an idempotent admin request (a consumer's create or delete) unanswered in time is sent again
@@ -99,78 +94,18 @@ class Bus(KvStore, StreamReads, Provisioning):
         """Connect (fails with BusUnavailable within `timeout` when nobody answers). creds: a credential
         file (DSec's or nsc's .creds: an nkey seed, or a user JWT with its seed) for a server with auth;
         AuthenticationFailed, naming the file and why, when the server refuses it or it is unreadable."""
-        refused: list[str] = []
-        denied = asyncio.Event()   # refused at the first connect: said at once, not after the retries
-        nobody = asyncio.Event()   # every connect refused for REFUSED_FOR: nothing listens (said then, not at timeout)
-        refusing: dict[str, float] = {}
-
-        async def _errors(exc: Exception) -> None:
-            text = str(exc)
-            if not made:   # every connect refused (a host of several addresses: each) for REFUSED_FOR: nothing listens
-                if isinstance(exc, ConnectionRefusedError) or (isinstance(exc, OSError) and "[Errno 111]" in text):
-                    refusing.setdefault("since", time.monotonic())
-                    if time.monotonic() - refusing["since"] >= REFUSED_FOR:
-                        nobody.set()
-                else:
-                    refusing.clear()
-            if "authorization violation" in text.lower() or "authentication" in text.lower():
-                refused.append(text)
-                denied.set()
-            elif made:
-                made[0]._violation(text)
-            log.debug("nats: %s", exc)
-
-        listeners: list[Callable[[], None]] = []
-        made: list[Bus] = []
-
-        async def _closed() -> None:
-            if made:
-                made[0]._closed()
-
-        async def _reconnected() -> None:   # pull requests and push consumers died with the old server
-            log.info("nats: reconnected")
-            refused.clear()   # (a server that refused the credential took it back)
-            for fn in list(listeners):
-                fn()
-
         servers = [u.strip() for u in url.split(",") if u.strip()]   # a cluster: "nats://a:4222,nats://b:4223"
         if not servers:   # (nats-py then spun at full CPU for ever, deaf to SIGTERM: an unset $DSEC_NATS, helper C)
             raise InvalidRequest("no NATS server URL given: nats://HOST:PORT (--nats, $DSEC_NATS, or the SDK's url)")
         for server in servers:
             validate.nats_url(server)
-        auth = credential_options(creds)
+        attempt = connecting.Attempt()
         nc = nats.NATS()
-        try:
-            connecting = asyncio.ensure_future(
-                nc.connect(servers, name=name, connect_timeout=timeout, max_reconnect_attempts=-1 if reconnect else 0,
-                           allow_reconnect=reconnect, reconnect_time_wait=0.5, error_cb=_errors,
-                           reconnected_cb=_reconnected, closed_cb=_closed, ping_interval=PING_INTERVAL,
-                           max_outstanding_pings=MAX_PINGS, pending_size=64 << 20, **auth))
-            refusal, silence = asyncio.ensure_future(denied.wait()), asyncio.ensure_future(nobody.wait())
-            try:
-                await asyncio.wait({connecting, refusal, silence}, timeout=timeout + 1,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                refusal.cancel()
-                silence.cancel()
-            if not connecting.done():
-                await _stop(connecting)
-                with contextlib.suppress(Exception):
-                    await nc.close()
-                raise asyncio.TimeoutError
-            connecting.result()
-        except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
-            if refused or "authorization violation" in str(exc).lower():
-                raise AuthenticationFailed(
-                    f"NATS at {url} refused the credential {creds}: {expired(creds) or 'unknown, revoked or expired'}"
-                    if creds else
-                    f"NATS at {url} requires a credential: pass creds= (the SDK), --creds or $DSEC_CREDS "
-                    f"(`dsec up` writes them under its state dir, .dsec/creds/){_where(url)}") from None
-            why = f": connection refused for {REFUSED_FOR:g}s (nothing listens there)" if nobody.is_set() else ""
-            raise BusUnavailable(f"cannot connect to NATS at {url}{why}") from exc
-        bus = cls(nc, listeners)
-        made.append(bus)
-        bus.refused, bus.creds, bus.url = refused, creds, url   # (url, creds: what a helper process connects with)
+        await attempt.connect(nc, servers, url, creds, credential_options(creds), name=name, timeout=timeout,
+                              reconnect=reconnect)
+        bus = cls(nc, attempt.listeners)
+        attempt.bus = bus
+        bus.refused, bus.creds, bus.url = attempt.refused, creds, url   # (url, creds: what a helper process connects with)
         bus.deletes_consumers = principal_of(creds) != "ops"
         return bus
 
@@ -490,24 +425,3 @@ class Bus(KvStore, StreamReads, Provisioning):
                 cfg.max_age = max_age
                 await self.admin.update_stream(cfg)
 
-
-async def _stop(connecting: asyncio.Future) -> None:
-    """Stop nats-py's first connect. One cancel may be lost: Python 3.11's wait_for drops a cancel that lands as
-    the connect it waits on fails (refused at once), and nats-py's loop then tries the next server of a URL
-    list for ever (helper-42: a list of 3 ports nothing listened on hung for good). So cancelled until it ends."""
-    for _ in range(50):
-        connecting.cancel()
-        await asyncio.wait({connecting}, timeout=0.1)
-        if connecting.done():
-            break
-    if connecting.done() and not connecting.cancelled():
-        connecting.exception()   # (retrieved: not logged as never retrieved)
-
-
-def _where(url: str) -> str:
-    """'; the `dsec up` serving it keeps them in ...': said when one runs on this host."""
-    from bus.creds import running_state_dirs
-    dirs = running_state_dirs(url)
-    if len(dirs) != 1:
-        return ""
-    return f"; the `dsec up` serving it keeps them in {dirs[0]}/creds/ (export DSEC_STATE_DIR={dirs[0]})"

@@ -416,8 +416,9 @@ class Execs:
 
     @staticmethod
     def _check_times(op: ExecRequest) -> None:
-        if not 0 < op.timeout <= 7 * 24 * 3600:
-            raise InvalidRequest(f"timeout must be > 0 seconds and at most 7 days (604800), got {op.timeout}")
+        if not 0 < op.timeout <= validate.MAX_TTL:   # (a sandbox's longest life: no command outlives it)
+            raise InvalidRequest(f"timeout must be > 0 seconds and at most {validate.MAX_TTL:.0f} (7 days), "
+                                 f"got {op.timeout}")
         if op.cwd and not op.cwd.startswith("/"):
             raise InvalidRequest(f"cwd must be an absolute path, got {op.cwd!r}")
         if op.deadline and time.time() > op.deadline:
