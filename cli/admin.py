@@ -28,16 +28,17 @@ def _size(n: float) -> str:
 
 
 def node_rows(records) -> list[str]:
-    """One line per node: pool, state, used/capacity per dimension, bookings, heartbeat age."""
+    """One line per node: pool, state, used/capacity per dimension, bookings, ready warm sandboxes (every
+    pool's), heartbeat age."""
     now = time.time()
-    out = [f"{'NODE':<16} {'POOL':<7} {'STATE':<9} {'SLOTS':>9} {'CPU':>13} {'MEMORY':>19} {'BOOKED':>6} {'HB AGE':>7}"
-           "  KINDS (used/slots)"]
+    out = [f"{'NODE':<16} {'POOL':<7} {'STATE':<9} {'SLOTS':>9} {'CPU':>13} {'MEMORY':>19} {'BOOKED':>6} {'WARM':>5} "
+           f"{'HB AGE':>7}  KINDS (used/slots)"]
     for i in sorted(records, key=lambda r: (r.pool, r.node)):
         state = "lost" if i.lost else "draining" if i.draining else "stale" if now - i.heartbeat > 5 else "up"
         kinds = ",".join(f"{k}={i.kind_used.get(k, 0)}/{i.kind_slots.get(k, i.slots)}" for k in i.backends)
         out.append(f"{i.node:<16} {i.pool:<7} {state:<9} {f'{i.used_slots}/{i.slots}':>9} "
                    f"{f'{i.used_cpu:g}/{i.cpu:g}':>13} {f'{_size(i.used_memory)}/{_size(i.memory)}':>19} "
-                   f"{len(i.bookings):>6} {now - i.heartbeat:>6.1f}s  {kinds}")
+                   f"{len(i.bookings):>6} {sum(i.warm.values()):>5} {now - i.heartbeat:>6.1f}s  {kinds}")
     return out
 
 

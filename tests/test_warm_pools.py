@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +85,22 @@ async def test_warm_sandboxes_are_reachable_by_no_one(stack, client):
             await client.get(warm)
         with pytest.raises(libdsec.SandboxNotFound):   # straight to the node's op lane: not served either
             await libdsec.AsyncSandbox(client, warm, stack.edge.node).exec("true")
+
+
+async def test_node_ls_shows_each_nodes_ready_warm_sandboxes(stack, client):
+    """An operator sees where the warm stock is: `dsec node ls` had no count of it (helper-40)."""
+    dsec, admin = str(Path(sys.executable).parent / "dsec"), str(stack.nats_server.iam.creds_path("admin"))
+    async with warm_pool(stack, client, "shown", min=2, max=2):
+        await wait_for(lambda: len(warm_ids(stack)) == 2, what="two ready")
+        for _ in range(100):   # (the node record says it with its next heartbeat)
+            p = await asyncio.to_thread(subprocess.run, [dsec, "node", "ls", "--nats", stack.url, "--creds", admin],
+                                        capture_output=True, text=True)
+            head, *rows = p.stdout.splitlines()
+            mine = [r.split() for r in rows if r.split()[:1] == [stack.edge.node]]
+            if mine and mine[0][head.split().index("WARM")] == "2":
+                break
+            await asyncio.sleep(0.1)
+        assert mine and mine[0][head.split().index("WARM")] == "2", p.stdout + p.stderr
 
 
 async def test_hits_misses_and_metrics(stack, client):
