@@ -21,11 +21,17 @@ COVERED = ("/proc", "/sys", "/dev", TRUSTED_DIR)
 MAX_LINKS = 40   # symlinks followed on one path, as Linux's
 
 
-def _reachable(root: int, path: str, creating: bool) -> None:
+def _reachable(root: int, path: str, creating: bool, follow: bool = True) -> None:
     """EXDEV when path lands (its symlinks followed inside the root, as a command's would be) under one of the
     sentry's own mounts: a link the sandbox made (/tmp/p -> /proc, /tmp/sh -> /.dsec/sh) took a write
-    there on the host that no command could see, and read_file returned it (helper-44)."""
-    lands = landing(root, path)
+    there on the host that no command could see, and read_file returned it (helper-44). follow=False: a
+    last component that is a link is the link itself (stat, remove, rename and mkdir act on it, not through
+    it: /etc/mtab -> ../proc/self/mounts is statted, a link to /proc removed)."""
+    head, last = os.path.split(path.rstrip("/"))
+    if follow or last in ("", ".", ".."):
+        lands = landing(root, path)
+    else:
+        lands = os.path.join(landing(root, head), last)
     if any(lands == top or lands.startswith(top + "/") for top in COVERED):
         raise rootfiles.file_error(OSError(errno.EXDEV, "the sentry's own mount"), path, creating)
 
@@ -79,13 +85,13 @@ class RootFiles:
         except OSError as exc:
             raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
 
-    def _in_root(self, sb, op, paths=(), creating=False):
+    def _in_root(self, sb, op, paths=(), creating=False, follow=True):
         """op(root fd) on a fresh fd of the sandbox's root, closed after; first, each of paths must land
         outside the sentry's own mounts (_reachable)."""
         root = self._root(sb)
         try:
             for path in paths:
-                _reachable(root, path, creating)
+                _reachable(root, path, creating, follow)
             return op(root)
         finally:
             os.close(root)
@@ -111,7 +117,7 @@ class RootFiles:
         return await asyncio.to_thread(self._in_root, sb,
                                        lambda root: rootfiles.tree_op_in(root, op.path, op, base, who=who),
                                        (op.path, *([op.dest] if op.op == "rename" else [])),
-                                       op.op in ("mkdir", "write", "rename"))
+                                       op.op in ("mkdir", "write", "rename"), op.op in ("read", "write", "list"))
 
     async def watch(self, sandbox_id: str, path: str, recursive: bool, *, timeout: float, sink: OutputSink,
                     control: ExecControl | None = None) -> ExecResult:
