@@ -46,7 +46,7 @@ from edge.erofs import LayerBuildError, pack_dir
 @run_async
 async def import_image(nats_url: str, name: str, layout: Path | None, oci_archive: Path | None,
                        docker_archive: Path | None, source: str | None, ref: str, tls_verify: bool, kind: str,
-                       max_size: str) -> None:
+                       max_size: int) -> None:
     """Import an OCI or Docker image as the next version of NAME: its layers applied in order (whiteouts,
     opaque directories, hard links, xattrs and file capabilities kept; device nodes refused) into one EROFS
     layer, and its config's Env, WorkingDir, User, Entrypoint and Cmd kept as the image's defaults (every

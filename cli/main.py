@@ -41,17 +41,19 @@ class Size(click.ParamType):
 
     def convert(self, value, param, ctx) -> int:
         from bus.errors import InvalidRequest
-        from libdsec.resources import parse_size
+        from libdsec.resources import SIZE, parse_size
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         text = str(value).strip()
-        if self.zero_ok and text == "0":
+        if self.zero_ok and (m := SIZE.match(text)) and float(m.group(1)) == 0:   # 0, 0.0, 0Mi: no limit
             return 0
+        hint = "give one like 256Mi, 1G, 512k or a byte count" + (", or 0 for no limit" if self.zero_ok else "")
         try:
             return parse_size(text, "the size")
-        except InvalidRequest:
-            self.fail(f"{value!r} is not a size: give one like 256Mi, 1G, 512k or a byte count above 0"
-                      + (", or 0 for no limit" if self.zero_ok else ""), param, ctx)
+        except InvalidRequest as exc:
+            self.fail(f"{value!r} is {'below 1 byte' if 'positive' in str(exc) else 'not a size'}: {hint}", param, ctx)
+        except (OverflowError, ValueError):   # (a number past a float's range: a traceback before)
+            self.fail(f"{value!r} is not a size: {hint}", param, ctx)
 
 
 def nats_option(fn):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from bus.errors import InvalidRequest
 from bus.messages import Resources as WireResources
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?|[kmgtp]i?|B|b)?\s*$")
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?|[kmgtp]i?|B|b)?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 1000, "ki": 1 << 10, "m": 1000 ** 2, "mi": 1 << 20, "g": 1000 ** 3, "gi": 1 << 30,
           "t": 1000 ** 4, "ti": 1 << 40, "p": 1000 ** 5, "pi": 1 << 50}
 
@@ -18,7 +18,7 @@ def parse_size(value: int | str, field: str) -> int:
         raise InvalidRequest(f"{field} must be a size like '256Mi' or a byte count, got {value!r}")
     if isinstance(value, int):
         n = value
-    elif isinstance(value, str) and (m := _SIZE.match(value)):
+    elif isinstance(value, str) and (m := SIZE.match(value)):
         n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     else:
         raise InvalidRequest(f"{field} must be a size like '256Mi' or a byte count, got {value!r}")

@@ -259,14 +259,17 @@ def test_a_bad_size_is_a_usage_error_said_before_any_connect():
     for args in (["exec", "--max-output", "abc", "sb1", "--", "true"], ["run", "--max-output", "0", "--", "true"],
                  ["create", "--memory", "lots"], ["create", "--disk", "12q"], ["run", "--memory", "-1", "--", "true"],
                  ["warm", "set", "p", "--memory", "zz"], ["quota", "set", "t", "--memory", "1x"],
-                 ["image", "import", "x", "--max-size", "abc"]):
+                 ["image", "import", "x", "--max-size", "abc"], ["create", "--memory", "9" * 400],
+                 ["quota", "set", "t", "--memory", "0.1"]):
         option, value = next((a, b) for a, b in zip(args, args[1:]) if a.startswith("--"))
         p = dsec(*args[:2], "--nats", url, *args[2:]) if args[0] in ("warm", "quota", "image") else \
             dsec(args[0], "--nats", url, *args[1:])
-        assert p.returncode == 2 and f"Invalid value for '{option}': '{value}' is not a size" in p.stderr \
-            and "NATS" not in p.stderr, (args, p.returncode, p.stderr)
-    p = dsec("quota", "set", "t", "--nats", url, "--memory", "0")   # 0 is no limit there: read, then the connect fails
-    assert p.returncode == 1 and "NATS" in p.stderr, p.stderr
+        why = "is below 1 byte" if value in ("0", "0.1") else "is not a size"   # (a 400-digit one: a traceback)
+        assert p.returncode == 2 and f"Invalid value for '{option}': '{value}' {why}" in p.stderr \
+            and "NATS" not in p.stderr and "Traceback" not in p.stderr, (args, p.returncode, p.stderr)
+    for zero in ("0", "0Mi"):   # 0 is no limit there: read, then the connect fails
+        p = dsec("quota", "set", "t", "--nats", url, "--memory", zero)
+        assert p.returncode == 1 and "NATS" in p.stderr, p.stderr
 
 
 def test_ctrl_c_while_the_cli_loads_is_one_line():
