@@ -231,4 +231,4 @@ def left_running(exit_code: int) -> str:
     kill) and processes it left running held its output open, said; else nothing."""
     if exit_code in (137, -1):
         return ""
-    return f" (the command itself had exited {exit_code}: processes it left running held its output open)"
+    return f" (the command itself had ended, exit code {exit_code}: processes it left running held its output open)"

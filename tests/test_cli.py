@@ -310,8 +310,8 @@ def test_errors_are_one_line(up):
     p = dsec("run", "--nats", up["url"], "--memory", "32Mi", "--", "tail", "/dev/zero")   # why a 137, said
     assert p.returncode == 137 and p.stderr.startswith("dsec: out of memory: the kernel's OOM killer killed "), p
     p = dsec("run", "--nats", up["url"], "--exec-timeout", "2", "--", "sh", "-c", "sleep 100 & exit 5")
-    assert p.returncode == 124 and p.stderr == "dsec: command timed out after 2.0s (the command itself had exited " \
-        "5: processes it left running held its output open)\n", p
+    assert p.returncode == 124 and p.stderr == "dsec: command timed out after 2.0s (the command itself had ended, " \
+        "exit code 5: processes it left running held its output open)\n", p
     # a command that cannot start, as a shell and `docker run` say it (it was 125, DSec's own failure: helper C)
     p = dsec("run", "--nats", up["url"], "--", "nosuchcmd")
     assert "command not found: nosuchcmd" in one_clear_line(p) and p.returncode == 127, p

@@ -125,8 +125,8 @@ async def test_a_command_that_exited_before_its_timeout_keeps_its_exit_code(clie
         with pytest.raises(libdsec.ExecTimeout) as err:
             await sb.exec("echo out; sleep 100 & exit 5", timeout=2)
         assert (err.value.exit_code, err.value.stdout) == (5, b"out\n")
-        assert str(err.value).endswith("(the command itself had exited 5: processes it left running held its "
-                                       "output open)"), err.value
+        assert str(err.value).endswith("(the command itself had ended, exit code 5: processes it left running held "
+                                       "its output open)"), err.value
         with pytest.raises(libdsec.ExecTimeout) as err:   # killed by the timeout: SIGKILL's 137, nothing more said
             await sb.exec("sleep 100", timeout=1)
         assert err.value.exit_code == 137 and str(err.value).endswith("its process tree was killed"), err.value

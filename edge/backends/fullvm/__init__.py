@@ -12,7 +12,7 @@ device) with three differences:
   there (dsec-agent.c, start_os). systemd's end (poweroff) ends the agent, hence the VM: the sandbox ends
   failed, as when a microVM's agent ends.
 Commands are confined by the agent as in a microVM (own mount namespace, the limit groups and
-/sys/fs/cgroup hidden, the /proc masks, SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE and SYS_BOOT
+/sys/fs/cgroup hidden, the /proc masks, SYS_ADMIN, SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_BOOT and SYS_RESOURCE
 dropped). systemd is the guest's own root and starts any unit a root command writes, so the boundary a full
 VM promises is the VM: the host and the other sandboxes (docs/backends.md). Not privileged, systemd's own
 bounding set lacks SYS_MODULE and SYS_RAWIO, so no unit loads a module into the guest's kernel either.

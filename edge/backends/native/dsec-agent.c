@@ -34,7 +34,7 @@
  * Each exec is a session leader (setsid) of its own, in a pids group of its own (/dev/.pids/sandbox/x<id>,
  * below the sandbox's limit): its tree is that group's members (a double fork or setsid does not leave
  * it), plus its session, process group and their descendants; it runs without CAP_SYS_ADMIN (nothing can be mounted over /.dsec, nor the
- * hostname changed), which the agent keeps, nor CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE and CAP_SYS_BOOT.
+ * hostname changed), which the agent keeps, nor CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE, CAP_SYS_BOOT and CAP_SYS_RESOURCE.
  * A microVM's guest runs it as pid 1 too, its stdio one virtio-serial port (microvm/init.sh). An exec stops being read once WINDOW bytes of its output are not yet consumed.
  * In gVisor the commands run in a pid namespace of their own under a /proc of their own, where the agent has
  * no pid (isolate_commands), and the pids hierarchy is covered for them (the agent keeps it open).
