@@ -223,6 +223,9 @@ async def test_a_gvisor_command_cannot_reach_the_agents_channel_to_the_edge(clie
         assert b"hunter2" not in await sb.read_file("/tmp/stolen")
         r = await sb.exec("echo $$; sleep 0.2", background=True)   # the pid it is given is the one it has
         assert (await r.wait()).stdout == b"%d\n" % r.pid, r.pid
+        # the commands' pid 1 only reaps: it holds no capability a command could borrow (helper-46)
+        r = await sb.exec("grep -E '^Cap(Prm|Eff|Bnd)' /proc/1/status")
+        assert r.stdout == b"CapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapBnd:\t0000000000000000\n", r
 
 
 async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes):

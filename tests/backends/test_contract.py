@@ -135,6 +135,10 @@ async def test_exec_exit_codes_bytes_and_failures(client, kind):
         assert r.stdout == b"the image ls -l /\n0\n", r
         r = await sb.exec("PATH=/nowhere; ls /", timeout=30)      # nothing of the shell's own
         assert r.exit_code == 127 and b"not found" in r.stderr, r
+        # the pid an exec is given is the one it has inside (`kill PID` there, E2B's commands by pid): a full
+        # VM's commands are in systemd's pid namespace, and it gave the agent's number (helper-46)
+        h = await sb.exec("echo $$; sleep 0.2", background=True, timeout=30)
+        assert (await h.wait()).stdout == b"%d\n" % h.pid, h.pid
 
 
 # sudo, `hostname -i` and servers that bind or dial their own name resolve it through /etc/hosts, as in

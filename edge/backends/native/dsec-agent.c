@@ -60,6 +60,8 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <linux/capability.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
 #include <time.h>
@@ -246,7 +248,8 @@ static int exec_child(void *arg) {
     const struct child *c = arg;
     sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
-    if (commands_init) { pid_t me = getpid(); (void)!write(c->rep, &me, 4); }  /* its pid as commands see it */
+    if (commands_init || os_pid) { pid_t me = getpid(); (void)!write(c->rep, &me, 4); }   /* its pid as the */
+                                                             /* commands see it (their own pid namespace) */
     setsid();
     if (c->groups_ok) {
         int fd = openat(pidsfd, c->group, O_WRONLY | O_CLOEXEC);
@@ -367,8 +370,8 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     }
     close(in[0]); close(out[1]); close(err[1]); close(rep[1]);
     char msg[512]; ssize_t k;
-    uint32_t shown = (uint32_t)pid;     /* its pid in the sandbox: in gVisor its namespace's, its first word */
-    for (size_t got = 0; commands_init && got < 4; ) {
+    uint32_t shown = (uint32_t)pid;     /* its pid in the sandbox: in gVisor's and a full VM's commands' pid */
+    for (size_t got = 0; (commands_init || os_pid) && got < 4; ) {   /* namespace, its first word */
         uint32_t v;
         ssize_t r = read(rep[0], (char *)&v + got, 4 - got);
         if (r < 0 && errno == EINTR) continue;
@@ -583,8 +586,20 @@ static void isolate_commands(void) {
             fail_child(rep[1], "the commands' /proc");
         int null = open("/dev/null", O_RDWR);   /* none of the agent's files: its channel least of all */
         if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) fail_child(rep[1], "stdio");
-        for (int fd = 3; fd < 4096; fd++) if (fd != rep[1]) close(fd);
-        close(rep[1]);                          /* EOF: ready */
+        if (dup2(rep[1], 3) < 0) fail_child(rep[1], "fds");
+        int fds[4096], n = 0;                   /* every other fd it has, by its list (runsc: no close_range) */
+        DIR *d = opendir("/proc/self/fd");
+        struct dirent *de;
+        while (d && (de = readdir(d)) && n < 4096) if (atoi(de->d_name) > 3) fds[n++] = atoi(de->d_name);
+        if (d) closedir(d);
+        for (int i = 0; i < n; i++) close(fds[i]);
+        /* It only reaps: no capability, not dumpable (the one process of the agent's that commands see). */
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        for (int cap = 0; cap < 64; cap++) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+        struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
+        struct __user_cap_data_struct none_caps[2] = {{0, 0, 0}, {0, 0, 0}};
+        if (syscall(SYS_capset, &hdr, none_caps)) fail_child(3, "capabilities");
+        close(3);                               /* EOF: ready */
         for (;;) {
             while (waitpid(-1, NULL, WNOHANG) > 0) {}
             sigsuspend(&none);
