@@ -160,6 +160,51 @@ async def extra_edge(stack, state_dir: Path, node: str, slots: int, backends: li
             await st.stop()
 
 
+class KindNodes:
+    """One node per kind that runs a guest (gvisor, microvm, fullvm), shared by the tests of tests/backends
+    that ask (kind_nodes.get), started at the first ask and stopped once the next test is elsewhere or makes
+    such nodes of its own (a module's OWN_NODES): each template boots once there, not once a module (a full
+    VM's first create took 20-40 s of each module that used one, under TCG: CI's budget is 30 minutes)."""
+    SLOTS = {"gvisor": 16, "microvm": 24, "fullvm": 8}
+
+    def __init__(self):
+        self.nodes: dict = {}
+        self.base: Path | None = None    # (pytest's temp dir: like any other extra node's)
+        self._held = contextlib.AsyncExitStack()
+
+    async def get(self, stack, kind: str):
+        if kind not in self.nodes:
+            state = Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=self.base))
+            self.nodes[kind] = await self._held.enter_async_context(
+                extra_edge(stack, state, f"k-{kind}", self.SLOTS[kind], backends=[kind]))
+        return self.nodes[kind]
+
+    async def stop(self) -> None:
+        self.nodes.clear()
+        held, self._held = self._held, contextlib.AsyncExitStack()
+        await held.aclose()
+
+    def wanted_by(self, item) -> bool:
+        """Whether the test `item` (the next one) may find the nodes running."""
+        return (item is not None and Path(item.path).parent == Path(__file__).parent / "backends"
+                and not getattr(item.module, "OWN_NODES", False))
+
+
+KIND_NODES = KindNodes()
+NEXT_TEST: list = [None]     # the test that runs after the current one (pytest_runtest_protocol)
+
+
+def pytest_runtest_protocol(item, nextitem):
+    NEXT_TEST[0] = nextitem
+
+
+@pytest.fixture(scope="session")
+async def kind_nodes(stack, tmp_path_factory):
+    KIND_NODES.base = tmp_path_factory.mktemp("kind-nodes")
+    yield KIND_NODES
+    await KIND_NODES.stop()
+
+
 @pytest.fixture
 async def second_edge(stack, tmp_path):
     """Node t2, smaller than t1, so placement's best fit fills it first. It holds the busybox layer as t1
@@ -220,6 +265,8 @@ async def no_leaks(request):
     """After every test: nothing of DSec on the host that no live fixture owns; and when the test used
     the session stack, no sandbox left and no per-sandbox residue of it."""
     yield
+    if KIND_NODES.nodes and not KIND_NODES.wanted_by(NEXT_TEST[0]):
+        await KIND_NODES.stop()
     assert leaks.host_leaks() == [], "left on the host"
     if "stack" not in request.fixturenames:
         return

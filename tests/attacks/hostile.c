@@ -33,8 +33,16 @@
  *   hostile reread FILE N SECS  N processes re-reading FILE from its start for SECS s; print "done"
  *   hostile dnsflood IP N       send N DNS questions (A x.test) to IP:53 as fast as it can; print how many
  *                               were answered (counted until 1 s passes with none)
+ *   hostile fdscan SECS         read every other process's fds by /proc/N/fd, as fast as it can, for SECS s;
+ *                               attack each that is no pipe, socket, terminal, /dev/null or anon inode: a
+ *                               directory's sandbox/pids.max raised, a file opened for writing sent forged
+ *                               agent frames (exit 0 for exec ids 1..64); print each such target once,
+ *                               "TARGET<tab>WHAT IT DID", then "scanned N"
+ *   hostile swap PATH TARGET SECS  PATH a directory and a symlink to TARGET by turns, as fast as it can, for
+ *                               SECS s; print "swapped N"
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
@@ -51,6 +59,7 @@
 #include <sys/shm.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <sys/xattr.h>
@@ -140,10 +149,94 @@ static int sleeper(void *unused) {
     return 0;
 }
 
+static const char *fd_attack(const char *path) {
+    static char what[64];
+    int d = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (d >= 0) {
+        int p = openat(d, "sandbox/pids.max", O_WRONLY | O_CLOEXEC);
+        int raised = p >= 0 && write(p, "100000", 6) == 6;
+        int procs = faccessat(d, "1/fd", F_OK, 0) == 0;
+        if (p >= 0) close(p);
+        close(d);
+        return raised ? "a pids hierarchy: pids.max raised" : procs ? "a /proc: its processes' fds listed"
+                                                                    : "a directory, opened";
+    }
+    int w = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (w < 0) { snprintf(what, sizeof what, "refused: errno %d", errno); return what; }
+    char frames[64 * 29];
+    for (uint32_t id = 1; id <= 64; id++) {    /* u32 length, 'X', u32 exec id, i32 status 0, u64 0, u64 0 */
+        char *f = frames + (id - 1) * 29;
+        uint32_t len = 25;
+        memset(f, 0, 29);
+        memcpy(f, &len, 4); f[4] = 'X'; memcpy(f + 5, &id, 4);
+    }
+    int ok = write(w, frames, sizeof frames) == (ssize_t)sizeof frames;
+    close(w);
+    return ok ? "opened for writing: forged frames written" : "opened for writing";
+}
+
+static void fdscan(int secs) {
+    static char seen[64][256];
+    int nseen = 0;
+    long scanned = 0;
+    pid_t me = getpid();
+    time_t end = time(NULL) + secs;
+    const char *fine[] = {"pipe:", "socket:", "anon_inode:", "/dev/null", "/dev/pts/", "/dev/ptmx", "/dev/tty"};
+    while (time(NULL) < end) {
+        DIR *procs = opendir("/proc");
+        struct dirent *pe;
+        while (procs && (pe = readdir(procs))) {
+            if (atoi(pe->d_name) <= 0 || atoi(pe->d_name) == me) continue;
+            char dir[64], path[320], link[160];
+            snprintf(dir, sizeof dir, "/proc/%d/fd", atoi(pe->d_name));
+            DIR *fds = opendir(dir);
+            struct dirent *fe;
+            while (fds && (fe = readdir(fds))) {
+                if (fe->d_name[0] == '.') continue;
+                snprintf(path, sizeof path, "%s/%s", dir, fe->d_name);
+                ssize_t n = readlink(path, link, sizeof link - 1);
+                if (n <= 0) continue;
+                link[n] = 0;
+                scanned++;
+                int ok = 0;
+                for (size_t i = 0; i < sizeof fine / sizeof *fine; i++) ok |= !strncmp(link, fine[i], strlen(fine[i]));
+                if (ok) continue;
+                int known = 0;
+                for (int i = 0; i < nseen; i++) known |= !strncmp(seen[i], link, strlen(link)) && seen[i][n] == '\t';
+                if (known || nseen == 64) continue;
+                snprintf(seen[nseen++], sizeof seen[0], "%s\t%s", link, fd_attack(path));
+            }
+            if (fds) closedir(fds);
+        }
+        if (procs) closedir(procs);
+    }
+    for (int i = 0; i < nseen; i++) printf("%s\n", seen[i]);
+    printf("scanned %ld\n", scanned);
+    exit(0);
+}
+
+static void swap(const char *path, const char *target, int secs) {
+    char dir[256], link[256];
+    long n = 0;
+    snprintf(dir, sizeof dir, "%s.d", path);
+    snprintf(link, sizeof link, "%s.l", path);
+    mkdir(path, 0777);
+    for (time_t end = time(NULL) + secs; time(NULL) < end; n++) {
+        rename(path, dir);                      /* the directory aside, the link in its place, */
+        if (symlink(target, link) == 0) rename(link, path);
+        unlink(path);                           /* then the directory back */
+        rename(dir, path);
+    }
+    printf("swapped %ld\n", n);
+    exit(0);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return 2;
     const char *cmd = argv[1];
     if (!strcmp(cmd, "stopper") && argc > 2) stopper(atoi(argv[2]));
+    if (!strcmp(cmd, "fdscan") && argc > 2) fdscan(atoi(argv[2]));
+    if (!strcmp(cmd, "swap") && argc > 4) swap(argv[2], argv[3], atoi(argv[4]));
     if (!strcmp(cmd, "inotify")) {
         int n = 0;
         while (inotify_init1(IN_CLOEXEC) >= 0) n++;

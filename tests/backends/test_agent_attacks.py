@@ -16,19 +16,23 @@ import subprocess
 import pytest
 
 import libdsec
-from tests.conftest import ended_record, extra_edge
+from tests.conftest import ended_record
 
 pytestmark = pytest.mark.timeout(180)
 KINDS = ["gvisor", "microvm", "fullvm"]
 VMS = ["microvm", "fullvm"]
+# 64 forks of a sleep, then the sleeps counted (builtins only: past the limit no fork is needed). Under the
+# image's sh, whose failed fork fails at once (bash, the trusted shell, retries one for up to 15 s: each of
+# these tests took 15 s longer, and CI's budget is 30 minutes).
+FORKS_PAST_THE_LIMIT = ["sh", "-c", "i=0; while [ $i -lt 64 ]; do (sleep 5 &) 2>/dev/null; i=$((i+1)); done; "
+                        "n=0; for p in /proc/[0-9]*; do read -r c < $p/comm && [ \"$c\" = sleep ] && n=$((n+1)); "
+                        "done 2>/dev/null; echo $n; kill -9 -1"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-async def nodes(stack, tmp_path_factory):
-    async with extra_edge(stack, tmp_path_factory.mktemp("agv"), "k-agv", 8, backends=["gvisor"]) as gv, \
-            extra_edge(stack, tmp_path_factory.mktemp("avm"), "k-avm", 8, backends=["microvm"]) as vm, \
-            extra_edge(stack, tmp_path_factory.mktemp("afvm"), "k-afvm", 8, backends=["fullvm"]) as fvm:
-        yield {"gvisor": gv, "microvm": vm, "fullvm": fvm}
+async def nodes(stack, kind_nodes):
+    """The gVisor, microVM and full-VM nodes of tests/backends (conftest.KindNodes), by kind."""
+    return {kind: await kind_nodes.get(stack, kind) for kind in KINDS}
 
 
 def _vm_memory(kind: str) -> dict:
@@ -51,9 +55,7 @@ async def test_a_root_command_cannot_leave_its_limit_groups(client, kind):
                           "mount -t cgroup -o pids none /mnt && echo mounted; true", timeout=30)
         assert b"moved" not in r.stdout and b"mounted" not in r.stdout, r
         assert r.stdout.strip() == b"", r      # the groups are out of sight: empty, unwritable
-        r = await sb.exec("i=0; while [ $i -lt 64 ]; do (sleep 5 &) 2>/dev/null; i=$((i+1)); done; "
-                          "n=0; for p in /proc/[0-9]*; do read -r c < $p/comm && [ \"$c\" = sleep ] && n=$((n+1)); "
-                          "done 2>/dev/null; echo $n; kill -9 -1", timeout=30)
+        r = await sb.exec(FORKS_PAST_THE_LIMIT, timeout=30)
         assert int(r.stdout.split()[0]) < 32, r
 
 
@@ -226,6 +228,64 @@ async def test_a_gvisor_command_cannot_reach_the_agents_channel_to_the_edge(clie
         # the commands' pid 1 only reaps: it holds no capability a command could borrow (helper-46)
         r = await sb.exec("grep -E '^Cap(Prm|Eff|Bnd)' /proc/1/status")
         assert r.stdout == b"CapPrm:\t0000000000000000\nCapEff:\t0000000000000000\nCapBnd:\t0000000000000000\n", r
+
+
+async def test_no_process_a_gvisor_command_sees_holds_the_agents_files(client, hostile):
+    """helper-45: each exec's child, forked by the agent, held every fd of the agent from its fork to its first
+    close (its channel to the edge, its /proc, the pids hierarchy), and a command reading /proc/N/fd of every
+    process as fast as it could caught it there. A spawner no command sees forks them now (dsec-commands.h).
+    The scanner, run while execs start one after another, finds none of the agent's files, and what it tries
+    changes nothing: every exec's exit and output are its own, the limit holds."""
+    async with await client.create(backend="gvisor", timeout=120, resources=libdsec.Resources(pids=32)) as sb:
+        await sb.files.write("/tmp/hostile", hostile, mode=0o755)
+        scan = await sb.exec(["/tmp/hostile", "fdscan", "5"], background=True)
+        started = asyncio.get_running_loop().time()
+        runs = []
+        while asyncio.get_running_loop().time() - started < 4.5:
+            i = len(runs)
+            runs.append((i, await sb.exec(f"echo run-{i}; exit {i % 7}", timeout=30)))
+        done = await scan.wait()               # (before: exit 0 and no output at once, forged on the channel)
+        found = done.stdout.splitlines()
+        assert found and found[-1].startswith(b"scanned ") and int(found[-1].split()[1]) > 0, done
+        # each line a file no pipe, socket or terminal that a process held: the commands' own (/etc/passwd,
+        # read by a shell) may be; the agent's never were again (before: host:[1], host:[2], its channel, forged
+        # frames written; /, its /proc; /dev/.pids, pids.max raised; an exec group's cgroup.procs)
+        reached = [line for line in found[:-1] if line.startswith((b"host:", b"/\t", b"/dev/.pids"))
+                   or any(what in line for what in (b"forged", b"raised", b"a /proc"))]
+        assert reached == [], found
+        for i, r in runs:
+            assert (r.exit_code, r.stdout, r.stderr) == (i % 7, b"run-%d\n" % i, b""), (i, r)
+        assert len(runs) > 20, len(runs)
+        r = await sb.exec(FORKS_PAST_THE_LIMIT, timeout=30)
+        assert int(r.stdout.split()[0]) < 32, r
+
+
+async def test_a_gvisor_file_op_raced_by_a_link_swap_lands_nowhere_unseen(client, nodes, hostile):
+    """helper-45: a file op checks where its path lands (the sentry's own mounts are refused), then acts; a
+    command swapping a directory on the path for a link to /proc as fast as it could took 739 of 3,881 writes
+    onto the root's own /proc on the host (read back by read_file, never seen inside). The file ops' view of
+    the root has an empty read-only mount over each such directory (files.cover_view): raced or not, nothing
+    lands there."""
+    backend = nodes["gvisor"].edge.backend.backends["gvisor"]
+    async with await client.create(backend="gvisor", timeout=120) as sb:
+        await sb.files.write("/tmp/hostile", hostile, mode=0o755)
+        swapper = await sb.exec(["/tmp/hostile", "swap", "/tmp/x", "/proc", "6"], background=True)
+        await asyncio.sleep(0.3)
+        written = refused = 0
+        until = asyncio.get_running_loop().time() + 5
+        while asyncio.get_running_loop().time() < until:        # (the swapper goes on for 6 s)
+            try:
+                await sb.write_file(f"/tmp/x/pwned-{written + refused}", b"HIDDEN\n")
+                written += 1
+            except libdsec.FileOpError:
+                refused += 1
+        assert (await swapper.wait()).stdout.startswith(b"swapped "), swapper
+        root = backend._rootfs(backend._live(sb.id).key)
+        for top in ("proc", "sys", "dev", ".dsec"):
+            assert [n for n in os.listdir(root / top) if n.startswith("pwned")] == [], top
+        r = await sb.exec("ls /tmp/x | grep -c pwned; ls /proc | grep -c pwned; true")
+        assert r.stdout.split()[1:] == [b"0"], r
+        assert written > 0 and refused > 0, (written, refused)   # the race ran both ways
 
 
 async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes):

@@ -26,12 +26,9 @@ REAL = [k for k in KINDS if k != "noop"]   # kinds whose commands really run
 
 
 @pytest.fixture(scope="module", autouse=True)
-async def nodes(stack, tmp_path_factory):
-    """The module's gVisor node and microVM node, by kind."""
-    async with extra_edge(stack, tmp_path_factory.mktemp("gv"), "k-gvisor", 16, backends=["gvisor"]) as gv, \
-            extra_edge(stack, tmp_path_factory.mktemp("vm"), "k-microvm", 8, backends=["microvm"]) as vm, \
-            extra_edge(stack, tmp_path_factory.mktemp("fvm"), "k-fullvm", 8, backends=["fullvm"]) as fvm:
-        yield {"gvisor": gv, "microvm": vm, "fullvm": fvm}
+async def nodes(stack, kind_nodes):
+    """The gVisor, microVM and full-VM nodes of tests/backends (conftest.KindNodes), by kind."""
+    return {kind: await kind_nodes.get(stack, kind) for kind in ("gvisor", "microvm", "fullvm")}
 
 
 @contextlib.asynccontextmanager

@@ -15,15 +15,14 @@ from edge.backends.base import BackendError, Limits, SandboxSpec
 from edge.backends.fullvm import FullVMBackend
 from edge.backends.microvm import guest
 from tests import leaks
-from tests.conftest import ended_record, extra_edge
+from tests.conftest import ended_record
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-async def fvmnode(stack, tmp_path_factory):
-    async with extra_edge(stack, tmp_path_factory.mktemp("fvt"), "k-fvt", 8, backends=["fullvm"]) as st:
-        yield st
+async def fvmnode(stack, kind_nodes):
+    return await kind_nodes.get(stack, "fullvm")
 
 
 async def test_a_full_vm_is_a_whole_debian_and_each_restore_its_own(client, fvmnode):

@@ -13,16 +13,14 @@ import pytest
 import libdsec
 from bus import streams
 from bus.records import node_decoder
-from tests.conftest import extra_edge
 from tests.test_attacks import armed, background
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-async def gvisor(stack, tmp_path_factory):
-    async with extra_edge(stack, tmp_path_factory.mktemp("gvb"), "k-gvb", 8, backends=["gvisor"]) as st:
-        yield st
+async def gvisor(stack, kind_nodes):
+    return await kind_nodes.get(stack, "gvisor")
 
 
 async def test_the_kernel_inside_is_gvisors_and_it_lacks_what_the_host_has(client, gvisor, hostile):

@@ -18,15 +18,13 @@ from edge.backends.base import BackendError, Limits, SandboxSpec
 from edge.backends.microvm import MicroVMBackend, accel, guest
 from edge.backends.microvm.qemu import qemu_processes
 from tests import leaks
-from tests.conftest import extra_edge
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-async def vmnode(stack, tmp_path_factory):
-    async with extra_edge(stack, tmp_path_factory.mktemp("vmt"), "k-vmt", 24, backends=["microvm"]) as st:
-        yield st
+async def vmnode(stack, kind_nodes):
+    return await kind_nodes.get(stack, "microvm")
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +331,7 @@ async def test_a_memory_snapshot_forks_go_on_with_its_running_processes(client, 
         start = int((await sb.read_file("/root/start")).strip())
         snap = await sb.snapshot(memory=True, timeout=120)
         assert not lines.done, "the stream ended before the save: it tested nothing"
-        assert (snap.memory_node, snap.memory_kind) == ("k-vmt", "microvm")
+        assert (snap.memory_node, snap.memory_kind) == ("k-microvm", "microvm")
         assert snap.id in backend.memories()
         assert (await lines.wait()).stdout == b"".join(b"line%d\n%s\n" % (i, b"x" * 65536) for i in range(1, 401))
         forks = await client.fork(snap, 2, timeout=120)

@@ -13,6 +13,7 @@ from bus.records import node_decoder
 from tests.conftest import extra_edge
 
 pytestmark = pytest.mark.timeout(180)
+OWN_NODES = True     # its gVisor node must be the only one (conftest.KindNodes stops the shared ones)
 
 
 async def record(stack, node: str):

@@ -31,11 +31,11 @@ from edge.backends.base import (Backend, BackendError, ExecControl, ExecResult, 
 from edge.backends.cgroups import CgroupError, NodeCgroups
 from edge.backends.gvisor import net
 from edge.backends.gvisor.agent import AgentChannel
-from edge.backends.gvisor.files import RootFiles
+from edge.backends.gvisor.files import RootFiles, cover_view
 from edge.backends.gvisor.host import (_remove_groups, _tail, host_limits,
                                         runsc_processes, valid_id)
 from edge.backends.layermounts import LayerError, LayerMounts
-from edge.backends.native import AGENT_SOURCE, BECOME_SOURCE
+from edge.backends.native import AGENT_SOURCE, GUEST_HEADERS
 from edge.backends.uppers import UpperError, UpperPool, loop_devices, mount_points
 
 __all__ = ["GvisorBackend", "leftovers"]
@@ -131,7 +131,7 @@ class GvisorBackend(RootFiles, Backend):
             os.chmod(self._trusted / f"{name}.tmp", 0o555)
             os.replace(self._trusted / f"{name}.tmp", self._trusted / name)
         agent = self._trusted / "agent"
-        newest = max(AGENT_SOURCE.stat().st_mtime, BECOME_SOURCE.stat().st_mtime)
+        newest = max(src.stat().st_mtime for src in (AGENT_SOURCE, *GUEST_HEADERS))
         if not agent.exists() or agent.stat().st_mtime < newest:
             cc = shutil.which("cc") or shutil.which("gcc") or "cc"
             subprocess.run([cc, "-O2", "-static", "-Wall", "-o", f"{agent}.tmp", str(AGENT_SOURCE)],
@@ -263,6 +263,7 @@ class GvisorBackend(RootFiles, Backend):
         rootfs = self._rootfs(sb.key)
         rootfs.mkdir(mode=0o711)
         kernel.mount("overlay", rootfs, "overlay", kernel.MS_NODEV | kernel.MS_NOSUID, opts)
+        cover_view(rootfs, self._files_root(sb.key))
         if sb.end is not None:
             root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
@@ -276,6 +277,10 @@ class GvisorBackend(RootFiles, Backend):
     def _rootfs(self, key: str) -> Path:
         """Where a sandbox's root is mounted (the gofer opens it as the sandbox's uid)."""
         return self._public / key
+
+    def _files_root(self, key: str) -> Path:
+        """The file operations' view of that root (files.cover_view), under its state dir."""
+        return self._dir(key) / "files"
 
     def _userns_fd(self, base: int) -> int:
         """A user namespace whose maps put 0..65535 onto base.. (kept per range: the views' idmap)."""

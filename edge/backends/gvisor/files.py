@@ -10,12 +10,27 @@ import os
 
 from bus.messages import FileOp
 from edge.backends import kernel, rootfiles, treeops, watcher
+from pathlib import Path
+
 from edge.backends.base import TRUSTED_DIR, ExecControl, ExecResult, OutputSink, SandboxGone
 
 # The sentry's own mounts (the spec's), over directories of the root it leaves unseen: a file written
 # there on the host would be read back by read_file yet never seen by the sandbox's commands, and what
 # they see there (its /proc, /dev/shm) the host cannot reach. Refused, as a container's are (EXDEV).
 COVERED = ("/proc", "/sys", "/dev", TRUSTED_DIR)
+
+
+def cover_view(rootfs: Path, view: Path) -> None:
+    """The root as the file operations see it: a bind of it at view, with an empty read-only tmpfs over each
+    COVERED directory. _reachable refuses a path that lands there, but it checks before the operation acts,
+    and the sandbox can swap a directory on the way for a link meanwhile: a command doing so as fast as it
+    could took 739 of 3,881 writes onto the root's own /proc (helper-45). What lands there now lands on an
+    empty, read-only mount, which the sandbox's commands cannot change (the bind is the host's only)."""
+    view.mkdir(mode=0o700)
+    kernel.mount(str(rootfs), view, None, kernel.MS_BIND)
+    for top in COVERED:
+        kernel.mount("none", view / top.lstrip("/"), "tmpfs",
+                     kernel.MS_RDONLY | kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC, "size=4k,mode=555")
 
 
 MAX_LINKS = 40   # symlinks followed on one path, as Linux's
@@ -75,13 +90,14 @@ def _link(root: int, here: str, name: str) -> str | None:
 
 
 class RootFiles:
-    """write_file / read_file / file_op / watch of a backend whose sandboxes' roots are host mounts
-    (self._rootfs(key)), running ones found by self._live(id) (with .key, .ids.base, .spec.id, .frozen_for)."""
+    """write_file / read_file / file_op / watch of a backend whose sandboxes' roots are host mounts, seen through
+    self._files_root(key) (cover_view), running ones found by self._live(id) (with .key, .ids.base, .spec.id,
+    .frozen_for)."""
 
     def _root(self, sb) -> int:
-        """An O_PATH fd of the sandbox's root mount (SandboxGone when it is no more)."""
+        """An O_PATH fd of the sandbox's root, as file operations see it (SandboxGone when it is no more)."""
         try:
-            return os.open(self._rootfs(sb.key), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            return os.open(self._files_root(sb.key), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise SandboxGone(f"sandbox {sb.spec.id} is not running") from exc
 

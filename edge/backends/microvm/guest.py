@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from edge.backends.native import AGENT_SOURCE, BECOME_SOURCE, FILES_SOURCE, WATCH_SOURCE
+from edge.backends.native import AGENT_SOURCE, FILES_SOURCE, GUEST_HEADERS, WATCH_SOURCE
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"   # Debian's metapackage; its dependency is the versioned image
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
@@ -159,7 +159,7 @@ def build() -> Guest:
         entries += [(f"lib/modules/{m}.ko", 0o100644, data) for m, data in mods.items()]
         _put(initrd, gzip.compress(_newc(entries), compresslevel=1))
     source = AGENT_SOURCE.read_bytes()
-    helpers = (FILES_SOURCE.read_bytes(), WATCH_SOURCE.read_bytes(), BECOME_SOURCE.read_bytes())
+    helpers = (FILES_SOURCE.read_bytes(), WATCH_SOURCE.read_bytes(), *(h.read_bytes() for h in GUEST_HEADERS))
     from edge.erofs import find_trusted_shell
     shell = Path(find_trusted_shell()).read_bytes()
     trusted = cache_dir() / f"trusted-{_digest(source, *helpers, busybox, shell, TRUSTED_LAYOUT)}.erofs"

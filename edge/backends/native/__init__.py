@@ -16,6 +16,8 @@ AGENT_SOURCE = _HERE / "dsec-agent.c"     # the guest agent
 FILES_SOURCE = _HERE / "dsec-files.c"     # the file-tree helper (microvm/files.py)
 WATCH_SOURCE = _HERE / "dsec-watch.c"     # the directory-watch helper (microvm/files.py)
 BECOME_SOURCE = _HERE / "dsec-become.h"   # included by the agent and the files helper
+COMMANDS_SOURCE = _HERE / "dsec-commands.h"   # included by the agent (gVisor's spawner of commands)
+GUEST_HEADERS = (BECOME_SOURCE, COMMANDS_SOURCE)   # what a rebuild of the agent follows, beside its source
 
 
 def available() -> str | None:

@@ -37,7 +37,8 @@
  * hostname changed), which the agent keeps, nor CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE, CAP_SYS_BOOT and CAP_SYS_RESOURCE.
  * A microVM's guest runs it as pid 1 too, its stdio one virtio-serial port (microvm/init.sh). An exec stops being read once WINDOW bytes of its output are not yet consumed.
  * In gVisor the commands run in a pid namespace of their own under a /proc of their own, where the agent has
- * no pid (isolate_commands), and the pids hierarchy is covered for them (the agent keeps it open).
+ * no pid; a spawner they cannot see forks them (dsec-commands.h); the pids hierarchy is covered for them (the
+ * agent keeps it open).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -154,7 +155,7 @@ static int os_mnt = -1;         /* its mount namespace, which commands enter */
 static int in_vm;               /* DSEC_VM: a guest kernel of its own. gVisor's sentry (2022) shares a child's
                                  * new mount namespace with its parent, so masks there would be the agent's */
 static int procfd = -1;         /* the agent's /proc (its own pid namespace's): what it reads of processes */
-static pid_t commands_init;     /* gVisor: pid 1 of the commands' pid namespace (isolate_commands), else 0 */
+static pid_t commands_init;     /* gVisor: pid 1 of the commands' pid namespace (dsec-commands.h), else 0 */
 
 /* In an exec's child, before its capabilities go: a mount namespace of its own with those masks (it
  * keeps the agent's root; without CAP_SYS_ADMIN nothing of it can be undone). */
@@ -237,6 +238,7 @@ struct child {
     const char *group, *user, *cwd;     /* its pids group's join file, UID:GID:GROUPS or NULL, its cwd */
     int groups_ok, mem_ok, master;      /* master: a terminal's, or -1 */
     int in, out, err, rep;              /* its stdio pipes' ends, and the pipe its failure is told on */
+    int report_pid;                     /* its first 4 bytes there: its pid in the commands' pid namespace */
     char **argv, **envp;
 };
 
@@ -248,8 +250,7 @@ static int exec_child(void *arg) {
     const struct child *c = arg;
     sigset_t none; sigemptyset(&none); sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGCHLD, SIG_DFL); signal(SIGPIPE, SIG_DFL);
-    if (commands_init || os_pid) { pid_t me = getpid(); (void)!write(c->rep, &me, 4); }   /* its pid as the */
-                                                             /* commands see it (their own pid namespace) */
+    if (c->report_pid) { pid_t me = getpid(); (void)!write(c->rep, &me, 4); }
     setsid();
     if (c->groups_ok) {
         int fd = openat(pidsfd, c->group, O_WRONLY | O_CLOEXEC);
@@ -296,6 +297,34 @@ static pid_t exec_spawn(struct child *c) {
     return pid;
 }
 
+/* An 'E' request's payload (see the top): its cwd, user and command into `c` (c->argv, allocated with the
+ * environment after it, is the caller's to free), a terminal's size or NULL, the end flag. 0, or -1 if
+ * it is cut short. */
+static int parse_exec(const char *p, size_t n, struct child *c, const char **size, int *with_end) {
+    if (n < 8) return -1;
+    uint32_t argc = get32(p), envc = get32(p + 4);
+    int with_user = (argc & 0x80000000u) != 0, with_tty = (argc & 0x40000000u) != 0;
+    *with_end = (argc & 0x20000000u) != 0;
+    *size = NULL;
+    argc &= 0x1fffffffu;
+    const char *s = p + 8, *end = p + n;
+    if (s >= end || argc == 0 || argc + envc > n) return -1;
+    char **vec = calloc(argc + envc + 3, sizeof(char *));
+    if (!vec) return -1;
+    c->cwd = s;
+    s += strnlen(s, (size_t)(end - s)) + 1;
+    c->user = NULL;
+    if (with_user && s < end) { c->user = s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    if (with_tty && s < end) { *size = s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    for (uint32_t i = 0; i < argc + envc && s < end; i++) { vec[i + (i >= argc)] = (char *)s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    c->argv = vec; c->envp = vec + argc + 1;
+    return 0;
+}
+
+static void on_wake(int sig) { (void)sig; }
+
+#include "dsec-commands.h"
+
 /* An exec that never had a process: why ('F'), then its end ('X', exit 127 as a command that could not
  * start), as no child will exit to send it (without it the edge waited for the exec's timeout). */
 static void never_started(uint32_t id, const char *why, size_t n, const char *text, size_t tn) {
@@ -309,23 +338,20 @@ static void never_started(uint32_t id, const char *why, size_t n, const char *te
 static void start_exec(uint32_t id, const char *p, size_t n) {
     struct exec *x = NULL;
     for (int i = 0; i < MAXEXEC; i++) if (!execs[i].pid) { x = &execs[i]; break; }
-    if (!x || n < 8) {
+    if (!x) {
         char m[48]; int k = snprintf(m, sizeof m, "setup%c11%c", 0, 0);
         char t[64]; int tn = snprintf(t, sizeof t, "too many execs in this sandbox at once (%d)", MAXEXEC);
         never_started(id, m, (size_t)k, t, (size_t)tn);
         return;
     }
-    uint32_t argc = get32(p), envc = get32(p + 4);
-    const char *user = NULL, *size = NULL;
-    int with_user = (argc & 0x80000000u) != 0, with_tty = (argc & 0x40000000u) != 0;
-    int with_end = (argc & 0x20000000u) != 0;
-    argc &= 0x1fffffffu;
-    char **vec = calloc(argc + envc + 3, sizeof(char *));
-    const char *s = p + 8, *end = p + n;
-    const char *cwd = s;
-    s += strnlen(s, (size_t)(end - s)) + 1;
-    if (with_user && s < end) { user = s; s += strnlen(s, (size_t)(end - s)) + 1; }
-    if (with_tty && s < end) { size = s; s += strnlen(s, (size_t)(end - s)) + 1; }
+    struct child c = {.master = -1, .report_pid = commands_init || os_pid};
+    const char *size;
+    int with_end;
+    if (parse_exec(p, n, &c, &size, &with_end)) {
+        char m[48]; int k = snprintf(m, sizeof m, "setup%c%d%c", 0, EPROTO, 0);
+        never_started(id, m, (size_t)k, "a malformed exec request", 24);
+        return;
+    }
     int master = -1;
     if (size) {             /* a terminal of the sandbox's own devpts (the agent mounted it in a VM) */
         struct winsize ws = { 0 };
@@ -337,11 +363,9 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
             int e = errno; char m[64]; int k = snprintf(m, sizeof m, "terminal%c%d%c", 0, e, 0);
             never_started(id, m, (size_t)k, strerror(e), strlen(strerror(e)));
             if (master >= 0) close(master);
-            free(vec); return;
+            free(c.argv); return;
         }
     }
-    for (uint32_t i = 0; i < argc + envc && s < end; i++) { vec[i + (i >= argc)] = (char *)s; s += strnlen(s, (size_t)(end - s)) + 1; }
-    char **argv = vec, **envp = vec + argc + 1;
     char group[96];
     group_path(group, sizeof group, id, NULL);
     if (groups_ok && mkdirat(pidsfd, group, 0700) && errno != EEXIST)
@@ -356,15 +380,14 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
     group_path(group, sizeof group, id, in_vm ? "tasks" : "cgroup.procs");
     int in[2], out[2], err[2], rep[2];
     if (pipe2(in, O_CLOEXEC) || pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) || pipe2(rep, O_CLOEXEC)) die("pipe");
-    struct child c = {.group = group, .user = user, .cwd = cwd, .groups_ok = groups_ok, .mem_ok = mem_ok,
-                      .master = master, .in = in[0], .out = out[1], .err = err[1], .rep = rep[1],
-                      .argv = argv, .envp = envp};
-    pid_t pid = exec_spawn(&c);
+    c.group = group; c.groups_ok = groups_ok; c.mem_ok = mem_ok; c.master = master;
+    c.in = in[0]; c.out = out[1]; c.err = err[1]; c.rep = rep[1];
+    pid_t pid = spawn_sock >= 0 ? spawn_command(p, n, &c, group) : exec_spawn(&c);
     if (pid < 0) {
         int e = errno; char m[64]; int k = snprintf(m, sizeof m, "fork%c%d%c", 0, e, 0);
         never_started(id, m, (size_t)k, strerror(e), strlen(strerror(e)));
         close(in[0]); close(in[1]); close(out[0]); close(out[1]); close(err[0]); close(err[1]);
-        close(rep[0]); close(rep[1]); free(vec);
+        close(rep[0]); close(rep[1]); free(c.argv);
         if (master >= 0) close(master);
         return;
     }
@@ -380,7 +403,7 @@ static void start_exec(uint32_t id, const char *p, size_t n) {
         if (got == 4) shown = v;
     }
     while ((k = read(rep[0], msg, sizeof msg)) < 0 && errno == EINTR) {}
-    close(rep[0]); free(vec);
+    close(rep[0]); free(c.argv);
     memset(x, 0, sizeof *x);
     x->id = id; x->pid = pid; x->out[0] = out[0]; x->out[1] = err[0]; x->in = in[1]; x->tty = -1;
     x->end_on_exit = with_end;
@@ -497,24 +520,29 @@ static void end_with_command(struct exec *x) {
     }
 }
 
+/* A command's end (its wait status and resource use): the agent's child's, or the spawner's. */
+static void exited(pid_t pid, int status, const struct rusage *ru) {
+    for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
+        execs[i].status_known = 1; execs[i].status = status; execs[i].ru = *ru;
+        if (execs[i].end_on_exit) end_with_command(&execs[i]);
+        else if (execs[i].tty >= 0 && !in_vm) end_terminal(&execs[i]);
+        finish_if_done(&execs[i]);
+    }
+}
+
 static void reap(void) {
     int status; struct rusage ru; pid_t pid;
     if (nstale) sweep_groups();
     while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0) {
-        if (commands_init && pid == commands_init) {   /* no command can run any more: the sandbox ends */
-            fprintf(stderr, "dsec-agent: the commands' pid namespace ended (its init: status %d)\n", status);
+        if (spawner && pid == spawner) {    /* it ends with the commands' init: no command can run any more */
+            fprintf(stderr, "dsec-agent: the commands' pid namespace ended (the spawner: status %d)\n", status);
             exit(0);
         }
         if (os_pid && pid == os_pid) {      /* poweroff, or systemd died: the VM ends with it (init.sh) */
             fprintf(stderr, "<3>dsec-agent: the operating system ended (systemd: status %d)\n", status);
             exit(0);
         }
-        for (int i = 0; i < MAXEXEC; i++) if (execs[i].pid == pid && !execs[i].status_known) {
-            execs[i].status_known = 1; execs[i].status = status; execs[i].ru = ru;
-            if (execs[i].end_on_exit) end_with_command(&execs[i]);
-            else if (execs[i].tty >= 0 && !in_vm) end_terminal(&execs[i]);
-            finish_if_done(&execs[i]);
-        }
+        exited(pid, status, &ru);
     }
 }
 
@@ -559,64 +587,6 @@ static void start_os(void) {
     os_mnt = open(path, O_RDONLY | O_CLOEXEC);
     if (os_mnt < 0) die("systemd's mount namespace");
     os_pid = pid;
-}
-
-static void on_wake(int sig) { (void)sig; }
-
-/* gVisor: the commands get a pid namespace of their own, under a /proc of its own, where the agent has no
- * pid. runsc (2022) lets a root command open /proc/1/fd/N whatever the agent's dumpability (Linux asks that
- * the opener may trace it): the agent's channel to the edge, whose frames (a forged exit, another exec's
- * request and environment read) were then any command's to write or read (helper-44). Its init only reaps
- * (an orphan of a command is its child); the agent finds an exec's processes in its own /proc (procfd, the
- * old one, detached) and learns each command's pid as the namespace numbers it from the command itself. */
-static void isolate_commands(void) {
-    int rep[2];
-    if (unshare(CLONE_NEWPID)) die("unshare a pid namespace for the commands");
-    if (pipe2(rep, O_CLOEXEC)) die("pipe");
-    pid_t pid = fork();
-    if (pid < 0) die("fork the commands' init");
-    if (pid == 0) {
-        sigset_t chld, none;
-        struct sigaction sa = {0};
-        sa.sa_handler = on_wake; sa.sa_flags = SA_NOCLDSTOP;
-        sigaction(SIGCHLD, &sa, NULL);
-        sigemptyset(&none); sigemptyset(&chld); sigaddset(&chld, SIGCHLD);
-        sigprocmask(SIG_SETMASK, &chld, NULL);
-        if (umount2("/proc", MNT_DETACH) || mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL))
-            fail_child(rep[1], "the commands' /proc");
-        int null = open("/dev/null", O_RDWR);   /* none of the agent's files: its channel least of all */
-        if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0) fail_child(rep[1], "stdio");
-        if (dup2(rep[1], 3) < 0) fail_child(rep[1], "fds");
-        int fds[4096], n = 0;                   /* every other fd it has, by its list (runsc: no close_range) */
-        DIR *d = opendir("/proc/self/fd");
-        struct dirent *de;
-        while (d && (de = readdir(d)) && n < 4096) if (atoi(de->d_name) > 3) fds[n++] = atoi(de->d_name);
-        if (d) closedir(d);
-        for (int i = 0; i < n; i++) close(fds[i]);
-        /* It only reaps: no capability, not dumpable (the one process of the agent's that commands see). */
-        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-        for (int cap = 0; cap < 64; cap++) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
-        struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
-        struct __user_cap_data_struct none_caps[2] = {{0, 0, 0}, {0, 0, 0}};
-        if (syscall(SYS_capset, &hdr, none_caps)) fail_child(3, "capabilities");
-        close(3);                               /* EOF: ready */
-        for (;;) {
-            while (waitpid(-1, NULL, WNOHANG) > 0) {}
-            sigsuspend(&none);
-        }
-    }
-    close(rep[1]);
-    char msg[512]; ssize_t k;
-    while ((k = read(rep[0], msg, sizeof msg - 1)) < 0 && errno == EINTR) {}
-    close(rep[0]);
-    if (k > 0) {
-        msg[k] = 0;
-        const char *text = msg + strlen(msg) + 1;
-        text += strlen(text) + 1;
-        fprintf(stderr, "dsec-agent: the commands' pid namespace: %s: %s\n", msg, text < msg + k ? text : "");
-        _exit(111);
-    }
-    commands_init = pid;
 }
 
 static void stdin_gone(struct exec *x) {
@@ -940,7 +910,7 @@ int main(void) {
     limit_memory();
     procfd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);   /* before gVisor's commands get theirs */
     if (procfd < 0) die("/proc");
-    if (!in_vm) isolate_commands();
+    if (!in_vm) start_commands();
     /* gVisor: the group that holds the commands' limit is the agent's alone (pidsfd); its mount point is
      * covered for them, which they cannot undo (no CAP_SYS_ADMIN): a root command raised its own pids.max or
      * moved itself to the root group, then forked past the limit (helper-44). A VM's confine() hides it. */
@@ -951,12 +921,15 @@ int main(void) {
     char host[65] = "";
     if (gethostname(host, sizeof host - 1) == 0) name_host(host, strlen(host));   /* a cold start's name */
     reply('R', 0, NULL, 0, NULL, 0);
-    struct pollfd fds[1 + 1 + 3 * MAXEXEC];
+    struct pollfd fds[3 + 3 * MAXEXEC];
     struct { struct exec *x; int what; } who[3 * MAXEXEC];
+    enum { BASE = 3 };     /* the edge's requests, SIGCHLD, the spawner's reports; then the execs' pipes */
     for (;;) {
         int n = 0, k = 0;
+        if (spawn_sock >= 0 && slen && !quiet) from_spawner(0, 0);  /* reports read along with a fork's pid */
         fds[n++] = (struct pollfd){ .fd = 0, .events = POLLIN };
         fds[n++] = (struct pollfd){ .fd = sigpipe[0], .events = quiet ? 0 : POLLIN };
+        fds[n++] = (struct pollfd){ .fd = spawn_sock, .events = quiet ? 0 : POLLIN };   /* (-1: ignored) */
         for (int i = 0; i < MAXEXEC && !quiet; i++) {
             struct exec *x = &execs[i];
             if (!x->pid) continue;
@@ -968,14 +941,15 @@ int main(void) {
         }
         if (poll(fds, (nfds_t)n, -1) < 0) { if (errno == EINTR) continue; die("poll"); }
         if (fds[1].revents) { char b[64]; while (read(sigpipe[0], b, sizeof b) > 0) {} reap(); }
-        for (int i = 2; i < n; i++) {
+        if (fds[2].revents) from_spawner(1, 0);
+        for (int i = BASE; i < n; i++) {
             if (!fds[i].revents) continue;
-            struct exec *x = who[i - 2].x;
+            struct exec *x = who[i - BASE].x;
             if (!x->pid) continue;
-            if (who[i - 2].what == 2) {
+            if (who[i - BASE].what == 2) {
                 if (fds[i].revents & (POLLERR | POLLHUP)) stdin_gone(x); else pump_stdin(x);
-            } else if (x->out[who[i - 2].what] == fds[i].fd) {
-                read_output(x, who[i - 2].what);
+            } else if (x->out[who[i - BASE].what] == fds[i].fd) {
+                read_output(x, who[i - BASE].what);
             }
         }
         if (fds[0].revents) read_requests();
