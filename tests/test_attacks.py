@@ -34,9 +34,10 @@ async def armed(sb, hostile: bytes):
 
 async def background(sb, cmd: str, out: str, ready: str | None = None) -> str:
     """Start cmd in the background (its stdout to out) and return the first line of out (or of ready)
-    once written."""
+    once written, within 60 s (fdhog's 3M opens took over 10 s on a busy host: CI of session 57)."""
     await sb.exec(f"{cmd} > {out} 2>&1 &")
-    for _ in range(200):
+    until = asyncio.get_running_loop().time() + 60
+    while asyncio.get_running_loop().time() < until:
         try:
             text = (await sb.read_file(ready or out)).decode()
         except libdsec.FileOpError:   # not made yet

@@ -1,6 +1,7 @@
 """The `dsec` command line, run as a user would: `dsec up` in the foreground, then the client commands."""
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import signal
@@ -80,11 +81,18 @@ def up(tmp_path_factory):
             pytest.fail(f"dsec up did not stop: {(state / 'up.log').read_text()[-4000:]}")
 
 
+def dsec_each(runs: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """dsec with each list of arguments, four at a time (each loads the CLI, ~1 s here: CI's budget)."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        return list(pool.map(lambda args: dsec(*args), runs))
+
+
 def test_help_everywhere():
-    for args in ([], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"],
-                 ["image", "ls"], ["image", "import"], ["image", "export"], ["edge"], ["placement"], ["demo"], ["snapshot"], ["snapshot", "take"],
-                 ["snapshot", "ls"], ["snapshot", "rm"], ["fork"]):
-        p = dsec(*args, "--help")
+    runs = [[*args, "--help"] for args in (
+        [], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"], ["image", "ls"],
+        ["image", "import"], ["image", "export"], ["edge"], ["placement"], ["demo"], ["snapshot"],
+        ["snapshot", "take"], ["snapshot", "ls"], ["snapshot", "rm"], ["fork"])]
+    for args, p in zip(runs, dsec_each(runs)):
         assert p.returncode == 0 and "Usage:" in p.stdout and len(p.stdout) > 100, args
 
 
@@ -256,14 +264,15 @@ def test_a_bad_size_is_a_usage_error_said_before_any_connect():
     # (helper-40: `exec --max-output abc` was found only after connecting, exit 125 as if DSec had failed to run
     # the command; `create --memory abc` with no server said only that NATS was not there)
     url = f"nats://127.0.0.1:{free_port()}"   # nothing listens: a connect would be refused
-    for args in (["exec", "--max-output", "abc", "sb1", "--", "true"], ["run", "--max-output", "0", "--", "true"],
-                 ["create", "--memory", "lots"], ["create", "--disk", "12q"], ["run", "--memory", "-1", "--", "true"],
-                 ["warm", "set", "p", "--memory", "zz"], ["quota", "set", "t", "--memory", "1x"],
-                 ["image", "import", "x", "--max-size", "abc"], ["create", "--memory", "9" * 400],
-                 ["quota", "set", "t", "--memory", "0.1"]):
+    cases = (["exec", "--max-output", "abc", "sb1", "--", "true"], ["run", "--max-output", "0", "--", "true"],
+             ["create", "--memory", "lots"], ["create", "--disk", "12q"], ["run", "--memory", "-1", "--", "true"],
+             ["warm", "set", "p", "--memory", "zz"], ["quota", "set", "t", "--memory", "1x"],
+             ["image", "import", "x", "--max-size", "abc"], ["create", "--memory", "9" * 400],
+             ["quota", "set", "t", "--memory", "0.1"])
+    runs = [[*args[:2], "--nats", url, *args[2:]] if args[0] in ("warm", "quota", "image") else
+            [args[0], "--nats", url, *args[1:]] for args in cases]
+    for args, p in zip(cases, dsec_each(runs)):
         option, value = next((a, b) for a, b in zip(args, args[1:]) if a.startswith("--"))
-        p = dsec(*args[:2], "--nats", url, *args[2:]) if args[0] in ("warm", "quota", "image") else \
-            dsec(args[0], "--nats", url, *args[1:])
         why = "is below 1 byte" if value in ("0", "0.1") else "is not a size"   # (a 400-digit one: a traceback)
         assert p.returncode == 2 and f"Invalid value for '{option}': '{value}' {why}" in p.stderr \
             and "NATS" not in p.stderr and "Traceback" not in p.stderr, (args, p.returncode, p.stderr)
