@@ -288,6 +288,14 @@ async def test_a_gvisor_file_op_raced_by_a_link_swap_lands_nowhere_unseen(client
         assert written > 0 and refused > 0, (written, refused)   # the race ran both ways
 
 
+async def test_a_gvisor_sandbox_of_two_pids_starts_and_runs(client):
+    """The spawner and the commands' init count in no limit: with them in the sandbox's group (the sentry charges
+    a fork to the forking task's own group), the init's fork was refused at pids=2 and the create failed
+    (helper-47)."""
+    async with await client.create(backend="gvisor", timeout=60, resources=libdsec.Resources(pids=2)) as sb:
+        assert (await sb.exec(["echo", "two"])).stdout == b"two\n"
+
+
 async def test_a_gvisor_sandbox_whose_agent_is_killed_ends_failed(client, nodes):
     """runsc (2022) lets a command SIGKILL its pid namespace's pid 1 (the commands' init; it was the agent
     itself): no command can run after, and the agent ends, so the sandbox ends. It must say so (failed, the

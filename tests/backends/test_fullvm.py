@@ -30,7 +30,7 @@ async def test_a_full_vm_is_a_whole_debian_and_each_restore_its_own(client, fvmn
     built = backend._templates.built
     sbs = await asyncio.gather(*(client.create(backend="fullvm", timeout=180) for _ in range(3)))
     try:
-        assert backend._templates.built == built + 1, "one template, three restores"
+        assert backend._templates.built - built <= 1, "one template, three restores"   # (or an earlier one's)
         outs = [(await sb.exec("cat /proc/1/comm; systemctl is-system-running; uname -r; hostname; "
                                "cat /etc/machine-id; . /etc/os-release; echo $VERSION_CODENAME", timeout=60))
                 for sb in sbs]

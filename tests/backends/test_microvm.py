@@ -48,7 +48,8 @@ async def test_twenty_creates_from_one_template_share_nothing(client, vmnode):
     try:
         for _ in range(20):
             sbs.append(await client.create(backend="microvm", timeout=120))
-        assert backend._templates.built == built + 1, "one template for the 20"
+        # one template for the 20 (none if an earlier module's create of this size built it on this shared node)
+        assert backend._templates.built - built <= 1, "one template for the 20"
         outs = await asyncio.gather(*(sb.exec("hostname; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; "
                                               "echo; date +%s; echo $(hostname) > /tmp/mine; ls /tmp", timeout=60)
                                       for sb in sbs))

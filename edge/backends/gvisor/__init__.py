@@ -263,7 +263,7 @@ class GvisorBackend(RootFiles, Backend):
         rootfs = self._rootfs(sb.key)
         rootfs.mkdir(mode=0o711)
         kernel.mount("overlay", rootfs, "overlay", kernel.MS_NODEV | kernel.MS_NOSUID, opts)
-        cover_view(rootfs, self._files_root(sb.key))
+        cover_view(rootfs, self._files_root(sb.key), base)
         if sb.end is not None:
             root = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             try:

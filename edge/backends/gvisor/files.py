@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+from pathlib import Path
 
 from bus.messages import FileOp
 from edge.backends import kernel, rootfiles, treeops, watcher
-from pathlib import Path
-
 from edge.backends.base import TRUSTED_DIR, ExecControl, ExecResult, OutputSink, SandboxGone
 
 # The sentry's own mounts (the spec's), over directories of the root it leaves unseen: a file written
@@ -20,17 +19,20 @@ from edge.backends.base import TRUSTED_DIR, ExecControl, ExecResult, OutputSink,
 COVERED = ("/proc", "/sys", "/dev", TRUSTED_DIR)
 
 
-def cover_view(rootfs: Path, view: Path) -> None:
+def cover_view(rootfs: Path, view: Path, owner: int) -> None:
     """The root as the file operations see it: a bind of it at view, with an empty read-only tmpfs over each
     COVERED directory. _reachable refuses a path that lands there, but it checks before the operation acts,
     and the sandbox can swap a directory on the way for a link meanwhile: a command doing so as fast as it
     could took 739 of 3,881 writes onto the root's own /proc (helper-45). What lands there now lands on an
-    empty, read-only mount, which the sandbox's commands cannot change (the bind is the host's only)."""
+    empty, read-only mount, which the sandbox's commands cannot change (the bind is the host's only: private,
+    so on a host whose mounts propagate the covers do not reach the root the gofer serves). Each is owned by
+    the sandbox's root (owner), 0755, as the directory it covers: a listing of / looks as it did."""
     view.mkdir(mode=0o700)
     kernel.mount(str(rootfs), view, None, kernel.MS_BIND)
+    kernel.mount(None, view, None, kernel.MS_PRIVATE)
     for top in COVERED:
-        kernel.mount("none", view / top.lstrip("/"), "tmpfs",
-                     kernel.MS_RDONLY | kernel.MS_NOSUID | kernel.MS_NODEV | kernel.MS_NOEXEC, "size=4k,mode=555")
+        kernel.mount("none", view / top.lstrip("/"), "tmpfs", kernel.MS_RDONLY | kernel.MS_NOSUID | kernel.MS_NODEV
+                     | kernel.MS_NOEXEC, f"size=4k,mode=755,uid={owner},gid={owner}")
 
 
 MAX_LINKS = 40   # symlinks followed on one path, as Linux's

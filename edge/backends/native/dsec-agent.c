@@ -308,7 +308,7 @@ static int parse_exec(const char *p, size_t n, struct child *c, const char **siz
     *size = NULL;
     argc &= 0x1fffffffu;
     const char *s = p + 8, *end = p + n;
-    if (s >= end || argc == 0 || argc + envc > n) return -1;
+    if (s >= end || argc == 0 || (uint64_t)argc + envc > n) return -1;
     char **vec = calloc(argc + envc + 3, sizeof(char *));
     if (!vec) return -1;
     c->cwd = s;
@@ -906,11 +906,13 @@ int main(void) {
             fprintf(stderr, "dsec-agent: devpts: %s\n", strerror(errno));
     }
     if (in_os) start_os();     /* before the agent joins its limit groups: systemd's services are not in them */
-    limit_pids();
-    limit_memory();
     procfd = open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);   /* before gVisor's commands get theirs */
     if (procfd < 0) die("/proc");
-    if (!in_vm) start_commands();
+    if (!in_vm) start_commands();   /* before too: the spawner and the commands' init count in no limit (the
+                                     * sentry charges a fork to its task's own group: with them in the
+                                     * sandbox's, a create of pids=2 could not start) */
+    limit_pids();
+    limit_memory();
     /* gVisor: the group that holds the commands' limit is the agent's alone (pidsfd); its mount point is
      * covered for them, which they cannot undo (no CAP_SYS_ADMIN): a root command raised its own pids.max or
      * moved itself to the root group, then forked past the limit (helper-44). A VM's confine() hides it. */

@@ -19,7 +19,8 @@
  *   spawner -> agent: struct spawned, 'I' (the commands' init: its pid), 'P' (forked: pid, or -errno),
  *                     'X' (exited: pid, wait status, rusage)
  * Each exec's pids group: the agent moves the spawner into it for the fork (the command is born there) and
- * back out at once, so nothing of the hierarchy is ever held where a command can see it. */
+ * back out at once (or ends: a kill of that exec's group would take the spawner), so nothing of the
+ * hierarchy is ever held where a command can see it. The spawner and the init are in no limit's group. */
 #ifndef DSEC_COMMANDS_H
 #define DSEC_COMMANDS_H
 #include <sys/socket.h>
@@ -231,16 +232,23 @@ static int32_t from_spawner(int wait, int until_p) {
     }
 }
 
+/* Write text to dirfd/path: 0, or -1 with errno. */
+static int fd_write_all(int dirfd, const char *path, const char *text) {
+    int fd = openat(dirfd, path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = (ssize_t)strlen(text);
+    int ok = write(fd, text, (size_t)n) == n;
+    int e = errno;
+    close(fd);
+    errno = e;
+    return ok ? 0 : -1;
+}
+
 /* An exec's command, forked by the spawner, born in the exec's pids group `join` (under pidsfd). */
 static pid_t spawn_command(const char *p, size_t n, const struct child *c, const char *join) {
     char me[16];
-    int k = snprintf(me, sizeof me, "%d", spawner);
-    if (c->groups_ok) {
-        int fd = openat(pidsfd, join, O_WRONLY | O_CLOEXEC);
-        int ok = fd >= 0 && write(fd, me, (size_t)k) == k;
-        if (fd >= 0) { int e = errno; close(fd); errno = e; }
-        if (!ok) return -1;
-    }
+    snprintf(me, sizeof me, "%d", spawner);
+    if (c->groups_ok && fd_write_all(pidsfd, join, me)) return -1;
     uint32_t len = (uint32_t)n;
     int fds[5] = { c->in, c->out, c->err, c->rep, c->master };
     int nfd = c->master >= 0 ? 5 : 4;
@@ -263,9 +271,8 @@ static pid_t spawn_command(const char *p, size_t n, const struct child *c, const
         sent += (size_t)w;
     }
     int32_t pid = from_spawner(1, 1);
-    if (c->groups_ok) {                         /* the spawner leaves the group: only the command is in it */
-        write_at(pidsfd, "sandbox/cgroup.procs", me);
-    }
+    /* The spawner leaves the group for the root one, where it started: only the command is in it. */
+    if (c->groups_ok && fd_write_all(pidsfd, "cgroup.procs", me)) die("the spawner's pids group");
     if (pid <= 0) { errno = pid < 0 ? -pid : EPROTO; return -1; }
     return pid;
 }
