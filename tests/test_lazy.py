@@ -27,9 +27,8 @@ content, make_root = ociimages.mib_of, ociimages.files_root
 
 @pytest.fixture(scope="module")
 async def big(stack, tmp_path_factory):
-    """A 512 MiB image of 512 files, built and published (whole and in chunks; 1 GiB took 52 s of CI's 30
-    minutes, and half of it tells the same)."""
-    root = make_root(tmp_path_factory.mktemp("big") / "root", 512)
+    """A 1 GiB image of 1,024 files, built and published (whole and in chunks)."""
+    root = make_root(tmp_path_factory.mktemp("big") / "root", 1024)
     await build(stack.url, "lazybig", "base", root)
     return (await ImageRegistry(stack.bus).resolve("lazybig"))[0]
 
@@ -57,8 +56,8 @@ async def test_a_cold_node_starts_after_fetching_a_small_fraction(stack, client,
         sb = await client.create(image="lazybig", timeout=60)
     try:
         assert sb.node == lazy_node.edge.node
-        r = await sb.exec("md5sum /data/f0007 /data/f0500; ls /data | wc -l")
-        want = "".join(f"{hashlib.md5(content(i)).hexdigest()}  /data/f{i:04d}\n" for i in (7, 500)) + "512\n"
+        r = await sb.exec("md5sum /data/f0007 /data/f0900; ls /data | wc -l")
+        want = "".join(f"{hashlib.md5(content(i)).hexdigest()}  /data/f{i:04d}\n" for i in (7, 900)) + "1024\n"
         assert r.stdout.decode() == want, r
         lazy = lazy_node.edge.layers.lazy.stats(big.digest)
         assert lazy is not None and not lazy.errors
