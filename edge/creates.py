@@ -396,8 +396,11 @@ class CreateLane:
             rec, "retried", node=self.node, request_id=req.request_id, detail=f"placed again elsewhere after: {err}",
             nth=again.attempt, failure_class="environment"))
         await wait_stored(pending.done, req.sandbox_id)
+        # its own msg id: placement's watchdog may have placed this create again already (the node was slow to
+        # take it) as attempt + 1 too, answered as in hand (its record said `starting` here); under that
+        # id JetStream dropped this one as a duplicate, and the create was lost (chaos, server-leader)
         await self.bus.publish(subjects.create_request(req.tenant, req.priority), encode(again),
-                               msg_id=f"{req.request_id}.{again.attempt}", retries=3, retry_for=5.0)
+                               msg_id=f"{req.request_id}.{again.attempt}.after-{self.node}", retries=3, retry_for=5.0)
 
     async def _record_failure(self, req: CreateRequest, err: DsecError) -> None:
         """A create that ends here without a sandbox: failed (or expired), over our claim or no record."""

@@ -26,6 +26,45 @@ async def test_an_environment_failure_is_retried_elsewhere_and_a_task_failure_is
         await environment_then_task_failure(stack, client, small)
 
 
+async def test_an_environment_failure_after_the_watchdog_placed_the_create_again_is_served_elsewhere(
+        stack, client, tmp_path):
+    """A node slow to take a create (placement's watchdog placed it again as attempt 1, and placement
+    answered that one as in hand: its record said `starting` there), whose environment then failed: its
+    retry elsewhere went out under the watchdog's msg id, JetStream dropped it as a duplicate and the client
+    heard nothing until its own timeout (chaos, server-leader, in CI). Now it is served on the other node."""
+    async with extra_edge(stack, tmp_path / "t3", "t3", 2) as small:
+        first = await client.create()
+        assert first.node == "t3"
+        await first.destroy()
+        for path in small.edge.layers.root.glob("*.erofs"):   # its copy will not mount: an environment failure
+            path.write_bytes(b"not an erofs image" * 100)
+        lane, start = small.edge.creates, small.edge.creates._start_sandbox
+
+        def handled() -> int:
+            return sum(n for (kind, _), n in stack.placement.outcomes.items() if kind == "CreateRequest")
+
+        async def slow_to_take(req):   # claimed here; meanwhile the watchdog places it again, as it does
+            lane._start_sandbox = start
+            before = handled()
+            await stack.placement._place_again(req)
+            for _ in range(500):
+                if handled() > before:
+                    break
+                await asyncio.sleep(0.02)
+            assert handled() > before, "placement never handled the watchdog's attempt"
+            return await start(req)
+
+        lane._start_sandbox = slow_to_take
+        moved = await client.create(timeout=30)
+        try:
+            assert moved.node == "t1" and (await moved.exec("echo ok")).stdout == b"ok\n"
+            evs = await events_of(stack, moved.id, until={"retried", "created"})
+            assert [(e.type, e.node) for e in evs if e.type in ("retried", "created", "failed")] == \
+                [("retried", "t3"), ("created", "t1")]
+        finally:
+            await moved.destroy()
+
+
 async def environment_then_task_failure(stack, client, small) -> None:
     first = await client.create()
     assert first.node == "t3"        # the small node is filled first (best fit)

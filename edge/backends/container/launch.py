@@ -112,10 +112,10 @@ class Launching(Core):
                 raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
             if isinstance(exc, LauncherError) and nskeeper.USERNS_EXHAUSTED in str(exc):
                 raise CapacityExhausted(f"sandbox {spec.id}: {exc}") from exc
+            if isinstance(exc, asyncio.TimeoutError):   # (an OSError too: first, or its text is '')
+                raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc
             if isinstance(exc, (UpperError, CgroupError, LauncherError, OSError)):
                 raise BackendError(f"sandbox {spec.id}: {exc}") from exc
-            if isinstance(exc, asyncio.TimeoutError):
-                raise BackendError(f"sandbox {spec.id} did not start within {LAUNCH_TIMEOUT:.0f}s") from exc
             raise
 
     async def claim(self, warm_id: str, spec: SandboxSpec) -> None:

@@ -228,10 +228,10 @@ class GvisorBackend(RootFiles, Backend):
                 self._sandboxes.pop(spec.id, None)
             if isinstance(exc, LayerError):
                 raise LayerUnusable(f"sandbox {spec.id}: {exc}") from exc
+            if isinstance(exc, asyncio.TimeoutError):   # (an OSError too: first, or its text is '')
+                raise BackendError(f"sandbox {spec.id} did not start within {READY_TIMEOUT:.0f}s") from exc
             if isinstance(exc, (UpperError, CgroupError, OSError)):
                 raise BackendError(f"sandbox {spec.id}: {exc}") from exc
-            if isinstance(exc, asyncio.TimeoutError):
-                raise BackendError(f"sandbox {spec.id} did not start within {READY_TIMEOUT:.0f}s") from exc
             raise
 
     def _agent_gone(self, sb: _Sandbox) -> None:
