@@ -61,7 +61,10 @@ demo: setup
 	$(VENV)/bin/dsec demo
 
 test: setup
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 -m "not long"
+
+test-long: setup
+	$(PY) -m pytest -q --durations=25 -m long
 
 bench: setup
 	$(PY) -m bench.cycle

@@ -17,6 +17,17 @@ from bus.server import NatsServer, free_port
 from tests import leaks
 
 NODE = "t1"
+
+# The full matrix's heavier repeats: a kind's cell whose path another kind's cell covers in CI (a full VM's
+# agent, network and snapshots are a microVM's; each new VM template costs a boot of 20-40 s under TCG) and
+# the chaos faults beyond the two CI runs. `make test-long` runs them; CI (`make test`) does not: its budget
+# is 30 minutes on a machine where the whole matrix takes 38.
+LONG = pytest.mark.long
+
+
+def long_for(kinds: list[str], *heavy: str) -> list:
+    """kinds as pytest parameters, those in heavy marked `long`."""
+    return [pytest.param(k, marks=LONG) if k in heavy else k for k in kinds]
 # The network tests' upstream servers (tests/upstreams.py) live in a namespace of their own on this range,
 # which the session edge's operator allows (--aether-allow-cidr); nothing routes it off the machine.
 UPSTREAM_RANGE = "198.51.100.0/24"

@@ -12,7 +12,7 @@ import pytest
 
 import libdsec
 from bus.errors import InvalidRequest, Unsupported
-from tests.conftest import UPSTREAM, UPSTREAM_RANGE, extra_edge
+from tests.conftest import UPSTREAM, UPSTREAM_RANGE, extra_edge, long_for
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ async def fullvm_node(stack, tmp_path_factory, upstream):
         yield st
 
 
-@pytest.fixture(params=["container", "gvisor", "microvm", "fullvm"])
+@pytest.fixture(params=long_for(["container", "gvisor", "microvm", "fullvm"], "fullvm"))
 def kind(request):
     """The kinds with the network capability: a gVisor sandbox's sentry runs its own network stack on its
     sandbox's veth (edge/backends/gvisor/net.py); a VM's (microvm, fullvm) network is a tap in its sandbox's

@@ -16,7 +16,7 @@ import pytest
 
 import libdsec
 from bus import kinds
-from tests.conftest import extra_edge
+from tests.conftest import extra_edge, long_for
 from tests.test_watch import Seen
 
 pytestmark = pytest.mark.timeout(120)
@@ -289,7 +289,7 @@ async def test_tmp_is_writable_by_every_user_alike(client, kind):
         assert (r.exit_code, r.stdout) == (0, b"1777\n"), r
 
 
-@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "file_tree")])
+@pytest.mark.parametrize("kind", long_for([k for k in REAL if kinds.supports(k, "file_tree")], "fullvm"))
 async def test_a_listing_past_one_page_comes_whole_in_order(client, kind):
     """A tree of more entries than one answer holds: past 10,000 the listing was refused, and past ~4,000
     (2.3 MB of entries for 10,000) its answer was larger than a bus message, so the call waited out its
@@ -438,7 +438,7 @@ async def test_a_terminal_takes_input_resizes_interrupts_and_belongs_to_its_user
             await h.close()
 
 
-@pytest.mark.parametrize("kind", REAL)
+@pytest.mark.parametrize("kind", long_for(REAL, "fullvm"))
 async def test_limits_hold(client, kind):
     # a VM's memory holds its guest kernel too (kinds.MIN_MEMORY): 160Mi (256Mi for a full VM's Debian)
     # leaves it less than what is held below
@@ -556,7 +556,7 @@ MANIFEST = ("cd /data && find . | sort | while read -r f; do stat -c '%n|%F|%a|%
             "[ ./hard -ef './odd name' ] && echo linked")
 
 
-@pytest.mark.parametrize("kind", [k for k in REAL if kinds.supports(k, "fork")])
+@pytest.mark.parametrize("kind", long_for([k for k in REAL if kinds.supports(k, "fork")], "fullvm"))
 async def test_a_snapshot_forks_exactly_what_its_sandbox_had(client, kind):
     a = await fresh(client, kind)
     made = [a]
