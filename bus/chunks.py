@@ -6,6 +6,7 @@ it. All of it lives in the layers' object store (no other bucket, no other permi
 order: what the next cold start fetches ahead)."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
@@ -19,6 +20,7 @@ from bus.errors import BusError
 
 CHUNK_SIZE = 1 << 20
 TRACE_MAX = 4096        # chunk indices a trace keeps
+STORE_AT_ONCE = 8       # chunks being stored at once by a publish
 
 
 class ChunkManifest(msgspec.Struct, frozen=True):
@@ -84,13 +86,26 @@ async def publish(bus: Bus, path: Path, digest: str, chunk_size: int = CHUNK_SIZ
 
 
 async def _store_missing(bus: Bus, path: Path, manifest: ChunkManifest) -> None:
-    with open(path, "rb") as f:
-        for i, sha in enumerate(manifest.chunks):
+    """Each chunk not stored yet, STORE_AT_ONCE at a time (one after another, each chunk's round trips were
+    most of a layer build's time: 14 s a GiB), each read when it is stored (never the layer in memory)."""
+    first = {sha: i for i, sha in reversed(list(enumerate(manifest.chunks)))}   # (two puts of one name race)
+    todo = iter(sorted((i, sha) for sha, i in first.items()))
+
+    async def worker(fd: int) -> None:
+        for i, sha in todo:   # (one iterator shared by the workers: each chunk taken once)
             if await bus.obj_has(streams.LAYERS_OBJ, chunk_name(sha)):
                 continue
             off, length = manifest.span(i)
-            f.seek(off)
-            await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), f.read(length))
+            await bus.obj_put(streams.LAYERS_OBJ, chunk_name(sha), os.pread(fd, length, off))
+    fd = os.open(path, os.O_RDONLY)
+    workers = [asyncio.ensure_future(worker(fd)) for _ in range(STORE_AT_ONCE)]
+    try:
+        await asyncio.gather(*workers)
+    finally:   # (one failed: the others stop too, before the file is closed)
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        os.close(fd)
 
 
 async def manifest(bus: Bus, digest: str) -> ChunkManifest | None:

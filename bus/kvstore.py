@@ -23,6 +23,7 @@ from bus.nats_errors import check_fits, mapped_errors, not_found, timed_out
 
 log = logging.getLogger(__name__)
 SCAN_TRIES = 6   # pulls of a scan's consumer that may meet "no responders" before it is taken up
+OBJ_CHUNK = 512 << 10   # an object's bytes per message (under the server's max_payload, 1 MB, with headers)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class KvStore:
     js: object
     admin: object
     _kv: dict
+    _obj: dict
     on_reconnect: Callable
     nc: object
     deletes_consumers: bool
@@ -51,6 +53,13 @@ class KvStore:
             with mapped_errors(f"kv {bucket}"):
                 self._kv[bucket] = await self.js.key_value(bucket)
         return self._kv[bucket]
+
+    async def _store(self, bucket: str):
+        """An object store handle (cached: nats-py's asks the server for its stream's info each time, a round
+        trip per object a layer's lazy chunks paid once each)."""
+        if bucket not in self._obj:
+            self._obj[bucket] = await self.admin.object_store(bucket)
+        return self._obj[bucket]
 
     async def kv_get(self, bucket: str, key: str) -> bytes | None:
         """Value of key, or None when absent or deleted."""
@@ -325,26 +334,26 @@ class KvStore:
     async def obj_put(self, bucket: str, name: str, data: bytes) -> None:
         """Store an object."""
         with mapped_errors(f"object put {bucket}/{name}"):
-            store = await self.admin.object_store(bucket)
-            await store.put(name, data)
+            store = await self._store(bucket)
+            await store.put(name, data, meta=_chunked(name, self.nc))
 
     async def obj_put_file(self, bucket: str, name: str, path) -> None:
         """Store a file as an object, read a chunk at a time (a layer is never held whole in memory)."""
         with mapped_errors(f"object put {bucket}/{name}"), open(path, "rb") as f:
-            store = await self.admin.object_store(bucket)
-            await store.put(name, f)
+            store = await self._store(bucket)
+            await store.put(name, f, meta=_chunked(name, self.nc))
 
     async def obj_get_file(self, bucket: str, name: str, path) -> None:
         """Fetch an object into a file, a chunk at a time (digest verified by the client)."""
         with mapped_errors(f"object get {bucket}/{name}"), open(path, "wb") as f:
-            store = await self.admin.object_store(bucket)
+            store = await self._store(bucket)
             await store.get(name, writeinto=f)
 
     async def obj_has(self, bucket: str, name: str) -> bool:
         """Whether an object is stored."""
         try:
             with mapped_errors(f"object info {bucket}/{name}"):
-                store = await self.admin.object_store(bucket)
+                store = await self._store(bucket)
                 await store.get_info(name)
         except BusError as exc:
             if not_found(exc):
@@ -357,7 +366,7 @@ class KvStore:
         (one per object ever deleted otherwise stays for good). An object stored again since keeps its own."""
         try:
             with mapped_errors(f"object delete {bucket}/{name}"):
-                store = await self.admin.object_store(bucket)
+                store = await self._store(bucket)
                 await store.delete(name)
         except BusError as exc:
             if not not_found(exc):
@@ -378,7 +387,7 @@ class KvStore:
         """Every object stored: its name -> when it was stored (epoch seconds; 0 when not said)."""
         try:
             with mapped_errors(f"object list {bucket}"):
-                store = await self.admin.object_store(bucket)
+                store = await self._store(bucket)
                 infos = await store.list(ignore_deletes=True)
         except BusError as exc:
             if not_found(exc):
@@ -396,9 +405,17 @@ class KvStore:
         """Fetch an object (digest verified by the client); BusError if missing or corrupt."""
         buf = io.BytesIO()   # nats-py appends chunks to one bytes object otherwise: quadratic (100 MiB took 27 s)
         with mapped_errors(f"object get {bucket}/{name}"):
-            store = await self.admin.object_store(bucket)
+            store = await self._store(bucket)
             await store.get(name, writeinto=buf)
         return buf.getvalue()
+
+
+def _chunked(name: str, nc) -> api.ObjectMeta:
+    """An object's meta: its bytes in messages of OBJ_CHUNK, or less on a server that takes less (nats-py's
+    default, 128 KiB, took one publish and its ack per 128 KiB: 8,192 round trips a GiB)."""
+    room = getattr(nc, "max_payload", 0) - (16 << 10)   # (its subject and headers)
+    size = min(OBJ_CHUNK, room) if room >= 128 << 10 else 128 << 10
+    return api.ObjectMeta(name=name, options=api.ObjectMetaOptions(max_chunk_size=size))
 
 
 async def kv_watch(bus, bucket: str, on_change: Callable[[str, bytes | None, int], None], *,
