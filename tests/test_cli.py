@@ -88,12 +88,15 @@ def dsec_each(runs: list[list[str]]) -> list[subprocess.CompletedProcess]:
 
 
 def test_help_everywhere():
-    runs = [[*args, "--help"] for args in (
-        [], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"], ["image", "ls"],
-        ["image", "import"], ["image", "export"], ["edge"], ["placement"], ["demo"], ["snapshot"],
-        ["snapshot", "take"], ["snapshot", "ls"], ["snapshot", "rm"], ["fork"])]
-    for args, p in zip(runs, dsec_each(runs)):
-        assert p.returncode == 0 and "Usage:" in p.stdout and len(p.stdout) > 100, args
+    """Each command's --help, asked of the CLI in this process (click's runner): a process each took ~1 s of
+    a CPU to load the CLI, 20 of them 14 s of CI's budget; every other test here runs the console script."""
+    from click.testing import CliRunner
+    from cli.main import main
+    for args in ([], ["up"], ["run"], ["create"], ["exec"], ["ls"], ["rm"], ["image"], ["image", "build"],
+                 ["image", "ls"], ["image", "import"], ["image", "export"], ["edge"], ["placement"], ["demo"],
+                 ["snapshot"], ["snapshot", "take"], ["snapshot", "ls"], ["snapshot", "rm"], ["fork"]):
+        p = CliRunner().invoke(main, [*args, "--help"], prog_name="dsec")
+        assert p.exit_code == 0 and "Usage: dsec" in p.output and len(p.output) > 100, (args, p.output)
 
 
 def test_a_client_elsewhere_is_told_where_dsec_ups_credentials_are(up, tmp_path):
@@ -239,11 +242,13 @@ def test_retention_and_output_sizes_are_settable(up):
 
 
 def test_absurd_output_and_retention_options_are_refused(tmp_path):
-    for args in (["--traj-output", "1Mi"], ["--max-output", "0"], ["--traj-retention", "inf"],
-                 ["--output-retention", "-1"], ["--output-retention", "0.005"], ["--traj-retention", "0.001"],
-                 ["--warm-max", "-1"], ["--mirror-apt", "ftp://deb.example/debian"],
-                 ["--mirror-pypi", "pypi.example"], ["--aether-dns", "resolver"]):
-        p = dsec("up", "--state-dir", str(tmp_path), "--port", str(free_port()), "--metrics-port", "0", *args)
+    bad = (["--traj-output", "1Mi"], ["--max-output", "0"], ["--traj-retention", "inf"],
+           ["--output-retention", "-1"], ["--output-retention", "0.005"], ["--traj-retention", "0.001"],
+           ["--warm-max", "-1"], ["--mirror-apt", "ftp://deb.example/debian"],
+           ["--mirror-pypi", "pypi.example"], ["--aether-dns", "resolver"])
+    runs = [["up", "--state-dir", str(tmp_path / str(i)), "--port", str(free_port()), "--metrics-port", "0", *args]
+            for i, args in enumerate(bad)]
+    for args, p in zip(bad, dsec_each(runs)):
         assert p.returncode != 0 and "Traceback" not in p.stderr, (args, p.stderr)
         assert args[0] in p.stderr, (args, p.stderr)
 
@@ -251,13 +256,14 @@ def test_absurd_output_and_retention_options_are_refused(tmp_path):
 def test_numbers_out_of_range_are_refused_before_anything_starts():
     # (helper U2: `up --port 99999` said "internal error: OverflowError ... please report it", `demo -n 0` ran
     # with none, `bench --cycles 0` ran, and `bench` on a server that is not there printed a traceback)
-    for args, word in ((["up", "--port", "99999"], "--port"), (["up", "--metrics-port", "70000"], "--metrics-port"),
-                       (["demo", "-n", "0"], "-n"), (["demo", "--port", "0"], "--port"),
-                       (["bench", "--cycles", "0"], "--cycles"), (["bench", "--raw", "-1"], "--raw")):
-        p = dsec(*args)
+    cases = [(["up", "--port", "99999"], "--port"), (["up", "--metrics-port", "70000"], "--metrics-port"),
+             (["demo", "-n", "0"], "-n"), (["demo", "--port", "0"], "--port"),
+             (["bench", "--cycles", "0"], "--cycles"), (["bench", "--raw", "-1"], "--raw"),
+             (["bench", "--cycles", "1", "--raw", "1", "--nats", f"nats://127.0.0.1:{free_port()}"], "")]
+    *refused, (_, nowhere) = zip(cases, dsec_each([args for args, _ in cases]))
+    for (args, word), p in refused:
         assert p.returncode == 2 and word in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
-    p = dsec("bench", "--cycles", "1", "--raw", "1", "--nats", f"nats://127.0.0.1:{free_port()}")
-    assert "cannot connect to NATS" in one_clear_line(p) and p.returncode == 1, p.stderr
+    assert "cannot connect to NATS" in one_clear_line(nowhere) and nowhere.returncode == 1, nowhere.stderr
 
 
 def test_a_bad_size_is_a_usage_error_said_before_any_connect():
@@ -271,13 +277,13 @@ def test_a_bad_size_is_a_usage_error_said_before_any_connect():
              ["quota", "set", "t", "--memory", "0.1"])
     runs = [[*args[:2], "--nats", url, *args[2:]] if args[0] in ("warm", "quota", "image") else
             [args[0], "--nats", url, *args[1:]] for args in cases]
-    for args, p in zip(cases, dsec_each(runs)):
+    *sized, zero, zero_mi = dsec_each(runs + [["quota", "set", "t", "--nats", url, "--memory", z] for z in ("0", "0Mi")])
+    for args, p in zip(cases, sized):
         option, value = next((a, b) for a, b in zip(args, args[1:]) if a.startswith("--"))
         why = "is below 1 byte" if value in ("0", "0.1") else "is not a size"   # (a 400-digit one: a traceback)
         assert p.returncode == 2 and f"Invalid value for '{option}': '{value}' {why}" in p.stderr \
             and "NATS" not in p.stderr and "Traceback" not in p.stderr, (args, p.returncode, p.stderr)
-    for zero in ("0", "0Mi"):   # 0 is no limit there: read, then the connect fails
-        p = dsec("quota", "set", "t", "--nats", url, "--memory", zero)
+    for p in (zero, zero_mi):   # 0 is no limit there: read, then the connect fails
         assert p.returncode == 1 and "NATS" in p.stderr, p.stderr
 
 
@@ -310,45 +316,56 @@ def test_image_build_and_ls(up, tmp_path):
 
 
 def test_errors_are_one_line(up):
-    # exec and run: DSec's own failure is 125 (as docker's), never a code the command could have exited with
-    p = dsec("exec", "--nats", up["url"], "sbnope", "--", "true")
-    assert "not found" in one_clear_line(p) and p.returncode == 125
-    p = dsec("run", "--nats", up["url"], "--image", "nope", "--", "true")
-    assert "image" in one_clear_line(p) and p.returncode == 125
-    assert dsec("run", "--nats", up["url"], "--", "sh", "-c", "exit 1").returncode == 1
-    p = dsec("run", "--nats", up["url"], "--memory", "32Mi", "--", "tail", "/dev/zero")   # why a 137, said
-    assert p.returncode == 137 and p.stderr.startswith("dsec: out of memory: the kernel's OOM killer killed "), p
-    p = dsec("run", "--nats", up["url"], "--exec-timeout", "2", "--", "sh", "-c", "sleep 100 & exit 5")
-    assert p.returncode == 124 and p.stderr == "dsec: command timed out after 2.0s (the command itself had ended, " \
-        "exit code 5: processes it left running held its output open)\n", p
-    # a command that cannot start, as a shell and `docker run` say it (it was 125, DSec's own failure: helper C)
-    p = dsec("run", "--nats", up["url"], "--", "nosuchcmd")
-    assert "command not found: nosuchcmd" in one_clear_line(p) and p.returncode == 127, p
-    p = dsec("run", "--nats", up["url"], "--", "/etc/passwd")
-    assert "/etc/passwd" in one_clear_line(p) and p.returncode == 126, p
-    for bad in (["-e", "NOEQUALS"], ["--label", "=v"], ["--allow", "x.org", "--network", "none"]):   # a bad option:
-        p = dsec("run", "--nats", up["url"], *bad, "--", "true")                                  # usage, as click's
-        assert p.returncode == 2 and "Error:" in p.stderr and "Usage:" in p.stderr, (bad, p.returncode, p.stderr)
-    assert "NATS" in one_clear_line(dsec("ls", "--nats", f"nats://127.0.0.1:{free_port()}"))
-    # a new user's slips (helper C): an empty --nats (an unset $DSEC_NATS) spun at full CPU for ever, deaf to
-    # SIGTERM; a binary credential file and a --since before the year 1 were internal errors; top --interval 0
-    # flooded the server with consumers
-    assert "no NATS server URL" in one_clear_line(dsec("ls", "--nats", "", timeout=20))
+    url = up["url"]
     garbage = Path(up["state"]) / "garbage.creds"
     garbage.write_bytes(bytes(range(256)))
-    p = dsec("run", "--nats", up["url"], "--creds", str(garbage), "--", "true")
-    assert "is malformed" in one_clear_line(p) and p.returncode == 125
-    assert dsec("top", "--nats", up["url"], "--interval", "0").returncode == 2
-    top = subprocess.Popen([DSEC, "top", "--nats", up["url"]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    runs = [   # (independent runs, dsec_each'd: one after another they took 22 s of CI's budget)
+        # exec and run: DSec's own failure is 125 (as docker's), never a code the command could have exited with
+        ["exec", "--nats", url, "sbnope", "--", "true"],
+        ["run", "--nats", url, "--image", "nope", "--", "true"],
+        ["run", "--nats", url, "--", "sh", "-c", "exit 1"],
+        ["run", "--nats", url, "--memory", "32Mi", "--", "tail", "/dev/zero"],   # why a 137, said
+        ["run", "--nats", url, "--exec-timeout", "2", "--", "sh", "-c", "sleep 100 & exit 5"],
+        # a command that cannot start, as a shell and `docker run` say it (it was 125, DSec's own failure: helper C)
+        ["run", "--nats", url, "--", "nosuchcmd"],
+        ["run", "--nats", url, "--", "/etc/passwd"],
+        *(["run", "--nats", url, *bad, "--", "true"]   # a bad option: usage, as click's
+          for bad in (["-e", "NOEQUALS"], ["--label", "=v"], ["--allow", "x.org", "--network", "none"])),
+        ["ls", "--nats", f"nats://127.0.0.1:{free_port()}"],
+        # a new user's slips (helper C): an empty --nats (an unset $DSEC_NATS) spun at full CPU for ever, deaf
+        # to SIGTERM; a binary credential file and a --since before the year 1 were internal errors; top
+        # --interval 0 flooded the server with consumers
+        ["ls", "--nats", ""],
+        ["run", "--nats", url, "--creds", str(garbage), "--", "true"],
+        ["top", "--nats", url, "--interval", "0"],
+        ["replay", "--nats", url, "--job", "nosuch", "--since", "99999999h"],
+        # fork -n 100000: 32 s of CPU, then a misleading error; now a usage error
+        ["fork", "--nats", url, "snapnosuch", "-n", "100000"],
+    ]
+    (nope, image, exit1, oom, timed, notfound, notexec, *rest) = dsec_each(runs)
+    bads, (nonats, nourl, malformed, top0, replay, fork) = rest[:3], rest[3:]
+    assert "not found" in one_clear_line(nope) and nope.returncode == 125
+    assert "image" in one_clear_line(image) and image.returncode == 125
+    assert exit1.returncode == 1
+    assert oom.returncode == 137 and oom.stderr.startswith("dsec: out of memory: the kernel's OOM killer killed "), oom
+    assert timed.returncode == 124 and timed.stderr == "dsec: command timed out after 2.0s (the command itself had " \
+        "ended, exit code 5: processes it left running held its output open)\n", timed
+    assert "command not found: nosuchcmd" in one_clear_line(notfound) and notfound.returncode == 127, notfound
+    assert "/etc/passwd" in one_clear_line(notexec) and notexec.returncode == 126, notexec
+    for p in bads:
+        assert p.returncode == 2 and "Error:" in p.stderr and "Usage:" in p.stderr, (p.args, p.returncode, p.stderr)
+    assert "NATS" in one_clear_line(nonats)
+    assert "no NATS server URL" in one_clear_line(nourl)
+    assert "is malformed" in one_clear_line(malformed) and malformed.returncode == 125
+    assert top0.returncode == 2
+    assert "no trajectory records" in one_clear_line(replay)
+    assert fork.returncode == 2
+    top = subprocess.Popen([DSEC, "top", "--nats", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))   # (as above)
     assert "dsec top" in top.stdout.readline()   # (a frame is up)
     top.send_signal(signal.SIGINT)   # Ctrl-C, the way to quit it: said "dsec: error: interrupted", exit 130
     assert top.wait(15) == 0 and top.stderr.read() == "", "top quit with an error"
-    p = dsec("replay", "--nats", up["url"], "--job", "nosuch", "--since", "99999999h")
-    assert "no trajectory records" in one_clear_line(p)
-    # fork -n 100000: 32 s of CPU, then a misleading error; now a usage error
-    assert dsec("fork", "--nats", up["url"], "snapnosuch", "-n", "100000").returncode == 2
-    p = subprocess.run([DSEC, "ls", "--nats", up["url"]], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
+    p = subprocess.run([DSEC, "ls", "--nats", url], preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
                        text=True, timeout=60)   # (`dsec ls >&-`: an internal AttributeError)
     assert p.returncode == 1 and "standard output is closed" in p.stderr, p.stderr
 

@@ -45,7 +45,8 @@ async def serving(stack, tmp_path, kind: str, nodes=None):
 
 
 async def fresh(client, kind: str, **kw):
-    return await client.create(backend=kind, timeout=30, **kw)
+    # (a VM's first create of its resources boots its template: a full VM's took 28-31 s under TCG in CI)
+    return await client.create(backend=kind, timeout=120, **kw)
 
 
 @pytest.mark.parametrize("kind", KINDS)
