@@ -18,10 +18,12 @@ from tests import leaks
 
 NODE = "t1"
 
-# The full matrix's heavier repeats: a kind's cell whose path another kind's cell covers in CI (a full VM's
-# agent, network and snapshots are a microVM's; each new VM template costs a boot of 20-40 s under TCG) and
-# the chaos faults beyond the two CI runs. `make test-long` runs them; CI (`make test`) does not: its budget
-# is 30 minutes on a machine where the whole matrix takes 38.
+# The long tier: `make test-long` runs it; CI (`make test`) does not, its budget being 30 minutes on a machine
+# where everything took 38. In it: a kind's cell whose path another kind's cell covers in CI (a full VM's agent,
+# network and snapshots are a microVM's, each new VM template a boot of 20-40 s under TCG; the network attacks
+# of the kinds whose traffic meets the container's rules), the 3-server chaos runs, and single scenarios of
+# 15-36 s each (a sandbox's empty files and btrfs, records without quorum, the SDK's own venv, E2B on a fresh
+# `dsec up`, a microVM's edge SIGKILLed). Each says so where it is marked.
 LONG = pytest.mark.long
 
 

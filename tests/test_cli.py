@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import raw_nats
+from tests.conftest import LONG, raw_nats
 
 from bus.server import free_port
 from tests import leaks
@@ -503,6 +503,7 @@ def test_sandbox_bytes_are_escaped_on_a_terminal_and_exact_in_a_pipe(up):
     assert piped.stdout == b"ok\x1b]52;c;cHduZWQ=\x07\x1b[2A\x1b[2Kforged\rhide\xc2\x9bx\xff\n", piped.stdout
 
 
+@LONG   # (14-20 s: the base build is test_e2b_base's in CI; `make test-long`)
 def test_e2b_code_on_a_fresh_dsec_up_builds_base_on_first_use(up):
     """Sandbox.create() with E2B's default template on a `dsec up` whose store has no `base`: the facade builds it
     (from the cache outside the state dir) on first use, then its commands run as `user`."""

@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 import libdsec
+from tests.conftest import LONG
 from tests.test_attacks import armed
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,6 +24,7 @@ def allocated(path) -> int:
     return os.stat(path).st_blocks * 512
 
 
+@LONG   # (25-36 s, most of it btrfs giving the blocks back: `make test-long`)
 async def test_empty_files_cannot_grow_the_host_disk_past_the_limit(client, stack, hostile):
     """20,000 empty files under a 16 MiB disk limit: the pool image on the host grows by at most the limit
     plus max(8 MiB, 10%), and destroy gives the blocks back within the same slack. Before: about 800 MiB

@@ -16,7 +16,7 @@ import libdsec
 from bus import streams, subjects
 from bus.execwire import ExitRecord, decode_output
 from bus.records import event_decoder, traj_decoder
-from tests.conftest import own_server
+from tests.conftest import long_for, own_server
 
 pytestmark = pytest.mark.timeout(180)
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -90,7 +90,8 @@ def _edge(url: str, state: Path, creds: str, kind: str = "container") -> subproc
                              *kinds], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-@pytest.mark.parametrize("kind", ["container", "microvm"])   # a VM's QEMU outlives a SIGKILLed edge: reconciled
+@pytest.mark.parametrize("kind", long_for(["container", "microvm"], "microvm"))   # a VM's QEMU outlives a
+# SIGKILLed edge: reconciled (its cell, 21-25 s, in `make test-long`; the reconciling itself: test_microvm)
 async def test_edge_killed_and_restarted_reports_lost_and_serves_queued(tmp_path, kind):
     async with _rs_placement(tmp_path) as (srv, st, edges):
         edge = _edge(srv.url, tmp_path / "edge", srv.creds("edge-rs"), kind)

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(600)
+from tests.conftest import LONG
+
+pytestmark = [pytest.mark.timeout(600), LONG]   # (a venv and a pip install: 15 s; `make test-long`)
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -20,7 +20,7 @@ from bus import streams, subjects
 from bus.conn import Bus
 from edge.sandboxes import RECORD_WAIT
 from bus.records import Quota, event_decoder, sandbox_decoder
-from tests.conftest import own_server
+from tests.conftest import LONG, own_server
 
 pytestmark = pytest.mark.timeout(180)
 DSEC = str(Path(sys.executable).parent / "dsec")
@@ -49,6 +49,7 @@ async def _until(what, limit: float = 30.0, every: float = 0.2):
         await asyncio.sleep(every)
 
 
+@LONG   # (26-29 s: a 3-server cluster that loses two for 12 s; `make test-long`)
 async def test_a_sandbox_that_ends_while_its_records_have_no_quorum_is_recorded_once_they_do(tmp_path):
     """A 3-server cluster loses two servers for 12 s, longer than any retry window: the edge's own server
     answers, but no stream or bucket has a quorum, so nothing it writes is stored (and nothing is kept
@@ -150,7 +151,9 @@ async def _record_in(bus: Bus, sandbox_id: str, state: str):
 
 
 async def _has_events(bus: Bus, sandbox_id: str, want: list[str]) -> bool:
-    return await _events(bus, sandbox_id) == want
+    """Its lifecycle events are exactly want (placement's `queued`, said when the create came before the node
+    was seen live, is not the sandbox's: CI saw ['queued', 'created', 'expired'])."""
+    return [e for e in await _events(bus, sandbox_id) if e != "queued"] == want
 
 
 async def test_the_outbox_survives_an_edge_crash_while_the_bus_is_away(tmp_path):
