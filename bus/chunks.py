@@ -88,11 +88,13 @@ async def publish(bus: Bus, path: Path, digest: str, chunk_size: int = CHUNK_SIZ
 async def _store_missing(bus: Bus, path: Path, manifest: ChunkManifest) -> None:
     """Each chunk not stored yet, STORE_AT_ONCE at a time (one after another, each chunk's round trips were
     most of a layer build's time: 14 s a GiB), each read when it is stored (never the layer in memory)."""
-    first = {sha: i for i, sha in reversed(list(enumerate(manifest.chunks)))}   # (two puts of one name race)
-    todo = iter(sorted((i, sha) for sha, i in first.items()))
+    first: dict[str, int] = {}   # each distinct chunk once (two puts of one name race)
+    for i, sha in enumerate(manifest.chunks):
+        first.setdefault(sha, i)
+    todo = iter(first.items())
 
     async def worker(fd: int) -> None:
-        for i, sha in todo:   # (one iterator shared by the workers: each chunk taken once)
+        for sha, i in todo:   # (one iterator shared by the workers: each chunk taken once)
             if await bus.obj_has(streams.LAYERS_OBJ, chunk_name(sha)):
                 continue
             off, length = manifest.span(i)

@@ -54,7 +54,6 @@ class Bus(KvStore, StreamReads, Provisioning):
         self._reconnect_listeners = listeners if listeners is not None else []
         self._kv: dict[str, object] = {}
         self._obj: dict[str, object] = {}   # object store handles (kvstore.KvStore._store)
-        self._obj: dict[str, object] = {}
         self._acks = AckedPublisher(nc)
         self.refused: list[str] = []   # the server's refusals of this credential (revoked: reconnects fail)
         self.creds: str | None = None

@@ -30,6 +30,8 @@ LONG = pytest.mark.long
 def long_for(kinds: list[str], *heavy: str) -> list:
     """kinds as pytest parameters, those in heavy marked `long`."""
     return [pytest.param(k, marks=LONG) if k in heavy else k for k in kinds]
+
+
 # The network tests' upstream servers (tests/upstreams.py) live in a namespace of their own on this range,
 # which the session edge's operator allows (--aether-allow-cidr); nothing routes it off the machine.
 UPSTREAM_RANGE = "198.51.100.0/24"

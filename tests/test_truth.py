@@ -356,8 +356,8 @@ async def test_a_create_sent_while_the_server_is_stopped_is_served_not_orphaned(
     TTL). Then an exec the same way."""
     import libdsec.sandbox
     from cli.stack import Stack
-    monkeypatch.setattr(libdsec.sandbox, "PUBLISH_RETRY_FOR", 3.0)
     from edge.capacity import EdgeConfig
+    monkeypatch.setattr(libdsec.sandbox, "PUBLISH_RETRY_FOR", 3.0)
     srv = own_server(tmp_path, ["ts"])
     st = Stack(tmp_path / "state", nats_url=srv.url, metrics_port=None, edge_config=EdgeConfig(node_id="ts", slots=4),
                creds=srv.creds("admin"))

@@ -343,15 +343,13 @@ async def test_a_memory_snapshot_forks_go_on_with_its_running_processes(client, 
         assert snap.id in backend.memories()
         assert (await lines.wait()).stdout == b"".join(b"line%d\n%s\n" % (i, b"x" * 65536) for i in range(1, 401))
         # the files-only fork boots a template of its own meanwhile (one after the other: CI's budget)
-        files_fork = asyncio.ensure_future(client.fork(snap, 1, memory=False, backend="microvm", timeout=120))
-        try:
-            forks = list(await client.fork(snap, 2, timeout=120))
-        finally:
-            files = (await asyncio.gather(files_fork, return_exceptions=True))[0]
-            if not isinstance(files, BaseException):
-                forks += list(files)     # (destroyed at the end whatever happens)
-        if isinstance(files, BaseException):
-            raise files
+        got = await asyncio.gather(client.fork(snap, 2, timeout=120),
+                                   client.fork(snap, 1, memory=False, backend="microvm", timeout=120),
+                                   return_exceptions=True)
+        forks = [f for g in got if not isinstance(g, BaseException) for f in g]   # (destroyed at the end)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
         files_only = forks[2]
         assert [f.backend for f in forks] == ["microvm", "microvm", "microvm"]
 
